@@ -1,0 +1,38 @@
+"""blockshard: optimizer- and quantization-aware sharding.
+
+``import blockshard`` is cheap and side-effect free: it initializes no CUDA context and no
+process group (the pure layers do not even import torch).
+"""
+
+from blockshard._errors import BlockshardError, PlanError, SemanticsError, ShapesError
+from blockshard.semantics import (
+    BlockSemantics,
+    Companion,
+    Rule,
+    SemanticsKind,
+    SemanticsRules,
+    TensorSpec,
+    UnitGrid,
+    get_semantics,
+    register_semantics,
+    registered_semantics,
+)
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "BlockshardError",
+    "PlanError",
+    "SemanticsError",
+    "ShapesError",
+    "BlockSemantics",
+    "Companion",
+    "Rule",
+    "SemanticsKind",
+    "SemanticsRules",
+    "TensorSpec",
+    "UnitGrid",
+    "get_semantics",
+    "register_semantics",
+    "registered_semantics",
+]

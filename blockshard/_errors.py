@@ -1,0 +1,26 @@
+"""Errors raised for bad user input.
+
+Every user-facing error is a ``ValueError`` subclass whose message names the offending
+parameter or tensor, the value, the constraint that failed and how to fix it.
+Internal invariants use ``assert``.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BlockshardError", "SemanticsError", "PlanError", "ShapesError"]
+
+
+class BlockshardError(ValueError):
+    """Base class of blockshard's errors about user input."""
+
+
+class SemanticsError(BlockshardError):
+    """A block semantics cannot be applied (unknown name, shape not divisible into units, conflict)."""
+
+
+class PlanError(BlockshardError):
+    """The planner was given input it cannot lay out (bad world size, empty group, mixed dtypes)."""
+
+
+class ShapesError(BlockshardError):
+    """A model description (catalog name, config.json, tensor list) is malformed or unknown."""

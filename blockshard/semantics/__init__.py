@@ -1,0 +1,41 @@
+"""Block semantics: the indivisible units optimizers and quantizers compute on."""
+
+from blockshard.semantics import _builtins  # noqa: F401  (registers the built-ins)
+from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
+from blockshard.semantics._builtins import newton_schulz_flops
+from blockshard.semantics._grid import UnitGrid
+from blockshard.semantics._presets import PRESETS
+from blockshard.semantics._registry import (
+    ENTRY_POINT_GROUP,
+    NO_ENTRY_POINTS_ENV,
+    get_semantics,
+    register_semantics,
+    registered_semantics,
+    reload_entry_points,
+    unregister_semantics,
+)
+from blockshard.semantics._rules import ResolvedSemantics, Rule, SemanticsRules
+from blockshard.semantics._spec import DTYPE_ITEMSIZE, TensorSpec, itemsize_of, normalize_dtype
+
+__all__ = [
+    "BlockSemantics",
+    "Companion",
+    "SemanticsKind",
+    "UnitGrid",
+    "PRESETS",
+    "ENTRY_POINT_GROUP",
+    "NO_ENTRY_POINTS_ENV",
+    "get_semantics",
+    "register_semantics",
+    "registered_semantics",
+    "reload_entry_points",
+    "unregister_semantics",
+    "ResolvedSemantics",
+    "Rule",
+    "SemanticsRules",
+    "TensorSpec",
+    "DTYPE_ITEMSIZE",
+    "itemsize_of",
+    "normalize_dtype",
+    "newton_schulz_flops",
+]

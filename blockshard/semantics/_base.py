@@ -1,0 +1,87 @@
+"""The ``BlockSemantics`` interface: what a tensor's indivisible unit is."""
+
+from __future__ import annotations
+
+import enum
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from blockshard._errors import SemanticsError
+from blockshard.semantics._grid import UnitGrid
+
+__all__ = ["BlockSemantics", "Companion", "SemanticsKind"]
+
+
+class SemanticsKind(enum.Enum):
+    """What a semantics describes. Two semantics of the same exclusive kind cannot share a tensor."""
+
+    LAYOUT = "layout"  # a layout preference (rows, flat runs, experts): combines with anything
+    OPTIMIZER = "optimizer"  # the optimizer that steps the tensor: one per tensor
+    QUANTIZER = "quantizer"  # the storage format of the tensor: one per tensor
+
+    @property
+    def exclusive(self) -> bool:
+        return self is not SemanticsKind.LAYOUT
+
+
+@dataclass(frozen=True, kw_only=True)
+class Companion:
+    """A tensor that must travel with its parent's units (e.g. one absmax per quantization group).
+
+    Each unit of the parent carries ``per_unit`` companion elements, so a parent piece holding
+    units ``[i, j)`` carries companion elements ``[i * per_unit, j * per_unit)``.
+    """
+
+    suffix: str
+    numel: int
+    dtype: str
+    per_unit: int
+
+
+class BlockSemantics(ABC):
+    """A named rule that gives a tensor its unit grid, companions and compute cost.
+
+    Subclass it and register it with :func:`blockshard.register_semantics`; ``grid`` raises
+    :class:`~blockshard.SemanticsError` (a ``ValueError``) naming the tensor, the shape, the
+    constraint and the fix when a shape cannot be divided into units.
+    """
+
+    #: What the semantics describes; optimizers and quantizers are exclusive per tensor.
+    kind: SemanticsKind = SemanticsKind.LAYOUT
+    #: Tensors with fewer dims are left element-wise by blanket rules (``--semantics fp8_block``).
+    min_ndim: int = 0
+
+    def __init__(self) -> None:
+        self.spec = self.name_of()
+
+    @classmethod
+    def name_of(cls) -> str:
+        return getattr(cls, "_registered_name", cls.__name__)
+
+    @abstractmethod
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
+        """Where a tensor of ``shape`` and ``dtype`` may be cut."""
+
+    def companions(self, shape: tuple[int, ...], dtype: str) -> tuple[Companion, ...]:
+        """Tensors that travel with this one's units (none by default)."""
+        return ()
+
+    def cost(self, shape: tuple[int, ...], dtype: str) -> float:
+        """Compute cost of the whole tensor (for balancing owners); default: its element count."""
+        return float(math.prod(shape))
+
+    def error(self, tensor: str, shape: tuple[int, ...], constraint: str, fix: str) -> SemanticsError:
+        return SemanticsError(
+            f"semantics {self.spec!r} cannot divide tensor {tensor!r} of shape {tuple(shape)} into "
+            f"units: {constraint}. Fix: {fix}"
+        )
+
+    def __repr__(self) -> str:
+        return f"<BlockSemantics {self.spec}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BlockSemantics) and type(other) is type(self) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.spec))

@@ -1,0 +1,333 @@
+"""Built-in block semantics, with the facts each one encodes.
+
+Each class is registered under the name in its decorator; ``NAME:ARG`` specs pass integer
+arguments to the constructor. Sizes are counted in elements of the row-major flattening.
+"""
+
+from __future__ import annotations
+
+import math
+
+from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
+from blockshard.semantics._grid import UnitGrid
+from blockshard.semantics._registry import register_semantics
+
+__all__ = [
+    "Elementwise",
+    "Matrix",
+    "Rows",
+    "Shampoo",
+    "Flat",
+    "Bnb8bit",
+    "Ao8bit",
+    "Ao4bit",
+    "NF4",
+    "AoNF4",
+    "MX",
+    "FP8Block",
+    "Expert",
+    "newton_schulz_flops",
+]
+
+# bitsandbytes (Optimizer2State.init_state) and torchao (_AdamBase._new_buffer) keep plain fp32
+# state for tensors below this many elements, so a piece smaller than this computes differently.
+MIN_8BIT_NUMEL = 4096
+
+
+def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The 2-D view used by row-based semantics: ``(shape[0], prod(shape[1:]))``; 1-D is a column."""
+    if len(shape) == 0:
+        return 1, 1
+    return shape[0], math.prod(shape[1:])
+
+
+def _positive(name: str, value: int) -> int:
+    if value < 1:
+        from blockshard._errors import SemanticsError
+
+        raise SemanticsError(f"semantics {name}:{value}: the argument must be >= 1, got {value}")
+    return value
+
+
+def newton_schulz_flops(shape: tuple[int, ...], steps: int = 5) -> float:
+    """FLOPs of Muon's quintic Newton-Schulz on the 2-D view ``m x n`` (m <= n).
+
+    Each step computes ``A = X X^T`` (2 m^2 n), ``B = bA + cA^2`` (2 m^3) and ``BX`` (2 m^2 n):
+    4 m^2 n + 2 m^3 per step, so 20 m^2 n + 10 m^3 for the usual 5 steps.
+    """
+    rows, cols = _rows_cols(shape)
+    m, n = sorted((rows, cols))
+    return float(steps * (4 * m * m * n + 2 * m**3))
+
+
+@register_semantics("elementwise")
+class Elementwise(BlockSemantics):
+    """Every element is its own unit (AdamW, SGD, Adam): any cut is exact."""
+
+    def grid(self, shape, dtype, *, tensor="<tensor>"):
+        return UnitGrid.units(math.prod(shape), 1)
+
+
+@register_semantics("matrix")
+class Matrix(BlockSemantics):
+    """The whole tensor is one unit: Muon orthogonalizes the full matrix, GaLore projects it.
+
+    Cost for balancing: Newton-Schulz FLOPs (:func:`newton_schulz_flops`) on the 2-D view.
+    """
+
+    kind = SemanticsKind.OPTIMIZER
+    min_ndim = 2
+
+    def grid(self, shape, dtype, *, tensor="<tensor>"):
+        return UnitGrid.whole(math.prod(shape))
+
+    def cost(self, shape, dtype):
+        return newton_schulz_flops(shape)
+
+
+@register_semantics("rows")
+class Rows(BlockSemantics):
+    """Stripes of ``k`` rows of the 2-D view ``(shape[0], prod(shape[1:]))``; a shorter last stripe is allowed."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = _positive("rows", k)
+        self.spec = f"rows:{k}"
+
+    def grid(self, shape, dtype, *, tensor="<tensor>"):
+        _, cols = _rows_cols(shape)
+        return UnitGrid.units(math.prod(shape), self.k * cols)
+
+
+@register_semantics("shampoo")
+class Shampoo(BlockSemantics):
+    """Stripes of ``D`` rows so every ``D x D`` preconditioner tile is whole.
+
+    Distributed Shampoo (``max_preconditioner_dim = D``) tiles the 2-D view into ``D x D`` blocks
+    (smaller blocks at the edges); a 1-D tensor into runs of ``D``. A stripe of ``D`` full rows
+    holds whole tiles, so cutting between stripes never splits a preconditioner.
+    Cost: ``sum over tiles (r^3 + c^3)`` (the eigendecompositions of both factors).
+    """
+
+    kind = SemanticsKind.OPTIMIZER
+
+    def __init__(self, max_preconditioner_dim: int = 1024) -> None:
+        super().__init__()
+        self.dim = _positive("shampoo", max_preconditioner_dim)
+        self.spec = f"shampoo:{self.dim}"
+
+    def grid(self, shape, dtype, *, tensor="<tensor>"):
+        numel = math.prod(shape)
+        if len(shape) <= 1:
+            return UnitGrid.units(numel, self.dim)
+        _, cols = _rows_cols(shape)
+        return UnitGrid.units(numel, self.dim * cols)
+
+    def cost(self, shape, dtype):
+        rows, cols = _rows_cols(shape)
+        if len(shape) <= 1:
+            rows, cols = math.prod(shape), 1
+        d = self.dim
+        tiles_r = [min(d, rows - i) for i in range(0, rows, d)]
+        tiles_c = [min(d, cols - j) for j in range(0, cols, d)]
+        return float(sum(r**3 for r in tiles_r) * len(tiles_c) + sum(c**3 for c in tiles_c) * len(tiles_r))
+
+
+@register_semantics("flat")
+class Flat(BlockSemantics):
+    """Runs of ``n`` elements of the flattening (a generic block quantizer); the last run may be shorter."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = _positive("flat", n)
+        self.spec = f"flat:{n}"
+
+    def grid(self, shape, dtype, *, tensor="<tensor>"):
+        return UnitGrid.units(math.prod(shape), self.n)
+
+
+class _QuantizedState(BlockSemantics):
+    """8-bit / 4-bit optimizer state in blocks of ``block`` elements, fp32 below 4096 elements."""
+
+    kind = SemanticsKind.OPTIMIZER
+    block = 256
+    needs_divisible = False
+
+    def grid(self, shape, dtype, *, tensor="<tensor>"):
+        numel = math.prod(shape)
+        if numel < MIN_8BIT_NUMEL or (self.needs_divisible and numel % self.block):
+            # One process keeps fp32 state for this tensor: keep it whole so its owner does too.
+            return UnitGrid.whole(numel)
+        return UnitGrid.units(numel, self.block, min_piece=MIN_8BIT_NUMEL)
+
+
+@register_semantics("bnb8bit")
+class Bnb8bit(_QuantizedState):
+    """bitsandbytes 8-bit optimizers (Adam8bit, AdamW8bit, ...): blockwise state, 256-element blocks.
+
+    Facts (bitsandbytes 0.50, ``Optimizer2State.init_state``): state is quantized in runs of 256
+    elements from the start of the tensor the optimizer sees; tensors below ``min_8bit_size =
+    4096`` elements keep fp32 state. So cuts fall on multiples of 256, no piece of a large tensor
+    is smaller than 4096 elements, and tensors below 4096 stay whole (fp32 on their owner, as on
+    one process). A shorter last block is fine (bitsandbytes handles a partial block).
+    """
+
+    block = 256
+
+
+@register_semantics("ao8bit")
+class Ao8bit(_QuantizedState):
+    """torchao ``AdamW8bit``: ``block_size = 256``.
+
+    Facts (torchao 0.18, ``_AdamBase._new_buffer``): state is quantized only when the tensor the
+    optimizer sees has ``>= 4096`` elements and a multiple of ``block_size``; otherwise torchao
+    silently uses fp32 state. So tensors that are not multiples of 256 stay whole, and pieces of
+    the others are multiples of 256 of at least 4096 elements.
+    """
+
+    block = 256
+    needs_divisible = True
+
+
+@register_semantics("ao4bit")
+class Ao4bit(_QuantizedState):
+    """torchao ``AdamW4bit``: ``block_size = 128``; same fp32 fallback rule as ``ao8bit``."""
+
+    block = 128
+    needs_divisible = True
+
+
+@register_semantics("nf4")
+class NF4(BlockSemantics):
+    """bitsandbytes NF4/FP4 (``Params4bit``, QLoRA): groups of 64 values share one absmax.
+
+    The tensor must hold a whole number of groups; each group carries one fp32 absmax (a
+    companion that travels with its group).
+    """
+
+    kind = SemanticsKind.QUANTIZER
+    group = 64
+
+    def grid(self, shape, dtype, *, tensor="<tensor>"):
+        numel = math.prod(shape)
+        if numel % self.group:
+            raise self.error(
+                tensor,
+                shape,
+                f"numel {numel} is not a multiple of the {self.group}-value NF4 group",
+                "quantize only tensors whose size is a multiple of 64 (leave this one in bf16 with "
+                "an 'elementwise' rule for it)",
+            )
+        return UnitGrid.units(numel, self.group)
+
+    def companions(self, shape, dtype):
+        numel = math.prod(shape)
+        return (Companion(suffix="absmax", numel=numel // self.group, dtype="float32", per_unit=1),)
+
+
+@register_semantics("ao_nf4")
+class AoNF4(BlockSemantics):
+    """torchao ``NF4Tensor``: 64-value blocks whose scales are quantized again in blocks of 256.
+
+    One super-block is 64 x 256 = 16384 values (its 256 int8 scales share one fp32 factor), so
+    the tensor must be a multiple of 16384 and is cut only between super-blocks.
+    """
+
+    kind = SemanticsKind.QUANTIZER
+    block = 64
+    scaler_block = 256
+
+    def grid(self, shape, dtype, *, tensor="<tensor>"):
+        numel = math.prod(shape)
+        sb = self.block * self.scaler_block
+        if numel % sb:
+            raise self.error(
+                tensor,
+                shape,
+                f"numel {numel} is not a multiple of the torchao NF4 super-block {self.block} x "
+                f"{self.scaler_block} = {sb}",
+                "use 'nf4' (bitsandbytes, 64-value groups) for this tensor or leave it unquantized",
+            )
+        return UnitGrid.units(numel, sb)
+
+    def companions(self, shape, dtype):
+        numel = math.prod(shape)
+        sb = self.block * self.scaler_block
+        return (
+            Companion(suffix="quantized_scalers", numel=numel // self.block, dtype="int8", per_unit=self.scaler_block),
+            Companion(suffix="quantization_factor", numel=numel // sb, dtype="float32", per_unit=1),
+        )
+
+
+@register_semantics("mx")
+class MX(BlockSemantics):
+    """OCP Microscaling (MXFP8/MXFP6/MXFP4): 1 x 32 blocks along the last dim, one E8M0 scale each."""
+
+    kind = SemanticsKind.QUANTIZER
+    block = 32
+
+    def grid(self, shape, dtype, *, tensor="<tensor>"):
+        last = shape[-1] if shape else 1
+        if last % self.block:
+            raise self.error(
+                tensor,
+                shape,
+                f"the last dim {last} is not a multiple of the MX block of {self.block}",
+                "MX-quantize only tensors whose last dim is a multiple of 32",
+            )
+        return UnitGrid.units(math.prod(shape), self.block)
+
+    def companions(self, shape, dtype):
+        numel = math.prod(shape)
+        return (Companion(suffix="scale", numel=numel // self.block, dtype="uint8", per_unit=1),)
+
+
+@register_semantics("fp8_block")
+class FP8Block(BlockSemantics):
+    """Blockwise FP8 (DeepSeek-V3 style): ``B x B`` tiles with one fp32 scale each -> ``B``-row stripes.
+
+    Edge tiles may be partial (the last stripe may be shorter); 2-D weights only.
+    """
+
+    kind = SemanticsKind.QUANTIZER
+    min_ndim = 2
+
+    def __init__(self, tile: int = 128) -> None:
+        super().__init__()
+        self.tile = _positive("fp8_block", tile)
+        self.spec = f"fp8_block:{self.tile}"
+
+    def grid(self, shape, dtype, *, tensor="<tensor>"):
+        if len(shape) != 2:
+            raise self.error(
+                tensor,
+                shape,
+                f"blockwise FP8 tiles 2-D weights, this tensor has {len(shape)} dims",
+                "apply fp8_block to 2-D weights only (e.g. rule '*_proj.weight=fp8_block:128')",
+            )
+        rows, cols = shape
+        return UnitGrid.units(rows * cols, self.tile * cols)
+
+    def companions(self, shape, dtype):
+        rows, cols = shape
+        t = self.tile
+        per_stripe = -(-cols // t)  # each stripe of t rows carries one scale per tile
+        n_scales = -(-rows // t) * per_stripe
+        return (Companion(suffix="scale_inv", numel=n_scales, dtype="float32", per_unit=per_stripe),)
+
+
+@register_semantics("expert")
+class Expert(BlockSemantics):
+    """One expert of a stacked ``(E, ...)`` MoE weight is one unit (expert parallel placement)."""
+
+    min_ndim = 2
+
+    def grid(self, shape, dtype, *, tensor="<tensor>"):
+        if len(shape) < 2:
+            raise self.error(
+                tensor,
+                shape,
+                "a stacked expert weight has shape (num_experts, ...) with at least 2 dims",
+                "apply 'expert' only to stacked expert weights (e.g. rule '*.experts.*=expert')",
+            )
+        return UnitGrid.units(math.prod(shape), math.prod(shape[1:]))

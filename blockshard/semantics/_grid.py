@@ -1,0 +1,88 @@
+"""``UnitGrid``: where a tensor may be cut.
+
+[Note: unit grid]
+A tensor is cut only at offsets (into its row-major flattening) that are multiples of
+``unit_numel`` and lie in ``[min_cut, max_cut]``. Plain block semantics use
+``min_cut = unit_numel`` and ``max_cut = the last multiple below numel``: every unit is whole,
+the last one may be shorter (a remainder block). Optimizers that change numerics below a minimum
+size (bitsandbytes and torchao keep fp32 state below 4096 elements) raise ``min_cut`` and lower
+``max_cut`` so that no piece of a large tensor falls below that size. A grid with no allowed cut
+(``min_cut > max_cut``) keeps the tensor whole.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["UnitGrid"]
+
+
+@dataclass(frozen=True)
+class UnitGrid:
+    numel: int
+    unit_numel: int
+    min_cut: int
+    max_cut: int
+
+    def __post_init__(self) -> None:
+        assert self.numel >= 0 and self.unit_numel >= 1, self
+        if self.min_cut > self.max_cut:  # canonical "whole" form
+            object.__setattr__(self, "unit_numel", max(self.numel, 1))
+            object.__setattr__(self, "min_cut", max(self.numel, 1))
+            object.__setattr__(self, "max_cut", 0)
+        else:
+            assert self.min_cut % self.unit_numel == 0 and self.max_cut % self.unit_numel == 0, self
+            assert 0 < self.min_cut and self.max_cut < self.numel, self
+
+    # -- constructors ---------------------------------------------------------------------------
+    @classmethod
+    def units(cls, numel: int, unit_numel: int, *, min_piece: int = 0) -> UnitGrid:
+        """Cuts at every multiple of ``unit_numel`` (remainder unit allowed), no piece < ``min_piece``."""
+        assert unit_numel >= 1
+        lo = max(unit_numel, _round_up(min_piece, unit_numel))
+        hi = ((numel - max(min_piece, 1)) // unit_numel) * unit_numel if numel > 0 else 0
+        return cls(numel, unit_numel, lo, hi)
+
+    @classmethod
+    def whole(cls, numel: int) -> UnitGrid:
+        return cls(numel, max(numel, 1), max(numel, 1), 0)
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def is_whole(self) -> bool:
+        return self.min_cut > self.max_cut
+
+    @property
+    def largest_unit(self) -> int:
+        """The largest piece that can never be split (what a segment must be able to hold)."""
+        if self.is_whole:
+            return self.numel
+        return max(self.min_cut, self.numel - self.max_cut, self.unit_numel)
+
+    @property
+    def num_units(self) -> int:
+        """Number of indivisible pieces when cut at every allowed offset."""
+        if self.is_whole:
+            return 1 if self.numel else 0
+        return (self.max_cut - self.min_cut) // self.unit_numel + 2
+
+    def allows_cut(self, offset: int) -> bool:
+        """Whether a shard boundary may fall ``offset`` elements into the tensor (0 and numel always may)."""
+        if offset <= 0 or offset >= self.numel:
+            return True
+        return self.min_cut <= offset <= self.max_cut and offset % self.unit_numel == 0
+
+    def combine(self, other: UnitGrid) -> UnitGrid:
+        """The grid whose cuts are allowed by both (the least common unit)."""
+        assert self.numel == other.numel, (self, other)
+        if self.is_whole or other.is_whole:
+            return UnitGrid.whole(self.numel)
+        unit = math.lcm(self.unit_numel, other.unit_numel)
+        lo = _round_up(max(self.min_cut, other.min_cut), unit)
+        hi = (min(self.max_cut, other.max_cut) // unit) * unit
+        return UnitGrid(self.numel, unit, lo, hi)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m

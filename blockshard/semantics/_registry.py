@@ -1,0 +1,141 @@
+"""The block-semantics registry: ``@register_semantics``, lookup by spec, entry-point autoload.
+
+A spec is ``NAME`` or ``NAME:ARG[:ARG...]`` with integer arguments (``shampoo:1024``). A
+registered object is a :class:`BlockSemantics` subclass whose constructor takes those
+arguments. Third-party packages register through the entry-point group
+``blockshard.block_semantics``: each entry point names a ``BlockSemantics`` subclass (registered
+under the entry point's name) or a module that registers on import. Entry points load on the
+first lookup; ``BLOCKSHARD_NO_ENTRY_POINTS=1`` turns that off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import TypeVar
+
+from blockshard._errors import SemanticsError
+from blockshard.semantics._base import BlockSemantics
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "NO_ENTRY_POINTS_ENV",
+    "register_semantics",
+    "get_semantics",
+    "registered_semantics",
+    "unregister_semantics",
+]
+
+ENTRY_POINT_GROUP = "blockshard.block_semantics"
+NO_ENTRY_POINTS_ENV = "BLOCKSHARD_NO_ENTRY_POINTS"
+
+_T = TypeVar("_T", bound=type[BlockSemantics])
+_REGISTRY: dict[str, type[BlockSemantics]] = {}
+_LOCK = threading.Lock()
+_entry_points_loaded = False
+
+
+def register_semantics(name: str, *, replace: bool = False) -> Callable[[_T], _T]:
+    """Class decorator: register a :class:`BlockSemantics` subclass under ``name``.
+
+    Example::
+
+        @blockshard.register_semantics("tile64")
+        class Tile64(blockshard.BlockSemantics):
+            def grid(self, shape, dtype, *, tensor="<tensor>"):
+                return blockshard.UnitGrid.units(math.prod(shape), 64)
+    """
+    if not isinstance(name, str) or not name or ":" in name or "=" in name or "," in name:
+        raise SemanticsError(
+            f"register_semantics(name={name!r}): a name is a non-empty string without ':', '=' or ','"
+        )
+
+    def decorator(cls: _T) -> _T:
+        if not (isinstance(cls, type) and issubclass(cls, BlockSemantics)):
+            raise SemanticsError(
+                f"register_semantics({name!r}) decorates {cls!r}, which is not a BlockSemantics "
+                "subclass; subclass blockshard.BlockSemantics and implement grid()"
+            )
+        with _LOCK:
+            if name in _REGISTRY and _REGISTRY[name] is not cls and not replace:
+                raise SemanticsError(
+                    f"semantics name {name!r} is already registered to {_REGISTRY[name].__qualname__}; "
+                    "pick another name or pass replace=True"
+                )
+            cls._registered_name = name  # type: ignore[attr-defined]
+            _REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def unregister_semantics(name: str) -> None:
+    with _LOCK:
+        _REGISTRY.pop(name, None)
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    if os.environ.get(NO_ENTRY_POINTS_ENV, "") not in ("", "0"):
+        return
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+        except Exception as exc:  # a broken plugin must say which one it is
+            raise SemanticsError(
+                f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} failed to "
+                f"load: {exc!r}. Fix or uninstall that package, or set {NO_ENTRY_POINTS_ENV}=1"
+            ) from exc
+        if isinstance(obj, type) and issubclass(obj, BlockSemantics) and ep.name not in _REGISTRY:
+            register_semantics(ep.name)(obj)
+
+
+def reload_entry_points() -> None:
+    """Scan the entry-point group again (after installing a plugin in a running process)."""
+    global _entry_points_loaded
+    _entry_points_loaded = False
+    _load_entry_points()
+
+
+def registered_semantics() -> list[str]:
+    """Names of every registered semantics (built-ins, decorated classes and entry points)."""
+    _load_entry_points()
+    return sorted(_REGISTRY)
+
+
+def get_semantics(spec: str | BlockSemantics) -> BlockSemantics:
+    """Look up ``spec`` (``"nf4"``, ``"shampoo:1024"``) and return a semantics instance."""
+    if isinstance(spec, BlockSemantics):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise SemanticsError(
+            f"semantics={spec!r} must be a name such as 'nf4' or 'shampoo:1024', or a BlockSemantics"
+        )
+    name, *raw_args = spec.strip().split(":")
+    _load_entry_points()
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        from blockshard.semantics._presets import PRESETS  # presets are rules, not one semantics
+
+        hint = f" ({name!r} is a preset of rules: use it where rules are accepted)" if name in PRESETS else ""
+        raise SemanticsError(
+            f"unknown semantics {name!r}{hint}; registered: {', '.join(registered_semantics())}. "
+            "Register your own with @blockshard.register_semantics(name)"
+        )
+    try:
+        args = [int(a) for a in raw_args]
+    except ValueError:
+        raise SemanticsError(
+            f"semantics {spec!r}: arguments {raw_args} must be integers (e.g. 'shampoo:1024')"
+        ) from None
+    try:
+        sem = cls(*args)
+    except TypeError as exc:
+        raise SemanticsError(f"semantics {spec!r}: wrong number of arguments for {name!r} ({exc})") from None
+    sem.spec = spec.strip()
+    return sem

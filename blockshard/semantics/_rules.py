@@ -1,0 +1,188 @@
+"""Rules that give each parameter its block semantics.
+
+A :class:`Rule` matches by name glob, module type, tensor type, optimizer parameter group and/or
+a predicate (all given criteria must hold). A callable ``(name, spec) -> semantics | None`` is a
+rule too. Every matching rule applies: their grids combine to the least common unit
+(:meth:`UnitGrid.combine`); two different optimizers or two different quantizers on one tensor
+are a conflict and raise :class:`~blockshard.SemanticsError` naming both and the tensor.
+Tensors no rule matches are ``elementwise``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from blockshard._errors import SemanticsError
+from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
+from blockshard.semantics._grid import UnitGrid
+from blockshard.semantics._registry import get_semantics
+from blockshard.semantics._spec import TensorSpec
+
+__all__ = ["Rule", "SemanticsRules", "ResolvedSemantics", "RulesLike"]
+
+CallableRule = Callable[[str, TensorSpec], "str | BlockSemantics | None"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    """Give ``semantics`` to every tensor that matches all the criteria given.
+
+    Args:
+        semantics: a registered spec (``"nf4"``, ``"shampoo:1024"``) or a ``BlockSemantics``.
+        name: an ``fnmatch`` glob on the parameter name (``"*.mlp.*.weight"``).
+        module_type: class (or class name) of the owning module.
+        tensor_type: class (or class name) of the tensor (``"Params4bit"``).
+        param_group: index of the optimizer parameter group.
+        predicate: any further test on the ``TensorSpec``.
+        blanket: skip tensors with fewer dims than the semantics handles (``min_ndim``) instead
+            of failing on them; used by bare specs such as ``--semantics fp8_block:128``.
+    """
+
+    semantics: str | BlockSemantics
+    name: str | None = None
+    module_type: str | type | None = None
+    tensor_type: str | type | None = None
+    param_group: int | None = None
+    predicate: Callable[[TensorSpec], bool] | None = None
+    blanket: bool = False
+    _resolved: BlockSemantics = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_resolved", get_semantics(self.semantics))
+
+    @property
+    def block_semantics(self) -> BlockSemantics:
+        return self._resolved
+
+    def matches(self, spec: TensorSpec) -> bool:
+        if self.name is not None and not fnmatch.fnmatchcase(spec.name, self.name):
+            return False
+        if self.module_type is not None and spec.module_type != _type_name(self.module_type):
+            return False
+        if self.tensor_type is not None and spec.tensor_type != _type_name(self.tensor_type):
+            return False
+        if self.param_group is not None and spec.param_group != self.param_group:
+            return False
+        if self.blanket and len(spec.shape) < self._resolved.min_ndim:
+            return False
+        return self.predicate is None or bool(self.predicate(spec))
+
+
+def _type_name(t: str | type) -> str:
+    return t if isinstance(t, str) else t.__name__
+
+
+@dataclass(frozen=True)
+class ResolvedSemantics:
+    """The semantics a tensor ended up with: its combined grid, cost and companions."""
+
+    semantics: tuple[BlockSemantics, ...]
+    grid: UnitGrid
+    cost: float
+    companions: tuple[Companion, ...]
+
+    @property
+    def label(self) -> str:
+        return "+".join(s.spec for s in self.semantics) or "elementwise"
+
+
+RulesLike = "SemanticsRules | str | BlockSemantics | Mapping[str, str | BlockSemantics] | CallableRule | Sequence[Rule | CallableRule] | None"
+
+
+class SemanticsRules:
+    """An ordered set of rules; :meth:`resolve` gives a tensor its :class:`ResolvedSemantics`."""
+
+    def __init__(self, rules: Iterable[Rule | CallableRule] = ()) -> None:
+        self.rules: tuple[Rule | CallableRule, ...] = tuple(rules)
+        for r in self.rules:
+            if not (isinstance(r, Rule) or callable(r)):
+                raise SemanticsError(f"rules: {r!r} is neither a blockshard.Rule nor a callable (name, spec) -> semantics")
+
+    # -- construction from what users write -----------------------------------------------------
+    @classmethod
+    def coerce(cls, rules: object) -> SemanticsRules:
+        """Accept ``None`` (all elementwise), a spec string (see :meth:`parse`), a ``BlockSemantics``,
+        a mapping ``glob -> semantics``, a callable ``(name, spec) -> semantics | None``, a list of
+        rules/callables, or a ``SemanticsRules``."""
+        if rules is None:
+            return cls()
+        if isinstance(rules, SemanticsRules):
+            return rules
+        if isinstance(rules, str):
+            return cls.parse(rules)
+        if isinstance(rules, BlockSemantics):
+            return cls([Rule(semantics=rules, blanket=True)])
+        if isinstance(rules, Mapping):
+            return cls([Rule(semantics=sem, name=glob) for glob, sem in rules.items()])
+        if isinstance(rules, (list, tuple)):
+            return cls(rules)
+        if callable(rules):
+            return cls([rules])
+        raise SemanticsError(
+            f"semantics={rules!r} is not understood; pass a spec string ('nf4', 'muon', "
+            "'*.mlp.*=nf4,bnb8bit'), a mapping glob -> semantics, a callable or a list of blockshard.Rule"
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> SemanticsRules:
+        """Parse ``"[GLOB=]SPEC[,...]"``; a bare ``SPEC`` applies to every tensor it can handle.
+
+        A preset name (``muon``, ``adamw``) expands to its rules.
+        """
+        from blockshard.semantics._presets import PRESETS
+
+        rules: list[Rule | CallableRule] = []
+        for item in (t.strip() for t in text.split(",")):
+            if not item:
+                raise SemanticsError(f"semantics={text!r} has an empty item; write e.g. 'nf4' or '*.mlp.*=nf4,bnb8bit'")
+            glob, sep, sem = item.rpartition("=")
+            if sep and not glob:
+                raise SemanticsError(f"semantics item {item!r} has '=' but no glob before it; write GLOB=SPEC")
+            if not sep and sem in PRESETS:
+                rules.extend(PRESETS[sem]())
+            else:
+                rules.append(Rule(semantics=sem, name=glob or None, blanket=not sep))
+        return cls(rules)
+
+    # -- resolution -------------------------------------------------------------------------------
+    def matching(self, spec: TensorSpec) -> list[BlockSemantics]:
+        found: list[BlockSemantics] = []
+        for rule in self.rules:
+            if isinstance(rule, Rule):
+                if rule.matches(spec):
+                    found.append(rule.block_semantics)
+            else:
+                out = rule(spec.name, spec)
+                if out is not None:
+                    found.append(get_semantics(out))
+        unique: list[BlockSemantics] = []
+        for s in found:
+            if s not in unique:
+                unique.append(s)
+        return unique
+
+    def resolve(self, spec: TensorSpec) -> ResolvedSemantics:
+        sems = self.matching(spec)
+        by_kind: dict[SemanticsKind, BlockSemantics] = {}
+        for s in sems:
+            if s.kind.exclusive and s.kind in by_kind:
+                other = by_kind[s.kind]
+                raise SemanticsError(
+                    f"tensor {spec.name!r} of shape {spec.shape} matches two {s.kind.value} semantics, "
+                    f"{other.spec!r} and {s.spec!r}: a tensor has one {s.kind.value}. Fix: narrow the "
+                    "rules (name globs, module types) so only one applies to it"
+                )
+            by_kind.setdefault(s.kind, s)
+        grid = UnitGrid.units(spec.numel, 1)
+        companions: list[Companion] = []
+        for s in sems:
+            grid = grid.combine(s.grid(spec.shape, spec.dtype, tensor=spec.name))
+            companions.extend(s.companions(spec.shape, spec.dtype))
+        costly = by_kind.get(SemanticsKind.OPTIMIZER)
+        cost = costly.cost(spec.shape, spec.dtype) if costly else float(spec.numel)
+        return ResolvedSemantics(tuple(sems), grid, cost, tuple(companions))
+
+    def __repr__(self) -> str:
+        return f"SemanticsRules({list(self.rules)!r})"

@@ -1,0 +1,4 @@
+"""Adapters into existing engines, imported as ``blockshard.integrations.*``.
+
+They depend on blockshard's core; the core never imports them.
+"""
