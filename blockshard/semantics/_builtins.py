@@ -206,6 +206,7 @@ class NF4(BlockSemantics):
     """
 
     kind = SemanticsKind.QUANTIZER
+    min_ndim = 2  # blanket rules quantize weights (Linear), not norms or biases
     group = 64
 
     def grid(self, shape, dtype, *, tensor="<tensor>"):
@@ -234,6 +235,7 @@ class AoNF4(BlockSemantics):
     """
 
     kind = SemanticsKind.QUANTIZER
+    min_ndim = 2  # blanket rules quantize weights (Linear), not norms or biases
     block = 64
     scaler_block = 256
 
@@ -264,6 +266,7 @@ class MX(BlockSemantics):
     """OCP Microscaling (MXFP8/MXFP6/MXFP4): 1 x 32 blocks along the last dim, one E8M0 scale each."""
 
     kind = SemanticsKind.QUANTIZER
+    min_ndim = 2  # blanket rules quantize weights (Linear), not norms or biases
     block = 32
 
     def grid(self, shape, dtype, *, tensor="<tensor>"):
@@ -286,7 +289,8 @@ class MX(BlockSemantics):
 class FP8Block(BlockSemantics):
     """Blockwise FP8 (DeepSeek-V3 style): ``B x B`` tiles with one fp32 scale each -> ``B``-row stripes.
 
-    Edge tiles may be partial (the last stripe may be shorter); 2-D weights only.
+    Edge tiles may be partial (the last stripe may be shorter). A stacked ``(E, rows, cols)``
+    expert weight is tiled per expert: ``B``-row stripes when ``rows % B == 0``, else one expert.
     """
 
     kind = SemanticsKind.QUANTIZER
@@ -298,22 +302,26 @@ class FP8Block(BlockSemantics):
         self.spec = f"fp8_block:{self.tile}"
 
     def grid(self, shape, dtype, *, tensor="<tensor>"):
-        if len(shape) != 2:
+        if len(shape) not in (2, 3):
             raise self.error(
                 tensor,
                 shape,
-                f"blockwise FP8 tiles 2-D weights, this tensor has {len(shape)} dims",
+                f"blockwise FP8 tiles 2-D weights (or stacked (E, rows, cols) experts), this tensor has {len(shape)} dims",
                 "apply fp8_block to 2-D weights only (e.g. rule '*_proj.weight=fp8_block:128')",
             )
-        rows, cols = shape
-        return UnitGrid.units(rows * cols, self.tile * cols)
+        *lead, rows, cols = shape
+        if lead and rows % self.tile:
+            # each expert is tiled on its own; its last stripe is partial, so an expert is the unit
+            return UnitGrid.units(math.prod(shape), rows * cols)
+        return UnitGrid.units(math.prod(shape), self.tile * cols)
 
     def companions(self, shape, dtype):
-        rows, cols = shape
-        t = self.tile
+        *lead, rows, cols = shape
+        t, experts = self.tile, math.prod(lead)
         per_stripe = -(-cols // t)  # each stripe of t rows carries one scale per tile
-        n_scales = -(-rows // t) * per_stripe
-        return (Companion(suffix="scale_inv", numel=n_scales, dtype="float32", per_unit=per_stripe),)
+        n_scales = experts * -(-rows // t) * per_stripe
+        per_unit = per_stripe if not lead or rows % t == 0 else -(-rows // t) * per_stripe
+        return (Companion(suffix="scale_inv", numel=n_scales, dtype="float32", per_unit=per_unit),)
 
 
 @register_semantics("expert")

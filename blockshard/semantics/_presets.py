@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Callable
 
-from blockshard.semantics._rules import Rule
-from blockshard.semantics._spec import TensorSpec
+from blockshard.semantics._rules import Rule, is_embedding_or_head
 
-__all__ = ["PRESETS", "is_embedding_or_head"]
-
-# Parameters Muon leaves to AdamW: embeddings and the output head (Keller Jordan's Muon, Moonlight).
-_EMBED_OR_HEAD = ("*embed*", "*lm_head*", "*wte*", "*wpe*", "*output.weight", "*tok_embeddings*", "*word_embeddings*")
-
-
-def is_embedding_or_head(spec: TensorSpec) -> bool:
-    return spec.module_type == "Embedding" or any(fnmatch.fnmatchcase(spec.name, g) for g in _EMBED_OR_HEAD)
+__all__ = ["PRESETS"]
 
 
 def _muon() -> list[Rule]:
-    """Muon on 2-D hidden weights (whole matrices); embeddings, head, norms and biases element-wise (AdamW)."""
-    return [Rule(semantics="matrix", predicate=lambda s: len(s.shape) == 2 and not is_embedding_or_head(s))]
+    """Muon on hidden weights: a 2-D weight is one whole matrix, a stacked ``(E, m, n)`` expert
+    weight one matrix per expert; embeddings, head, norms and biases stay element-wise (AdamW)."""
+    return [
+        Rule(semantics="matrix", predicate=lambda s: len(s.shape) == 2 and not is_embedding_or_head(s)),
+        Rule(semantics="expert", predicate=lambda s: len(s.shape) == 3 and not is_embedding_or_head(s)),
+    ]
 
 
 def _adamw() -> list[Rule]:

@@ -20,7 +20,15 @@ from blockshard.semantics._grid import UnitGrid
 from blockshard.semantics._registry import get_semantics
 from blockshard.semantics._spec import TensorSpec
 
-__all__ = ["Rule", "SemanticsRules", "ResolvedSemantics", "RulesLike"]
+__all__ = ["Rule", "SemanticsRules", "ResolvedSemantics", "RulesLike", "is_embedding_or_head"]
+
+# Embeddings and the output head: Muon leaves them to AdamW (Keller Jordan's Muon, Moonlight) and
+# quantizers leave them unquantized (bitsandbytes / QLoRA skip lm_head and embeddings).
+_EMBED_OR_HEAD = ("*embed*", "*lm_head*", "*wte*", "*wpe*", "*output.weight", "*tok_embeddings*", "*word_embeddings*")
+
+
+def is_embedding_or_head(spec: TensorSpec) -> bool:
+    return spec.module_type == "Embedding" or any(fnmatch.fnmatchcase(spec.name, g) for g in _EMBED_OR_HEAD)
 
 CallableRule = Callable[[str, TensorSpec], "str | BlockSemantics | None"]
 
@@ -36,8 +44,9 @@ class Rule:
         tensor_type: class (or class name) of the tensor (``"Params4bit"``).
         param_group: index of the optimizer parameter group.
         predicate: any further test on the ``TensorSpec``.
-        blanket: skip tensors with fewer dims than the semantics handles (``min_ndim``) instead
-            of failing on them; used by bare specs such as ``--semantics fp8_block:128``.
+        blanket: skip tensors the semantics does not handle instead of failing on them: fewer
+            dims than its ``min_ndim``, and for quantizers embeddings and the output head (as
+            QLoRA leaves them); used by bare specs such as ``--semantics fp8_block:128``.
     """
 
     semantics: str | BlockSemantics
@@ -65,7 +74,10 @@ class Rule:
             return False
         if self.param_group is not None and spec.param_group != self.param_group:
             return False
-        if self.blanket and len(spec.shape) < self._resolved.min_ndim:
+        if self.blanket and (
+            len(spec.shape) < self._resolved.min_ndim
+            or (self._resolved.kind is SemanticsKind.QUANTIZER and is_embedding_or_head(spec))
+        ):
             return False
         return self.predicate is None or bool(self.predicate(spec))
 

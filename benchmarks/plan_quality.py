@@ -1,0 +1,224 @@
+"""Plan quality: blockshard's layouts against FSDP2, ZeRO-3, ZeRO-1/2 and naive padding.
+
+    python benchmarks/plan_quality.py --json --out docs/results/plan_quality.json
+
+For every catalog model x W in {8, 64, 1024, 16384} x semantics: blockshard's padding and
+``S / lower bound`` beside
+each baseline's padding and units split, and the collectives used (buckets); the planning time of Llama-3-405B at W = 16384; and
+planning time against the number of tensors. Targets (issue 2) are checked and reported, not
+asserted: fine units (every unit <= total / (8 W) in its group) at W <= 1024 should reach
+``S / lower bound <= 1.02`` and padding <= 1%; coarse units should never pad more than the
+block-respecting baseline ("naive").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from blockshard.planner import catalog_models, compare, model_tensors, plan_model
+from blockshard import SemanticsError
+from blockshard.semantics import TensorSpec
+
+WORLD_SIZES = (8, 64, 1024, 16384)
+SEMANTICS = ("elementwise", "bnb8bit", "nf4", "mx", "ao_nf4", "muon", "shampoo:1024", "fp8_block:128")
+FINE_TARGET_RATIO, FINE_TARGET_PADDING = 1.02, 0.01
+
+
+def _case(model: str, tensors: list[TensorSpec], W: int, sem: str) -> dict:
+    try:
+        plan = plan_model(tensors, W, semantics=sem)
+    except SemanticsError as exc:  # e.g. ao_nf4 on a model whose weights are no multiple of 16384
+        return {"model": model, "world_size": W, "semantics": sem, "not_applicable": str(exc)}
+    cmp = compare(plan)
+    fine = all(g.largest_unit <= g.total_numel / (8 * W) for g in plan.groups)
+    naive = cmp.baselines["naive"]
+    row = {
+        "model": model,
+        "world_size": W,
+        "semantics": sem,
+        "fine_units": bool(fine),
+        "padding_fraction": plan.padding_fraction,
+        "max_segment_over_lower_bound": plan.max_segment_over_lower_bound,
+        "num_collectives": sum(len(g.buckets) for g in plan.groups),
+        "num_groups": len(plan.groups),
+        "plan_seconds": plan.plan_seconds,
+        "baselines": {
+            k: {"padding_fraction": v.padding_fraction, "splits_units": v.splits_units} for k, v in cmp.baselines.items()
+        },
+    }
+    if fine and W <= 1024:
+        row["target_met"] = (
+            plan.max_segment_over_lower_bound <= FINE_TARGET_RATIO and plan.padding_fraction <= FINE_TARGET_PADDING
+        )
+    elif not fine:
+        row["target_met"] = plan.padding_fraction <= naive.padding_fraction + 1e-12
+    return row
+
+
+def _planning_time(repeats: int) -> dict:
+    tensors = model_tensors("llama3-405b")
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        plan_model(tensors, 16384, semantics="bnb8bit")
+        times.append(time.perf_counter() - t0)
+    return {"model": "llama3-405b", "world_size": 16384, "semantics": "bnb8bit", "num_tensors": len(tensors),
+            "seconds_min": min(times), "seconds_median": statistics.median(times), "target_seconds": 0.3}  # fmt: skip
+
+
+def _scaling(repeats: int) -> list[dict]:
+    """Distinct layers (no two groups alike, so nothing is shared): time against tensors."""
+    rows = []
+    for layers in (32, 64, 128, 256, 512):
+        tensors = []
+        for i in range(layers):
+            h = 1024 + 64 * i
+            for name, shape in (("q", (h, h)), ("k", (h // 4, h)), ("v", (h // 4, h)), ("o", (h, h)),
+                                ("up", (4 * h, h)), ("down", (h, 4 * h)), ("norm", (h,))):  # fmt: skip
+                tensors.append(TensorSpec(name=f"layers.{i}.{name}", shape=shape, group=f"layers.{i}"))
+        best = min(_timed(tensors) for _ in range(repeats))
+        rows.append({"num_tensors": len(tensors), "seconds": best, "microseconds_per_tensor": 1e6 * best / len(tensors)})
+    return rows
+
+
+def _timed(tensors: list[TensorSpec]) -> float:
+    t0 = time.perf_counter()
+    plan_model(tensors, 1024, semantics="bnb8bit")
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--models", nargs="*", default=None, help="catalog models (default: all)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--markdown", help="also write the summary tables as Markdown here (for docs/)")
+    args = ap.parse_args(argv)
+    console = Console(stderr=True)
+    models = args.models or catalog_models()
+    rows = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("planning", total=len(models) * len(WORLD_SIZES) * len(SEMANTICS))
+        for model in models:
+            tensors = model_tensors(model)
+            for W in WORLD_SIZES:
+                for sem in SEMANTICS:
+                    progress.update(task, description=f"{model} W={W} {sem}")
+                    rows.append(_case(model, tensors, W, sem))
+                    progress.advance(task)
+    result = {
+        "command": "python " + " ".join(["benchmarks/plan_quality.py", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {"python": platform.python_version(), "processor": platform.machine(), "cpus": _cpus()},
+        "cases": rows,
+        "planning_time": _planning_time(args.repeats),
+        "scaling": _scaling(args.repeats),
+    }
+    result["summary"] = _summary(rows)
+    _print_summary(result, console)
+    text = json.dumps(result, indent=1)
+    if args.out:
+        pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.out).write_text(text + "\n")
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(_markdown(result))
+    if args.json:
+        print(text)
+    return 0
+
+
+def _markdown(result: dict) -> str:
+    """Per semantics and W: blockshard's worst padding and S / LB over the catalog, beside the baselines."""
+    lines = [
+        "| semantics | W | blockshard padding (worst model) | S / LB (worst) | collectives / group (max) "
+        "| fsdp2 padding (units split) | zero3 | zero12 | naive padding |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for sem in SEMANTICS:
+        for W in WORLD_SIZES:
+            rs = [r for r in result["cases"] if r["semantics"] == sem and r["world_size"] == W and "padding_fraction" in r]
+            if not rs:
+                continue
+            worst = max(rs, key=lambda r: r["padding_fraction"])
+            ratio = max(r["max_segment_over_lower_bound"] for r in rs)
+            coll = max(r["num_collectives"] / r["num_groups"] for r in rs)
+            b = {k: (max(r["baselines"][k]["padding_fraction"] for r in rs), sum(r["baselines"][k]["splits_units"] for r in rs)) for k in worst["baselines"]}  # fmt: skip
+            cells = [f"{100 * b[k][0]:.2f}% ({b[k][1]:,})" for k in ("fsdp2", "zero3", "zero12")]
+            lines.append(
+                f"| {sem} | {W} | {100 * worst['padding_fraction']:.2f}% ({worst['model']}) | {ratio:.3f} | {coll:.2f} | "
+                + " | ".join(cells) + f" | {100 * b['naive'][0]:.2f}% |"
+            )
+    t = result["planning_time"]
+    lines += [
+        "",
+        f"Planning {t['model']} ({t['num_tensors']} tensors) at W = {t['world_size']} with {t['semantics']}: "
+        f"{1e3 * t['seconds_min']:.1f} ms (min of runs; median {1e3 * t['seconds_median']:.1f} ms).",
+        "",
+        "| tensors (distinct layers) | plan time | per tensor |",
+        "|---:|---:|---:|",
+    ]
+    lines += [f"| {r['num_tensors']} | {1e3 * r['seconds']:.1f} ms | {r['microseconds_per_tensor']:.1f} us |" for r in result["scaling"]]
+    s = result["summary"]
+    lines += ["", f"Targets met in {s['target_met']} of {s['judged']} judged cases. Missed:", ""]
+    lines += [
+        f"- {m['model']} W={m['world_size']} {m['semantics']}: padding {100 * m['padding_fraction']:.2f}%, "
+        f"S / LB {m['max_segment_over_lower_bound']:.4f}"
+        for m in s["missed"]
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _summary(rows: list[dict]) -> dict:
+    judged = [r for r in rows if "target_met" in r]
+    return {
+        "cases": len(rows),
+        "not_applicable": [{k: r[k] for k in ("model", "world_size", "semantics", "not_applicable")} for r in rows if "not_applicable" in r],
+        "judged": len(judged),
+        "target_met": sum(r["target_met"] for r in judged),
+        "missed": [
+            {k: r[k] for k in ("model", "world_size", "semantics", "padding_fraction", "max_segment_over_lower_bound")}
+            for r in judged
+            if not r["target_met"]
+        ],
+        "blockshard_splits_units": 0,
+    }
+
+
+def _print_summary(result: dict, console: Console) -> None:
+    table = Table(title="padding: blockshard vs baselines (worst model per cell; units split by ZeRO-1/2)")
+    table.add_column("semantics")
+    for W in WORLD_SIZES:
+        table.add_column(f"W={W}", justify="right")
+    for sem in SEMANTICS:
+        cells = []
+        for W in WORLD_SIZES:
+            rs = [r for r in result["cases"] if r["semantics"] == sem and r["world_size"] == W and "padding_fraction" in r]
+            worst = max(rs, key=lambda r: r["padding_fraction"])
+            z = worst["baselines"]["zero12"]
+            cells.append(f"{100 * worst['padding_fraction']:.2f}% vs naive {100 * worst['baselines']['naive']['padding_fraction']:.1f}% ({z['splits_units']} split)")
+        table.add_row(sem, *cells)
+    console.print(table)
+    t = result["planning_time"]
+    console.print(f"llama3-405b at W=16384: {t['seconds_min'] * 1e3:.1f} ms (target {t['target_seconds'] * 1e3:.0f} ms)")
+    s = result["summary"]
+    console.print(f"targets met in {s['target_met']} of {s['judged']} judged cases; missed: {len(s['missed'])}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

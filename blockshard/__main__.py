@@ -1,0 +1,5 @@
+import sys
+
+from blockshard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,139 @@
+"""``blockshard`` command line: ``plan``, ``inspect`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from blockshard._errors import BlockshardError
+
+__all__ = ["main"]
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a catalog model (see `blockshard plan --list-models`)")
+    src.add_argument("--config", help="a Hugging Face config.json (no weights needed)")
+    src.add_argument("--shapes", help='a JSON tensor list {"tensors": [{"name", "shape", "dtype", "group"}]}')
+    src.add_argument("--list-models", action="store_true", help="print the catalog and exit")
+    p.add_argument("--world-size", "-W", type=int, default=8, help="number of ranks (default 8)")
+    p.add_argument(
+        "--semantics",
+        default="elementwise",
+        help="a built-in (nf4, bnb8bit, shampoo:1024, fp8_block:128, ...), a preset (muon, adamw) "
+        "or rules '[GLOB=]SPEC,...' (default: elementwise)",
+    )
+    p.add_argument("--alignment-bytes", type=int, default=16, help="segment alignment in bytes (default 16)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockshard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="plan a model's block-aligned layout and compare it with FSDP2 / ZeRO")
+    _add_model_args(plan)
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    plan.add_argument("--plot", metavar="FILE.png", help="draw per-rank loads to this file")
+    plan.add_argument("--layouts", action="store_true", help="with --json: include every group's layout")
+    inspect = sub.add_parser("inspect", help="show one group's layout, or what one rank holds")
+    _add_model_args(inspect)
+    inspect.add_argument("--group", help="group name (default: the first group that is not the root)")
+    inspect.add_argument("--rank", type=int, help="show the pieces this rank holds")
+    inspect.add_argument("--json", action="store_true", help="print the layout as JSON")
+    sub.add_parser("demo", help="the main job: plan a catalog model and compare with FSDP2 / ZeRO")
+    return parser
+
+
+def _load(args: argparse.Namespace):
+    from blockshard.planner import load_model_tensors, plan_model
+
+    if args.world_size is None or args.world_size < 1:
+        raise BlockshardError(f"--world-size={args.world_size} must be an integer >= 1 (the number of ranks)")
+    tensors = load_model_tensors(model=args.model, config=args.config, shapes=args.shapes)
+    return plan_model(
+        tensors, args.world_size, semantics=args.semantics, alignment_bytes=args.alignment_bytes
+    )
+
+
+def _source(args: argparse.Namespace) -> str:
+    return args.model or args.config or args.shapes
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from blockshard._render import comparison_table, console, plot_rank_loads
+    from blockshard.planner import compare
+
+    err = console(stderr=True)
+    with err.status(f"planning {_source(args)} on {args.world_size} ranks ..."):
+        cmp = compare(_load(args))
+    title = f"{_source(args)} · W = {args.world_size} · semantics {args.semantics}"
+    if args.plot:
+        plot_rank_loads(cmp, args.plot, title)
+    if args.json:
+        data = cmp.to_json()
+        data.update(model=_source(args), semantics=args.semantics)
+        if args.layouts:
+            data["layouts"] = [g.to_json() for g in cmp.plan.groups]
+        json.dump(data, sys.stdout, indent=2)
+        print()
+    else:
+        console().print(comparison_table(cmp, title))
+        if args.plot:
+            console().print(f"per-rank loads drawn to {args.plot}")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from blockshard._render import console, layout_table
+
+    plan = _load(args)
+    if args.group is None:
+        layout = next((g for g in plan.groups if g.name), plan.groups[0])
+    else:
+        layout = plan.group(args.group)
+    if args.rank is not None and not 0 <= args.rank < plan.world_size:
+        raise BlockshardError(f"--rank={args.rank} must be in [0, {plan.world_size}) for --world-size {plan.world_size}")
+    if args.json:
+        json.dump(layout.to_json() | {"layout_hash": layout.layout_hash()}, sys.stdout, indent=2)
+        print()
+    else:
+        console().print(layout_table(layout, args.rank))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from blockshard._render import comparison_table, console
+    from blockshard.planner import compare, model_tensors, plan_model
+
+    out = console()
+    out.rule("blockshard demo: how Llama-3-8B shards on 1024 ranks")
+    tensors = model_tensors("llama3-8b")
+    for sem in ("bnb8bit", "nf4", "muon"):
+        cmp = compare(plan_model(tensors, 1024, semantics=sem))
+        out.print(comparison_table(cmp, f"llama3-8b · W = 1024 · semantics {sem}"))
+    out.print("Try: blockshard plan --model llama3-405b --world-size 16384 --semantics fp8_block:128")
+    return 0
+
+
+def _cmd_list(_: argparse.Namespace) -> int:
+    from blockshard.planner import catalog_models, model_tensors
+
+    for name in catalog_models():
+        print(f"{name:16s} {sum(t.numel for t in model_tensors(name)) / 1e9:8.2f}B parameters")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if getattr(args, "list_models", False):
+            return _cmd_list(args)
+        return {"plan": _cmd_plan, "inspect": _cmd_inspect, "demo": _cmd_demo}[args.command](args)
+    except BlockshardError as exc:  # bad input: one clear line, exit 2 (like argparse)
+        print(f"blockshard {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""``PlanItem``: one tensor as the planner sees it (its spec plus resolved unit grid and cost)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from blockshard.semantics import ResolvedSemantics, SemanticsRules, TensorSpec, UnitGrid
+
+__all__ = ["PlanItem", "resolve_items"]
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    spec: TensorSpec
+    grid: UnitGrid
+    cost: float
+    label: str = "elementwise"
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def numel(self) -> int:
+        return self.spec.numel
+
+
+def resolve_items(specs: Iterable[TensorSpec], rules: object = None) -> list[PlanItem]:
+    """Give every spec its semantics (``rules`` as :meth:`SemanticsRules.coerce` accepts)."""
+    r = SemanticsRules.coerce(rules)
+    cache: dict[tuple, ResolvedSemantics] = {}
+    out: list[PlanItem] = []
+    for spec in specs:
+        sems = r.matching(spec)
+        # Rules depend on the name, so resolve per tensor; grids depend only on (semantics, shape).
+        key = (tuple(s.spec for s in sems), spec.shape, spec.dtype)
+        res = cache.get(key)
+        if res is None:
+            res = r.resolve(spec)
+            cache[key] = res
+        out.append(PlanItem(spec, res.grid, res.cost, res.label))
+    return out
+
+
+def group_items(items: Sequence[PlanItem]) -> dict[str, list[PlanItem]]:
+    """Items by group name, in first-seen order (a ``None`` group is the root group ``""``)."""
+    groups: dict[str, list[PlanItem]] = {}
+    for it in items:
+        groups.setdefault(it.spec.group or "", []).append(it)
+    return groups

@@ -1,0 +1,284 @@
+"""Owner plans: who computes each whole unit when the engine keeps element-wise shards.
+
+Stock FSDP2 and DeepSpeed ZeRO-3 shard every tensor on its own into equal element ranges:
+
+``"fsdp2"``  ``torch.chunk(t, W, dim=0)``: rank ``r`` holds elements ``[r*s, (r+1)*s)`` of the
+             flattening, ``s = ceil(rows / W) * row_numel`` (the last ranks may hold less or nothing;
+             FSDP2's padding is not data and is not counted here).
+``"zero3"``  DeepSpeed's flat partition: the same with ``s = ceil(numel / W)``.
+
+A block optimizer must see whole units (see :class:`~blockshard.semantics.UnitGrid`; the units are
+the pieces between consecutive allowed cuts, a whole grid is one unit). A unit inside one rank's
+shard is computed by that rank. A unit that *straddles* shard boundaries gets one owner: the
+gradient pieces move to it (``all_to_all_single``), it runs the optimizer on the whole unit, and the
+update pieces move back with the same counts in reverse.
+
+Owners are chosen greedily to balance cost. A tensor's ``item.cost`` is spread over its units in
+proportion to their numel; every rank first gets the cost of the units wholly inside its shards
+(added in bulk with numpy, never unit by unit), then the straddling units, largest cost first
+(ties: tensor order, then unit start), go to the rank with the least cost so far; ties go to the
+rank already holding most of that unit, then to the lowest rank. Only straddling units -- at most
+``W - 1`` per tensor -- are decided one by one, with a heap over ranks: ``O(U log W)``.
+The plan is a pure function of its inputs, so every rank computes the same one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from blockshard._errors import PlanError
+from blockshard.planner._baselines import (
+    check_name,
+    check_world_size,
+    progression_splits,
+    shard_step,
+    unit_bounds,
+)
+from blockshard.planner._items import PlanItem
+
+__all__ = ["OWNER_ENGINES", "OwnerPlan", "StraddlingUnit", "plan_owners"]
+
+OWNER_ENGINES: tuple[str, ...] = ("fsdp2", "zero3")
+
+
+class StraddlingUnit(NamedTuple):
+    tensor: str
+    start: int  # offset of the unit in the tensor's flattening
+    numel: int
+    owner: int
+
+
+@dataclass(frozen=True, eq=False)
+class OwnerPlan:
+    """Owners of the straddling units and what moving their gradient pieces costs.
+
+    Straddling unit ``i`` is ``unit_numel[i]`` elements starting at ``unit_start[i]`` of tensor
+    ``tensor_names[unit_tensor[i]]``, owned by ``unit_owner[i]``; ``tensor_shard_numel[t]`` is the
+    shard size ``s`` of tensor ``t`` (rank ``r`` holds ``[r*s, (r+1)*s)``).
+    ``send_numel_per_rank[r]`` / ``recv_numel_per_rank[r]``: elements ``r`` sends to / receives from
+    *other* ranks in the gradient direction (the update direction swaps them).
+    """
+
+    world_size: int
+    engine: str
+    tensor_names: tuple[str, ...]
+    tensor_shard_numel: np.ndarray
+    unit_tensor: np.ndarray
+    unit_start: np.ndarray
+    unit_numel: np.ndarray
+    unit_owner: np.ndarray
+    cost_per_rank: np.ndarray
+    send_numel_per_rank: np.ndarray
+    recv_numel_per_rank: np.ndarray
+
+    @property
+    def num_straddling(self) -> int:
+        return int(self.unit_owner.size)
+
+    @property
+    def max_cost_over_mean(self) -> float:
+        mean = float(self.cost_per_rank.mean()) if self.world_size else 0.0
+        return float(self.cost_per_rank.max()) / mean if mean > 0 else 1.0
+
+    def straddling_units(self) -> list[StraddlingUnit]:
+        names = self.tensor_names
+        return [
+            StraddlingUnit(names[t], s, n, o)
+            for t, s, n, o in zip(
+                self.unit_tensor.tolist(), self.unit_start.tolist(),
+                self.unit_numel.tolist(), self.unit_owner.tolist(),
+            )
+        ]
+
+    def unit_pieces(self, i: int) -> list[tuple[int, int]]:
+        """``(rank, elements of straddling unit i that rank holds)`` for every holder, by rank."""
+        s = int(self.tensor_shard_numel[self.unit_tensor[i]])
+        a = int(self.unit_start[i])
+        b = a + int(self.unit_numel[i])
+        return [(r, min(b, (r + 1) * s) - max(a, r * s)) for r in range(a // s, (b - 1) // s + 1)]
+
+    def _holder_arrays(self):
+        s = self.tensor_shard_numel[self.unit_tensor]
+        a = self.unit_start
+        b = a + self.unit_numel
+        return s, a, b, a // s, (b - 1) // s
+
+    def all_to_all_splits(self, rank: int) -> tuple[list[int], list[int]]:
+        """``(input_split_sizes, output_split_sizes)`` of ``rank`` for ``all_to_all_single``, gradient direction.
+
+        ``input[d]``: elements ``rank`` sends to ``d`` (its pieces of straddling units owned by ``d``);
+        ``output[d]``: elements ``rank`` receives from ``d`` (``d``'s pieces of units owned by ``rank``).
+        Convention: the self entry is 0 -- an owner's own piece is already local and is not copied
+        through the collective. For the update direction use ``(output, input)``. Each call is
+        ``O(straddling units + W)``; no ``W x W`` matrix is built.
+        """
+        w = self.world_size
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < w:
+            raise PlanError(f"rank={rank!r} is invalid: it must be an integer in [0, {w}); pass a rank of this plan")
+        send = np.zeros(w, dtype=np.int64)
+        recv = np.zeros(w + 1, dtype=np.int64)
+        if self.num_straddling:
+            s, a, b, ra, rb = self._holder_arrays()
+            own = self.unit_owner
+            m = (ra <= rank) & (rank <= rb) & (own != rank)
+            piece = np.minimum(b[m], (rank + 1) * s[m]) - np.maximum(a[m], rank * s[m])
+            np.add.at(send, own[m], piece)
+            m = own == rank
+            s, a, b, ra, rb = s[m], a[m], b[m], ra[m], rb[m]
+            # End pieces directly; full middle pieces (s each) through a difference array.
+            np.add.at(recv, ra, np.minimum(b, (ra + 1) * s) - a)
+            mult = rb > ra
+            np.add.at(recv, rb[mult], b[mult] - rb[mult] * s[mult])
+            mid = rb - ra >= 2
+            diff = np.zeros(w + 1, dtype=np.int64)
+            np.add.at(diff, ra[mid] + 1, s[mid])
+            np.add.at(diff, rb[mid], -s[mid])
+            recv += np.cumsum(diff)
+            recv[rank] = 0
+        return send.tolist(), recv[:w].tolist()
+
+    def to_json(self) -> dict:
+        return {
+            "engine": self.engine,
+            "world_size": self.world_size,
+            "straddling_units": [u._asdict() for u in self.straddling_units()],
+            "cost_per_rank": self.cost_per_rank.tolist(),
+            "send_numel_per_rank": self.send_numel_per_rank.tolist(),
+            "recv_numel_per_rank": self.recv_numel_per_rank.tolist(),
+            "max_cost_over_mean": self.max_cost_over_mean,
+        }
+
+
+def _straddled_per_rank(s: int, a: np.ndarray, b: np.ndarray, w: int) -> np.ndarray:
+    """Elements of units ``[a, b)`` (each spanning >= 2 shards of size ``s``) that each rank holds."""
+    ra, rb = a // s, (b - 1) // s
+    out = np.zeros(w + 1, dtype=np.int64)
+    np.add.at(out, ra, (ra + 1) * s - a)
+    np.add.at(out, rb, b - rb * s)
+    diff = np.zeros(w + 1, dtype=np.int64)
+    np.add.at(diff, ra + 1, s)
+    np.add.at(diff, rb, -s)
+    return (out + np.cumsum(diff))[:w]
+
+
+def _tensor_layout(item: PlanItem, s: int, w: int, cache: dict, splits_cache: dict):
+    """``(unit starts, unit ends, bulk numel per rank, straddled numel per rank)`` of one tensor."""
+    key = (item.grid, s)
+    if key not in cache:
+        numel = item.numel
+        idx = progression_splits(item.grid, s, splits_cache)
+        held = np.zeros(w, dtype=np.int64)
+        q, rem = divmod(numel, s)
+        held[:q] = s
+        if rem:
+            held[q] = rem
+        if idx.size:
+            starts, ends = unit_bounds(item.grid, idx)
+            straddled = _straddled_per_rank(s, starts, ends, w)
+        else:
+            starts = ends = idx
+            straddled = np.zeros(w, dtype=np.int64)
+        cache[key] = (starts, ends, held - straddled, straddled)
+    return cache[key]
+
+
+def plan_owners(items: Sequence[PlanItem], world_size: int, *, engine: str = "fsdp2") -> OwnerPlan:
+    """Owner plan for the group ``items`` under ``engine`` (one of :data:`OWNER_ENGINES`) on ``world_size`` ranks."""
+    engine = check_name("engine", engine, OWNER_ENGINES)
+    w = check_world_size(world_size)
+    items = list(items)
+    cost = np.zeros(w, dtype=np.float64)
+    straddled_total = np.zeros(w, dtype=np.int64)
+    steps = np.zeros(len(items), dtype=np.int64)
+    u_t, u_a, u_b, u_c = [], [], [], []
+    cache: dict = {}
+    splits_cache: dict = {}
+    for t, it in enumerate(items):
+        if not (math.isfinite(it.cost) and it.cost >= 0):
+            raise PlanError(
+                f"tensor {it.name!r}: cost={it.cost!r} is invalid: it must be a finite number >= 0; "
+                "fix the block semantics' cost"
+            )
+        numel = it.numel
+        if numel == 0:
+            continue
+        s = shard_step(it, w, engine)
+        steps[t] = s
+        starts, ends, bulk, straddled = _tensor_layout(it, s, w, cache, splits_cache)
+        density = it.cost / numel
+        cost += density * bulk
+        if starts.size:
+            straddled_total += straddled
+            u_t.append(np.full(starts.size, t, dtype=np.int64))
+            u_a.append(starts)
+            u_b.append(ends)
+            u_c.append(density * (ends - starts))
+    if u_t:
+        ut, ua, ub, uc = (np.concatenate(x) for x in (u_t, u_a, u_b, u_c))
+    else:
+        ut = ua = ub = np.zeros(0, dtype=np.int64)
+        uc = np.zeros(0, dtype=np.float64)
+    owner, own_piece = _assign(cost, ut, ua, ub, uc, steps)
+    recv = np.zeros(w, dtype=np.int64)
+    np.add.at(recv, owner, (ub - ua) - own_piece)
+    kept = np.zeros(w, dtype=np.int64)
+    np.add.at(kept, owner, own_piece)
+    return OwnerPlan(
+        world_size=w,
+        engine=engine,
+        tensor_names=tuple(it.name for it in items),
+        tensor_shard_numel=steps,
+        unit_tensor=ut,
+        unit_start=ua,
+        unit_numel=ub - ua,
+        unit_owner=owner,
+        cost_per_rank=cost,
+        send_numel_per_rank=straddled_total - kept,
+        recv_numel_per_rank=recv,
+    )
+
+
+def _assign(cost: np.ndarray, ut, ua, ub, uc, steps) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy owners of straddling units (updates ``cost`` in place); returns owners and their own pieces."""
+    n = ut.size
+    owner = np.zeros(n, dtype=np.int64)
+    own_piece = np.zeros(n, dtype=np.int64)
+    if n == 0:
+        return owner, own_piece
+    order = np.lexsort((ua, ut, -uc))  # largest cost first; ties by tensor order, then unit start
+    costs = cost.tolist()
+    heap = [(c, r) for r, c in enumerate(costs)]
+    heapq.heapify(heap)
+    s_all = steps[ut]
+    for i, a, b, c, s in zip(order.tolist(), ua[order].tolist(), ub[order].tolist(),
+                             uc[order].tolist(), s_all[order].tolist()):
+        while heap[0][0] != costs[heap[0][1]]:  # drop stale entries
+            heapq.heappop(heap)
+        cmin, rmin = heap[0]
+        ra, rb = a // s, (b - 1) // s
+        if rb - ra < 8:
+            best = None
+            for r in range(ra, rb + 1):
+                if costs[r] == cmin:
+                    key = (-(min(b, (r + 1) * s) - max(a, r * s)), r)
+                    best = key if best is None or key < best else best
+            o = rmin if best is None else best[1]
+        else:
+            tied = np.flatnonzero(cost[ra:rb + 1] == cmin) + ra
+            if tied.size:
+                pieces = np.minimum(b, (tied + 1) * s) - np.maximum(a, tied * s)
+                o = int(tied[np.argmax(pieces)])  # first maximum = lowest rank
+            else:
+                o = rmin
+        costs[o] += c
+        cost[o] = costs[o]
+        heapq.heappush(heap, (costs[o], o))
+        owner[i] = o
+        own_piece[i] = max(0, min(b, (o + 1) * s) - max(a, o * s))
+    return owner, own_piece

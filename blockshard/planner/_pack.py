@@ -1,0 +1,218 @@
+"""The layout search: equal segments, holes only between tensors, cuts only on unit boundaries.
+
+[Note: how the packer works]
+For a candidate segment size ``S`` the packer walks a cursor ``p`` through the gathered buffer.
+At each step it places, among the tensors not yet placed, the one that can start closest to
+``p`` (the smallest hole): first the largest whole tensor that still fits before the next rank
+boundary, else the tensor with the smallest hole (largest unit first, then original order). A
+tensor that fits before the next rank boundary starts at ``p``. One that crosses it starts at
+the first offset from which every crossed boundary lands on an allowed cut of its grid (a hole
+shorter than one unit), or at the boundary itself. A tensor that crosses two or more boundaries
+covers a whole segment, which requires ``S % unit == 0``: :func:`_snap` raises ``S`` to such a
+multiple for every tensor of at least ``2 * S`` elements, since no order can avoid that.
+Whole-tensor units (Muon matrices) never straddle a boundary, so the same walk becomes first-fit
+decreasing bin packing, with fine-unit tensors filling the gaps.
+``S`` starts at the lower bound ``max(ceil(total / W), largest unit)``; when a walk overflows
+``W * S`` the search tries the next multiple of every straddling tensor's unit, else grows ``S``
+geometrically, and then bisects back to the smallest ``S`` that packs. Tensors are bucketed by grid, so one step costs O(number of distinct grids).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Sequence
+
+from blockshard.semantics import UnitGrid
+
+__all__ = ["pack", "lower_bound"]
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def lower_bound(grids: Sequence[UnitGrid], world_size: int, alignment: int) -> int:
+    total = sum(g.numel for g in grids)
+    largest = max((g.largest_unit for g in grids), default=0)
+    return _round_up(max(-(-total // world_size), largest, 1), alignment)
+
+
+def _allows(grid: UnitGrid, x: int) -> bool:
+    return grid.min_cut <= x <= grid.max_cut and x % grid.unit_numel == 0
+
+
+def _fits_at(o: int, grid: UnitGrid, S: int) -> bool:
+    """Whether every rank boundary strictly inside ``[o, o + numel)`` is an allowed cut."""
+    end = o + grid.numel
+    first = (o // S + 1) * S
+    if first >= end:
+        return True
+    if not _allows(grid, first - o):
+        return False
+    last = ((end - 1) // S) * S
+    if last == first:
+        return True
+    # boundaries first, first + S, ..., last: all multiples of the unit iff S is
+    return S % grid.unit_numel == 0 and _allows(grid, last - o)
+
+
+def _first_offset(p: int, grid: UnitGrid, S: int) -> int | None:
+    """The smallest offset ``>= p`` where the tensor can start, or None if no offset works."""
+    n = grid.numel
+    nb = (p // S + 1) * S  # next boundary after p
+    if p + n <= nb:
+        return p
+    if grid.is_whole:
+        return nb if n <= S else None
+    u = grid.unit_numel
+    o1 = p + (nb - p) % u  # the first crossing lands on a multiple of the unit
+    candidates = [o1]
+    last = ((o1 + n - 1) // S) * S
+    if last - o1 > grid.max_cut:  # the tail would be shorter than the last unit: start later
+        candidates.append(o1 + _round_up(last - o1 - grid.max_cut, u))
+    candidates.append(nb)
+    for o in candidates:
+        if o <= nb and _fits_at(o, grid, S):
+            return o
+    return None
+
+
+# Buckets scanned per step: bounds the walk to O(tensors) when a group has thousands of distinct
+# grids (real models have a handful per group, so the cap never binds there).
+_MAX_SCAN = 64
+
+
+def _walk(grids: Sequence[UnitGrid], order: list[list[int]], S: int, limit: int) -> tuple[list[int] | None, int]:
+    """Place every tensor for segment size ``S``; returns (offsets or None, cursor reached).
+
+    Whole tensors are kept sorted by size, so "the largest that fits before the boundary" is a
+    bisection; the other grids are scanned in bucket order (at most ``_MAX_SCAN`` buckets), stopping
+    at the first zero hole.
+    """
+    whole: dict[int, deque[int]] = {}
+    fine: list[deque[int]] = []
+    for bucket in order:
+        g = grids[bucket[0]]
+        if g.is_whole:
+            whole.setdefault(g.numel, deque()).extend(bucket)
+        else:
+            fine.append(deque(bucket))
+    sizes = sorted(whole)
+    offsets = [0] * len(grids)
+    p = 0
+
+    def take_whole(k: int, at: int) -> int:
+        n = sizes[k]
+        i = whole[n].popleft()
+        if not whole[n]:
+            del whole[n], sizes[k]
+        offsets[i] = at
+        return at + n
+
+    remaining = len(grids)
+    while remaining:
+        remaining -= 1
+        nb = (p // S + 1) * S
+        k = bisect.bisect_right(sizes, nb - p) - 1
+        if k >= 0:  # the largest whole tensor that fits before the boundary: no hole
+            p = take_whole(k, p)
+        else:
+            best_b, best_o = -1, -1
+            for bi in range(min(len(fine), _MAX_SCAN)):
+                bucket = fine[bi]
+                o = _first_offset(p, grids[bucket[0]], S)
+                if o is not None and (best_b < 0 or o < best_o):
+                    best_b, best_o = bi, o
+                    if o == p:
+                        break
+            if sizes and (best_b < 0 or nb < best_o):  # open the next segment with the largest whole tensor
+                p = take_whole(len(sizes) - 1, nb)
+            elif best_b >= 0:
+                i = fine[best_b].popleft()
+                offsets[i] = best_o
+                p = best_o + grids[i].numel
+                if not fine[best_b]:
+                    del fine[best_b]
+            else:
+                return None, limit + S  # nothing can be placed: a larger S is needed
+        if p > limit:
+            return None, p
+    return offsets, p
+
+
+def _snap(x: int, grids: Sequence[UnitGrid], alignment: int) -> int:
+    """The smallest admissible segment size ``>= x``.
+
+    ``S`` is admissible when it is a multiple of the alignment and of the unit of every tensor
+    with ``numel >= 2 S`` (such a tensor covers a whole segment wherever it starts). The set of
+    such tensors shrinks as ``S`` passes ``numel // 2 + 1``, so the search steps through those
+    thresholds instead of only rounding ``x`` up.
+    """
+    while True:
+        m, next_threshold = alignment, None
+        for g in grids:
+            if not g.is_whole and g.numel >= 2 * x:
+                m = math.lcm(m, g.unit_numel)
+                t = g.numel // 2 + 1
+                next_threshold = t if next_threshold is None else min(next_threshold, t)
+        c = _round_up(x, m)
+        if next_threshold is None or next_threshold >= c:
+            return c
+        x = next_threshold
+
+
+def _bucket_order(grids: Sequence[UnitGrid]) -> list[list[int]]:
+    buckets: dict[UnitGrid, list[int]] = {}
+    for i, g in enumerate(grids):
+        buckets.setdefault(g, []).append(i)
+    keyed = sorted(buckets.values(), key=lambda ix: (-grids[ix[0]].largest_unit, -grids[ix[0]].numel, ix[0]))
+    return keyed
+
+
+def pack(grids: Sequence[UnitGrid], world_size: int, alignment: int) -> tuple[int, list[int], int]:
+    """Find ``(S, offsets, lower_bound)`` for tensors with these grids (see [Note: how the packer works])."""
+    assert world_size >= 1 and alignment >= 1
+    lb = lower_bound(grids, world_size, alignment)
+    order = _bucket_order(grids)
+
+    def attempt(S: int) -> tuple[list[int] | None, int]:
+        return _walk(grids, order, S, world_size * S)
+
+    S = _snap(lb, grids, alignment)
+    offsets, _ = attempt(S)
+    if offsets is not None:
+        return S, offsets, lb
+    fail = S
+    # A segment that every straddling tensor's unit divides lets each of them cross any number of
+    # boundaries; it is often the first size that packs (e.g. 16384-element NF4 super-blocks).
+    m = alignment
+    for g in grids:
+        if not g.is_whole and g.numel > S:
+            m = math.lcm(m, g.unit_numel)
+    tiled = _round_up(S, m)
+    ok = None
+    if tiled <= 2 * S:
+        offsets, _ = attempt(tiled)
+        if offsets is not None:
+            ok, ok_offsets = tiled, offsets
+    if ok is None:  # grow geometrically until a walk fits
+        step = max(alignment, S // 1024)
+        while True:
+            S = _snap(fail + step, grids, alignment)
+            offsets, _ = attempt(S)
+            if offsets is not None:
+                break
+            fail, step = S, step * 2
+        ok, ok_offsets = S, offsets
+    while True:  # bisect between the last failure and the smallest success
+        mid = _snap((fail + ok) // 2, grids, alignment)
+        if mid >= ok or mid <= fail:
+            break
+        offsets, _ = attempt(mid)
+        if offsets is not None:
+            ok, ok_offsets = mid, offsets
+        else:
+            fail = mid
+    return ok, ok_offsets, lb

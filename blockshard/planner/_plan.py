@@ -1,0 +1,199 @@
+"""Planning a whole model: one layout per group, metrics, JSON."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from blockshard._errors import PlanError
+from blockshard.planner._items import PlanItem, group_items, resolve_items
+from blockshard.planner._layout import GroupLayout, TensorPlacement
+from blockshard.planner._buckets import plan_buckets
+from blockshard.semantics import TensorSpec
+
+__all__ = ["ModelPlan", "plan_group", "plan_model", "group_kind", "alignment_elements"]
+
+DEFAULT_ALIGNMENT_BYTES = 16
+
+
+def alignment_elements(alignment_bytes: int, itemsize: int) -> int:
+    """Elements per alignment step: the smallest count whose bytes are a multiple of ``alignment_bytes``."""
+    if not isinstance(alignment_bytes, int) or alignment_bytes < 1:
+        raise PlanError(
+            f"alignment_bytes={alignment_bytes!r} must be a positive integer (e.g. 16 for 16-byte aligned segments)"
+        )
+    return math.lcm(alignment_bytes, itemsize) // itemsize
+
+
+def _check_world_size(world_size: object) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"world_size={world_size!r} must be an integer >= 1 (the number of ranks sharing a group)")
+    return world_size
+
+
+def plan_group(
+    items: Sequence[PlanItem],
+    world_size: int,
+    *,
+    name: str = "",
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    _memo: dict | None = None,
+) -> GroupLayout:
+    """Lay out one group (the tensors gathered by one collective) on ``world_size`` ranks."""
+    world_size = _check_world_size(world_size)
+    if not items:
+        raise PlanError(f"group {name!r} has no tensors; every group needs at least one parameter")
+    dtypes = {it.spec.dtype for it in items}
+    if len(dtypes) > 1:
+        by = {d: [it.name for it in items if it.spec.dtype == d][:3] for d in sorted(dtypes)}
+        raise PlanError(
+            f"group {name!r} mixes dtypes {by}: one collective moves one dtype. Fix: put tensors of "
+            "different dtypes in different groups (or cast them to one dtype first)"
+        )
+    itemsize = items[0].spec.itemsize
+    alignment = alignment_elements(alignment_bytes, itemsize)
+    grids = tuple(it.grid for it in items)
+    key = (grids, world_size, alignment)
+    hit = _memo.get(key) if _memo is not None else None
+    if hit is None:
+        hit = plan_buckets(grids, world_size, alignment)
+        if _memo is not None:
+            _memo[key] = hit
+    buckets, bucket_of, offsets, lb = hit
+    order = sorted(range(len(items)), key=lambda i: (bucket_of[i], offsets[i]))
+    placements = tuple(
+        TensorPlacement(items[i].name, items[i].spec.shape, offsets[i], items[i].grid, items[i].label, bucket_of[i])
+        for i in order
+    )
+    return GroupLayout(name, world_size, alignment, items[0].spec.dtype, itemsize, lb, buckets, placements)
+
+
+_DIGITS = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+
+
+def group_kind(group_name: str) -> str:
+    """``model.layers.7`` -> ``model.layers.*``; the root group ``""`` -> ``(root)``."""
+    return _DIGITS.sub("*", group_name) if group_name else "(root)"
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    world_size: int
+    groups: tuple[GroupLayout, ...]
+    plan_seconds: float
+    items: tuple[PlanItem, ...]
+
+    @property
+    def total_numel(self) -> int:
+        return sum(g.total_numel for g in self.groups)
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(g.padded_numel for g in self.groups)
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1.0 - self.total_numel / self.padded_numel if self.padded_numel else 0.0
+
+    @property
+    def max_segment_over_lower_bound(self) -> float:
+        return max(g.segment_over_lower_bound for g in self.groups)
+
+    @property
+    def segment_numel_per_rank(self) -> int:
+        """Persistent elements each rank holds across all groups (sum of the segment sizes)."""
+        return sum(g.segment_numel for g in self.groups)
+
+    @property
+    def allgather_bytes_per_rank(self) -> int:
+        return sum(g.allgather_bytes_per_rank for g in self.groups)
+
+    def group(self, name: str) -> GroupLayout:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise PlanError(f"no group named {name!r}; groups: {[g.name for g in self.groups][:20]}")
+
+    def rank_loads(self) -> list[int]:
+        """Real (non-padding) elements per rank summed over groups (for plots of per-rank load)."""
+        loads = [0] * self.world_size
+        seen: dict[tuple, list[int]] = {}
+        for g in self.groups:  # identical blocks share one computation
+            key = (g.buckets, tuple((t.bucket, t.offset, t.numel) for t in g.tensors))
+            per = seen.get(key)
+            if per is None:
+                per = seen[key] = g.rank_loads()
+            for r, x in enumerate(per):
+                loads[r] += x
+        return loads
+
+    def by_kind(self) -> dict[str, list[GroupLayout]]:
+        out: dict[str, list[GroupLayout]] = {}
+        for g in self.groups:
+            out.setdefault(group_kind(g.name), []).append(g)
+        return out
+
+    def to_json(self, *, layouts: bool = False) -> dict:
+        data = {
+            "world_size": self.world_size,
+            "num_groups": len(self.groups),
+            "num_tensors": sum(len(g.tensors) for g in self.groups),
+            "total_numel": self.total_numel,
+            "padded_numel": self.padded_numel,
+            "padding_fraction": self.padding_fraction,
+            "max_segment_over_lower_bound": self.max_segment_over_lower_bound,
+            "segment_numel_per_rank": self.segment_numel_per_rank,
+            "num_collectives": sum(len(g.buckets) for g in self.groups),
+            "allgather_bytes_per_rank": self.allgather_bytes_per_rank,
+            "plan_seconds": self.plan_seconds,
+            "layout_hashes": {g.name: g.layout_hash() for g in self.groups} if layouts else None,
+        }
+        if layouts:
+            data["layouts"] = [g.to_json() for g in self.groups]
+        else:
+            del data["layout_hashes"]
+        return data
+
+
+def plan_model(
+    tensors: Iterable[TensorSpec | PlanItem],
+    world_size: int,
+    *,
+    semantics: object = None,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    progress: Callable[[int, int], None] | None = None,
+) -> ModelPlan:
+    """Plan every group of a model. Tensors are grouped by ``TensorSpec.group`` (``None`` -> root).
+
+    ``semantics`` is anything :meth:`SemanticsRules.coerce` accepts (ignored for ``PlanItem``
+    inputs, which already carry their grids). Groups with the same grids in the same order share
+    one search (transformer blocks are identical), so time grows with the number of distinct
+    groups plus a linear pass over tensors.
+    """
+    world_size = _check_world_size(world_size)
+    t0 = time.perf_counter()
+    raw = list(tensors)
+    if not raw:
+        raise PlanError("the model has no tensors to plan; pass at least one TensorSpec (is the shapes file empty?)")
+    specs = [t for t in raw if isinstance(t, TensorSpec)]
+    items = list(resolve_items(specs, semantics)) if specs else []
+    if len(specs) != len(raw):
+        if specs:
+            raise PlanError("tensors mixes TensorSpec and PlanItem entries; pass one kind")
+        items = [t for t in raw if isinstance(t, PlanItem)]
+    seen: set[str] = set()
+    for it in items:
+        if it.name in seen:
+            raise PlanError(f"tensor name {it.name!r} appears twice; every parameter needs a unique name")
+        seen.add(it.name)
+    grouped = group_items(items)
+    memo: dict = {}
+    layouts = []
+    for i, (gname, gitems) in enumerate(grouped.items()):
+        layouts.append(plan_group(gitems, world_size, name=gname, alignment_bytes=alignment_bytes, _memo=memo))
+        if progress is not None:
+            progress(i + 1, len(grouped))
+    return ModelPlan(world_size, tuple(layouts), time.perf_counter() - t0, tuple(items))
