@@ -20,6 +20,17 @@ from blockshard.semantics import (
 
 __version__ = "0.1.0.dev0"
 
+# The engine imports torch; it loads on first use so that `import blockshard` stays light.
+_RUNTIME = ("fully_shard", "full_state_dict", "sharded_state_dict", "is_sharded", "group_layouts")
+
+
+def __getattr__(name: str):
+    if name in _RUNTIME:
+        from blockshard import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'blockshard' has no attribute {name!r}")
+
 __all__ = [
     "BlockshardError",
     "PlanError",
@@ -35,4 +46,5 @@ __all__ = [
     "get_semantics",
     "register_semantics",
     "registered_semantics",
+    *_RUNTIME,
 ]

@@ -1,0 +1,143 @@
+"""Tiny models and data built in code (no downloads), deterministic across processes.
+
+For the ragged engine's tests, the demo and benchmarks. Shapes are deliberately awkward: row counts
+such as 257 (vocabulary: 256 bytes + 1 spare id), 89 (MLP width), 37, 29, 13 and 7 are not multiples of
+2, 3 or 4, so sharding at W in {2, 3, 4} is ragged, and matrices such as 89 x 48 = 4272 elements are
+not multiples of 256-element quantization blocks.
+
+Every constructor seeds its own RNG stream (``torch.manual_seed(seed)`` inside ``torch.random.fork_rng``)
+so the same seed gives identical weights in every process and the caller's global RNG is untouched.
+``import blockshard._tiny`` is cheap: transformers is imported only inside :func:`tiny_llama`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["TEXT", "tiny_llama", "OddMLP", "text_batches", "mlp_batches"]
+
+# Self-written English text (ASCII), tokenized byte-level: list(TEXT.encode()).
+TEXT = """\
+The lighthouse keeper kept a ledger of every ship that passed the point. Most nights the entries were
+short: a trawler heading home, a ferry running late, a yacht whose crew waved at the lamp as if it could
+wave back. On stormy nights the entries grew longer, and the handwriting grew worse, because the keeper
+wrote them standing up, one hand on the rail and one eye on the sea.
+
+In the spring a young engineer arrived with a crate of instruments and a plan to replace the old lamp
+with one that would run by itself. She measured the tower, counted the steps, and timed the rotation of
+the lens with a stopwatch. The keeper watched her work and said nothing for three days. On the fourth day
+he asked her what the new lamp would do when the power failed. She said it would switch to a battery.
+He asked what it would do when the battery failed. She said it would send a message to the harbour.
+He asked who would read the message at three in the morning, and she did not have an answer.
+
+They agreed to keep both lamps for one winter. The new one turned smoothly and never needed oil; the old
+one needed oil every evening and a clean glass every morning. In December a storm took out the cable
+from the mainland for two nights. The battery held for the first night. On the second night the keeper
+lit the old lamp, wound the clockwork, and sat beside it until dawn, writing down the ships by hand.
+
+When the engineer came back in March she read the ledger from the first page to the last. She did not
+remove the old lamp. Instead she built a small bracket beside it for a second battery and a switch that
+anyone could understand, and she wrote the instructions on a card in large letters: turn this, then wait
+ten seconds, then look up. The keeper pinned the card to the wall next to the tide tables.
+
+Years later, when the station was automated and the keeper had retired to a cottage in the village, a
+visitor asked him whether he missed the work. He said he missed the ledger. There is a kind of attention,
+he said, that only comes from writing things down one at a time, in order, with nothing skipped. A
+machine can count ships. It takes a person to notice that the same small boat goes out every Tuesday
+and comes back a little later each week, and to wonder, and then one Tuesday to walk down to the harbour
+and ask.
+"""
+
+_TOKENS = list(TEXT.encode())
+
+
+def tiny_llama(seed: int = 0, *, vocab_size: int = 257, hidden_size: int = 48, intermediate_size: int = 89,
+               num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2):
+    """A tiny ``transformers.LlamaForCausalLM`` (float32, eager attention, no dropout, untied head).
+
+    The config is built in code; ``vocab_size=257`` covers the byte tokens of :func:`text_batches`.
+    The same ``seed`` gives identical weights in every process. Returns the model in train mode.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, max_position_embeddings=1024,
+        tie_word_embeddings=False, attention_dropout=0.0, attention_bias=False, mlp_bias=False,
+        use_cache=False, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        attn_implementation="eager", dtype=torch.float32,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(torch.float32).train()
+
+
+class OddMLP(nn.Module):
+    """13 -> 37 (LayerNorm, GELU) -> 29 (GELU) -> 7, biases on; ``.blocks`` holds the three blocks
+    (an ``nn.ModuleList``) so each can be sharded separately. Same ``seed``, same weights."""
+
+    in_features = 13
+    out_features = 7
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.blocks = nn.ModuleList([
+                nn.Sequential(nn.Linear(13, 37), nn.LayerNorm(37), nn.GELU()),
+                nn.Sequential(nn.Linear(37, 29), nn.GELU()),
+                nn.Sequential(nn.Linear(29, 7)),
+            ])
+            # Non-trivial LayerNorm affine parameters (defaults are all ones / zeros).
+            ln = self.blocks[0][1]
+            nn.init.normal_(ln.weight, mean=1.0, std=0.1)
+            nn.init.normal_(ln.bias, mean=0.0, std=0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+def text_batches(num_steps: int, batch_size: int, seq_len: int, *, seed: int = 0,
+                 vocab_size: int = 256) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``num_steps`` batches of (input_ids, labels), int64 ``[batch_size, seq_len]``, windows of the
+    bundled :data:`TEXT` (byte tokens) at start offsets drawn from ``seed``. ``labels`` equals
+    ``input_ids`` (HF causal LMs shift internally). Token ids are taken modulo ``vocab_size`` (a no-op
+    for ``vocab_size >= 128``: the text is ASCII)."""
+    _check_int("num_steps", num_steps, 0)
+    _check_int("batch_size", batch_size, 1)
+    _check_int("vocab_size", vocab_size, 1)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= len(_TOKENS):
+        raise ValueError(f"seq_len={seq_len!r} must be an int in [1, {len(_TOKENS)}] (the bundled text's length)")
+    tokens = torch.tensor(_TOKENS, dtype=torch.int64) % vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num_steps):
+        starts = torch.randint(0, len(_TOKENS) - seq_len + 1, (batch_size,), generator=gen)
+        ids = torch.stack([tokens[s:s + seq_len] for s in starts.tolist()])
+        batches.append((ids, ids.clone()))
+    return batches
+
+
+def mlp_batches(num_steps: int, batch_size: int, *, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``num_steps`` regression batches (x float32 ``[batch_size, 13]``, y float32 ``[batch_size, 7]``)
+    for :class:`OddMLP`: y is a fixed random teacher ``tanh(x @ A)`` plus a little noise, all from ``seed``."""
+    _check_int("num_steps", num_steps, 0)
+    _check_int("batch_size", batch_size, 1)
+    gen = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(13, 7, generator=gen) / 13 ** 0.5
+    batches = []
+    for _ in range(num_steps):
+        x = torch.randn(batch_size, 13, generator=gen)
+        y = torch.tanh(x @ teacher) + 0.05 * torch.randn(batch_size, 7, generator=gen)
+        batches.append((x, y))
+    return batches

@@ -1,0 +1,295 @@
+"""``blockshard.fully_shard``: FSDP2's user surface on ragged, block-aligned layouts."""
+
+from __future__ import annotations
+
+import types
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from blockshard._errors import BlockshardError
+from blockshard.planner import GroupLayout, PlanItem, plan_group, resolve_items
+from blockshard.runtime._collectives import check_same_layout
+from blockshard.runtime._group import ParamGroup
+from blockshard.runtime._param import ParamRef, ShardedParam
+from blockshard.runtime._state import ShardState, register_hooks
+from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
+
+__all__ = [
+    "fully_shard",
+    "ShardedModule",
+    "is_sharded",
+    "group_layouts",
+    "local_buffers",
+    "full_state_dict",
+    "sharded_state_dict",
+    "LocalShard",
+    "ShardingError",
+]
+
+_STATES: weakref.WeakKeyDictionary[nn.Module, ShardState] = weakref.WeakKeyDictionary()
+# Every sharded and unsharded parameter object the engine made, to its module's class name.
+_MANAGED: weakref.WeakKeyDictionary[nn.Parameter, str] = weakref.WeakKeyDictionary()
+
+
+class ShardingError(BlockshardError):
+    """``fully_shard`` was used in a way the engine does not support (with the fix in the message)."""
+
+
+@runtime_checkable
+class ShardedModule(Protocol):
+    """What ``fully_shard`` adds to a module (as FSDP2's ``FSDPModule``)."""
+
+    def unshard(self) -> None: ...
+    def reshard(self) -> None: ...
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None: ...
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return module in _STATES
+
+
+def _state_of(module: nn.Module) -> ShardState | None:
+    return _STATES.get(module)
+
+
+def _process_group(mesh) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise ShardingError(
+            "fully_shard needs an initialized process group: call torch.distributed.init_process_group "
+            "(backend 'gloo' on CPU, 'nccl' on GPUs) first, e.g. under torchrun"
+        )
+    if mesh is None:
+        return dist.group.WORLD
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim != 1:
+            raise ShardingError(
+                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; blockshard shards over a 1-D mesh. "
+                "Pass the sharding axis, e.g. mesh['dp_shard']"
+            )
+        return mesh.get_group()
+    raise ShardingError(f"mesh={mesh!r} must be None, a 1-D DeviceMesh or a ProcessGroup")
+
+
+def _collect(module: nn.Module) -> tuple[list[str], list[nn.Parameter], list[list[ParamRef]]]:
+    """Parameters of ``module``'s subtree not owned by an already sharded submodule."""
+    names: list[str] = []
+    params: list[nn.Parameter] = []
+    refs: dict[int, list[ParamRef]] = {}
+    owned_below: dict[int, str] = {}
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        prefix, mod = stack.pop()
+        if mod is not module and is_sharded(mod):
+            for n, p in mod.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+                owned_below[id(p)] = n
+            continue
+        for attr, p in mod._parameters.items():
+            if p is None:
+                continue
+            if id(p) not in refs:
+                names.append(prefix + attr)
+                params.append(p)
+                refs[id(p)] = []
+            refs[id(p)].append(ParamRef(mod, attr))
+        children = list(mod._modules.items())
+        for cname, child in reversed(children):
+            if child is not None:
+                stack.append((f"{prefix}{cname}.", child))
+    shared = [(n, owned_below[id(p)]) for n, p in zip(names, params) if id(p) in owned_below]
+    if shared:
+        raise ShardingError(
+            f"parameters shared between this group and an already sharded submodule: {shared[:5]}. One "
+            "parameter can live in one group only. Fix: shard the modules that share it in one "
+            "fully_shard call (e.g. leave the tied head and embedding to the root), or untie them"
+        )
+    return names, params, [refs[id(p)] for p in params]
+
+
+def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
+    for n, p in zip(names, params):
+        if p in _MANAGED:
+            raise ShardingError(
+                f"parameter {n!r} already belongs to a sharded group (of a {_MANAGED[p]}): fully_shard "
+                "was applied top-down. Fix: apply it bottom-up — layers first, then the root"
+            )
+        if not p.is_contiguous():
+            raise ShardingError(
+                f"parameter {n!r} of shape {tuple(p.shape)} is not contiguous (strides {p.stride()}); the "
+                "engine shards the row-major flattening. Fix: make it contiguous first, e.g. "
+                "module.weight = nn.Parameter(module.weight.contiguous())"
+            )
+        if p.device.type == "meta":
+            raise ShardingError(f"parameter {n!r} is on the meta device; materialize the model before fully_shard")
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ShardingError(f"the group's parameters are on several devices {sorted(map(str, devices))}; move the module to one device first")
+
+
+def _rules(semantics, params_by_name: Mapping[str, nn.Parameter]) -> object:
+    """``semantics`` as fully_shard takes it; a plain callable gets ``(name, param)``."""
+    if callable(semantics) and not isinstance(semantics, (BlockSemantics, SemanticsRules, type)):
+        user: Callable = semantics
+        return SemanticsRules.coerce(lambda name, _spec: user(name, params_by_name[name]))
+    return semantics
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh=None,
+    reshard_after_forward: bool = True,
+    mp_policy=None,
+    semantics: object = None,
+    alignment_bytes: int = 16,
+) -> nn.Module:
+    """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
+
+    Apply bottom-up as with FSDP2: layers first, then the root. ``semantics`` gives each
+    parameter its block semantics: a mapping ``glob -> semantics`` on parameter names relative to
+    ``module``, a callable ``(name, param) -> semantics | None``, a spec string or rules
+    (default: ``elementwise``). ``mp_policy`` is torch's ``MixedPrecisionPolicy`` (``param_dtype``,
+    ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``). Returns ``module``, which gains
+    ``unshard()``, ``reshard()`` and ``set_requires_gradient_sync()``.
+    """
+    if not isinstance(module, nn.Module):
+        raise ShardingError(f"module={module!r} must be a torch.nn.Module")
+    if is_sharded(module):
+        raise ShardingError(
+            f"this {type(module).__name__} is already sharded: call fully_shard once per module "
+            "(bottom-up: layers first, then the root)"
+        )
+    pg = _process_group(mesh)
+    names, params, refs = _collect(module)
+    _check_params(names, params)
+    name = type(module).__name__
+    layout: GroupLayout | None = None
+    if params:  # a root without parameters of its own still drives the hooks, as in FSDP2
+        by_name = dict(zip(names, params))
+        specs = [
+            TensorSpec(name=n, shape=tuple(p.shape), dtype=p.dtype, module_type=_owner_type(r))
+            for n, p, r in zip(names, params, refs)
+        ]
+        items: list[PlanItem] = resolve_items(specs, _rules(semantics, by_name))
+        layout = plan_group(items, pg.size(), name=name, alignment_bytes=alignment_bytes)
+    check_same_layout(name, layout.layout_hash() if layout else "empty", pg)
+    index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
+    sps = [
+        ShardedParam(fqn=n, refs=r, shape=tuple(p.shape), requires_grad=p.requires_grad, index=index[n])
+        for n, p, r in zip(names, params, refs)
+    ]
+    group = ParamGroup(
+        name, sps, params, layout, pg,
+        param_dtype=getattr(mp_policy, "param_dtype", None),
+        reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
+    )  # fmt: skip
+    state = ShardState(
+        module, group, reshard_after_forward,
+        param_dtype=getattr(mp_policy, "param_dtype", None),
+        output_dtype=getattr(mp_policy, "output_dtype", None),
+        cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),
+    )  # fmt: skip
+    _STATES[module] = state
+    for sp in sps:
+        _MANAGED[sp.sharded] = _MANAGED[sp.unsharded] = name
+    state.handles = register_hooks(state, _state_of)
+    _bind_methods(module, state)
+    return module
+
+
+def _owner_type(refs: list[ParamRef]) -> str:
+    return type(refs[0].module).__name__
+
+
+def _bind_methods(module: nn.Module, state: ShardState) -> None:
+    def unshard(self) -> None:
+        state.group.unshard()
+
+    def reshard(self) -> None:
+        state.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        mods = self.modules() if recurse else [self]
+        for m in mods:
+            st = _state_of(m)
+            if st is not None:
+                st.group.requires_gradient_sync = requires_gradient_sync
+
+    for fn in (unshard, reshard, set_requires_gradient_sync):
+        object.__setattr__(module, fn.__name__, types.MethodType(fn, module))
+
+
+# -- inspection and state dicts ---------------------------------------------------------------
+def _states_under(model: nn.Module) -> list[tuple[str, ShardState]]:
+    return [(prefix, st) for prefix, m in model.named_modules() if (st := _state_of(m)) is not None]
+
+
+def group_layouts(model: nn.Module) -> dict[str, GroupLayout]:
+    """The layout of every group under ``model``, by the sharded module's name."""
+    return {prefix: st.group.layout for prefix, st in _states_under(model) if st.group.layout is not None}
+
+
+def local_buffers(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """The persistent buffers of every group (``local`` and ``grad``), for memory checks."""
+    return {
+        prefix: {"local": st.group.local, "grad": st.group.grad}
+        for prefix, st in _states_under(model)
+        if st.group.layout is not None
+    }
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """One rank's piece of a parameter: elements ``[start, start + tensor.numel())`` of the
+    row-major flattening of a tensor of ``global_shape``."""
+
+    tensor: torch.Tensor
+    start: int
+    global_shape: tuple[int, ...]
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def sharded_state_dict(model: nn.Module) -> dict[str, LocalShard]:
+    """Every sharded parameter's local piece with its global offset (no communication)."""
+    out: dict[str, LocalShard] = {}
+    for prefix, st in _states_under(model):
+        for sp in st.group.params:
+            out[_join(prefix, sp.fqn)] = LocalShard(sp.sharded.detach(), sp.local_start, sp.shape)
+    return out
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full parameters by name on every rank (one all-gather of the local buffers per group,
+    in the parameters' original dtype); parameters outside any group are included as they are."""
+    from blockshard.runtime._collectives import all_gather_into
+
+    out: dict[str, torch.Tensor] = {}
+    for prefix, st in _states_under(model):
+        g, W = st.group, st.group.world_size
+        if g.layout is None:
+            continue
+        full = torch.empty(W * g.layout.segment_numel, dtype=g.orig_dtype, device=g.device)
+        for b, S_b in enumerate(g.layout.buckets):
+            off = g.layout.bucket_local_offset(b)
+            all_gather_into(full[W * off : W * (off + S_b)], g.local[off : off + S_b], g.pg)
+        for sp in g.params:
+            out[_join(prefix, sp.fqn)] = full[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape).clone()
+    managed = {id(sp.sharded) for _, st in _states_under(model) for sp in st.group.params}
+    managed |= {id(sp.unsharded) for _, st in _states_under(model) for sp in st.group.params}
+    for name, p in model.named_parameters():
+        if id(p) not in managed and name not in out:
+            out[name] = p.detach().clone()
+    return out

@@ -1,0 +1,211 @@
+"""``ParamGroup``: the persistent buffers of one ``fully_shard`` call and the work on them.
+
+[Note: buffers]
+Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
+  * ``local``  [S], original dtype: the persistent shard. Sharded parameters are views into it
+    with their block shapes, so the optimizer updates it in place. Never reallocated.
+  * ``send``   [S], param dtype: only under mixed precision, the cast of ``local`` that is sent.
+  * ``gathered`` [W * S], param dtype: bucket ``b`` is ``[W * off_b, W * (off_b + S_b))``.
+    Unsharded parameters are views into it; its storage is resized to 0 on reshard and back
+    before the next all-gather, so the views (and autograd's saved references) stay valid.
+  * ``grad``   [S], original dtype: the persistent local gradient; sharded ``.grad`` views it.
+  * ``grad_gathered`` [W * S], reduce dtype: the reduce-scatter input. When the reduce dtype is
+    the param dtype, unsharded ``.grad`` are preset views into it and autograd accumulates in
+    place (no copy-in); otherwise gradients are cast into it just before the reduce-scatter.
+Holes in ``gathered`` and ``grad_gathered`` are padding: zeros that never reach a parameter.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from blockshard.planner import GroupLayout
+from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg
+from blockshard.runtime._param import ShardedParam, block_shape
+
+__all__ = ["ParamGroup", "GroupState"]
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"  # module holds sharded params; gathered storage freed
+    UNSHARDED = "unsharded"  # module holds unsharded params (views of a filled gathered buffer)
+
+
+class ParamGroup:
+    def __init__(
+        self,
+        name: str,
+        params: Sequence[ShardedParam],
+        originals: Sequence[nn.Parameter],
+        layout: GroupLayout | None,
+        pg: dist.ProcessGroup,
+        *,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+    ) -> None:
+        self.name, self.params, self.layout, self.pg = name, list(params), layout, pg
+        self.rank, self.world_size = pg.rank(), pg.size()
+        self.requires_gradient_sync = True
+        self.backward_pending = False
+        self.num_grads_ready = 0
+        self._pending: list = []  # async all-gather works of a prefetch
+        self._version = 0  # version counter of ``gathered`` before the pending all-gathers
+        self.state = GroupState.SHARDED
+        if layout is None:  # a module without parameters of its own: nothing to gather
+            assert not self.params
+            return
+        first = originals[0]
+        self.device, self.orig_dtype = first.device, first.dtype
+        self.param_dtype = param_dtype or self.orig_dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        S, W = layout.segment_numel, self.world_size
+        self.local = torch.zeros(S, dtype=self.orig_dtype, device=self.device)  # [S]
+        self.grad = torch.zeros(S, dtype=self.orig_dtype, device=self.device)  # [S]
+        self.send = self.local if self.param_dtype == self.orig_dtype else torch.empty(S, dtype=self.param_dtype, device=self.device)
+        self.gathered = torch.empty(W * S, dtype=self.param_dtype, device=self.device)  # [W*S]
+        self.grad_gathered: torch.Tensor | None = None  # [W*S], reduce dtype, during backward
+        self.zero_copy_grads = self.reduce_dtype == self.param_dtype
+        self._init_views(originals)
+        self._free_gathered()
+
+    # -- construction -----------------------------------------------------------------------------
+    def _init_views(self, originals: Sequence[nn.Parameter]) -> None:
+        pieces = {p.index: p for p in self.layout.pieces(self.rank)}
+        for sp, orig in zip(self.params, originals):
+            piece = pieces.get(sp.index)
+            sp.gathered_offset = self.layout.gathered_offset(sp.index)
+            if piece is not None:
+                sp.local_start, sp.local_numel, sp.local_offset = piece.start, piece.numel, piece.local_offset
+            with torch.no_grad():
+                flat = orig.detach().reshape(-1)
+                self.local[sp.local_offset : sp.local_offset + sp.local_numel].copy_(
+                    flat[sp.local_start : sp.local_start + sp.local_numel]
+                )
+            view = self.local[sp.local_offset : sp.local_offset + sp.local_numel]
+            sp.sharded = nn.Parameter(view.view(block_shape(sp.shape, sp.local_start, sp.local_numel)), sp.requires_grad)
+            full = self.gathered[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape)
+            sp.unsharded = nn.Parameter(full, sp.requires_grad)
+            sp.set_module_params(sp.sharded)
+
+    # -- all-gather -------------------------------------------------------------------------------
+    def unshard(self, *, async_op: bool = False) -> None:
+        """Start (or do) the all-gathers that fill ``gathered``; :meth:`wait_unshard` finishes."""
+        if self.state is GroupState.UNSHARDED or self._pending:
+            return
+        if self.layout is None:
+            self.state = GroupState.UNSHARDED
+            return
+        self._alloc_gathered()
+        if self.send is not self.local:
+            self.send.copy_(self.local)  # mixed precision: the one cast of the step
+        W = self.world_size
+        # Refilling the buffer with the same values must not look like an in-place change to the
+        # tensors autograd saved in forward (they are views of it): the version counter is put
+        # back once the all-gathers have finished (see wait_unshard).
+        self._version = self.gathered._version
+        for b, S_b in enumerate(self.layout.buckets):
+            off = self.layout.bucket_local_offset(b)
+            gathered, local = self.gathered[W * off : W * (off + S_b)], self.send[off : off + S_b]
+            self._pending.append(all_gather_into(gathered, local, self.pg, async_op=True))
+        if not async_op:
+            self.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        if self.state is GroupState.UNSHARDED:
+            return
+        if not self._pending:
+            self.unshard()
+            return
+        for work in self._pending:
+            work.wait()
+        torch._C._autograd._unsafe_set_version_counter((self.gathered,), (self._version,))
+        self._pending.clear()
+        for sp in self.params:
+            sp.set_module_params(sp.unsharded)
+        self.state = GroupState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self._pending:  # a prefetch nobody used: finish it before freeing its buffer
+            self.wait_unshard()
+        if self.state is GroupState.SHARDED:
+            return
+        for sp in self.params:
+            sp.set_module_params(sp.sharded)
+        if self.layout is not None:
+            self._free_gathered()
+        self.state = GroupState.SHARDED
+
+    def _alloc_gathered(self) -> None:
+        storage = self.gathered.untyped_storage()
+        nbytes = self.gathered.numel() * self.gathered.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)  # the all-gather writes every element, holes included
+
+    def _free_gathered(self) -> None:
+        self.gathered.untyped_storage().resize_(0)
+
+    # -- gradients --------------------------------------------------------------------------------
+    def prepare_grads(self) -> None:
+        """Before backward: give unsharded params ``.grad`` views into ``grad_gathered`` (zero-copy)."""
+        self.backward_pending = True
+        self.num_grads_ready = 0
+        if self.layout is None or not self.zero_copy_grads:
+            return
+        if self.grad_gathered is None:
+            self.grad_gathered = torch.zeros(self.gathered.numel(), dtype=self.reduce_dtype, device=self.device)
+        for sp in self.params:
+            if sp.requires_grad and sp.unsharded.grad is None:
+                sp.unsharded.grad = self.grad_gathered[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape)
+
+    @property
+    def num_grads_expected(self) -> int:
+        return sum(sp.requires_grad for sp in self.params)
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter (average) the unsharded gradients into ``grad``; set sharded ``.grad``."""
+        W = self.world_size
+        if self.layout is None:
+            return
+        if self.zero_copy_grads:
+            if self.grad_gathered is None:  # no backward touched this group
+                return
+            rs_in = self.grad_gathered
+        else:
+            rs_in = torch.zeros(self.gathered.numel(), dtype=self.reduce_dtype, device=self.device)
+            for sp in self.params:
+                if sp.unsharded.grad is not None:
+                    rs_in[sp.gathered_offset : sp.gathered_offset + sp.numel].copy_(sp.unsharded.grad.reshape(-1))
+        # Straight into the persistent grad buffer unless a sharded grad must be accumulated into
+        # (the user kept .grad across steps) or the reduce dtype differs from the parameters'.
+        accumulate = any(sp.sharded.grad is not None for sp in self.params)
+        direct = not accumulate and self.reduce_dtype == self.orig_dtype
+        out = self.grad if direct else torch.empty(self.grad.numel(), dtype=self.reduce_dtype, device=self.device)
+        for b, S_b in enumerate(self.layout.buckets):
+            off = self.layout.bucket_local_offset(b)
+            reduce_scatter_avg(out[off : off + S_b], rs_in[W * off : W * (off + S_b)], self.pg)
+        for sp in self.params:
+            if not sp.requires_grad:
+                continue
+            lo, hi = sp.local_offset, sp.local_offset + sp.local_numel
+            if sp.sharded.grad is None:
+                if not direct:
+                    self.grad[lo:hi].copy_(out[lo:hi])
+                sp.sharded.grad = self.grad[lo:hi].view(sp.sharded.shape)
+            else:
+                sp.sharded.grad += out[lo:hi].view(sp.sharded.shape).to(self.orig_dtype)
+            sp.unsharded.grad = None
+        self.grad_gathered = None
+
+    def finish_backward(self) -> None:
+        """After this group's backward: sync (unless accumulating without sync) and reshard."""
+        if not self.backward_pending:
+            return
+        self.backward_pending = False
+        if self.requires_gradient_sync:
+            self.reduce_grads()
+        self.reshard()

@@ -1,0 +1,73 @@
+"""One parameter of a group: where it is registered, its local piece and its unsharded view."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["ParamRef", "ShardedParam", "block_shape"]
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """A place the parameter is registered: ``module._parameters[attr]`` (tied weights have several)."""
+
+    module: nn.Module
+    attr: str
+
+    def set(self, param: nn.Parameter) -> None:
+        # Plain dict assignment: nn.Module.__setattr__ would reject swapping in a non-registered view.
+        self.module._parameters[self.attr] = param
+
+
+def block_shape(shape: tuple[int, ...], start: int, numel: int) -> tuple[int, ...]:
+    """The shape the optimizer sees for elements ``[start, start + numel)`` of a tensor of ``shape``.
+
+    The whole tensor keeps its shape (an owned Muon matrix); whole rows of dim 0 keep the trailing
+    dims (a Shampoo or FP8 stripe ``[rows, cols]``, whole experts ``[k, m, n]``); anything else is
+    a flat run; an empty piece is ``(0,)``.
+    """
+    total = math.prod(shape)
+    if numel == 0:
+        return (0,)
+    if start == 0 and numel == total:
+        return tuple(shape)
+    if len(shape) >= 2:
+        row = math.prod(shape[1:])
+        if row and start % row == 0 and numel % row == 0:
+            return (numel // row, *shape[1:])
+    return (numel,)
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    """A parameter managed by a group.
+
+    ``sharded`` is what ``module.parameters()`` yields between forwards: an ``nn.Parameter``
+    viewing the rank's piece of the persistent local buffer with its block shape.
+    ``unsharded`` is the full parameter during forward/backward: an ``nn.Parameter`` viewing the
+    gathered buffer (its storage is freed while the group is sharded).
+    """
+
+    fqn: str  # name relative to the sharded module
+    refs: list[ParamRef]
+    shape: tuple[int, ...]
+    requires_grad: bool
+    index: int  # index in the group's layout
+    local_start: int = 0  # first element of the tensor held here
+    local_numel: int = 0
+    local_offset: int = 0  # where the piece sits in the local buffer
+    gathered_offset: int = 0  # where the tensor sits in the gathered buffer
+    sharded: nn.Parameter = field(default=None, repr=False)  # type: ignore[assignment]
+    unsharded: nn.Parameter = field(default=None, repr=False)  # type: ignore[assignment]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def set_module_params(self, param: nn.Parameter) -> None:
+        for ref in self.refs:
+            ref.set(param)
