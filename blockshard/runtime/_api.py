@@ -33,8 +33,20 @@ __all__ = [
 ]
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ShardState] = weakref.WeakKeyDictionary()
-# Every sharded and unsharded parameter object the engine made, to its module's class name.
-_MANAGED: weakref.WeakKeyDictionary[nn.Parameter, str] = weakref.WeakKeyDictionary()
+# Parameter objects the engine made (sharded and unsharded) and the original parameters it
+# replaced, by id (tensors compare by value, so they cannot be dictionary keys): a weak reference,
+# the owning module's class name, and whether it is an original.
+_MANAGED: dict[int, tuple[weakref.ref, str, bool]] = {}
+
+
+def _managed_by(p: nn.Parameter) -> tuple[str, bool] | None:
+    hit = _MANAGED.get(id(p))
+    return (hit[1], hit[2]) if hit is not None and hit[0]() is p else None
+
+
+def _manage(p: nn.Parameter, owner: str, *, original: bool = False) -> None:
+    key = id(p)
+    _MANAGED[key] = (weakref.ref(p, lambda _ref: _MANAGED.pop(key, None)), owner, original)
 
 
 class ShardingError(BlockshardError):
@@ -117,9 +129,16 @@ def _collect(module: nn.Module) -> tuple[list[str], list[nn.Parameter], list[lis
 
 def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
     for n, p in zip(names, params):
-        if p in _MANAGED:
+        hit = _managed_by(p)
+        if hit is not None and hit[1]:
             raise ShardingError(
-                f"parameter {n!r} already belongs to a sharded group (of a {_MANAGED[p]}): fully_shard "
+                f"parameter {n!r} is shared with a module already sharded in another group (a {hit[0]}); one "
+                "parameter can live in one group only. Fix: shard the modules that share it in one "
+                "fully_shard call (e.g. leave tied embeddings and head to the root), or untie them"
+            )
+        if hit is not None:
+            raise ShardingError(
+                f"parameter {n!r} already belongs to a sharded group (of a {hit[0]}): fully_shard "
                 "was applied top-down. Fix: apply it bottom-up — layers first, then the root"
             )
         if not p.is_contiguous():
@@ -199,8 +218,10 @@ def fully_shard(
         cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),
     )  # fmt: skip
     _STATES[module] = state
-    for sp in sps:
-        _MANAGED[sp.sharded] = _MANAGED[sp.unsharded] = name
+    for sp, orig in zip(sps, params):
+        _manage(sp.sharded, name)
+        _manage(sp.unsharded, name)
+        _manage(orig, name, original=True)
     state.handles = register_hooks(state, _state_of)
     _bind_methods(module, state)
     return module
