@@ -41,7 +41,18 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--group", help="group name (default: the first group that is not the root)")
     inspect.add_argument("--rank", type=int, help="show the pieces this rank holds")
     inspect.add_argument("--json", action="store_true", help="print the layout as JSON")
-    sub.add_parser("demo", help="the main job: plan a catalog model and compare with FSDP2 / ZeRO")
+    demo = sub.add_parser(
+        "demo", help="the main job: train a tiny Llama on W gloo ranks and check it equals one process bitwise"
+    )
+    demo.add_argument("--world-size", "-W", type=int, default=2, help="number of gloo ranks (default 2)")
+    demo.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    demo.add_argument(
+        "--semantics", default="muon", help="block semantics, as for `plan` (default: muon, whole hidden matrices)"
+    )
+    demo.add_argument(
+        "--optimizer", choices=("adamw", "muon"), default="muon",
+        help="muon (default: torch Muon on the whole hidden matrices each rank owns, AdamW on the rest) or adamw",
+    )  # fmt: skip
     return parser
 
 
@@ -103,17 +114,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from blockshard._render import comparison_table, console
-    from blockshard.planner import compare, model_tensors, plan_model
+    from blockshard._demo import run_demo
 
-    out = console()
-    out.rule("blockshard demo: how Llama-3-8B shards on 1024 ranks")
-    tensors = model_tensors("llama3-8b")
-    for sem in ("bnb8bit", "nf4", "muon"):
-        cmp = compare(plan_model(tensors, 1024, semantics=sem))
-        out.print(comparison_table(cmp, f"llama3-8b · W = 1024 · semantics {sem}"))
-    out.print("Try: blockshard plan --model llama3-405b --world-size 16384 --semantics fp8_block:128")
-    return 0
+    return run_demo(world_size=args.world_size, steps=args.steps, semantics=args.semantics, optimizer=args.optimizer)
 
 
 def _cmd_list(_: argparse.Namespace) -> int:

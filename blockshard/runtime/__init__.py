@@ -8,6 +8,8 @@ from blockshard.runtime._api import (
     fully_shard,
     group_layouts,
     is_sharded,
+    load_full_state_dict,
+    load_sharded_state_dict,
     local_buffers,
     sharded_state_dict,
 )
@@ -22,6 +24,8 @@ __all__ = [
     "fully_shard",
     "group_layouts",
     "is_sharded",
+    "load_full_state_dict",
+    "load_sharded_state_dict",
     "local_buffers",
     "sharded_state_dict",
 ]

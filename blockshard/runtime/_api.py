@@ -28,6 +28,8 @@ __all__ = [
     "local_buffers",
     "full_state_dict",
     "sharded_state_dict",
+    "load_sharded_state_dict",
+    "load_full_state_dict",
     "LocalShard",
     "ShardingError",
 ]
@@ -169,14 +171,15 @@ def fully_shard(
     reshard_after_forward: bool = True,
     mp_policy=None,
     semantics: object = None,
-    alignment_bytes: int = 16,
+    alignment: int = 16,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
 
     Apply bottom-up as with FSDP2: layers first, then the root. ``semantics`` gives each
     parameter its block semantics: a mapping ``glob -> semantics`` on parameter names relative to
     ``module``, a callable ``(name, param) -> semantics | None``, a spec string or rules
-    (default: ``elementwise``). ``mp_policy`` is torch's ``MixedPrecisionPolicy`` (``param_dtype``,
+    (default: ``elementwise``). ``alignment`` is in bytes: every bucket's per-rank segment is a
+    multiple of it (16 suits vectorized kernels and NCCL). ``mp_policy`` is torch's ``MixedPrecisionPolicy`` (``param_dtype``,
     ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``). Returns ``module``, which gains
     ``unshard()``, ``reshard()`` and ``set_requires_gradient_sync()``.
     """
@@ -199,7 +202,7 @@ def fully_shard(
             for n, p, r in zip(names, params, refs)
         ]
         items: list[PlanItem] = resolve_items(specs, _rules(semantics, by_name))
-        layout = plan_group(items, pg.size(), name=name, alignment_bytes=alignment_bytes)
+        layout = plan_group(items, pg.size(), name=name, alignment_bytes=alignment)
     check_same_layout(name, layout.layout_hash() if layout else "empty", pg)
     index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
     sps = [
@@ -314,3 +317,38 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if id(p) not in managed and name not in out:
             out[name] = p.detach().clone()
     return out
+
+
+@torch.no_grad()
+def load_sharded_state_dict(model: nn.Module, state: Mapping[str, LocalShard]) -> None:
+    """Copy local pieces saved by :func:`sharded_state_dict` back (same world size and layout)."""
+    for prefix, st in _states_under(model):
+        for sp in st.group.params:
+            name = _join(prefix, sp.fqn)
+            if name not in state:
+                raise ShardingError(f"state has no entry for parameter {name!r}; it was saved from another model")
+            shard = state[name]
+            if (shard.start, shard.tensor.numel(), tuple(shard.global_shape)) != (sp.local_start, sp.local_numel, sp.shape):
+                raise ShardingError(
+                    f"parameter {name!r}: saved piece [{shard.start}, {shard.start + shard.tensor.numel()}) of "
+                    f"{tuple(shard.global_shape)} does not match this rank's piece [{sp.local_start}, "
+                    f"{sp.local_start + sp.local_numel}) of {sp.shape}: the layout changed (another world size "
+                    "or semantics). Fix: load a full state dict with load_full_state_dict instead"
+                )
+            sp.sharded.copy_(shard.tensor.view(sp.sharded.shape))
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy full tensors (by name, as :func:`full_state_dict` gives them) into the local pieces,
+    at any world size."""
+    for prefix, st in _states_under(model):
+        for sp in st.group.params:
+            name = _join(prefix, sp.fqn)
+            if name not in state:
+                raise ShardingError(f"state has no entry for parameter {name!r}; it was saved from another model")
+            full = state[name]
+            if tuple(full.shape) != sp.shape:
+                raise ShardingError(f"parameter {name!r}: saved shape {tuple(full.shape)} != model shape {sp.shape}")
+            flat = full.reshape(-1)[sp.local_start : sp.local_start + sp.local_numel]
+            sp.sharded.copy_(flat.view(sp.sharded.shape))

@@ -119,3 +119,38 @@ def sharded(rank: int, world: int, kind: str, batch_size: int, options: dict) ->
         "param_shapes": [tuple(p.shape) for p in model.parameters()],
     }
     return {"params": blockshard.full_state_dict(model), "facts": facts}
+
+
+def prefetch_and_state_dicts(rank: int, world: int) -> dict:
+    """Record the all-gathers of step 2 (after the order is known) and return both state dicts."""
+    import blockshard
+    from blockshard.runtime import _api
+    from blockshard.runtime._group import ParamGroup
+
+    model = OddMLP()
+    for block in model.blocks:
+        blockshard.fully_shard(block)
+    blockshard.fully_shard(model)
+    names = {id(_api._state_of(m).group): n for n, m in model.named_modules() if blockshard.is_sharded(m)}
+    events: list[tuple[str, str]] = []
+    real_unshard, real_wait = ParamGroup.unshard, ParamGroup.wait_unshard
+
+    def unshard(self, *, async_op=False):
+        if not self._pending and self.state.value == "sharded":
+            events.append(("issue", names[id(self)], async_op))
+        return real_unshard(self, async_op=async_op)
+
+    def wait_unshard(self):
+        events.append(("wait", names[id(self)], bool(self._pending)))
+        return real_wait(self)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step, batch in enumerate(mlp_batches(2, 8)):
+        if step == 1:
+            ParamGroup.unshard, ParamGroup.wait_unshard = unshard, wait_unshard
+        _mlp_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    ParamGroup.unshard, ParamGroup.wait_unshard = real_unshard, real_wait
+    shards = {k: (v.tensor.clone(), v.start, v.global_shape) for k, v in blockshard.sharded_state_dict(model).items()}
+    return {"events": events, "shards": shards, "full": blockshard.full_state_dict(model)}

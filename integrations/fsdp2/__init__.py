@@ -1,0 +1,56 @@
+"""``blockshard.integrations.fsdp2``: stock ``torch.distributed.fsdp.fully_shard``, made block-aware.
+
+* :func:`fully_shard` / :func:`block_placement_fn`: a ``shard_placement_fn`` that keeps each
+  parameter's units (quantization groups, optimizer blocks) whole where FSDP2's ``torch.chunk``
+  boundaries allow it, marks whole-unit optimizer parameters (Muon's matrices) for owner-compute,
+  and raises :class:`FSDP2PlacementError` naming the parameter where stock FSDP2 cannot be
+  block-aligned (use ``blockshard.fully_shard``, the ragged engine, there).
+* :class:`OwnerComputeOptimizer`: moves the gradient pieces of split units to one owner per unit
+  (``all_to_all_single``), runs an unmodified optimizer (``torch.optim.Muon``, bitsandbytes
+  ``AdamW8bit``, AdamW) on whole units and local views, and moves the new values back.
+
+Example (Muon on hidden matrices, AdamW on the rest)::
+
+    from blockshard.integrations import fsdp2
+
+    for block in model.blocks:
+        fsdp2.fully_shard(block, semantics="muon", root=model)
+    fsdp2.fully_shard(model, semantics="muon")
+    named = list(model.named_parameters())
+    muon = fsdp2.OwnerComputeOptimizer(lambda g: torch.optim.Muon(g, lr=0.02),
+                                       [(n, p) for n, p in named if p.ndim == 2], semantics="matrix")
+    adamw = fsdp2.OwnerComputeOptimizer(lambda g: torch.optim.AdamW(g, lr=1e-3),
+                                        [(n, p) for n, p in named if p.ndim != 2])
+"""
+
+from blockshard.integrations.fsdp2._owner_compute import OwnerComputeError, OwnerComputeOptimizer, build_exchange
+from blockshard.integrations.fsdp2._placement import (
+    FSDP2PlacementError,
+    ParamPlacement,
+    block_placement_fn,
+    decide,
+    dim_split_keeps_units,
+    fully_shard,
+    owner_computable,
+    place,
+    placements,
+    plan_placements,
+    shard0_boundaries,
+)
+
+__all__ = [
+    "fully_shard",
+    "block_placement_fn",
+    "placements",
+    "place",
+    "decide",
+    "plan_placements",
+    "ParamPlacement",
+    "FSDP2PlacementError",
+    "OwnerComputeOptimizer",
+    "OwnerComputeError",
+    "build_exchange",
+    "shard0_boundaries",
+    "dim_split_keeps_units",
+    "owner_computable",
+]
