@@ -50,6 +50,7 @@ def _case(model: str, tensors: list[TensorSpec], W: int, sem: str) -> dict:
         "padding_fraction": plan.padding_fraction,
         "max_segment_over_lower_bound": plan.max_segment_over_lower_bound,
         "num_collectives": sum(len(g.buckets) for g in plan.groups),
+        "max_cost_over_mean": plan.max_cost_over_mean,
         "num_groups": len(plan.groups),
         "plan_seconds": plan.plan_seconds,
         "baselines": {

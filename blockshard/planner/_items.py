@@ -44,8 +44,11 @@ def resolve_items(specs: Iterable[TensorSpec], rules: object = None) -> list[Pla
 
 
 def group_items(items: Sequence[PlanItem]) -> dict[str, list[PlanItem]]:
-    """Items by group name, in first-seen order (a ``None`` group is the root group ``""``)."""
+    """Items by group name (a ``None`` group is the root group ``""``): groups in first-seen
+    order, the root last — the order of bottom-up ``fully_shard`` calls (layers, then the root)."""
     groups: dict[str, list[PlanItem]] = {}
     for it in items:
         groups.setdefault(it.spec.group or "", []).append(it)
+    if "" in groups:
+        groups[""] = groups.pop("")
     return groups

@@ -8,9 +8,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from blockshard._errors import PlanError
 from blockshard.planner._items import PlanItem, group_items, resolve_items
 from blockshard.planner._layout import GroupLayout, TensorPlacement
+from blockshard.planner._balance import balance
 from blockshard.planner._buckets import plan_buckets
 from blockshard.semantics import TensorSpec
 
@@ -85,6 +88,12 @@ class ModelPlan:
     groups: tuple[GroupLayout, ...]
     plan_seconds: float
     items: tuple[PlanItem, ...]
+    cost_per_rank: tuple[float, ...] = ()  # optimizer compute per rank (e.g. Newton-Schulz FLOPs)
+
+    @property
+    def max_cost_over_mean(self) -> float:
+        mean = sum(self.cost_per_rank) / len(self.cost_per_rank) if self.cost_per_rank else 0.0
+        return max(self.cost_per_rank) / mean if mean else 1.0
 
     @property
     def total_numel(self) -> int:
@@ -149,6 +158,7 @@ class ModelPlan:
             "num_collectives": sum(len(g.buckets) for g in self.groups),
             "allgather_bytes_per_rank": self.allgather_bytes_per_rank,
             "plan_seconds": self.plan_seconds,
+            "max_cost_over_mean": self.max_cost_over_mean,
             "layout_hashes": {g.name: g.layout_hash() for g in self.groups} if layouts else None,
         }
         if layouts:
@@ -192,8 +202,11 @@ def plan_model(
     grouped = group_items(items)
     memo: dict = {}
     layouts = []
+    costs = {it.name: it.cost for it in items}
+    running = np.zeros(world_size)  # compute cost per rank so far (see [Note: rotation])
     for i, (gname, gitems) in enumerate(grouped.items()):
-        layouts.append(plan_group(gitems, world_size, name=gname, alignment_bytes=alignment_bytes, _memo=memo))
+        layout = plan_group(gitems, world_size, name=gname, alignment_bytes=alignment_bytes, _memo=memo)
+        layouts.append(balance(layout, costs, running))
         if progress is not None:
             progress(i + 1, len(grouped))
-    return ModelPlan(world_size, tuple(layouts), time.perf_counter() - t0, tuple(items))
+    return ModelPlan(world_size, tuple(layouts), time.perf_counter() - t0, tuple(items), tuple(running.tolist()))

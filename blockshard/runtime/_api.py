@@ -13,7 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 from blockshard._errors import BlockshardError
+import numpy as np
+
 from blockshard.planner import GroupLayout, PlanItem, plan_group, resolve_items
+from blockshard.planner._balance import balance
 from blockshard.runtime._collectives import check_same_layout
 from blockshard.runtime._group import ParamGroup
 from blockshard.runtime._param import ParamRef, ShardedParam
@@ -35,6 +38,9 @@ __all__ = [
 ]
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ShardState] = weakref.WeakKeyDictionary()
+# Optimizer cost per rank of the groups sharded so far, per process group (see [Note: rotation]
+# in planner/_balance.py): every rank makes the same fully_shard calls in the same order.
+_RUNNING_COST: dict[int, np.ndarray] = {}
 # Parameter objects the engine made (sharded and unsharded) and the original parameters it
 # replaced, by id (tensors compare by value, so they cannot be dictionary keys): a weak reference,
 # the owning module's class name, and whether it is an original.
@@ -203,6 +209,8 @@ def fully_shard(
         ]
         items: list[PlanItem] = resolve_items(specs, _rules(semantics, by_name))
         layout = plan_group(items, pg.size(), name=name, alignment_bytes=alignment)
+        running = _RUNNING_COST.setdefault(id(pg), np.zeros(pg.size()))
+        layout = balance(layout, {it.name: it.cost for it in items}, running)
     check_same_layout(name, layout.layout_hash() if layout else "empty", pg)
     index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
     sps = [

@@ -175,10 +175,13 @@ def test_identical_groups_get_identical_layouts_and_plan_fast():
         for name, shape in (("q", (64, 48)), ("up", (96, 48)), ("norm", (48,))):
             specs.append(TensorSpec(name=f"layers.{i}.{name}", shape=shape, group=f"layers.{i}"))
     plan = plan_model(specs, 7, semantics="muon")
-    offsets = {tuple(t.offset for t in g.tensors) for g in plan.groups}
-    assert len(offsets) == 1 and len(plan.groups) == 50
+    assert len({g.buckets for g in plan.groups}) == 1 and len(plan.groups) == 50
     for g in plan.groups:
         g.check()
+        _assert_exact_coverage(g)
+    # identical blocks are rotated against each other, so the Newton-Schulz work spreads out
+    assert len({tuple(t.offset for t in g.tensors) for g in plan.groups}) > 1
+    assert plan.max_cost_over_mean < 1.5
     assert plan.total_numel == sum(s.numel for s in specs)
     assert math.isclose(plan.padding_fraction, 1 - plan.total_numel / plan.padded_numel)
 
@@ -222,3 +225,19 @@ def test_units_of_different_sizes_get_their_own_buckets():
     assert layout.segment_numel == 12 + 6 + 5  # one expert of each, plus the small tensors
     # the gathered offsets of the buckets follow one another
     assert {layout.bucket_gathered_offset(b) for b in range(len(layout.buckets))} >= {0, 8 * layout.buckets[0]}
+
+
+def test_rotation_balances_whole_matrix_work_across_groups():
+    from blockshard.planner._balance import rank_costs
+
+    specs = [
+        TensorSpec(name=f"l.{i}.{n}", shape=s, group=f"l.{i}")
+        for i in range(16)
+        for n, s in (("up", (64, 32)), ("down", (32, 64)), ("q", (32, 32)), ("norm", (32,)))
+    ]
+    plan = plan_model(specs, 8, semantics="muon")
+    costs = {it.name: it.cost for it in plan.items}
+    unrotated = sum(rank_costs(plan_group([it for it in plan.items if it.spec.group == g.name], 8), costs) for g in plan.groups)
+    assert unrotated.max() / unrotated.mean() > 2  # the same ranks would own every block's matrices
+    assert plan.max_cost_over_mean < unrotated.max() / unrotated.mean() / 1.5
+    assert plan.to_json()["max_cost_over_mean"] == plan.max_cost_over_mean

@@ -1,0 +1,120 @@
+"""Block semantics from the optimizer: what each parameter's optimizer needs kept whole.
+
+Build the parameter groups you would give your optimizers *before* sharding, name the optimizer
+of each group, and pass :func:`optimizer_semantics` to ``fully_shard(..., semantics=...)``::
+
+    groups = muon_param_groups(model)             # Muon on hidden matrices, AdamW on the rest
+    semantics = optimizer_semantics(groups)       # matched by parameter identity, not by name
+    for layer in model.model.layers:
+        blockshard.fully_shard(layer, semantics=semantics)
+    blockshard.fully_shard(model, semantics=semantics)
+
+Matching by identity works at every level of bottom-up sharding (names there are relative to the
+module being sharded). The semantics carry a compute cost used for balancing owners: Muon's
+``matrix`` costs the Newton-Schulz FLOPs ``20 m^2 n + 10 m^3`` of an ``m x n`` matrix (``m <= n``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from blockshard._errors import SemanticsError
+from blockshard.semantics import TensorSpec, get_semantics
+from blockshard.semantics._rules import is_embedding_or_head
+
+__all__ = ["OPTIMIZER_SEMANTICS", "semantics_for_optimizer", "optimizer_semantics", "muon_param_groups"]
+
+#: Optimizer name -> the block semantics it needs.
+OPTIMIZER_SEMANTICS: dict[str, str] = {
+    "adamw": "elementwise",
+    "adam": "elementwise",
+    "sgd": "elementwise",
+    "muon": "matrix",  # Newton-Schulz orthogonalizes the whole matrix
+    "bnb8bit": "bnb8bit",  # bitsandbytes Adam8bit / AdamW8bit / ...: 256-blocks, fp32 below 4096
+    "ao8bit": "ao8bit",  # torchao AdamW8bit: 256-blocks, fp32 unless >= 4096 and a multiple
+    "ao4bit": "ao4bit",  # torchao AdamW4bit: 128-blocks
+    "shampoo": "shampoo:1024",  # D x D preconditioner tiles -> D-row stripes
+}
+
+
+def semantics_for_optimizer(optimizer: object) -> str:
+    """The semantics spec for an optimizer given by name (``"muon"``, ``"shampoo:512"``), class
+    or instance (``torch.optim.Muon``, ``bitsandbytes.optim.AdamW8bit``, ``torchao.optim.AdamW8bit``,
+    ``blockshard.optim.BlockedShampoo``)."""
+    if isinstance(optimizer, str):
+        name, _, arg = optimizer.lower().partition(":")
+        if name == "shampoo" and arg:
+            return f"shampoo:{arg}"
+        if name in OPTIMIZER_SEMANTICS:
+            return OPTIMIZER_SEMANTICS[name]
+        raise SemanticsError(
+            f"optimizer={optimizer!r} is not one blockshard knows; known: {sorted(OPTIMIZER_SEMANTICS)}. "
+            "Pass a block semantics directly (fully_shard(..., semantics=...)) for other optimizers"
+        )
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    module, name = cls.__module__, cls.__name__
+    if name == "BlockedShampoo":
+        dim = 1024
+        if not isinstance(optimizer, type):
+            dim = optimizer.defaults["max_preconditioner_dim"]  # type: ignore[attr-defined]
+        return f"shampoo:{dim}"
+    if name == "Muon":
+        return "matrix"
+    if module.startswith("bitsandbytes") and "8bit" in name:
+        return "bnb8bit"
+    if module.startswith("torchao") and name.endswith("8bit"):
+        return "ao8bit"
+    if module.startswith("torchao") and name.endswith("4bit"):
+        return "ao4bit"
+    if module.startswith("torch.optim") and name in ("AdamW", "Adam", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam"):
+        return "elementwise"
+    raise SemanticsError(
+        f"optimizer {module}.{name} is not one blockshard knows; pass its block semantics directly "
+        f"(fully_shard(..., semantics=...)), or one of the names {sorted(OPTIMIZER_SEMANTICS)}"
+    )
+
+
+def optimizer_semantics(param_groups: Iterable[Mapping]) -> Callable[[str, torch.Tensor], str | None]:
+    """``(name, param) -> semantics`` for ``fully_shard``, from groups ``{"params": [...], "optimizer": ...}``.
+
+    A parameter in no group gets ``None`` (element-wise); one in two groups with different
+    needs raises :class:`~blockshard.SemanticsError` naming both.
+    """
+    by_id: dict[int, str] = {}
+    for i, group in enumerate(param_groups):
+        if "params" not in group or "optimizer" not in group:
+            raise SemanticsError(
+                f"param_groups[{i}] has keys {sorted(group)}; each group needs 'params' and 'optimizer' "
+                "(e.g. {'params': [...], 'optimizer': 'muon'})"
+            )
+        spec = semantics_for_optimizer(group["optimizer"])
+        get_semantics(spec)  # fail now on a bad spec, not inside fully_shard
+        for p in group["params"]:
+            if id(p) in by_id and by_id[id(p)] != spec:
+                raise SemanticsError(
+                    f"a parameter of shape {tuple(p.shape)} is in two optimizer groups ({by_id[id(p)]!r} "
+                    f"and {spec!r}); give every parameter to one optimizer"
+                )
+            by_id[id(p)] = spec
+
+    def rule(_name: str, param: torch.Tensor) -> str | None:
+        return by_id.get(id(param))
+
+    return rule
+
+
+def muon_param_groups(model: nn.Module, *, other: str = "adamw") -> list[dict]:
+    """Muon on 2-D hidden weights; embeddings, the output head, norms and biases to ``other``."""
+    muon, rest = [], []
+    for name, p in model.named_parameters():
+        module_type = "Embedding" if isinstance(_owner(model, name), nn.Embedding) else None
+        spec = TensorSpec(name=name, shape=tuple(p.shape), dtype=p.dtype, module_type=module_type)
+        (muon if p.ndim == 2 and not is_embedding_or_head(spec) else rest).append(p)
+    return [{"params": muon, "optimizer": "muon"}, {"params": rest, "optimizer": other}]
+
+
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rpartition(".")[0]) if "." in param_name else model

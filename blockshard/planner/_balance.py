@@ -1,0 +1,91 @@
+"""Cost balancing across groups: rotate a layout by whole segments.
+
+[Note: rotation]
+Every group gives each rank a segment of the same size, but not the same *work*: with whole
+Muon matrices, identical transformer blocks pack identically, so the same ranks would own the
+largest matrices of every block and do most of the Newton-Schulz FLOPs. Rotating a bucket by
+``k`` segments (rank ``r``'s content moves to rank ``(r + k) % W``) keeps every invariant of the
+layout — boundaries inside a tensor move by multiples of ``S_b`` — as long as no tensor spans the
+wrap point, i.e. old position ``(W - k) * S_b``. Groups are planned in order (the engine's
+``fully_shard`` calls come in the same order on every rank), and each picks, among its clean
+rotations (evenly sampled down to ``WORK_BUDGET / loaded ranks``, at least ``MIN_CANDIDATES``),
+the one that minimizes the largest accumulated cost, so the result is deterministic and every
+rank computes the same layouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+from blockshard.planner._layout import GroupLayout
+
+__all__ = ["rank_costs", "clean_rotations", "rotate", "balance"]
+
+MIN_CANDIDATES = 32
+#: Rotations tried per group are capped so that candidates x loaded ranks stays under this.
+WORK_BUDGET = 1 << 17
+#: A group whose per-rank cost is within this fraction of its mean is left as planned.
+IMBALANCE_TOLERANCE = 0.01
+
+
+def rank_costs(layout: GroupLayout, costs: Mapping[str, float]) -> np.ndarray:
+    """Cost each rank carries: a tensor's cost split in proportion to the elements a rank holds."""
+    out = np.zeros(layout.world_size)
+    for t in layout.tensors:
+        if not t.numel:
+            continue
+        S = layout.buckets[t.bucket]
+        per_elem = costs.get(t.name, float(t.numel)) / t.numel
+        r0, r1 = t.offset // S, (t.end - 1) // S
+        if r0 == r1:
+            out[r0] += per_elem * t.numel
+            continue
+        out[r0] += per_elem * ((r0 + 1) * S - t.offset)
+        out[r1] += per_elem * (t.end - r1 * S)
+        out[r0 + 1 : r1] += per_elem * S
+    return out
+
+
+def clean_rotations(layout: GroupLayout) -> np.ndarray:
+    """Rotations ``k`` (in segments) under which every tensor stays contiguous in every bucket."""
+    W = layout.world_size
+    ok = np.ones(W, dtype=bool)  # ok[k]: wrap point (W - k) * S_b is not inside a tensor
+    for t in layout.tensors:
+        S = layout.buckets[t.bucket]
+        first, last = t.offset // S + 1, (t.end - 1) // S  # boundaries strictly inside the tensor
+        if first <= last:
+            ok[(W - np.arange(first, last + 1)) % W] = False
+    return np.flatnonzero(ok)
+
+
+def rotate(layout: GroupLayout, k: int) -> GroupLayout:
+    if k % layout.world_size == 0:
+        return layout
+    W = layout.world_size
+    moved = [
+        dataclasses.replace(t, offset=(t.offset + k * layout.buckets[t.bucket]) % (W * layout.buckets[t.bucket]))
+        for t in layout.tensors
+    ]
+    moved.sort(key=lambda t: (t.bucket, t.offset))
+    return dataclasses.replace(layout, tensors=tuple(moved))
+
+
+def balance(layout: GroupLayout, costs: Mapping[str, float], running: np.ndarray) -> GroupLayout:
+    """Rotate ``layout`` to minimize ``max(running + its per-rank cost)``; adds its cost to ``running``."""
+    W = layout.world_size
+    base = rank_costs(layout, costs)
+    nz = np.flatnonzero(base)  # ranks that carry cost: few when units are coarse
+    best_k = 0
+    if W > 1 and base.max() > base.mean() * (1 + IMBALANCE_TOLERANCE):
+        cands = clean_rotations(layout)  # ascending; 0 first when it is clean
+        limit = max(MIN_CANDIDATES, WORK_BUDGET // max(len(nz), 1))
+        if len(cands) > limit:
+            cands = cands[np.linspace(0, len(cands) - 1, limit).astype(np.int64)]
+        # peak of running + base rolled by k, for every candidate k at once, on the loaded ranks only
+        peaks = np.maximum((running[(nz[None, :] + cands[:, None]) % W] + base[nz]).max(axis=1), running.max())
+        best_k = int(cands[int(np.argmin(peaks))])  # the first (smallest) k on ties
+    running[(nz + best_k) % W] += base[nz]
+    return rotate(layout, best_k)
