@@ -13,7 +13,7 @@ import numpy as np
 from blockshard._errors import PlanError
 from blockshard.planner._items import PlanItem, group_items, resolve_items
 from blockshard.planner._layout import GroupLayout, TensorPlacement
-from blockshard.planner._balance import balance
+from blockshard.planner._balance import balance, rank_costs
 from blockshard.planner._buckets import plan_buckets
 from blockshard.semantics import TensorSpec
 
@@ -74,6 +74,11 @@ def plan_group(
     return GroupLayout(name, world_size, alignment, items[0].spec.dtype, itemsize, lb, buckets, placements)
 
 
+def _peak_over_mean(values: Sequence[float]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else 1.0
+
+
 _DIGITS = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
 
 
@@ -89,11 +94,15 @@ class ModelPlan:
     plan_seconds: float
     items: tuple[PlanItem, ...]
     cost_per_rank: tuple[float, ...] = ()  # optimizer compute per rank (e.g. Newton-Schulz FLOPs)
+    cost_per_rank_unrotated: tuple[float, ...] = ()  # the same had no group been rotated
 
     @property
     def max_cost_over_mean(self) -> float:
-        mean = sum(self.cost_per_rank) / len(self.cost_per_rank) if self.cost_per_rank else 0.0
-        return max(self.cost_per_rank) / mean if mean else 1.0
+        return _peak_over_mean(self.cost_per_rank)
+
+    @property
+    def max_cost_over_mean_unrotated(self) -> float:
+        return _peak_over_mean(self.cost_per_rank_unrotated)
 
     @property
     def total_numel(self) -> int:
@@ -159,6 +168,7 @@ class ModelPlan:
             "allgather_bytes_per_rank": self.allgather_bytes_per_rank,
             "plan_seconds": self.plan_seconds,
             "max_cost_over_mean": self.max_cost_over_mean,
+            "max_cost_over_mean_unrotated": self.max_cost_over_mean_unrotated,
             "layout_hashes": {g.name: g.layout_hash() for g in self.groups} if layouts else None,
         }
         if layouts:
@@ -204,9 +214,13 @@ def plan_model(
     layouts = []
     costs = {it.name: it.cost for it in items}
     running = np.zeros(world_size)  # compute cost per rank so far (see [Note: rotation])
+    unrotated = np.zeros(world_size)  # the same without rotation, for the report
     for i, (gname, gitems) in enumerate(grouped.items()):
         layout = plan_group(gitems, world_size, name=gname, alignment_bytes=alignment_bytes, _memo=memo)
+        unrotated += rank_costs(layout, costs)
         layouts.append(balance(layout, costs, running))
         if progress is not None:
             progress(i + 1, len(grouped))
-    return ModelPlan(world_size, tuple(layouts), time.perf_counter() - t0, tuple(items), tuple(running.tolist()))
+    return ModelPlan(
+        world_size, tuple(layouts), time.perf_counter() - t0, tuple(items), tuple(running.tolist()), tuple(unrotated.tolist())
+    )
