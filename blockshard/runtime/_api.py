@@ -38,9 +38,26 @@ __all__ = [
 ]
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ShardState] = weakref.WeakKeyDictionary()
+# [Note: cost tally]
 # Optimizer cost per rank of the groups sharded so far, per process group (see [Note: rotation]
-# in planner/_balance.py): every rank makes the same fully_shard calls in the same order.
-_RUNNING_COST: dict[int, np.ndarray] = {}
+# in planner/_balance.py): every rank makes the same fully_shard calls in the same order, so every
+# rank rotates the same way. The tally belongs to one model: it restarts after a call that shards
+# a module containing every module tallied so far (the root, sharded last), so a second model
+# built in the same process gets the same layouts as the first.
+_TALLY: dict[int, tuple[np.ndarray, list[weakref.ref]]] = {}
+
+
+def _balanced(layout: GroupLayout | None, items: list[PlanItem], module: nn.Module, pg: dist.ProcessGroup):
+    running, tallied = _TALLY.setdefault(id(pg), (np.zeros(pg.size()), []))
+    if layout is not None:
+        layout = balance(layout, {it.name: it.cost for it in items}, running)
+    inside = {id(m) for m in module.modules()}
+    alive = [ref() for ref in tallied if ref() is not None]
+    if alive and all(id(m) in inside for m in alive):
+        del _TALLY[id(pg)]  # ``module`` contains everything tallied: it is this model's root
+    else:
+        tallied.append(weakref.ref(module))
+    return layout
 # Parameter objects the engine made (sharded and unsharded) and the original parameters it
 # replaced, by id (tensors compare by value, so they cannot be dictionary keys): a weak reference,
 # the owning module's class name, and whether it is an original.
@@ -209,8 +226,7 @@ def fully_shard(
         ]
         items: list[PlanItem] = resolve_items(specs, _rules(semantics, by_name))
         layout = plan_group(items, pg.size(), name=name, alignment_bytes=alignment)
-        running = _RUNNING_COST.setdefault(id(pg), np.zeros(pg.size()))
-        layout = balance(layout, {it.name: it.cost for it in items}, running)
+    layout = _balanced(layout, items if params else [], module, pg)
     check_same_layout(name, layout.layout_hash() if layout else "empty", pg)
     index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
     sps = [
@@ -327,36 +343,36 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-@torch.no_grad()
-def load_sharded_state_dict(model: nn.Module, state: Mapping[str, LocalShard]) -> None:
-    """Copy local pieces saved by :func:`sharded_state_dict` back (same world size and layout)."""
+def _entries(model: nn.Module, state: Mapping[str, object]):
+    """``(name, sharded param, saved entry)`` for every parameter of every group under ``model``."""
     for prefix, st in _states_under(model):
         for sp in st.group.params:
             name = _join(prefix, sp.fqn)
             if name not in state:
                 raise ShardingError(f"state has no entry for parameter {name!r}; it was saved from another model")
-            shard = state[name]
-            if (shard.start, shard.tensor.numel(), tuple(shard.global_shape)) != (sp.local_start, sp.local_numel, sp.shape):
-                raise ShardingError(
-                    f"parameter {name!r}: saved piece [{shard.start}, {shard.start + shard.tensor.numel()}) of "
-                    f"{tuple(shard.global_shape)} does not match this rank's piece [{sp.local_start}, "
-                    f"{sp.local_start + sp.local_numel}) of {sp.shape}: the layout changed (another world size "
-                    "or semantics). Fix: load a full state dict with load_full_state_dict instead"
-                )
-            sp.sharded.copy_(shard.tensor.view(sp.sharded.shape))
+            yield name, sp, state[name]
+
+
+@torch.no_grad()
+def load_sharded_state_dict(model: nn.Module, state: Mapping[str, LocalShard]) -> None:
+    """Copy local pieces saved by :func:`sharded_state_dict` back (same world size and layout)."""
+    for name, sp, shard in _entries(model, state):
+        if (shard.start, shard.tensor.numel(), tuple(shard.global_shape)) != (sp.local_start, sp.local_numel, sp.shape):
+            raise ShardingError(
+                f"parameter {name!r}: saved piece [{shard.start}, {shard.start + shard.tensor.numel()}) of "
+                f"{tuple(shard.global_shape)} does not match this rank's piece [{sp.local_start}, "
+                f"{sp.local_start + sp.local_numel}) of {sp.shape}: the layout changed (another world size "
+                "or semantics). Fix: load a full state dict with load_full_state_dict instead"
+            )
+        sp.sharded.copy_(shard.tensor.view(sp.sharded.shape))
 
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Copy full tensors (by name, as :func:`full_state_dict` gives them) into the local pieces,
     at any world size."""
-    for prefix, st in _states_under(model):
-        for sp in st.group.params:
-            name = _join(prefix, sp.fqn)
-            if name not in state:
-                raise ShardingError(f"state has no entry for parameter {name!r}; it was saved from another model")
-            full = state[name]
-            if tuple(full.shape) != sp.shape:
-                raise ShardingError(f"parameter {name!r}: saved shape {tuple(full.shape)} != model shape {sp.shape}")
-            flat = full.reshape(-1)[sp.local_start : sp.local_start + sp.local_numel]
-            sp.sharded.copy_(flat.view(sp.sharded.shape))
+    for name, sp, full in _entries(model, state):
+        if tuple(full.shape) != sp.shape:
+            raise ShardingError(f"parameter {name!r}: saved shape {tuple(full.shape)} != model shape {sp.shape}")
+        flat = full.reshape(-1)[sp.local_start : sp.local_start + sp.local_numel]
+        sp.sharded.copy_(flat.view(sp.sharded.shape))
