@@ -9,10 +9,10 @@ Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
     Unsharded parameters are views into it; its storage is resized to 0 on reshard and back
     before the next all-gather, so the views (and autograd's saved references) stay valid.
   * ``grad``   [S], original dtype: the persistent local gradient; sharded ``.grad`` views it.
-  * ``grad_gathered`` [W * S], reduce dtype: the reduce-scatter input. When the reduce dtype is
-    the param dtype, unsharded ``.grad`` are preset views into it and autograd accumulates in
-    place (no copy-in); otherwise gradients are cast into it just before the reduce-scatter.
-Holes in ``gathered`` and ``grad_gathered`` are padding: zeros that never reach a parameter.
+  * the reduce-scatter input [W * S], reduce dtype: allocated when the group's gradients are all
+    in, filled from the unsharded ``.grad`` (autograd's own tensors, accumulated across
+    micro-batches without sync) and freed after the reduce-scatter.
+Holes are padding: zeros that never reach a parameter.
 """
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ class ParamGroup:
         self.grad = torch.zeros(S, dtype=self.orig_dtype, device=self.device)  # [S]
         self.send = self.local if self.param_dtype == self.orig_dtype else torch.empty(S, dtype=self.param_dtype, device=self.device)
         self.gathered = torch.empty(W * S, dtype=self.param_dtype, device=self.device)  # [W*S]
-        self.grad_gathered: torch.Tensor | None = None  # [W*S], reduce dtype, during backward
-        self.zero_copy_grads = self.reduce_dtype == self.param_dtype
+        self._holes = _holes(layout)  # gathered ranges no tensor covers
         self._init_views(originals)
         self._free_gathered()
 
@@ -151,35 +150,34 @@ class ParamGroup:
 
     # -- gradients --------------------------------------------------------------------------------
     def prepare_grads(self) -> None:
-        """Before backward: give unsharded params ``.grad`` views into ``grad_gathered`` (zero-copy)."""
+        """Before this group's backward: start counting its gradients."""
         self.backward_pending = True
         self.num_grads_ready = 0
-        if self.layout is None or not self.zero_copy_grads:
-            return
-        if self.grad_gathered is None:
-            self.grad_gathered = torch.zeros(self.gathered.numel(), dtype=self.reduce_dtype, device=self.device)
-        for sp in self.params:
-            if sp.requires_grad and sp.unsharded.grad is None:
-                sp.unsharded.grad = self.grad_gathered[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape)
 
     @property
     def num_grads_expected(self) -> int:
         return sum(sp.requires_grad for sp in self.params)
 
     def reduce_grads(self) -> None:
-        """Reduce-scatter (average) the unsharded gradients into ``grad``; set sharded ``.grad``."""
+        """Reduce-scatter (average) the unsharded gradients into ``grad``; set sharded ``.grad``.
+
+        Gradients are packed into the reduce-scatter input in the gathered layout (one copy, cast
+        to the reduce dtype, as FSDP2's ``chunk_cat``), each freed right after; holes and
+        parameters without a gradient are zero-filled.
+        """
         W = self.world_size
         if self.layout is None:
             return
-        if self.zero_copy_grads:
-            if self.grad_gathered is None:  # no backward touched this group
-                return
-            rs_in = self.grad_gathered
-        else:
-            rs_in = torch.zeros(self.gathered.numel(), dtype=self.reduce_dtype, device=self.device)
-            for sp in self.params:
-                if sp.unsharded.grad is not None:
-                    rs_in[sp.gathered_offset : sp.gathered_offset + sp.numel].copy_(sp.unsharded.grad.reshape(-1))
+        rs_in = torch.empty(self.gathered.numel(), dtype=self.reduce_dtype, device=self.device)  # [W*S]
+        for lo, hi in self._holes:
+            rs_in[lo:hi].zero_()
+        for sp in self.params:
+            dst = rs_in[sp.gathered_offset : sp.gathered_offset + sp.numel]
+            if sp.unsharded.grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(sp.unsharded.grad.reshape(-1))
+                sp.unsharded.grad = None
         # Straight into the persistent grad buffer unless a sharded grad must be accumulated into
         # (the user kept .grad across steps) or the reduce dtype differs from the parameters'.
         accumulate = any(sp.sharded.grad is not None for sp in self.params)
@@ -198,14 +196,28 @@ class ParamGroup:
                 sp.sharded.grad = self.grad[lo:hi].view(sp.sharded.shape)
             else:
                 sp.sharded.grad += out[lo:hi].view(sp.sharded.shape).to(self.orig_dtype)
-            sp.unsharded.grad = None
-        self.grad_gathered = None
 
     def finish_backward(self) -> None:
         """After this group's backward: sync (unless accumulating without sync) and reshard."""
         if not self.backward_pending:
             return
         self.backward_pending = False
+        self.reshard()  # free the gathered parameters before the reduce-scatter needs its output
         if self.requires_gradient_sync:
             self.reduce_grads()
-        self.reshard()
+
+
+def _holes(layout: GroupLayout) -> list[tuple[int, int]]:
+    """Ranges of the gathered buffer that hold no tensor (padding between and after tensors)."""
+    out, W = [], layout.world_size
+    for b, S_b in enumerate(layout.buckets):
+        base, end = layout.bucket_gathered_offset(b), layout.bucket_gathered_offset(b) + W * S_b
+        pos = base
+        for t in layout.tensors:
+            if t.bucket == b:
+                if base + t.offset > pos:
+                    out.append((pos, base + t.offset))
+                pos = base + t.end
+        if pos < end:
+            out.append((pos, end))
+    return out

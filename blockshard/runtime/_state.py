@@ -10,7 +10,7 @@ Forward, per sharded module in forward order:
      the root and a backward follows.
 Backward, in reverse:
   3. pre-backward (first gradient reaching the module's outputs): all-gather again if resharded,
-     preset unsharded ``.grad`` views, prefetch the group before this one.
+     start counting the group's gradients, prefetch the group before this one.
   4. post-accumulate-grad hooks count this group's gradients; when all have arrived, the group
      reduce-scatters (unless gradient sync is off) and reshards.
   5. the root queues a final callback at its first pre-backward: it finishes every group whose
