@@ -1,0 +1,138 @@
+"""The ``"blockshard": {...}`` section of a DeepSpeed JSON config, and the DeepSpeed version guard.
+
+Keys (all optional)::
+
+    "blockshard": {
+        "enabled": true,                     # false: plain DeepSpeed (the section is ignored)
+        "semantics": {"*weight": "bnb8bit"}, # rules: a mapping glob -> spec, a spec string
+                                             # ("bnb8bit", "matrix", "*.mlp.*=nf4,bnb8bit") or a list of them
+        "alignment": 16,                     # bytes: parameter starts and partition size are multiples
+        "allow_untested_deepspeed": false    # run on a DeepSpeed version the hook was not tested with
+    }
+
+DeepSpeed 0.19.8 ignores unknown top-level keys (``DeepSpeedConfig`` reads the keys it knows and
+never checks for others; ``tests/integrations/test_deepspeed.py`` asserts this), so the section is
+passed on to DeepSpeed unchanged. Every error is a :class:`DeepSpeedHookError` (a ``ValueError``)
+whose message names the key, e.g. ``blockshard.alignment``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from blockshard._errors import BlockshardError
+from blockshard.semantics import SemanticsRules
+
+__all__ = ["SECTION", "TESTED_DEEPSPEED_VERSIONS", "ALLOW_UNTESTED_ENV", "DeepSpeedHookError", "HookConfig",
+           "parse_section", "load_config", "find_config", "check_deepspeed_version"]
+
+SECTION = "blockshard"
+#: DeepSpeed versions the hook was tested with (it patches private internals of ZeRO-1/2).
+TESTED_DEEPSPEED_VERSIONS: tuple[str, ...] = ("0.19.8",)
+#: Setting this environment variable to 1 has the effect of ``"allow_untested_deepspeed": true``.
+ALLOW_UNTESTED_ENV = "BLOCKSHARD_ALLOW_UNTESTED_DEEPSPEED"
+_KEYS = ("enabled", "semantics", "alignment", "allow_untested_deepspeed")
+
+
+class DeepSpeedHookError(BlockshardError):
+    """Bad ``blockshard`` config, an unsupported DeepSpeed setup or version (the message says which)."""
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """The parsed section. ``rules`` is what :meth:`SemanticsRules.coerce` made of ``semantics``."""
+
+    enabled: bool = True
+    semantics: object = None
+    rules: SemanticsRules = field(default_factory=SemanticsRules)
+    alignment: int = 16
+    allow_untested_deepspeed: bool = False
+
+
+def _bool(key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise DeepSpeedHookError(f"{SECTION}.{key}={value!r} must be true or false")
+    return value
+
+
+def parse_section(section: object) -> HookConfig:
+    """Validate a ``"blockshard"`` section (a mapping; ``None`` means defaults)."""
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        raise DeepSpeedHookError(
+            f"{SECTION}={section!r} must be a JSON object such as "
+            '{"semantics": {"*weight": "bnb8bit"}}')
+    unknown = sorted(set(section) - set(_KEYS))
+    if unknown:
+        raise DeepSpeedHookError(f"{SECTION}.{unknown[0]} is not a known key; known keys: {', '.join(_KEYS)}")
+    enabled = _bool("enabled", section.get("enabled", True))
+    allow = _bool("allow_untested_deepspeed", section.get("allow_untested_deepspeed", False))
+    alignment = section.get("alignment", 16)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+        raise DeepSpeedHookError(f"{SECTION}.alignment={alignment!r} must be a power of two number of bytes "
+                                 "(e.g. 16)")
+    semantics = section.get("semantics")
+    raw = semantics
+    if isinstance(semantics, Sequence) and not isinstance(semantics, str):
+        if not all(isinstance(x, str) for x in semantics):
+            raise DeepSpeedHookError(f"{SECTION}.semantics={semantics!r}: a list must hold spec strings "
+                                     "such as '*.mlp.*=bnb8bit'")
+        semantics = ",".join(semantics) if semantics else None
+    if semantics is not None and not isinstance(semantics, (str, Mapping)):
+        raise DeepSpeedHookError(f"{SECTION}.semantics={semantics!r} must be a spec string ('bnb8bit'), a "
+                                 "mapping glob -> spec ({'*weight': 'bnb8bit'}) or a list of spec strings")
+    if isinstance(semantics, Mapping) and not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in semantics.items()):
+        raise DeepSpeedHookError(f"{SECTION}.semantics={semantics!r}: globs and specs must be strings")
+    try:
+        rules = SemanticsRules.coerce(semantics)
+    except ValueError as e:
+        raise DeepSpeedHookError(f"{SECTION}.semantics={raw!r} is invalid: {e}") from None
+    return HookConfig(enabled, raw, rules, alignment, allow)
+
+
+def load_config(config: object) -> dict:
+    """A DeepSpeed config as a dict: a dict as is, a path (str or ``os.PathLike``) read by DeepSpeed's loader."""
+    if isinstance(config, Mapping):
+        return config if isinstance(config, dict) else dict(config)
+    if isinstance(config, os.PathLike):
+        config = os.fspath(config)
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    return load_ds_config(config)
+
+
+def find_config(args: object = None, config: object = None, config_params: object = None):
+    """The config ``deepspeed.initialize`` will use: ``config``, ``config_params`` or ``args.deepspeed_config``.
+
+    Returns ``(which, value)`` with ``which`` one of ``"config"``, ``"config_params"``, ``"args"`` or
+    ``(None, None)`` when there is none (DeepSpeed then raises its own error).
+    """
+    if config is not None:
+        return "config", config
+    if config_params is not None:
+        return "config_params", config_params
+    for attr in ("deepspeed_config", "deepscale_config"):
+        value = getattr(args, attr, None) if args is not None else None
+        if value is not None:
+            return "args", value
+    return None, None
+
+
+def check_deepspeed_version(allow_untested: bool = False) -> str:
+    """Return ``deepspeed.__version__``; raise unless it is tested or ``allow_untested`` (or the env var)."""
+    import deepspeed
+
+    version = str(deepspeed.__version__)
+    base = version.split("+")[0]
+    if base in TESTED_DEEPSPEED_VERSIONS or allow_untested or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        return version
+    raise DeepSpeedHookError(
+        f"blockshard's DeepSpeed hook patches ZeRO-1/2 internals (DeepSpeedZeroOptimizer's flat layout) and "
+        f"was tested with DeepSpeed {', '.join(TESTED_DEEPSPEED_VERSIONS)}; this is DeepSpeed {version}. "
+        f"Install deepspeed=={TESTED_DEEPSPEED_VERSIONS[-1]}, or set \"{SECTION}\": "
+        "{\"allow_untested_deepspeed\": true} in the DeepSpeed config (or "
+        f"{ALLOW_UNTESTED_ENV}=1) to run anyway and check the results yourself")

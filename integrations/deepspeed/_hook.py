@@ -1,0 +1,324 @@
+"""The ZeRO-1/2 hook: a ``DeepSpeedZeroOptimizer`` subclass with a block-aligned flat layout.
+
+What stock DeepSpeed 0.19.8 does (``deepspeed/runtime/zero/stage_1_and_2.py``): per optimizer
+parameter group, ``__init__`` flattens the parameters in order (``round_robin_bit16_groups``, with
+``round_robin_bit16_padding[i][j]`` zeros after parameter ``j``, non-zero only with
+``zero_optimization.parameter_alignment``) by ``flatten_dense_tensors_aligned``, pads the buffer to
+a multiple of ``2 * W`` and gives rank ``r`` the slice ``[r*S, (r+1)*S)`` with
+``S = len(flat) // W`` (``get_data_parallel_partitions``). The inner optimizer sees one flat fp32
+tensor per group (``single_partition_of_fp32_groups[i]``). Everything downstream reads the layout
+from those lists -- ``get_partition_info``, ``initialize_gradient_partition`` (where each gradient
+lands: ``grad_partition_insertion_offset`` / ``grad_start_offset``), ``average_tensor``,
+``get_flat_partition``'s padded path, ``get_grad_position``, ``_link_all_hp_params``, the
+checkpoint's ``PARAM_ALIGNMENT_PADDINGS`` check -- except two values computed inline in
+``__init__``: ``padded_group_numel`` (only used for ``groups_padding``, which this hook recomputes)
+and the stock padding itself (replaced in place, see below).
+
+The hook (:class:`BlockshardZeroOptimizer`):
+
+1. **Layout.** ``flatten_dense_tensors_aligned`` is called once per group from ``__init__`` with the
+   group's ``param_padding`` list (the same list object as ``round_robin_bit16_padding[i]``); the
+   override computes :func:`~._layout.ordered_layout` for the group (semantics rules resolved on
+   the parameters' names and shapes) and writes the holes into that list and the starts into
+   ``round_robin_bit16_offsets[i]`` *in place*, then builds the buffer of ``W * S`` elements. Every
+   partition boundary then falls on an allowed cut (multiples of 256 and no piece below 4096 for
+   ``bnb8bit``; never inside a matrix for ``matrix``).
+2. **Per-parameter views.** After ``__init__`` the inner optimizer's group ``i`` holds, instead of
+   the one flat tensor, one view of that tensor per parameter piece in this rank's partition: a
+   whole parameter with its shape (a matrix stays 2-D for Muon), a piece of a split parameter as
+   1-D. ``_optimizer_step`` points each view's ``.grad`` at the matching slice of the flat
+   gradient partition. So an unmodified optimizer computes on each parameter what it computes on
+   one process: bitsandbytes' 8-bit state starts its 256-blocks at each parameter's start and keeps
+   fp32 state for parameters below 4096 elements exactly as on one process (over one flat tensor it
+   would quantize every parameter, small ones included, in blocks straddling parameters), and Muon
+   orthogonalizes whole matrices with momentum only on the rank that owns each matrix.
+3. ``groups_padding`` is recomputed (checkpoints strip it); ``state_dict`` records the layout and
+   ``load_state_dict`` refuses optimizer state or fp32 weights saved with another layout (another
+   world size, semantics or parameter set) with a :class:`DeepSpeedHookError`.
+
+Refused with a :class:`DeepSpeedHookError` (not silently wrong): ZeRO-3 (see
+:data:`ZERO3_REFUSAL`), optimizer offload, ZenFlow, MoE groups, ``elastic_checkpoint``, DeepSpeed's
+own ``MuonWithAuxAdam`` and ``Adagrad`` (both assume the single flat tensor), Muon-like inner
+optimizers whose matrices would be split (use ``"semantics": "matrix"``), and engines whose ZeRO-1/2
+optimizer is not DeepSpeedZeroOptimizer (bf16 ZeRO-1 with fp32 gradient accumulation uses
+``BF16_Optimizer``). Not supported with the hook: universal checkpoints and
+``deepspeed.utils.safe_get_full_optimizer_state`` (both assume one flat state tensor per group).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from blockshard.planner import alignment_elements
+from blockshard.semantics import TensorSpec
+
+from blockshard.integrations.deepspeed._config import DeepSpeedHookError, HookConfig
+from blockshard.integrations.deepspeed._layout import OrderedLayout, ordered_layout
+
+__all__ = ["hooked_classes", "BlockshardZeroOptimizer", "ZERO3_REFUSAL", "LAYOUT_KEY", "pending"]
+
+LAYOUT_KEY = "blockshard_layout"
+
+# ZeRO-3 keeps DeepSpeed's per-parameter partition ceil(numel / W), recomputed independently in
+# several places of DeepSpeed 0.19.8; aligning it to units would need all of them patched together.
+ZERO3_REFUSAL = (
+    "ZeRO stage 3 is not supported by blockshard's DeepSpeed hook. DeepSpeed 0.19.8 partitions every "
+    "parameter on its own into ceil(numel / W) elements per rank and recomputes that size independently in "
+    "deepspeed/runtime/zero/partition_parameters.py (_padding_size/_aligned_size, lines 1690-1696; "
+    "_partition_param, lines 1816-1817; _partition_param_sec, lines 1909-1910; _all_gather_sequential, "
+    "line 1376: math.ceil(param.ds_numel / world_size)), deepspeed/runtime/zero/stage3.py "
+    "(__avg_scatter_contiguous_grads, line 1892, and _muon_update_sub_group, line 1796: "
+    "math.ceil(grad.numel() / world_sz)) and deepspeed/runtime/comm/coalesced_collectives.py "
+    "(reduce_scatter_coalesced, lines 95 and 100), so partitions cannot be unit-aligned without patching all "
+    "of them consistently, and blockshard's owner-compute path for stage 3 is not implemented. Use ZeRO "
+    "stage 1 or 2 with the hook, or blockshard.integrations.fsdp2 / blockshard.fully_shard to shard "
+    "parameters.")
+
+
+@dataclass
+class _Pending:
+    config: HookConfig
+    module_types: dict[int, str] = field(default_factory=dict)
+
+
+_LOCAL = threading.local()
+
+
+def pending() -> _Pending | None:
+    return getattr(_LOCAL, "pending", None)
+
+
+def set_pending(value: _Pending | None) -> None:
+    _LOCAL.pending = value
+
+
+@dataclass
+class _View:
+    param_index: int  # index in round_robin_bit16_groups[i]
+    name: str
+    tensor: torch.Tensor  # a view of the flat fp32 partition, with the parameter's shape when whole
+    seg_offset: int
+    numel: int
+    whole: bool
+
+
+@dataclass
+class _GroupState:
+    layout: OrderedLayout
+    names: list[str]
+    labels: list[str]
+    views: list[_View] = field(default_factory=list)
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def hooked_classes() -> dict[str, type]:
+    """``{"zero12": BlockshardZeroOptimizer, "zero3": the refusing stage-3 class}`` (created on first use)."""
+    if not _CLASSES:
+        _CLASSES["zero12"] = _make_zero12()
+        _CLASSES["zero3"] = _make_zero3()
+    return _CLASSES
+
+
+def __getattr__(name: str):
+    if name == "BlockshardZeroOptimizer":
+        return hooked_classes()["zero12"]
+    raise AttributeError(name)
+
+
+def _make_zero3():
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    class BlockshardRefusedStage3(DeepSpeedZeroOptimizer_Stage3):
+        def __init__(self, *args, **kwargs):
+            raise DeepSpeedHookError(ZERO3_REFUSAL)
+
+    return BlockshardRefusedStage3
+
+
+def _refuse_unsupported(init_optimizer, kwargs: dict) -> None:
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+    off = kwargs.get("offload_optimizer_config")
+    if off is not None and getattr(off, "device", OffloadDeviceEnum.none) != OffloadDeviceEnum.none:
+        raise DeepSpeedHookError("zero_optimization.offload_optimizer is not supported by blockshard's DeepSpeed "
+                                 "hook (its CPU-gradient path was not verified); remove it or the blockshard section")
+    if kwargs.get("zenflow_config") is not None:
+        raise DeepSpeedHookError("ZenFlow is not supported by blockshard's DeepSpeed hook")
+    if kwargs.get("has_moe_layers"):
+        raise DeepSpeedHookError("MoE layers (expert parameter groups) are not supported by blockshard's "
+                                 "DeepSpeed hook")
+    if kwargs.get("elastic_checkpoint"):
+        raise DeepSpeedHookError(
+            "zero_optimization.elastic_checkpoint merges one flat optimizer state per group across ranks; with "
+            "the blockshard hook the state is per parameter piece: set elastic_checkpoint to false")
+    name = type(init_optimizer).__name__
+    if name == "MuonWithAuxAdam" or isinstance(init_optimizer, torch.optim.Adagrad):
+        raise DeepSpeedHookError(
+            f"inner optimizer {name} assumes DeepSpeed's single flat tensor per group; with blockshard use "
+            "torch.optim.Muon (with \"semantics\": \"matrix\") or another torch/bitsandbytes optimizer")
+    for g in init_optimizer.param_groups:
+        for p in g["params"]:
+            if getattr(p, "use_muon", False):
+                raise DeepSpeedHookError(
+                    "parameters tagged use_muon select DeepSpeed's own flat-partition Muon path, which the "
+                    "blockshard hook does not support; pass torch.optim.Muon as the optimizer instead")
+
+
+def _make_zero12():
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    class BlockshardZeroOptimizer(DeepSpeedZeroOptimizer):
+        """DeepSpeedZeroOptimizer with a block-aligned layout and per-parameter views (module docstring)."""
+
+        def __init__(self, init_optimizer, *args, **kwargs):
+            p = pending()
+            if p is None:
+                raise DeepSpeedHookError("BlockshardZeroOptimizer is created by blockshard.integrations.deepspeed."
+                                         "initialize(); do not construct it directly")
+            _refuse_unsupported(init_optimizer, kwargs)
+            self._bs_config = p.config
+            self._bs_module_types = p.module_types
+            self._bs_groups: list[_GroupState] = []
+            self._bs_building = True
+            super().__init__(init_optimizer, *args, **kwargs)
+            self._bs_building = False
+            self._bs_finish()
+
+        # -- layout ------------------------------------------------------------------------------
+        def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
+            if not getattr(self, "_bs_building", False) or param_padding is None:
+                return super().flatten_dense_tensors_aligned(tensor_list, alignment, use_cpu_data, param_padding)
+            i = len(self.bit16_groups_flat)
+            params = self.round_robin_bit16_groups[i]
+            metas = self.round_robin_bit16_meta[i]
+            assert len(params) == len(tensor_list) == len(param_padding), "unexpected DeepSpeed flatten call"
+            w = dist.get_world_size(group=self.real_dp_process_group[i])
+            dtype = metas[0].dtype
+            itemsize = torch.tensor([], dtype=dtype).element_size()
+            align = math.lcm(alignment_elements(self._bs_config.alignment, itemsize), self.nccl_start_alignment_factor)
+            names, grids, labels = [], [], []
+            for j, (param, meta) in enumerate(zip(params, metas)):
+                name = self.param_names.get(param) or f"param_group{i}.{j}"
+                spec = TensorSpec(name=name, shape=tuple(meta.shape), dtype=dtype,
+                                  module_type=self._bs_module_types.get(id(param)), param_group=i)
+                res = self._bs_config.rules.resolve(spec)
+                names.append(name)
+                grids.append(res.grid)
+                labels.append(res.label)
+            layout = ordered_layout(grids, w, align)
+            assert layout.total % alignment == 0, (layout.total, alignment)
+            param_padding[:] = layout.paddings
+            self.round_robin_bit16_offsets[i][:] = list(layout.starts)
+            src = [p.cpu_data for p in params] if use_cpu_data else list(tensor_list)
+            pieces = []
+            for t, pad in zip(src, param_padding):
+                pieces.append(t.contiguous().view(-1))
+                if pad:
+                    pieces.append(torch.zeros(pad, dtype=t.dtype, device=t.device))
+            self._bs_groups.append(_GroupState(layout, names, labels))
+            return self.flatten(pieces)
+
+        def _bs_finish(self) -> None:
+            inner_name = type(self.optimizer).__name__.lower()
+            for i, gs in enumerate(self._bs_groups):
+                rank = dist.get_rank(group=self.real_dp_process_group[i])
+                lay = gs.layout
+                assert self.partition_size[i] == lay.segment, (self.partition_size[i], lay.segment)
+                # padding at the end of this rank's partition (what checkpoints strip)
+                last_end = max((s + n for s, n in zip(lay.starts, lay.numels)), default=0)
+                lo, hi = rank * lay.segment, (rank + 1) * lay.segment
+                self.groups_padding[i] = hi - min(max(last_end, lo), hi)
+                flat = self.single_partition_of_fp32_groups[i]
+                params = self.round_robin_bit16_groups[i]
+                base = flat.detach()
+                gs.views = []
+                for t, t_off, seg_off, n in lay.pieces(rank):
+                    shape = tuple(self.round_robin_bit16_meta[i][t].shape)
+                    whole = n == lay.numels[t]
+                    v = base.narrow(0, seg_off, n)
+                    if whole:
+                        v = v.view(shape)
+                    elif "muon" in inner_name and len(shape) >= 2:
+                        raise DeepSpeedHookError(
+                            f"parameter {gs.names[t]!r} of shape {shape} is split across ZeRO partitions "
+                            f"(semantics {gs.labels[t]!r}), but the inner optimizer {type(self.optimizer).__name__} "
+                            "needs whole matrices: set \"blockshard\": {\"semantics\": \"matrix\"} (or a rule "
+                            "giving that parameter 'matrix')")
+                    gs.views.append(_View(t, gs.names[t], v, seg_off, n, whole))
+                self.optimizer.param_groups[i]["params"] = [v.tensor for v in gs.views]
+
+        def _bs_refresh_views(self, i: int) -> None:
+            """Re-point the views if DeepSpeed replaced the fp32 partition's storage (keeps state keys)."""
+            flat = self.single_partition_of_fp32_groups[i]
+            gs = self._bs_groups[i]
+            if gs.views and gs.views[0].tensor.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+                base = flat.detach()
+                for v in gs.views:
+                    nv = base.narrow(0, v.seg_offset, v.numel)
+                    v.tensor.data = nv.view(v.tensor.shape)
+
+        # -- step ---------------------------------------------------------------------------------
+        def _optimizer_step(self, group_no):
+            self._bs_refresh_views(group_no)
+            grad = self.single_partition_of_fp32_groups[group_no].grad
+            views = self._bs_groups[group_no].views
+            try:
+                for v in views:
+                    v.tensor.grad = None if grad is None else grad.narrow(0, v.seg_offset, v.numel).view(v.tensor.shape)
+                return super()._optimizer_step(group_no)
+            finally:
+                for v in views:
+                    v.tensor.grad = None
+
+        def _lazy_init_hp_params_optimizer_state(self):
+            # DeepSpeed links optimizer state of the one flat tensor per group to the parameters
+            # (safe_get_full_optimizer_state); with per-parameter views there is no such tensor.
+            self._hp_optimizer_states_linked = True
+
+        # -- checkpoints ----------------------------------------------------------------------------
+        def blockshard_layout(self) -> list[dict]:
+            """Per group: the layout (JSON), parameter names and semantics labels."""
+            return [{**gs.layout.to_json(), "names": gs.names, "semantics": gs.labels} for gs in self._bs_groups]
+
+        def blockshard_layout_hash(self) -> str:
+            return hashlib.sha256(json.dumps(self.blockshard_layout(), sort_keys=True).encode()).hexdigest()[:16]
+
+        def state_dict(self):
+            sd = super().state_dict()
+            sd[LAYOUT_KEY] = {"hash": self.blockshard_layout_hash(), "layout": self.blockshard_layout()}
+            return sd
+
+        def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
+                            checkpoint_folder=None, load_serial=None, param_shapes=None):
+            if checkpoint_folder:
+                raise DeepSpeedHookError("universal checkpoints are not supported with blockshard's DeepSpeed hook "
+                                         "(they assume one flat optimizer state per group)")
+            if load_optimizer_states or load_from_fp32_weights:
+                rank = dist.get_rank(group=self.dp_process_group)
+                saved = state_dict_list[rank].get(LAYOUT_KEY) if rank < len(state_dict_list) else None
+                mine = self.blockshard_layout_hash()
+                if saved is None or saved.get("hash") != mine or len(state_dict_list) != dist.get_world_size(
+                        group=self.dp_process_group):
+                    got = "no blockshard layout (saved without the hook)" if saved is None else \
+                        f"layout {saved.get('hash')} on {len(state_dict_list)} ranks"
+                    raise DeepSpeedHookError(
+                        f"the ZeRO checkpoint has {got}, but this engine has layout {mine} on "
+                        f"{dist.get_world_size(group=self.dp_process_group)} ranks: optimizer state and fp32 "
+                        "partitions are laid out per world size, semantics and parameter set. Load with the same "
+                        "ones, or pass load_optimizer_states=False (and zero_optimization.load_from_fp32_weights="
+                        "false) for a module-only warm start")
+            return super().load_state_dict(state_dict_list, load_optimizer_states=load_optimizer_states,
+                                           load_from_fp32_weights=load_from_fp32_weights,
+                                           checkpoint_folder=checkpoint_folder, load_serial=load_serial,
+                                           param_shapes=param_shapes)
+
+    return BlockshardZeroOptimizer
