@@ -171,6 +171,10 @@ class ParamGroup:
         rs_in = torch.empty(self.gathered.numel(), dtype=self.reduce_dtype, device=self.device)  # [W*S]
         for lo, hi in self._holes:
             rs_in[lo:hi].zero_()
+        # A parameter without a gradient here is taken to have none on any rank (as FSDP2 assumes):
+        # it still takes part in the reduce-scatter (as zeros) but keeps ``.grad = None``, so the
+        # optimizer skips it as it would on one process.
+        has_grad = set()
         for sp in self.params:
             dst = rs_in[sp.gathered_offset : sp.gathered_offset + sp.numel]
             if sp.unsharded.grad is None:
@@ -178,6 +182,7 @@ class ParamGroup:
             else:
                 dst.copy_(sp.unsharded.grad.reshape(-1))
                 sp.unsharded.grad = None
+                has_grad.add(sp.index)
         # Straight into the persistent grad buffer unless a sharded grad must be accumulated into
         # (the user kept .grad across steps) or the reduce dtype differs from the parameters'.
         accumulate = any(sp.sharded.grad is not None for sp in self.params)
@@ -187,7 +192,7 @@ class ParamGroup:
             off = self.layout.bucket_local_offset(b)
             reduce_scatter_avg(out[off : off + S_b], rs_in[W * off : W * (off + S_b)], self.pg)
         for sp in self.params:
-            if not sp.requires_grad:
+            if not sp.requires_grad or sp.index not in has_grad:
                 continue
             lo, hi = sp.local_offset, sp.local_offset + sp.local_numel
             if sp.sharded.grad is None:

@@ -63,3 +63,29 @@ def mismatch(rank: int, world: int) -> None:
     import blockshard
 
     blockshard.fully_shard(nn.Linear(4, 5 + rank))  # every rank a different model
+
+
+def unused(rank: int, world: int) -> dict:
+    """A layer that never runs keeps ``.grad = None``: AdamW with weight decay leaves it alone,
+    as on one process."""
+    import blockshard
+
+    class Partly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(6, 5), nn.Linear(6, 7)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = Partly()
+    before = model.unused.weight.detach().clone()
+    blockshard.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    for _ in range(2):
+        model(torch.ones(3, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    full = blockshard.full_state_dict(model)
+    return {"unchanged": torch.equal(full["unused.weight"], before), "used_changed": True}

@@ -64,3 +64,8 @@ def test_semantics_give_the_optimizer_block_shapes():
 def test_without_a_process_group_the_error_says_how_to_start_one():
     with pytest.raises(ShardingError, match="init_process_group"):
         blockshard.fully_shard(nn.Linear(2, 2))
+
+
+def test_unused_parameters_keep_no_gradient_and_are_not_stepped():
+    for out in spawn_gloo(_misuse.unused, 2, timeout=120):
+        assert out["unchanged"]
