@@ -3,7 +3,9 @@
 Top-level functions so spawned ranks can import them. One spawn of 4 gloo ranks runs every
 scenario at W = 4 (the world), W = 2 (ranks 0-1) and W = 3 (ranks 0-2) on sub-meshes, and the
 single-process references (no process group) on rank 3 -- one spawn instead of four, since
-starting ranks dominates the test time. Every rank gets the whole batch.
+starting ranks dominates the test time. Every rank gets the whole batch. ``seconds`` records each
+scenario's time per rank: torchao's AdamW8bit ``torch.compile``s its step once per distinct shape
+(seconds each on a cold inductor cache), so its models are small and share shapes where they can.
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ from blockshard._tiny import OddMLP, mlp_batches
 
 STEPS = 3
 MUON_LR, ADAMW_LR, BNB_LR = 0.02, 1e-2, 1e-2
+SHAMPOO_D, SHAMPOO_LR, AO_LR = 8, 1e-2, 1e-2
+# BlockedShampoo's default epsilon (1e-12) lets the inverse 4th roots of the first steps' nearly
+# singular 8 x 8 factors amplify W = 3's ulp gradient differences to 1.3e-3; 1e-8 keeps them at 3e-6.
+SHAMPOO_EPS = 1e-8
+SHAMPOO_SEMANTICS = f"shampoo:{SHAMPOO_D}"
 
 
 # -- models and data ----------------------------------------------------------------------------
@@ -56,6 +63,47 @@ class WideMLP(nn.Module):
 def wide_batches(n: int, batch: int = 12):
     gen = torch.Generator().manual_seed(3)
     return [(torch.randn(batch, 256, generator=gen), torch.randn(batch, 7, generator=gen)) for _ in range(n)]
+
+
+class ShampooMLP(nn.Module):
+    """12 -> 64 -> 37 -> 24 -> 5 (GELU): row counts whose torch.chunk boundaries fall on 8-row
+    stripes at some W and off them at others (64: on at W = 2, 4; 24: on at W = 3; 37, 5: never)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(4)
+            self.l1, self.l2 = nn.Linear(12, 64), nn.Linear(64, 37)
+            self.l3, self.l4 = nn.Linear(37, 24), nn.Linear(24, 5)
+
+    def forward(self, x):
+        gelu = torch.nn.functional.gelu
+        return self.l4(gelu(self.l3(gelu(self.l2(gelu(self.l1(x)))))))
+
+
+def shampoo_batches(n: int, batch: int = 12):
+    gen = torch.Generator().manual_seed(5)
+    return [(torch.randn(batch, 12, generator=gen), torch.randn(batch, 5, generator=gen)) for _ in range(n)]
+
+
+class AoMLP(nn.Module):
+    """256 -> [64 | 16] (GELU) -> 7, no biases: every distinct shape torchao steps is one more
+    ``torch.compile`` (seconds on CPU), so the model is small and ``side.weight`` shares its shape
+    with ``up.weight``'s W = 4 shard. ``up.weight`` (64 x 256) splits into whole 256-blocks of
+    >= 4096 elements at W = 2, 3, 4 (aligned); ``side.weight`` (16 x 256 = 4096) has no cut leaving
+    two >= 4096-element pieces (whole: owner-compute, 8-bit state on its owner); ``down.weight``
+    (7 x 80) is below 4096 elements (whole: owner-compute, fp32 state as on one process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(6)
+            self.up, self.side, self.down = (nn.Linear(256, 64, bias=False), nn.Linear(256, 16, bias=False),
+                                             nn.Linear(80, 7, bias=False))
+
+    def forward(self, x):
+        gelu = torch.nn.functional.gelu
+        return self.down(torch.cat([gelu(self.up(x)), gelu(self.side(x))], dim=-1))
 
 
 def _loss(model, batch):
@@ -96,6 +144,38 @@ def reference_bnb(rows: int, steps: int = STEPS) -> dict:
 
     model = WideMLP(rows)
     opt = bnb.optim.AdamW8bit(model.parameters(), lr=BNB_LR)
+    for batch in wide_batches(steps):
+        _loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return _full(model)
+
+
+def _shampoo(params):
+    from blockshard.optim import BlockedShampoo
+
+    return BlockedShampoo(params, lr=SHAMPOO_LR, max_preconditioner_dim=SHAMPOO_D, epsilon=SHAMPOO_EPS)
+
+
+def _ao8bit(params):
+    from torchao.optim import AdamW8bit
+
+    return AdamW8bit(params, lr=AO_LR)
+
+
+def reference_shampoo(steps: int = STEPS) -> dict:
+    model = ShampooMLP()
+    opt = _shampoo(model.parameters())
+    for batch in shampoo_batches(steps):
+        _loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return _full(model)
+
+
+def reference_ao(steps: int = STEPS) -> dict:
+    model = AoMLP()
+    opt = _ao8bit(model.parameters())
     for batch in wide_batches(steps):
         _loss(model, batch).backward()
         opt.step()
@@ -248,18 +328,115 @@ def bnb_misaligned(mesh, rows: int) -> str:
     return "no error"
 
 
+def _state_kinds(opt) -> dict:
+    """Compute tensor key -> {state name: dtype or tensor subclass} of the inner optimizer."""
+    def kind(v):
+        return type(v).__name__ if type(v) is not torch.Tensor else str(v.dtype)
+
+    return {pc.key: {k: kind(v) for k, v in opt.inner.state[pc.tensor].items() if torch.is_tensor(v)}
+            for pc in opt._pieces if pc.tensor in opt.inner.state}
+
+
+def shampoo_owner(mesh) -> dict:
+    """BlockedShampoo (``shampoo:8``) through OwnerComputeOptimizer under the adapter's placement."""
+    from blockshard.integrations import fsdp2
+
+    model = ShampooMLP()
+    _shard(model, mesh, SHAMPOO_SEMANTICS, [model.l1, model.l2, model.l3])
+    placed = {n: (p.dim, p.owner_compute) for n, p in fsdp2.placements(model).items()}
+    opt = fsdp2.OwnerComputeOptimizer(_shampoo, model.named_parameters(), semantics=SHAMPOO_SEMANTICS)
+    for batch in shampoo_batches(STEPS):
+        _loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": _full(model), "placements": placed, "owned": opt.owned_units(),
+            "layout": [pc.key for pc in opt._pieces]}
+
+
+def ao_owner(mesh) -> dict:
+    """torchao AdamW8bit through OwnerComputeOptimizer, ``ao8bit`` placement."""
+    from blockshard.integrations import fsdp2
+
+    model = AoMLP()
+    _shard(model, mesh, "ao8bit")
+    placed = {n: (p.dim, p.owner_compute) for n, p in fsdp2.placements(model).items()}
+    opt = fsdp2.OwnerComputeOptimizer(_ao8bit, model.named_parameters(), semantics="ao8bit")
+    for batch in wide_batches(STEPS):
+        _loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": _full(model), "placements": placed, "owned": opt.owned_units(), "state": _state_kinds(opt)}
+
+
+def _stock_local(model, mesh, make_opt, batches, blocks=()) -> dict:
+    """Control: stock fully_shard, ``make_opt`` on each rank's local shards (``to_local()`` views)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for b in blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    try:
+        views = [p.to_local().detach() for p in params]
+        opt = make_opt(views)
+        for batch in batches:
+            _loss(model, batch).backward()
+            for v, p in zip(views, params):
+                v.grad = p.grad.to_local()
+            opt.step()
+            opt.zero_grad()
+            model.zero_grad()
+        state = {tuple(v.shape): {k: type(x).__name__ if type(x) is not torch.Tensor else str(x.dtype)
+                                  for k, x in opt.state[v].items() if torch.is_tensor(x)}
+                 for v in views if v in opt.state}
+    except Exception as e:  # noqa: BLE001 - the control reports what stock does
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return {"params": _full(model), "state": state}
+
+
+def shampoo_stock(mesh) -> dict:
+    model = ShampooMLP()
+    return _stock_local(model, mesh, _shampoo, shampoo_batches(STEPS), [model.l1, model.l2, model.l3])
+
+
+def ao_stock(mesh) -> dict:
+    return _stock_local(AoMLP(), mesh, _ao8bit, wide_batches(STEPS))
+
+
+def _placement_error(model, mesh, semantics) -> str:
+    from blockshard.integrations.fsdp2 import FSDP2PlacementError
+
+    try:
+        _shard(model, mesh, semantics)
+    except FSDP2PlacementError as e:
+        return str(e)
+    return "no error"
+
+
 # -- the spawned entry point ------------------------------------------------------------------------
 def _scenarios(mesh, w: int) -> dict:
-    out = {"muon": muon_owner(mesh), "muon_local": muon_stock(mesh, "local")}
+    cases = {"muon": lambda: muon_owner(mesh), "muon_local": lambda: muon_stock(mesh, "local"),
+             "shampoo": lambda: shampoo_owner(mesh), "ao": lambda: ao_owner(mesh)}
     if w in (2, 4):
-        out["muon_ckpt"] = muon_checkpoint(mesh)
-        out["muon_dtensor"] = muon_stock(mesh, "dtensor")
-        out["muon_dtensor_mlp"] = muon_stock(mesh, "dtensor", mlp_only=True)
-        out["bnb"] = bnb_owner(mesh, 64)
-        out["bnb_stock_dtensor"] = bnb_stock(mesh, 64, "dtensor")
+        cases.update({
+            "muon_ckpt": lambda: muon_checkpoint(mesh),
+            "muon_dtensor": lambda: muon_stock(mesh, "dtensor"),
+            "muon_dtensor_mlp": lambda: muon_stock(mesh, "dtensor", mlp_only=True),
+            "bnb": lambda: bnb_owner(mesh, 64),
+            "bnb_stock_dtensor": lambda: bnb_stock(mesh, 64, "dtensor"),
+            "shampoo_stock": lambda: shampoo_stock(mesh),
+            "ao_stock": lambda: ao_stock(mesh),
+        })
+    if w in (3, 4):
+        cases["ao_misaligned_error"] = lambda: _placement_error(WideMLP(40), mesh, "ao8bit")
     if w == 4:
-        out["bnb_misaligned_error"] = bnb_misaligned(mesh, 40)
-        out["bnb_stock_misaligned"] = bnb_stock(mesh, 40, "local")
+        cases["bnb_misaligned_error"] = lambda: bnb_misaligned(mesh, 40)
+        cases["bnb_stock_misaligned"] = lambda: bnb_stock(mesh, 40, "local")
+    out: dict = {"seconds": {}}
+    for name, run in cases.items():
+        t0 = time.perf_counter()
+        out[name] = run()
+        out["seconds"][name] = round(time.perf_counter() - t0, 2)
     return out
 
 
@@ -276,7 +453,14 @@ def all_runs(rank: int, world: int) -> dict:
         if rank < w:
             out["by_w"][w] = _scenarios(DeviceMesh.from_group(subgroups[w], "cpu"), w)
     if rank == 3:  # no process group involved: one process, one thread, as the others
-        out["ref"] = {"muon": reference_muon(), "muon_mlp": reference_muon(mlp_only=True), "bnb": reference_bnb(64), "bnb40": reference_bnb(40)}
+        refs = {"muon": reference_muon, "muon_mlp": lambda: reference_muon(mlp_only=True),
+                "bnb": lambda: reference_bnb(64), "bnb40": lambda: reference_bnb(40),
+                "shampoo": reference_shampoo, "ao": reference_ao}
+        out["ref"], out["ref_seconds"] = {}, {}
+        for name, run in refs.items():
+            t1 = time.perf_counter()
+            out["ref"][name] = run()
+            out["ref_seconds"][name] = round(time.perf_counter() - t1, 2)
     out["seconds"] = time.perf_counter() - t0
     dist.barrier()
     return out

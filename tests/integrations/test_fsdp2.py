@@ -20,11 +20,30 @@ Multi-process tests (``slow``): one spawn of 4 gloo ranks runs every scenario at
   DTensor collectives and differs by 2.2e-3 to 2.4e-3 (threshold 1e-4); bnb AdamW8bit cannot step
   DTensor parameters at all (mixed Tensor/DTensor error); on local shards that cut its 4096-element
   minimum (40 x 256 at W = 4) it keeps fp32 state and differs by 3.0e-3 (threshold 1e-3).
+
+BlockedShampoo (``shampoo:8``, ``ShampooMLP``: 64-row matrices aligned at W = 2, 4, 24-row ones at
+W = 3, the 37- and 5-row ones never) and torchao AdamW8bit (``ao8bit``, ``AoMLP``), both through
+:class:`OwnerComputeOptimizer` over all parameters (aligned shards are stepped in place):
+
+* W in {2, 4}: bitwise equal to one process (measured: 0.0 on every parameter and rank).
+* W = 3, Shampoo: measured max |diff| = 3.4e-6 (epsilon 1e-8; with the default 1e-12 the inverse
+  4th roots of the first steps' near-singular factors amplify the ulps to 1.3e-3). Tolerance
+  ``SHAMPOO_W3_ATOL = 1e-4``, 300x below the controls.
+* W = 3, AdamW8bit: ``up.weight`` is aligned at W = 3, yet one of its 16,384 elements differs by
+  5.6e-5 (an ulp of the averaged gradient moved one 8-bit state code; lr 1e-2); every other value is
+  within 2.1e-8. Tolerance: max |diff| <= ``AO_W3_ATOL = 2e-4`` and at most ``AO_W3_MAX_MOVED = 4``
+  values beyond 1e-6 (the control moves 6,229 values beyond 1e-6).
+* Controls (asserted): BlockedShampoo on each rank's local shards (stripes cut off their 8-row
+  grid) differs by 3.4e-2 (W = 2) and 3.9e-2 (W = 4) (threshold ``CONTROL_MIN``); torchao AdamW8bit
+  on local shards keeps fp32 state for ``side.weight``'s 2048- / 1024-element shards (below 4096)
+  and differs by 8.9e-4 at W = 2 and 4 (threshold ``AO_CONTROL_MIN = 3e-4``); the adapter raises
+  :class:`FSDP2PlacementError` for a 40 x 256 ``ao8bit`` weight at W = 3 and 4.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -54,6 +73,9 @@ import _fsdp2_runs as runs
 W3_ATOL = 1e-5
 CONTROL_MIN = 1e-3
 DTENSOR_CONTROL_MIN = 1e-4
+SHAMPOO_W3_ATOL = 1e-4
+AO_W3_ATOL, AO_W3_MAX_MOVED = 2e-4, 4
+AO_CONTROL_MIN = 3e-4
 
 
 def spec(name, shape):
@@ -118,6 +140,36 @@ def test_bnb8bit_misaligned_weight_raises():
                        r"W=4.*row 10 \(element 2560.*\[4096, 6144\].*blockshard.fully_shard"):
         place(spec("up.weight", (40, 256)), "bnb8bit", 4)
     assert place(spec("up.weight", (40, 256)), "bnb8bit", 2).owner_compute is False
+
+
+SHAMPOO_MLP = [(f"l{i}.{k}", s) for i, (o, n) in enumerate([(64, 12), (37, 64), (24, 37), (5, 24)], 1)
+               for k, s in (("weight", (o, n)), ("bias", (o,)))]
+SHAMPOO_ALIGNED = {2: {"l1"}, 3: {"l3"}, 4: {"l1"}}  # ceil(rows / W) a multiple of 8 (l4: 5 rows, one stripe)
+AO_MLP = [("up.weight", (64, 256)), ("side.weight", (16, 256)), ("down.weight", (7, 80))]
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_shampoo_placement_aligns_stripes_or_marks_owner_compute(w):
+    got = plan_placements([spec(n, s) for n, s in SHAMPOO_MLP], runs.SHAMPOO_SEMANTICS, w)
+    for name, shape in SHAMPOO_MLP:
+        p = got[name]
+        assert p.dim == 0 and p.owner_compute == (name.split(".")[0] not in SHAMPOO_ALIGNED[w]), (name, p)
+        stripe = 8 * (shape[1] if len(shape) == 2 else 1)
+        on_stripes = all(b % stripe == 0 for b in shard0_boundaries(shape, w))
+        assert on_stripes == (not p.owner_compute), (name, p)
+
+
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_ao8bit_placement(w):
+    got = plan_placements([spec(n, s) for n, s in AO_MLP], "ao8bit", w)
+    assert (got["up.weight"].dim, got["up.weight"].owner_compute) == (0, False)  # pieces of whole 256-blocks >= 4096
+    assert got["side.weight"].owner_compute and got["down.weight"].owner_compute  # no cut leaves two >= 4096 pieces
+    if w == 2:
+        assert not place(spec("up.weight", (40, 256)), "ao8bit", w).owner_compute  # 5120 + 5120
+    else:  # 3584 / 2560-element pieces: fp32 state in torchao; no owner-compute for a 4096-minimum grid
+        with pytest.raises(FSDP2PlacementError,
+                           match=rf"'up.weight' of shape \(40, 256\) with semantics 'ao8bit'.*W={w}"):
+            place(spec("up.weight", (40, 256)), "ao8bit", w)
 
 
 def test_other_dims_never_beat_shard0_for_contiguous_units():
@@ -305,3 +357,114 @@ def test_bnb_misaligned_raises_and_stock_differs():
         assert part in msg, (part, msg)
     d = max_diff(out["bnb_stock_misaligned"]["params"], ref()["bnb40"])
     assert d > CONTROL_MIN, d
+
+
+# -- BlockedShampoo and torchao AdamW8bit (same spawn) ---------------------------------------------
+def _compute_pieces(out: dict, shapes: dict) -> dict[str, list[tuple[int, int]]]:
+    """Element ranges ``[a, b)`` of every compute tensor a rank hands the inner optimizer, by parameter."""
+    got: dict[str, list[tuple[int, int]]] = {}
+    for key in out["layout"]:
+        name, kind, *rest = key
+        row = math.prod(shapes[name][1:])
+        if kind == "rows":
+            got.setdefault(name, []).append((rest[0] * row, rest[1] * row))
+        elif kind == "unit":
+            got.setdefault(name, []).append((rest[0], rest[0] + rest[1]))
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_shampoo_compute_tensors_are_whole_stripes_partitioning_each_parameter(w):
+    shapes = dict(SHAMPOO_MLP)
+    pieces: dict[str, list[tuple[int, int]]] = {}
+    for out in by_w(w):
+        sh = out["shampoo"]
+        assert sh["placements"] == {n: (0, n.split(".")[0] not in SHAMPOO_ALIGNED[w]) for n in shapes}
+        for name, ranges in _compute_pieces(sh, shapes).items():
+            pieces.setdefault(name, []).extend(ranges)
+    assert pieces.keys() == shapes.keys()
+    for name, shape in shapes.items():
+        numel, stripe = math.prod(shape), 8 * math.prod(shape[1:])
+        ranges = sorted(pieces[name])
+        assert ranges[0][0] == 0 and ranges[-1][1] == numel, (name, ranges)
+        for (_, b), (a, _) in zip(ranges, ranges[1:]):
+            assert a == b and a % stripe == 0, (name, ranges)  # no overlap, no gap, cuts between stripes
+    owned = [u for out in by_w(w) for u in out["shampoo"]["owned"]]
+    assert len(owned) == len(set(owned)) and owned  # each split stripe has exactly one owner
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 4])
+def test_shampoo_owner_compute_bitwise(w):
+    for r, out in enumerate(by_w(w)):
+        got = out["shampoo"]["params"]
+        assert bitwise(got, ref()["shampoo"]), (w, r, max_diff(got, ref()["shampoo"]))
+
+
+@pytest.mark.slow
+def test_shampoo_owner_compute_w3_within_tolerance():
+    for out in by_w(3):
+        d = max_diff(out["shampoo"]["params"], ref()["shampoo"])
+        assert d <= SHAMPOO_W3_ATOL, d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 4])
+def test_control_shampoo_on_local_shards_differs(w):
+    out = by_w(w)[0]["shampoo_stock"]
+    assert "error" not in out, out
+    d = max_diff(out["params"], ref()["shampoo"])
+    assert d > CONTROL_MIN, d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_ao_adamw8bit_placement_and_8bit_state_where_one_process_has_it(w):
+    state: dict = {}
+    for out in by_w(w):
+        assert out["ao"]["placements"] == {"up.weight": (0, False), "side.weight": (0, True), "down.weight": (0, True)}
+        state.update(out["ao"]["state"])
+    c = -(-64 // w)
+    want = {("up.weight", "rows", r * c, min((r + 1) * c, 64)): "OptimState8bit" for r in range(w)}
+    want |= {("side.weight", "unit", 0, 4096): "OptimState8bit", ("down.weight", "unit", 0, 560): "torch.float32"}
+    assert {k: v["exp_avg"] for k, v in state.items()} == want
+    assert all(v["exp_avg_sq"] == v["exp_avg"] for v in state.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 4])
+def test_ao_adamw8bit_owner_compute_bitwise(w):
+    for r, out in enumerate(by_w(w)):
+        got = out["ao"]["params"]
+        assert bitwise(got, ref()["ao"]), (w, r, max_diff(got, ref()["ao"]))
+
+
+@pytest.mark.slow
+def test_ao_adamw8bit_w3_within_tolerance():
+    for out in by_w(3):
+        got, want = out["ao"]["params"], ref()["ao"]
+        moved = sum(int(((got[n] - want[n]).abs() > 1e-6).sum()) for n in want)
+        d = max_diff(got, want)
+        assert d <= AO_W3_ATOL and moved <= AO_W3_MAX_MOVED, (d, moved)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 4])
+def test_control_ao_adamw8bit_on_local_shards_keeps_fp32_state_and_differs(w):
+    out = by_w(w)[0]["ao_stock"]
+    assert "error" not in out, out
+    assert out["state"][(64 // w, 256)]["exp_avg"] == "OptimState8bit"  # up.weight's shard: >= 4096, as one process
+    assert out["state"][(16 // w, 256)]["exp_avg"] == "torch.float32"  # side.weight's: < 4096 (one process: 8-bit)
+    d = max_diff(out["params"], ref()["ao"])
+    assert d > AO_CONTROL_MIN, d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [3, 4])
+def test_ao_adamw8bit_misaligned_weight_raises(w):
+    msg = by_w(w)[0]["ao_misaligned_error"]
+    row = -(-40 // w)
+    for part in ("'up.weight'", "(40, 256)", "'ao8bit'", f"W={w}", f"row {row}", f"element {row * 256}",
+                 "[4096, 6144]", "blockshard.fully_shard"):
+        assert part in msg, (part, msg)
