@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import ctypes
 import gc
-import json
 import os
 import platform
 import re
@@ -52,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from _report import emit  # benchmarks/_report.py (scripts run with benchmarks/ on sys.path)
 
 ENGINES = ("fsdp2", "blockshard")
 PRESETS = {
@@ -448,15 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
         **_aggregate(per_rank, opts),
         "wall_seconds": time.perf_counter() - t0,
     }  # fmt: skip
-    render(report)
-    text = json.dumps(report, indent=2)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as fh:
-            fh.write(text + "\n")
-    if a.json:
-        print(text)
-    return report
+    return emit(report, render=render, out=a.out, as_json=a.json)
 
 
 if __name__ == "__main__":

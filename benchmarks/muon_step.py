@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import platform
@@ -62,6 +61,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from _report import emit  # benchmarks/_report.py (scripts run with benchmarks/ on sys.path)
 
 VARIANTS = ("ragged", "fsdp2+owner", "fsdp2+plain-muon", "gather-everywhere")
 MUON = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)  # ns_steps=5, torch's coefficients
@@ -677,15 +677,7 @@ def main(argv: list[str] | None = None) -> dict:
         ],
         "wall_seconds": time.perf_counter() - t0,
     }  # fmt: skip
-    render(report)
-    text = json.dumps(report, indent=2)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as fh:
-            fh.write(text + "\n")
-    if a.json:
-        print(text)
-    return report
+    return emit(report, render=render, out=a.out, as_json=a.json)
 
 
 if __name__ == "__main__":

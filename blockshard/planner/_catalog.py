@@ -357,24 +357,31 @@ def supported_model_types() -> list[str]:
     return list(_GENERATORS)
 
 
+def read_json_file(p: str, what: str, *, missing_fix: str, format_fix: str) -> Any:
+    """``json.load`` of ``p`` with a :class:`ShapesError` naming the file, the problem and the fix."""
+    try:
+        with open(p, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ShapesError(f"{what} {p!r} does not exist; {missing_fix}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ShapesError(f"{what} {p!r} cannot be read ({e}); check the path") from None
+    except json.JSONDecodeError as e:
+        raise ShapesError(
+            f"{what} {p!r} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {format_fix}"
+        ) from None
+
+
 def _read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     p = os.fspath(path)
     if os.path.isdir(p):
         p = os.path.join(p, "config.json")
-    try:
-        with open(p, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ShapesError(
-            f"config file {p!r} does not exist; pass the path of a model's config.json"
-        ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ShapesError(f"config file {p!r} cannot be read ({e}); check the path") from None
-    except json.JSONDecodeError as e:
-        raise ShapesError(
-            f"config file {p!r} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
-            "fix the file or pass a model's config.json"
-        ) from None
+    data = read_json_file(
+        p,
+        "config file",
+        missing_fix="pass the path of a model's config.json",
+        format_fix="fix the file or pass a model's config.json",
+    )
     if not isinstance(data, dict):
         raise ShapesError(
             f"config file {p!r} holds a JSON {type(data).__name__}, not an object; "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from blockshard.planner._baselines import BASELINES, BaselineResult, baseline, combine
 from blockshard.planner._items import PlanItem, group_items
-from blockshard.planner._plan import ModelPlan, group_kind
+from blockshard.planner._plan import ModelPlan
 
 __all__ = ["KindRow", "Comparison", "compare"]
 

@@ -16,12 +16,11 @@ error, so a misspelt key does not pass silently. Other top-level keys are ignore
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from blockshard._errors import ShapesError
-from blockshard.planner._catalog import default_group, model_tensors, tensors_from_hf_config
+from blockshard.planner._catalog import default_group, model_tensors, read_json_file, tensors_from_hf_config
 from blockshard.semantics._spec import TensorSpec
 
 __all__ = ["tensors_from_shapes_file", "load_model_tensors"]
@@ -90,18 +89,12 @@ def _entry(path: str, index: int, entry: Any) -> TensorSpec:
 def tensors_from_shapes_file(path: str | os.PathLike) -> list[TensorSpec]:
     """Read a shapes file (``{"tensors": [{"name", "shape", "dtype", "group"}, ...]}``)."""
     p = os.fspath(path)
-    try:
-        with open(p, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ShapesError(f"shapes file {p!r} does not exist; check the path") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ShapesError(f"shapes file {p!r} cannot be read ({e}); check the path") from None
-    except json.JSONDecodeError as e:
-        raise ShapesError(
-            f"shapes file {p!r} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
-            'it must hold {"tensors": [{"name": ..., "shape": [...]}, ...]}'
-        ) from None
+    data = read_json_file(
+        p,
+        "shapes file",
+        missing_fix="check the path",
+        format_fix='it must hold {"tensors": [{"name": ..., "shape": [...]}, ...]}',
+    )
     entries = data.get("tensors") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         got = (

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
 __all__ = ["ParamRef", "ShardedParam", "block_shape"]

@@ -11,7 +11,7 @@ Tensors no rule matches are ``elementwise``.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from blockshard._errors import SemanticsError

@@ -238,7 +238,6 @@ def _make_zero12():
                 lo, hi = rank * lay.segment, (rank + 1) * lay.segment
                 self.groups_padding[i] = hi - min(max(last_end, lo), hi)
                 flat = self.single_partition_of_fp32_groups[i]
-                params = self.round_robin_bit16_groups[i]
                 base = flat.detach()
                 gs.views = []
                 for t, t_off, seg_off, n in lay.pieces(rank):

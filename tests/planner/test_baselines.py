@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from _strategies import grids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -190,18 +191,6 @@ def _brute(name: str, items: list[PlanItem], w: int) -> tuple[int, int]:
         slot = max((sum(b - a for a, b in us[i:i + k]) for i in range(0, len(us), k)), default=0)
         padded += w * slot
     return padded, 0
-
-
-@st.composite
-def grids(draw, n: int) -> UnitGrid:
-    kind = draw(st.sampled_from(["elem", "units", "minpiece", "whole"]))
-    if kind == "elem":
-        return UnitGrid.units(n, 1)
-    if kind == "whole" or n == 0:
-        return UnitGrid.whole(n)
-    u = draw(st.integers(1, max(1, n)))
-    mp = draw(st.integers(0, n)) if kind == "minpiece" else 0
-    return UnitGrid.units(n, u, min_piece=mp)
 
 
 @st.composite

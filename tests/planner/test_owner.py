@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from _strategies import grids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -127,18 +128,6 @@ def _reference(items: list[PlanItem], w: int, engine: str):
         cost[owner] += c
         owners[(t, a)] = (owner, b - a, pieces)
     return cost, owners
-
-
-@st.composite
-def grids(draw, n: int) -> UnitGrid:
-    kind = draw(st.sampled_from(["elem", "units", "minpiece", "whole"]))
-    if kind == "elem":
-        return UnitGrid.units(n, 1)
-    if kind == "whole" or n == 0:
-        return UnitGrid.whole(n)
-    u = draw(st.integers(1, max(1, n)))
-    mp = draw(st.integers(0, n)) if kind == "minpiece" else 0
-    return UnitGrid.units(n, u, min_piece=mp)
 
 
 @st.composite
