@@ -37,14 +37,19 @@ class RootContext:
     states: list[ShardState] = field(default_factory=list)
     forward_order: list[ShardState] = field(default_factory=list)
     last_order: list[ShardState] = field(default_factory=list)
+    last_index: dict[int, int] = field(default_factory=dict)  # id(state) -> position in last_order
     callback_queued: bool = False
 
+    def remember_order(self) -> None:
+        """The forward order just recorded becomes the prefetch order of the next step."""
+        self.last_order = self.forward_order
+        self.last_index = {id(st): i for i, st in enumerate(self.last_order)}
+
     def neighbour(self, state: ShardState, step: int) -> ShardState | None:
-        order = self.last_order
-        if state not in order:
+        i = self.last_index.get(id(state))
+        if i is None or not 0 <= i + step < len(self.last_order):
             return None
-        i = order.index(state) + step
-        return order[i] if 0 <= i < len(order) else None
+        return self.last_order[i + step]
 
 
 @dataclass(eq=False)
@@ -86,7 +91,7 @@ def register_hooks(state: ShardState, states_of) -> list:
         assert ctx is not None
         if state.is_root:
             if ctx.forward_order:
-                ctx.last_order = ctx.forward_order
+                ctx.remember_order()
             ctx.forward_order = []
         ctx.forward_order.append(state)
         group.wait_unshard()
@@ -139,7 +144,7 @@ def register_hooks(state: ShardState, states_of) -> list:
 
 def final_callback(ctx: RootContext) -> None:
     ctx.callback_queued = False
-    ctx.last_order = ctx.forward_order  # the backward prefetches of the next step follow it
+    ctx.remember_order()
     for st in ctx.states:
         st.group.finish_backward()  # groups whose gradients never all arrived (unused params)
         if st.group.state is GroupState.UNSHARDED or st.group._pending:
