@@ -37,7 +37,7 @@ def resolve_items(specs: Iterable[TensorSpec], rules: object = None) -> list[Pla
         key = (tuple(s.spec for s in sems), spec.shape, spec.dtype)
         res = cache.get(key)
         if res is None:
-            res = r.resolve(spec)
+            res = r.resolve(spec, sems)
             cache[key] = res
         out.append(PlanItem(spec, res.grid, res.cost, res.label))
     return out

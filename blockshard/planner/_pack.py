@@ -84,8 +84,8 @@ def _first_offset(p: int, grid: UnitGrid, S: int) -> int | None:
 _MAX_SCAN = 64
 
 
-def _walk(grids: Sequence[UnitGrid], order: list[list[int]], S: int, limit: int) -> tuple[list[int] | None, int]:
-    """Place every tensor for segment size ``S``; returns (offsets or None, cursor reached).
+def _walk(grids: Sequence[UnitGrid], order: list[list[int]], S: int, limit: int) -> list[int] | None:
+    """Place every tensor for segment size ``S``; returns the offsets, or None if ``W * S`` overflows.
 
     Whole tensors are kept sorted by size, so "the largest that fits before the boundary" is a
     bisection; the other grids are scanned in bucket order (at most ``_MAX_SCAN`` buckets), stopping
@@ -136,10 +136,10 @@ def _walk(grids: Sequence[UnitGrid], order: list[list[int]], S: int, limit: int)
                 if not fine[best_b]:
                     del fine[best_b]
             else:
-                return None, limit + S  # nothing can be placed: a larger S is needed
+                return None  # nothing can be placed: a larger S is needed
         if p > limit:
-            return None, p
-    return offsets, p
+            return None
+    return offsets
 
 
 def _snap(x: int, grids: Sequence[UnitGrid], alignment: int) -> int:
@@ -177,11 +177,11 @@ def pack(grids: Sequence[UnitGrid], world_size: int, alignment: int) -> tuple[in
     lb = lower_bound(grids, world_size, alignment)
     order = _bucket_order(grids)
 
-    def attempt(S: int) -> tuple[list[int] | None, int]:
+    def attempt(S: int) -> list[int] | None:
         return _walk(grids, order, S, world_size * S)
 
     S = _snap(lb, grids, alignment)
-    offsets, _ = attempt(S)
+    offsets = attempt(S)
     if offsets is not None:
         return S, offsets, lb
     fail = S
@@ -194,14 +194,14 @@ def pack(grids: Sequence[UnitGrid], world_size: int, alignment: int) -> tuple[in
     tiled = _round_up(S, m)
     ok = None
     if tiled <= 2 * S:
-        offsets, _ = attempt(tiled)
+        offsets = attempt(tiled)
         if offsets is not None:
             ok, ok_offsets = tiled, offsets
     if ok is None:  # grow geometrically until a walk fits
         step = max(alignment, S // 1024)
         while True:
             S = _snap(fail + step, grids, alignment)
-            offsets, _ = attempt(S)
+            offsets = attempt(S)
             if offsets is not None:
                 break
             fail, step = S, step * 2
@@ -210,7 +210,7 @@ def pack(grids: Sequence[UnitGrid], world_size: int, alignment: int) -> tuple[in
         mid = _snap((fail + ok) // 2, grids, alignment)
         if mid >= ok or mid <= fail:
             break
-        offsets, _ = attempt(mid)
+        offsets = attempt(mid)
         if offsets is not None:
             ok, ok_offsets = mid, offsets
         else:

@@ -20,7 +20,7 @@ from blockshard.semantics._grid import UnitGrid
 from blockshard.semantics._registry import get_semantics
 from blockshard.semantics._spec import TensorSpec
 
-__all__ = ["Rule", "SemanticsRules", "ResolvedSemantics", "RulesLike", "is_embedding_or_head"]
+__all__ = ["Rule", "SemanticsRules", "ResolvedSemantics", "is_embedding_or_head"]
 
 # Embeddings and the output head: Muon leaves them to AdamW (Keller Jordan's Muon, Moonlight) and
 # quantizers leave them unquantized (bitsandbytes / QLoRA skip lm_head and embeddings).
@@ -100,8 +100,6 @@ class ResolvedSemantics:
         return "+".join(s.spec for s in self.semantics) or "elementwise"
 
 
-RulesLike = "SemanticsRules | str | BlockSemantics | Mapping[str, str | BlockSemantics] | CallableRule | Sequence[Rule | CallableRule] | None"
-
 
 class SemanticsRules:
     """An ordered set of rules; :meth:`resolve` gives a tensor its :class:`ResolvedSemantics`."""
@@ -175,8 +173,9 @@ class SemanticsRules:
                 unique.append(s)
         return unique
 
-    def resolve(self, spec: TensorSpec) -> ResolvedSemantics:
-        sems = self.matching(spec)
+    def resolve(self, spec: TensorSpec, matched: list[BlockSemantics] | None = None) -> ResolvedSemantics:
+        """``matched``: :meth:`matching` of ``spec`` when the caller already has it."""
+        sems = self.matching(spec) if matched is None else matched
         by_kind: dict[SemanticsKind, BlockSemantics] = {}
         for s in sems:
             if s.kind.exclusive and s.kind in by_kind:
