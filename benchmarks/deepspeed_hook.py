@@ -36,8 +36,14 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 from torch import nn
 
-LLAMA = dict(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2)
+LLAMA = dict(
+    vocab_size=1000,
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 SEQ, BATCH = 64, 4
 # Llama-like projections of 2 layers (q, k, v, o, gate, up, down) and an odd 300 x 37 head: sizes that
 # do not divide evenly, so stock partition boundaries fall inside matrices.
@@ -47,8 +53,15 @@ MUON_SHAPES = [(256, 256), (128, 256), (128, 256), (256, 256), (688, 256), (688,
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**LLAMA, max_position_embeddings=SEQ, tie_word_embeddings=False, attention_dropout=0.0,
-                      use_cache=False, attn_implementation="eager", dtype=torch.float32)
+    cfg = LlamaConfig(
+        **LLAMA,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        use_cache=False,
+        attn_implementation="eager",
+        dtype=torch.float32,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return LlamaForCausalLM(cfg).to(torch.float32).train()
@@ -63,7 +76,7 @@ class _Matrices(nn.Module):
 
     def forward(self, x):
         for i in range(0, len(self.w) - 1, 7):
-            q, k, v, o, gate, up, down = self.w[i:i + 7]
+            q, k, v, o, gate, up, down = self.w[i : i + 7]
             h = torch.tanh(x @ q.T) + torch.tanh(x @ k.T).repeat(1, 2) * torch.tanh(x @ v.T).repeat(1, 2)
             x = x + torch.tanh(h @ o.T)
             x = x + (nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
@@ -76,8 +89,13 @@ def _tokens(n: int):
 
 
 def _setup(rank: int, world_size: int) -> None:
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        LOCAL_RANK=str(rank),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     import logging
 
     import deepspeed
@@ -87,8 +105,13 @@ def _setup(rank: int, world_size: int) -> None:
 
 
 def _config(hooked: bool, semantics, extra=None) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-           "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
     if hooked:
         cfg["blockshard"] = {"semantics": semantics}
     cfg.update(extra or {})
@@ -100,9 +123,14 @@ def _padding(engine) -> dict:
     flat = sum(int(f.numel()) for f in opt.bit16_groups_flat)
     data = sum(int(p.numel()) for g in opt.bit16_groups for p in g)
     item = opt.bit16_groups_flat[0].element_size()
-    return {"flat_numel": flat, "param_numel": data, "padding_numel": flat - data,
-            "padding_bytes": (flat - data) * item, "padding_fraction": (flat - data) / flat,
-            "segment_numel": int(opt.partition_size[0])}
+    return {
+        "flat_numel": flat,
+        "param_numel": data,
+        "padding_numel": flat - data,
+        "padding_bytes": (flat - data) * item,
+        "padding_fraction": (flat - data) / flat,
+        "segment_numel": int(opt.partition_size[0]),
+    }
 
 
 def _bnb_engine(hooked: bool):
@@ -151,12 +179,14 @@ def _muon(hooked: bool) -> dict:
 
     model = _Matrices()
     if hooked:
-        engine, _, _, _ = bsd.initialize(model=model, optimizer=torch.optim.Muon(model.parameters(), lr=0.02),
-                                         config=_config(True, "matrix"))
+        engine, _, _, _ = bsd.initialize(
+            model=model, optimizer=torch.optim.Muon(model.parameters(), lr=0.02), config=_config(True, "matrix")
+        )
     else:
         extra = {"optimizer": {"type": "Muon", "params": {"lr": 0.02, "momentum": 0.95}}}
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=_config(False, None, extra))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=_config(False, None, extra)
+        )
     gen = torch.Generator().manual_seed(2)
     t = []
     for _ in range(2):
@@ -168,10 +198,14 @@ def _muon(hooked: bool) -> dict:
         t.append(time.perf_counter() - t0)
     zo = engine.optimizer
     staged = sum(int(t.numel()) * t.element_size() for t, _ in getattr(zo, "_muon_pending_momentum", {}).values())
-    return {"optimizer": type(engine.optimizer.optimizer).__name__, "staging_bytes": staged,
-            "params_in_partition_numel": [sum(int(p.numel()) for p in g) for g in zo.params_in_partition],
-            "momentum_bytes": _momentum_bytes(engine.optimizer.optimizer),
-            "padding": _padding(engine), "last_step_s": t[-1]}
+    return {
+        "optimizer": type(engine.optimizer.optimizer).__name__,
+        "staging_bytes": staged,
+        "params_in_partition_numel": [sum(int(p.numel()) for p in g) for g in zo.params_in_partition],
+        "momentum_bytes": _momentum_bytes(engine.optimizer.optimizer),
+        "padding": _padding(engine),
+        "last_step_s": t[-1],
+    }
 
 
 def _rank(rank: int, world_size: int, rounds: int, steps: int, warmup: int) -> dict:
@@ -192,9 +226,13 @@ def _rank(rank: int, world_size: int, rounds: int, steps: int, warmup: int) -> d
                 layout = bsd.layout_report(engine)
             del engine
     muon = {"stock": _muon(False), "hooked": _muon(True)}
-    return {"times": times, "padding": padding, "muon": muon,
-            "num_params": sum(p.numel() for p in _llama().parameters()),
-            "layout_names": layout[0]["names"] if layout else None}
+    return {
+        "times": times,
+        "padding": padding,
+        "muon": muon,
+        "num_params": sum(p.numel() for p in _llama().parameters()),
+        "layout_names": layout[0]["names"] if layout else None,
+    }
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -222,19 +260,27 @@ def _one(w: int, args) -> dict:
     for name in ("stock", "hooked"):
         per_rank = [res[r]["muon"][name]["momentum_bytes"] for r in range(w)]
         staging = [res[r]["muon"][name]["staging_bytes"] for r in range(w)]
-        muon[name] = {"optimizer": r0["muon"][name]["optimizer"], "momentum_bytes_per_rank": per_rank,
-                      "max_momentum_over_total_div_w": max(per_rank) / (muon_total / w),
-                      "staging_bytes_per_rank": staging,
-                      "max_momentum_plus_staging_over_total_div_w":
-                          max(m + st for m, st in zip(per_rank, staging)) / (muon_total / w),
-                      "last_step_s_rank0": r0["muon"][name]["last_step_s"],
-                      "padding": r0["muon"][name]["padding"]}
+        muon[name] = {
+            "optimizer": r0["muon"][name]["optimizer"],
+            "momentum_bytes_per_rank": per_rank,
+            "max_momentum_over_total_div_w": max(per_rank) / (muon_total / w),
+            "staging_bytes_per_rank": staging,
+            "max_momentum_plus_staging_over_total_div_w": max(m + st for m, st in zip(per_rank, staging, strict=True))
+            / (muon_total / w),
+            "last_step_s_rank0": r0["muon"][name]["last_step_s"],
+            "padding": r0["muon"][name]["padding"],
+        }
     return {
         "world_size": w,
         "loadavg_1_5_15_before": load_before,
         "bnb_adamw8bit_zero2": {
-            "model": {**LLAMA, "seq_len": SEQ, "batch_size": BATCH, "num_params": r0["num_params"],
-                      "architecture": "transformers LlamaForCausalLM (eager attention, fp32, untied head)"},
+            "model": {
+                **LLAMA,
+                "seq_len": SEQ,
+                "batch_size": BATCH,
+                "num_params": r0["num_params"],
+                "architecture": "transformers LlamaForCausalLM (eager attention, fp32, untied head)",
+            },
             "semantics": "bnb8bit",
             "median_step_s": med,
             "step_time_ratio_hooked_over_stock": med["hooked"] / med["stock"],
@@ -260,10 +306,18 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "benchmark": "deepspeed_hook",
         "command": "python benchmarks/deepspeed_hook.py " + " ".join(shlex.quote(a) for a in argv),
-        "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "deepspeed": deepspeed.__version__, "backend": "gloo",
-                    "threads_per_rank": 1},
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__,
+            "backend": "gloo",
+            "threads_per_rank": 1,
+        },
         "runs": [_one(w, args) for w in args.world_size],
     }
     text = json.dumps(report, indent=2)

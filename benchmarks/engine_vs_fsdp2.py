@@ -49,9 +49,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from _report import emit  # benchmarks/_report.py (scripts run with benchmarks/ on sys.path)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from _report import emit  # benchmarks/_report.py (scripts run with benchmarks/ on sys.path)
 
 ENGINES = ("fsdp2", "blockshard")
 PRESETS = {
@@ -243,6 +243,7 @@ def _track_cpu_allocations() -> None:
 def _memory(prof) -> dict:
     """Live bytes (allocator total) when the marked step starts and its peak inside the step,
     relative to the total just before the profiled window (before the model was built)."""
+
     def walk(events):
         for e in events:
             yield e
@@ -268,8 +269,13 @@ def _memory(prof) -> dict:
         totals = [e.extra_fields.total_allocated - base for e in inside
                   if ph.start_time_ns <= e.start_time_ns <= ph.end_time_ns]  # fmt: skip
         phases[ph.name.rsplit(".", 1)[1]] = max(totals, default=at_start)
-    return {"peak": peak, "at_step_start": at_start, "transient": peak - at_start, "peak_by_phase": phases,
-            "peak_at": {"ops": " < ".join(where), "fraction_of_step": round(at, 3)}}
+    return {
+        "peak": peak,
+        "at_step_start": at_start,
+        "transient": peak - at_start,
+        "peak_by_phase": phases,
+        "peak_at": {"ops": " < ".join(where), "fraction_of_step": round(at, 3)},
+    }
 
 
 def _measure(engine: str, cfg: dict, batches: list, warmup: int) -> dict:
@@ -327,7 +333,7 @@ def _rank_main(rank: int, world_size: int, opts: dict) -> dict:
 def _aggregate(per_rank: list[dict], opts: dict) -> dict:
     engines = {}
     for e in ENGINES:
-        rounds = [list(zip(*(rk[e]["times"][r] for rk in per_rank))) for r in range(opts["rounds"])]
+        rounds = [list(zip(*(rk[e]["times"][r] for rk in per_rank), strict=True)) for r in range(opts["rounds"])]
         slowest = [[[max(x[k] for x in step) for k in range(4)] for step in rnd] for rnd in rounds]
         flat = [s for rnd in slowest for s in rnd]
         cpu = [sum(x[4] for x in step) for rnd in rounds for step in rnd]  # all ranks' processes
@@ -353,8 +359,8 @@ def _aggregate(per_rank: list[dict], opts: dict) -> dict:
             "collectives_rank0": meas[0]["collectives"],
         }  # fmt: skip
     f, b = engines["fsdp2"], engines["blockshard"]
-    diffs = [abs(x - y) for rk in per_rank for lf, lb in zip(rk["fsdp2"]["losses"], rk["blockshard"]["losses"])
-             for x, y in zip(lf, lb)]  # fmt: skip
+    diffs = [abs(x - y) for rk in per_rank for lf, lb in zip(rk["fsdp2"]["losses"], rk["blockshard"]["losses"], strict=True)
+             for x, y in zip(lf, lb, strict=True)]  # fmt: skip
     engine_copies = lambda e: e["copy_bytes"]["all_gather_path"] + e["copy_bytes"]["reduce_scatter_path"]  # noqa: E731
     ratios = {"step_time": b["step_time_s"]["median"] / f["step_time_s"]["median"],
               "cpu_time": b["cpu_s_all_ranks"]["median"] / f["cpu_s_all_ranks"]["median"],
@@ -401,8 +407,12 @@ def render(report: dict) -> None:
         t.add_row(name, cell(x), cell(y), ratio(y, x))
     for kind in sorted(set(f["collectives_rank0"]) | set(b["collectives_rank0"])):
         cx, cy = (e["collectives_rank0"].get(kind, {"count": 0, "bytes_sent": 0}) for e in (f, b))
-        t.add_row(f"c10d {kind}: count / sent", f"{cx['count']} / {_mib(cx['bytes_sent'])}",
-                  f"{cy['count']} / {_mib(cy['bytes_sent'])}", ratio(cy["bytes_sent"], cx["bytes_sent"]))
+        t.add_row(
+            f"c10d {kind}: count / sent",
+            f"{cx['count']} / {_mib(cx['bytes_sent'])}",
+            f"{cy['count']} / {_mib(cy['bytes_sent'])}",
+            ratio(cy["bytes_sent"], cx["bytes_sent"]),
+        )
     t.caption = (f"step-time ratio {r['step_time']:.3f}, peak-memory ratio {r['peak_memory']:.3f}; "
                  f"max |loss FSDP2 - loss blockshard| = {report['loss_max_abs_diff']:.2e}")  # fmt: skip
     Console(stderr=True, width=120).print(t)

@@ -59,9 +59,9 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _report import emit  # benchmarks/_report.py (scripts run with benchmarks/ on sys.path)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from _report import emit  # benchmarks/_report.py (scripts run with benchmarks/ on sys.path)
 
 VARIANTS = ("ragged", "fsdp2+owner", "fsdp2+plain-muon", "gather-everywhere")
 MUON = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)  # ns_steps=5, torch's coefficients
@@ -103,8 +103,9 @@ class Block(nn.Module):
 class Model(nn.Module):
     def __init__(self, cfg: dict) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(cfg["hidden"], cfg["kv_dim"], cfg["intermediate"], cfg["heads"])
-                                    for _ in range(cfg["blocks"]))
+        self.blocks = nn.ModuleList(
+            Block(cfg["hidden"], cfg["kv_dim"], cfg["intermediate"], cfg["heads"]) for _ in range(cfg["blocks"])
+        )
         self.norm = nn.RMSNorm(cfg["hidden"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,8 +122,10 @@ def build(cfg: dict) -> Model:
 def check_config(cfg: dict) -> None:
     h, kv, heads = cfg["hidden"], cfg["kv_dim"], cfg["heads"]
     if min(cfg.values()) < 1 or h % heads or kv % (h // heads) or heads % (kv // (h // heads)):
-        raise SystemExit(f"bad model sizes {cfg}: need hidden % heads == 0, kv_dim a multiple of the head "
-                         "dim (hidden / heads) and heads a multiple of the KV heads, all sizes >= 1")
+        raise SystemExit(
+            f"bad model sizes {cfg}: need hidden % heads == 0, kv_dim a multiple of the head "
+            "dim (hidden / heads) and heads a multiple of the KV heads, all sizes >= 1"
+        )
 
 
 def matrix_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -198,8 +201,18 @@ class GatherEverywhereMuon:
     and ``_adjust_lr``), so with the same gradients it gives the same parameters bitwise.
     """
 
-    def __init__(self, named_params, *, lr, momentum, nesterov, weight_decay, ns_steps=5,
-                 ns_coefficients=(3.4445, -4.7750, 2.0315), eps=1e-7) -> None:
+    def __init__(
+        self,
+        named_params,
+        *,
+        lr,
+        momentum,
+        nesterov,
+        weight_decay,
+        ns_steps=5,
+        ns_coefficients=(3.4445, -4.7750, 2.0315),
+        eps=1e-7,
+    ) -> None:
         from torch.distributed.tensor import DTensor, Shard
 
         self.opts = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -213,8 +226,19 @@ class GatherEverywhereMuon:
             c = -(-rows // w)
             lo, hi = min(r * c, rows), min((r + 1) * c, rows)
             local = p.to_local()
-            self.params.append(dict(name=name, p=p, shape=tuple(p.shape), c=c, lo=lo, hi=hi, w=w,
-                                    group=p.device_mesh.get_group(), buf=torch.zeros_like(local)))
+            self.params.append(
+                dict(
+                    name=name,
+                    p=p,
+                    shape=tuple(p.shape),
+                    c=c,
+                    lo=lo,
+                    hi=hi,
+                    w=w,
+                    group=p.device_mesh.get_group(),
+                    buf=torch.zeros_like(local),
+                )
+            )
 
     def ns_shapes(self) -> list[tuple[int, ...]]:
         return [q["shape"] for q in self.params]
@@ -244,7 +268,7 @@ class GatherEverywhereMuon:
             full = _zeropower_via_newtonschulz(out[: q["shape"][0]], o["ns_coefficients"], o["ns_steps"], o["eps"])
             local = q["p"].to_local()
             local.mul_(1 - o["lr"] * o["weight_decay"])
-            local.add_(full[q["lo"]:q["hi"]], alpha=-_adjust_lr(o["lr"], None, torch.Size(q["shape"])))
+            local.add_(full[q["lo"] : q["hi"]], alpha=-_adjust_lr(o["lr"], None, torch.Size(q["shape"])))
 
     def zero_grad(self) -> None:
         for q in self.params:
@@ -279,10 +303,12 @@ class Variant:
             fsdp2.fully_shard(model, semantics=MATRIX_SEMANTICS)
             named = list(model.named_parameters())
             mats = [(n, p) for n, p in named if p.ndim == 2]
-            self.muon = fsdp2.OwnerComputeOptimizer(lambda g: torch.optim.Muon(g, **MUON), mats,
-                                                    semantics="matrix", model=model)
-            self.adamw = fsdp2.OwnerComputeOptimizer(lambda g: torch.optim.AdamW(g, **ADAMW),
-                                                     [(n, p) for n, p in named if p.ndim != 2], model=model)
+            self.muon = fsdp2.OwnerComputeOptimizer(
+                lambda g: torch.optim.Muon(g, **MUON), mats, semantics="matrix", model=model
+            )
+            self.adamw = fsdp2.OwnerComputeOptimizer(
+                lambda g: torch.optim.AdamW(g, **ADAMW), [(n, p) for n, p in named if p.ndim != 2], model=model
+            )
             # What the inner Muon orthogonalizes here: its compute tensors (owned whole matrices and
             # whole matrices inside this rank's shard), named where they are owned whole matrices.
             computed = [tuple(t.shape) for g in self.muon.inner.param_groups for t in g["params"] if t.numel() > 0]
@@ -383,7 +409,9 @@ class StepCounter(TorchDispatchMode):
             elif kind == "all_to_all_single":  # functional: (input, output_split_sizes, input_split_sizes, group)
                 inp, osplit, isplit = args[0], args[1], args[2]
                 sent = _nbytes(inp) - _split_bytes(inp, isplit, self.rank, self.w)
-                recv = sum(osplit) * (_nbytes(inp) // max(1, sum(isplit))) - _split_bytes(inp, isplit, self.rank, self.w)
+                recv = sum(osplit) * (_nbytes(inp) // max(1, sum(isplit))) - _split_bytes(
+                    inp, isplit, self.rank, self.w
+                )
             elif kind in ("wait_tensor", "barrier", "_wrap_tensor_autograd"):  # no data of their own
                 return func(*args, **kwargs)
             else:  # not expected in a step: counted by size, direction unknown
@@ -395,8 +423,10 @@ class StepCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def totals(self) -> tuple[int, int]:
-        return (sum(c["bytes_sent"] for c in self.collectives.values()),
-                sum(c["bytes_received"] for c in self.collectives.values()))
+        return (
+            sum(c["bytes_sent"] for c in self.collectives.values()),
+            sum(c["bytes_received"] for c in self.collectives.values()),
+        )
 
 
 def _nbytes(t) -> int:
@@ -431,11 +461,13 @@ def _rank_main(rank: int, world_size: int, opts: dict) -> dict:
             v.forward_backward(batch)
             try:
                 v.step(timed=i >= warmup)
-            except Exception as e:  # noqa: BLE001 - plain Muon on DTensors: report what happens
+            except Exception as e:
                 if v.name != "fsdp2+plain-muon":
                     raise
                 tb = traceback.extract_tb(e.__traceback__)
-                muon_frames = [f"{os.path.basename(f.filename)}:{f.lineno} {f.line}" for f in tb if "_muon" in f.filename]
+                muon_frames = [
+                    f"{os.path.basename(f.filename)}:{f.lineno} {f.line}" for f in tb if "_muon" in f.filename
+                ]
                 v.error = {"type": type(e).__name__, "message": str(e).strip().splitlines()[0],
                            "at_step": i, "where": muon_frames[-1] if muon_frames else None}  # fmt: skip
                 errors[v.name] = v.error
@@ -489,11 +521,13 @@ def _aggregate(per_rank: list[dict], opts: dict) -> dict:
             rec["error"] = err
             variants[name] = rec
             continue
-        slowest = [max(ts) for ts in zip(*(x["times"] for x in rk))]
+        slowest = [max(ts) for ts in zip(*(x["times"] for x in rk), strict=True)]
         counted = [x["counted"] for x in rk]
         from_shapes = rk[0]["ns_matrices"] is not None
-        flops = [_ns_flops(s for _, s in x["ns_matrices"]) if from_shapes else c["matmul_flops"]
-                 for x, c in zip(rk, counted)]
+        flops = [
+            _ns_flops(s for _, s in x["ns_matrices"]) if from_shapes else c["matmul_flops"]
+            for x, c in zip(rk, counted, strict=True)
+        ]
         rec.update({
             "step_time_s": {"median": statistics.median(slowest), "min": min(slowest), "max": max(slowest),
                             "per_step_slowest_rank": slowest,
@@ -515,9 +549,11 @@ def _aggregate(per_rank: list[dict], opts: dict) -> dict:
             colls = rec["step_collectives_rank0"]
             rec["what_happens"] = (
                 "torch.optim.Muon ran on the DTensor parameters: DTensor's sharding propagation redistributes "
-                "inside Newton-Schulz, issuing " + ", ".join(f"{c['count']} {k}" for k, c in sorted(colls.items()))
+                "inside Newton-Schulz, issuing "
+                + ", ".join(f"{c['count']} {k}" for k, c in sorted(colls.items()))
                 + f" per step on rank 0; the parameters differ from the ragged run (= Muon on one process) by up "
-                f"to {rec['param_max_abs_diff_vs_ragged']:.1e}")
+                f"to {rec['param_max_abs_diff_vs_ragged']:.1e}"
+            )
         if name == "ragged":
             pred = packing[str(w)]["per_block_groups_rotated"]["ns_flops_per_rank"]
             rec["ns_flops_per_rank_planner_prediction"] = pred
@@ -530,8 +566,11 @@ def _aggregate(per_rank: list[dict], opts: dict) -> dict:
                                  "recv_numel_per_rank": p["recv_numel_per_rank"]}  # fmt: skip
         variants[name] = rec
     r, o, g = variants["ragged"], variants["fsdp2+owner"], variants["gather-everywhere"]
+
     def step_bytes(v: dict) -> int:  # the busiest rank, the larger of its two directions
-        return max(max(a, b) for a, b in zip(v["step_bytes_sent_per_rank"], v["step_bytes_received_per_rank"]))
+        return max(
+            max(a, b) for a, b in zip(v["step_bytes_sent_per_rank"], v["step_bytes_received_per_rank"], strict=True)
+        )
 
     ratios = {
         "gather_everywhere_over_ragged_step_time": g["step_time_s"]["median"] / r["step_time_s"]["median"],
@@ -595,9 +634,13 @@ def render(report: dict) -> None:
     row("matmul GFLOP dispatched (max)", lambda v: _gflop(max(v["matmul_flops_dispatched_per_rank"])))
     row("step MiB sent / rank (max)", lambda v: _mib(max(v["step_bytes_sent_per_rank"])))
     row("step MiB received / rank (max)", lambda v: _mib(max(v["step_bytes_received_per_rank"])))
-    row("step MiB planned / rank (max)",
-        lambda v: _mib(max(v["step_bytes_planned_per_rank"])) if v["step_bytes_planned_per_rank"] else "—")
-    row("collectives in the step (rank 0)", lambda v: str(sum(c["count"] for c in v["step_collectives_rank0"].values())))
+    row(
+        "step MiB planned / rank (max)",
+        lambda v: _mib(max(v["step_bytes_planned_per_rank"])) if v["step_bytes_planned_per_rank"] else "—",
+    )
+    row(
+        "collectives in the step (rank 0)", lambda v: str(sum(c["count"] for c in v["step_collectives_rank0"].values()))
+    )
     row("max |param - ragged|", lambda v: f"{v['param_max_abs_diff_vs_ragged']:.1e}")
     r = report["ratios"]
     err = vs["fsdp2+plain-muon"].get("error")

@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from blockshard.planner import catalog_models, compare, model_tensors, plan_model
 from blockshard import SemanticsError
+from blockshard.planner import catalog_models, compare, model_tensors, plan_model
 from blockshard.semantics import TensorSpec
 
 WORLD_SIZES = (8, 64, 1024, 16384)
@@ -54,7 +54,8 @@ def _case(model: str, tensors: list[TensorSpec], W: int, sem: str) -> dict:
         "num_groups": len(plan.groups),
         "plan_seconds": plan.plan_seconds,
         "baselines": {
-            k: {"padding_fraction": v.padding_fraction, "splits_units": v.splits_units} for k, v in cmp.baselines.items()
+            k: {"padding_fraction": v.padding_fraction, "splits_units": v.splits_units}
+            for k, v in cmp.baselines.items()
         },
     }
     if fine and W <= 1024:
@@ -88,7 +89,9 @@ def _scaling(repeats: int) -> list[dict]:
                                 ("up", (4 * h, h)), ("down", (h, 4 * h)), ("norm", (h,))):  # fmt: skip
                 tensors.append(TensorSpec(name=f"layers.{i}.{name}", shape=shape, group=f"layers.{i}"))
         best = min(_timed(tensors) for _ in range(repeats))
-        rows.append({"num_tensors": len(tensors), "seconds": best, "microseconds_per_tensor": 1e6 * best / len(tensors)})
+        rows.append(
+            {"num_tensors": len(tensors), "seconds": best, "microseconds_per_tensor": 1e6 * best / len(tensors)}
+        )
     return rows
 
 
@@ -147,7 +150,9 @@ def _markdown(result: dict) -> str:
     ]
     for sem in SEMANTICS:
         for W in WORLD_SIZES:
-            rs = [r for r in result["cases"] if r["semantics"] == sem and r["world_size"] == W and "padding_fraction" in r]
+            rs = [
+                r for r in result["cases"] if r["semantics"] == sem and r["world_size"] == W and "padding_fraction" in r
+            ]
             if not rs:
                 continue
             worst = max(rs, key=lambda r: r["padding_fraction"])
@@ -157,7 +162,8 @@ def _markdown(result: dict) -> str:
             cells = [f"{100 * b[k][0]:.2f}% ({b[k][1]:,})" for k in ("fsdp2", "zero3", "zero12")]
             lines.append(
                 f"| {sem} | {W} | {100 * worst['padding_fraction']:.2f}% ({worst['model']}) | {ratio:.3f} | {coll:.2f} | "
-                + " | ".join(cells) + f" | {100 * b['naive'][0]:.2f}% |"
+                + " | ".join(cells)
+                + f" | {100 * b['naive'][0]:.2f}% |"
             )
     t = result["planning_time"]
     lines += [
@@ -168,7 +174,10 @@ def _markdown(result: dict) -> str:
         "| tensors (distinct layers) | plan time | per tensor |",
         "|---:|---:|---:|",
     ]
-    lines += [f"| {r['num_tensors']} | {1e3 * r['seconds']:.1f} ms | {r['microseconds_per_tensor']:.1f} us |" for r in result["scaling"]]
+    lines += [
+        f"| {r['num_tensors']} | {1e3 * r['seconds']:.1f} ms | {r['microseconds_per_tensor']:.1f} us |"
+        for r in result["scaling"]
+    ]
     s = result["summary"]
     lines += ["", f"Targets met in {s['target_met']} of {s['judged']} judged cases. Missed:", ""]
     lines += [
@@ -189,7 +198,11 @@ def _summary(rows: list[dict]) -> dict:
     judged = [r for r in rows if "target_met" in r]
     return {
         "cases": len(rows),
-        "not_applicable": [{k: r[k] for k in ("model", "world_size", "semantics", "not_applicable")} for r in rows if "not_applicable" in r],
+        "not_applicable": [
+            {k: r[k] for k in ("model", "world_size", "semantics", "not_applicable")}
+            for r in rows
+            if "not_applicable" in r
+        ],
         "judged": len(judged),
         "target_met": sum(r["target_met"] for r in judged),
         "missed": [
@@ -209,14 +222,20 @@ def _print_summary(result: dict, console: Console) -> None:
     for sem in SEMANTICS:
         cells = []
         for W in WORLD_SIZES:
-            rs = [r for r in result["cases"] if r["semantics"] == sem and r["world_size"] == W and "padding_fraction" in r]
+            rs = [
+                r for r in result["cases"] if r["semantics"] == sem and r["world_size"] == W and "padding_fraction" in r
+            ]
             worst = max(rs, key=lambda r: r["padding_fraction"])
             z = worst["baselines"]["zero12"]
-            cells.append(f"{100 * worst['padding_fraction']:.2f}% vs naive {100 * worst['baselines']['naive']['padding_fraction']:.1f}% ({z['splits_units']} split)")
+            cells.append(
+                f"{100 * worst['padding_fraction']:.2f}% vs naive {100 * worst['baselines']['naive']['padding_fraction']:.1f}% ({z['splits_units']} split)"
+            )
         table.add_row(sem, *cells)
     console.print(table)
     t = result["planning_time"]
-    console.print(f"llama3-405b at W=16384: {t['seconds_min'] * 1e3:.1f} ms (target {t['target_seconds'] * 1e3:.0f} ms)")
+    console.print(
+        f"llama3-405b at W=16384: {t['seconds_min'] * 1e3:.1f} ms (target {t['target_seconds'] * 1e3:.0f} ms)"
+    )
     s = result["summary"]
     console.print(f"targets met in {s['target_met']} of {s['judged']} judged cases; missed: {len(s['missed'])}")
 

@@ -31,6 +31,7 @@ def __getattr__(name: str):
         return getattr(runtime, name)
     raise AttributeError(f"module 'blockshard' has no attribute {name!r}")
 
+
 __all__ = [
     "BlockshardError",
     "PlanError",

@@ -25,12 +25,18 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-__all__ = ["run_demo", "MODEL", "DemoRun"]
+__all__ = ["MODEL", "DemoRun", "run_demo"]
 
 #: The tiny model: :func:`blockshard._tiny.tiny_llama`'s awkward shapes (257-token byte vocabulary,
 #: 89-wide MLP), so every shard boundary at W in {2, 3, 4} is ragged.
-MODEL: dict[str, int] = dict(vocab_size=257, hidden_size=48, intermediate_size=89, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2)
+MODEL: dict[str, int] = dict(
+    vocab_size=257,
+    hidden_size=48,
+    intermediate_size=89,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 OPTIMIZERS = ("adamw", "muon")
 #: World sizes where the average of W identical gradients is exact (DESIGN.md: measured at 2 and 4).
 EXACT_WORLD_SIZES = (2, 4)
@@ -179,7 +185,7 @@ def _plan_tables(plan, per_rank: list[dict]) -> list[tuple]:
         for col in ("shape", "unit", *(f"rank {r}" for r in ranks), *(() if ranks else ("ranks",))):
             table.add_column(col, no_wrap=True, justify="right")
         for t in g.tensors:
-            name = (t.name[len(g.name) + 1:] if g.name else t.name).removesuffix(".weight")
+            name = (t.name[len(g.name) + 1 :] if g.name else t.name).removesuffix(".weight")
             unit = "whole" if t.grid.is_whole else f"{t.grid.unit_numel:,}"
             if ranks:
                 cells = [_fmt_shape(per_rank[r][t.name], t.shape) for r in ranks]
@@ -191,9 +197,11 @@ def _plan_tables(plan, per_rank: list[dict]) -> list[tuple]:
     return tables
 
 
-_LEGEND = ("[dim]S: elements per rank · unit: the smallest piece a shard may hold · rank r: the block shape "
-           "rank r's optimizer sees (bold: the whole tensor; a×b: whole rows; n: a flat run; ·: nothing) · "
-           "tensor names without .weight[/]")
+_LEGEND = (
+    "[dim]S: elements per rank · unit: the smallest piece a shard may hold · rank r: the block shape "
+    "rank r's optimizer sees (bold: the whole tensor; a×b: whole rows; n: a flat run; ·: nothing) · "
+    "tensor names without .weight[/]"
+)
 
 
 def _fsdp2_line(plan) -> str:
@@ -201,8 +209,10 @@ def _fsdp2_line(plan) -> str:
 
     f = compare(plan, baselines=("fsdp2",)).baselines["fsdp2"]
     cut = f"[red]{f.splits_units:,} units cut[/] by shard boundaries" if f.splits_units else "no unit cut"
-    return (f"blockshard: padding {100 * plan.padding_fraction:.2f}%, no unit cut · FSDP2 Shard(0), same model: "
-            f"padding {100 * f.padding_fraction:.2f}%, {cut}")
+    return (
+        f"blockshard: padding {100 * plan.padding_fraction:.2f}%, no unit cut · FSDP2 Shard(0), same model: "
+        f"padding {100 * f.padding_fraction:.2f}%, {cut}"
+    )
 
 
 def _launch(call, progress, task, queue, steps: int, label: str):
@@ -235,8 +245,13 @@ def _launch(call, progress, task, queue, steps: int, label: str):
 def _loss_table(sharded: list[float], single: list[float], W: int, rows: int = 10):
     from rich.table import Table
 
-    table = Table(title="loss per step", title_justify="left", header_style="bold",
-                  caption=f"rank 0 of W = {W} (red: not equal to one process)", caption_justify="left")
+    table = Table(
+        title="loss per step",
+        title_justify="left",
+        header_style="bold",
+        caption=f"rank 0 of W = {W} (red: not equal to one process)",
+        caption_justify="left",
+    )
     blocks = (len(sharded) + rows - 1) // rows
     for _ in range(blocks):
         table.add_column("step", justify="right", style="dim")
@@ -267,21 +282,24 @@ def _diff_table(got: dict, ref: dict):
         row[1] += 1
         row[2] = max(row[2], diff)
         row[3] = row[3] and got[name].shape == want.shape and bool((got[name] == want).all())
-    table = Table(title="parameters after training: W ranks (full_state_dict) vs one process",
-                  title_justify="left", header_style="bold")
+    table = Table(
+        title="parameters after training: W ranks (full_state_dict) vs one process",
+        title_justify="left",
+        header_style="bold",
+    )
     for col in ("parameter", "shape", "count", "max |diff|", "bitwise"):
         if col == "parameter":
             table.add_column(col, overflow="fold")
         else:
             table.add_column(col, justify="right", no_wrap=True)
     for key, (shape, n, diff, equal) in rows.items():
-        table.add_row(key, "×".join(map(str, shape)), str(n), f"{diff:.3g}",
-                      "[green]yes[/]" if equal else "[red]no[/]")
+        table.add_row(key, "×".join(map(str, shape)), str(n), f"{diff:.3g}", "[green]yes[/]" if equal else "[red]no[/]")
     return table
 
 
-def run_demo(*, world_size: int = 2, steps: int = 30, semantics: str = "muon", optimizer: str = "muon",
-             console=None) -> int:
+def run_demo(
+    *, world_size: int = 2, steps: int = 30, semantics: str = "muon", optimizer: str = "muon", console=None
+) -> int:
     """Plan, train on ``world_size`` gloo ranks and on one process, compare; 0 on PASS, 1 on FAIL.
 
     ``semantics`` is any ``--semantics`` spec (default ``muon``: every hidden matrix lives whole on
@@ -291,8 +309,10 @@ def run_demo(*, world_size: int = 2, steps: int = 30, semantics: str = "muon", o
     """
     from blockshard._errors import BlockshardError
 
-    for name, value, low, why in (("world_size", world_size, 2, " (the demo compares W ranks with one process)"),
-                                  ("steps", steps, 1, "")):
+    for name, value, low, why in (
+        ("world_size", world_size, 2, " (the demo compares W ranks with one process)"),
+        ("steps", steps, 1, ""),
+    ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise BlockshardError(f"{name}={value!r} must be an integer >= {low}{why}")
     if optimizer not in OPTIMIZERS:
@@ -310,8 +330,10 @@ def run_demo(*, world_size: int = 2, steps: int = 30, semantics: str = "muon", o
     out.rule(f"blockshard demo: tiny Llama on {world_size} gloo ranks vs one process")
     plan = _plan(world_size, semantics)
     planned = _planned_shapes(plan)
-    out.print(f"plan: tiny Llama, {plan.total_numel:,} float32 parameters on W = {world_size} ranks, "
-              f"semantics [bold]{semantics}[/]")
+    out.print(
+        f"plan: tiny Llama, {plan.total_numel:,} float32 parameters on W = {world_size} ranks, "
+        f"semantics [bold]{semantics}[/]"
+    )
     for title, table in _plan_tables(plan, planned):
         out.print(title)
         out.print(table)
@@ -319,21 +341,42 @@ def run_demo(*, world_size: int = 2, steps: int = 30, semantics: str = "muon", o
     out.print(_fsdp2_line(plan))
     exact = world_size in EXACT_WORLD_SIZES or optimizer != "adamw"
     if not exact:
-        out.print(f"[yellow]note:[/] at W = {world_size} averaging float32 gradients is not exact: AdamW is "
-                  f"compared within {ADAMW_TOLERANCE:g} (bitwise at W = 2 and 4)")
-    out.print(f"\ntraining {steps} steps ({opt_text}, batch {run.batch_size}×{run.seq_len} bytes, every "
-              "rank sees the whole batch)")
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn())
+        out.print(
+            f"[yellow]note:[/] at W = {world_size} averaging float32 gradients is not exact: AdamW is "
+            f"compared within {ADAMW_TOLERANCE:g} (bitwise at W = 2 and 4)"
+        )
+    out.print(
+        f"\ntraining {steps} steps ({opt_text}, batch {run.batch_size}×{run.seq_len} bytes, every "
+        "rank sees the whole batch)"
+    )
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(),
+    )
     try:
         with mp.get_context("spawn").Manager() as manager, Progress(*columns, console=out) as progress:
             queue = manager.Queue()
             task = progress.add_task(f"starting {world_size} ranks", total=steps, loss="-")
-            ranks = _launch(lambda: spawn_gloo(_train, world_size, args=(run, queue), timeout=180),
-                            progress, task, queue, steps, f"blockshard, W = {world_size}")
+            ranks = _launch(
+                lambda: spawn_gloo(_train, world_size, args=(run, queue), timeout=180),
+                progress,
+                task,
+                queue,
+                steps,
+                f"blockshard, W = {world_size}",
+            )
             task = progress.add_task("starting 1 process", total=steps, loss="-")
-            single = _launch(lambda: run_single(_train, args=(run, queue), timeout=180),
-                             progress, task, queue, steps, "one process  ")
+            single = _launch(
+                lambda: run_single(_train, args=(run, queue), timeout=180),
+                progress,
+                task,
+                queue,
+                steps,
+                "one process  ",
+            )
     except (RuntimeError, TimeoutError) as exc:
         out.print(f"[bold red]FAIL[/]: a process failed:\n{exc}")
         return 1
@@ -347,20 +390,24 @@ def run_demo(*, world_size: int = 2, steps: int = 30, semantics: str = "muon", o
     out.print(_diff_table(got["state"], ref["state"]))
     hashes_ok = all(r["hashes"] == {g.name: g.layout_hash() for g in plan.groups} for r in ranks)
     shapes_ok = all(r["shapes"] == planned[rank] for rank, r in enumerate(ranks))
-    for ok, what in ((hashes_ok, "every rank's engine built the planned layouts (same layout hashes)"),
-                     (shapes_ok, "every rank's optimizer saw the planned block shapes")):
+    for ok, what in (
+        (hashes_ok, "every rank's engine built the planned layouts (same layout hashes)"),
+        (shapes_ok, "every rank's optimizer saw the planned block shapes"),
+    ):
         out.print(f"{'[green]✓' if ok else '[red]✗'}[/] {what}")
     diff = max((got["state"][n] - p).abs().max().item() if p.numel() else 0.0 for n, p in ref["state"].items())
     bitwise = all(
-        got["state"][n].shape == p.shape and bool((got["state"][n] == p).all()) for n, p in ref["state"].items())
+        got["state"][n].shape == p.shape and bool((got["state"][n] == p).all()) for n, p in ref["state"].items()
+    )
     close = bitwise or (not exact and diff <= ADAMW_TOLERANCE)
     passed = close and hashes_ok and shapes_ok
     verdict = "[bold green]PASS[/]" if passed else "[bold red]FAIL[/]"
     equal = f"all {len(ref['state'])} parameters bitwise equal" if bitwise else "parameters NOT bitwise equal"
     if not bitwise and close:
         equal = f"parameters within {ADAMW_TOLERANCE:g}, not bitwise equal"
-    out.print(f"{verdict}: W = {world_size} ranks vs one process after {steps} steps: {equal} "
-              f"(max |difference| {diff:.3g})")
+    out.print(
+        f"{verdict}: W = {world_size} ranks vs one process after {steps} steps: {equal} (max |difference| {diff:.3g})"
+    )
     if not bitwise and optimizer == "muon" and semantics != "muon":
         out.print("(the control: Muon orthogonalized pieces of split matrices; --semantics muon keeps them whole)")
     out.print(f"[dim]wall time {time.perf_counter() - t0:.1f} s[/]")

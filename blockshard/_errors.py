@@ -7,7 +7,7 @@ Internal invariants use ``assert``.
 
 from __future__ import annotations
 
-__all__ = ["BlockshardError", "SemanticsError", "PlanError", "ShapesError"]
+__all__ = ["BlockshardError", "PlanError", "SemanticsError", "ShapesError"]
 
 
 class BlockshardError(ValueError):

@@ -31,7 +31,7 @@ from multiprocessing.connection import wait
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["spawn_gloo", "run_single"]
+__all__ = ["run_single", "spawn_gloo"]
 
 _GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' errors (root cause)
 
@@ -41,8 +41,9 @@ def _loopback_ifname() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def _worker(fn, rank: int, world_size: int, args: tuple, store_path: str | None,
-            gloo_timeout_s: float, threads: int, conn) -> None:
+def _worker(
+    fn, rank: int, world_size: int, args: tuple, store_path: str | None, gloo_timeout_s: float, threads: int, conn
+) -> None:
     """Child entry point: set threads, join the group, run fn, send ("ok", value) or ("err", text)."""
     payload = None
     try:
@@ -56,8 +57,13 @@ def _worker(fn, rank: int, world_size: int, args: tuple, store_path: str | None,
                 os.environ["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             store = dist.FileStore(store_path, world_size)
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=gloo_timeout_s))
+            dist.init_process_group(
+                "gloo",
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=gloo_timeout_s),
+            )
             try:
                 result = fn(rank, world_size, *args)
             except BaseException:
@@ -96,8 +102,10 @@ def _check(fn, world_size: int, args: tuple, timeout: float, threads: int) -> No
         try:
             pickle.dumps(obj)
         except Exception as e:  # lambdas, local functions, open files...
-            raise ValueError(f"{name}={obj!r} cannot be pickled for a spawned process ({e}); use a "
-                             "top-level function of an importable module and picklable arguments") from None
+            raise ValueError(
+                f"{name}={obj!r} cannot be pickled for a spawned process ({e}); use a "
+                "top-level function of an importable module and picklable arguments"
+            ) from None
 
 
 def _stop(procs: list) -> None:
@@ -121,8 +129,11 @@ def _run(fn, world_size: int, args: tuple, timeout: float, threads: int, group: 
     try:
         for rank in range(world_size):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_worker, name=f"blockshard-rank{rank}",
-                            args=(fn, rank, world_size, args, store_path, 0.9 * timeout, threads, send))
+            p = ctx.Process(
+                target=_worker,
+                name=f"blockshard-rank{rank}",
+                args=(fn, rank, world_size, args, store_path, 0.9 * timeout, threads, send),
+            )
             p.start()
             send.close()  # the child holds its own end; EOF here then means the child is gone
             procs.append(p)
@@ -143,13 +154,21 @@ def _run(fn, world_size: int, args: tuple, timeout: float, threads: int, group: 
                     status, stamp, value = pickle.loads(conns[r].recv_bytes())
                 except EOFError:
                     procs[r].join(5.0)
-                    status, stamp, value = "err", time.time(), (
-                        f"rank {r} exited with code {procs[r].exitcode} before returning a result "
-                        "(a negative code is a signal; see its stderr: e.g. spawn re-imported a main "
-                        "script that lacks `if __name__ == '__main__':`, out of memory, os._exit)")
+                    status, stamp, value = (
+                        "err",
+                        time.time(),
+                        (
+                            f"rank {r} exited with code {procs[r].exitcode} before returning a result "
+                            "(a negative code is a signal; see its stderr: e.g. spawn re-imported a main "
+                            "script that lacks `if __name__ == '__main__':`, out of memory, os._exit)"
+                        ),
+                    )
                 except Exception as e:  # e.g. the result's class cannot be imported in the parent
-                    status, stamp, value = "err", time.time(), (
-                        f"the result of rank {r} could not be unpickled in the parent: {e!r}")
+                    status, stamp, value = (
+                        "err",
+                        time.time(),
+                        (f"the result of rank {r} could not be unpickled in the parent: {e!r}"),
+                    )
                 if status == "ok":
                     results[r] = value
                 else:
@@ -159,17 +178,20 @@ def _run(fn, world_size: int, args: tuple, timeout: float, threads: int, group: 
         if errors:
             order = sorted(errors, key=lambda r: errors[r][0])
             first = order[0]
-            others = "".join(f"\n--- rank {r} also failed: {errors[r][1].strip().splitlines()[-1]}"
-                             for r in order[1:])
+            others = "".join(f"\n--- rank {r} also failed: {errors[r][1].strip().splitlines()[-1]}" for r in order[1:])
             missing = [r for r in range(world_size) if r not in results and r not in errors]
             unfinished = f"\n--- ranks {missing} had not finished and were killed" if missing else ""
-            raise RuntimeError(f"rank {first} of {world_size} failed (first failing rank of "
-                               f"{order}):\n{errors[first][1]}{others}{unfinished}")
+            raise RuntimeError(
+                f"rank {first} of {world_size} failed (first failing rank of "
+                f"{order}):\n{errors[first][1]}{others}{unfinished}"
+            )
         missing = [r for r in range(world_size) if r not in results]
         if missing:
-            raise TimeoutError(f"ranks {missing} of {world_size} did not finish within timeout={timeout} s; "
-                               "all ranks were killed. Raise timeout= if the work is legitimately slow, or "
-                               "look for a rank blocked in a collective that the other ranks never reach")
+            raise TimeoutError(
+                f"ranks {missing} of {world_size} did not finish within timeout={timeout} s; "
+                "all ranks were killed. Raise timeout= if the work is legitimately slow, or "
+                "look for a rank blocked in a collective that the other ranks never reach"
+            )
         return [results[r] for r in range(world_size)]
     finally:
         _stop(procs)

@@ -8,7 +8,7 @@ from rich.table import Table
 from blockshard.planner import GroupLayout
 from blockshard.planner._report import Comparison
 
-__all__ = ["comparison_table", "layout_table", "plot_rank_loads", "human"]
+__all__ = ["comparison_table", "human", "layout_table", "plot_rank_loads"]
 
 
 def human(n: float) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["TEXT", "tiny_llama", "OddMLP", "text_batches", "mlp_batches"]
+__all__ = ["TEXT", "OddMLP", "mlp_batches", "text_batches", "tiny_llama"]
 
 # Self-written English text (ASCII), tokenized byte-level: list(TEXT.encode()).
 TEXT = """\
@@ -52,8 +52,16 @@ and ask.
 _TOKENS = list(TEXT.encode())
 
 
-def tiny_llama(seed: int = 0, *, vocab_size: int = 257, hidden_size: int = 48, intermediate_size: int = 89,
-               num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2):
+def tiny_llama(
+    seed: int = 0,
+    *,
+    vocab_size: int = 257,
+    hidden_size: int = 48,
+    intermediate_size: int = 89,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+):
     """A tiny ``transformers.LlamaForCausalLM`` (float32, eager attention, no dropout, untied head).
 
     The config is built in code; ``vocab_size=257`` covers the byte tokens of :func:`text_batches`.
@@ -62,12 +70,23 @@ def tiny_llama(seed: int = 0, *, vocab_size: int = 257, hidden_size: int = 48, i
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, max_position_embeddings=1024,
-        tie_word_embeddings=False, attention_dropout=0.0, attention_bias=False, mlp_bias=False,
-        use_cache=False, pad_token_id=None, bos_token_id=None, eos_token_id=None,
-        attn_implementation="eager", dtype=torch.float32,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        attention_bias=False,
+        mlp_bias=False,
+        use_cache=False,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        attn_implementation="eager",
+        dtype=torch.float32,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -86,11 +105,13 @@ class OddMLP(nn.Module):
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.blocks = nn.ModuleList([
-                nn.Sequential(nn.Linear(13, 37), nn.LayerNorm(37), nn.GELU()),
-                nn.Sequential(nn.Linear(37, 29), nn.GELU()),
-                nn.Sequential(nn.Linear(29, 7)),
-            ])
+            self.blocks = nn.ModuleList(
+                [
+                    nn.Sequential(nn.Linear(13, 37), nn.LayerNorm(37), nn.GELU()),
+                    nn.Sequential(nn.Linear(37, 29), nn.GELU()),
+                    nn.Sequential(nn.Linear(29, 7)),
+                ]
+            )
             # Non-trivial LayerNorm affine parameters (defaults are all ones / zeros).
             ln = self.blocks[0][1]
             nn.init.normal_(ln.weight, mean=1.0, std=0.1)
@@ -107,8 +128,9 @@ def _check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
-def text_batches(num_steps: int, batch_size: int, seq_len: int, *, seed: int = 0,
-                 vocab_size: int = 256) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def text_batches(
+    num_steps: int, batch_size: int, seq_len: int, *, seed: int = 0, vocab_size: int = 256
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``num_steps`` batches of (input_ids, labels), int64 ``[batch_size, seq_len]``, windows of the
     bundled :data:`TEXT` (byte tokens) at start offsets drawn from ``seed``. ``labels`` equals
     ``input_ids`` (HF causal LMs shift internally). Token ids are taken modulo ``vocab_size`` (a no-op
@@ -123,7 +145,7 @@ def text_batches(num_steps: int, batch_size: int, seq_len: int, *, seed: int = 0
     batches = []
     for _ in range(num_steps):
         starts = torch.randint(0, len(_TOKENS) - seq_len + 1, (batch_size,), generator=gen)
-        ids = torch.stack([tokens[s:s + seq_len] for s in starts.tolist()])
+        ids = torch.stack([tokens[s : s + seq_len] for s in starts.tolist()])
         batches.append((ids, ids.clone()))
     return batches
 
@@ -134,7 +156,7 @@ def mlp_batches(num_steps: int, batch_size: int, *, seed: int = 0) -> list[tuple
     _check_int("num_steps", num_steps, 0)
     _check_int("batch_size", batch_size, 1)
     gen = torch.Generator().manual_seed(seed)
-    teacher = torch.randn(13, 7, generator=gen) / 13 ** 0.5
+    teacher = torch.randn(13, 7, generator=gen) / 13**0.5
     batches = []
     for _ in range(num_steps):
         x = torch.randn(batch_size, 13, generator=gen)

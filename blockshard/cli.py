@@ -62,9 +62,7 @@ def _load(args: argparse.Namespace):
     if args.world_size is None or args.world_size < 1:
         raise BlockshardError(f"--world-size={args.world_size} must be an integer >= 1 (the number of ranks)")
     tensors = load_model_tensors(model=args.model, config=args.config, shapes=args.shapes)
-    return plan_model(
-        tensors, args.world_size, semantics=args.semantics, alignment_bytes=args.alignment_bytes
-    )
+    return plan_model(tensors, args.world_size, semantics=args.semantics, alignment_bytes=args.alignment_bytes)
 
 
 def _source(args: argparse.Namespace) -> str:
@@ -104,7 +102,9 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     else:
         layout = plan.group(args.group)
     if args.rank is not None and not 0 <= args.rank < plan.world_size:
-        raise BlockshardError(f"--rank={args.rank} must be in [0, {plan.world_size}) for --world-size {plan.world_size}")
+        raise BlockshardError(
+            f"--rank={args.rank} must be in [0, {plan.world_size}) for --world-size {plan.world_size}"
+        )
     if args.json:
         json.dump(layout.to_json() | {"layout_hash": layout.layout_hash()}, sys.stdout, indent=2)
         print()

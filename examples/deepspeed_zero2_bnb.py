@@ -31,8 +31,15 @@ def make_model() -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         # weights of 5696, 11570 and 13000 elements, small biases and head (fp32 state on one process)
-        return nn.Sequential(nn.Linear(64, 89), nn.GELU(), nn.Linear(89, 130), nn.GELU(),
-                             nn.Linear(130, 100), nn.GELU(), nn.Linear(100, 7))
+        return nn.Sequential(
+            nn.Linear(64, 89),
+            nn.GELU(),
+            nn.Linear(89, 130),
+            nn.GELU(),
+            nn.Linear(130, 100),
+            nn.GELU(),
+            nn.Linear(100, 7),
+        )
 
 
 def batches():
@@ -47,8 +54,13 @@ def optimizer(params):
 
 
 def config(hooked: bool) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-           "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
     if hooked:
         cfg["blockshard"] = {"semantics": SEMANTICS}
     return cfg
@@ -80,7 +92,7 @@ def train_single() -> list[torch.Tensor]:
 
 
 def max_diff(a, b) -> float:
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
 
 
 def main() -> None:

@@ -12,8 +12,9 @@ from blockshard.cli import main
 
 
 def run_demo(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "blockshard", "demo", *args], capture_output=True, text=True,
-                          timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "blockshard", "demo", *args], capture_output=True, text=True, timeout=240
+    )
 
 
 @pytest.mark.slow
@@ -22,12 +23,23 @@ def test_demo_trains_on_two_ranks_bitwise_equal_to_one_process():
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
     # the plan: per group S, padding and what every rank holds, and the FSDP2 line
-    for word in ("plan: tiny Llama", "model.layers.0: S = ", "model.layers.1: S = ", "root: S = ", "padding",
-                 "rank 0", "rank 1", "mlp.gate_proj", "model.embed_tokens", "whole", "FSDP2 Shard(0)"):
+    for word in (
+        "plan: tiny Llama",
+        "model.layers.0: S = ",
+        "model.layers.1: S = ",
+        "root: S = ",
+        "padding",
+        "rank 0",
+        "rank 1",
+        "mlp.gate_proj",
+        "model.embed_tokens",
+        "whole",
+        "FSDP2 Shard(0)",
+    ):
         assert word in text, word
     # the progress bars end full, and the per-step losses of all 30 steps are printed
     assert "30/30" in text
-    table = text[text.index("loss per step"):text.index("parameters after training")]
+    table = text[text.index("loss per step") : text.index("parameters after training")]
     losses = [float(x) for x in re.findall(r"\b\d+\.\d{6}\b", table)]
     assert len(losses) == 30 and losses[-1] < losses[0] - 1.0  # it learns
     assert "loss at every step identical to one process" in text
@@ -45,11 +57,14 @@ def test_demo_control_fails_when_muon_runs_on_split_matrices():
     assert "FAIL" in out.stdout and "NOT bitwise equal" in out.stdout
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["demo", "--steps", "0"], "steps=0 must be an integer >= 1"),
-    (["demo", "-W", "1"], "world_size=1 must be an integer >= 2"),
-    (["demo", "--semantics", "nf5"], "unknown semantics 'nf5'"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["demo", "--steps", "0"], "steps=0 must be an integer >= 1"),
+        (["demo", "-W", "1"], "world_size=1 must be an integer >= 2"),
+        (["demo", "--semantics", "nf5"], "unknown semantics 'nf5'"),
+    ],
+)
 def test_demo_bad_input_is_one_clear_error_line(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -57,7 +72,9 @@ def test_demo_bad_input_is_one_clear_error_line(args, message, capsys):
 
 
 def test_importing_the_cli_stays_light():
-    code = ("import sys, blockshard.cli, blockshard._demo; "
-            "print(sorted({'torch', 'transformers', 'rich'} & set(sys.modules)))")
+    code = (
+        "import sys, blockshard.cli, blockshard._demo; "
+        "print(sorted({'torch', 'transformers', 'rich'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -15,8 +15,8 @@ from blockshard.optim._semantics import (
 from blockshard.optim._shampoo import BlockedShampoo
 
 __all__ = [
-    "BlockedShampoo",
     "OPTIMIZER_SEMANTICS",
+    "BlockedShampoo",
     "muon_param_groups",
     "optimizer_semantics",
     "semantics_for_optimizer",

@@ -25,7 +25,7 @@ from blockshard._errors import SemanticsError
 from blockshard.semantics import TensorSpec, get_semantics
 from blockshard.semantics._rules import is_embedding_or_head
 
-__all__ = ["OPTIMIZER_SEMANTICS", "semantics_for_optimizer", "optimizer_semantics", "muon_param_groups"]
+__all__ = ["OPTIMIZER_SEMANTICS", "muon_param_groups", "optimizer_semantics", "semantics_for_optimizer"]
 
 #: Optimizer name -> the block semantics it needs.
 OPTIMIZER_SEMANTICS: dict[str, str] = {
@@ -69,7 +69,16 @@ def semantics_for_optimizer(optimizer: object) -> str:
         return "ao8bit"
     if module.startswith("torchao") and name.endswith("4bit"):
         return "ao4bit"
-    if module.startswith("torch.optim") and name in ("AdamW", "Adam", "SGD", "Adagrad", "RMSprop", "Adamax", "NAdam", "RAdam"):
+    if module.startswith("torch.optim") and name in (
+        "AdamW",
+        "Adam",
+        "SGD",
+        "Adagrad",
+        "RMSprop",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+    ):
         return "elementwise"
     raise SemanticsError(
         f"optimizer {module}.{name} is not one blockshard knows; pass its block semantics directly "

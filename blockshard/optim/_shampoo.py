@@ -115,8 +115,12 @@ def _validate(group: dict[str, Any]) -> None:
         if not 0.0 < _real("inverse_root_exponent", e, fix) <= 1.0:
             raise _bad("inverse_root_exponent", e, "must be in (0, 1]", fix)
     if group["factor_dtype"] not in _FACTOR_DTYPES:
-        raise _bad("factor_dtype", group["factor_dtype"], "must be torch.float32 or torch.float64",
-                   "pass factor_dtype=torch.float32")
+        raise _bad(
+            "factor_dtype",
+            group["factor_dtype"],
+            "must be torch.float32 or torch.float64",
+            "pass factor_dtype=torch.float32",
+        )
 
 
 def _matrix_shape(shape: torch.Size) -> tuple[int, ...]:
@@ -187,12 +191,18 @@ class BlockedShampoo(torch.optim.Optimizer):
         factor_dtype: torch.dtype = torch.float32,
     ) -> None:
         defaults = dict(
-            lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, epsilon=epsilon,
-            weight_decay=weight_decay, max_preconditioner_dim=max_preconditioner_dim,
+            lr=lr,
+            betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
+            epsilon=epsilon,
+            weight_decay=weight_decay,
+            max_preconditioner_dim=max_preconditioner_dim,
             precondition_frequency=precondition_frequency,
-            start_preconditioning_step=start_preconditioning_step, grafting=grafting,
-            grafting_epsilon=grafting_epsilon, grafting_beta2=grafting_beta2,
-            inverse_root_exponent=inverse_root_exponent, factor_dtype=factor_dtype,
+            start_preconditioning_step=start_preconditioning_step,
+            grafting=grafting,
+            grafting_epsilon=grafting_epsilon,
+            grafting_beta2=grafting_beta2,
+            inverse_root_exponent=inverse_root_exponent,
+            factor_dtype=factor_dtype,
         )
         _validate(defaults)
         super().__init__(params, defaults)
@@ -237,7 +247,7 @@ class BlockedShampoo(torch.optim.Optimizer):
         t = state["step"]
         work = p if p.is_contiguous() else p.contiguous()
         mat, grad = work.view(shape), p.grad.reshape(shape)
-        for idx, block in zip(slices, state["blocks"]):
+        for idx, block in zip(slices, state["blocks"], strict=True):
             update = self._block_update(_take(grad[idx], sdt), block, group, t)
             new = _take(mat[idx], sdt)
             if group["weight_decay"] != 0:
@@ -308,12 +318,14 @@ class BlockedShampoo(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         targets = chain.from_iterable(((p, g) for p in g["params"]) for g in self.param_groups)
-        for pid, (p, group) in zip(saved_ids, targets):
+        for pid, (p, group) in zip(saved_ids, targets, strict=True):
             if pid not in blocks:
                 continue
             sdt = torch.promote_types(p.dtype, torch.float32)
             self.state[p]["blocks"] = [
-                {k: v.to(device=p.device, dtype=group["factor_dtype"] if k in _FACTOR_KEYS else sdt)
-                 for k, v in block.items()}
+                {
+                    k: v.to(device=p.device, dtype=group["factor_dtype"] if k in _FACTOR_KEYS else sdt)
+                    for k, v in block.items()
+                }
                 for block in blocks[pid]
             ]

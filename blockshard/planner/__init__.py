@@ -1,12 +1,18 @@
 """The planner: pure (no process group) layouts, owner plans, baselines and reports."""
 
 from blockshard.planner._baselines import BASELINES, BaselineResult, baseline, combine
-from blockshard.planner._catalog import catalog_config, catalog_models, default_group, model_tensors, tensors_from_hf_config
+from blockshard.planner._buckets import plan_buckets
+from blockshard.planner._catalog import (
+    catalog_config,
+    catalog_models,
+    default_group,
+    model_tensors,
+    tensors_from_hf_config,
+)
 from blockshard.planner._items import PlanItem, resolve_items
 from blockshard.planner._layout import GroupLayout, Piece, TensorPlacement
-from blockshard.planner._buckets import plan_buckets
-from blockshard.planner._pack import lower_bound, pack
 from blockshard.planner._owner import OwnerPlan, plan_owners
+from blockshard.planner._pack import lower_bound, pack
 from blockshard.planner._plan import ModelPlan, alignment_elements, group_kind, plan_group, plan_model
 from blockshard.planner._report import Comparison, KindRow, compare
 from blockshard.planner._shapes_file import load_model_tensors, tensors_from_shapes_file
@@ -14,31 +20,31 @@ from blockshard.planner._shapes_file import load_model_tensors, tensors_from_sha
 __all__ = [
     "BASELINES",
     "BaselineResult",
+    "Comparison",
+    "GroupLayout",
+    "KindRow",
+    "ModelPlan",
+    "OwnerPlan",
+    "Piece",
+    "PlanItem",
+    "TensorPlacement",
+    "alignment_elements",
     "baseline",
-    "combine",
     "catalog_config",
     "catalog_models",
-    "default_group",
-    "model_tensors",
-    "tensors_from_hf_config",
-    "OwnerPlan",
-    "plan_owners",
-    "Comparison",
-    "KindRow",
+    "combine",
     "compare",
-    "load_model_tensors",
-    "tensors_from_shapes_file",
-    "PlanItem",
-    "resolve_items",
-    "GroupLayout",
-    "Piece",
-    "TensorPlacement",
-    "lower_bound",
-    "plan_buckets",
-    "pack",
-    "ModelPlan",
-    "alignment_elements",
+    "default_group",
     "group_kind",
+    "load_model_tensors",
+    "lower_bound",
+    "model_tensors",
+    "pack",
+    "plan_buckets",
     "plan_group",
     "plan_model",
+    "plan_owners",
+    "resolve_items",
+    "tensors_from_hf_config",
+    "tensors_from_shapes_file",
 ]

@@ -22,7 +22,7 @@ import numpy as np
 
 from blockshard.planner._layout import GroupLayout
 
-__all__ = ["rank_costs", "clean_rotations", "rotate", "balance"]
+__all__ = ["balance", "clean_rotations", "rank_costs", "rotate"]
 
 MIN_CANDIDATES = 32
 #: Rotations tried per group are capped so that candidates x loaded ranks stays under this.

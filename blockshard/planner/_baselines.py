@@ -109,8 +109,7 @@ def check_world_size(world_size: object) -> int:
 def check_name(param: str, value: object, valid: Sequence[str]) -> str:
     if value not in valid:
         raise PlanError(
-            f"{param}={value!r} is not a known {param}: it must be one of {list(valid)}; "
-            f"pass one of those names"
+            f"{param}={value!r} is not a known {param}: it must be one of {list(valid)}; pass one of those names"
         )
     return str(value)
 
@@ -239,21 +238,30 @@ def baseline(name: str, items: Sequence[PlanItem], world_size: int) -> BaselineR
             per_rank += step
             splits += progression_split_count(it.grid, step)
         return BaselineResult(
-            padded_numel=w * per_rank, per_rank_numel=per_rank, splits_units=splits,
-            block_respecting=False, **common,
+            padded_numel=w * per_rank,
+            per_rank_numel=per_rank,
+            splits_units=splits,
+            block_respecting=False,
+            **common,
         )
     if name == "naive":
         per_rank = sum(_naive_slot(it.grid, w) for it in items)
         return BaselineResult(
-            padded_numel=w * per_rank, per_rank_numel=per_rank, splits_units=0,
-            block_respecting=True, **common,
+            padded_numel=w * per_rank,
+            per_rank_numel=per_rank,
+            splits_units=0,
+            block_respecting=True,
+            **common,
         )
     align = DEEPSPEED_NCCL_START_ALIGNMENT_FACTOR * w
     padded = -(-total // align) * align
     part = padded // w
     return BaselineResult(
-        padded_numel=padded, per_rank_numel=part, splits_units=_flat_splits(items, part, w),
-        block_respecting=False, **common,
+        padded_numel=padded,
+        per_rank_numel=part,
+        splits_units=_flat_splits(items, part, w),
+        block_respecting=False,
+        **common,
     )
 
 
@@ -283,7 +291,7 @@ def _runs(t: np.ndarray):
     cuts = np.flatnonzero(np.diff(t)) + 1
     los = np.concatenate(([0], cuts))
     his = np.concatenate((cuts, [t.size]))
-    for lo, hi in zip(los.tolist(), his.tolist()):
+    for lo, hi in zip(los.tolist(), his.tolist(), strict=True):
         yield int(t[lo]), lo, hi
 
 

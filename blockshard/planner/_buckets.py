@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from blockshard.planner._pack import lower_bound, pack
 from blockshard.semantics import UnitGrid
 
-__all__ = ["plan_buckets", "MIN_GAIN_PER_BUCKET", "MERGE_TOLERANCE"]
+__all__ = ["MERGE_TOLERANCE", "MIN_GAIN_PER_BUCKET", "plan_buckets"]
 
 #: A layout within this fraction of the lower bound is kept in one bucket without trying more.
 GOOD_ENOUGH = 0.002
@@ -70,7 +70,7 @@ def plan_buckets(
     if len(buckets) == 1 or total > S1 * (1 - MIN_GAIN_PER_BUCKET * (len(buckets) - 1)):
         return single
     bucket_of, offsets = [0] * n, [0] * n
-    for b, (ix, (_, offs, _)) in enumerate(zip(buckets, planned)):
+    for b, (ix, (_, offs, _)) in enumerate(zip(buckets, planned, strict=True)):
         for j, i in enumerate(ix):
             bucket_of[i], offsets[i] = b, offs[j]
     return tuple(p[0] for p in planned), bucket_of, offsets, lb

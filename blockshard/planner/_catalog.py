@@ -35,12 +35,12 @@ from blockshard._errors import ShapesError
 from blockshard.semantics._spec import TensorSpec
 
 __all__ = [
-    "catalog_models",
     "catalog_config",
-    "model_tensors",
-    "tensors_from_hf_config",
+    "catalog_models",
     "default_group",
+    "model_tensors",
     "supported_model_types",
+    "tensors_from_hf_config",
 ]
 
 _NUMERIC = re.compile(r"[0-9]+")
@@ -66,64 +66,130 @@ def default_group(param_name: str) -> str:
 _CATALOG: dict[str, dict[str, Any]] = {
     # meta-llama/Meta-Llama-3-8B
     "llama3-8b": {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
     },
     # meta-llama/Meta-Llama-3-70B
     "llama3-70b": {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
-        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "head_dim": 128, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
     },
     # meta-llama/Llama-3.1-405B
     "llama3-405b": {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 128256, "hidden_size": 16384, "intermediate_size": 53248,
-        "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
-        "head_dim": 128, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128256,
+        "hidden_size": 16384,
+        "intermediate_size": 53248,
+        "num_hidden_layers": 126,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
     },
     # Qwen/Qwen2.5-7B (q/k/v projections carry biases)
     "qwen2.5-7b": {
-        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
-        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
-        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
         "tie_word_embeddings": False,
     },
     # Qwen/Qwen3-8B (per-head q_norm / k_norm)
     "qwen3-8b": {
-        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
-        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-        "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "attention_bias": False, "tie_word_embeddings": False,
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
     },
     # mistralai/Mixtral-8x7B-v0.1
     "mixtral-8x7b": {
-        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
-        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False,
+        "model_type": "mixtral",
+        "architectures": ["MixtralForCausalLM"],
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "tie_word_embeddings": False,
     },
     # deepseek-ai/DeepSeek-V3 (the MTP layer, num_nextn_predict_layers=1, is not part of the HF model)
     "deepseek-v3": {
-        "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
-        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
-        "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
-        "n_group": 8, "topk_group": 4, "first_k_dense_replace": 3,
-        "num_nextn_predict_layers": 1, "attention_bias": False, "tie_word_embeddings": False,
+        "model_type": "deepseek_v3",
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "vocab_size": 129280,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "n_group": 8,
+        "topk_group": 4,
+        "first_k_dense_replace": 3,
+        "num_nextn_predict_layers": 1,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
     },
     # openai/gpt-oss-120b
     "gpt-oss-120b": {
-        "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"],
-        "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
-        "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8,
-        "head_dim": 64, "num_local_experts": 128, "num_experts_per_tok": 4,
-        "attention_bias": True, "tie_word_embeddings": False,
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "attention_bias": True,
+        "tie_word_embeddings": False,
     },
 }
 
@@ -190,9 +256,7 @@ class _Cfg:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise ShapesError(
-                f"{self._where()}: {key}={value!r} must be true or false; fix it in the config"
-            )
+            raise ShapesError(f"{self._where()}: {key}={value!r} must be true or false; fix it in the config")
         return value
 
     def head_dim(self, hidden: int, heads: int) -> int:
@@ -208,8 +272,7 @@ class _Builder:
 
     def param(self, name: str, shape: tuple[int, ...], module_type: str) -> None:
         self.out.append(
-            TensorSpec(name=name, shape=shape, dtype="bfloat16", group=default_group(name),
-                       module_type=module_type)
+            TensorSpec(name=name, shape=shape, dtype="bfloat16", group=default_group(name), module_type=module_type)
         )
 
     def linear(self, prefix: str, in_f: int, out_f: int, bias: bool = False) -> None:
@@ -231,8 +294,12 @@ class _Builder:
 # --------------------------------------------------------------------------------------------
 
 _NORM_CLASS = {
-    "llama": "LlamaRMSNorm", "qwen2": "Qwen2RMSNorm", "qwen3": "Qwen3RMSNorm",
-    "mixtral": "MixtralRMSNorm", "deepseek_v3": "DeepseekV3RMSNorm", "gpt_oss": "GptOssRMSNorm",
+    "llama": "LlamaRMSNorm",
+    "qwen2": "Qwen2RMSNorm",
+    "qwen3": "Qwen3RMSNorm",
+    "mixtral": "MixtralRMSNorm",
+    "deepseek_v3": "DeepseekV3RMSNorm",
+    "gpt_oss": "GptOssRMSNorm",
 }
 
 
@@ -402,12 +469,12 @@ def _model_type_of(data: Mapping[str, Any], source: str) -> str:
             return known[0]
         raise ShapesError(
             f"{source}: no 'model_type' and architectures={data.get('architectures')!r} names none "
-            f"of {', '.join(_ARCHITECTURES)}; add \"model_type\" (one of: {supported})"
+            f'of {", ".join(_ARCHITECTURES)}; add "model_type" (one of: {supported})'
         )
     if mt not in _GENERATORS:
         raise ShapesError(
             f"{source}: model_type={mt!r} is not supported; supported model types: {supported}. "
-            "For other models, write a shapes file ({\"tensors\": [{\"name\", \"shape\"}]})"
+            'For other models, write a shapes file ({"tensors": [{"name", "shape"}]})'
         )
     return mt
 
@@ -429,8 +496,7 @@ def tensors_from_hf_config(
         source, data = _source or "config dict", config
     else:
         raise ShapesError(
-            f"config={config!r} is a {type(config).__name__}; pass a config dict or the path of a "
-            "config.json"
+            f"config={config!r} is a {type(config).__name__}; pass a config dict or the path of a config.json"
         )
     model_type = _model_type_of(data, source)
     tensors = _GENERATORS[model_type](_Cfg(data, source, model_type))

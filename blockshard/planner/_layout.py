@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from blockshard.semantics import UnitGrid
 
-__all__ = ["TensorPlacement", "GroupLayout", "Piece"]
+__all__ = ["GroupLayout", "Piece", "TensorPlacement"]
 
 LAYOUT_FORMAT_VERSION = 1
 
@@ -219,7 +219,9 @@ class GroupLayout:
     def from_json(cls, data: dict) -> GroupLayout:
         assert data.get("format") == LAYOUT_FORMAT_VERSION, data.get("format")
         tensors = tuple(
-            TensorPlacement(d["name"], tuple(d["shape"]), d["offset"], UnitGrid(*d["grid"]), d["semantics"], d["bucket"])
+            TensorPlacement(
+                d["name"], tuple(d["shape"]), d["offset"], UnitGrid(*d["grid"]), d["semantics"], d["bucket"]
+            )
             for d in data["tensors"]
         )
         return cls(

@@ -91,8 +91,11 @@ class OwnerPlan:
         return [
             StraddlingUnit(names[t], s, n, o)
             for t, s, n, o in zip(
-                self.unit_tensor.tolist(), self.unit_start.tolist(),
-                self.unit_numel.tolist(), self.unit_owner.tolist(),
+                self.unit_tensor.tolist(),
+                self.unit_start.tolist(),
+                self.unit_numel.tolist(),
+                self.unit_owner.tolist(),
+                strict=True,
             )
         ]
 
@@ -256,8 +259,9 @@ def _assign(cost: np.ndarray, ut, ua, ub, uc, steps) -> tuple[np.ndarray, np.nda
     heap = [(c, r) for r, c in enumerate(costs)]
     heapq.heapify(heap)
     s_all = steps[ut]
-    for i, a, b, c, s in zip(order.tolist(), ua[order].tolist(), ub[order].tolist(),
-                             uc[order].tolist(), s_all[order].tolist()):
+    for i, a, b, c, s in zip(
+        order.tolist(), ua[order].tolist(), ub[order].tolist(), uc[order].tolist(), s_all[order].tolist(), strict=True
+    ):
         while heap[0][0] != costs[heap[0][1]]:  # drop stale entries
             heapq.heappop(heap)
         cmin, rmin = heap[0]
@@ -270,7 +274,7 @@ def _assign(cost: np.ndarray, ut, ua, ub, uc, steps) -> tuple[np.ndarray, np.nda
                     best = key if best is None or key < best else best
             o = rmin if best is None else best[1]
         else:
-            tied = np.flatnonzero(cost[ra:rb + 1] == cmin) + ra
+            tied = np.flatnonzero(cost[ra : rb + 1] == cmin) + ra
             if tied.size:
                 pieces = np.minimum(b, (tied + 1) * s) - np.maximum(a, tied * s)
                 o = int(tied[np.argmax(pieces)])  # first maximum = lowest rank

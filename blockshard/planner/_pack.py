@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from blockshard.semantics import UnitGrid
 
-__all__ = ["pack", "lower_bound"]
+__all__ = ["lower_bound", "pack"]
 
 
 def _round_up(x: int, m: int) -> int:

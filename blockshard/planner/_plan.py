@@ -11,13 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from blockshard._errors import PlanError
-from blockshard.planner._items import PlanItem, group_items, resolve_items
-from blockshard.planner._layout import GroupLayout, TensorPlacement
 from blockshard.planner._balance import balance, rank_costs
 from blockshard.planner._buckets import plan_buckets
+from blockshard.planner._items import PlanItem, group_items, resolve_items
+from blockshard.planner._layout import GroupLayout, TensorPlacement
 from blockshard.semantics import TensorSpec
 
-__all__ = ["ModelPlan", "plan_group", "plan_model", "group_kind", "alignment_elements"]
+__all__ = ["ModelPlan", "alignment_elements", "group_kind", "plan_group", "plan_model"]
 
 DEFAULT_ALIGNMENT_BYTES = 16
 
@@ -222,5 +222,10 @@ def plan_model(
         if progress is not None:
             progress(i + 1, len(grouped))
     return ModelPlan(
-        world_size, tuple(layouts), time.perf_counter() - t0, tuple(items), tuple(running.tolist()), tuple(unrotated.tolist())
+        world_size,
+        tuple(layouts),
+        time.perf_counter() - t0,
+        tuple(items),
+        tuple(running.tolist()),
+        tuple(unrotated.tolist()),
     )

@@ -9,7 +9,7 @@ from blockshard.planner._baselines import BASELINES, BaselineResult, baseline, c
 from blockshard.planner._items import PlanItem, group_items
 from blockshard.planner._plan import ModelPlan
 
-__all__ = ["KindRow", "Comparison", "compare"]
+__all__ = ["Comparison", "KindRow", "compare"]
 
 
 @dataclass(frozen=True)
@@ -95,5 +95,3 @@ def compare(plan: ModelPlan, baselines: Sequence[str] = BASELINES) -> Comparison
         )
     totals = {b: combine([per_group[g.name][b] for g in plan.groups]) for b in baselines}
     return Comparison(plan, tuple(rows), totals)
-
-

@@ -23,7 +23,7 @@ from blockshard._errors import ShapesError
 from blockshard.planner._catalog import default_group, model_tensors, read_json_file, tensors_from_hf_config
 from blockshard.semantics._spec import TensorSpec
 
-__all__ = ["tensors_from_shapes_file", "load_model_tensors"]
+__all__ = ["load_model_tensors", "tensors_from_shapes_file"]
 
 _ENTRY_KEYS = ("name", "shape", "dtype", "group", "module_type", "tensor_type", "param_group")
 
@@ -37,33 +37,27 @@ def _entry(path: str, index: int, entry: Any) -> TensorSpec:
         )
     unknown = sorted(set(entry) - set(_ENTRY_KEYS))
     if unknown:
-        raise ShapesError(
-            f"{where} has unknown key(s) {unknown}; allowed keys: {list(_ENTRY_KEYS)}"
-        )
+        raise ShapesError(f"{where} has unknown key(s) {unknown}; allowed keys: {list(_ENTRY_KEYS)}")
     name = entry.get("name")
     if not isinstance(name, str) or not name:
         raise ShapesError(
-            f"{where}: name={name!r}; every entry needs a non-empty string \"name\" "
+            f'{where}: name={name!r}; every entry needs a non-empty string "name" '
             "(the parameter's fully qualified name)"
         )
     where = f"{where} (name {name!r})"
     if "shape" not in entry:
-        raise ShapesError(f"{where} has no \"shape\"; add it as a list of integers, e.g. [4096, 4096]")
+        raise ShapesError(f'{where} has no "shape"; add it as a list of integers, e.g. [4096, 4096]')
     shape = entry["shape"]
     if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) for d in shape):
-        raise ShapesError(
-            f"{where}: shape={shape!r} must be a list of non-negative integers, e.g. [4096, 4096]"
-        )
+        raise ShapesError(f"{where}: shape={shape!r} must be a list of non-negative integers, e.g. [4096, 4096]")
     if any(d < 0 for d in shape):
-        raise ShapesError(
-            f"{where}: shape={shape!r} has a negative dimension; every dim must be >= 0"
-        )
+        raise ShapesError(f"{where}: shape={shape!r} has a negative dimension; every dim must be >= 0")
     group = entry.get("group")
     if group is None:
         group = default_group(name)
     elif not isinstance(group, str):
         raise ShapesError(
-            f"{where}: group={group!r} must be a string (\"\" is the root group) or be left out "
+            f'{where}: group={group!r} must be a string ("" is the root group) or be left out '
             "for the default (one group per layer)"
         )
     param_group = entry.get("param_group")
@@ -98,17 +92,17 @@ def tensors_from_shapes_file(path: str | os.PathLike) -> list[TensorSpec]:
     entries = data.get("tensors") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         got = (
-            f"tensors={entries!r}" if isinstance(data, dict) and "tensors" in data
-            else f"a JSON {type(data).__name__} without a \"tensors\" key"
+            f"tensors={entries!r}"
+            if isinstance(data, dict) and "tensors" in data
+            else f'a JSON {type(data).__name__} without a "tensors" key'
         )
         raise ShapesError(
-            f"shapes file {p!r} holds {got}; it must hold an object with a \"tensors\" list: "
+            f'shapes file {p!r} holds {got}; it must hold an object with a "tensors" list: '
             '{"tensors": [{"name": ..., "shape": [...]}, ...]}'
         )
     if not entries:
         raise ShapesError(
-            f"shapes file {p!r}: \"tensors\" is empty, so the model has no tensors; "
-            "list at least one tensor"
+            f'shapes file {p!r}: "tensors" is empty, so the model has no tensors; list at least one tensor'
         )
     tensors: list[TensorSpec] = []
     seen: dict[str, int] = {}

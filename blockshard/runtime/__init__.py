@@ -8,6 +8,7 @@ from blockshard.runtime._api import (
     is_sharded,
     local_buffers,
 )
+from blockshard.runtime._collectives import LayoutMismatchError
 from blockshard.runtime._state_dict import (
     LocalShard,
     full_state_dict,
@@ -15,13 +16,12 @@ from blockshard.runtime._state_dict import (
     load_sharded_state_dict,
     sharded_state_dict,
 )
-from blockshard.runtime._collectives import LayoutMismatchError
 
 __all__ = [
+    "LayoutMismatchError",
     "LocalShard",
     "ShardedModule",
     "ShardingError",
-    "LayoutMismatchError",
     "full_state_dict",
     "fully_shard",
     "group_layouts",

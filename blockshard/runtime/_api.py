@@ -7,13 +7,12 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from blockshard._errors import BlockshardError
-import numpy as np
-
 from blockshard.planner import GroupLayout, PlanItem, plan_group, resolve_items
 from blockshard.planner._balance import balance
 from blockshard.runtime._collectives import check_same_layout
@@ -23,12 +22,12 @@ from blockshard.runtime._state import ShardState, register_hooks
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
 
 __all__ = [
-    "fully_shard",
     "ShardedModule",
-    "is_sharded",
-    "group_layouts",
-    "local_buffers",
     "ShardingError",
+    "fully_shard",
+    "group_layouts",
+    "is_sharded",
+    "local_buffers",
 ]
 
 _STATES: weakref.WeakKeyDictionary[nn.Module, ShardState] = weakref.WeakKeyDictionary()
@@ -52,6 +51,8 @@ def _balanced(layout: GroupLayout | None, items: list[PlanItem], module: nn.Modu
     else:
         tallied.append(weakref.ref(module))
     return layout
+
+
 # Parameter objects the engine made (sharded and unsharded) and the original parameters it
 # replaced, by id (tensors compare by value, so they cannot be dictionary keys): a weak reference,
 # the owning module's class name, and whether it is an original.
@@ -136,7 +137,7 @@ def _collect(module: nn.Module) -> tuple[list[str], list[nn.Parameter], list[lis
         for cname, child in reversed(children):
             if child is not None:
                 stack.append((f"{prefix}{cname}.", child))
-    shared = [(n, owned_below[id(p)]) for n, p in zip(names, params) if id(p) in owned_below]
+    shared = [(n, owned_below[id(p)]) for n, p in zip(names, params, strict=True) if id(p) in owned_below]
     if shared:
         raise ShardingError(
             f"parameters shared between this group and an already sharded submodule: {shared[:5]}. One "
@@ -147,7 +148,7 @@ def _collect(module: nn.Module) -> tuple[list[str], list[nn.Parameter], list[lis
 
 
 def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
-    for n, p in zip(names, params):
+    for n, p in zip(names, params, strict=True):
         hit = _managed_by(p)
         if hit is not None and hit[1]:
             raise ShardingError(
@@ -170,7 +171,9 @@ def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
             raise ShardingError(f"parameter {n!r} is on the meta device; materialize the model before fully_shard")
     devices = {p.device for p in params}
     if len(devices) > 1:
-        raise ShardingError(f"the group's parameters are on several devices {sorted(map(str, devices))}; move the module to one device first")
+        raise ShardingError(
+            f"the group's parameters are on several devices {sorted(map(str, devices))}; move the module to one device first"
+        )
 
 
 def _rules(semantics, params_by_name: Mapping[str, nn.Parameter]) -> object:
@@ -213,10 +216,10 @@ def fully_shard(
     name = type(module).__name__
     layout: GroupLayout | None = None
     if params:  # a root without parameters of its own still drives the hooks, as in FSDP2
-        by_name = dict(zip(names, params))
+        by_name = dict(zip(names, params, strict=True))
         specs = [
             TensorSpec(name=n, shape=tuple(p.shape), dtype=p.dtype, module_type=_owner_type(r))
-            for n, p, r in zip(names, params, refs)
+            for n, p, r in zip(names, params, refs, strict=True)
         ]
         items: list[PlanItem] = resolve_items(specs, _rules(semantics, by_name))
         layout = plan_group(items, pg.size(), name=name, alignment_bytes=alignment)
@@ -225,7 +228,7 @@ def fully_shard(
     index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
     sps = [
         ShardedParam(fqn=n, refs=r, shape=tuple(p.shape), requires_grad=p.requires_grad, index=index[n])
-        for n, p, r in zip(names, params, refs)
+        for n, p, r in zip(names, params, refs, strict=True)
     ]
     group = ParamGroup(
         name, sps, params, layout, pg,
@@ -239,7 +242,7 @@ def fully_shard(
         cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),
     )  # fmt: skip
     _STATES[module] = state
-    for sp, orig in zip(sps, params):
+    for sp, orig in zip(sps, params, strict=True):
         _manage(sp.sharded, name)
         _manage(sp.unsharded, name)
         _manage(orig, name, original=True)

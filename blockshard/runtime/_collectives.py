@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from blockshard._errors import BlockshardError
 
-__all__ = ["all_gather_into", "reduce_scatter_avg", "check_same_layout", "LayoutMismatchError"]
+__all__ = ["LayoutMismatchError", "all_gather_into", "check_same_layout", "reduce_scatter_avg"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -28,7 +28,7 @@ from blockshard.planner import GroupLayout
 from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg
 from blockshard.runtime._param import ShardedParam, block_shape
 
-__all__ = ["ParamGroup", "GroupState"]
+__all__ = ["GroupState", "ParamGroup"]
 
 
 class GroupState(enum.Enum):
@@ -66,7 +66,11 @@ class ParamGroup:
         S, W = layout.segment_numel, self.world_size
         self.local = torch.zeros(S, dtype=self.orig_dtype, device=self.device)  # [S]
         self.grad = torch.zeros(S, dtype=self.orig_dtype, device=self.device)  # [S]
-        self.send = self.local if self.param_dtype == self.orig_dtype else torch.empty(S, dtype=self.param_dtype, device=self.device)
+        self.send = (
+            self.local
+            if self.param_dtype == self.orig_dtype
+            else torch.empty(S, dtype=self.param_dtype, device=self.device)
+        )
         self.gathered = torch.empty(W * S, dtype=self.param_dtype, device=self.device)  # [W*S]
         self._holes = _holes(layout)  # gathered ranges no tensor covers
         self._init_views(originals)
@@ -75,7 +79,7 @@ class ParamGroup:
     # -- construction -----------------------------------------------------------------------------
     def _init_views(self, originals: Sequence[nn.Parameter]) -> None:
         pieces = {p.index: p for p in self.layout.pieces(self.rank)}
-        for sp, orig in zip(self.params, originals):
+        for sp, orig in zip(self.params, originals, strict=True):
             piece = pieces.get(sp.index)
             sp.gathered_offset = self.layout.gathered_offset(sp.index)
             if piece is not None:
@@ -86,7 +90,9 @@ class ParamGroup:
                     flat[sp.local_start : sp.local_start + sp.local_numel]
                 )
             view = self.local[sp.local_offset : sp.local_offset + sp.local_numel]
-            sp.sharded = nn.Parameter(view.view(block_shape(sp.shape, sp.local_start, sp.local_numel)), sp.requires_grad)
+            sp.sharded = nn.Parameter(
+                view.view(block_shape(sp.shape, sp.local_start, sp.local_numel)), sp.requires_grad
+            )
             full = self.gathered[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape)
             sp.unsharded = nn.Parameter(full, sp.requires_grad)
             sp.set_module_params(sp.sharded)

@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from blockshard.runtime._group import GroupState, ParamGroup
 
-__all__ = ["ShardState", "RootContext", "register_hooks"]
+__all__ = ["RootContext", "ShardState", "register_hooks"]
 
 
 @dataclass(eq=False)

@@ -11,7 +11,7 @@ from torch import nn
 from blockshard.runtime._api import ShardingError, _join, _states_under
 from blockshard.runtime._collectives import all_gather_into
 
-__all__ = ["LocalShard", "sharded_state_dict", "full_state_dict", "load_sharded_state_dict", "load_full_state_dict"]
+__all__ = ["LocalShard", "full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "sharded_state_dict"]
 
 
 @dataclass(frozen=True)

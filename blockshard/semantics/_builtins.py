@@ -13,19 +13,19 @@ from blockshard.semantics._grid import UnitGrid
 from blockshard.semantics._registry import register_semantics
 
 __all__ = [
+    "MX",
+    "NF4",
+    "Ao4bit",
+    "Ao8bit",
+    "AoNF4",
+    "Bnb8bit",
     "Elementwise",
+    "Expert",
+    "FP8Block",
+    "Flat",
     "Matrix",
     "Rows",
     "Shampoo",
-    "Flat",
-    "Bnb8bit",
-    "Ao8bit",
-    "Ao4bit",
-    "NF4",
-    "AoNF4",
-    "MX",
-    "FP8Block",
-    "Expert",
     "newton_schulz_flops",
 ]
 

@@ -22,8 +22,8 @@ from blockshard.semantics._base import BlockSemantics
 __all__ = [
     "ENTRY_POINT_GROUP",
     "NO_ENTRY_POINTS_ENV",
-    "register_semantics",
     "get_semantics",
+    "register_semantics",
     "registered_semantics",
     "unregister_semantics",
 ]
@@ -48,9 +48,7 @@ def register_semantics(name: str, *, replace: bool = False) -> Callable[[_T], _T
                 return blockshard.UnitGrid.units(math.prod(shape), 64)
     """
     if not isinstance(name, str) or not name or ":" in name or "=" in name or "," in name:
-        raise SemanticsError(
-            f"register_semantics(name={name!r}): a name is a non-empty string without ':', '=' or ','"
-        )
+        raise SemanticsError(f"register_semantics(name={name!r}): a name is a non-empty string without ':', '=' or ','")
 
     def decorator(cls: _T) -> _T:
         if not (isinstance(cls, type) and issubclass(cls, BlockSemantics)):
@@ -113,9 +111,7 @@ def get_semantics(spec: str | BlockSemantics) -> BlockSemantics:
     if isinstance(spec, BlockSemantics):
         return spec
     if not isinstance(spec, str) or not spec.strip():
-        raise SemanticsError(
-            f"semantics={spec!r} must be a name such as 'nf4' or 'shampoo:1024', or a BlockSemantics"
-        )
+        raise SemanticsError(f"semantics={spec!r} must be a name such as 'nf4' or 'shampoo:1024', or a BlockSemantics")
     name, *raw_args = spec.strip().split(":")
     _load_entry_points()
     cls = _REGISTRY.get(name)

@@ -20,7 +20,7 @@ from blockshard.semantics._grid import UnitGrid
 from blockshard.semantics._registry import get_semantics
 from blockshard.semantics._spec import TensorSpec
 
-__all__ = ["Rule", "SemanticsRules", "ResolvedSemantics", "is_embedding_or_head"]
+__all__ = ["ResolvedSemantics", "Rule", "SemanticsRules", "is_embedding_or_head"]
 
 # Embeddings and the output head: Muon leaves them to AdamW (Keller Jordan's Muon, Moonlight) and
 # quantizers leave them unquantized (bitsandbytes / QLoRA skip lm_head and embeddings).
@@ -29,6 +29,7 @@ _EMBED_OR_HEAD = ("*embed*", "*lm_head*", "*wte*", "*wpe*", "*output.weight", "*
 
 def is_embedding_or_head(spec: TensorSpec) -> bool:
     return spec.module_type == "Embedding" or any(fnmatch.fnmatchcase(spec.name, g) for g in _EMBED_OR_HEAD)
+
 
 CallableRule = Callable[[str, TensorSpec], "str | BlockSemantics | None"]
 
@@ -100,7 +101,6 @@ class ResolvedSemantics:
         return "+".join(s.spec for s in self.semantics) or "elementwise"
 
 
-
 class SemanticsRules:
     """An ordered set of rules; :meth:`resolve` gives a tensor its :class:`ResolvedSemantics`."""
 
@@ -108,7 +108,9 @@ class SemanticsRules:
         self.rules: tuple[Rule | CallableRule, ...] = tuple(rules)
         for r in self.rules:
             if not (isinstance(r, Rule) or callable(r)):
-                raise SemanticsError(f"rules: {r!r} is neither a blockshard.Rule nor a callable (name, spec) -> semantics")
+                raise SemanticsError(
+                    f"rules: {r!r} is neither a blockshard.Rule nor a callable (name, spec) -> semantics"
+                )
 
     # -- construction from what users write -----------------------------------------------------
     @classmethod

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from blockshard._errors import ShapesError
 
-__all__ = ["TensorSpec", "DTYPE_ITEMSIZE", "itemsize_of", "normalize_dtype"]
+__all__ = ["DTYPE_ITEMSIZE", "TensorSpec", "itemsize_of", "normalize_dtype"]
 
 # Bytes per element of the dtypes the planner knows, by their torch names.
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -45,9 +45,7 @@ def normalize_dtype(dtype: object) -> str:
     name = str(dtype).removeprefix("torch.")
     name = _DTYPE_ALIASES.get(name, name)
     if name not in DTYPE_ITEMSIZE:
-        raise ShapesError(
-            f"dtype={dtype!r} is not one the planner knows; use one of {sorted(DTYPE_ITEMSIZE)}"
-        )
+        raise ShapesError(f"dtype={dtype!r} is not one the planner knows; use one of {sorted(DTYPE_ITEMSIZE)}")
     return name
 
 
@@ -83,13 +81,9 @@ class TensorSpec:
         try:
             shape = tuple(int(d) for d in self.shape)
         except (TypeError, ValueError):
-            raise ShapesError(
-                f"tensor {self.name!r}: shape={self.shape!r} must be a sequence of integers"
-            ) from None
+            raise ShapesError(f"tensor {self.name!r}: shape={self.shape!r} must be a sequence of integers") from None
         if any(d < 0 for d in shape):
-            raise ShapesError(
-                f"tensor {self.name!r}: shape={shape} has a negative dimension; dims must be >= 0"
-            )
+            raise ShapesError(f"tensor {self.name!r}: shape={shape} has a negative dimension; dims must be >= 0")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
 

@@ -49,24 +49,24 @@ from blockshard.integrations.deepspeed._hook import LAYOUT_KEY, ZERO3_REFUSAL, h
 from blockshard.integrations.deepspeed._layout import OrderedLayout, ordered_layout
 
 __all__ = [
-    "initialize",
-    "install",
-    "uninstall",
-    "installed",
-    "is_installed",
-    "is_hooked",
-    "layout_report",
-    "parse_section",
-    "check_deepspeed_version",
-    "ordered_layout",
-    "OrderedLayout",
-    "HookConfig",
-    "DeepSpeedHookError",
+    "ALLOW_UNTESTED_ENV",
+    "LAYOUT_KEY",
     "SECTION",
     "TESTED_DEEPSPEED_VERSIONS",
-    "ALLOW_UNTESTED_ENV",
     "ZERO3_REFUSAL",
-    "LAYOUT_KEY",
+    "DeepSpeedHookError",
+    "HookConfig",
+    "OrderedLayout",
+    "check_deepspeed_version",
+    "initialize",
+    "install",
+    "installed",
+    "is_hooked",
+    "is_installed",
+    "layout_report",
+    "ordered_layout",
+    "parse_section",
+    "uninstall",
 ]
 
 _log = logging.getLogger(__name__)
@@ -89,9 +89,21 @@ def _module_types(model) -> dict[int, str]:
     return out
 
 
-def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
-               lr_scheduler=None, distributed_port=None, mpu=None, dist_init_required=None, collate_fn=None,
-               config=None, mesh_param=None, config_params=None):
+def initialize(
+    args=None,
+    model=None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port=None,
+    mpu=None,
+    dist_init_required=None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+):
     """``deepspeed.initialize`` with blockshard's ZeRO-1/2 hook for this engine (same arguments, same returns).
 
     Reads the ``"blockshard"`` section of the config (``config``, ``config_params`` or
@@ -100,10 +112,20 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     bad section (naming the key), an untested DeepSpeed version, ZeRO-3 and the other unsupported
     setups listed in ``docs/deepspeed.md``.
     """
-    kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                  training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
-                  dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
-                  mesh_param=mesh_param, config_params=config_params)
+    kwargs = dict(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        dist_init_required=dist_init_required,
+        collate_fn=collate_fn,
+        config=config,
+        mesh_param=mesh_param,
+        config_params=config_params,
+    )
     if distributed_port is not None:
         kwargs["distributed_port"] = distributed_port
     return _initialize(kwargs, require_section=False)
@@ -148,8 +170,9 @@ def _initialize(kwargs: dict, *, require_section: bool):
         raise DeepSpeedHookError(
             f"ZeRO stage {stage} built {type(engine.optimizer).__name__}, not DeepSpeedZeroOptimizer, so the "
             "blockshard hook is not active (e.g. bf16 ZeRO-1 with fp32 gradient accumulation uses BF16_Optimizer: "
-            "use stage 2 or \"data_types\": {\"grad_accum_dtype\": \"bf16\"}); remove the blockshard section to "
-            "run stock DeepSpeed")
+            'use stage 2 or "data_types": {"grad_accum_dtype": "bf16"}); remove the blockshard section to '
+            "run stock DeepSpeed"
+        )
     if stage == 0:
         _log.info("blockshard: ZeRO stage 0 keeps whole parameters on every rank; nothing to align")
     return out
@@ -163,24 +186,43 @@ def is_hooked(engine) -> bool:
 def layout_report(engine) -> list[dict]:
     """Per parameter group of a hooked engine: layout (segment, starts), names, semantics, padding."""
     if not is_hooked(engine):
-        raise DeepSpeedHookError("layout_report needs an engine made by blockshard.integrations.deepspeed.initialize "
-                                 "with ZeRO stage 1 or 2")
+        raise DeepSpeedHookError(
+            "layout_report needs an engine made by blockshard.integrations.deepspeed.initialize with ZeRO stage 1 or 2"
+        )
     out = []
     for g in engine.optimizer.blockshard_layout():
         total = g["world_size"] * g["segment"]
         data = sum(g["numels"])
-        out.append({**g, "total_numel": total, "padding_numel": total - data,
-                    "padding_fraction": (total - data) / total if total else 0.0})
+        out.append(
+            {
+                **g,
+                "total_numel": total,
+                "padding_numel": total - data,
+                "padding_fraction": (total - data) / total if total else 0.0,
+            }
+        )
     return out
 
 
 # -- process-wide patch ---------------------------------------------------------------------------
 def _patched_initialize(*args, **kwargs):
     if args:  # deepspeed.initialize's parameters in order
-        names = ["args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
-                 "distributed_port", "mpu", "dist_init_required", "collate_fn", "config", "mesh_param",
-                 "config_params"]
-        kwargs.update(dict(zip(names, args)))
+        names = [
+            "args",
+            "model",
+            "optimizer",
+            "model_parameters",
+            "training_data",
+            "lr_scheduler",
+            "distributed_port",
+            "mpu",
+            "dist_init_required",
+            "collate_fn",
+            "config",
+            "mesh_param",
+            "config_params",
+        ]
+        kwargs.update(dict(zip(names, args, strict=True)))
     return _initialize(kwargs, require_section=True)
 
 

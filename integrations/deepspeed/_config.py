@@ -25,8 +25,17 @@ from dataclasses import dataclass, field
 from blockshard._errors import BlockshardError
 from blockshard.semantics import SemanticsRules
 
-__all__ = ["SECTION", "TESTED_DEEPSPEED_VERSIONS", "ALLOW_UNTESTED_ENV", "DeepSpeedHookError", "HookConfig",
-           "parse_section", "load_config", "find_config", "check_deepspeed_version"]
+__all__ = [
+    "ALLOW_UNTESTED_ENV",
+    "SECTION",
+    "TESTED_DEEPSPEED_VERSIONS",
+    "DeepSpeedHookError",
+    "HookConfig",
+    "check_deepspeed_version",
+    "find_config",
+    "load_config",
+    "parse_section",
+]
 
 SECTION = "blockshard"
 #: DeepSpeed versions the hook was tested with (it patches private internals of ZeRO-1/2).
@@ -63,8 +72,8 @@ def parse_section(section: object) -> HookConfig:
         section = {}
     if not isinstance(section, Mapping):
         raise DeepSpeedHookError(
-            f"{SECTION}={section!r} must be a JSON object such as "
-            '{"semantics": {"*weight": "bnb8bit"}}')
+            f'{SECTION}={section!r} must be a JSON object such as {{"semantics": {{"*weight": "bnb8bit"}}}}'
+        )
     unknown = sorted(set(section) - set(_KEYS))
     if unknown:
         raise DeepSpeedHookError(f"{SECTION}.{unknown[0]} is not a known key; known keys: {', '.join(_KEYS)}")
@@ -72,20 +81,23 @@ def parse_section(section: object) -> HookConfig:
     allow = _bool("allow_untested_deepspeed", section.get("allow_untested_deepspeed", False))
     alignment = section.get("alignment", 16)
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
-        raise DeepSpeedHookError(f"{SECTION}.alignment={alignment!r} must be a power of two number of bytes "
-                                 "(e.g. 16)")
+        raise DeepSpeedHookError(f"{SECTION}.alignment={alignment!r} must be a power of two number of bytes (e.g. 16)")
     semantics = section.get("semantics")
     raw = semantics
     if isinstance(semantics, Sequence) and not isinstance(semantics, str):
         if not all(isinstance(x, str) for x in semantics):
-            raise DeepSpeedHookError(f"{SECTION}.semantics={semantics!r}: a list must hold spec strings "
-                                     "such as '*.mlp.*=bnb8bit'")
+            raise DeepSpeedHookError(
+                f"{SECTION}.semantics={semantics!r}: a list must hold spec strings such as '*.mlp.*=bnb8bit'"
+            )
         semantics = ",".join(semantics) if semantics else None
     if semantics is not None and not isinstance(semantics, (str, Mapping)):
-        raise DeepSpeedHookError(f"{SECTION}.semantics={semantics!r} must be a spec string ('bnb8bit'), a "
-                                 "mapping glob -> spec ({'*weight': 'bnb8bit'}) or a list of spec strings")
-    if isinstance(semantics, Mapping) and not all(isinstance(k, str) and isinstance(v, str)
-                                                  for k, v in semantics.items()):
+        raise DeepSpeedHookError(
+            f"{SECTION}.semantics={semantics!r} must be a spec string ('bnb8bit'), a "
+            "mapping glob -> spec ({'*weight': 'bnb8bit'}) or a list of spec strings"
+        )
+    if isinstance(semantics, Mapping) and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in semantics.items()
+    ):
         raise DeepSpeedHookError(f"{SECTION}.semantics={semantics!r}: globs and specs must be strings")
     try:
         rules = SemanticsRules.coerce(semantics)
@@ -133,6 +145,7 @@ def check_deepspeed_version(allow_untested: bool = False) -> str:
     raise DeepSpeedHookError(
         f"blockshard's DeepSpeed hook patches ZeRO-1/2 internals (DeepSpeedZeroOptimizer's flat layout) and "
         f"was tested with DeepSpeed {', '.join(TESTED_DEEPSPEED_VERSIONS)}; this is DeepSpeed {version}. "
-        f"Install deepspeed=={TESTED_DEEPSPEED_VERSIONS[-1]}, or set \"{SECTION}\": "
-        "{\"allow_untested_deepspeed\": true} in the DeepSpeed config (or "
-        f"{ALLOW_UNTESTED_ENV}=1) to run anyway and check the results yourself")
+        f'Install deepspeed=={TESTED_DEEPSPEED_VERSIONS[-1]}, or set "{SECTION}": '
+        '{"allow_untested_deepspeed": true} in the DeepSpeed config (or '
+        f"{ALLOW_UNTESTED_ENV}=1) to run anyway and check the results yourself"
+    )

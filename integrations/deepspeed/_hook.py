@@ -55,13 +55,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blockshard.integrations.deepspeed._config import DeepSpeedHookError, HookConfig
+from blockshard.integrations.deepspeed._layout import OrderedLayout, ordered_layout
 from blockshard.planner import alignment_elements
 from blockshard.semantics import TensorSpec
 
-from blockshard.integrations.deepspeed._config import DeepSpeedHookError, HookConfig
-from blockshard.integrations.deepspeed._layout import OrderedLayout, ordered_layout
-
-__all__ = ["hooked_classes", "BlockshardZeroOptimizer", "ZERO3_REFUSAL", "LAYOUT_KEY", "pending"]
+__all__ = ["LAYOUT_KEY", "ZERO3_REFUSAL", "BlockshardZeroOptimizer", "hooked_classes", "pending"]  # noqa: F822 (created lazily by __getattr__)
 
 LAYOUT_KEY = "blockshard_layout"
 
@@ -78,7 +77,8 @@ ZERO3_REFUSAL = (
     "(reduce_scatter_coalesced, lines 95 and 100), so partitions cannot be unit-aligned without patching all "
     "of them consistently, and blockshard's owner-compute path for stage 3 is not implemented. Use ZeRO "
     "stage 1 or 2 with the hook, or blockshard.integrations.fsdp2 / blockshard.fully_shard to shard "
-    "parameters.")
+    "parameters."
+)
 
 
 @dataclass
@@ -148,28 +148,34 @@ def _refuse_unsupported(init_optimizer, kwargs: dict) -> None:
 
     off = kwargs.get("offload_optimizer_config")
     if off is not None and getattr(off, "device", OffloadDeviceEnum.none) != OffloadDeviceEnum.none:
-        raise DeepSpeedHookError("zero_optimization.offload_optimizer is not supported by blockshard's DeepSpeed "
-                                 "hook (its CPU-gradient path was not verified); remove it or the blockshard section")
+        raise DeepSpeedHookError(
+            "zero_optimization.offload_optimizer is not supported by blockshard's DeepSpeed "
+            "hook (its CPU-gradient path was not verified); remove it or the blockshard section"
+        )
     if kwargs.get("zenflow_config") is not None:
         raise DeepSpeedHookError("ZenFlow is not supported by blockshard's DeepSpeed hook")
     if kwargs.get("has_moe_layers"):
-        raise DeepSpeedHookError("MoE layers (expert parameter groups) are not supported by blockshard's "
-                                 "DeepSpeed hook")
+        raise DeepSpeedHookError(
+            "MoE layers (expert parameter groups) are not supported by blockshard's DeepSpeed hook"
+        )
     if kwargs.get("elastic_checkpoint"):
         raise DeepSpeedHookError(
             "zero_optimization.elastic_checkpoint merges one flat optimizer state per group across ranks; with "
-            "the blockshard hook the state is per parameter piece: set elastic_checkpoint to false")
+            "the blockshard hook the state is per parameter piece: set elastic_checkpoint to false"
+        )
     name = type(init_optimizer).__name__
     if name == "MuonWithAuxAdam" or isinstance(init_optimizer, torch.optim.Adagrad):
         raise DeepSpeedHookError(
             f"inner optimizer {name} assumes DeepSpeed's single flat tensor per group; with blockshard use "
-            "torch.optim.Muon (with \"semantics\": \"matrix\") or another torch/bitsandbytes optimizer")
+            'torch.optim.Muon (with "semantics": "matrix") or another torch/bitsandbytes optimizer'
+        )
     for g in init_optimizer.param_groups:
         for p in g["params"]:
             if getattr(p, "use_muon", False):
                 raise DeepSpeedHookError(
                     "parameters tagged use_muon select DeepSpeed's own flat-partition Muon path, which the "
-                    "blockshard hook does not support; pass torch.optim.Muon as the optimizer instead")
+                    "blockshard hook does not support; pass torch.optim.Muon as the optimizer instead"
+                )
 
 
 def _make_zero12():
@@ -182,8 +188,10 @@ def _make_zero12():
         def __init__(self, init_optimizer, *args, **kwargs):
             p = pending()
             if p is None:
-                raise DeepSpeedHookError("BlockshardZeroOptimizer is created by blockshard.integrations.deepspeed."
-                                         "initialize(); do not construct it directly")
+                raise DeepSpeedHookError(
+                    "BlockshardZeroOptimizer is created by blockshard.integrations.deepspeed."
+                    "initialize(); do not construct it directly"
+                )
             _refuse_unsupported(init_optimizer, kwargs)
             self._bs_config = p.config
             self._bs_module_types = p.module_types
@@ -206,10 +214,15 @@ def _make_zero12():
             itemsize = torch.tensor([], dtype=dtype).element_size()
             align = math.lcm(alignment_elements(self._bs_config.alignment, itemsize), self.nccl_start_alignment_factor)
             names, grids, labels = [], [], []
-            for j, (param, meta) in enumerate(zip(params, metas)):
+            for j, (param, meta) in enumerate(zip(params, metas, strict=True)):
                 name = self.param_names.get(param) or f"param_group{i}.{j}"
-                spec = TensorSpec(name=name, shape=tuple(meta.shape), dtype=dtype,
-                                  module_type=self._bs_module_types.get(id(param)), param_group=i)
+                spec = TensorSpec(
+                    name=name,
+                    shape=tuple(meta.shape),
+                    dtype=dtype,
+                    module_type=self._bs_module_types.get(id(param)),
+                    param_group=i,
+                )
                 res = self._bs_config.rules.resolve(spec)
                 names.append(name)
                 grids.append(res.grid)
@@ -220,7 +233,7 @@ def _make_zero12():
             self.round_robin_bit16_offsets[i][:] = list(layout.starts)
             src = [p.cpu_data for p in params] if use_cpu_data else list(tensor_list)
             pieces = []
-            for t, pad in zip(src, param_padding):
+            for t, pad in zip(src, param_padding, strict=True):
                 pieces.append(t.contiguous().view(-1))
                 if pad:
                     pieces.append(torch.zeros(pad, dtype=t.dtype, device=t.device))
@@ -234,13 +247,13 @@ def _make_zero12():
                 lay = gs.layout
                 assert self.partition_size[i] == lay.segment, (self.partition_size[i], lay.segment)
                 # padding at the end of this rank's partition (what checkpoints strip)
-                last_end = max((s + n for s, n in zip(lay.starts, lay.numels)), default=0)
+                last_end = max((s + n for s, n in zip(lay.starts, lay.numels, strict=True)), default=0)
                 lo, hi = rank * lay.segment, (rank + 1) * lay.segment
                 self.groups_padding[i] = hi - min(max(last_end, lo), hi)
                 flat = self.single_partition_of_fp32_groups[i]
                 base = flat.detach()
                 gs.views = []
-                for t, t_off, seg_off, n in lay.pieces(rank):
+                for t, _t_off, seg_off, n in lay.pieces(rank):
                     shape = tuple(self.round_robin_bit16_meta[i][t].shape)
                     whole = n == lay.numels[t]
                     v = base.narrow(0, seg_off, n)
@@ -250,8 +263,9 @@ def _make_zero12():
                         raise DeepSpeedHookError(
                             f"parameter {gs.names[t]!r} of shape {shape} is split across ZeRO partitions "
                             f"(semantics {gs.labels[t]!r}), but the inner optimizer {type(self.optimizer).__name__} "
-                            "needs whole matrices: set \"blockshard\": {\"semantics\": \"matrix\"} (or a rule "
-                            "giving that parameter 'matrix')")
+                            'needs whole matrices: set "blockshard": {"semantics": "matrix"} (or a rule '
+                            "giving that parameter 'matrix')"
+                        )
                     gs.views.append(_View(t, gs.names[t], v, seg_off, n, whole))
                 self.optimizer.param_groups[i]["params"] = [v.tensor for v in gs.views]
 
@@ -296,28 +310,48 @@ def _make_zero12():
             sd[LAYOUT_KEY] = {"hash": self.blockshard_layout_hash(), "layout": self.blockshard_layout()}
             return sd
 
-        def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
-                            checkpoint_folder=None, load_serial=None, param_shapes=None):
+        def load_state_dict(
+            self,
+            state_dict_list,
+            load_optimizer_states=True,
+            load_from_fp32_weights=False,
+            checkpoint_folder=None,
+            load_serial=None,
+            param_shapes=None,
+        ):
             if checkpoint_folder:
-                raise DeepSpeedHookError("universal checkpoints are not supported with blockshard's DeepSpeed hook "
-                                         "(they assume one flat optimizer state per group)")
+                raise DeepSpeedHookError(
+                    "universal checkpoints are not supported with blockshard's DeepSpeed hook "
+                    "(they assume one flat optimizer state per group)"
+                )
             if load_optimizer_states or load_from_fp32_weights:
                 rank = dist.get_rank(group=self.dp_process_group)
                 saved = state_dict_list[rank].get(LAYOUT_KEY) if rank < len(state_dict_list) else None
                 mine = self.blockshard_layout_hash()
-                if saved is None or saved.get("hash") != mine or len(state_dict_list) != dist.get_world_size(
-                        group=self.dp_process_group):
-                    got = "no blockshard layout (saved without the hook)" if saved is None else \
-                        f"layout {saved.get('hash')} on {len(state_dict_list)} ranks"
+                if (
+                    saved is None
+                    or saved.get("hash") != mine
+                    or len(state_dict_list) != dist.get_world_size(group=self.dp_process_group)
+                ):
+                    got = (
+                        "no blockshard layout (saved without the hook)"
+                        if saved is None
+                        else f"layout {saved.get('hash')} on {len(state_dict_list)} ranks"
+                    )
                     raise DeepSpeedHookError(
                         f"the ZeRO checkpoint has {got}, but this engine has layout {mine} on "
                         f"{dist.get_world_size(group=self.dp_process_group)} ranks: optimizer state and fp32 "
                         "partitions are laid out per world size, semantics and parameter set. Load with the same "
                         "ones, or pass load_optimizer_states=False (and zero_optimization.load_from_fp32_weights="
-                        "false) for a module-only warm start")
-            return super().load_state_dict(state_dict_list, load_optimizer_states=load_optimizer_states,
-                                           load_from_fp32_weights=load_from_fp32_weights,
-                                           checkpoint_folder=checkpoint_folder, load_serial=load_serial,
-                                           param_shapes=param_shapes)
+                        "false) for a module-only warm start"
+                    )
+            return super().load_state_dict(
+                state_dict_list,
+                load_optimizer_states=load_optimizer_states,
+                load_from_fp32_weights=load_from_fp32_weights,
+                checkpoint_folder=checkpoint_folder,
+                load_serial=load_serial,
+                param_shapes=param_shapes,
+            )
 
     return BlockshardZeroOptimizer

@@ -57,23 +57,28 @@ class OrderedLayout:
     @property
     def paddings(self) -> list[int]:
         """Holes after each tensor (DeepSpeed's ``param_padding``); the last one runs to the end."""
-        ends = [s + n for s, n in zip(self.starts, self.numels)]
+        ends = [s + n for s, n in zip(self.starts, self.numels, strict=True)]
         nxt = list(self.starts[1:]) + [self.total]
-        return [b - e for e, b in zip(ends, nxt)]
+        return [b - e for e, b in zip(ends, nxt, strict=True)]
 
     def pieces(self, rank: int) -> list[tuple[int, int, int, int]]:
         """``(tensor index, offset in tensor, offset in rank's segment, numel)`` of every piece rank holds."""
         lo, hi = rank * self.segment, (rank + 1) * self.segment
         out = []
-        for t, (s, n) in enumerate(zip(self.starts, self.numels)):
+        for t, (s, n) in enumerate(zip(self.starts, self.numels, strict=True)):
             a, b = max(s, lo), min(s + n, hi)
             if a < b:
                 out.append((t, a - s, a - lo, b - a))
         return out
 
     def to_json(self) -> dict:
-        return {"world_size": self.world_size, "segment": self.segment, "align": self.align,
-                "numels": list(self.numels), "starts": list(self.starts)}
+        return {
+            "world_size": self.world_size,
+            "segment": self.segment,
+            "align": self.align,
+            "numels": list(self.numels),
+            "starts": list(self.starts),
+        }
 
 
 def _round_up(x: int, m: int) -> int:
@@ -138,6 +143,6 @@ def ordered_layout(grids: Sequence[UnitGrid], world_size: int, align: int = 1) -
             return OrderedLayout(world_size, seg, align, numels, tuple(starts))
         # Did not fit: grow S by the shortfall spread over the ranks (at least one step, at least
         # 1/512 of S, so the search stays short for large groups and tight for small ones).
-        deficit = pos + sum(numels[len(starts):]) - limit
+        deficit = pos + sum(numels[len(starts) :]) - limit
         grow = max(step, -(-max(deficit, 0) // world_size), seg // 512)
         seg = _round_up(seg + grow, step)

@@ -39,18 +39,18 @@ from blockshard.integrations.fsdp2._placement import (
 )
 
 __all__ = [
-    "fully_shard",
-    "block_placement_fn",
-    "placements",
-    "place",
-    "decide",
-    "plan_placements",
-    "ParamPlacement",
     "FSDP2PlacementError",
-    "OwnerComputeOptimizer",
     "OwnerComputeError",
+    "OwnerComputeOptimizer",
+    "ParamPlacement",
+    "block_placement_fn",
     "build_exchange",
-    "shard0_boundaries",
+    "decide",
     "dim_split_keeps_units",
+    "fully_shard",
     "owner_computable",
+    "place",
+    "placements",
+    "plan_placements",
+    "shard0_boundaries",
 ]

@@ -36,12 +36,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from blockshard._errors import BlockshardError
+from blockshard.integrations.fsdp2._placement import _rows_cols, decide, dim_split_keeps_units, spec_of
 from blockshard.planner import PlanItem, plan_owners
 from blockshard.semantics import SemanticsRules, TensorSpec
 
-from blockshard.integrations.fsdp2._placement import _rows_cols, decide, dim_split_keeps_units, spec_of
-
-__all__ = ["OwnerComputeOptimizer", "OwnerComputeError", "build_exchange"]
+__all__ = ["OwnerComputeError", "OwnerComputeOptimizer", "build_exchange"]
 
 
 class OwnerComputeError(BlockshardError):
@@ -103,8 +102,15 @@ def build_exchange(plan, rank: int, dtypes: list[str]) -> tuple[dict[str, _Excha
     w = plan.world_size
     ex: dict[str, _Exchange] = {}
     owned: list[tuple] = []
-    for i, (t, a, n, o) in enumerate(zip(plan.unit_tensor.tolist(), plan.unit_start.tolist(),
-                                         plan.unit_numel.tolist(), plan.unit_owner.tolist())):
+    for i, (t, a, n, o) in enumerate(
+        zip(
+            plan.unit_tensor.tolist(),
+            plan.unit_start.tolist(),
+            plan.unit_numel.tolist(),
+            plan.unit_owner.tolist(),
+            strict=True,
+        )
+    ):
         s = int(plan.tensor_shard_numel[t])
         e = ex.setdefault(dtypes[t], _Exchange([[] for _ in range(w)], [[] for _ in range(w)]))
         own = None
@@ -134,19 +140,24 @@ def _named_groups(params) -> tuple[list[tuple[dict, list[tuple[str, torch.Tensor
         params = list(params.named_parameters())
     params = list(params)
     if not params:
-        raise OwnerComputeError("params is empty: pass model.named_parameters(), a list of (name, param) "
-                                "pairs or param groups {'params': [(name, param), ...], ...}")
+        raise OwnerComputeError(
+            "params is empty: pass model.named_parameters(), a list of (name, param) "
+            "pairs or param groups {'params': [(name, param), ...], ...}"
+        )
     groups = params if isinstance(params[0], Mapping) else [{"params": params}]
     out = []
     for gi, g in enumerate(groups):
         if not isinstance(g, Mapping) or "params" not in g:
-            raise OwnerComputeError(f"param group {gi} ({g!r}) must be a dict with a 'params' list of (name, param) pairs")
+            raise OwnerComputeError(
+                f"param group {gi} ({g!r}) must be a dict with a 'params' list of (name, param) pairs"
+            )
         named = list(g["params"])
         for x in named:
             if not (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)):
                 raise OwnerComputeError(
                     f"param group {gi}: {type(x).__name__} entry is not a (name, parameter) pair; rules match "
-                    "parameter names, so pass model.named_parameters() or [(name, param), ...]")
+                    "parameter names, so pass model.named_parameters() or [(name, param), ...]"
+                )
         out.append(({k: v for k, v in g.items() if k != "params"}, named))
     return out, mtypes
 
@@ -176,11 +187,20 @@ class OwnerComputeOptimizer:
     :meth:`resync_params` (or :meth:`load_state_dict`, which does) on every rank.
     """
 
-    def __init__(self, inner_optimizer_factory: Callable, params, *, semantics: object = None,
-                 process_group: dist.ProcessGroup | None = None, model: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        inner_optimizer_factory: Callable,
+        params,
+        *,
+        semantics: object = None,
+        process_group: dist.ProcessGroup | None = None,
+        model: nn.Module | None = None,
+    ) -> None:
         if not callable(inner_optimizer_factory):
-            raise OwnerComputeError(f"inner_optimizer_factory={inner_optimizer_factory!r} must be callable: "
-                                    "groups -> optimizer, e.g. lambda groups: torch.optim.Muon(groups, lr=0.02)")
+            raise OwnerComputeError(
+                f"inner_optimizer_factory={inner_optimizer_factory!r} must be callable: "
+                "groups -> optimizer, e.g. lambda groups: torch.optim.Muon(groups, lr=0.02)"
+            )
         rules = SemanticsRules.coerce(semantics)
         groups, mtypes = _named_groups(params)
         if model is not None:
@@ -192,8 +212,9 @@ class OwnerComputeOptimizer:
         for gi, (_, named) in enumerate(groups):
             for name, p in named:
                 if id(p) in seen:
-                    raise OwnerComputeError(f"parameter {name!r} is the same tensor as {seen[id(p)]!r}; "
-                                            "pass each parameter once")
+                    raise OwnerComputeError(
+                        f"parameter {name!r} is the same tensor as {seen[id(p)]!r}; pass each parameter once"
+                    )
                 seen[id(p)] = name
                 spec = spec_of(name, p, mtypes.get(id(p)))
                 if isinstance(p, DTensor):
@@ -202,7 +223,8 @@ class OwnerComputeOptimizer:
                     if p.device_mesh.ndim != 1 or p.device_mesh != mesh:
                         raise OwnerComputeError(
                             f"parameter {name!r} lives on mesh {p.device_mesh}, but all DTensor parameters "
-                            f"must share one 1-D mesh (first one: {mesh}); HSDP / 2-D meshes are not supported")
+                            f"must share one 1-D mesh (first one: {mesh}); HSDP / 2-D meshes are not supported"
+                        )
                 self._params.append(_Param(name, p, spec, gi, False, _rows_cols(spec.shape)[1]))
         self.world_size = mesh.size() if mesh is not None else 1
         self.rank = mesh.get_local_rank() if mesh is not None else 0
@@ -212,13 +234,17 @@ class OwnerComputeOptimizer:
                 raise OwnerComputeError(
                     f"process_group has size {dist.get_world_size(process_group)} and this rank is "
                     f"{dist.get_rank(process_group)} in it, but the parameters' mesh has size {self.world_size} "
-                    f"and this rank is {self.rank} in it; pass the FSDP2 shard group (or None)")
+                    f"and this rank is {self.rank} in it; pass the FSDP2 shard group (or None)"
+                )
         self._classify(rules)
         self.plan = plan_owners([self._item(q) for q in self._params if q.shard0], self.world_size, engine="fsdp2")
         self._build_pieces()
         self.inner = inner_optimizer_factory(
-            [{**opts, "params": [pc.tensor for pc in self._pieces if self._params[pc.p].group == gi]}
-             for gi, (opts, _) in enumerate(groups)])
+            [
+                {**opts, "params": [pc.tensor for pc in self._pieces if self._params[pc.p].group == gi]}
+                for gi, (opts, _) in enumerate(groups)
+            ]
+        )
         if not all(hasattr(self.inner, a) for a in ("step", "state_dict", "load_state_dict", "param_groups")):
             raise OwnerComputeError(f"inner_optimizer_factory returned {self.inner!r}, not a torch.optim.Optimizer")
         self.resync_params()
@@ -237,13 +263,16 @@ class OwnerComputeOptimizer:
             if isinstance(pl, Replicate):
                 continue
             if type(pl) is not Shard:
-                raise OwnerComputeError(f"parameter {q.name!r} has placement {pl}; expected FSDP2's Shard(dim) or Replicate")
+                raise OwnerComputeError(
+                    f"parameter {q.name!r} has placement {pl}; expected FSDP2's Shard(dim) or Replicate"
+                )
             if pl.dim != 0:
                 if not dim_split_keeps_units(res.grid, q.spec.shape, pl.dim, w):
                     raise OwnerComputeError(
                         f"parameter {q.name!r} of shape {q.spec.shape} is sharded by FSDP2 with {pl}, which splits "
                         f"its units under semantics {res.label!r} at W={w}; shard the model with "
-                        "blockshard.integrations.fsdp2.fully_shard(..., semantics=...)")
+                        "blockshard.integrations.fsdp2.fully_shard(..., semantics=...)"
+                    )
                 continue
             decide(q.spec, res, w, other_dims=False)  # raises FSDP2PlacementError where nothing works
             rows, row_numel = _rows_cols(q.spec.shape)
@@ -254,7 +283,8 @@ class OwnerComputeOptimizer:
                 raise OwnerComputeError(
                     f"parameter {q.name!r}: local shard has shape {tuple(local.shape)} (contiguous: "
                     f"{local.is_contiguous()}), but FSDP2's Shard(0) at W={w} gives rank {r} rows [{lo}, {hi}); "
-                    "is it sharded by torch.distributed.fsdp.fully_shard on this mesh?")
+                    "is it sharded by torch.distributed.fsdp.fully_shard on this mesh?"
+                )
             q.shard0, q.local_start, q.local_numel = True, lo * row_numel, (hi - lo) * row_numel
 
     def _item(self, q: _Param) -> PlanItem:
@@ -268,7 +298,9 @@ class OwnerComputeOptimizer:
         dtypes = [str(self._params[i].spec.dtype) for i in shard0]
         self._exchanges, owned = build_exchange(self.plan, self.rank, dtypes)
         straddling: dict[int, list[tuple[int, int]]] = {}
-        for t, a, n in zip(self.plan.unit_tensor.tolist(), self.plan.unit_start.tolist(), self.plan.unit_numel.tolist()):
+        for t, a, n in zip(
+            self.plan.unit_tensor.tolist(), self.plan.unit_start.tolist(), self.plan.unit_numel.tolist(), strict=True
+        ):
             straddling.setdefault(shard0[t], []).append((a, a + n))
         owned_by_param: dict[int, list[tuple]] = {}
         for k, (_, t, a, n, own) in enumerate(owned):
@@ -306,14 +338,16 @@ class OwnerComputeOptimizer:
             for peer in range(self.world_size):
                 for t, off, n in e.sends[peer]:
                     src = self._flat(t, grads)
-                    chunks.append(src[off:off + n] if src is not None else torch.zeros(n, dtype=dtype, device=self._device))
+                    chunks.append(
+                        src[off : off + n] if src is not None else torch.zeros(n, dtype=dtype, device=self._device)
+                    )
             inp = torch.cat(chunks).to(dtype) if chunks else torch.empty(0, dtype=dtype, device=self._device)
             out = torch.empty(sum(e.recv_sizes), dtype=dtype, device=self._device)
             dist.all_to_all_single(out, inp, e.recv_sizes, e.send_sizes, group=self.process_group)
             pos = 0
             for peer in range(self.world_size):
                 for k, uoff, n in e.recvs[peer]:
-                    self._unit_target(k, grads)[uoff:uoff + n].copy_(out[pos:pos + n])
+                    self._unit_target(k, grads)[uoff : uoff + n].copy_(out[pos : pos + n])
                     pos += n
         for k, j in self._unit_piece.items():
             pc = self._pieces[j]
@@ -321,27 +355,30 @@ class OwnerComputeOptimizer:
                 off, uoff, n = pc.own
                 src = self._flat(self._plan_index[pc.p], grads)
                 dst = self._unit_target(k, grads)
-                dst[uoff:uoff + n].copy_(src[off:off + n]) if src is not None else dst[uoff:uoff + n].zero_()
+                dst[uoff : uoff + n].copy_(src[off : off + n]) if src is not None else dst[uoff : uoff + n].zero_()
 
     def _from_owners(self) -> None:
         """Updated values of owned units -> every holder's local DTensor shard."""
         for dt, e in self._exchanges.items():
             dtype = getattr(torch, dt)
-            chunks = [self._unit_target(k, False)[uoff:uoff + n]
-                      for peer in range(self.world_size) for k, uoff, n in e.recvs[peer]]
+            chunks = [
+                self._unit_target(k, False)[uoff : uoff + n]
+                for peer in range(self.world_size)
+                for k, uoff, n in e.recvs[peer]
+            ]
             inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype, device=self._device)
             out = torch.empty(sum(e.send_sizes), dtype=dtype, device=self._device)
             dist.all_to_all_single(out, inp, e.send_sizes, e.recv_sizes, group=self.process_group)
             pos = 0
             for peer in range(self.world_size):
                 for t, off, n in e.sends[peer]:
-                    self._flat(t, False)[off:off + n].copy_(out[pos:pos + n])
+                    self._flat(t, False)[off : off + n].copy_(out[pos : pos + n])
                     pos += n
-        for k, j in self._unit_piece.items():
+        for _k, j in self._unit_piece.items():
             pc = self._pieces[j]
             if pc.own is not None:
                 off, uoff, n = pc.own
-                self._flat(self._plan_index[pc.p], False)[off:off + n].copy_(pc.tensor.view(-1)[uoff:uoff + n])
+                self._flat(self._plan_index[pc.p], False)[off : off + n].copy_(pc.tensor.view(-1)[uoff : uoff + n])
 
     def _flat(self, t: int, grads: bool) -> torch.Tensor | None:
         """Plan tensor ``t``'s local shard (a flat view, written in place) or gradient shard (read)."""
@@ -375,7 +412,7 @@ class OwnerComputeOptimizer:
             if pc.unit_start < 0:  # a view: re-point it at the current local shard (same tensor object)
                 q = self._params[pc.p]
                 local = q.local()
-                pc.tensor.data = local[pc.row_lo:pc.row_hi] if q.shard0 else local
+                pc.tensor.data = local[pc.row_lo : pc.row_hi] if q.shard0 else local
 
     def step(self, closure: Callable | None = None):
         """Gradients to owners, inner step on whole units and local views, new values back to holders."""
@@ -389,9 +426,9 @@ class OwnerComputeOptimizer:
                 if pc.unit_start < 0:
                     q = self._params[pc.p]
                     g = q.local_grad()
-                    pc.tensor.grad = None if g is None else (g[pc.row_lo:pc.row_hi] if q.shard0 else g)
+                    pc.tensor.grad = None if g is None else (g[pc.row_lo : pc.row_hi] if q.shard0 else g)
             self._to_owners(grads=True)
-            for k, j in self._unit_piece.items():  # a unit whose parameter has no gradient is skipped
+            for _k, j in self._unit_piece.items():  # a unit whose parameter has no gradient is skipped
                 if self._params[self._pieces[j].p].param.grad is None:
                     self._pieces[j].tensor.grad = None
             self.inner.step()
@@ -410,27 +447,37 @@ class OwnerComputeOptimizer:
 
     def state_dict(self) -> dict:
         """This rank's state: the inner optimizer's state dict and the layout it belongs to."""
-        return {"inner": self.inner.state_dict(), "world_size": self.world_size, "rank": self.rank,
-                "layout": [pc.key for pc in self._pieces]}
+        return {
+            "inner": self.inner.state_dict(),
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "layout": [pc.key for pc in self._pieces],
+        }
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         """Collective: load a state dict saved by this rank at the same world size, then resync."""
         mine = {"world_size": self.world_size, "rank": self.rank, "layout": [pc.key for pc in self._pieces]}
         got = {k: state_dict.get(k) for k in mine}
-        if [got["world_size"], got["rank"]] != [mine["world_size"], mine["rank"]] or \
-                [tuple(x) for x in (got["layout"] or [])] != mine["layout"]:
+        if [got["world_size"], got["rank"]] != [mine["world_size"], mine["rank"]] or [
+            tuple(x) for x in (got["layout"] or [])
+        ] != mine["layout"]:
             raise OwnerComputeError(
                 f"state dict was saved for world_size={got['world_size']}, rank={got['rank']} with "
                 f"{len(got['layout'] or [])} compute tensors; this optimizer is world_size={self.world_size}, "
                 f"rank={self.rank} with {len(mine['layout'])}: owner-compute state is per rank, load it at "
-                "the same world size, semantics and parameter shapes")
+                "the same world size, semantics and parameter shapes"
+            )
         self.inner.load_state_dict(state_dict["inner"])
         self.resync_params()
 
     def owned_units(self) -> list[tuple[str, int, int]]:
         """``(parameter name, start element, numel)`` of every unit this rank owns."""
-        return [(self._params[pc.p].name, pc.unit_start, pc.tensor.numel()) for pc in self._pieces if pc.unit_start >= 0]
+        return [
+            (self._params[pc.p].name, pc.unit_start, pc.tensor.numel()) for pc in self._pieces if pc.unit_start >= 0
+        ]
 
     def __repr__(self) -> str:
-        return (f"OwnerComputeOptimizer(inner={type(self.inner).__name__}, world_size={self.world_size}, "
-                f"rank={self.rank}, compute_tensors={len(self._pieces)}, owned_units={len(self._unit_piece)})")
+        return (
+            f"OwnerComputeOptimizer(inner={type(self.inner).__name__}, world_size={self.world_size}, "
+            f"rank={self.rank}, compute_tensors={len(self._pieces)}, owned_units={len(self._unit_piece)})"
+        )

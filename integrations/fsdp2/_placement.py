@@ -43,15 +43,15 @@ from blockshard.semantics import ResolvedSemantics, SemanticsKind, SemanticsRule
 __all__ = [
     "FSDP2PlacementError",
     "ParamPlacement",
-    "place",
-    "decide",
-    "plan_placements",
     "block_placement_fn",
-    "fully_shard",
-    "placements",
-    "shard0_boundaries",
+    "decide",
     "dim_split_keeps_units",
+    "fully_shard",
     "owner_computable",
+    "place",
+    "placements",
+    "plan_placements",
+    "shard0_boundaries",
 ]
 
 _ATTR = "_blockshard_fsdp2_placements"
@@ -109,7 +109,7 @@ def dim_split_keeps_units(grid: UnitGrid, shape: tuple[int, ...], dim: int, worl
     if not 0 < dim < len(shape) or shape[dim] % world_size:
         return False
     numel = math.prod(shape)
-    inner = math.prod(shape[dim + 1:])
+    inner = math.prod(shape[dim + 1 :])
     outer = math.prod(shape[:dim])
     step_o, step_j = shape[dim] * inner, shape[dim] // world_size * inner
     gens = ([step_o] if outer > 1 else []) + ([step_j] if world_size > 1 else [])
@@ -126,8 +126,10 @@ def owner_computable(res: ResolvedSemantics, shape: tuple[int, ...], split_quant
     ``split_quantizers``: specs of quantizer semantics whose own groups ``Shard(0)`` splits.
     """
     if split_quantizers:
-        return False, (f"{split_quantizers[0]!r} is a storage format: each rank's stored shard must hold "
-                       "whole groups, which no optimizer wrapper can fix")
+        return False, (
+            f"{split_quantizers[0]!r} is a storage format: each rank's stored shard must hold "
+            "whole groups, which no optimizer wrapper can fix"
+        )
     g = res.grid
     if g.is_whole:
         return True, ""
@@ -135,9 +137,11 @@ def owner_computable(res: ResolvedSemantics, shape: tuple[int, ...], split_quant
     plain = g.min_cut == g.unit_numel and g.max_cut == (g.numel - 1) // g.unit_numel * g.unit_numel
     if plain and row_numel and g.unit_numel % row_numel == 0:
         return True, ""
-    return False, (f"its units ({g.unit_numel} elements, cuts only in [{g.min_cut}, {g.max_cut}]) are "
-                   "neither whole tensors nor plain stripes of whole rows, so the pieces left on a rank "
-                   "would not be stepped as on one process")
+    return False, (
+        f"its units ({g.unit_numel} elements, cuts only in [{g.min_cut}, {g.max_cut}]) are "
+        "neither whole tensors nor plain stripes of whole rows, so the pieces left on a rank "
+        "would not be stepped as on one process"
+    )
 
 
 def _first_bad(grid: UnitGrid, shape: tuple[int, ...], world_size: int) -> int | None:
@@ -173,8 +177,12 @@ def decide(spec: TensorSpec, res: ResolvedSemantics, world_size: int, *, other_d
     for d in range(1, len(shape) if other_dims else 1):
         if dim_split_keeps_units(res.grid, shape, d, w):
             return decision(d, False, f"Shard({d}) keeps units whole; Shard(0) would cut at element {bad}")
-    split_q = [s.spec for s in res.semantics if s.kind is SemanticsKind.QUANTIZER
-               and _first_bad(s.grid(shape, spec.dtype, tensor=spec.name), shape, w) is not None]
+    split_q = [
+        s.spec
+        for s in res.semantics
+        if s.kind is SemanticsKind.QUANTIZER
+        and _first_bad(s.grid(shape, spec.dtype, tensor=spec.name), shape, w) is not None
+    ]
     ok, why = owner_computable(res, shape, split_q)
     if ok:
         return decision(0, True, f"Shard(0) cuts a unit at element {bad}; its owner computes the whole unit")
@@ -182,8 +190,11 @@ def decide(spec: TensorSpec, res: ResolvedSemantics, world_size: int, *, other_d
     row, col = divmod(bad, row_numel)
     good = _good_world_sizes(res.grid, shape, max(8, 2 * w))
     g = res.grid
-    unit = ("the whole tensor is one unit" if g.is_whole else
-            f"cuts are allowed at multiples of {g.unit_numel} elements in [{g.min_cut}, {g.max_cut}]")
+    unit = (
+        "the whole tensor is one unit"
+        if g.is_whole
+        else f"cuts are allowed at multiples of {g.unit_numel} elements in [{g.min_cut}, {g.max_cut}]"
+    )
     raise FSDP2PlacementError(
         f"parameter {spec.name!r} of shape {tuple(shape)} with semantics {label!r} cannot be sharded by "
         f"stock FSDP2 at W={w} without splitting a unit: torch.chunk puts a rank boundary at row {row} "
@@ -264,8 +275,10 @@ def _shard_world_size(mesh) -> int:
 
     if mesh is None:
         if not dist.is_initialized():
-            raise FSDP2PlacementError("fully_shard(mesh=None) needs an initialized default process group; "
-                                      "call torch.distributed.init_process_group first or pass mesh=")
+            raise FSDP2PlacementError(
+                "fully_shard(mesh=None) needs an initialized default process group; "
+                "call torch.distributed.init_process_group first or pass mesh="
+            )
         return dist.get_world_size()
     if mesh.ndim not in (1, 2):
         raise FSDP2PlacementError(f"mesh={mesh!r} must be 1-D (FSDP) or 2-D (HSDP: replicate x shard)")
@@ -285,8 +298,10 @@ def fully_shard(module, *, semantics: object = None, mesh=None, root: nn.Module 
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     if "shard_placement_fn" in fsdp_kwargs:
-        raise FSDP2PlacementError("pass semantics= or shard_placement_fn=, not both: this fully_shard "
-                                  "builds the shard_placement_fn from the semantics")
+        raise FSDP2PlacementError(
+            "pass semantics= or shard_placement_fn=, not both: this fully_shard "
+            "builds the shard_placement_fn from the semantics"
+        )
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     for m in modules:
         if not isinstance(m, nn.Module):

@@ -82,9 +82,13 @@ SEMANTICS = {"bnb": {"*weight": "bnb8bit", "*bias": "bnb8bit"}, "adamw": None, "
 
 
 def ds_config(stage: int, kind: str, *, hooked: bool = True, batch: int = 12, extra: dict | None = None) -> dict:
-    cfg = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-           "steps_per_print": 10 ** 9}
+    cfg = {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
     if hooked:
         cfg["blockshard"] = {"semantics": SEMANTICS[kind]} if SEMANTICS[kind] is not None else {}
     cfg.update(extra or {})
@@ -93,8 +97,13 @@ def ds_config(stage: int, kind: str, *, hooked: bool = True, batch: int = 12, ex
 
 def setup_env(rank: int, world_size: int) -> None:
     """What the deepspeed/torchrun launchers set; spawn_gloo already made the gloo group."""
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        LOCAL_RANK=str(rank),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -131,7 +140,7 @@ def _train(engine, data, rank: int, world_size: int, split: bool) -> None:
     for x, y in data:
         if split:
             b = x.shape[0] // world_size
-            x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+            x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
         loss = _loss(engine, x, y)
         engine.backward(loss)
         engine.step()
@@ -141,8 +150,9 @@ def _params(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train_case(rank: int, world_size: int, stage: int, kind: str, hooked: bool, split: bool = False,
-               steps: int = STEPS) -> dict:
+def train_case(
+    rank: int, world_size: int, stage: int, kind: str, hooked: bool, split: bool = False, steps: int = STEPS
+) -> dict:
     model, engine = _engine(stage, kind, hooked)
     _train(engine, batches(steps), rank, world_size, split)
     out = {"params": _params(model)}
@@ -186,8 +196,7 @@ def checkpoint_case(rank: int, world_size: int, stage: int, kind: str, ckpt_dir:
         model3 = make_model(kind)
         cfg = ds_config(stage, kind)
         cfg["blockshard"] = {}  # element-wise: another layout
-        engine3, _, _, _ = bsd.initialize(model=model3, optimizer=make_optimizer(kind, model3.parameters()),
-                                          config=cfg)
+        engine3, _, _, _ = bsd.initialize(model=model3, optimizer=make_optimizer(kind, model3.parameters()), config=cfg)
         try:
             engine3.load_checkpoint(ckpt_dir, tag="t2")
         except bsd.DeepSpeedHookError as e:
@@ -208,8 +217,7 @@ def error_case(rank: int, world_size: int, what: str) -> str:
             bsd.initialize(model=model, optimizer=make_optimizer("muon", model.parameters()), config=cfg)
         elif what == "bf16_zero1":  # bf16 ZeRO-1 + fp32 grad accumulation builds BF16_Optimizer: not hooked
             model = make_model("adamw").to(torch.bfloat16)
-            cfg = ds_config(1, "adamw", extra={"bf16": {"enabled": True},
-                                               "data_types": {"grad_accum_dtype": "fp32"}})
+            cfg = ds_config(1, "adamw", extra={"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
             bsd.initialize(model=model, optimizer=make_optimizer("adamw", model.parameters()), config=cfg)
         else:
             raise ValueError(what)
@@ -246,7 +254,7 @@ def variant_reference(name: str) -> list[torch.Tensor]:
     data = batches(STEPS * ga)
     for s in range(STEPS):
         opt.zero_grad()
-        for x, y in data[s * ga:(s + 1) * ga]:
+        for x, y in data[s * ga : (s + 1) * ga]:
             (_loss(model, x, y) / ga).backward()
         opt.step()
     return _params(model)

@@ -39,7 +39,7 @@ class ScaledMLP(nn.Module):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(1)
             self.scale = nn.Parameter(1 + 0.1 * torch.randn(1, 7))
-            self.mix = nn.Parameter(torch.randn(5, 7) / 7 ** 0.5)
+            self.mix = nn.Parameter(torch.randn(5, 7) / 7**0.5)
 
     def forward(self, x):
         h = self.mlp(x)
@@ -98,8 +98,11 @@ class AoMLP(nn.Module):
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(6)
-            self.up, self.side, self.down = (nn.Linear(256, 64, bias=False), nn.Linear(256, 16, bias=False),
-                                             nn.Linear(80, 7, bias=False))
+            self.up, self.side, self.down = (
+                nn.Linear(256, 64, bias=False),
+                nn.Linear(256, 16, bias=False),
+                nn.Linear(80, 7, bias=False),
+            )
 
     def forward(self, x):
         gelu = torch.nn.functional.gelu
@@ -211,8 +214,11 @@ def muon_owner(mesh, steps: int = STEPS) -> dict:
         _loss(model, batch).backward()
         muon.step(), adamw.step()
         muon.zero_grad(), adamw.zero_grad()
-    return {"params": _full(model), "owned": muon.owned_units(),
-            "a2a": {dt: (e.send_sizes, e.recv_sizes) for dt, e in muon._exchanges.items()}}
+    return {
+        "params": _full(model),
+        "owned": muon.owned_units(),
+        "a2a": {dt: (e.send_sizes, e.recv_sizes) for dt, e in muon._exchanges.items()},
+    }
 
 
 def muon_checkpoint(mesh, split: int = 2) -> dict:
@@ -231,7 +237,7 @@ def muon_checkpoint(mesh, split: int = 2) -> dict:
     _shard(fresh, mesh, "muon", fresh.mlp.blocks)
     opts = _muon_optimizers(fresh)
     fresh.load_state_dict(saved[1])
-    for o, sd in zip(opts, saved[0]):
+    for o, sd in zip(opts, saved[0], strict=True):
         o.load_state_dict(sd)
     for batch in batches[split:]:
         _loss(fresh, batch).backward()
@@ -264,11 +270,11 @@ def muon_stock(mesh, on: str, mlp_only: bool = False) -> dict:
         for batch in mlp_batches(STEPS, 12):
             _loss(model, batch).backward()
             if on == "local":
-                for v, (_, p) in zip(views, mats):
+                for v, (_, p) in zip(views, mats, strict=True):
                     v.grad = p.grad.to_local()
             muon.step(), adamw.step()
             muon.zero_grad(), adamw.zero_grad()
-    except Exception as e:  # noqa: BLE001 - the control reports what stock does
+    except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
     return {"params": _full(model)}
 
@@ -282,14 +288,17 @@ def bnb_owner(mesh, rows: int) -> dict:
     model = WideMLP(rows)
     _shard(model, mesh, "bnb8bit")
     placed = {n: (p.dim, p.owner_compute) for n, p in fsdp2.placements(model).items()}
-    opt = fsdp2.OwnerComputeOptimizer(lambda g: bnb.optim.AdamW8bit(g, lr=BNB_LR), model.named_parameters(),
-                                      semantics="bnb8bit")
+    opt = fsdp2.OwnerComputeOptimizer(
+        lambda g: bnb.optim.AdamW8bit(g, lr=BNB_LR), model.named_parameters(), semantics="bnb8bit"
+    )
     for batch in wide_batches(STEPS):
         _loss(model, batch).backward()
         opt.step()
         opt.zero_grad()
-    state = {pc.key: {k: str(v.dtype) for k, v in opt.inner.state[pc.tensor].items() if torch.is_tensor(v)}
-             for pc in opt._pieces}
+    state = {
+        pc.key: {k: str(v.dtype) for k, v in opt.inner.state[pc.tensor].items() if torch.is_tensor(v)}
+        for pc in opt._pieces
+    }
     return {"params": _full(model), "placements": placed, "state_dtypes": state}
 
 
@@ -307,12 +316,12 @@ def bnb_stock(mesh, rows: int, on: str) -> dict:
         for batch in wide_batches(STEPS):
             _loss(model, batch).backward()
             if on == "local":
-                for v, p in zip(views, params):
+                for v, p in zip(views, params, strict=True):
                     v.grad = p.grad.to_local()
             opt.step()
             opt.zero_grad()
             model.zero_grad()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     return {"params": _full(model)}
 
@@ -330,11 +339,15 @@ def bnb_misaligned(mesh, rows: int) -> str:
 
 def _state_kinds(opt) -> dict:
     """Compute tensor key -> {state name: dtype or tensor subclass} of the inner optimizer."""
+
     def kind(v):
         return type(v).__name__ if type(v) is not torch.Tensor else str(v.dtype)
 
-    return {pc.key: {k: kind(v) for k, v in opt.inner.state[pc.tensor].items() if torch.is_tensor(v)}
-            for pc in opt._pieces if pc.tensor in opt.inner.state}
+    return {
+        pc.key: {k: kind(v) for k, v in opt.inner.state[pc.tensor].items() if torch.is_tensor(v)}
+        for pc in opt._pieces
+        if pc.tensor in opt.inner.state
+    }
 
 
 def shampoo_owner(mesh) -> dict:
@@ -349,8 +362,12 @@ def shampoo_owner(mesh) -> dict:
         _loss(model, batch).backward()
         opt.step()
         opt.zero_grad()
-    return {"params": _full(model), "placements": placed, "owned": opt.owned_units(),
-            "layout": [pc.key for pc in opt._pieces]}
+    return {
+        "params": _full(model),
+        "placements": placed,
+        "owned": opt.owned_units(),
+        "layout": [pc.key for pc in opt._pieces],
+    }
 
 
 def ao_owner(mesh) -> dict:
@@ -381,15 +398,21 @@ def _stock_local(model, mesh, make_opt, batches, blocks=()) -> dict:
         opt = make_opt(views)
         for batch in batches:
             _loss(model, batch).backward()
-            for v, p in zip(views, params):
+            for v, p in zip(views, params, strict=True):
                 v.grad = p.grad.to_local()
             opt.step()
             opt.zero_grad()
             model.zero_grad()
-        state = {tuple(v.shape): {k: type(x).__name__ if type(x) is not torch.Tensor else str(x.dtype)
-                                  for k, x in opt.state[v].items() if torch.is_tensor(x)}
-                 for v in views if v in opt.state}
-    except Exception as e:  # noqa: BLE001 - the control reports what stock does
+        state = {
+            tuple(v.shape): {
+                k: type(x).__name__ if type(x) is not torch.Tensor else str(x.dtype)
+                for k, x in opt.state[v].items()
+                if torch.is_tensor(x)
+            }
+            for v in views
+            if v in opt.state
+        }
+    except Exception as e:
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     return {"params": _full(model), "state": state}
 
@@ -415,18 +438,24 @@ def _placement_error(model, mesh, semantics) -> str:
 
 # -- the spawned entry point ------------------------------------------------------------------------
 def _scenarios(mesh, w: int) -> dict:
-    cases = {"muon": lambda: muon_owner(mesh), "muon_local": lambda: muon_stock(mesh, "local"),
-             "shampoo": lambda: shampoo_owner(mesh), "ao": lambda: ao_owner(mesh)}
+    cases = {
+        "muon": lambda: muon_owner(mesh),
+        "muon_local": lambda: muon_stock(mesh, "local"),
+        "shampoo": lambda: shampoo_owner(mesh),
+        "ao": lambda: ao_owner(mesh),
+    }
     if w in (2, 4):
-        cases.update({
-            "muon_ckpt": lambda: muon_checkpoint(mesh),
-            "muon_dtensor": lambda: muon_stock(mesh, "dtensor"),
-            "muon_dtensor_mlp": lambda: muon_stock(mesh, "dtensor", mlp_only=True),
-            "bnb": lambda: bnb_owner(mesh, 64),
-            "bnb_stock_dtensor": lambda: bnb_stock(mesh, 64, "dtensor"),
-            "shampoo_stock": lambda: shampoo_stock(mesh),
-            "ao_stock": lambda: ao_stock(mesh),
-        })
+        cases.update(
+            {
+                "muon_ckpt": lambda: muon_checkpoint(mesh),
+                "muon_dtensor": lambda: muon_stock(mesh, "dtensor"),
+                "muon_dtensor_mlp": lambda: muon_stock(mesh, "dtensor", mlp_only=True),
+                "bnb": lambda: bnb_owner(mesh, 64),
+                "bnb_stock_dtensor": lambda: bnb_stock(mesh, 64, "dtensor"),
+                "shampoo_stock": lambda: shampoo_stock(mesh),
+                "ao_stock": lambda: ao_stock(mesh),
+            }
+        )
     if w in (3, 4):
         cases["ao_misaligned_error"] = lambda: _placement_error(WideMLP(40), mesh, "ao8bit")
     if w == 4:
@@ -453,9 +482,14 @@ def all_runs(rank: int, world: int) -> dict:
         if rank < w:
             out["by_w"][w] = _scenarios(DeviceMesh.from_group(subgroups[w], "cpu"), w)
     if rank == 3:  # no process group involved: one process, one thread, as the others
-        refs = {"muon": reference_muon, "muon_mlp": lambda: reference_muon(mlp_only=True),
-                "bnb": lambda: reference_bnb(64), "bnb40": lambda: reference_bnb(40),
-                "shampoo": reference_shampoo, "ao": reference_ao}
+        refs = {
+            "muon": reference_muon,
+            "muon_mlp": lambda: reference_muon(mlp_only=True),
+            "bnb": lambda: reference_bnb(64),
+            "bnb40": lambda: reference_bnb(40),
+            "shampoo": reference_shampoo,
+            "ao": reference_ao,
+        }
         out["ref"], out["ref_seconds"] = {}, {}
         for name, run in refs.items():
             t1 = time.perf_counter()

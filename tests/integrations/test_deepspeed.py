@@ -39,12 +39,12 @@ import torch
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import _ds_runs as runs
+
 from blockshard._launch import spawn_gloo
 from blockshard.integrations import deepspeed as bsd
 from blockshard.integrations.deepspeed import DeepSpeedHookError, ordered_layout, parse_section
 from blockshard.semantics import SemanticsRules, TensorSpec, UnitGrid
-
-import _ds_runs as runs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONTROL_MIN = 1e-3
@@ -62,17 +62,20 @@ def bitwise(a, b) -> bool:
 
 
 # -- config section (pure) ----------------------------------------------------------------------
-@pytest.mark.parametrize("section, key", [
-    ({"semantic": "bnb8bit"}, "blockshard.semantic"),
-    ({"alignment": 3}, "blockshard.alignment"),
-    ({"alignment": "16"}, "blockshard.alignment"),
-    ({"semantics": "bnb9bit"}, "blockshard.semantics"),
-    ({"semantics": 5}, "blockshard.semantics"),
-    ({"semantics": {"*weight": 8}}, "blockshard.semantics"),
-    ({"enabled": "yes"}, "blockshard.enabled"),
-    ({"allow_untested_deepspeed": 1}, "blockshard.allow_untested_deepspeed"),
-    (["bnb8bit"], "blockshard="),
-])
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ({"semantic": "bnb8bit"}, "blockshard.semantic"),
+        ({"alignment": 3}, "blockshard.alignment"),
+        ({"alignment": "16"}, "blockshard.alignment"),
+        ({"semantics": "bnb9bit"}, "blockshard.semantics"),
+        ({"semantics": 5}, "blockshard.semantics"),
+        ({"semantics": {"*weight": 8}}, "blockshard.semantics"),
+        ({"enabled": "yes"}, "blockshard.enabled"),
+        ({"allow_untested_deepspeed": 1}, "blockshard.allow_untested_deepspeed"),
+        (["bnb8bit"], "blockshard="),
+    ],
+)
 def test_config_errors_name_the_key(section, key):
     with pytest.raises(ValueError, match=re.escape(key)):
         parse_section(section)
@@ -103,8 +106,13 @@ def test_deepspeed_ignores_unknown_top_level_keys():
     """Why the section is passed on unchanged: DeepSpeed 0.19.8 accepts it."""
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    cfg = DeepSpeedConfig({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
-                           "blockshard": {"semantics": {"*weight": "bnb8bit"}}})
+    cfg = DeepSpeedConfig(
+        {
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": 2},
+            "blockshard": {"semantics": {"*weight": "bnb8bit"}},
+        }
+    )
     assert cfg.zero_optimization_stage == 2
 
 
@@ -130,7 +138,7 @@ def test_version_guard(monkeypatch):
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "blockshard": {}}
     with pytest.raises(DeepSpeedHookError, match="allow_untested_deepspeed"):
         bsd.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
-    with pytest.raises(DeepSpeedHookError, match="0.20.1"):
+    with pytest.raises(DeepSpeedHookError, match=r"0\.20\.1"):
         bsd.install()
     assert not bsd.is_installed()
     assert bsd.check_deepspeed_version(allow_untested=True) == "0.20.1"
@@ -171,7 +179,7 @@ def test_ordered_layout_boundaries_fall_on_allowed_cuts(semantics, w):
     assert lay.segment % 4 == 0 and lay.total == w * lay.segment
     assert lay.segment >= max(g.largest_unit for g in grids)
     ends = 0
-    for g, s in zip(grids, lay.starts):
+    for g, s in zip(grids, lay.starts, strict=True):
         assert s % 4 == 0 and s >= ends  # in order, holes only between tensors
         ends = s + g.numel
         for b in range(lay.segment, lay.total, lay.segment):
@@ -202,25 +210,39 @@ CASES_24 = [
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    spec = {"cases": CASES_24, "refs": ["bnb", "adamw", "muon"], "ckpt": [(2, "bnb"), (1, "muon")],
-            "errors": ["muon_split", "bf16_zero1"], "variants": list(runs.VARIANTS),
-            "tmp": str(tmp_path_factory.mktemp("ds2"))}
+    spec = {
+        "cases": CASES_24,
+        "refs": ["bnb", "adamw", "muon"],
+        "ckpt": [(2, "bnb"), (1, "muon")],
+        "errors": ["muon_split", "bf16_zero1"],
+        "variants": list(runs.VARIANTS),
+        "tmp": str(tmp_path_factory.mktemp("ds2")),
+    }
     return spawn_gloo(runs.run_world, 2, args=(spec,), timeout=300)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     cases = [c for c in CASES_24 if c[0] in ("z2_bnb", "z2_bnb_stock", "z1_bnb", "z2_adamw", "z2_muon")]
-    spec = {"cases": cases, "refs": ["bnb", "adamw", "muon"], "ckpt": [(2, "adamw")],
-            "tmp": str(tmp_path_factory.mktemp("ds4"))}
+    spec = {
+        "cases": cases,
+        "refs": ["bnb", "adamw", "muon"],
+        "ckpt": [(2, "adamw")],
+        "tmp": str(tmp_path_factory.mktemp("ds4")),
+    }
     return spawn_gloo(runs.run_world, 4, args=(spec,), timeout=300)
 
 
 @pytest.fixture(scope="module")
 def world3():
-    cases = [("z2_bnb", 2, "bnb", True, False), ("z2_bnb_stock", 2, "bnb", False, False),
-             ("z2_adamw", 2, "adamw", True, False), ("z2_adamw_split", 2, "adamw", True, True),
-             ("z2_adamw_split_stock", 2, "adamw", False, True), ("z1_adamw_split", 1, "adamw", True, True)]
+    cases = [
+        ("z2_bnb", 2, "bnb", True, False),
+        ("z2_bnb_stock", 2, "bnb", False, False),
+        ("z2_adamw", 2, "adamw", True, False),
+        ("z2_adamw_split", 2, "adamw", True, True),
+        ("z2_adamw_split_stock", 2, "adamw", False, True),
+        ("z1_adamw_split", 1, "adamw", True, True),
+    ]
     return spawn_gloo(runs.run_world, 3, args=({"cases": cases, "refs": ["bnb", "adamw"]},), timeout=300)
 
 
@@ -232,7 +254,7 @@ BITWISE = [(2, c[0]) for c in CASES_24 if c[3]] + [(4, c) for c in ("z2_bnb", "z
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("w, case", BITWISE)
+@pytest.mark.parametrize(("w", "case"), BITWISE)
 def test_hooked_zero_equals_one_process_bitwise(request, w, case):
     out = _world(request, w)
     kind = case.split("_")[1]
@@ -293,7 +315,7 @@ def test_layout_report(world2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("w, key", [(2, (2, "bnb")), (2, (1, "muon")), (4, (2, "adamw"))])
+@pytest.mark.parametrize(("w", "key"), [(2, (2, "bnb")), (2, (1, "muon")), (4, (2, "adamw"))])
 def test_checkpoint_round_trip_continues_identically(request, w, key):
     out = _world(request, w)
     for r in range(w):
@@ -332,8 +354,13 @@ def test_world3_within_tolerance(world3):
 
 # -- real launchers ----------------------------------------------------------------------------------
 def _launch_env() -> dict:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     return env
 
 
@@ -355,8 +382,16 @@ def _check_example_output(out: str) -> None:
 @pytest.mark.slow
 def test_torchrun_example():
     bindir = pathlib.Path(sys.executable).parent
-    cmd = [str(bindir / "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(ROOT / "examples" / "deepspeed_zero2_bnb.py")]
+    cmd = [
+        str(bindir / "torchrun"),
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(ROOT / "examples" / "deepspeed_zero2_bnb.py"),
+    ]
     res = subprocess.run(cmd, env=_launch_env(), capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     _check_example_output(res.stdout)
@@ -365,8 +400,14 @@ def test_torchrun_example():
 @pytest.mark.slow
 def test_deepspeed_launcher_example():
     bindir = pathlib.Path(sys.executable).parent
-    cmd = [str(bindir / "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()),
-           str(ROOT / "examples" / "deepspeed_zero2_bnb.py")]
+    cmd = [
+        str(bindir / "deepspeed"),
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        str(ROOT / "examples" / "deepspeed_zero2_bnb.py"),
+    ]
     res = subprocess.run(cmd, env=_launch_env(), capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     _check_example_output(res.stdout)

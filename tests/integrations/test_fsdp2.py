@@ -43,8 +43,10 @@ W = 3, the 37- and 5-row ones never) and torchao AdamW8bit (``ao8bit``, ``AoMLP`
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
+import _fsdp2_runs as runs
 import pytest
 import torch
 from torch import nn
@@ -67,8 +69,6 @@ from blockshard.integrations.fsdp2 import (
 )
 from blockshard.planner import PlanItem, plan_owners
 from blockshard.semantics import SemanticsRules, TensorSpec, UnitGrid
-
-import _fsdp2_runs as runs
 
 W3_ATOL = 1e-5
 CONTROL_MIN = 1e-3
@@ -93,8 +93,15 @@ def bitwise(got: dict, want: dict) -> bool:
 
 
 # -- placement (pure) ---------------------------------------------------------------------------
-SCALED_MLP = [("scale", (1, 7)), ("mix", (5, 7)), ("mlp.blocks.0.0.weight", (37, 13)), ("mlp.blocks.0.0.bias", (37,)),
-              ("mlp.blocks.1.0.weight", (29, 37)), ("mlp.blocks.2.0.weight", (7, 29)), ("mlp.blocks.2.0.bias", (7,))]
+SCALED_MLP = [
+    ("scale", (1, 7)),
+    ("mix", (5, 7)),
+    ("mlp.blocks.0.0.weight", (37, 13)),
+    ("mlp.blocks.0.0.bias", (37,)),
+    ("mlp.blocks.1.0.weight", (29, 37)),
+    ("mlp.blocks.2.0.weight", (7, 29)),
+    ("mlp.blocks.2.0.bias", (7,)),
+]
 
 
 @pytest.mark.parametrize("w", [2, 3, 4])
@@ -122,28 +129,45 @@ def test_nf4_split_group_raises_naming_everything():
         place(spec("layers.0.q.weight", (6, 96)), "nf4", 2)
     msg = str(ei.value)
     assert isinstance(ei.value, ValueError) and isinstance(ei.value, BlockshardError)
-    for part in ("'layers.0.q.weight'", "(6, 96)", "'nf4'", "W=2", "row 3", "element 288",
-                 "multiples of 64", "storage format", "blockshard.fully_shard", "W in [3, 4, 5]"):
+    for part in (
+        "'layers.0.q.weight'",
+        "(6, 96)",
+        "'nf4'",
+        "W=2",
+        "row 3",
+        "element 288",
+        "multiples of 64",
+        "storage format",
+        "blockshard.fully_shard",
+        "W in [3, 4, 5]",
+    ):
         assert part in msg, (part, msg)
 
 
 @pytest.mark.parametrize("w", [2, 3, 4])
 def test_bnb8bit_aligned_weight_small_tensors_owner_compute(w):
-    got = plan_placements([spec("up.weight", (64, 256)), spec("up.bias", (64,)), spec("down.weight", (7, 64))],
-                          "bnb8bit", w)
+    got = plan_placements(
+        [spec("up.weight", (64, 256)), spec("up.bias", (64,)), spec("down.weight", (7, 64))], "bnb8bit", w
+    )
     assert (got["up.weight"].dim, got["up.weight"].owner_compute) == (0, False)  # 256-blocks, pieces >= 4096
     assert got["up.bias"].owner_compute and got["down.weight"].owner_compute  # < 4096: whole, fp32 on its owner
 
 
 def test_bnb8bit_misaligned_weight_raises():
-    with pytest.raises(FSDP2PlacementError, match=r"'up.weight' of shape \(40, 256\) with semantics 'bnb8bit'.*"
-                       r"W=4.*row 10 \(element 2560.*\[4096, 6144\].*blockshard.fully_shard"):
+    with pytest.raises(
+        FSDP2PlacementError,
+        match=r"'up.weight' of shape \(40, 256\) with semantics 'bnb8bit'.*"
+        r"W=4.*row 10 \(element 2560.*\[4096, 6144\].*blockshard.fully_shard",
+    ):
         place(spec("up.weight", (40, 256)), "bnb8bit", 4)
     assert place(spec("up.weight", (40, 256)), "bnb8bit", 2).owner_compute is False
 
 
-SHAMPOO_MLP = [(f"l{i}.{k}", s) for i, (o, n) in enumerate([(64, 12), (37, 64), (24, 37), (5, 24)], 1)
-               for k, s in (("weight", (o, n)), ("bias", (o,)))]
+SHAMPOO_MLP = [
+    (f"l{i}.{k}", s)
+    for i, (o, n) in enumerate([(64, 12), (37, 64), (24, 37), (5, 24)], 1)
+    for k, s in (("weight", (o, n)), ("bias", (o,)))
+]
 SHAMPOO_ALIGNED = {2: {"l1"}, 3: {"l3"}, 4: {"l1"}}  # ceil(rows / W) a multiple of 8 (l4: 5 rows, one stripe)
 AO_MLP = [("up.weight", (64, 256)), ("side.weight", (16, 256)), ("down.weight", (7, 80))]
 
@@ -167,8 +191,9 @@ def test_ao8bit_placement(w):
     if w == 2:
         assert not place(spec("up.weight", (40, 256)), "ao8bit", w).owner_compute  # 5120 + 5120
     else:  # 3584 / 2560-element pieces: fp32 state in torchao; no owner-compute for a 4096-minimum grid
-        with pytest.raises(FSDP2PlacementError,
-                           match=rf"'up.weight' of shape \(40, 256\) with semantics 'ao8bit'.*W={w}"):
+        with pytest.raises(
+            FSDP2PlacementError, match=rf"'up.weight' of shape \(40, 256\) with semantics 'ao8bit'.*W={w}"
+        ):
             place(spec("up.weight", (40, 256)), "ao8bit", w)
 
 
@@ -192,7 +217,7 @@ def test_block_placement_fn_names_parameters_from_the_module():
     model = runs.WideMLP(40)
     fn = block_placement_fn("bnb8bit", 4, names=model)
     assert fn(model.up.bias) == Shard(0) and fn.placements["up.bias"].owner_compute
-    with pytest.raises(FSDP2PlacementError, match="'up.weight'"):
+    with pytest.raises(FSDP2PlacementError, match=r"'up\.weight'"):
         fn(model.up.weight)
     anon = block_placement_fn("matrix", 2)
     assert anon(nn.Parameter(torch.zeros(3, 5))) == Shard(0)
@@ -306,8 +331,13 @@ def test_every_split_matrix_has_one_owner_and_plan_counts(w):
     outs = by_w(w)
     owned = sorted(u[0] for out in outs for u in out["muon"]["owned"])
     assert owned == ["mix", "mlp.blocks.0.0.weight", "mlp.blocks.1.0.weight", "mlp.blocks.2.0.weight"]
-    items = [PlanItem(spec(n, s), *(lambda r: (r.grid, r.cost, r.label))(SemanticsRules.coerce("matrix").resolve(spec(n, s))))
-             for n, s in SCALED_MLP if len(s) == 2]
+    items = [
+        PlanItem(
+            spec(n, s), *(lambda r: (r.grid, r.cost, r.label))(SemanticsRules.coerce("matrix").resolve(spec(n, s)))
+        )
+        for n, s in SCALED_MLP
+        if len(s) == 2
+    ]
     plan = plan_owners(items, w, engine="fsdp2")
     for r, out in enumerate(outs):
         assert out["muon"]["a2a"]["float32"] == plan.all_to_all_splits(r)
@@ -342,8 +372,12 @@ def test_bnb_adamw8bit_bitwise_with_8bit_state_on_shards(w):
     for r, out in enumerate(by_w(w)):
         bnb = out["bnb"]
         assert bitwise(bnb["params"], ref()["bnb"]), (w, r, max_diff(bnb["params"], ref()["bnb"]))
-        assert bnb["placements"] == {"up.weight": (0, False), "up.bias": (0, True),
-                                     "down.weight": (0, True), "down.bias": (0, True)}
+        assert bnb["placements"] == {
+            "up.weight": (0, False),
+            "up.bias": (0, True),
+            "down.weight": (0, True),
+            "down.bias": (0, True),
+        }
         rows = 64 // w
         assert bnb["state_dtypes"][("up.weight", "rows", r * rows, (r + 1) * rows)]["state1"] == "torch.uint8"
     assert "got mixed torch.Tensor and DTensor" in by_w(w)[0]["bnb_stock_dtensor"]["error"]
@@ -388,7 +422,7 @@ def test_shampoo_compute_tensors_are_whole_stripes_partitioning_each_parameter(w
         numel, stripe = math.prod(shape), 8 * math.prod(shape[1:])
         ranges = sorted(pieces[name])
         assert ranges[0][0] == 0 and ranges[-1][1] == numel, (name, ranges)
-        for (_, b), (a, _) in zip(ranges, ranges[1:]):
+        for (_, b), (a, _) in itertools.pairwise(ranges):
             assert a == b and a % stripe == 0, (name, ranges)  # no overlap, no gap, cuts between stripes
     owned = [u for out in by_w(w) for u in out["shampoo"]["owned"]]
     assert len(owned) == len(set(owned)) and owned  # each split stripe has exactly one owner
@@ -465,6 +499,14 @@ def test_control_ao_adamw8bit_on_local_shards_keeps_fp32_state_and_differs(w):
 def test_ao_adamw8bit_misaligned_weight_raises(w):
     msg = by_w(w)[0]["ao_misaligned_error"]
     row = -(-40 // w)
-    for part in ("'up.weight'", "(40, 256)", "'ao8bit'", f"W={w}", f"row {row}", f"element {row * 256}",
-                 "[4096, 6144]", "blockshard.fully_shard"):
+    for part in (
+        "'up.weight'",
+        "(40, 256)",
+        "'ao8bit'",
+        f"W={w}",
+        f"row {row}",
+        f"element {row * 256}",
+        "[4096, 6144]",
+        "blockshard.fully_shard",
+    ):
         assert part in msg, (part, msg)

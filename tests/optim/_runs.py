@@ -122,7 +122,7 @@ def resume(rank: int, world: int, name: str) -> dict:
     saved = torch.load(buf, weights_only=False)
     m, opts = build()
     load_sharded_state_dict(m, saved["model"])
-    for o, sd in zip(opts, saved["optim"]):
+    for o, sd in zip(opts, saved["optim"], strict=True):
         o.load_state_dict(sd)
     for x, y in data[1:]:
         ((m(x) - y) ** 2).mean().backward()

@@ -24,9 +24,20 @@ def _np_inv_root(x: np.ndarray, exponent: float, eps: float) -> np.ndarray:
 
 
 def reference_shampoo(
-    p0, grads, *, lr, betas=(0.9, 0.999), epsilon=1e-12, weight_decay=0.0, D=1024,
-    precondition_frequency=1, start_preconditioning_step=1, grafting="adam",
-    grafting_epsilon=1e-8, grafting_beta2=0.999, inverse_root_exponent=None,
+    p0,
+    grads,
+    *,
+    lr,
+    betas=(0.9, 0.999),
+    epsilon=1e-12,
+    weight_decay=0.0,
+    D=1024,
+    precondition_frequency=1,
+    start_preconditioning_step=1,
+    grafting="adam",
+    grafting_epsilon=1e-8,
+    grafting_beta2=0.999,
+    inverse_root_exponent=None,
 ):
     """Run the textbook blocked Shampoo on ``p0`` with the gradients ``grads``; return the params."""
     b1, b2 = betas
@@ -101,11 +112,13 @@ CASES = {
     "one_block_7x5": ((7, 5), 8, {}),
     "one_block_exact_D": ((7, 5), 7, {"weight_decay": 0.1}),
     "3x2_blocks_with_edges": ((10, 6), 4, {}),
-    "edges_wd_freq3_start2": ((10, 6), 4, {"weight_decay": 0.1, "precondition_frequency": 3,
-                                           "start_preconditioning_step": 2}),
+    "edges_wd_freq3_start2": (
+        (10, 6),
+        4,
+        {"weight_decay": 0.1, "precondition_frequency": 3, "start_preconditioning_step": 2},
+    ),
     "no_grafting": ((10, 6), 4, {"grafting": "none", "epsilon": 1e-6}),
-    "exponent_half_betas": ((10, 6), 4, {"inverse_root_exponent": 0.5, "betas": (0.5, 0.9),
-                                         "grafting_beta2": 0.99}),
+    "exponent_half_betas": ((10, 6), 4, {"inverse_root_exponent": 0.5, "betas": (0.5, 0.9), "grafting_beta2": 0.99}),
     "vector_9_D4": ((9,), 4, {}),
     "vector_freq2_start3": ((9,), 4, {"precondition_frequency": 2, "start_preconditioning_step": 3}),
     "3d_as_rows_by_rest": ((5, 3, 2), 3, {"weight_decay": 0.05}),
@@ -135,21 +148,22 @@ def test_matches_numpy_reference_float64(name):
     ref = reference_shampoo(p0.numpy(), [g.numpy() for g in grads], lr=0.01, D=d, **kw)
     np.testing.assert_allclose(got.numpy(), ref, rtol=0, atol=TOL64)
     # The preconditioned steps really moved the parameters differently from plain Adam.
-    adam = reference_shampoo(p0.numpy(), [g.numpy() for g in grads], lr=0.01, D=d,
-                             **{**kw, "start_preconditioning_step": 100})
+    adam = reference_shampoo(
+        p0.numpy(), [g.numpy() for g in grads], lr=0.01, D=d, **{**kw, "start_preconditioning_step": 100}
+    )
     assert np.abs(adam - ref).max() > 1e-4
 
 
-@pytest.mark.parametrize("name", ["one_block_7x5", "3x2_blocks_with_edges", "vector_9_D4",
-                                  "3d_as_rows_by_rest", "exponent_half_betas"])
+@pytest.mark.parametrize(
+    "name", ["one_block_7x5", "3x2_blocks_with_edges", "vector_9_D4", "3d_as_rows_by_rest", "exponent_half_betas"]
+)
 def test_matches_numpy_reference_float32(name):
     """Default precision (float32 params, moments, factors and eigh) vs the float64 reference."""
     shape, d, kw = CASES[name]
     p0, grads = _data(shape, steps=8, dtype=torch.float32)
     kw = {**kw, "start_preconditioning_step": 5}
     got = run_blocked(p0, grads, lr=0.01, max_preconditioner_dim=d, **kw)
-    ref = reference_shampoo(p0.double().numpy(), [g.double().numpy() for g in grads], lr=0.01, D=d,
-                            **kw)
+    ref = reference_shampoo(p0.double().numpy(), [g.double().numpy() for g in grads], lr=0.01, D=d, **kw)
     np.testing.assert_allclose(got.double().numpy(), ref, rtol=0, atol=TOL32)
 
 
@@ -179,7 +193,7 @@ def _full_and_stripes(shape, d, cuts, steps, opts, seed=1):
     opt_parts = BlockedShampoo(parts, lr=0.05, max_preconditioner_dim=d, **opts)
     for g in grads:
         full.grad = g.clone()
-        for part, (a, b) in zip(parts, cuts):
+        for part, (a, b) in zip(parts, cuts, strict=True):
             part.grad = g[a:b].clone()
         opt_full.step()
         opt_parts.step()
@@ -197,7 +211,7 @@ def test_stripes_of_whole_blocks_are_bitwise_equal_to_the_full_tensor(name, opts
 
 def test_control_stripes_that_cut_blocks_differ():
     """Cutting at a row that is not a multiple of D changes the blocks, hence the update."""
-    p0, full, stitched = _full_and_stripes((10, 6), 4, [(0, 3), (3, 10)], steps=5, opts={})
+    _, full, stitched = _full_and_stripes((10, 6), 4, [(0, 3), (3, 10)], steps=5, opts={})
     assert (full - stitched).abs().max() > 1e-4
 
 
@@ -219,7 +233,7 @@ def test_roots_are_recomputed_every_frequency_steps_and_reused_between():
         factors.append([b["factor_0"].clone() for b in blocks])
 
     def same(xs, ys):
-        return all(torch.equal(x, y) for x, y in zip(xs, ys))
+        return all(torch.equal(x, y) for x, y in zip(xs, ys, strict=True))
 
     # Recomputed at steps 1, 4, 7 (1-based), reused at 2, 3, 5, 6; factors change every step.
     assert same(roots[0], roots[1]) and same(roots[1], roots[2])
@@ -244,7 +258,7 @@ def test_frequency_only_matters_between_recomputations():
     assert diffs == [True, False, False, False]  # step 1 identical, then stale roots differ
 
 
-@pytest.mark.parametrize("dtype, atol", [(torch.float64, 1e-13), (torch.float32, 1e-6)])
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float64, 1e-13), (torch.float32, 1e-6)])
 def test_before_start_the_update_is_adamw(dtype, atol):
     """Before start_preconditioning_step: AdamW(betas=(betas[0], grafting_beta2), eps=grafting_eps).
 
@@ -253,8 +267,16 @@ def test_before_start_the_update_is_adamw(dtype, atol):
     p0, grads = _data((10, 6), 4, dtype)
     p = torch.nn.Parameter(p0.clone())
     q = torch.nn.Parameter(p0.clone())
-    opt = BlockedShampoo([p], lr=0.01, betas=(0.8, 0.95), grafting_beta2=0.99, grafting_epsilon=1e-6,
-                         weight_decay=0.1, max_preconditioner_dim=4, start_preconditioning_step=4)
+    opt = BlockedShampoo(
+        [p],
+        lr=0.01,
+        betas=(0.8, 0.95),
+        grafting_beta2=0.99,
+        grafting_epsilon=1e-6,
+        weight_decay=0.1,
+        max_preconditioner_dim=4,
+        start_preconditioning_step=4,
+    )
     adamw = torch.optim.AdamW([q], lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
     for t, g in enumerate(grads, start=1):
         p.grad, q.grad = g.clone(), g.clone()
@@ -280,15 +302,20 @@ def _model_params(seed=2):
 
 
 def _make_opt(params, factor_dtype):
-    groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1,
-                                      "max_preconditioner_dim": 3}]
-    return BlockedShampoo(groups, lr=0.02, max_preconditioner_dim=4, precondition_frequency=3,
-                          start_preconditioning_step=2, factor_dtype=factor_dtype)
+    groups = [{"params": params[:2]}, {"params": params[2:], "weight_decay": 0.1, "max_preconditioner_dim": 3}]
+    return BlockedShampoo(
+        groups,
+        lr=0.02,
+        max_preconditioner_dim=4,
+        precondition_frequency=3,
+        start_preconditioning_step=2,
+        factor_dtype=factor_dtype,
+    )
 
 
 def _train(params, opt, grads):
     for step_grads in grads:
-        for p, g in zip(params, step_grads):
+        for p, g in zip(params, step_grads, strict=True):
             p.grad = g.clone()
         opt.step()
 
@@ -316,7 +343,7 @@ def test_state_dict_round_trip_continues_bitwise(factor_dtype):
     assert block["factor_0"].dtype == block["inv_root_1"].dtype == factor_dtype
     assert block["exp_avg"].dtype == torch.float32
     _train(resumed, opt2, grads[3:])
-    for a, b in zip(ref, resumed):
+    for a, b in zip(ref, resumed, strict=True):
         assert torch.equal(a, b)
 
 
@@ -386,7 +413,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("kw, name", BAD, ids=[f"{n}={list(k.values())[0]}" for k, n in BAD])
+@pytest.mark.parametrize(("kw", "name"), BAD, ids=[f"{n}={next(iter(k.values()))}" for k, n in BAD])
 def test_bad_hyperparameters_raise_naming_the_parameter(kw, name):
     p = torch.nn.Parameter(torch.randn(3, 3))
     with pytest.raises(ValueError, match=f"BlockedShampoo: {re.escape(name)}=") as info:

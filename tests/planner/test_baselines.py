@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -143,8 +144,10 @@ def test_bad_input_names_the_parameter():
 
 def test_large_world_many_tensors():
     # 2000 tensors, 256-element blocks, W = 16384: per-tensor boundaries are progressions.
-    items = [item(f"t{i}", (1000 + i, 4096 + 8 * (i % 7)), UnitGrid.units((1000 + i) * (4096 + 8 * (i % 7)), 256))
-             for i in range(2000)]
+    items = [
+        item(f"t{i}", (1000 + i, 4096 + 8 * (i % 7)), UnitGrid.units((1000 + i) * (4096 + 8 * (i % 7)), 256))
+        for i in range(2000)
+    ]
     for name in BASELINES:
         r = baseline(name, items, 16384)
         assert r.padded_numel >= r.total_numel
@@ -154,7 +157,7 @@ def test_large_world_many_tensors():
 # -- brute force --------------------------------------------------------------------------------
 def _units(grid: UnitGrid) -> list[tuple[int, int]]:
     cuts = [0] + [x for x in range(1, grid.numel) if grid.allows_cut(x)] + [grid.numel]
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def _count_split(grid: UnitGrid, boundaries) -> int:
@@ -188,7 +191,7 @@ def _brute(name: str, items: list[PlanItem], w: int) -> tuple[int, int]:
     for it in items:
         us = _units(it.grid)
         k = max(1, -(-len(us) // w))
-        slot = max((sum(b - a for a, b in us[i:i + k]) for i in range(0, len(us), k)), default=0)
+        slot = max((sum(b - a for a, b in us[i : i + k]) for i in range(0, len(us), k)), default=0)
         padded += w * slot
     return padded, 0
 

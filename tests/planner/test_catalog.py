@@ -25,31 +25,55 @@ from blockshard.planner._catalog import (
 )
 from blockshard.planner._shapes_file import load_model_tensors, tensors_from_shapes_file
 
-_GQA = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2)
-_DSV3 = dict(vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
-             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
-             kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-             n_routed_experts=4, n_shared_experts=2, num_experts_per_tok=2, n_group=2, topk_group=1,
-             first_k_dense_replace=1)
+_GQA = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+_DSV3 = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=24,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=4,
+    n_shared_experts=2,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+)
 
 # Tiny configs with the same structure knobs as the real models (and a few variants).
 TINY = {
     "llama": dict(model_type="llama", **_GQA, head_dim=16),
-    "llama-tied-biases": dict(model_type="llama", **_GQA, tie_word_embeddings=True,
-                              attention_bias=True, mlp_bias=True),
+    "llama-tied-biases": dict(model_type="llama", **_GQA, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
     "qwen2": dict(model_type="qwen2", **_GQA),
     "qwen3": dict(model_type="qwen3", **_GQA, head_dim=24),
-    "qwen3-bias-tied": dict(model_type="qwen3", **_GQA, head_dim=8, attention_bias=True,
-                            tie_word_embeddings=True),
+    "qwen3-bias-tied": dict(model_type="qwen3", **_GQA, head_dim=8, attention_bias=True, tie_word_embeddings=True),
     "mixtral": dict(model_type="mixtral", **_GQA, num_local_experts=3, num_experts_per_tok=2),
     "deepseek_v3": dict(model_type="deepseek_v3", **_DSV3),
-    "deepseek_v3-no-q-lora": dict(model_type="deepseek_v3", **{**_DSV3, "q_lora_rank": None},
-                                  attention_bias=True),
-    "gpt_oss": dict(model_type="gpt_oss", **{**_GQA, "intermediate_size": 48}, head_dim=16,
-                    num_local_experts=3, num_experts_per_tok=2),
-    "gpt_oss-no-bias": dict(model_type="gpt_oss", **_GQA, head_dim=16, num_local_experts=4,
-                            num_experts_per_tok=2, attention_bias=False),
+    "deepseek_v3-no-q-lora": dict(model_type="deepseek_v3", **{**_DSV3, "q_lora_rank": None}, attention_bias=True),
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        **{**_GQA, "intermediate_size": 48},
+        head_dim=16,
+        num_local_experts=3,
+        num_experts_per_tok=2,
+    ),
+    "gpt_oss-no-bias": dict(
+        model_type="gpt_oss", **_GQA, head_dim=16, num_local_experts=4, num_experts_per_tok=2, attention_bias=False
+    ),
 }
 
 
@@ -59,10 +83,7 @@ def _hf_params(cfg: dict) -> list[tuple[str, tuple[int, ...], str]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     modules = dict(model.named_modules())
-    return [
-        (n, tuple(p.shape), type(modules[n.rpartition(".")[0]]).__name__)
-        for n, p in model.named_parameters()
-    ]
+    return [(n, tuple(p.shape), type(modules[n.rpartition(".")[0]]).__name__) for n, p in model.named_parameters()]
 
 
 def _ours(tensors) -> list[tuple[str, tuple[int, ...], str]]:
@@ -197,20 +218,19 @@ def test_shapes_file_round_trip(tmp_path):
     tensors = model_tensors("mixtral-8x7b")
     path = _write_shapes(tmp_path, tensors)
     back = tensors_from_shapes_file(path)
-    assert [(t.name, t.shape, t.dtype, t.group) for t in back] == [
-        (t.name, t.shape, t.dtype, t.group) for t in tensors
-    ]
+    assert [(t.name, t.shape, t.dtype, t.group) for t in back] == [(t.name, t.shape, t.dtype, t.group) for t in tensors]
     # group and dtype left out: default_group and bfloat16
     no_group = _write_shapes(tmp_path, tensors, with_group=False, name="nogroup.json")
     assert [t.group for t in tensors_from_shapes_file(no_group)] == [t.group for t in tensors]
     assert load_model_tensors(shapes=str(no_group))[5].group == tensors[5].group
     minimal = tmp_path / "min.json"
-    minimal.write_text('{"tensors": [{"name": "w", "shape": [3, 5], "dtype": "fp32", "group": null},'
-                       ' {"name": "b.0.x", "shape": [], "module_type": "Linear", "param_group": 1}]}')
+    minimal.write_text(
+        '{"tensors": [{"name": "w", "shape": [3, 5], "dtype": "fp32", "group": null},'
+        ' {"name": "b.0.x", "shape": [], "module_type": "Linear", "param_group": 1}]}'
+    )
     w, b = tensors_from_shapes_file(minimal)
     assert (w.dtype, w.group, w.shape) == ("float32", "", (3, 5))
-    assert (b.dtype, b.group, b.shape, b.module_type, b.param_group) == (
-        "bfloat16", "b.0", (), "Linear", 1)
+    assert (b.dtype, b.group, b.shape, b.module_type, b.param_group) == ("bfloat16", "b.0", (), "Linear", 1)
 
 
 def test_load_model_tensors_catalog():
@@ -235,10 +255,21 @@ def test_unknown_catalog_name():
 
 
 def test_unsupported_model_type():
-    _raises(lambda: tensors_from_hf_config({**TINY["llama"], "model_type": "bert"}),
-            "model_type='bert'", "not supported", "llama", "qwen3", "gpt_oss", "shapes file")
-    _raises(lambda: tensors_from_hf_config({"architectures": ["BertModel"], "hidden_size": 8}),
-            "model_type", "BertModel", "deepseek_v3")
+    _raises(
+        lambda: tensors_from_hf_config({**TINY["llama"], "model_type": "bert"}),
+        "model_type='bert'",
+        "not supported",
+        "llama",
+        "qwen3",
+        "gpt_oss",
+        "shapes file",
+    )
+    _raises(
+        lambda: tensors_from_hf_config({"architectures": ["BertModel"], "hidden_size": 8}),
+        "model_type",
+        "BertModel",
+        "deepseek_v3",
+    )
 
 
 def test_config_missing_or_bad_key(tmp_path):
@@ -247,12 +278,20 @@ def test_config_missing_or_bad_key(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**TINY["llama"], "hidden_size": -4}))
     _raises(lambda: tensors_from_hf_config(path), str(path), "hidden_size=-4", ">= 1")
-    _raises(lambda: tensors_from_hf_config({**TINY["llama"], "num_hidden_layers": "2"}),
-            "num_hidden_layers='2'", "integer")
-    _raises(lambda: tensors_from_hf_config({**TINY["mixtral"], "num_local_experts": None}),
-            "'num_local_experts'", "'num_experts'", "missing")
-    _raises(lambda: tensors_from_hf_config({**TINY["llama"], "tie_word_embeddings": "yes"}),
-            "tie_word_embeddings='yes'", "true or false")
+    _raises(
+        lambda: tensors_from_hf_config({**TINY["llama"], "num_hidden_layers": "2"}), "num_hidden_layers='2'", "integer"
+    )
+    _raises(
+        lambda: tensors_from_hf_config({**TINY["mixtral"], "num_local_experts": None}),
+        "'num_local_experts'",
+        "'num_experts'",
+        "missing",
+    )
+    _raises(
+        lambda: tensors_from_hf_config({**TINY["llama"], "tie_word_embeddings": "yes"}),
+        "tie_word_embeddings='yes'",
+        "true or false",
+    )
 
 
 def test_config_file_errors(tmp_path):
@@ -280,10 +319,14 @@ def test_config_file_errors(tmp_path):
         ('{"tensors": [{"name": "a", "shape": "2x2"}]}', ["tensors[0]", "'2x2'", "list"]),
         ('{"tensors": [{"name": "a", "shape": [true]}]}', ["tensors[0]", "[True]", "integers"]),
         ('{"tensors": [{"name": "a", "shape": [4, -1]}]}', ["tensors[0]", "[4, -1]", "negative", ">= 0"]),
-        ('{"tensors": [{"name": "a", "shape": [1]}, {"name": "a", "shape": [2]}]}',
-         ["tensors[1]", "'a'", "tensors[0]", "unique"]),
-        ('{"tensors": [{"name": "z", "shape": [1]}, {"name": "a", "shape": [1], "dtype": "int4"}]}',
-         ["tensors[1]", "'a'", "dtype='int4'", "bfloat16"]),
+        (
+            '{"tensors": [{"name": "a", "shape": [1]}, {"name": "a", "shape": [2]}]}',
+            ["tensors[1]", "'a'", "tensors[0]", "unique"],
+        ),
+        (
+            '{"tensors": [{"name": "z", "shape": [1]}, {"name": "a", "shape": [1], "dtype": "int4"}]}',
+            ["tensors[1]", "'a'", "dtype='int4'", "bfloat16"],
+        ),
         ('{"tensors": [{"name": "a", "shape": [1], "shap": [2]}]}', ["tensors[0]", "'shap'", "allowed keys"]),
         ('{"tensors": [{"name": "a", "shape": [1], "group": 3}]}', ["tensors[0]", "group=3", "string"]),
     ],
@@ -300,5 +343,9 @@ def test_shapes_file_missing(tmp_path):
 
 def test_load_model_tensors_needs_exactly_one():
     _raises(lambda: load_model_tensors(), "exactly one", "got none")
-    _raises(lambda: load_model_tensors(model="llama3-8b", shapes="s.json"),
-            "exactly one", "model='llama3-8b'", "shapes='s.json'")
+    _raises(
+        lambda: load_model_tensors(model="llama3-8b", shapes="s.json"),
+        "exactly one",
+        "model='llama3-8b'",
+        "shapes='s.json'",
+    )

@@ -16,7 +16,9 @@ from blockshard.planner import GroupLayout, PlanItem, TensorPlacement, lower_bou
 def _layout(grids, W, alignment=1, name="g"):
     S, offsets, lb = pack(grids, W, alignment)
     tensors = tuple(
-        sorted((TensorPlacement(f"t{i}", (g.numel,), offsets[i], g) for i, g in enumerate(grids)), key=lambda t: t.offset)
+        sorted(
+            (TensorPlacement(f"t{i}", (g.numel,), offsets[i], g) for i, g in enumerate(grids)), key=lambda t: t.offset
+        )
     )
     return GroupLayout(name, W, alignment, "float32", 4, lb, (S,), tensors)
 
@@ -198,7 +200,10 @@ def test_rank_loads_match_pieces(gs, W):
 @given(grids(), st.integers(1, 12), st.sampled_from([1, 4]))
 def test_bucketed_layouts_keep_every_invariant(gs, W, alignment):
     """plan_group may split a group into several buckets (one collective each): still exact."""
-    items = [PlanItem(TensorSpec(name=f"t{i}", shape=(g.numel,), dtype="float32"), g, float(g.numel)) for i, g in enumerate(gs)]
+    items = [
+        PlanItem(TensorSpec(name=f"t{i}", shape=(g.numel,), dtype="float32"), g, float(g.numel))
+        for i, g in enumerate(gs)
+    ]
     layout = plan_group(items, W, alignment_bytes=4 * alignment)
     layout.check()
     _assert_exact_coverage(layout)
@@ -237,7 +242,9 @@ def test_rotation_balances_whole_matrix_work_across_groups():
     ]
     plan = plan_model(specs, 8, semantics="muon")
     costs = {it.name: it.cost for it in plan.items}
-    unrotated = sum(rank_costs(plan_group([it for it in plan.items if it.spec.group == g.name], 8), costs) for g in plan.groups)
+    unrotated = sum(
+        rank_costs(plan_group([it for it in plan.items if it.spec.group == g.name], 8), costs) for g in plan.groups
+    )
     assert unrotated.max() / unrotated.mean() > 2  # the same ranks would own every block's matrices
     assert plan.max_cost_over_mean < unrotated.max() / unrotated.mean() / 1.5
     assert plan.to_json()["max_cost_over_mean"] == plan.max_cost_over_mean

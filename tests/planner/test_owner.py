@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -19,7 +20,9 @@ from blockshard.semantics import TensorSpec, UnitGrid
 
 def item(name: str, shape: tuple[int, ...], grid: UnitGrid | None = None, cost: float | None = None) -> PlanItem:
     n = math.prod(shape)
-    return PlanItem(TensorSpec(name=name, shape=shape), grid or UnitGrid.units(n, 1), float(n if cost is None else cost))
+    return PlanItem(
+        TensorSpec(name=name, shape=shape), grid or UnitGrid.units(n, 1), float(n if cost is None else cost)
+    )
 
 
 # -- hand-computed cases --------------------------------------------------------------------------
@@ -98,7 +101,7 @@ def test_bad_input_names_the_parameter():
 # -- brute-force reference ------------------------------------------------------------------------
 def _units(grid: UnitGrid) -> list[tuple[int, int]]:
     cuts = [0] + [x for x in range(1, grid.numel) if grid.allows_cut(x)] + [grid.numel]
-    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 def _reference(items: list[PlanItem], w: int, engine: str):

@@ -62,13 +62,13 @@ def reference(_rank: int, _world: int, kind: str, batch_size: int, micro: int = 
     for step in range(STEPS):
         if low is not None:  # bf16 compute on a copy, fp32 master weights and optimizer
             with torch.no_grad():
-                for p16, p32 in zip(low.parameters(), model.parameters()):
+                for p16, p32 in zip(low.parameters(), model.parameters(), strict=True):
                     p16.copy_(p32)
         for m in range(micro):
             loss = loss_fn(low if low is not None else model, batches[step * micro + m])
             loss.backward()
         if low is not None:
-            for p16, p32 in zip(low.parameters(), model.parameters()):
+            for p16, p32 in zip(low.parameters(), model.parameters(), strict=True):
                 p32.grad = p16.grad.float()
                 p16.grad = None
         opt.step()

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import functools
 
+import _scenarios as sc
 import pytest
 import torch
 
 from blockshard._launch import run_single, spawn_gloo
 from blockshard.planner import plan_model
 from blockshard.semantics import TensorSpec
-
-import _scenarios as sc
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +64,9 @@ def _compare(got: dict, want: dict, world: int, *, split: bool = False) -> None:
         tol = 0.0 if world in (1, 2, 4) else 1e-6
     for name, ref in want.items():
         if tol == 0.0:
-            assert torch.equal(got[name], ref), f"{name}: max diff {(got[name] - ref).abs().max().item():.3e} (expected bitwise)"
+            assert torch.equal(got[name], ref), (
+                f"{name}: max diff {(got[name] - ref).abs().max().item():.3e} (expected bitwise)"
+            )
         else:
             torch.testing.assert_close(got[name], ref, rtol=0, atol=tol, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -75,7 +76,7 @@ def _compare(got: dict, want: dict, world: int, *, split: bool = False) -> None:
 def test_matches_one_process(world, scenario):
     results = sharded_results(world)
     want = references()[REF_OF.get(scenario, scenario)]
-    for rank, res in enumerate(results):
+    for _rank, res in enumerate(results):
         _compare(res[scenario]["params"], want, world, split=SCENARIOS[scenario][2].get("split", False))
 
 

@@ -21,8 +21,13 @@ def _collectives(rank: int, world_size: int, scale: float):
     dist.all_reduce(t)
     gathered = torch.empty(world_size * 3)
     dist.all_gather_into_tensor(gathered, torch.full((3,), rank * scale))
-    return {"rank": rank, "world": dist.get_world_size(), "sum": t.item(), "gathered": gathered,
-            "threads": torch.get_num_threads()}
+    return {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "sum": t.item(),
+        "gathered": gathered,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _raise_in_rank_1(rank: int, world_size: int):
@@ -124,7 +129,7 @@ def test_run_single_has_no_group_and_sets_threads():
 
 
 @pytest.mark.parametrize(
-    "kwargs, needle",
+    ("kwargs", "needle"),
     [
         ({"world_size": 0}, "world_size=0"),
         ({"world_size": -2}, "world_size=-2"),

@@ -68,13 +68,13 @@ def test_odd_mlp_blocks_determinism_and_shapes():
 def test_text_batches_deterministic():
     a, b, c = text_batches(3, 4, 17, seed=5), text_batches(3, 4, 17, seed=5), text_batches(3, 4, 17, seed=6)
     assert len(a) == 3
-    for (ia, la), (ib, lb) in zip(a, b):
+    for (ia, la), (ib, lb) in zip(a, b, strict=True):
         assert ia.dtype == torch.int64 and ia.shape == (4, 17)
         assert torch.equal(ia, ib) and torch.equal(la, lb) and torch.equal(ia, la)
-    assert not all(torch.equal(x[0], y[0]) for x, y in zip(a, c))
+    assert not all(torch.equal(x[0], y[0]) for x, y in zip(a, c, strict=True))
     tokens = list(TEXT.encode())
     row = a[0][0][0].tolist()
-    assert any(tokens[s:s + 17] == row for s in range(len(tokens) - 16))  # a window of the text
+    assert any(tokens[s : s + 17] == row for s in range(len(tokens) - 16))  # a window of the text
     assert max(max(ids.max().item() for ids, _ in a), 0) < 128
     small = text_batches(1, 2, 9, seed=5, vocab_size=50)[0][0]
     assert small.max().item() < 50
@@ -82,7 +82,7 @@ def test_text_batches_deterministic():
 
 def test_mlp_batches_deterministic():
     a, b, c = mlp_batches(2, 3, seed=1), mlp_batches(2, 3, seed=1), mlp_batches(2, 3, seed=2)
-    for (xa, ya), (xb, yb) in zip(a, b):
+    for (xa, ya), (xb, yb) in zip(a, b, strict=True):
         assert xa.dtype == ya.dtype == torch.float32
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert not torch.equal(a[0][0], c[0][0])

@@ -63,7 +63,11 @@ def test_unit_grid_cuts():
 @pytest.mark.parametrize(
     ("spec", "shape", "pattern"),
     [
-        ("nf4", (3, 5), r"'nf4' cannot divide tensor 'layer.w' of shape \(3, 5\).*numel 15 is not a multiple of the 64"),
+        (
+            "nf4",
+            (3, 5),
+            r"'nf4' cannot divide tensor 'layer.w' of shape \(3, 5\).*numel 15 is not a multiple of the 64",
+        ),
         ("ao_nf4", (64, 64), r"not a multiple of the torchao NF4 super-block 64 x 256 = 16384"),
         ("mx", (4, 33), r"last dim 33 is not a multiple of the MX block of 32"),
         ("fp8_block:128", (256,), r"blockwise FP8 tiles 2-D weights.*Fix: apply fp8_block to 2-D weights only"),

@@ -99,7 +99,9 @@ def test_entry_points_opt_out(tmp_path):
 
 W = TensorSpec(name="model.layers.0.mlp.up_proj.weight", shape=(96, 64), module_type="Linear", param_group=0)
 N = TensorSpec(name="model.layers.0.input_layernorm.weight", shape=(64,), module_type="LlamaRMSNorm", param_group=1)
-Q = TensorSpec(name="model.layers.0.self_attn.q_proj.weight", shape=(64, 64), module_type="Linear", tensor_type="Params4bit")
+Q = TensorSpec(
+    name="model.layers.0.self_attn.q_proj.weight", shape=(64, 64), module_type="Linear", tensor_type="Params4bit"
+)
 
 
 def test_rules_match_by_each_criterion():
