@@ -3,12 +3,14 @@
 from blockshard.runtime._api import (
     ShardedModule,
     ShardingError,
+    UnshardHandle,
     fully_shard,
     group_layouts,
     is_sharded,
     local_buffers,
 )
 from blockshard.runtime._collectives import LayoutMismatchError
+from blockshard.runtime._common import EngineStateError, ShardedState, TrainingState
 from blockshard.runtime._state_dict import (
     LocalShard,
     full_state_dict,
@@ -18,10 +20,14 @@ from blockshard.runtime._state_dict import (
 )
 
 __all__ = [
+    "EngineStateError",
     "LayoutMismatchError",
     "LocalShard",
     "ShardedModule",
+    "ShardedState",
     "ShardingError",
+    "TrainingState",
+    "UnshardHandle",
     "full_state_dict",
     "fully_shard",
     "group_layouts",

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import types
-import weakref
+import itertools
 from collections.abc import Callable, Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -14,90 +13,112 @@ from torch import nn
 
 from blockshard._errors import BlockshardError
 from blockshard.planner import GroupLayout, PlanItem, plan_group, resolve_items
-from blockshard.planner._balance import balance
+from blockshard.planner._balance import balance, rank_costs
 from blockshard.runtime._collectives import check_same_layout
 from blockshard.runtime._group import ParamGroup
-from blockshard.runtime._param import ParamRef, ShardedParam
-from blockshard.runtime._state import ShardState, register_hooks
+from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
+from blockshard.runtime._state import STATE_ATTR, ModuleState, state_of
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
 
 __all__ = [
     "ShardedModule",
     "ShardingError",
+    "UnshardHandle",
     "fully_shard",
     "group_layouts",
     "is_sharded",
     "local_buffers",
 ]
 
-_STATES: weakref.WeakKeyDictionary[nn.Module, ShardState] = weakref.WeakKeyDictionary()
-# [Note: cost tally]
-# Optimizer cost per rank of the groups sharded so far, per process group (see [Note: rotation]
-# in planner/_balance.py): every rank makes the same fully_shard calls in the same order, so every
-# rank rotates the same way. The tally belongs to one model: it restarts after a call that shards
-# a module containing every module tallied so far (the root, sharded last), so a second model
-# built in the same process gets the same layouts as the first.
-_TALLY: dict[int, tuple[np.ndarray, list[weakref.ref]]] = {}
-
-
-def _balanced(layout: GroupLayout | None, items: list[PlanItem], module: nn.Module, pg: dist.ProcessGroup):
-    running, tallied = _TALLY.setdefault(id(pg), (np.zeros(pg.size()), []))
-    if layout is not None:
-        layout = balance(layout, {it.name: it.cost for it in items}, running)
-    inside = {id(m) for m in module.modules()}
-    alive = [ref() for ref in tallied if ref() is not None]
-    if alive and all(id(m) in inside for m in alive):
-        del _TALLY[id(pg)]  # ``module`` contains everything tallied: it is this model's root
-    else:
-        tallied.append(weakref.ref(module))
-    return layout
-
-
-# Parameter objects the engine made (sharded and unsharded) and the original parameters it
-# replaced, by id (tensors compare by value, so they cannot be dictionary keys): a weak reference,
-# the owning module's class name, and whether it is an original.
-_MANAGED: dict[int, tuple[weakref.ref, str, bool]] = {}
-
-
-def _managed_by(p: nn.Parameter) -> tuple[str, bool] | None:
-    hit = _MANAGED.get(id(p))
-    return (hit[1], hit[2]) if hit is not None and hit[0]() is p else None
-
-
-def _manage(p: nn.Parameter, owner: str, *, original: bool = False) -> None:
-    key = id(p)
-    _MANAGED[key] = (weakref.ref(p, lambda _ref: _MANAGED.pop(key, None)), owner, original)
-
 
 class ShardingError(BlockshardError):
     """``fully_shard`` was used in a way the engine does not support (with the fix in the message)."""
 
 
-@runtime_checkable
-class ShardedModule(Protocol):
-    """What ``fully_shard`` adds to a module (as FSDP2's ``FSDPModule``)."""
+class UnshardHandle:
+    """What ``module.unshard(async_op=True)`` returns: ``wait()`` finishes the all-gathers."""
 
-    def unshard(self) -> None: ...
-    def reshard(self) -> None: ...
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None: ...
+    def __init__(self, group: ParamGroup) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        self._group.wait_unshard()
+
+
+class ShardedModule(nn.Module):
+    """What ``fully_shard`` makes of a module (as FSDP2's ``FSDPModule``).
+
+    ``fully_shard(m)`` swaps ``m``'s class for ``BlockShard<Class>``, a subclass of both this class
+    and ``m``'s own, so ``isinstance(m, ShardedModule)`` holds and the methods below exist; the
+    engine's state lives on the module (``m._blockshard_state``), nowhere else.
+    """
+
+    def _bs_state(self) -> ModuleState:
+        state = state_of(self)
+        if state is None:
+            raise ShardingError(f"this {type(self).__name__} has no blockshard state; shard it with fully_shard")
+        return state
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters (``async_op=True``: return a handle to ``wait()``)."""
+        group = self._bs_state().group
+        group.unshard(async_op=async_op)
+        return UnshardHandle(group) if async_op else None
+
+    def reshard(self) -> None:
+        """Free the gathered parameters; the module holds its local pieces again."""
+        self._bs_state().group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Off: backward accumulates unsharded gradients without a reduce-scatter (micro-batches)."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise ShardingError(f"requires_gradient_sync={requires_gradient_sync!r} must be True or False")
+        for m in self.modules() if recurse else [self]:
+            st = state_of(m)
+            if st is not None:
+                st.group.requires_gradient_sync = requires_gradient_sync
+
+    def __deepcopy__(self, memo: dict) -> NoReturn:
+        raise ShardingError(
+            f"copy.deepcopy of a sharded {self._bs_state().group.name} is not supported: the copy would share "
+            "the original's buffers and collectives (its unshard() would unshard the original). Fix: "
+            "deepcopy the model before fully_shard and shard the copy, or build a second model"
+        )
+
+
+# One subclass per original class, as FSDP2's ``FSDP<Class>``: a cache, not state (same inputs
+# give the same class).
+_SWAPPED: dict[type, type] = {}
+
+
+def _swap_class(module: nn.Module) -> None:
+    cls = type(module)
+    sharded = _SWAPPED.get(cls)
+    if sharded is None:
+        sharded = type(f"BlockShard{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
+        _SWAPPED[cls] = sharded
+    module.__class__ = sharded
 
 
 def is_sharded(module: nn.Module) -> bool:
-    return module in _STATES
+    return state_of(module) is not None
 
 
-def _state_of(module: nn.Module) -> ShardState | None:
-    return _STATES.get(module)
+def _state_of(module: nn.Module) -> ModuleState | None:
+    return state_of(module)
 
 
-def _process_group(mesh) -> dist.ProcessGroup:
+def _process_group(mesh: object) -> dist.ProcessGroup:
     if not dist.is_initialized():
         raise ShardingError(
             "fully_shard needs an initialized process group: call torch.distributed.init_process_group "
             "(backend 'gloo' on CPU, 'nccl' on GPUs) first, e.g. under torchrun"
         )
     if mesh is None:
-        return dist.group.WORLD
+        world = dist.group.WORLD
+        if world is None:
+            raise ShardingError("the default process group is not initialized; call init_process_group first")
+        return world
     if isinstance(mesh, dist.ProcessGroup):
         return mesh
     from torch.distributed.device_mesh import DeviceMesh
@@ -125,16 +146,15 @@ def _collect(module: nn.Module) -> tuple[list[str], list[nn.Parameter], list[lis
             for n, p in mod.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
                 owned_below[id(p)] = n
             continue
-        for attr, p in mod._parameters.items():
-            if p is None:
+        for attr, param in mod._parameters.items():
+            if param is None:
                 continue
-            if id(p) not in refs:
+            if id(param) not in refs:
                 names.append(prefix + attr)
-                params.append(p)
-                refs[id(p)] = []
-            refs[id(p)].append(ParamRef(mod, attr))
-        children = list(mod._modules.items())
-        for cname, child in reversed(children):
+                params.append(param)
+                refs[id(param)] = []
+            refs[id(param)].append(ParamRef(mod, attr))
+        for cname, child in reversed(list(mod._modules.items())):
             if child is not None:
                 stack.append((f"{prefix}{cname}.", child))
     shared = [(n, owned_below[id(p)]) for n, p in zip(names, params, strict=True) if id(p) in owned_below]
@@ -149,16 +169,16 @@ def _collect(module: nn.Module) -> tuple[list[str], list[nn.Parameter], list[lis
 
 def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
     for n, p in zip(names, params, strict=True):
-        hit = _managed_by(p)
-        if hit is not None and hit[1]:
+        hit = managed_tag(p)
+        if hit is not None and hit.original:
             raise ShardingError(
-                f"parameter {n!r} is shared with a module already sharded in another group (a {hit[0]}); one "
+                f"parameter {n!r} is shared with a module already sharded in another group (a {hit.owner}); one "
                 "parameter can live in one group only. Fix: shard the modules that share it in one "
                 "fully_shard call (e.g. leave tied embeddings and head to the root), or untie them"
             )
         if hit is not None:
             raise ShardingError(
-                f"parameter {n!r} already belongs to a sharded group (of a {hit[0]}): fully_shard "
+                f"parameter {n!r} already belongs to a sharded group (of a {hit.owner}): fully_shard "
                 "was applied top-down. Fix: apply it bottom-up — layers first, then the root"
             )
         if not p.is_contiguous():
@@ -176,7 +196,7 @@ def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
         )
 
 
-def _rules(semantics, params_by_name: Mapping[str, nn.Parameter]) -> object:
+def _rules(semantics: object, params_by_name: Mapping[str, nn.Parameter]) -> object:
     """``semantics`` as fully_shard takes it; a plain callable gets ``(name, param)``."""
     if callable(semantics) and not isinstance(semantics, (BlockSemantics, SemanticsRules, type)):
         user: Callable = semantics
@@ -184,98 +204,159 @@ def _rules(semantics, params_by_name: Mapping[str, nn.Parameter]) -> object:
     return semantics
 
 
+def _check_alignment(alignment_bytes: object) -> int:
+    if (
+        isinstance(alignment_bytes, bool)
+        or not isinstance(alignment_bytes, int)
+        or alignment_bytes < 1
+        or alignment_bytes & (alignment_bytes - 1)
+    ):
+        raise ShardingError(
+            f"alignment_bytes={alignment_bytes!r} must be a power of two number of bytes; pass e.g. alignment_bytes=16"
+        )
+    return alignment_bytes
+
+
 def fully_shard(
     module: nn.Module,
     *,
-    mesh=None,
+    mesh: object = None,
     reshard_after_forward: bool = True,
-    mp_policy=None,
+    mp_policy: Any = None,
     semantics: object = None,
-    alignment: int = 16,
+    alignment_bytes: int = 16,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
 
     Apply bottom-up as with FSDP2: layers first, then the root. ``semantics`` gives each
     parameter its block semantics: a mapping ``glob -> semantics`` on parameter names relative to
-    ``module``, a callable ``(name, param) -> semantics | None``, a spec string or rules
-    (default: ``elementwise``). ``alignment`` is in bytes: every bucket's per-rank segment is a
-    multiple of it (16 suits vectorized kernels and NCCL). ``mp_policy`` is torch's ``MixedPrecisionPolicy`` (``param_dtype``,
-    ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``). Returns ``module``, which gains
-    ``unshard()``, ``reshard()`` and ``set_requires_gradient_sync()``.
+    ``module``, a callable ``(name, param) -> semantics | None``, a semantics string or rules
+    (default: ``elementwise``). ``alignment_bytes``: every bucket's per-rank segment is a
+    multiple of it (16 suits vectorized kernels and NCCL). ``mp_policy`` is torch's
+    ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``, ``output_dtype``,
+    ``cast_forward_inputs``). Returns ``module``, whose class becomes a :class:`ShardedModule`
+    (``unshard()``, ``reshard()``, ``set_requires_gradient_sync()``).
     """
     if not isinstance(module, nn.Module):
         raise ShardingError(f"module={module!r} must be a torch.nn.Module")
-    if is_sharded(module):
+    if (done := state_of(module)) is not None:
         raise ShardingError(
-            f"this {type(module).__name__} is already sharded: call fully_shard once per module "
+            f"this {done.group.name} is already sharded: call fully_shard once per module "
             "(bottom-up: layers first, then the root)"
         )
-    pg = _process_group(mesh)
+    alignment_bytes = _check_alignment(alignment_bytes)
+    process_group = _process_group(mesh)
     names, params, refs = _collect(module)
     _check_params(names, params)
     name = type(module).__name__
     layout: GroupLayout | None = None
+    items: list[PlanItem] = []
     if params:  # a root without parameters of its own still drives the hooks, as in FSDP2
         by_name = dict(zip(names, params, strict=True))
         specs = [
-            TensorSpec(name=n, shape=tuple(p.shape), dtype=p.dtype, module_type=_owner_type(r))
+            TensorSpec(name=n, shape=tuple(p.shape), dtype=p.dtype, module_type=type(r[0].module).__name__)
             for n, p, r in zip(names, params, refs, strict=True)
         ]
-        items: list[PlanItem] = resolve_items(specs, _rules(semantics, by_name))
-        layout = plan_group(items, pg.size(), name=name, alignment_bytes=alignment)
-    layout = _balanced(layout, items if params else [], module, pg)
-    check_same_layout(name, layout.layout_hash() if layout else "empty", pg)
+        items = resolve_items(specs, _rules(semantics, by_name))
+        layout = plan_group(items, process_group.size(), name=name, alignment_bytes=alignment_bytes)
+    check_same_layout(name, layout.layout_hash() if layout else "empty", process_group)
     index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
     sps = [
         ShardedParam(fqn=n, refs=r, shape=tuple(p.shape), requires_grad=p.requires_grad, index=index[n])
         for n, p, r in zip(names, params, refs, strict=True)
     ]
     group = ParamGroup(
-        name, sps, params, layout, pg,
+        name,
+        sps,
+        params,
+        layout,
+        process_group,
+        costs={it.name: it.cost for it in items},
         param_dtype=getattr(mp_policy, "param_dtype", None),
         reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
-    )  # fmt: skip
-    state = ShardState(
-        module, group, reshard_after_forward,
+    )
+    state = ModuleState(
+        module,
+        group,
+        reshard_after_forward=reshard_after_forward,
         param_dtype=getattr(mp_policy, "param_dtype", None),
         output_dtype=getattr(mp_policy, "output_dtype", None),
         cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),
-    )  # fmt: skip
-    _STATES[module] = state
-    for sp, orig in zip(sps, params, strict=True):
-        _manage(sp.sharded, name)
-        _manage(sp.unsharded, name)
-        _manage(orig, name, original=True)
-    state.handles = register_hooks(state, _state_of)
-    _bind_methods(module, state)
+    )
+    state.order = next(_ORDER)  # see [Note: cost tally]
+    for orig in params:
+        tag_managed(orig, name, original=True)
+    _tag_views(state)
+    module.__dict__[STATE_ATTR] = state
+    _swap_class(module)
+    _balance_costs(module, state)
     return module
 
 
-def _owner_type(refs: list[ParamRef]) -> str:
-    return type(refs[0].module).__name__
+def _tag_views(state: ModuleState) -> None:
+    for sp in state.group.params:
+        tag_managed(sp.sharded, state.group.name)
+        tag_managed(sp.unsharded, state.group.name)
 
 
-def _bind_methods(module: nn.Module, state: ShardState) -> None:
-    def unshard(self) -> None:
-        state.group.unshard()
-
-    def reshard(self) -> None:
-        state.group.reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        mods = self.modules() if recurse else [self]
-        for m in mods:
-            st = _state_of(m)
-            if st is not None:
-                st.group.requires_gradient_sync = requires_gradient_sync
-
-    for fn in (unshard, reshard, set_requires_gradient_sync):
-        object.__setattr__(module, fn.__name__, types.MethodType(fn, module))
+# [Note: cost tally]
+# Optimizer cost per rank (see [Note: rotation] in planner/_balance.py) is balanced over the groups
+# of one model, in the order fully_shard made them (every rank makes the same calls in the same
+# order). A call that shards a module with sharded submodules balances those not balanced yet
+# (its subtree: the model, when it is the root) and then its own group, starting from the cost of
+# the submodules balanced before; a group whose rotation changes moves its local buffer once, by
+# whole segments across ranks, before any training. A leaf's group waits for an enclosing call.
+# The tally thus belongs to the model's tree: two models built in one process never influence
+# each other, whatever the order of their calls. ``_ORDER`` only numbers the calls.
+_ORDER = itertools.count()
 
 
-# -- inspection and state dicts ---------------------------------------------------------------
-def _states_under(model: nn.Module) -> list[tuple[str, ShardState]]:
-    return [(prefix, st) for prefix, m in model.named_modules() if (st := _state_of(m)) is not None]
+def _balance_costs(module: nn.Module, state: ModuleState) -> None:
+    below = sorted(
+        (st for m in module.modules() if m is not module and (st := state_of(m)) is not None),
+        key=lambda st: st.order,
+    )
+    if not below:
+        return  # a leaf: balanced by the call that shards an enclosing module
+    process_group = state.group.process_group
+    running = np.zeros(process_group.size())
+    for st in below:
+        if st.balanced and st.group.layout is not None:
+            running += rank_costs(st.group.layout, st.group.costs)  # balanced by an earlier call
+    changed = False
+    for st in [*(st for st in below if not st.balanced), state]:
+        st.balanced = True
+        layout = st.group.layout
+        if layout is None:
+            continue
+        rotated = balance(layout, st.group.costs, running)
+        k = _rotation(layout, rotated)
+        if k:
+            st.group.relayout(rotated, k)
+            st.register_param_hooks()
+            _tag_views(st)
+            changed = True
+    if changed:
+        hashes = ",".join(st.group.layout.layout_hash() for st in [*below, state] if st.group.layout is not None)
+        check_same_layout(f"{type(module).__name__} (balanced)", hashes, process_group)
+
+
+def _rotation(old: GroupLayout, new: GroupLayout) -> int:
+    """The ``k`` with ``new == rotate(old, k)`` (0 when nothing moved)."""
+    if old is new:
+        return 0
+    W = old.world_size
+    by_name = {t.name: t for t in new.tensors}
+    for t in old.tensors:
+        if t.numel:
+            S = old.buckets[t.bucket]
+            return ((by_name[t.name].offset - t.offset) // S) % W
+    return 0
+
+
+# -- inspection -------------------------------------------------------------------------------
+def _states_under(model: nn.Module) -> list[tuple[str, ModuleState]]:
+    return [(prefix, st) for prefix, m in model.named_modules() if (st := state_of(m)) is not None]
 
 
 def group_layouts(model: nn.Module) -> dict[str, GroupLayout]:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from blockshard._errors import BlockshardError
 
-__all__ = ["LayoutMismatchError", "all_gather_into", "check_same_layout", "reduce_scatter_avg"]
+__all__ = ["LayoutMismatchError", "all_gather_into", "check_same_layout", "reduce_scatter_avg", "shift_ranks"]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,3 +50,17 @@ def check_same_layout(group_name: str, layout_hash: str, group: dist.ProcessGrou
             "must shard the same model with the same semantics, alignment and world size, in the same "
             "order (bottom-up, identical fully_shard calls)"
         )
+
+
+def shift_ranks(local: torch.Tensor, k: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Rank ``r``'s ``local`` moves to rank ``(r + k) % W``: returns what this rank receives.
+
+    One ``all_to_all_single`` with a single non-empty split each way (a layout rotation, once,
+    before training).
+    """
+    W, r, n = group.size(), group.rank(), local.numel()
+    send, recv = [0] * W, [0] * W
+    send[(r + k) % W], recv[(r - k) % W] = n, n
+    out = torch.empty_like(local)
+    dist.all_to_all_single(out, local, output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out

@@ -17,7 +17,6 @@ Holes are padding: zeros that never reach a parameter.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 
 import torch
@@ -25,39 +24,41 @@ import torch.distributed as dist
 from torch import nn
 
 from blockshard.planner import GroupLayout
-from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg
+from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg, shift_ranks
+from blockshard.runtime._common import ShardedState, expect
 from blockshard.runtime._param import ShardedParam, block_shape
 
-__all__ = ["GroupState", "ParamGroup"]
-
-
-class GroupState(enum.Enum):
-    SHARDED = "sharded"  # module holds sharded params; gathered storage freed
-    UNSHARDED = "unsharded"  # module holds unsharded params (views of a filled gathered buffer)
+__all__ = ["ParamGroup"]
 
 
 class ParamGroup:
+    """The buffers and collectives of one group; its :class:`ShardedState` is ``sharded_state``."""
+
     def __init__(
         self,
         name: str,
         params: Sequence[ShardedParam],
         originals: Sequence[nn.Parameter],
         layout: GroupLayout | None,
-        pg: dist.ProcessGroup,
+        process_group: dist.ProcessGroup,
         *,
+        costs: dict[str, float],
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
     ) -> None:
-        self.name, self.params, self.layout, self.pg = name, list(params), layout, pg
-        self.rank, self.world_size = pg.rank(), pg.size()
+        self.name, self.params, self.process_group = name, list(params), process_group
+        self.costs = costs  # optimizer cost per tensor name, for rotation ([Note: rotation])
+        self.rank, self.world_size = process_group.rank(), process_group.size()
         self.requires_gradient_sync = True
-        self.backward_pending = False
+        self.num_grads_expected = sum(sp.requires_grad for sp in self.params)
         self.num_grads_ready = 0
-        self._pending: list = []  # async all-gather works of a prefetch
-        self._version = 0  # version counter of ``gathered`` before the pending all-gathers
-        self.state = GroupState.SHARDED
+        self._pending: list = []  # async all-gather works, while UNSHARDING
+        self._version_guard: torch.autograd._unsafe_preserve_version_counter | None = None
+        self.sharded_state = ShardedState.SHARDED
+        self._layout = layout
         if layout is None:  # a module without parameters of its own: nothing to gather
-            assert not self.params
+            if self.params:
+                raise AssertionError(f"group {name!r} has parameters but no layout")
             return
         first = originals[0]
         self.device, self.orig_dtype = first.device, first.dtype
@@ -72,78 +73,119 @@ class ParamGroup:
             else torch.empty(S, dtype=self.param_dtype, device=self.device)
         )
         self.gathered = torch.empty(W * S, dtype=self.param_dtype, device=self.device)  # [W*S]
-        self._holes = _holes(layout)  # gathered ranges no tensor covers
-        self._init_views(originals)
-        self._free_gathered()
-
-    # -- construction -----------------------------------------------------------------------------
-    def _init_views(self, originals: Sequence[nn.Parameter]) -> None:
-        pieces = {p.index: p for p in self.layout.pieces(self.rank)}
-        for sp, orig in zip(self.params, originals, strict=True):
-            piece = pieces.get(sp.index)
-            sp.gathered_offset = self.layout.gathered_offset(sp.index)
-            if piece is not None:
-                sp.local_start, sp.local_numel, sp.local_offset = piece.start, piece.numel, piece.local_offset
-            with torch.no_grad():
+        self._place(layout)
+        with torch.no_grad():
+            for sp, orig in zip(self.params, originals, strict=True):
                 flat = orig.detach().reshape(-1)
                 self.local[sp.local_offset : sp.local_offset + sp.local_numel].copy_(
                     flat[sp.local_start : sp.local_start + sp.local_numel]
                 )
+        self._make_views()
+        self._free_gathered()
+
+    @property
+    def layout(self) -> GroupLayout | None:
+        return self._layout
+
+    def _laid_out(self) -> GroupLayout:
+        if self._layout is None:
+            raise AssertionError(f"group {self.name!r} has no parameters, hence no buffers")
+        return self._layout
+
+    # -- construction -----------------------------------------------------------------------------
+    def _place(self, layout: GroupLayout) -> None:
+        """Record where each parameter's piece and full view sit under ``layout``."""
+        self._layout = layout
+        self._holes = _holes(layout)  # gathered ranges no tensor covers
+        pieces = {p.index: p for p in layout.pieces(self.rank)}
+        index = {t.name: i for i, t in enumerate(layout.tensors)}  # a rotation reorders tensors
+        for sp in self.params:
+            sp.index = index[sp.fqn]
+            sp.gathered_offset = layout.gathered_offset(sp.index)
+            piece = pieces.get(sp.index)
+            if piece is None:
+                sp.local_start, sp.local_numel, sp.local_offset = 0, 0, 0
+            else:
+                sp.local_start, sp.local_numel, sp.local_offset = piece.start, piece.numel, piece.local_offset
+
+    def _make_views(self) -> None:
+        """New parameter objects over the buffers: sharded (block-shaped) and unsharded (full)."""
+        for sp in self.params:
             view = self.local[sp.local_offset : sp.local_offset + sp.local_numel]
-            sp.sharded = nn.Parameter(
-                view.view(block_shape(sp.shape, sp.local_start, sp.local_numel)), sp.requires_grad
-            )
+            shape = block_shape(sp.shape, sp.local_start, sp.local_numel)
+            sp.sharded = nn.Parameter(view.view(shape), sp.requires_grad)
             full = self.gathered[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape)
             sp.unsharded = nn.Parameter(full, sp.requires_grad)
             sp.set_module_params(sp.sharded)
 
+    @torch.no_grad()
+    def relayout(self, layout: GroupLayout, k: int) -> None:
+        """Move to ``layout``, this group's layout rotated by ``k`` segments (rank ``r``'s content
+        moves to rank ``(r + k) % W``, see [Note: rotation]): one shift of ``local`` across ranks,
+        then new parameter objects. Only before training (no gradients, no optimizer state)."""
+        expect(f"relayout of group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
+        if k % self.world_size:
+            self.local.copy_(shift_ranks(self.local, k, self.process_group))
+        self._place(layout)
+        self._alloc_gathered()  # views need the storage's size (its contents are not touched)
+        self._make_views()
+        self._free_gathered()
+
     # -- all-gather -------------------------------------------------------------------------------
     def unshard(self, *, async_op: bool = False) -> None:
-        """Start (or do) the all-gathers that fill ``gathered``; :meth:`wait_unshard` finishes."""
-        if self.state is GroupState.UNSHARDED or self._pending:
+        """Issue the all-gathers that fill ``gathered`` (SHARDED -> UNSHARDING), and wait for them
+        unless ``async_op`` (-> UNSHARDED). Nothing to do if already UNSHARDING or UNSHARDED."""
+        if self.sharded_state is not ShardedState.SHARDED:
+            if not async_op:
+                self.wait_unshard()
             return
-        if self.layout is None:
-            self.state = GroupState.UNSHARDED
+        if self._layout is None:
+            self.sharded_state = ShardedState.UNSHARDED
             return
+        layout, W = self._layout, self.world_size
         self._alloc_gathered()
         if self.send is not self.local:
             self.send.copy_(self.local)  # mixed precision: the one cast of the step
-        W = self.world_size
         # Refilling the buffer with the same values must not look like an in-place change to the
-        # tensors autograd saved in forward (they are views of it): the version counter is put
-        # back once the all-gathers have finished (see wait_unshard).
-        self._version = self.gathered._version
-        for b, S_b in enumerate(self.layout.buckets):
-            off = self.layout.bucket_local_offset(b)
+        # tensors autograd saved in forward (they are views of it). The all-gathers bump the
+        # version counter when they finish, so the counter seen here is put back in wait_unshard.
+        self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.gathered)
+        for b, S_b in enumerate(layout.buckets):
+            off = layout.bucket_local_offset(b)
             gathered, local = self.gathered[W * off : W * (off + S_b)], self.send[off : off + S_b]
-            self._pending.append(all_gather_into(gathered, local, self.pg, async_op=True))
+            self._pending.append(all_gather_into(gathered, local, self.process_group, async_op=True))
+        self.sharded_state = ShardedState.UNSHARDING
         if not async_op:
             self.wait_unshard()
 
     def wait_unshard(self) -> None:
-        if self.state is GroupState.UNSHARDED:
+        """Finish an unshard (issuing it first if nobody did): the module holds full parameters."""
+        if self.sharded_state is ShardedState.UNSHARDED:
             return
-        if not self._pending:
+        if self.sharded_state is ShardedState.SHARDED:
             self.unshard()
             return
         for work in self._pending:
             work.wait()
-        torch._C._autograd._unsafe_set_version_counter((self.gathered,), (self._version,))
         self._pending.clear()
+        if self._version_guard is not None:
+            self._version_guard.__exit__(None, None, None)  # the version before the all-gathers
+            self._version_guard = None
         for sp in self.params:
             sp.set_module_params(sp.unsharded)
-        self.state = GroupState.UNSHARDED
+        self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
-        if self._pending:  # a prefetch nobody used: finish it before freeing its buffer
+        """Free the gathered storage and give the module its local pieces back (-> SHARDED)."""
+        if self.sharded_state is ShardedState.UNSHARDING:  # a prefetch nobody used
             self.wait_unshard()
-        if self.state is GroupState.SHARDED:
+        if self.sharded_state is ShardedState.SHARDED:
             return
         for sp in self.params:
             sp.set_module_params(sp.sharded)
-        if self.layout is not None:
+        if self._layout is not None:
             self._free_gathered()
-        self.state = GroupState.SHARDED
+        self.sharded_state = ShardedState.SHARDED
 
     def _alloc_gathered(self) -> None:
         storage = self.gathered.untyped_storage()
@@ -155,15 +197,6 @@ class ParamGroup:
         self.gathered.untyped_storage().resize_(0)
 
     # -- gradients --------------------------------------------------------------------------------
-    def prepare_grads(self) -> None:
-        """Before this group's backward: start counting its gradients."""
-        self.backward_pending = True
-        self.num_grads_ready = 0
-
-    @property
-    def num_grads_expected(self) -> int:
-        return sum(sp.requires_grad for sp in self.params)
-
     def reduce_grads(self) -> None:
         """Reduce-scatter (average) the unsharded gradients into ``grad``; set sharded ``.grad``.
 
@@ -171,9 +204,9 @@ class ParamGroup:
         to the reduce dtype, as FSDP2's ``chunk_cat``), each freed right after; holes and
         parameters without a gradient are zero-filled.
         """
-        W = self.world_size
-        if self.layout is None:
+        if self._layout is None:
             return
+        layout, W = self._layout, self.world_size
         rs_in = torch.empty(self.gathered.numel(), dtype=self.reduce_dtype, device=self.device)  # [W*S]
         for lo, hi in self._holes:
             rs_in[lo:hi].zero_()
@@ -194,9 +227,9 @@ class ParamGroup:
         accumulate = any(sp.sharded.grad is not None for sp in self.params)
         direct = not accumulate and self.reduce_dtype == self.orig_dtype
         out = self.grad if direct else torch.empty(self.grad.numel(), dtype=self.reduce_dtype, device=self.device)
-        for b, S_b in enumerate(self.layout.buckets):
-            off = self.layout.bucket_local_offset(b)
-            reduce_scatter_avg(out[off : off + S_b], rs_in[W * off : W * (off + S_b)], self.pg)
+        for b, S_b in enumerate(layout.buckets):
+            off = layout.bucket_local_offset(b)
+            reduce_scatter_avg(out[off : off + S_b], rs_in[W * off : W * (off + S_b)], self.process_group)
         for sp in self.params:
             if not sp.requires_grad or sp.index not in has_grad:
                 continue
@@ -207,15 +240,6 @@ class ParamGroup:
                 sp.sharded.grad = self.grad[lo:hi].view(sp.sharded.shape)
             else:
                 sp.sharded.grad += out[lo:hi].view(sp.sharded.shape).to(self.orig_dtype)
-
-    def finish_backward(self) -> None:
-        """After this group's backward: sync (unless accumulating without sync) and reshard."""
-        if not self.backward_pending:
-            return
-        self.backward_pending = False
-        self.reshard()  # free the gathered parameters before the reduce-scatter needs its output
-        if self.requires_gradient_sync:
-            self.reduce_grads()
 
 
 def _holes(layout: GroupLayout) -> list[tuple[int, int]]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["ParamRef", "ShardedParam", "block_shape"]
+__all__ = ["ManagedTag", "ParamRef", "ShardedParam", "block_shape", "managed_tag", "tag_managed"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,29 @@ class ParamRef:
     def set(self, param: nn.Parameter) -> None:
         # Plain dict assignment: nn.Module.__setattr__ would reject swapping in a non-registered view.
         self.module._parameters[self.attr] = param
+
+
+@dataclass(frozen=True)
+class ManagedTag:
+    """Marks a parameter object the engine made (a piece or a full view) or replaced (an original).
+
+    Kept on the parameter itself (``_blockshard_managed``), so no registry outlives the objects.
+    """
+
+    owner: str  # class name of the sharded module whose group made or replaced it
+    original: bool  # True: a parameter that sharding replaced by its local piece
+
+
+_TAG_ATTR = "_blockshard_managed"
+
+
+def tag_managed(param: nn.Parameter, owner: str, *, original: bool = False) -> None:
+    setattr(param, _TAG_ATTR, ManagedTag(owner, original))
+
+
+def managed_tag(param: nn.Parameter) -> ManagedTag | None:
+    tag = getattr(param, _TAG_ATTR, None)
+    return tag if isinstance(tag, ManagedTag) else None
 
 
 def block_shape(shape: tuple[int, ...], start: int, numel: int) -> tuple[int, ...]:
@@ -60,8 +83,8 @@ class ShardedParam:
     local_numel: int = 0
     local_offset: int = 0  # where the piece sits in the local buffer
     gathered_offset: int = 0  # where the tensor sits in the gathered buffer
-    sharded: nn.Parameter = field(default=None, repr=False)  # type: ignore[assignment]
-    unsharded: nn.Parameter = field(default=None, repr=False)  # type: ignore[assignment]
+    sharded: nn.Parameter = field(init=False, repr=False)  # set by the group (views of its buffers)
+    unsharded: nn.Parameter = field(init=False, repr=False)
 
     @property
     def numel(self) -> int:

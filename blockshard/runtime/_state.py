@@ -1,151 +1,226 @@
-"""Per-module state and the hooks that drive a step.
+"""Per-module state and the hooks that drive a step: the engine's state machine.
 
 [Note: one step, phase by phase]
-Forward, per sharded module in forward order:
-  1. pre-forward: wait for (or issue) this group's all-gather; swap the module's parameters to
-     the unsharded views; start the *next* group's all-gather (prefetch, in the order recorded
-     in the previous step).
+Forward, per sharded module in forward order (:class:`TrainingState` IDLE -> FORWARD -> IDLE):
+  1. pre-forward: wait for (or issue) this group's all-gather; the module now holds the
+     unsharded views; start the *next* group's all-gather (prefetch, in the order recorded in the
+     previous step).
   2. post-forward: register a pre-backward hook on the outputs; reshard (free the gathered
      storage, swap back to sharded parameters) unless ``reshard_after_forward=False`` or this is
      the root and a backward follows.
-Backward, in reverse:
+Backward, in reverse (IDLE -> PRE_BACKWARD -> POST_BACKWARD):
   3. pre-backward (first gradient reaching the module's outputs): all-gather again if resharded,
      start counting the group's gradients, prefetch the group before this one.
   4. post-accumulate-grad hooks count this group's gradients; when all have arrived, the group
-     reduce-scatters (unless gradient sync is off) and reshards.
-  5. the root queues a final callback at its first pre-backward: it finishes every group whose
-     count never completed (unused parameters) and reshards whatever is still unsharded.
+     reshards and reduce-scatters (unless gradient sync is off).
+  5. the first pre-backward of a step queues a final callback: it finishes every group whose
+     count never completed (unused parameters), reshards whatever is still unsharded, sets every
+     state back to IDLE and keeps this step's forward order for the next step's prefetch.
+
+[Note: recompute]
+Under activation checkpointing (``torch.utils.checkpoint``, either mode) a module's forward runs
+a second time *inside* backward to rebuild its activations. That recompute is not a new step: it
+must not record forward order, prefetch the next group (already resharded after its backward)
+or reshard its own group (its backward needs the parameters right away). The hooks detect it
+with :func:`in_backward` and only make sure the group is unsharded; the module's pre-backward
+and post-backward then proceed as without checkpointing, so a step issues as many all-gathers
+with checkpointing as without.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from blockshard.runtime._group import GroupState, ParamGroup
+from blockshard.runtime._common import TrainingState, expect, in_backward
+from blockshard.runtime._group import ParamGroup
 
-__all__ = ["RootContext", "ShardState", "register_hooks"]
+__all__ = ["STATE_ATTR", "ModuleState", "RootContext", "state_of"]
+
+#: The attribute of a sharded module that holds its :class:`ModuleState`.
+STATE_ATTR = "_blockshard_state"
+
+
+def state_of(module: nn.Module) -> ModuleState | None:
+    """The :class:`ModuleState` of a module that ``fully_shard`` sharded, else ``None``."""
+    state = module.__dict__.get(STATE_ATTR)
+    return state if isinstance(state, ModuleState) else None
 
 
 @dataclass(eq=False)
 class RootContext:
     """Shared by every state under one root: the forward order and the end-of-backward callback."""
 
-    states: list[ShardState] = field(default_factory=list)
-    forward_order: list[ShardState] = field(default_factory=list)
-    last_order: list[ShardState] = field(default_factory=list)
+    states: list[ModuleState] = field(default_factory=list)  # the root first
+    forward_order: list[ModuleState] = field(default_factory=list)
+    last_order: list[ModuleState] = field(default_factory=list)
     last_index: dict[int, int] = field(default_factory=dict)  # id(state) -> position in last_order
     callback_queued: bool = False
 
     def remember_order(self) -> None:
         """The forward order just recorded becomes the prefetch order of the next step."""
-        self.last_order = self.forward_order
-        self.last_index = {id(st): i for i, st in enumerate(self.last_order)}
+        if self.forward_order:
+            self.last_order = self.forward_order
+            self.last_index = {id(st): i for i, st in enumerate(self.last_order)}
+        self.forward_order = []
 
-    def neighbour(self, state: ShardState, step: int) -> ShardState | None:
+    def neighbour(self, state: ModuleState, step: int) -> ModuleState | None:
         i = self.last_index.get(id(state))
         if i is None or not 0 <= i + step < len(self.last_order):
             return None
         return self.last_order[i + step]
 
-
-@dataclass(eq=False)
-class ShardState:
-    module: nn.Module
-    group: ParamGroup
-    reshard_after_forward: bool
-    param_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
-    is_root: bool | None = None  # decided at the first forward
-    ctx: RootContext | None = None
+    def final_callback(self) -> None:
+        """End of backward: see step 5 of [Note: one step, phase by phase]."""
+        self.callback_queued = False
+        for st in self.states:
+            if st.training_state is TrainingState.PRE_BACKWARD:
+                st.finish_backward()  # gradients that never all arrived (unused parameters)
+            st.group.reshard()
+            st.training_state = TrainingState.IDLE
+        self.remember_order()
 
 
-def _lazy_init(root: ShardState, states_of) -> None:
-    ctx = RootContext()
-    for m in root.module.modules():
-        st = states_of(m)
-        if st is None:
-            continue
-        st.ctx = ctx
-        st.is_root = st is root
-        ctx.states.append(st)
-    assert ctx.states[0] is root
-
-
-def _cast(x, dtype):
+def _cast(x: object, dtype: torch.dtype) -> object:
     return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
-def register_hooks(state: ShardState, states_of) -> list:
-    """Install the hooks of [Note: one step, phase by phase]; returns their handles."""
-    module, group = state.module, state.group
+class ModuleState:
+    """The state of one sharded module: its group, its :class:`TrainingState` and its hooks."""
 
-    def pre_forward(_module, args, kwargs):
-        if state.is_root is None:
-            _lazy_init(state, states_of)
-        ctx = state.ctx
-        assert ctx is not None
-        if state.is_root:
-            if ctx.forward_order:
-                ctx.remember_order()
-            ctx.forward_order = []
-        ctx.forward_order.append(state)
-        group.wait_unshard()
-        nxt = ctx.neighbour(state, +1)
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ParamGroup,
+        *,
+        reshard_after_forward: bool,
+        param_dtype: torch.dtype | None = None,
+        output_dtype: torch.dtype | None = None,
+        cast_forward_inputs: bool = True,
+    ) -> None:
+        self.module, self.group = module, group
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype, self.output_dtype = param_dtype, output_dtype
+        self.cast_forward_inputs = cast_forward_inputs
+        self.training_state = TrainingState.IDLE
+        self.is_root: bool | None = None  # decided at the first forward
+        self.ctx: RootContext | None = None
+        self.balanced = False  # whether its layout took part in cost balancing ([Note: cost tally])
+        self.order = 0  # position among fully_shard calls ([Note: cost tally] in _api.py)
+        self._module_hooks = [
+            module.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
+            module.register_forward_hook(self.post_forward),
+        ]
+        self._param_hooks: list = []
+        self.register_param_hooks()
+
+    def register_param_hooks(self) -> None:
+        """Count gradients on the current unsharded parameters (again after a relayout)."""
+        for handle in self._param_hooks:
+            handle.remove()
+        self._param_hooks = [
+            sp.unsharded.register_post_accumulate_grad_hook(self.post_accumulate_grad)
+            for sp in self.group.params
+            if sp.requires_grad
+        ]
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _lazy_init(self) -> RootContext:
+        """At the first forward, the module that runs first is the root: it owns the context."""
+        ctx = RootContext()
+        for m in self.module.modules():
+            st = state_of(m)
+            if st is not None:
+                st.ctx, st.is_root = ctx, st is self
+                ctx.states.append(st)
+        return ctx
+
+    def _context(self) -> RootContext:
+        if self.ctx is None:
+            raise AssertionError(f"group {self.group.name!r} runs before its root initialized it")
+        return self.ctx
+
+    def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if self.param_dtype is None or not self.cast_forward_inputs:
+            return args, kwargs
+        dtype = self.param_dtype
+        return tree_map(lambda x: _cast(x, dtype), (args, kwargs))
+
+    def pre_forward(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if in_backward():  # [Note: recompute]
+            self.group.wait_unshard()
+            return self._cast_inputs(args, kwargs)
+        if self.is_root is None:
+            self._lazy_init()
+        ctx = self._context()
+        if self.is_root:
+            self._reset_if_interrupted(ctx)
+            ctx.remember_order()
+        expect(f"pre-forward of group {self.group.name!r}", self.training_state, TrainingState.IDLE)
+        self.training_state = TrainingState.FORWARD
+        ctx.forward_order.append(self)
+        self.group.wait_unshard()
+        nxt = ctx.neighbour(self, +1)
         if nxt is not None:
             nxt.group.unshard(async_op=True)
-        if state.param_dtype is not None and state.cast_forward_inputs:
-            args, kwargs = tree_map(lambda x: _cast(x, state.param_dtype), (args, kwargs))
-        return args, kwargs
+        return self._cast_inputs(args, kwargs)
 
-    def post_forward(_module, _args, output):
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        backward_follows = torch.is_grad_enabled() and bool(tensors)
-        if backward_follows:
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: pre_backward(), mode="any")
-        if not backward_follows or (state.reshard_after_forward and not state.is_root):
-            group.reshard()
-        if state.output_dtype is not None:
-            output = tree_map(lambda x: _cast(x, state.output_dtype), output)
+    def _reset_if_interrupted(self, ctx: RootContext) -> None:
+        """A backward that raised midway leaves states behind: drop its partial gradients."""
+        if ctx.callback_queued or any(st.training_state is not TrainingState.IDLE for st in ctx.states):
+            for st in ctx.states:
+                for sp in st.group.params:
+                    sp.unsharded.grad = None
+                st.group.reshard()
+                st.training_state = TrainingState.IDLE
+            ctx.callback_queued = False
+
+    def post_forward(self, _module: nn.Module, _args: Any, output: Any) -> Any:
+        if not in_backward():
+            expect(f"post-forward of group {self.group.name!r}", self.training_state, TrainingState.FORWARD)
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            backward_follows = torch.is_grad_enabled() and bool(tensors)
+            if backward_follows:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self.pre_backward, mode="any")
+            if not backward_follows or (self.reshard_after_forward and not self.is_root):
+                self.group.reshard()
+            self.training_state = TrainingState.IDLE
+        if self.output_dtype is not None:
+            dtype = self.output_dtype
+            output = tree_map(lambda x: _cast(x, dtype), output)
         return output
 
-    def pre_backward():
-        ctx = state.ctx
-        assert ctx is not None
+    # -- backward ---------------------------------------------------------------------------------
+    def pre_backward(self, _grad: torch.Tensor | None = None) -> None:
+        """The first gradient reached this module's outputs (its other outputs' hooks return)."""
+        if self.training_state is not TrainingState.IDLE:
+            return  # the module ran more than once in forward: one pre-backward per step
+        ctx = self._context()
         if not ctx.callback_queued:
             ctx.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: final_callback(ctx))
-        group.wait_unshard()
-        if not group.backward_pending:
-            group.prepare_grads()
-        prev = ctx.neighbour(state, -1)
+            torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.group.wait_unshard()
+        self.group.num_grads_ready = 0
+        prev = ctx.neighbour(self, -1)
         if prev is not None:
             prev.group.unshard(async_op=True)
 
-    def on_grad(_param):
-        if group.backward_pending:
-            group.num_grads_ready += 1
-            if group.num_grads_ready == group.num_grads_expected:
-                group.finish_backward()
+    def post_accumulate_grad(self, _param: torch.Tensor) -> None:
+        if self.training_state is not TrainingState.PRE_BACKWARD:
+            return  # a gradient computed outside this module's backward (not ours to count)
+        self.group.num_grads_ready += 1
+        if self.group.num_grads_ready == self.group.num_grads_expected:
+            self.finish_backward()
 
-    handles = [
-        module.register_forward_pre_hook(pre_forward, with_kwargs=True),
-        module.register_forward_hook(post_forward),
-    ]
-    for sp in group.params:
-        if sp.requires_grad:
-            handles.append(sp.unsharded.register_post_accumulate_grad_hook(on_grad))
-    return handles
-
-
-def final_callback(ctx: RootContext) -> None:
-    ctx.callback_queued = False
-    ctx.remember_order()
-    for st in ctx.states:
-        st.group.finish_backward()  # groups whose gradients never all arrived (unused params)
-        if st.group.state is GroupState.UNSHARDED or st.group._pending:
-            st.group.reshard()
+    def finish_backward(self) -> None:
+        """All gradients are in: reshard, then reduce-scatter unless accumulating without sync."""
+        expect(f"post-backward of group {self.group.name!r}", self.training_state, TrainingState.PRE_BACKWARD)
+        self.training_state = TrainingState.POST_BACKWARD
+        self.group.reshard()  # free the gathered parameters before the reduce-scatter needs its output
+        if self.group.requires_gradient_sync:
+            self.group.reduce_grads()

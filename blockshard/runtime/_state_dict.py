@@ -45,7 +45,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         full = torch.empty(W * g.layout.segment_numel, dtype=g.orig_dtype, device=g.device)
         for b, S_b in enumerate(g.layout.buckets):
             off = g.layout.bucket_local_offset(b)
-            all_gather_into(full[W * off : W * (off + S_b)], g.local[off : off + S_b], g.pg)
+            all_gather_into(full[W * off : W * (off + S_b)], g.local[off : off + S_b], g.process_group)
         for sp in g.params:
             out[_join(prefix, sp.fqn)] = full[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape).clone()
     managed = {id(sp.sharded) for _, st in _states_under(model) for sp in st.group.params}

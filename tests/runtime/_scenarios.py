@@ -124,7 +124,7 @@ def sharded(rank: int, world: int, kind: str, batch_size: int, options: dict) ->
 def prefetch_and_state_dicts(rank: int, world: int) -> dict:
     """Record the all-gathers of step 2 (after the order is known) and return both state dicts."""
     import blockshard
-    from blockshard.runtime import _api
+    from blockshard.runtime import ShardedState, _api
     from blockshard.runtime._group import ParamGroup
 
     model = OddMLP()
@@ -136,12 +136,12 @@ def prefetch_and_state_dicts(rank: int, world: int) -> dict:
     real_unshard, real_wait = ParamGroup.unshard, ParamGroup.wait_unshard
 
     def unshard(self, *, async_op=False):
-        if not self._pending and self.state.value == "sharded":
+        if self.sharded_state is ShardedState.SHARDED:
             events.append(("issue", names[id(self)], async_op))
         return real_unshard(self, async_op=async_op)
 
     def wait_unshard(self):
-        events.append(("wait", names[id(self)], bool(self._pending)))
+        events.append(("wait", names[id(self)], self.sharded_state is ShardedState.UNSHARDING))
         return real_wait(self)
 
     opt = torch.optim.AdamW(model.parameters(), lr=LR)

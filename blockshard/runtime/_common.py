@@ -1,0 +1,63 @@
+"""The engine's two state machines and the checks on their transitions.
+
+[Note: state machines]
+Each sharded module's state (``ModuleState``) has a :class:`TrainingState`; each group of
+parameters (``ParamGroup``) has a :class:`ShardedState`. A step walks them like this (one module,
+``reshard_after_forward=True``; arrows are hook calls):
+
+    TrainingState:  IDLE --pre_forward--> FORWARD --post_forward--> IDLE
+                    IDLE --pre_backward--> PRE_BACKWARD --all grads in--> POST_BACKWARD
+                    (PRE_BACKWARD | POST_BACKWARD | IDLE) --final callback--> IDLE
+    ShardedState:   SHARDED --unshard(async)--> UNSHARDING --wait--> UNSHARDED --reshard--> SHARDED
+                    SHARDED --unshard(sync)--> UNSHARDED
+
+A forward that runs *inside* backward is an activation-checkpoint recompute (see
+[Note: recompute] in ``_state.py``): it changes no state, prefetches nothing and reshards nothing.
+Transitions are checked with :func:`expect`; a failed check is a bug in the engine or a hook
+order torch did not promise, never a user error, so it raises :class:`EngineStateError`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["EngineStateError", "ShardedState", "TrainingState", "expect", "in_backward"]
+
+
+class TrainingState(enum.Enum):
+    """Where one sharded module is in the step."""
+
+    IDLE = "idle"  # between forwards, or after its backward finished
+    FORWARD = "forward"  # between its pre-forward and post-forward hooks
+    PRE_BACKWARD = "pre_backward"  # gradients reached its outputs; its parameters' are arriving
+    POST_BACKWARD = "post_backward"  # all its gradients arrived and were reduced
+
+
+class ShardedState(enum.Enum):
+    """What the parameters of one group are."""
+
+    SHARDED = "sharded"  # the module holds the local pieces; the gathered storage is freed
+    UNSHARDING = "unsharding"  # all-gathers issued, not yet waited for
+    UNSHARDED = "unsharded"  # the module holds the full parameters (views of the gathered buffer)
+
+
+class EngineStateError(RuntimeError):
+    """An impossible transition of the engine's state machines (a bug: please report it)."""
+
+
+def expect(what: str, current: enum.Enum, *allowed: enum.Enum) -> None:
+    """Raise :class:`EngineStateError` unless ``current`` is one of ``allowed``."""
+    if current not in allowed:
+        names = " or ".join(a.name for a in allowed)
+        raise EngineStateError(f"{what}: expected state {names}, found {current.name}")
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread.
+
+    torch has no public query for this; FSDP2 (``_fsdp_common.is_bw``) and
+    ``torch.utils.module_tracker`` use the same call.
+    """
+    return torch._C._current_graph_task_id() != -1
