@@ -1,10 +1,10 @@
 """Block semantics from the optimizer: what each parameter's optimizer needs kept whole.
 
-Build the parameter groups you would give your optimizers *before* sharding, name the optimizer
-of each group, and pass :func:`optimizer_semantics` to ``fully_shard(..., semantics=...)``::
+Build the ``param_groups`` you would give your optimizers *before* sharding, name the optimizer
+of each one, and pass :func:`optimizer_semantics` to ``fully_shard(..., semantics=...)``::
 
-    groups = muon_param_groups(model)             # Muon on hidden matrices, AdamW on the rest
-    semantics = optimizer_semantics(groups)       # matched by parameter identity, not by name
+    param_groups = muon_param_groups(model)       # Muon on hidden matrices, AdamW on the rest
+    semantics = optimizer_semantics(param_groups) # matched by parameter identity, not by name
     for layer in model.model.layers:
         blockshard.fully_shard(layer, semantics=semantics)
     blockshard.fully_shard(model, semantics=semantics)
