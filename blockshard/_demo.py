@@ -8,8 +8,8 @@ The demo (what ``make demo`` runs) does, in 10-40 s on 2 CPU cores (rank start-u
    for every parameter; then one line against FSDP2's ``Shard(0)`` for the same model.
 2. **Train.** W spawned gloo ranks train it with ``blockshard.fully_shard`` (each decoder layer, then
    the root) and an unmodified torch optimizer on ``model.parameters()``. Every rank sees the whole
-   batch, so the average of the gradients is exact at W in {2, 4} (see DESIGN.md, "What correct
-   means here"). Rank 0 streams each step's loss to the parent through a manager queue; the parent
+   batch, so the average of the gradients is exact at W in {2, 4} (see docs/design.md, "Sharding
+   invariance"). Rank 0 streams each step's loss to the parent through a manager queue; the parent
    draws a progress bar with the latest loss.
 3. **Check.** The same training in one process, then every parameter (``full_state_dict`` gathered
    on rank 0) against the single-process model: max |difference|, bitwise equality, PASS or FAIL.
@@ -38,9 +38,9 @@ MODEL: dict[str, int] = dict(
     num_key_value_heads=2,
 )
 OPTIMIZERS = ("adamw", "muon")
-#: World sizes where the average of W identical gradients is exact (DESIGN.md: measured at 2 and 4).
+#: World sizes where the average of W identical gradients is exact (docs/design.md, "Sharding invariance").
 EXACT_WORLD_SIZES = (2, 4)
-#: Elsewhere AdamW is compared within this (DESIGN.md: "AdamW: about 1e-5").
+#: Elsewhere AdamW is compared within this (docs/design.md, "Sharding invariance").
 ADAMW_TOLERANCE = 1e-5
 
 

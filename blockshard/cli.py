@@ -23,7 +23,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--semantics",
         default="elementwise",
         help="a built-in (nf4, bnb8bit, shampoo:1024, fp8_block:128, ...), a preset (muon, adamw) "
-        "or rules '[GLOB=]SPEC,...' (default: elementwise)",
+        "or rules '[GLOB=]NAME,...' (default: elementwise)",
     )
     p.add_argument("--alignment-bytes", type=int, default=16, help="segment alignment in bytes (default 16)")
 

@@ -1,10 +1,10 @@
 """Block semantics from the optimizer: what each parameter's optimizer needs kept whole.
 
-Build the parameter groups you would give your optimizers *before* sharding, name the optimizer
-of each group, and pass :func:`optimizer_semantics` to ``fully_shard(..., semantics=...)``::
+Build the ``param_groups`` you would give your optimizers *before* sharding, name the optimizer
+of each one, and pass :func:`optimizer_semantics` to ``fully_shard(..., semantics=...)``::
 
-    groups = muon_param_groups(model)             # Muon on hidden matrices, AdamW on the rest
-    semantics = optimizer_semantics(groups)       # matched by parameter identity, not by name
+    param_groups = muon_param_groups(model)       # Muon on hidden matrices, AdamW on the rest
+    semantics = optimizer_semantics(param_groups) # matched by parameter identity, not by name
     for layer in model.model.layers:
         blockshard.fully_shard(layer, semantics=semantics)
     blockshard.fully_shard(model, semantics=semantics)
@@ -41,7 +41,7 @@ OPTIMIZER_SEMANTICS: dict[str, str] = {
 
 
 def semantics_for_optimizer(optimizer: object) -> str:
-    """The semantics spec for an optimizer given by name (``"muon"``, ``"shampoo:512"``), class
+    """The semantics string for an optimizer given by name (``"muon"``, ``"shampoo:512"``), class
     or instance (``torch.optim.Muon``, ``bitsandbytes.optim.AdamW8bit``, ``torchao.optim.AdamW8bit``,
     ``blockshard.optim.BlockedShampoo``)."""
     if isinstance(optimizer, str):
@@ -87,24 +87,24 @@ def semantics_for_optimizer(optimizer: object) -> str:
 
 
 def optimizer_semantics(param_groups: Iterable[Mapping]) -> Callable[[str, torch.Tensor], str | None]:
-    """``(name, param) -> semantics`` for ``fully_shard``, from groups ``{"params": [...], "optimizer": ...}``.
+    """``(name, param) -> semantics`` for ``fully_shard``, from ``{"params": [...], "optimizer": ...}`` dicts.
 
-    A parameter in no group gets ``None`` (element-wise); one in two groups with different
-    needs raises :class:`~blockshard.SemanticsError` naming both.
+    A parameter in no ``param_group`` gets ``None`` (element-wise); one in two ``param_groups``
+    with different needs raises :class:`~blockshard.SemanticsError` naming both.
     """
     by_id: dict[int, str] = {}
     for i, group in enumerate(param_groups):
         if "params" not in group or "optimizer" not in group:
             raise SemanticsError(
-                f"param_groups[{i}] has keys {sorted(group)}; each group needs 'params' and 'optimizer' "
+                f"param_groups[{i}] has keys {sorted(group)}; each param_group needs 'params' and 'optimizer' "
                 "(e.g. {'params': [...], 'optimizer': 'muon'})"
             )
         spec = semantics_for_optimizer(group["optimizer"])
-        get_semantics(spec)  # fail now on a bad spec, not inside fully_shard
+        get_semantics(spec)  # fail now on a bad semantics string, not inside fully_shard
         for p in group["params"]:
             if id(p) in by_id and by_id[id(p)] != spec:
                 raise SemanticsError(
-                    f"a parameter of shape {tuple(p.shape)} is in two optimizer groups ({by_id[id(p)]!r} "
+                    f"a parameter of shape {tuple(p.shape)} is in two param_groups ({by_id[id(p)]!r} "
                     f"and {spec!r}); give every parameter to one optimizer"
                 )
             by_id[id(p)] = spec

@@ -90,7 +90,7 @@ def _count(name: str, value: Any, fix: str) -> int:
 
 
 def _validate(group: dict[str, Any]) -> None:
-    """Check one parameter group's hyperparameters; raise a ValueError naming the bad one."""
+    """Check one ``param_group``'s hyperparameters; raise a ValueError naming the bad one."""
     if _real("lr", group["lr"], "pass a learning rate such as lr=1e-3") < 0:
         raise _bad("lr", group["lr"], "must be >= 0", "pass a learning rate such as lr=1e-3")
     betas = group["betas"]

@@ -27,7 +27,7 @@ class SemanticsKind(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class Companion:
-    """A tensor that must travel with its parent's units (e.g. one absmax per quantization group).
+    """A tensor that must travel with its parent's units (e.g. one absmax per quantization block).
 
     Each unit of the parent carries ``per_unit`` companion elements, so a parent piece holding
     units ``[i, j)`` carries companion elements ``[i * per_unit, j * per_unit)``.

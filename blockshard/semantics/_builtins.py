@@ -1,6 +1,6 @@
 """Built-in block semantics, with the facts each one encodes.
 
-Each class is registered under the name in its decorator; ``NAME:ARG`` specs pass integer
+Each class is registered under the name in its decorator; ``NAME:ARG`` semantics strings pass integer
 arguments to the constructor. Sizes are counted in elements of the row-major flattening.
 """
 
@@ -156,7 +156,7 @@ class _QuantizedState(BlockSemantics):
     def grid(self, shape, dtype, *, tensor="<tensor>"):
         numel = math.prod(shape)
         if numel < MIN_8BIT_NUMEL or (self.needs_divisible and numel % self.block):
-            # One process keeps fp32 state for this tensor: keep it whole so its owner does too.
+            # One process keeps fp32 state for this tensor: keep it whole so the rank holding it does too.
             return UnitGrid.whole(numel)
         return UnitGrid.units(numel, self.block, min_piece=MIN_8BIT_NUMEL)
 
@@ -168,8 +168,8 @@ class Bnb8bit(_QuantizedState):
     Facts (bitsandbytes 0.50, ``Optimizer2State.init_state``): state is quantized in runs of 256
     elements from the start of the tensor the optimizer sees; tensors below ``min_8bit_size =
     4096`` elements keep fp32 state. So cuts fall on multiples of 256, no piece of a large tensor
-    is smaller than 4096 elements, and tensors below 4096 stay whole (fp32 on their owner, as on
-    one process). A shorter last block is fine (bitsandbytes handles a partial block).
+    is smaller than 4096 elements, and tensors below 4096 stay whole (fp32 on the rank holding them, as
+    on one process). A shorter last block is fine (bitsandbytes handles a partial block).
     """
 
     block = 256
@@ -199,10 +199,10 @@ class Ao4bit(_QuantizedState):
 
 @register_semantics("nf4")
 class NF4(BlockSemantics):
-    """bitsandbytes NF4/FP4 (``Params4bit``, QLoRA): groups of 64 values share one absmax.
+    """bitsandbytes NF4/FP4 (``Params4bit``, QLoRA): quantization blocks of 64 values share one absmax.
 
-    The tensor must hold a whole number of groups; each group carries one fp32 absmax (a
-    companion that travels with its group).
+    The tensor must hold a whole number of blocks; each block carries one fp32 absmax (a
+    companion that travels with its block).
     """
 
     kind = SemanticsKind.QUANTIZER
@@ -215,7 +215,7 @@ class NF4(BlockSemantics):
             raise self.error(
                 tensor,
                 shape,
-                f"numel {numel} is not a multiple of the {self.group}-value NF4 group",
+                f"numel {numel} is not a multiple of the {self.group}-value NF4 quantization block",
                 "quantize only tensors whose size is a multiple of 64 (leave this one in bf16 with "
                 "an 'elementwise' rule for it)",
             )
@@ -248,7 +248,7 @@ class AoNF4(BlockSemantics):
                 shape,
                 f"numel {numel} is not a multiple of the torchao NF4 super-block {self.block} x "
                 f"{self.scaler_block} = {sb}",
-                "use 'nf4' (bitsandbytes, 64-value groups) for this tensor or leave it unquantized",
+                "use 'nf4' (bitsandbytes, 64-value blocks) for this tensor or leave it unquantized",
             )
         return UnitGrid.units(numel, sb)
 

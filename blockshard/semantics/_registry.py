@@ -1,6 +1,6 @@
-"""The block-semantics registry: ``@register_semantics``, lookup by spec, entry-point autoload.
+"""The block-semantics registry: ``@register_semantics``, lookup by name, entry-point autoload.
 
-A spec is ``NAME`` or ``NAME:ARG[:ARG...]`` with integer arguments (``shampoo:1024``). A
+A semantics string is ``NAME`` or ``NAME:ARG[:ARG...]`` with integer arguments (``shampoo:1024``). A
 registered object is a :class:`BlockSemantics` subclass whose constructor takes those
 arguments. Third-party packages register through the entry-point group
 ``blockshard.block_semantics``: each entry point names a ``BlockSemantics`` subclass (registered

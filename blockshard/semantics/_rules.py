@@ -1,8 +1,8 @@
 """Rules that give each parameter its block semantics.
 
-A :class:`Rule` matches by name glob, module type, tensor type, optimizer parameter group and/or
-a predicate (all given criteria must hold). A callable ``(name, spec) -> semantics | None`` is a
-rule too. Every matching rule applies: their grids combine to the least common unit
+A :class:`Rule` matches by name glob, module type, tensor type, the optimizer's ``param_group`` and/or
+a predicate (all given criteria must hold). A callable ``(name, tensor_spec) -> semantics | None`` is
+a rule too. Every matching rule applies: their grids combine to the least common unit
 (:meth:`UnitGrid.combine`); two different optimizers or two different quantizers on one tensor
 are a conflict and raise :class:`~blockshard.SemanticsError` naming both and the tensor.
 Tensors no rule matches are ``elementwise``.
@@ -39,15 +39,15 @@ class Rule:
     """Give ``semantics`` to every tensor that matches all the criteria given.
 
     Args:
-        semantics: a registered spec (``"nf4"``, ``"shampoo:1024"``) or a ``BlockSemantics``.
+        semantics: a registered semantics string (``"nf4"``, ``"shampoo:1024"``) or a ``BlockSemantics``.
         name: an ``fnmatch`` glob on the parameter name (``"*.mlp.*.weight"``).
-        module_type: class (or class name) of the owning module.
+        module_type: class (or class name) of the module holding the tensor.
         tensor_type: class (or class name) of the tensor (``"Params4bit"``).
-        param_group: index of the optimizer parameter group.
+        param_group: index of the optimizer's ``param_group``.
         predicate: any further test on the ``TensorSpec``.
         blanket: skip tensors the semantics does not handle instead of failing on them: fewer
             dims than its ``min_ndim``, and for quantizers embeddings and the output head (as
-            QLoRA leaves them); used by bare specs such as ``--semantics fp8_block:128``.
+            QLoRA leaves them); used by bare semantics names such as ``--semantics fp8_block:128``.
     """
 
     semantics: str | BlockSemantics
@@ -109,14 +109,14 @@ class SemanticsRules:
         for r in self.rules:
             if not (isinstance(r, Rule) or callable(r)):
                 raise SemanticsError(
-                    f"rules: {r!r} is neither a blockshard.Rule nor a callable (name, spec) -> semantics"
+                    f"rules: {r!r} is neither a blockshard.Rule nor a callable (name, tensor_spec) -> semantics"
                 )
 
     # -- construction from what users write -----------------------------------------------------
     @classmethod
     def coerce(cls, rules: object) -> SemanticsRules:
-        """Accept ``None`` (all elementwise), a spec string (see :meth:`parse`), a ``BlockSemantics``,
-        a mapping ``glob -> semantics``, a callable ``(name, spec) -> semantics | None``, a list of
+        """Accept ``None`` (all elementwise), a semantics string (see :meth:`parse`), a ``BlockSemantics``,
+        a mapping ``glob -> semantics``, a callable ``(name, tensor_spec) -> semantics | None``, a list of
         rules/callables, or a ``SemanticsRules``."""
         if rules is None:
             return cls()
@@ -133,13 +133,13 @@ class SemanticsRules:
         if callable(rules):
             return cls([rules])
         raise SemanticsError(
-            f"semantics={rules!r} is not understood; pass a spec string ('nf4', 'muon', "
+            f"semantics={rules!r} is not understood; pass a semantics string ('nf4', 'muon', "
             "'*.mlp.*=nf4,bnb8bit'), a mapping glob -> semantics, a callable or a list of blockshard.Rule"
         )
 
     @classmethod
     def parse(cls, text: str) -> SemanticsRules:
-        """Parse ``"[GLOB=]SPEC[,...]"``; a bare ``SPEC`` applies to every tensor it can handle.
+        """Parse ``"[GLOB=]NAME[,...]"``; a bare ``NAME`` applies to every tensor it can handle.
 
         A preset name (``muon``, ``adamw``) expands to its rules.
         """
@@ -151,7 +151,7 @@ class SemanticsRules:
                 raise SemanticsError(f"semantics={text!r} has an empty item; write e.g. 'nf4' or '*.mlp.*=nf4,bnb8bit'")
             glob, sep, sem = item.rpartition("=")
             if sep and not glob:
-                raise SemanticsError(f"semantics item {item!r} has '=' but no glob before it; write GLOB=SPEC")
+                raise SemanticsError(f"semantics item {item!r} has '=' but no glob before it; write GLOB=NAME")
             if not sep and sem in PRESETS:
                 rules.extend(PRESETS[sem]())
             else:

@@ -1,7 +1,7 @@
 """``TensorSpec``: what the pure layers know about a tensor (shape, dtype, where it lives).
 
 The planner never needs a real tensor: a ``TensorSpec`` carries the shape and dtype plus the
-facts that semantics rules match on (module type, tensor type, optimizer parameter group).
+facts that semantics rules match on (module type, tensor type, the optimizer's ``param_group``).
 """
 
 from __future__ import annotations
@@ -61,10 +61,10 @@ class TensorSpec:
         name: fully qualified parameter name (``model.layers.0.mlp.up_proj.weight``).
         shape: the tensor's shape; the planner works on its row-major flattening.
         dtype: torch dtype name (``"bfloat16"``); a ``torch.dtype`` is accepted too.
-        group: the group (one collective) the tensor belongs to; ``None`` lets the caller decide.
-        module_type: class name of the owning module (``"Linear"``), for module-type rules.
+        group: the ``fully_shard`` group (one layout) the tensor belongs to; ``None`` lets the caller decide.
+        module_type: class name of the module holding the tensor (``"Linear"``), for module-type rules.
         tensor_type: class name of the tensor (``"Params4bit"``), for tensor-type rules.
-        param_group: index of the optimizer parameter group, for parameter-group rules.
+        param_group: index of the optimizer's ``param_group``, for ``param_group`` rules.
     """
 
     name: str

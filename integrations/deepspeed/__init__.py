@@ -1,8 +1,8 @@
 """``blockshard.integrations.deepspeed``: block-aligned DeepSpeed ZeRO-1/2 partitions.
 
-Stock ZeRO-1/2 cuts each parameter group's flat buffer into ``W`` equal element ranges: a partition
+Stock ZeRO-1/2 cuts each ``param_group``'s flat buffer into ``W`` equal element ranges: a partition
 boundary can fall inside a bitsandbytes 256-element block or a Muon matrix, and the inner optimizer
-sees one flat tensor per group (so bitsandbytes quantizes blocks that straddle parameters and never
+sees one flat tensor per ``param_group`` (so bitsandbytes quantizes blocks that straddle parameters and never
 keeps fp32 state for small ones). With the hook, partition boundaries fall only on allowed cuts of
 each parameter's units (holes between parameters, partition size chosen to fit) and the inner
 optimizer sees each parameter piece with its shape -- so bitsandbytes AdamW8bit, AdamW and
@@ -184,7 +184,7 @@ def is_hooked(engine) -> bool:
 
 
 def layout_report(engine) -> list[dict]:
-    """Per parameter group of a hooked engine: layout (segment, starts), names, semantics, padding."""
+    """Per ``param_group`` of a hooked engine: layout (segment, starts), names, semantics, padding."""
     if not is_hooked(engine):
         raise DeepSpeedHookError(
             "layout_report needs an engine made by blockshard.integrations.deepspeed.initialize with ZeRO stage 1 or 2"

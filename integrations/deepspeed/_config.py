@@ -87,18 +87,18 @@ def parse_section(section: object) -> HookConfig:
     if isinstance(semantics, Sequence) and not isinstance(semantics, str):
         if not all(isinstance(x, str) for x in semantics):
             raise DeepSpeedHookError(
-                f"{SECTION}.semantics={semantics!r}: a list must hold spec strings such as '*.mlp.*=bnb8bit'"
+                f"{SECTION}.semantics={semantics!r}: a list must hold semantics strings such as '*.mlp.*=bnb8bit'"
             )
         semantics = ",".join(semantics) if semantics else None
     if semantics is not None and not isinstance(semantics, (str, Mapping)):
         raise DeepSpeedHookError(
-            f"{SECTION}.semantics={semantics!r} must be a spec string ('bnb8bit'), a "
-            "mapping glob -> spec ({'*weight': 'bnb8bit'}) or a list of spec strings"
+            f"{SECTION}.semantics={semantics!r} must be a semantics string ('bnb8bit'), a "
+            "mapping glob -> semantics ({'*weight': 'bnb8bit'}) or a list of semantics strings"
         )
     if isinstance(semantics, Mapping) and not all(
         isinstance(k, str) and isinstance(v, str) for k, v in semantics.items()
     ):
-        raise DeepSpeedHookError(f"{SECTION}.semantics={semantics!r}: globs and specs must be strings")
+        raise DeepSpeedHookError(f"{SECTION}.semantics={semantics!r}: globs and semantics must be strings")
     try:
         rules = SemanticsRules.coerce(semantics)
     except ValueError as e:

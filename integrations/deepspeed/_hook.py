@@ -1,12 +1,12 @@
 """The ZeRO-1/2 hook: a ``DeepSpeedZeroOptimizer`` subclass with a block-aligned flat layout.
 
 What stock DeepSpeed 0.19.8 does (``deepspeed/runtime/zero/stage_1_and_2.py``): per optimizer
-parameter group, ``__init__`` flattens the parameters in order (``round_robin_bit16_groups``, with
+``param_group``, ``__init__`` flattens the parameters in order (``round_robin_bit16_groups``, with
 ``round_robin_bit16_padding[i][j]`` zeros after parameter ``j``, non-zero only with
 ``zero_optimization.parameter_alignment``) by ``flatten_dense_tensors_aligned``, pads the buffer to
 a multiple of ``2 * W`` and gives rank ``r`` the slice ``[r*S, (r+1)*S)`` with
 ``S = len(flat) // W`` (``get_data_parallel_partitions``). The inner optimizer sees one flat fp32
-tensor per group (``single_partition_of_fp32_groups[i]``). Everything downstream reads the layout
+tensor per ``param_group`` (``single_partition_of_fp32_groups[i]``). Everything downstream reads the layout
 from those lists -- ``get_partition_info``, ``initialize_gradient_partition`` (where each gradient
 lands: ``grad_partition_insertion_offset`` / ``grad_start_offset``), ``average_tensor``,
 ``get_flat_partition``'s padded path, ``get_grad_position``, ``_link_all_hp_params``, the
@@ -16,14 +16,14 @@ and the stock padding itself (replaced in place, see below).
 
 The hook (:class:`BlockshardZeroOptimizer`):
 
-1. **Layout.** ``flatten_dense_tensors_aligned`` is called once per group from ``__init__`` with the
-   group's ``param_padding`` list (the same list object as ``round_robin_bit16_padding[i]``); the
-   override computes :func:`~._layout.ordered_layout` for the group (semantics rules resolved on
+1. **Layout.** ``flatten_dense_tensors_aligned`` is called once per ``param_group`` from ``__init__``
+   with its ``param_padding`` list (the same list object as ``round_robin_bit16_padding[i]``); the
+   override computes :func:`~._layout.ordered_layout` for the ``param_group`` (semantics rules resolved on
    the parameters' names and shapes) and writes the holes into that list and the starts into
    ``round_robin_bit16_offsets[i]`` *in place*, then builds the buffer of ``W * S`` elements. Every
    partition boundary then falls on an allowed cut (multiples of 256 and no piece below 4096 for
    ``bnb8bit``; never inside a matrix for ``matrix``).
-2. **Per-parameter views.** After ``__init__`` the inner optimizer's group ``i`` holds, instead of
+2. **Per-parameter views.** After ``__init__`` the inner optimizer's ``param_groups[i]`` holds, instead of
    the one flat tensor, one view of that tensor per parameter piece in this rank's partition: a
    whole parameter with its shape (a matrix stays 2-D for Muon), a piece of a split parameter as
    1-D. ``_optimizer_step`` points each view's ``.grad`` at the matching slice of the flat
@@ -37,12 +37,13 @@ The hook (:class:`BlockshardZeroOptimizer`):
    world size, semantics or parameter set) with a :class:`DeepSpeedHookError`.
 
 Refused with a :class:`DeepSpeedHookError` (not silently wrong): ZeRO-3 (see
-:data:`ZERO3_REFUSAL`), optimizer offload, ZenFlow, MoE groups, ``elastic_checkpoint``, DeepSpeed's
-own ``MuonWithAuxAdam`` and ``Adagrad`` (both assume the single flat tensor), Muon-like inner
-optimizers whose matrices would be split (use ``"semantics": "matrix"``), and engines whose ZeRO-1/2
-optimizer is not DeepSpeedZeroOptimizer (bf16 ZeRO-1 with fp32 gradient accumulation uses
-``BF16_Optimizer``). Not supported with the hook: universal checkpoints and
-``deepspeed.utils.safe_get_full_optimizer_state`` (both assume one flat state tensor per group).
+:data:`ZERO3_REFUSAL`), optimizer offload, ZenFlow, MoE layers (expert ``param_groups``),
+``elastic_checkpoint``, DeepSpeed's own ``MuonWithAuxAdam`` and ``Adagrad`` (both assume the
+single flat tensor), Muon-like inner optimizers whose matrices would be split (use
+``"semantics": "matrix"``), and engines whose ZeRO-1/2 optimizer is not DeepSpeedZeroOptimizer
+(bf16 ZeRO-1 with fp32 gradient accumulation uses ``BF16_Optimizer``). Not supported with the
+hook: universal checkpoints and ``deepspeed.utils.safe_get_full_optimizer_state`` (both assume
+one flat state tensor per ``param_group``).
 """
 
 from __future__ import annotations
@@ -155,18 +156,16 @@ def _refuse_unsupported(init_optimizer, kwargs: dict) -> None:
     if kwargs.get("zenflow_config") is not None:
         raise DeepSpeedHookError("ZenFlow is not supported by blockshard's DeepSpeed hook")
     if kwargs.get("has_moe_layers"):
-        raise DeepSpeedHookError(
-            "MoE layers (expert parameter groups) are not supported by blockshard's DeepSpeed hook"
-        )
+        raise DeepSpeedHookError("MoE layers (expert param_groups) are not supported by blockshard's DeepSpeed hook")
     if kwargs.get("elastic_checkpoint"):
         raise DeepSpeedHookError(
-            "zero_optimization.elastic_checkpoint merges one flat optimizer state per group across ranks; with "
+            "zero_optimization.elastic_checkpoint merges one flat optimizer state per param_group across ranks; with "
             "the blockshard hook the state is per parameter piece: set elastic_checkpoint to false"
         )
     name = type(init_optimizer).__name__
     if name == "MuonWithAuxAdam" or isinstance(init_optimizer, torch.optim.Adagrad):
         raise DeepSpeedHookError(
-            f"inner optimizer {name} assumes DeepSpeed's single flat tensor per group; with blockshard use "
+            f"inner optimizer {name} assumes DeepSpeed's single flat tensor per param_group; with blockshard use "
             'torch.optim.Muon (with "semantics": "matrix") or another torch/bitsandbytes optimizer'
         )
     for g in init_optimizer.param_groups:
@@ -293,13 +292,13 @@ def _make_zero12():
                     v.tensor.grad = None
 
         def _lazy_init_hp_params_optimizer_state(self):
-            # DeepSpeed links optimizer state of the one flat tensor per group to the parameters
+            # DeepSpeed links optimizer state of the one flat tensor per param_group to the parameters
             # (safe_get_full_optimizer_state); with per-parameter views there is no such tensor.
             self._hp_optimizer_states_linked = True
 
         # -- checkpoints ----------------------------------------------------------------------------
         def blockshard_layout(self) -> list[dict]:
-            """Per group: the layout (JSON), parameter names and semantics labels."""
+            """Per ``param_group``: the layout (JSON), parameter names and semantics labels."""
             return [{**gs.layout.to_json(), "names": gs.names, "semantics": gs.labels} for gs in self._bs_groups]
 
         def blockshard_layout_hash(self) -> str:
@@ -322,7 +321,7 @@ def _make_zero12():
             if checkpoint_folder:
                 raise DeepSpeedHookError(
                     "universal checkpoints are not supported with blockshard's DeepSpeed hook "
-                    "(they assume one flat optimizer state per group)"
+                    "(they assume one flat optimizer state per param_group)"
                 )
             if load_optimizer_states or load_from_fp32_weights:
                 rank = dist.get_rank(group=self.dp_process_group)

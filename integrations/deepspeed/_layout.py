@@ -1,6 +1,6 @@
-"""Pure: a block-aligned layout of one ZeRO-1/2 parameter group in DeepSpeed's fixed order.
+"""Pure: a block-aligned layout of one ZeRO-1/2 ``param_group`` in DeepSpeed's fixed order.
 
-DeepSpeed ZeRO-1/2 flattens the parameters of an optimizer parameter group in a fixed order into one
+DeepSpeed ZeRO-1/2 flattens the parameters of an optimizer ``param_group`` in a fixed order into one
 buffer and gives rank ``r`` the elements ``[r*S, (r+1)*S)``. This module chooses where each
 parameter starts (holes only *between* parameters, as DeepSpeed's own ``parameter_alignment``
 padding) and the partition size ``S`` so that every partition boundary ``k*S`` falls on an allowed

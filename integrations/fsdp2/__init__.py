@@ -1,7 +1,7 @@
 """``blockshard.integrations.fsdp2``: stock ``torch.distributed.fsdp.fully_shard``, made block-aware.
 
 * :func:`fully_shard` / :func:`block_placement_fn`: a ``shard_placement_fn`` that keeps each
-  parameter's units (quantization groups, optimizer blocks) whole where FSDP2's ``torch.chunk``
+  parameter's units (quantization blocks, optimizer blocks) whole where FSDP2's ``torch.chunk``
   boundaries allow it, marks whole-unit optimizer parameters (Muon's matrices) for owner-compute,
   and raises :class:`FSDP2PlacementError` naming the parameter where stock FSDP2 cannot be
   block-aligned (use ``blockshard.fully_shard``, the ragged engine, there).

@@ -131,7 +131,7 @@ def build_exchange(plan, rank: int, dtypes: list[str]) -> tuple[dict[str, _Excha
 
 
 def _named_groups(params) -> tuple[list[tuple[dict, list[tuple[str, torch.Tensor]]]], dict[int, str]]:
-    """Normalize ``params`` to ``[(group options, [(name, param), ...])]`` and module types by id."""
+    """Normalize ``params`` to ``[(param_group options, [(name, param), ...])]`` and module types by id."""
     mtypes: dict[int, str] = {}
     if isinstance(params, nn.Module):
         for mod in params.modules():
@@ -142,20 +142,20 @@ def _named_groups(params) -> tuple[list[tuple[dict, list[tuple[str, torch.Tensor
     if not params:
         raise OwnerComputeError(
             "params is empty: pass model.named_parameters(), a list of (name, param) "
-            "pairs or param groups {'params': [(name, param), ...], ...}"
+            "pairs or param_groups {'params': [(name, param), ...], ...}"
         )
     groups = params if isinstance(params[0], Mapping) else [{"params": params}]
     out = []
     for gi, g in enumerate(groups):
         if not isinstance(g, Mapping) or "params" not in g:
             raise OwnerComputeError(
-                f"param group {gi} ({g!r}) must be a dict with a 'params' list of (name, param) pairs"
+                f"param_groups[{gi}] ({g!r}) must be a dict with a 'params' list of (name, param) pairs"
             )
         named = list(g["params"])
         for x in named:
             if not (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)):
                 raise OwnerComputeError(
-                    f"param group {gi}: {type(x).__name__} entry is not a (name, parameter) pair; rules match "
+                    f"param_groups[{gi}]: {type(x).__name__} entry is not a (name, parameter) pair; rules match "
                     "parameter names, so pass model.named_parameters() or [(name, param), ...]"
                 )
         out.append(({k: v for k, v in g.items() if k != "params"}, named))
@@ -166,12 +166,12 @@ class OwnerComputeOptimizer:
     """Step FSDP2-sharded parameters with an unmodified optimizer that sees whole units.
 
     Args:
-        inner_optimizer_factory: called once with a list of param groups (``{"params": [tensors],
+        inner_optimizer_factory: called once with a list of ``param_groups`` (``{"params": [tensors],
             **options}``) holding this rank's *compute tensors* -- views of whole units in its local
             shards and the full-unit tensors it owns -- and returns the inner optimizer (e.g.
-            ``lambda groups: torch.optim.Muon(groups, lr=0.02)``). A rank may get empty groups.
+            ``lambda groups: torch.optim.Muon(groups, lr=0.02)``). A rank may get empty ``param_groups``.
         params: ``model.named_parameters()`` (or any ``(name, param)`` pairs), a module, or a list of
-            param groups ``{"params": [(name, param), ...], **options}``; names are what ``semantics``
+            ``param_groups`` ``{"params": [(name, param), ...], **options}``; names are what ``semantics``
             rules match (use the root model's names, as :func:`fully_shard` with ``root=``).
         semantics: rules as :meth:`SemanticsRules.coerce` accepts (``"matrix"`` for Muon, ``None``
             for element-wise optimizers, ``"bnb8bit"``, ...).

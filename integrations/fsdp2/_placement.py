@@ -16,13 +16,13 @@ For each parameter, :func:`place` picks, in this order:
    For grids of contiguous units this practically never helps: the dim-``d`` cuts include every
    row boundary (when ``rows > 1``), so they are allowed only if ``Shard(0)``'s are.
 3. ``Shard(0)`` with **owner-compute** when the units are whole tensors (``matrix`` for Muon) or
-   plain stripes of whole rows, and no quantizer's storage groups are split: FSDP2 keeps its
+   plain stripes of whole rows, and no quantization block is split: FSDP2 keeps its
    element-wise shards and :class:`~blockshard.integrations.fsdp2.OwnerComputeOptimizer` moves the
    pieces of each split unit to one owner, which runs the optimizer on the whole unit.
 4. Otherwise :class:`FSDP2PlacementError` names the parameter, its shape, the semantics, ``W`` and
    the boundary that splits a unit, and suggests ``blockshard.fully_shard`` (the ragged engine).
-   That is the case for a quantizer group that ``Shard(0)`` would split (the stored shard itself
-   must hold whole groups) and for optimizer blocks an owner cannot reassemble into what the
+   That is the case for a quantization block that ``Shard(0)`` would split (the stored shard
+   itself must hold whole blocks) and for optimizer blocks an owner cannot reassemble into what the
    optimizer sees on one process (bitsandbytes' 256-element blocks with their 4096-element
    minimum: the pieces left on a rank would be stepped with fp32 state).
 """
@@ -123,12 +123,12 @@ def dim_split_keeps_units(grid: UnitGrid, shape: tuple[int, ...], dim: int, worl
 def owner_computable(res: ResolvedSemantics, shape: tuple[int, ...], split_quantizers=()) -> tuple[bool, str]:
     """Whether an owner can reassemble the units ``Shard(0)`` splits (and, if not, why).
 
-    ``split_quantizers``: specs of quantizer semantics whose own groups ``Shard(0)`` splits.
+    ``split_quantizers``: names of quantizer semantics whose quantization blocks ``Shard(0)`` splits.
     """
     if split_quantizers:
         return False, (
             f"{split_quantizers[0]!r} is a storage format: each rank's stored shard must hold "
-            "whole groups, which no optimizer wrapper can fix"
+            "whole quantization blocks, which no optimizer wrapper can fix"
         )
     g = res.grid
     if g.is_whole:

@@ -6,8 +6,8 @@ refusal, and the ordered layout (every partition boundary on an allowed cut).
 Multi-process tests (``slow``): real DeepSpeed 0.19.8 engines on spawned gloo ranks (one spawn per
 world size runs every scenario; the single-process references -- plain torch, one optimizer over
 the model's parameters -- run on rank 0, see ``_ds_runs``), plus real ``torchrun`` and ``deepspeed``
-launcher runs of ``examples/deepspeed_zero2_bnb.py``. Tolerances (DESIGN.md, "What correct means
-here"):
+launcher runs of ``examples/deepspeed_zero2_bnb.py``. Tolerances (docs/design.md, "Sharding
+invariance"):
 
 * W in {2, 4}, whole batch on every rank: DeepSpeed divides the gradient by W and sums, which is
   exact for identical gradients at W = 2 and 4, so ZeRO-1 and ZeRO-2 with bitsandbytes AdamW8bit,

@@ -4,8 +4,8 @@ Pure tests (no process group): placement decisions and their errors, the all_to_
 against the owner plan, the optimizer wrapper on one process.
 
 Multi-process tests (``slow``): one spawn of 4 gloo ranks runs every scenario at W = 4, 2 and 3
-(sub-meshes) with the whole batch on every rank (see ``_fsdp2_runs``). Tolerances (DESIGN.md,
-"What correct means here"):
+(sub-meshes) with the whole batch on every rank (see ``_fsdp2_runs``). Tolerances (docs/design.md,
+"Sharding invariance"):
 
 * W in {2, 4}: averaging identical gradients is exact, so Muon (owner-compute) + AdamW, the
   checkpoint round trip and bitsandbytes AdamW8bit must equal one process **bitwise**.

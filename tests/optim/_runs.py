@@ -1,7 +1,8 @@
 """Block-structured optimizers on the ragged engine and on one process (for test_invariance.py).
 
-Every rank sees the whole batch (DESIGN.md): averaging identical gradients is exact at
-W in {2, 4}, so any difference from one process comes from how the tensors were cut.
+Every rank sees the whole batch (docs/design.md, "Sharding invariance"): averaging identical
+gradients is exact at W in {2, 4}, so any difference from one process comes from how the tensors
+were cut.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def test_muon_groups_and_identity_rule():
 
 def test_conflicting_groups_and_malformed_groups_raise():
     p = nn.Parameter(torch.zeros(3, 3))
-    with pytest.raises(SemanticsError, match=r"is in two optimizer groups \('matrix' and 'bnb8bit'\)"):
+    with pytest.raises(SemanticsError, match=r"is in two param_groups \('matrix' and 'bnb8bit'\)"):
         optimizer_semantics([{"params": [p], "optimizer": "muon"}, {"params": [p], "optimizer": "bnb8bit"}])
     with pytest.raises(SemanticsError, match=r"param_groups\[0\] has keys \['params'\]"):
         optimizer_semantics([{"params": [p]}])

@@ -1,6 +1,6 @@
 """The ragged engine against one process: spawned gloo ranks, W in {1, 2, 3, 4}.
 
-Tolerances (see DESIGN.md, "What correct means here"): with the whole batch on every rank and
+Tolerances (see docs/design.md, "Sharding invariance"): with the whole batch on every rank and
 W in {1, 2, 4}, averaging identical gradients is exact, so blockshard must match one process
 **bitwise**. At W = 3 the average of three identical values can be off by an ulp: 1e-6. With the
 batch split across ranks the reduction order differs: AdamW after 3 steps within 1e-5.
