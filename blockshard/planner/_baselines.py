@@ -47,6 +47,7 @@ import numpy as np
 
 from blockshard._errors import PlanError
 from blockshard.planner._items import PlanItem
+from blockshard.planner._units import ceil_div, check_world_size, round_up, rows_cols
 from blockshard.semantics import UnitGrid
 
 __all__ = ["BASELINES", "BaselineResult", "baseline", "combine"]
@@ -97,15 +98,6 @@ class BaselineResult:
 
 
 # -- input checks -------------------------------------------------------------------------------
-def check_world_size(world_size: object) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
-        raise PlanError(
-            f"world_size={world_size!r} is invalid: it must be an integer >= 1; "
-            "pass the number of data-parallel ranks that share the group"
-        )
-    return int(world_size)
-
-
 def check_name(param: str, value: object, valid: Sequence[str]) -> str:
     if value not in valid:
         raise PlanError(
@@ -115,20 +107,12 @@ def check_name(param: str, value: object, valid: Sequence[str]) -> str:
 
 
 # -- unit arithmetic shared with the owner planner -------------------------------------------------
-def rows_and_row_numel(item: PlanItem) -> tuple[int, int]:
-    """FSDP2's dim-0 view: ``(rows, elements per row)``; a 0-d tensor is one row of one element."""
-    shape = item.spec.shape
-    if not shape:
-        return 1, 1
-    return shape[0], math.prod(shape[1:])
-
-
 def shard_step(item: PlanItem, world_size: int, engine: str) -> int:
     """Elements per rank shard (before padding) of one tensor under ``"fsdp2"`` or ``"zero3"``."""
     if engine == "fsdp2":
-        rows, row_numel = rows_and_row_numel(item)
-        return -(-rows // world_size) * row_numel
-    return -(-item.numel // world_size)
+        rows, row_numel = rows_cols(item.spec.shape)
+        return ceil_div(rows, world_size) * row_numel
+    return ceil_div(item.numel, world_size)
 
 
 def unit_index(grid: UnitGrid, x: np.ndarray) -> np.ndarray:
@@ -212,8 +196,8 @@ def _naive_slot(grid: UnitGrid, world_size: int) -> int:
     n = grid.num_units
     if n == 0:
         return 0
-    k = -(-n // world_size)
-    ranks = -(-n // k)
+    k = ceil_div(n, world_size)
+    ranks = ceil_div(n, k)
 
     def cut(i: int) -> int:  # start of unit i; numel past the end
         if i >= n:
@@ -254,7 +238,7 @@ def baseline(name: str, items: Sequence[PlanItem], world_size: int) -> BaselineR
             **common,
         )
     align = DEEPSPEED_NCCL_START_ALIGNMENT_FACTOR * w
-    padded = -(-total // align) * align
+    padded = round_up(total, align)
     part = padded // w
     return BaselineResult(
         padded_numel=padded,
