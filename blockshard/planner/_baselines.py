@@ -214,38 +214,30 @@ def baseline(name: str, items: Sequence[PlanItem], world_size: int) -> BaselineR
     w = check_world_size(world_size)
     items = list(items)
     total = sum(it.numel for it in items)
-    common = dict(name=name, world_size=w, total_numel=total, num_collectives=1, num_tensors=len(items))
     if name in ("fsdp2", "zero3"):
         per_rank = splits = 0
         for it in items:
             step = shard_step(it, w, name)
             per_rank += step
             splits += progression_split_count(it.grid, step)
-        return BaselineResult(
-            padded_numel=w * per_rank,
-            per_rank_numel=per_rank,
-            splits_units=splits,
-            block_respecting=False,
-            **common,
-        )
-    if name == "naive":
+        padded, respecting = w * per_rank, False
+    elif name == "naive":
         per_rank = sum(_naive_slot(it.grid, w) for it in items)
-        return BaselineResult(
-            padded_numel=w * per_rank,
-            per_rank_numel=per_rank,
-            splits_units=0,
-            block_respecting=True,
-            **common,
-        )
-    align = DEEPSPEED_NCCL_START_ALIGNMENT_FACTOR * w
-    padded = round_up(total, align)
-    part = padded // w
+        padded, splits, respecting = w * per_rank, 0, True
+    else:  # zero12: one flat buffer padded to a multiple of 2 W, cut into W equal partitions
+        padded = round_up(total, DEEPSPEED_NCCL_START_ALIGNMENT_FACTOR * w)
+        per_rank = padded // w
+        splits, respecting = _flat_splits(items, per_rank, w), False
     return BaselineResult(
+        name=name,
+        world_size=w,
+        total_numel=total,
         padded_numel=padded,
-        per_rank_numel=part,
-        splits_units=_flat_splits(items, part, w),
-        block_respecting=False,
-        **common,
+        per_rank_numel=per_rank,
+        splits_units=splits,
+        block_respecting=respecting,
+        num_collectives=1,
+        num_tensors=len(items),
     )
 
 

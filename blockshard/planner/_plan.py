@@ -149,8 +149,8 @@ class ModelPlan:
             out.setdefault(group_kind(g.name), []).append(g)
         return out
 
-    def to_json(self, *, layouts: bool = False) -> dict:
-        data = {
+    def to_json(self, *, layouts: bool = False) -> dict[str, object]:
+        data: dict[str, object] = {
             "world_size": self.world_size,
             "num_groups": len(self.groups),
             "num_tensors": sum(len(g.tensors) for g in self.groups),
@@ -164,12 +164,10 @@ class ModelPlan:
             "plan_seconds": self.plan_seconds,
             "max_cost_over_mean": self.max_cost_over_mean,
             "max_cost_over_mean_unrotated": self.max_cost_over_mean_unrotated,
-            "layout_hashes": {g.name: g.layout_hash() for g in self.groups} if layouts else None,
         }
         if layouts:
+            data["layout_hashes"] = {g.name: g.layout_hash() for g in self.groups}
             data["layouts"] = [g.to_json() for g in self.groups]
-        else:
-            del data["layout_hashes"]
         return data
 
 
