@@ -22,11 +22,7 @@ DeepSpeed 0.19.8 engines on CPU).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -34,6 +30,7 @@ import time
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
+from _common import add_output_args, command, emit, machine_facts, parser  # benchmarks/ is on sys.path
 from torch import nn
 
 LLAMA = dict(
@@ -235,15 +232,11 @@ def _rank(rank: int, world_size: int, rounds: int, steps: int, warmup: int) -> d
     }
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def _parser():
+    p = parser(__doc__, world_size=None, steps=8, warmup=2)
     p.add_argument("--world-size", type=int, nargs="+", default=[2], help="one run per world size")
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=8, help="timed steps per round and engine")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--json", action="store_true", help="print the JSON report to stdout")
-    p.add_argument("--out", default=None, help="also write the JSON report here")
-    return p
+    return add_output_args(p, timeout=None)
 
 
 def _one(w: int, args) -> dict:
@@ -305,28 +298,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {
         "benchmark": "deepspeed_hook",
-        "command": "python benchmarks/deepspeed_hook.py " + " ".join(shlex.quote(a) for a in argv),
+        "command": command("deepspeed_hook.py", argv),
         "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "deepspeed": deepspeed.__version__,
-            "backend": "gloo",
-            "threads_per_rank": 1,
-        },
+        "machine": machine_facts(versions={"deepspeed": deepspeed.__version__}),
         "runs": [_one(w, args) for w in args.world_size],
     }
-    text = json.dumps(report, indent=2)
-    if args.json:
-        print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return report
+    return emit(report, render=None, out=args.out, as_json=args.json)
 
 
 if __name__ == "__main__":

@@ -35,23 +35,26 @@ After the timed rounds, one instrumented pass per engine (never timed), on every
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import gc
 import os
-import platform
 import re
-import shlex
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-from _report import emit  # benchmarks/_report.py (scripts run with benchmarks/ on sys.path)
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from _common import (  # benchmarks/_common.py (scripts run with benchmarks/ on sys.path)
+    CollectiveCounter,
+    add_output_args,
+    command,
+    emit,
+    machine_facts,
+    nbytes,
+    parser,
+)
 
 ENGINES = ("fsdp2", "blockshard")
 PRESETS = {
@@ -79,18 +82,7 @@ _MARK = "engine_vs_fsdp2.measured_step"
 CATEGORIES = ("all_gather_path", "reduce_scatter_path", "engine_other", "inside_collective", "outside_engine")
 
 
-def _nbytes(obj) -> int:
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for t in tree_leaves(obj):
-        if isinstance(t, torch.Tensor):
-            t = t._local_tensor if isinstance(t, DTensor) else t
-            total += t.numel() * t.element_size()
-    return total
-
-
-class OpCounter(TorchDispatchMode):
+class OpCounter(CollectiveCounter):
     """Bytes written by copy-like and fill ops (by where they run) and c10d collectives, per step."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -100,7 +92,6 @@ class OpCounter(TorchDispatchMode):
         self.copies: dict[str, dict[str, list[int]]] = {}  # category -> op -> [count, bytes]
         self.fills: dict[str, int] = {}  # category -> bytes
         self.grad_accumulate = [0, 0]  # add_ into an existing param .grad: [count, bytes]
-        self.collectives: dict[str, dict[str, int]] = {}
 
     def __enter__(self):
         from torch.distributed.distributed_c10d import Work
@@ -143,35 +134,33 @@ class OpCounter(TorchDispatchMode):
         if func.namespace == "c10d":
             kind = name.split("::", 1)[1]
             i_in, i_out = _C10D_ARGS.get(kind, (0, 0))
-            rec = self.collectives.setdefault(kind, {"count": 0, "bytes_sent": 0, "bytes_received": 0})
-            rec["count"] += 1
-            rec["bytes_sent"] += _nbytes(args[i_in]) if len(args) > i_in else 0
-            rec["bytes_received"] += _nbytes(args[i_out]) if len(args) > i_out else 0
+            sent = nbytes(args[i_in]) if len(args) > i_in else 0
+            self.record(kind, sent, nbytes(args[i_out]) if len(args) > i_out else 0)
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         if name in COPY_OPS or name in FILL_OPS:
-            nbytes = self._written(func, args, kwargs, out)
+            written = self._written(func, args, kwargs, out)
             where = self._category()
             if name in FILL_OPS:
-                self.fills[where] = self.fills.get(where, 0) + nbytes
+                self.fills[where] = self.fills.get(where, 0) + written
             else:
                 rec = self.copies.setdefault(where, {}).setdefault(name, [0, 0])
                 rec[0] += 1
-                rec[1] += nbytes
+                rec[1] += written
         elif name == "aten::add_" and args and any(args[0] is p.grad for p in self.model.parameters()):
             self.grad_accumulate[0] += 1
-            self.grad_accumulate[1] += _nbytes(args[0])
+            self.grad_accumulate[1] += nbytes(args[0])
         return out
 
     @staticmethod
     def _written(func, args, kwargs, out) -> int:
         if func._schema.name == "fsdp::all_gather_copy_in":
-            return _nbytes(args[0])  # the shards copied into the all-gather input (output aliases a buffer)
+            return nbytes(args[0])  # the shards copied into the all-gather input (output aliases a buffer)
         mutated = []
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 mutated.append(kwargs.get(arg.name, args[i] if i < len(args) else None))
-        return _nbytes(mutated) if mutated else _nbytes(out)
+        return nbytes(mutated) if mutated else nbytes(out)
 
     def summary(self) -> dict:
         copies = {}
@@ -418,19 +407,13 @@ def render(report: dict) -> None:
     Console(stderr=True, width=120).print(t)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=int, default=4)
+def _parser():
+    p = parser(__doc__, world_size=4, steps=10, warmup=2)
     p.add_argument("--rounds", type=int, default=3, help="rounds; each trains both engines afresh")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per engine per round")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per engine per round")
     p.add_argument("--model", choices=sorted(PRESETS), default="small-llama")
     for flag, key in SIZE_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None, help=f"override the preset's {key}")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
-    p.add_argument("--json", action="store_true", help="print the JSON report to stdout")
-    p.add_argument("--out", default=None, help="also write the JSON report to this file")
-    return p
+    return add_output_args(p, timeout=1800.0)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -447,14 +430,12 @@ def main(argv: list[str] | None = None) -> dict:
     per_rank = spawn_gloo(_rank_main, a.world_size, args=(opts,), timeout=a.timeout, threads=1)
     report = {
         "benchmark": "engine_vs_fsdp2",
-        "command": shlex.join(["python", "benchmarks/engine_vs_fsdp2.py", *argv]),
+        "command": command("engine_vs_fsdp2.py", argv),
         "world_size": a.world_size, "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup,
         "model": {"preset": a.model, **cfg, "num_params": _num_params(cfg),
                   "architecture": "transformers LlamaForCausalLM (eager attention, fp32, untied head)"},
         "optimizer": "torch.optim.AdamW(lr=1e-3), zero_grad(set_to_none=True)",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "backend": "gloo", "threads_per_rank": 1,
-                    "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg()},
+        "machine": machine_facts(load_before=load_before),
         **_aggregate(per_rank, opts),
         "wall_seconds": time.perf_counter() - t0,
     }  # fmt: skip

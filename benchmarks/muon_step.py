@@ -45,12 +45,9 @@ Counted, not timed (one more step per variant under a ``TorchDispatchMode``):
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -58,74 +55,19 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from _report import emit  # benchmarks/_report.py (scripts run with benchmarks/ on sys.path)
+from _common import (  # benchmarks/_common.py (scripts run with benchmarks/ on sys.path)
+    StepCounter,
+    add_output_args,
+    check_block_config,
+    command,
+    emit,
+    machine_facts,
+    parser,
+)
+from _muon_variants import ADAMW, MATRIX_SEMANTICS, MUON, VARIANTS, Variant, build, ns_flops
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-VARIANTS = ("ragged", "fsdp2+owner", "fsdp2+plain-muon", "gather-everywhere")
-MUON = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)  # ns_steps=5, torch's coefficients
-ADAMW = dict(lr=1e-3)
 MODEL_DEFAULTS = dict(blocks=4, hidden=256, kv_dim=64, intermediate=704, heads=4, seq_len=32, batch_size=2)
-MATRIX_SEMANTICS = {"*_proj.weight": "matrix"}  # q/k/v/o and the MLP; the RMSNorm weights stay element-wise
-
-
-# -- model ------------------------------------------------------------------------------------------
-class Block(nn.Module):
-    """Pre-norm attention with grouped KV heads and a SwiGLU MLP (Llama-like), no biases."""
-
-    def __init__(self, hidden: int, kv_dim: int, intermediate: int, heads: int) -> None:
-        super().__init__()
-        self.heads, self.head_dim = heads, hidden // heads
-        self.kv_heads = kv_dim // self.head_dim
-        self.attn_norm = nn.RMSNorm(hidden)
-        self.q_proj = nn.Linear(hidden, hidden, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_dim, bias=False)
-        self.o_proj = nn.Linear(hidden, hidden, bias=False)
-        self.mlp_norm = nn.RMSNorm(hidden)
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        h = self.attn_norm(x)
-        q = self.q_proj(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
-        h = self.mlp_norm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-
-
-class Model(nn.Module):
-    def __init__(self, cfg: dict) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(
-            Block(cfg["hidden"], cfg["kv_dim"], cfg["intermediate"], cfg["heads"]) for _ in range(cfg["blocks"])
-        )
-        self.norm = nn.RMSNorm(cfg["hidden"])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return self.norm(x)
-
-
-def build(cfg: dict) -> Model:
-    torch.manual_seed(0)
-    return Model(cfg)
-
-
-def check_config(cfg: dict) -> None:
-    h, kv, heads = cfg["hidden"], cfg["kv_dim"], cfg["heads"]
-    if min(cfg.values()) < 1 or h % heads or kv % (h // heads) or heads % (kv // (h // heads)):
-        raise SystemExit(
-            f"bad model sizes {cfg}: need hidden % heads == 0, kv_dim a multiple of the head "
-            "dim (hidden / heads) and heads a multiple of the KV heads, all sizes >= 1"
-        )
 
 
 def matrix_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
@@ -183,266 +125,6 @@ def _batch(cfg: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)  # the same batch on every rank
     shape = (cfg["batch_size"], cfg["seq_len"], cfg["hidden"])
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-
-
-# -- variants ---------------------------------------------------------------------------------------
-def _ns_flops(shapes) -> float:
-    from blockshard.semantics import newton_schulz_flops
-
-    return float(sum(newton_schulz_flops(tuple(s)) for s in shapes))
-
-
-class GatherEverywhereMuon:
-    """Distributed Muon as in Moonshot's "Muon is Scalable" and DeepSpeed ZeRO-1/2: momentum sharded
-    by FSDP2's ``Shard(0)`` rows, every whole matrix's update direction all-gathered to every rank,
-    Newton-Schulz on every matrix everywhere, each rank keeps its own rows.
-
-    Same arithmetic as ``torch.optim.Muon`` on one process (its own ``_zeropower_via_newtonschulz``
-    and ``_adjust_lr``), so with the same gradients it gives the same parameters bitwise.
-    """
-
-    def __init__(
-        self,
-        named_params,
-        *,
-        lr,
-        momentum,
-        nesterov,
-        weight_decay,
-        ns_steps=5,
-        ns_coefficients=(3.4445, -4.7750, 2.0315),
-        eps=1e-7,
-    ) -> None:
-        from torch.distributed.tensor import DTensor, Shard
-
-        self.opts = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                         ns_steps=ns_steps, ns_coefficients=ns_coefficients, eps=eps)  # fmt: skip
-        self.params = []
-        for name, p in named_params:
-            if not (isinstance(p, DTensor) and p.placements == (Shard(0),) and p.ndim == 2):
-                raise ValueError(f"{name}: gather-everywhere expects FSDP2 Shard(0) 2-D DTensors, got {type(p)}")
-            w, r = p.device_mesh.size(), p.device_mesh.get_local_rank()
-            rows = p.shape[0]
-            c = -(-rows // w)
-            lo, hi = min(r * c, rows), min((r + 1) * c, rows)
-            local = p.to_local()
-            self.params.append(
-                dict(
-                    name=name,
-                    p=p,
-                    shape=tuple(p.shape),
-                    c=c,
-                    lo=lo,
-                    hi=hi,
-                    w=w,
-                    group=p.device_mesh.get_group(),
-                    buf=torch.zeros_like(local),
-                )
-            )
-
-    def ns_shapes(self) -> list[tuple[int, ...]]:
-        return [q["shape"] for q in self.params]
-
-    def planned_bytes(self) -> tuple[int, int]:
-        """(sent, received) per rank per step: (W-1) copies of this rank's padded shard out, W-1 in."""
-        n = sum((q["w"] - 1) * q["c"] * q["shape"][1] * q["buf"].element_size() for q in self.params)
-        return n, n
-
-    @torch.no_grad()
-    def step(self) -> None:
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
-
-        o = self.opts
-        pending = []
-        for q in self.params:  # momentum on the shard, then all-gather the update direction
-            g = q["p"].grad.to_local()
-            buf = q["buf"]
-            buf.lerp_(g, 1 - o["momentum"])
-            upd = g.lerp(buf, o["momentum"]) if o["nesterov"] else buf
-            send = upd.new_zeros((q["c"], q["shape"][1]))
-            send[: q["hi"] - q["lo"]].copy_(upd)
-            out = upd.new_empty((q["w"] * q["c"], q["shape"][1]))
-            pending.append((q, out, dist.all_gather_into_tensor(out, send, group=q["group"], async_op=True)))
-        for q, out, work in pending:  # Newton-Schulz on every whole matrix, keep this rank's rows
-            work.wait()
-            full = _zeropower_via_newtonschulz(out[: q["shape"][0]], o["ns_coefficients"], o["ns_steps"], o["eps"])
-            local = q["p"].to_local()
-            local.mul_(1 - o["lr"] * o["weight_decay"])
-            local.add_(full[q["lo"] : q["hi"]], alpha=-_adjust_lr(o["lr"], None, torch.Size(q["shape"])))
-
-    def zero_grad(self) -> None:
-        for q in self.params:
-            q["p"].grad = None
-
-
-class Variant:
-    """One model and its optimizers on this rank."""
-
-    def __init__(self, name: str, cfg: dict) -> None:
-        self.name, self.error, self.times = name, None, []
-        self.model = model = build(cfg)
-        rank = dist.get_rank()
-        self.planned = (0, 0)  # bytes (sent, received) per rank that the step's collectives should move
-        if name == "ragged":
-            import blockshard
-
-            for b in model.blocks:
-                blockshard.fully_shard(b, semantics=MATRIX_SEMANTICS)
-            blockshard.fully_shard(model)
-            named = [(n, p) for n, p in model.named_parameters() if p.numel() > 0]  # ranks may hold empty pieces
-            mats = [(n, p) for n, p in named if p.ndim == 2]
-            self.muon = torch.optim.Muon([p for _, p in mats], **MUON) if mats else None
-            rest = [p for _, p in named if p.ndim != 2]
-            self.adamw = torch.optim.AdamW(rest, **ADAMW) if rest else None
-            self.ns_matrices = [(n, tuple(p.shape)) for n, p in mats]
-        elif name == "fsdp2+owner":
-            from blockshard.integrations import fsdp2
-
-            for b in model.blocks:
-                fsdp2.fully_shard(b, semantics=MATRIX_SEMANTICS, root=model)
-            fsdp2.fully_shard(model, semantics=MATRIX_SEMANTICS)
-            named = list(model.named_parameters())
-            mats = [(n, p) for n, p in named if p.ndim == 2]
-            self.muon = fsdp2.OwnerComputeOptimizer(
-                lambda g: torch.optim.Muon(g, **MUON), mats, semantics="matrix", model=model
-            )
-            self.adamw = fsdp2.OwnerComputeOptimizer(
-                lambda g: torch.optim.AdamW(g, **ADAMW), [(n, p) for n, p in named if p.ndim != 2], model=model
-            )
-            # What the inner Muon orthogonalizes here: its compute tensors (owned whole matrices and
-            # whole matrices inside this rank's shard), named where they are owned whole matrices.
-            computed = [tuple(t.shape) for g in self.muon.inner.param_groups for t in g["params"] if t.numel() > 0]
-            full = {n: tuple(p.shape) for n, p in mats}
-            owned = [n for n, _, numel in self.muon.owned_units() if numel == math.prod(full[n])]
-            named_ok = sorted(full[n] for n in owned) == sorted(computed)
-            self.ns_matrices = [(n, full[n]) for n in owned] if named_ok else [("(unnamed)", s) for s in computed]
-            send, recv = self.muon.plan.all_to_all_splits(rank)  # elements, gradient direction
-            nbytes = 4 * (sum(send) + sum(recv))  # fp32; the update direction swaps send and recv
-            self.planned = (nbytes, nbytes)
-            self.plan = self.muon.plan.to_json()
-        else:
-            from torch.distributed.fsdp import fully_shard
-
-            for b in model.blocks:
-                fully_shard(b)
-            fully_shard(model)
-            named = list(model.named_parameters())
-            mats = [(n, p) for n, p in named if p.ndim == 2]
-            self.adamw = torch.optim.AdamW([p for n, p in named if p.ndim != 2], **ADAMW)
-            if name == "fsdp2+plain-muon":
-                self.muon = torch.optim.Muon([p for _, p in mats], **MUON)
-                self.ns_matrices = None  # DTensor splits each matmul: counted from the dispatched mm/addmm
-                self.planned = None  # whatever collectives DTensor's sharding propagation issues: counted
-            else:
-                self.muon = GatherEverywhereMuon(mats, **MUON)
-                self.ns_matrices = [(n, tuple(p.shape)) for n, p in mats]
-                self.planned = self.muon.planned_bytes()
-
-    def forward_backward(self, batch) -> float:
-        x, y = batch
-        loss = F.mse_loss(self.model(x), y)
-        loss.backward()
-        return loss.item()
-
-    def step(self, timed: bool) -> None:
-        """The Muon step (timed, after a barrier), then AdamW and zero_grad (untimed)."""
-        dist.barrier()
-        t0 = time.perf_counter()
-        if self.muon is not None:
-            self.muon.step()
-        t1 = time.perf_counter()
-        if timed:
-            self.times.append(t1 - t0)
-        if self.adamw is not None:
-            self.adamw.step()
-        for o in (self.muon, self.adamw):
-            if o is not None:
-                o.zero_grad()
-
-    def full_params(self) -> dict[str, torch.Tensor]:
-        """Full parameters by name (collective)."""
-        if self.name == "ragged":
-            import blockshard
-
-            return {k: v.clone() for k, v in blockshard.full_state_dict(self.model).items()}
-        return {n: p.full_tensor().detach().clone() for n, p in self.model.named_parameters()}
-
-
-# -- counting ---------------------------------------------------------------------------------------
-class StepCounter(TorchDispatchMode):
-    """c10d collectives (bytes to / from other ranks) and matmul FLOPs dispatched in one step."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        super().__init__()
-        self.rank, self.w = rank, world_size
-        self.collectives: dict[str, dict[str, int]] = {}
-        self.matmul_flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor desugar into local ops and collectives, then count those
-        kwargs = kwargs or {}
-        name = func._schema.name
-        if name in ("aten::mm", "aten::addmm"):
-            a, b = (args[0], args[1]) if name == "aten::mm" else (args[1], args[2])
-            self.matmul_flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
-        elif func.namespace in ("c10d", "_c10d_functional"):
-            kind = name.split("::", 1)[1]
-            sent = recv = 0
-            if kind == "_allgather_base_":  # (output, input, ...)
-                out, inp = args[0], args[1]
-                sent = (self.w - 1) * _nbytes(inp)
-                recv = _nbytes(out) - _nbytes(inp)
-            elif kind == "alltoall_base_":  # (output, input, group, output_split_sizes, input_split_sizes, ...)
-                out, inp, osplit, isplit = args[0], args[1], args[3], args[4]
-                sent = _nbytes(inp) - _split_bytes(inp, isplit, self.rank, self.w)
-                recv = _nbytes(out) - _split_bytes(out, osplit, self.rank, self.w)
-            elif kind == "all_gather_into_tensor":  # functional (DTensor): (input, group_size, group)
-                sent = recv = (self.w - 1) * _nbytes(args[0])
-            elif kind in ("all_reduce", "allreduce_"):  # ring all-reduce: 2 (W-1)/W of the tensor each way
-                sent = recv = 2 * (self.w - 1) * _nbytes(args[0]) // self.w
-            elif kind in ("reduce_scatter_tensor", "_reduce_scatter_base_"):  # (W-1)/W of the input each way
-                inp = args[0] if kind == "reduce_scatter_tensor" else args[1]
-                sent = recv = (self.w - 1) * _nbytes(inp) // self.w
-            elif kind == "all_to_all_single":  # functional: (input, output_split_sizes, input_split_sizes, group)
-                inp, osplit, isplit = args[0], args[1], args[2]
-                sent = _nbytes(inp) - _split_bytes(inp, isplit, self.rank, self.w)
-                recv = sum(osplit) * (_nbytes(inp) // max(1, sum(isplit))) - _split_bytes(
-                    inp, isplit, self.rank, self.w
-                )
-            elif kind in ("wait_tensor", "barrier", "_wrap_tensor_autograd"):  # no data of their own
-                return func(*args, **kwargs)
-            else:  # not expected in a step: counted by size, direction unknown
-                sent = recv = sum(_nbytes(a) for a in args if isinstance(a, torch.Tensor))
-            rec = self.collectives.setdefault(kind, {"count": 0, "bytes_sent": 0, "bytes_received": 0})
-            rec["count"] += 1
-            rec["bytes_sent"] += sent
-            rec["bytes_received"] += recv
-        return func(*args, **kwargs)
-
-    def totals(self) -> tuple[int, int]:
-        return (
-            sum(c["bytes_sent"] for c in self.collectives.values()),
-            sum(c["bytes_received"] for c in self.collectives.values()),
-        )
-
-
-def _nbytes(t) -> int:
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def _split_bytes(t: torch.Tensor, splits, rank: int, w: int) -> int:
-    """Bytes of ``t``'s split for ``rank`` (the self entry of an all_to_all)."""
-    if t.numel() == 0:
-        return 0
-    per_row = t[0].numel() * t.element_size() if t.ndim > 1 else t.element_size()
-    if not splits:
-        return t.numel() * t.element_size() // w
-    return int(splits[rank]) * per_row
 
 
 # -- one rank ---------------------------------------------------------------------------------------
@@ -509,7 +191,7 @@ def _rank_main(rank: int, world_size: int, opts: dict) -> dict:
 def _aggregate(per_rank: list[dict], opts: dict) -> dict:
     w = len(per_rank)
     shapes = matrix_shapes(opts["model"])
-    total_flops = _ns_flops(s for _, s in shapes)
+    total_flops = ns_flops(s for _, s in shapes)
     grad_bytes = 4 * sum(math.prod(s) for _, s in shapes)
     packing = ragged_packing(opts["model"], sorted({2, 4, 8, 16, 32, w}))
     variants = {}
@@ -525,7 +207,7 @@ def _aggregate(per_rank: list[dict], opts: dict) -> dict:
         counted = [x["counted"] for x in rk]
         from_shapes = rk[0]["ns_matrices"] is not None
         flops = [
-            _ns_flops(s for _, s in x["ns_matrices"]) if from_shapes else c["matmul_flops"]
+            ns_flops(s for _, s in x["ns_matrices"]) if from_shapes else c["matmul_flops"]
             for x, c in zip(rk, counted, strict=True)
         ]
         rec.update({
@@ -662,17 +344,11 @@ def render(report: dict) -> None:
     Console(stderr=True, width=140).print(pk)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
+def _parser():
+    p = parser(__doc__, world_size=4, steps=20, warmup=2)
     for key, val in MODEL_DEFAULTS.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=val, help=f"model size (default {val})")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
-    p.add_argument("--json", action="store_true", help="print the JSON report to stdout")
-    p.add_argument("--out", default=None, help="also write the JSON report to this file")
-    return p
+    return add_output_args(p, timeout=1800.0)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -684,17 +360,17 @@ def main(argv: list[str] | None = None) -> dict:
     if a.world_size < 2 or a.steps < 1 or a.warmup < 0:
         raise SystemExit("need --world-size >= 2, --steps >= 1, --warmup >= 0")
     cfg = {k: getattr(a, k) for k in MODEL_DEFAULTS}
-    check_config(cfg)
+    check_block_config(cfg)
     opts = {"model": cfg, "steps": a.steps, "warmup": a.warmup}
     t0, load_before = time.perf_counter(), os.getloadavg()
     per_rank = spawn_gloo(_rank_main, a.world_size, args=(opts,), timeout=a.timeout, threads=1)
     shapes = matrix_shapes(cfg)
     report = {
         "benchmark": "muon_step",
-        "command": shlex.join(["python", "benchmarks/muon_step.py", *argv]),
+        "command": command("muon_step.py", argv),
         "world_size": a.world_size, "steps": a.steps, "warmup": a.warmup,
         "model": {**cfg, "num_matrices": len(shapes),
-                  "matrices": [{"name": n, "shape": list(s), "ns_flops": _ns_flops([s])} for n, s in shapes],
+                  "matrices": [{"name": n, "shape": list(s), "ns_flops": ns_flops([s])} for n, s in shapes],
                   "num_params": sum(p.numel() for p in build(cfg).parameters()),
                   "architecture": "blocks of RMSNorm + causal GQA attention (q/k/v/o) + RMSNorm + SwiGLU MLP "
                                   "(gate/up/down), no biases, final RMSNorm; fp32; MSE to a random target"},
@@ -704,10 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
         "timing": "median over timed steps of the slowest rank's Muon step (a barrier before each); forward, "
                   "backward, AdamW and zero_grad untimed; variants alternate in the same processes, order "
                   "rotating every step; every rank gets the same batch",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "torch": torch.__version__, "backend": "gloo", "threads_per_rank": 1,
-                    "oversubscribed": a.world_size > (os.cpu_count() or 1),
-                    "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg()},
+        "machine": machine_facts(oversubscribed=a.world_size > (os.cpu_count() or 1), load_before=load_before),
         **_aggregate(per_rank, opts),
         "notes": [
             "Step communication only: every variant also all-gathers parameters in forward and reduce-scatters "

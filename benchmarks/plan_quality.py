@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 
+from _common import add_output_args, command  # benchmarks/_common.py (benchmarks/ is on sys.path)
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -104,8 +105,7 @@ def _timed(tensors: list[TensorSpec]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
-    ap.add_argument("--out", help="also write the JSON here")
+    add_output_args(ap, timeout=None)  # --json, --out
     ap.add_argument("--models", nargs="*", default=None, help="catalog models (default: all)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--markdown", help="also write the summary tables as Markdown here (for docs/)")
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(_case(model, tensors, W, sem))
                     progress.advance(task)
     result = {
-        "command": "python " + " ".join(["benchmarks/plan_quality.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": command("plan_quality.py", argv if argv is not None else sys.argv[1:]),
         "machine": {"python": platform.python_version(), "processor": platform.machine(), "cpus": _cpus()},
         "cases": rows,
         "planning_time": _planning_time(args.repeats),

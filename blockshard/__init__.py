@@ -4,7 +4,7 @@
 process group (the pure layers do not even import torch).
 """
 
-from blockshard._errors import BlockshardError, PlanError, SemanticsError, ShapesError
+from blockshard._errors import BlockshardError, PlanError, SemanticsError, ShapesError, WorldSizeError
 from blockshard.semantics import (
     BlockSemantics,
     Companion,
@@ -37,6 +37,7 @@ __all__ = [
     "PlanError",
     "SemanticsError",
     "ShapesError",
+    "WorldSizeError",
     "BlockSemantics",
     "Companion",
     "Rule",

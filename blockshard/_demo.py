@@ -139,7 +139,7 @@ def _plan(world_size: int, semantics: str):
 
 def _planned_shapes(plan) -> list[dict[str, tuple[int, ...]]]:
     """Per rank: the block shape of every parameter's local piece, as the engine will make it."""
-    from blockshard.runtime._param import block_shape
+    from blockshard.planner._units import block_shape
 
     out: list[dict[str, tuple[int, ...]]] = [{} for _ in range(plan.world_size)]
     for g in plan.groups:

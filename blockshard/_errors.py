@@ -7,7 +7,7 @@ Internal invariants use ``assert``.
 
 from __future__ import annotations
 
-__all__ = ["BlockshardError", "PlanError", "SemanticsError", "ShapesError"]
+__all__ = ["BlockshardError", "PlanError", "SemanticsError", "ShapesError", "WorldSizeError"]
 
 
 class BlockshardError(ValueError):
@@ -24,3 +24,7 @@ class PlanError(BlockshardError):
 
 class ShapesError(BlockshardError):
     """A model description (catalog name, config.json, tensor list) is malformed or unknown."""
+
+
+class WorldSizeError(PlanError):
+    """A world size (number of ranks) that is not a positive integer, wherever it is passed."""

@@ -31,6 +31,8 @@ from multiprocessing.connection import wait
 import torch
 import torch.multiprocessing as mp
 
+from blockshard.planner._units import check_world_size
+
 __all__ = ["run_single", "spawn_gloo"]
 
 _GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' errors (root cause)
@@ -90,8 +92,7 @@ def _worker(
 def _check(fn, world_size: int, args: tuple, timeout: float, threads: int) -> None:
     if not callable(fn):
         raise ValueError(f"fn={fn!r} is not callable; pass a top-level function fn(rank, world_size, *args)")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an int >= 1; pass the number of ranks to spawn")
+    check_world_size(world_size)
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads={threads!r} must be an int >= 1 (torch threads per rank); pass e.g. threads=1")
     if not isinstance(timeout, (int, float)) or not timeout > 0:

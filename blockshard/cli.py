@@ -58,9 +58,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace):
     from blockshard.planner import load_model_tensors, plan_model
+    from blockshard.planner._units import check_world_size
 
-    if args.world_size is None or args.world_size < 1:
-        raise BlockshardError(f"--world-size={args.world_size} must be an integer >= 1 (the number of ranks)")
+    check_world_size(args.world_size, "--world-size")
     tensors = load_model_tensors(model=args.model, config=args.config, shapes=args.shapes)
     return plan_model(tensors, args.world_size, semantics=args.semantics, alignment_bytes=args.alignment_bytes)
 

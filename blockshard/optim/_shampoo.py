@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from blockshard._errors import BlockshardError
+from blockshard.planner._units import rows_cols
 
 __all__ = ["BlockedShampoo"]
 
@@ -127,7 +128,7 @@ def _matrix_shape(shape: torch.Size) -> tuple[int, ...]:
     """The shape the blocking works on: 1-D for 0-d/1-D tensors, ``(shape[0], prod(rest))`` else."""
     if len(shape) <= 1:
         return (math.prod(shape),)
-    return (shape[0], math.prod(shape[1:]))
+    return rows_cols(shape)
 
 
 def _block_slices(shape: tuple[int, ...], d: int) -> list[tuple[slice, ...]]:

@@ -11,9 +11,10 @@ from blockshard.planner._catalog import (
 )
 from blockshard.planner._items import PlanItem, resolve_items
 from blockshard.planner._layout import GroupLayout, Piece, TensorPlacement
+from blockshard.planner._ordered import OrderedLayout, ordered_layout
 from blockshard.planner._owner import OwnerPlan, plan_owners
 from blockshard.planner._pack import lower_bound, pack
-from blockshard.planner._plan import ModelPlan, alignment_elements, group_kind, plan_group, plan_model
+from blockshard.planner._plan import ModelPlan, alignment_numel, group_kind, plan_group, plan_model
 from blockshard.planner._report import Comparison, KindRow, compare
 from blockshard.planner._shapes_file import load_model_tensors, tensors_from_shapes_file
 
@@ -24,11 +25,12 @@ __all__ = [
     "GroupLayout",
     "KindRow",
     "ModelPlan",
+    "OrderedLayout",
     "OwnerPlan",
     "Piece",
     "PlanItem",
     "TensorPlacement",
-    "alignment_elements",
+    "alignment_numel",
     "baseline",
     "catalog_config",
     "catalog_models",
@@ -39,6 +41,7 @@ __all__ = [
     "load_model_tensors",
     "lower_bound",
     "model_tensors",
+    "ordered_layout",
     "pack",
     "plan_buckets",
     "plan_group",

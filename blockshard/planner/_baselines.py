@@ -47,6 +47,7 @@ import numpy as np
 
 from blockshard._errors import PlanError
 from blockshard.planner._items import PlanItem
+from blockshard.planner._units import ceil_div, check_world_size, round_up, rows_cols
 from blockshard.semantics import UnitGrid
 
 __all__ = ["BASELINES", "BaselineResult", "baseline", "combine"]
@@ -97,15 +98,6 @@ class BaselineResult:
 
 
 # -- input checks -------------------------------------------------------------------------------
-def check_world_size(world_size: object) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
-        raise PlanError(
-            f"world_size={world_size!r} is invalid: it must be an integer >= 1; "
-            "pass the number of data-parallel ranks that share the group"
-        )
-    return int(world_size)
-
-
 def check_name(param: str, value: object, valid: Sequence[str]) -> str:
     if value not in valid:
         raise PlanError(
@@ -115,20 +107,12 @@ def check_name(param: str, value: object, valid: Sequence[str]) -> str:
 
 
 # -- unit arithmetic shared with the owner planner -------------------------------------------------
-def rows_and_row_numel(item: PlanItem) -> tuple[int, int]:
-    """FSDP2's dim-0 view: ``(rows, elements per row)``; a 0-d tensor is one row of one element."""
-    shape = item.spec.shape
-    if not shape:
-        return 1, 1
-    return shape[0], math.prod(shape[1:])
-
-
 def shard_step(item: PlanItem, world_size: int, engine: str) -> int:
     """Elements per rank shard (before padding) of one tensor under ``"fsdp2"`` or ``"zero3"``."""
     if engine == "fsdp2":
-        rows, row_numel = rows_and_row_numel(item)
-        return -(-rows // world_size) * row_numel
-    return -(-item.numel // world_size)
+        rows, row_numel = rows_cols(item.spec.shape)
+        return ceil_div(rows, world_size) * row_numel
+    return ceil_div(item.numel, world_size)
 
 
 def unit_index(grid: UnitGrid, x: np.ndarray) -> np.ndarray:
@@ -212,8 +196,8 @@ def _naive_slot(grid: UnitGrid, world_size: int) -> int:
     n = grid.num_units
     if n == 0:
         return 0
-    k = -(-n // world_size)
-    ranks = -(-n // k)
+    k = ceil_div(n, world_size)
+    ranks = ceil_div(n, k)
 
     def cut(i: int) -> int:  # start of unit i; numel past the end
         if i >= n:
@@ -230,38 +214,30 @@ def baseline(name: str, items: Sequence[PlanItem], world_size: int) -> BaselineR
     w = check_world_size(world_size)
     items = list(items)
     total = sum(it.numel for it in items)
-    common = dict(name=name, world_size=w, total_numel=total, num_collectives=1, num_tensors=len(items))
     if name in ("fsdp2", "zero3"):
         per_rank = splits = 0
         for it in items:
             step = shard_step(it, w, name)
             per_rank += step
             splits += progression_split_count(it.grid, step)
-        return BaselineResult(
-            padded_numel=w * per_rank,
-            per_rank_numel=per_rank,
-            splits_units=splits,
-            block_respecting=False,
-            **common,
-        )
-    if name == "naive":
+        padded, respecting = w * per_rank, False
+    elif name == "naive":
         per_rank = sum(_naive_slot(it.grid, w) for it in items)
-        return BaselineResult(
-            padded_numel=w * per_rank,
-            per_rank_numel=per_rank,
-            splits_units=0,
-            block_respecting=True,
-            **common,
-        )
-    align = DEEPSPEED_NCCL_START_ALIGNMENT_FACTOR * w
-    padded = -(-total // align) * align
-    part = padded // w
+        padded, splits, respecting = w * per_rank, 0, True
+    else:  # zero12: one flat buffer padded to a multiple of 2 W, cut into W equal partitions
+        padded = round_up(total, DEEPSPEED_NCCL_START_ALIGNMENT_FACTOR * w)
+        per_rank = padded // w
+        splits, respecting = _flat_splits(items, per_rank, w), False
     return BaselineResult(
+        name=name,
+        world_size=w,
+        total_numel=total,
         padded_numel=padded,
-        per_rank_numel=part,
-        splits_units=_flat_splits(items, part, w),
-        block_respecting=False,
-        **common,
+        per_rank_numel=per_rank,
+        splits_units=splits,
+        block_respecting=respecting,
+        num_collectives=1,
+        num_tensors=len(items),
     )
 
 

@@ -33,12 +33,12 @@ MERGE_TOLERANCE = 0.002
 
 
 def plan_buckets(
-    grids: Sequence[UnitGrid], world_size: int, alignment: int
+    grids: Sequence[UnitGrid], world_size: int, alignment_numel: int
 ) -> tuple[tuple[int, ...], list[int], list[int], int]:
     """Returns ``(S per bucket, bucket of each tensor, offset of each tensor in its bucket, lower bound)``."""
     n = len(grids)
-    lb = lower_bound(grids, world_size, alignment)
-    S1, offsets1, _ = pack(grids, world_size, alignment)
+    lb = lower_bound(grids, world_size, alignment_numel)
+    S1, offsets1, _ = pack(grids, world_size, alignment_numel)
     single = ((S1,), [0] * n, offsets1, lb)
     if S1 <= lb * (1 + GOOD_ENOUGH) or n == 1:
         return single
@@ -50,14 +50,14 @@ def plan_buckets(
     if len(parts) == 1:
         return single
     buckets = sorted(parts.values(), key=lambda ix: ix[0])
-    planned = [pack([grids[i] for i in ix], world_size, alignment) for ix in buckets]
+    planned = [pack([grids[i] for i in ix], world_size, alignment_numel) for ix in buckets]
     merged = True
     while merged and len(buckets) > 1:  # merge back whatever does not pay for its collective
         merged = False
         for a in range(len(buckets)):
             for b in range(a + 1, len(buckets)):
                 ix = sorted(buckets[a] + buckets[b])
-                trial = pack([grids[i] for i in ix], world_size, alignment)
+                trial = pack([grids[i] for i in ix], world_size, alignment_numel)
                 if trial[0] <= (planned[a][0] + planned[b][0]) * (1 + MERGE_TOLERANCE):
                     buckets[a], planned[a] = ix, trial
                     del buckets[b], planned[b]
@@ -65,7 +65,7 @@ def plan_buckets(
                     break
             if merged:
                 break
-    _move_tensors(grids, buckets, planned, world_size, alignment)
+    _move_tensors(grids, buckets, planned, world_size, alignment_numel)
     total = sum(p[0] for p in planned)
     if len(buckets) == 1 or total > S1 * (1 - MIN_GAIN_PER_BUCKET * (len(buckets) - 1)):
         return single
@@ -76,7 +76,7 @@ def plan_buckets(
     return tuple(p[0] for p in planned), bucket_of, offsets, lb
 
 
-def _move_tensors(grids, buckets: list[list[int]], planned: list, world_size: int, alignment: int) -> None:
+def _move_tensors(grids, buckets: list[list[int]], planned: list, world_size: int, alignment_numel: int) -> None:
     """One pass, smallest tensors first: move a tensor to another bucket where that lowers the sum
     of segments (e.g. into the slack a bucket of large stripes leaves on some ranks)."""
     if len(buckets) < 2:
@@ -86,12 +86,12 @@ def _move_tensors(grids, buckets: list[list[int]], planned: list, world_size: in
         if len(buckets[src]) == 1:
             continue
         rest = [j for j in buckets[src] if j != i]
-        rest_plan = pack([grids[j] for j in rest], world_size, alignment)
+        rest_plan = pack([grids[j] for j in rest], world_size, alignment_numel)
         for dst in range(len(buckets)):
             if dst == src:
                 continue
             grown = sorted(buckets[dst] + [i])
-            grown_plan = pack([grids[j] for j in grown], world_size, alignment)
+            grown_plan = pack([grids[j] for j in grown], world_size, alignment_numel)
             if rest_plan[0] + grown_plan[0] < planned[src][0] + planned[dst][0]:
                 buckets[src], planned[src] = rest, rest_plan
                 buckets[dst], planned[dst] = grown, grown_plan

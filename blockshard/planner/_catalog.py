@@ -29,7 +29,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, overload
 
 from blockshard._errors import ShapesError
 from blockshard.semantics._spec import TensorSpec
@@ -246,8 +246,12 @@ class _Cfg:
             f"add it to the config (see the model's published config.json)"
         )
 
+    @overload
+    def opt(self, key: str, default: int, *, minimum: int = 1) -> int: ...
+    @overload
+    def opt(self, key: str, default: None, *, minimum: int = 1) -> int | None: ...
     def opt(self, key: str, default: int | None, *, minimum: int = 1) -> int | None:
-        """An optional integer; a missing or ``null`` value gives ``default``."""
+        """An optional integer; a missing or ``null`` value gives ``default`` (so an int default gives an int)."""
         value = self.data.get(key)
         return default if value is None else self._check_int(key, value, minimum)
 

@@ -20,10 +20,9 @@ padding into a single one (see ``_buckets.py``).
 from __future__ import annotations
 
 import bisect
-import hashlib
-import json
 from dataclasses import dataclass, field
 
+from blockshard.planner._units import layout_hash, rank_overlap
 from blockshard.semantics import UnitGrid
 
 __all__ = ["GroupLayout", "Piece", "TensorPlacement"]
@@ -64,7 +63,7 @@ class Piece:
 class GroupLayout:
     name: str
     world_size: int
-    alignment: int  # elements
+    alignment_numel: int  # every S_b is a multiple of it (``plan_group``'s ``alignment_bytes`` in elements)
     dtype: str
     itemsize: int
     lower_bound: int
@@ -147,35 +146,18 @@ class GroupLayout:
         return sum(p.numel for p in self.pieces(rank))
 
     def rank_loads(self) -> list[int]:
-        """Real (non-padding) elements of every rank, in O(tensors + W) per bucket."""
-        W = self.world_size
-        loads = [0] * W
-        diff = [0] * (W + 1)  # whole segments covered, as a difference array (weighted by S_b)
-        for t in self.tensors:
-            S = self.buckets[t.bucket]
-            if t.numel == 0:
-                continue
-            r0, r1 = t.offset // S, (t.end - 1) // S
-            if r0 == r1:
-                loads[r0] += t.numel
-                continue
-            loads[r0] += (r0 + 1) * S - t.offset
-            loads[r1] += t.end - r1 * S
-            diff[r0 + 1] += S
-            diff[r1] -= S
-        run = 0
-        for r in range(W):
-            run += diff[r]
-            loads[r] += run
-        return loads
+        """Real (non-padding) elements of every rank, in O(tensors + W)."""
+        ts = self.tensors
+        starts, ends = [t.offset for t in ts], [t.end for t in ts]
+        return rank_overlap(starts, ends, [self.buckets[t.bucket] for t in ts], self.world_size).tolist()
 
     # -- invariants -------------------------------------------------------------------------------
     def check(self) -> None:
         """Assert the layout invariants (see [Note: layout invariants])."""
         W = self.world_size
-        assert W >= 1 and self.alignment >= 1 and self.buckets
+        assert W >= 1 and self.alignment_numel >= 1 and self.buckets
         for S in self.buckets:
-            assert S > 0 and S % self.alignment == 0, (S, self.alignment)
+            assert S > 0 and S % self.alignment_numel == 0, (S, self.alignment_numel)
         prev = (-1, 0)
         for t in self.tensors:
             assert 0 <= t.bucket < len(self.buckets), t
@@ -197,7 +179,7 @@ class GroupLayout:
             "format": LAYOUT_FORMAT_VERSION,
             "name": self.name,
             "world_size": self.world_size,
-            "alignment": self.alignment,
+            "alignment": self.alignment_numel,  # elements (the key predates the _numel naming)
             "dtype": self.dtype,
             "itemsize": self.itemsize,
             "lower_bound": self.lower_bound,
@@ -237,5 +219,4 @@ class GroupLayout:
 
     def layout_hash(self) -> str:
         """A stable hash of the layout (every rank must compute the same one)."""
-        blob = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return layout_hash(self.to_json())

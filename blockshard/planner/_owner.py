@@ -33,14 +33,9 @@ from typing import NamedTuple
 import numpy as np
 
 from blockshard._errors import PlanError
-from blockshard.planner._baselines import (
-    check_name,
-    check_world_size,
-    progression_splits,
-    shard_step,
-    unit_bounds,
-)
+from blockshard.planner._baselines import check_name, progression_splits, shard_step, unit_bounds
 from blockshard.planner._items import PlanItem
+from blockshard.planner._units import check_world_size, rank_overlap
 
 __all__ = ["OWNER_ENGINES", "OwnerPlan", "StraddlingUnit", "plan_owners"]
 
@@ -125,7 +120,7 @@ class OwnerPlan:
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < w:
             raise PlanError(f"rank={rank!r} is invalid: it must be an integer in [0, {w}); pass a rank of this plan")
         send = np.zeros(w, dtype=np.int64)
-        recv = np.zeros(w + 1, dtype=np.int64)
+        recv = np.zeros(w, dtype=np.int64)
         if self.num_straddling:
             s, a, b, ra, rb = self._holder_arrays()
             own = self.unit_owner
@@ -133,18 +128,9 @@ class OwnerPlan:
             piece = np.minimum(b[m], (rank + 1) * s[m]) - np.maximum(a[m], rank * s[m])
             np.add.at(send, own[m], piece)
             m = own == rank
-            s, a, b, ra, rb = s[m], a[m], b[m], ra[m], rb[m]
-            # End pieces directly; full middle pieces (s each) through a difference array.
-            np.add.at(recv, ra, np.minimum(b, (ra + 1) * s) - a)
-            mult = rb > ra
-            np.add.at(recv, rb[mult], b[mult] - rb[mult] * s[mult])
-            mid = rb - ra >= 2
-            diff = np.zeros(w + 1, dtype=np.int64)
-            np.add.at(diff, ra[mid] + 1, s[mid])
-            np.add.at(diff, rb[mid], -s[mid])
-            recv += np.cumsum(diff)
+            recv = rank_overlap(a[m], b[m], s[m], w)  # every holder's piece of the units ``rank`` owns
             recv[rank] = 0
-        return send.tolist(), recv[:w].tolist()
+        return send.tolist(), recv.tolist()
 
     def to_json(self) -> dict:
         return {
@@ -156,18 +142,6 @@ class OwnerPlan:
             "recv_numel_per_rank": self.recv_numel_per_rank.tolist(),
             "max_cost_over_mean": self.max_cost_over_mean,
         }
-
-
-def _straddled_per_rank(s: int, a: np.ndarray, b: np.ndarray, w: int) -> np.ndarray:
-    """Elements of units ``[a, b)`` (each spanning >= 2 shards of size ``s``) that each rank holds."""
-    ra, rb = a // s, (b - 1) // s
-    out = np.zeros(w + 1, dtype=np.int64)
-    np.add.at(out, ra, (ra + 1) * s - a)
-    np.add.at(out, rb, b - rb * s)
-    diff = np.zeros(w + 1, dtype=np.int64)
-    np.add.at(diff, ra + 1, s)
-    np.add.at(diff, rb, -s)
-    return (out + np.cumsum(diff))[:w]
 
 
 def _tensor_layout(item: PlanItem, s: int, w: int, cache: dict, splits_cache: dict):
@@ -183,7 +157,7 @@ def _tensor_layout(item: PlanItem, s: int, w: int, cache: dict, splits_cache: di
             held[q] = rem
         if idx.size:
             starts, ends = unit_bounds(item.grid, idx)
-            straddled = _straddled_per_rank(s, starts, ends, w)
+            straddled = rank_overlap(starts, ends, s, w)
         else:
             starts = ends = idx
             straddled = np.zeros(w, dtype=np.int64)

@@ -14,7 +14,8 @@ Whole-tensor units (Muon matrices) never straddle a boundary, so the same walk b
 decreasing bin packing, with fine-unit tensors filling the gaps.
 ``S`` starts at the lower bound ``max(ceil(total / W), largest unit)``; when a walk overflows
 ``W * S`` the search tries the next multiple of every straddling tensor's unit, else grows ``S``
-geometrically, and then bisects back to the smallest ``S`` that packs. Tensors are bucketed by grid, so one step costs O(number of distinct grids).
+geometrically, and then bisects back to the smallest ``S`` that packs. Tensors with equal grids form
+one *grid class* (interchangeable for the walk), so one step costs O(number of grid classes).
 """
 
 from __future__ import annotations
@@ -24,19 +25,16 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
+from blockshard.planner._units import ceil_div, round_up
 from blockshard.semantics import UnitGrid
 
 __all__ = ["lower_bound", "pack"]
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def lower_bound(grids: Sequence[UnitGrid], world_size: int, alignment: int) -> int:
+def lower_bound(grids: Sequence[UnitGrid], world_size: int, alignment_numel: int) -> int:
     total = sum(g.numel for g in grids)
     largest = max((g.largest_unit for g in grids), default=0)
-    return _round_up(max(-(-total // world_size), largest, 1), alignment)
+    return round_up(max(ceil_div(total, world_size), largest, 1), alignment_numel)
 
 
 def _allows(grid: UnitGrid, x: int) -> bool:
@@ -71,7 +69,7 @@ def _first_offset(p: int, grid: UnitGrid, S: int) -> int | None:
     candidates = [o1]
     last = ((o1 + n - 1) // S) * S
     if last - o1 > grid.max_cut:  # the tail would be shorter than the last unit: start later
-        candidates.append(o1 + _round_up(last - o1 - grid.max_cut, u))
+        candidates.append(o1 + round_up(last - o1 - grid.max_cut, u))
     candidates.append(nb)
     for o in candidates:
         if o <= nb and _fits_at(o, grid, S):
@@ -79,26 +77,26 @@ def _first_offset(p: int, grid: UnitGrid, S: int) -> int | None:
     return None
 
 
-# Buckets scanned per step: bounds the walk to O(tensors) when a group has thousands of distinct
+# Grid classes scanned per step: bounds the walk to O(tensors) when a group has thousands of distinct
 # grids (real models have a handful per group, so the cap never binds there).
 _MAX_SCAN = 64
 
 
-def _walk(grids: Sequence[UnitGrid], order: list[list[int]], S: int, limit: int) -> list[int] | None:
+def _walk(grids: Sequence[UnitGrid], classes: list[list[int]], S: int, limit: int) -> list[int] | None:
     """Place every tensor for segment size ``S``; returns the offsets, or None if ``W * S`` overflows.
 
     Whole tensors are kept sorted by size, so "the largest that fits before the boundary" is a
-    bisection; the other grids are scanned in bucket order (at most ``_MAX_SCAN`` buckets), stopping
+    bisection; the other grid classes are scanned in order (at most ``_MAX_SCAN`` of them), stopping
     at the first zero hole.
     """
     whole: dict[int, deque[int]] = {}
     fine: list[deque[int]] = []
-    for bucket in order:
-        g = grids[bucket[0]]
+    for cls in classes:
+        g = grids[cls[0]]
         if g.is_whole:
-            whole.setdefault(g.numel, deque()).extend(bucket)
+            whole.setdefault(g.numel, deque()).extend(cls)
         else:
-            fine.append(deque(bucket))
+            fine.append(deque(cls))
     sizes = sorted(whole)
     offsets = [0] * len(grids)
     p = 0
@@ -119,22 +117,21 @@ def _walk(grids: Sequence[UnitGrid], order: list[list[int]], S: int, limit: int)
         if k >= 0:  # the largest whole tensor that fits before the boundary: no hole
             p = take_whole(k, p)
         else:
-            best_b, best_o = -1, -1
-            for bi in range(min(len(fine), _MAX_SCAN)):
-                bucket = fine[bi]
-                o = _first_offset(p, grids[bucket[0]], S)
-                if o is not None and (best_b < 0 or o < best_o):
-                    best_b, best_o = bi, o
+            best_c, best_o = -1, -1
+            for ci in range(min(len(fine), _MAX_SCAN)):
+                o = _first_offset(p, grids[fine[ci][0]], S)
+                if o is not None and (best_c < 0 or o < best_o):
+                    best_c, best_o = ci, o
                     if o == p:
                         break
-            if sizes and (best_b < 0 or nb < best_o):  # open the next segment with the largest whole tensor
+            if sizes and (best_c < 0 or nb < best_o):  # open the next segment with the largest whole tensor
                 p = take_whole(len(sizes) - 1, nb)
-            elif best_b >= 0:
-                i = fine[best_b].popleft()
+            elif best_c >= 0:
+                i = fine[best_c].popleft()
                 offsets[i] = best_o
                 p = best_o + grids[i].numel
-                if not fine[best_b]:
-                    del fine[best_b]
+                if not fine[best_c]:
+                    del fine[best_c]
             else:
                 return None  # nothing can be placed: a larger S is needed
         if p > limit:
@@ -142,72 +139,73 @@ def _walk(grids: Sequence[UnitGrid], order: list[list[int]], S: int, limit: int)
     return offsets
 
 
-def _snap(x: int, grids: Sequence[UnitGrid], alignment: int) -> int:
+def _snap(x: int, grids: Sequence[UnitGrid], alignment_numel: int) -> int:
     """The smallest admissible segment size ``>= x``.
 
-    ``S`` is admissible when it is a multiple of the alignment and of the unit of every tensor
+    ``S`` is admissible when it is a multiple of ``alignment_numel`` and of the unit of every tensor
     with ``numel >= 2 S`` (such a tensor covers a whole segment wherever it starts). The set of
     such tensors shrinks as ``S`` passes ``numel // 2 + 1``, so the search steps through those
     thresholds instead of only rounding ``x`` up.
     """
     while True:
-        m, next_threshold = alignment, None
+        m, next_threshold = alignment_numel, None
         for g in grids:
             if not g.is_whole and g.numel >= 2 * x:
                 m = math.lcm(m, g.unit_numel)
                 t = g.numel // 2 + 1
                 next_threshold = t if next_threshold is None else min(next_threshold, t)
-        c = _round_up(x, m)
+        c = round_up(x, m)
         if next_threshold is None or next_threshold >= c:
             return c
         x = next_threshold
 
 
-def _bucket_order(grids: Sequence[UnitGrid]) -> list[list[int]]:
-    buckets: dict[UnitGrid, list[int]] = {}
+def _grid_classes(grids: Sequence[UnitGrid]) -> list[list[int]]:
+    """Indices of the tensors with equal grids (one *grid class* each), largest unit first, then
+    largest tensor, then first appearance; within a class, in the given order."""
+    classes: dict[UnitGrid, list[int]] = {}
     for i, g in enumerate(grids):
-        buckets.setdefault(g, []).append(i)
-    keyed = sorted(buckets.values(), key=lambda ix: (-grids[ix[0]].largest_unit, -grids[ix[0]].numel, ix[0]))
-    return keyed
+        classes.setdefault(g, []).append(i)
+    return sorted(classes.values(), key=lambda ix: (-grids[ix[0]].largest_unit, -grids[ix[0]].numel, ix[0]))
 
 
-def pack(grids: Sequence[UnitGrid], world_size: int, alignment: int) -> tuple[int, list[int], int]:
+def pack(grids: Sequence[UnitGrid], world_size: int, alignment_numel: int) -> tuple[int, list[int], int]:
     """Find ``(S, offsets, lower_bound)`` for tensors with these grids (see [Note: how the packer works])."""
-    assert world_size >= 1 and alignment >= 1
-    lb = lower_bound(grids, world_size, alignment)
-    order = _bucket_order(grids)
+    assert world_size >= 1 and alignment_numel >= 1
+    lb = lower_bound(grids, world_size, alignment_numel)
+    classes = _grid_classes(grids)
 
     def attempt(S: int) -> list[int] | None:
-        return _walk(grids, order, S, world_size * S)
+        return _walk(grids, classes, S, world_size * S)
 
-    S = _snap(lb, grids, alignment)
+    S = _snap(lb, grids, alignment_numel)
     offsets = attempt(S)
     if offsets is not None:
         return S, offsets, lb
     fail = S
     # A segment that every straddling tensor's unit divides lets each of them cross any number of
     # boundaries; it is often the first size that packs (e.g. 16384-element NF4 super-blocks).
-    m = alignment
+    m = alignment_numel
     for g in grids:
         if not g.is_whole and g.numel > S:
             m = math.lcm(m, g.unit_numel)
-    tiled = _round_up(S, m)
+    tiled = round_up(S, m)
     ok = None
     if tiled <= 2 * S:
         offsets = attempt(tiled)
         if offsets is not None:
             ok, ok_offsets = tiled, offsets
     if ok is None:  # grow geometrically until a walk fits
-        step = max(alignment, S // 1024)
+        step = max(alignment_numel, S // 1024)
         while True:
-            S = _snap(fail + step, grids, alignment)
+            S = _snap(fail + step, grids, alignment_numel)
             offsets = attempt(S)
             if offsets is not None:
                 break
             fail, step = S, step * 2
         ok, ok_offsets = S, offsets
     while True:  # bisect between the last failure and the smallest success
-        mid = _snap((fail + ok) // 2, grids, alignment)
+        mid = _snap((fail + ok) // 2, grids, alignment_numel)
         if mid >= ok or mid <= fail:
             break
         offsets = attempt(mid)

@@ -15,26 +15,21 @@ from blockshard.planner._balance import balance, rank_costs
 from blockshard.planner._buckets import plan_buckets
 from blockshard.planner._items import PlanItem, group_items, resolve_items
 from blockshard.planner._layout import GroupLayout, TensorPlacement
+from blockshard.planner._units import check_world_size
 from blockshard.semantics import TensorSpec
 
-__all__ = ["ModelPlan", "alignment_elements", "group_kind", "plan_group", "plan_model"]
+__all__ = ["ModelPlan", "alignment_numel", "group_kind", "plan_group", "plan_model"]
 
 DEFAULT_ALIGNMENT_BYTES = 16
 
 
-def alignment_elements(alignment_bytes: int, itemsize: int) -> int:
+def alignment_numel(alignment_bytes: int, itemsize: int) -> int:
     """Elements per alignment step: the smallest count whose bytes are a multiple of ``alignment_bytes``."""
     if not isinstance(alignment_bytes, int) or alignment_bytes < 1:
         raise PlanError(
             f"alignment_bytes={alignment_bytes!r} must be a positive integer (e.g. 16 for 16-byte aligned segments)"
         )
     return math.lcm(alignment_bytes, itemsize) // itemsize
-
-
-def _check_world_size(world_size: object) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise PlanError(f"world_size={world_size!r} must be an integer >= 1 (the number of ranks sharing a group)")
-    return world_size
 
 
 def plan_group(
@@ -46,7 +41,7 @@ def plan_group(
     _memo: dict | None = None,
 ) -> GroupLayout:
     """Lay out one group (the tensors gathered by one collective) on ``world_size`` ranks."""
-    world_size = _check_world_size(world_size)
+    world_size = check_world_size(world_size)
     if not items:
         raise PlanError(f"group {name!r} has no tensors; every group needs at least one parameter")
     dtypes = {it.spec.dtype for it in items}
@@ -57,12 +52,12 @@ def plan_group(
             "different dtypes in different groups (or cast them to one dtype first)"
         )
     itemsize = items[0].spec.itemsize
-    alignment = alignment_elements(alignment_bytes, itemsize)
+    align = alignment_numel(alignment_bytes, itemsize)
     grids = tuple(it.grid for it in items)
-    key = (grids, world_size, alignment)
+    key = (grids, world_size, align)
     hit = _memo.get(key) if _memo is not None else None
     if hit is None:
-        hit = plan_buckets(grids, world_size, alignment)
+        hit = plan_buckets(grids, world_size, align)
         if _memo is not None:
             _memo[key] = hit
     buckets, bucket_of, offsets, lb = hit
@@ -71,7 +66,7 @@ def plan_group(
         TensorPlacement(items[i].name, items[i].spec.shape, offsets[i], items[i].grid, items[i].label, bucket_of[i])
         for i in order
     )
-    return GroupLayout(name, world_size, alignment, items[0].spec.dtype, itemsize, lb, buckets, placements)
+    return GroupLayout(name, world_size, align, items[0].spec.dtype, itemsize, lb, buckets, placements)
 
 
 def _peak_over_mean(values: Sequence[float]) -> float:
@@ -154,8 +149,8 @@ class ModelPlan:
             out.setdefault(group_kind(g.name), []).append(g)
         return out
 
-    def to_json(self, *, layouts: bool = False) -> dict:
-        data = {
+    def to_json(self, *, layouts: bool = False) -> dict[str, object]:
+        data: dict[str, object] = {
             "world_size": self.world_size,
             "num_groups": len(self.groups),
             "num_tensors": sum(len(g.tensors) for g in self.groups),
@@ -169,12 +164,10 @@ class ModelPlan:
             "plan_seconds": self.plan_seconds,
             "max_cost_over_mean": self.max_cost_over_mean,
             "max_cost_over_mean_unrotated": self.max_cost_over_mean_unrotated,
-            "layout_hashes": {g.name: g.layout_hash() for g in self.groups} if layouts else None,
         }
         if layouts:
+            data["layout_hashes"] = {g.name: g.layout_hash() for g in self.groups}
             data["layouts"] = [g.to_json() for g in self.groups]
-        else:
-            del data["layout_hashes"]
         return data
 
 
@@ -193,7 +186,7 @@ def plan_model(
     one search (transformer blocks are identical), so time grows with the number of distinct
     groups plus a linear pass over tensors.
     """
-    world_size = _check_world_size(world_size)
+    world_size = check_world_size(world_size)
     t0 = time.perf_counter()
     raw = list(tensors)
     if not raw:

@@ -15,7 +15,7 @@ from blockshard.semantics._registry import (
     unregister_semantics,
 )
 from blockshard.semantics._rules import ResolvedSemantics, Rule, SemanticsRules
-from blockshard.semantics._spec import DTYPE_ITEMSIZE, TensorSpec, itemsize_of, normalize_dtype
+from blockshard.semantics._spec import DTYPE_ITEMSIZE, DTypeLike, TensorSpec, itemsize_of, normalize_dtype
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -24,6 +24,7 @@ __all__ = [
     "PRESETS",
     "BlockSemantics",
     "Companion",
+    "DTypeLike",
     "ResolvedSemantics",
     "Rule",
     "SemanticsKind",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from blockshard._arith import ceil_div, rows_cols
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
 from blockshard.semantics._grid import UnitGrid
 from blockshard.semantics._registry import register_semantics
@@ -34,13 +35,6 @@ __all__ = [
 MIN_8BIT_NUMEL = 4096
 
 
-def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
-    """The 2-D view used by row-based semantics: ``(shape[0], prod(shape[1:]))``; 1-D is a column."""
-    if len(shape) == 0:
-        return 1, 1
-    return shape[0], math.prod(shape[1:])
-
-
 def _positive(name: str, value: int) -> int:
     if value < 1:
         from blockshard._errors import SemanticsError
@@ -55,7 +49,7 @@ def newton_schulz_flops(shape: tuple[int, ...], steps: int = 5) -> float:
     Each step computes ``A = X X^T`` (2 m^2 n), ``B = bA + cA^2`` (2 m^3) and ``BX`` (2 m^2 n):
     4 m^2 n + 2 m^3 per step, so 20 m^2 n + 10 m^3 for the usual 5 steps.
     """
-    rows, cols = _rows_cols(shape)
+    rows, cols = rows_cols(shape)
     m, n = sorted((rows, cols))
     return float(steps * (4 * m * m * n + 2 * m**3))
 
@@ -95,7 +89,7 @@ class Rows(BlockSemantics):
         self.spec = f"rows:{k}"
 
     def grid(self, shape, dtype, *, tensor="<tensor>"):
-        _, cols = _rows_cols(shape)
+        _, cols = rows_cols(shape)
         return UnitGrid.units(math.prod(shape), self.k * cols)
 
 
@@ -120,11 +114,11 @@ class Shampoo(BlockSemantics):
         numel = math.prod(shape)
         if len(shape) <= 1:
             return UnitGrid.units(numel, self.dim)
-        _, cols = _rows_cols(shape)
+        _, cols = rows_cols(shape)
         return UnitGrid.units(numel, self.dim * cols)
 
     def cost(self, shape, dtype):
-        rows, cols = _rows_cols(shape)
+        rows, cols = rows_cols(shape)
         if len(shape) <= 1:
             rows, cols = math.prod(shape), 1
         d = self.dim
@@ -318,9 +312,9 @@ class FP8Block(BlockSemantics):
     def companions(self, shape, dtype):
         *lead, rows, cols = shape
         t, experts = self.tile, math.prod(lead)
-        per_stripe = -(-cols // t)  # each stripe of t rows carries one scale per tile
-        n_scales = experts * -(-rows // t) * per_stripe
-        per_unit = per_stripe if not lead or rows % t == 0 else -(-rows // t) * per_stripe
+        per_stripe = ceil_div(cols, t)  # each stripe of t rows carries one scale per tile
+        n_scales = experts * ceil_div(rows, t) * per_stripe
+        per_unit = per_stripe if not lead or rows % t == 0 else ceil_div(rows, t) * per_stripe
         return (Companion(suffix="scale_inv", numel=n_scales, dtype="float32", per_unit=per_unit),)
 
 

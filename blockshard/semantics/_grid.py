@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from blockshard._arith import round_up
+
 __all__ = ["UnitGrid"]
 
 
@@ -40,7 +42,7 @@ class UnitGrid:
     def units(cls, numel: int, unit_numel: int, *, min_piece: int = 0) -> UnitGrid:
         """Cuts at every multiple of ``unit_numel`` (remainder unit allowed), no piece < ``min_piece``."""
         assert unit_numel >= 1
-        lo = max(unit_numel, _round_up(min_piece, unit_numel))
+        lo = max(unit_numel, round_up(min_piece, unit_numel))
         hi = ((numel - max(min_piece, 1)) // unit_numel) * unit_numel if numel > 0 else 0
         return cls(numel, unit_numel, lo, hi)
 
@@ -79,10 +81,6 @@ class UnitGrid:
         if self.is_whole or other.is_whole:
             return UnitGrid.whole(self.numel)
         unit = math.lcm(self.unit_numel, other.unit_numel)
-        lo = _round_up(max(self.min_cut, other.min_cut), unit)
+        lo = round_up(max(self.min_cut, other.min_cut), unit)
         hi = (min(self.max_cut, other.max_cut) // unit) * unit
         return UnitGrid(self.numel, unit, lo, hi)
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m

@@ -7,11 +7,19 @@ facts that semantics rules match on (module type, tensor type, the optimizer's `
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 from blockshard._errors import ShapesError
 
-__all__ = ["DTYPE_ITEMSIZE", "TensorSpec", "itemsize_of", "normalize_dtype"]
+if TYPE_CHECKING:  # the pure layers never import torch at run time
+    import torch
+
+__all__ = ["DTYPE_ITEMSIZE", "DTypeLike", "TensorSpec", "itemsize_of", "normalize_dtype"]
+
+#: What ``TensorSpec(dtype=...)`` accepts: a torch dtype name or alias (``"bf16"``) or a ``torch.dtype``.
+DTypeLike = Union[str, "torch.dtype"]
 
 # Bytes per element of the dtypes the planner knows, by their torch names.
 DTYPE_ITEMSIZE: dict[str, int] = {
@@ -53,14 +61,16 @@ def itemsize_of(dtype: object) -> int:
     return DTYPE_ITEMSIZE[normalize_dtype(dtype)]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, init=False)
 class TensorSpec:
-    """A parameter as the pure layers see it.
+    """A parameter as the pure layers see it (keyword arguments only).
 
     Args:
         name: fully qualified parameter name (``model.layers.0.mlp.up_proj.weight``).
-        shape: the tensor's shape; the planner works on its row-major flattening.
-        dtype: torch dtype name (``"bfloat16"``); a ``torch.dtype`` is accepted too.
+        shape: the tensor's shape (any sequence of integers; stored as a tuple); the planner works on
+            its row-major flattening.
+        dtype: a torch dtype name or alias (``"bfloat16"``, ``"bf16"``) or a ``torch.dtype``; stored
+            as the torch name (``spec.dtype`` is always a ``str`` such as ``"bfloat16"``).
         group: the ``fully_shard`` group (one layout) the tensor belongs to; ``None`` lets the caller decide.
         module_type: class name of the module holding the tensor (``"Linear"``), for module-type rules.
         tensor_type: class name of the tensor (``"Params4bit"``), for tensor-type rules.
@@ -69,23 +79,36 @@ class TensorSpec:
 
     name: str
     shape: tuple[int, ...]
-    dtype: str = "bfloat16"
-    group: str | None = None
-    module_type: str | None = None
-    tensor_type: str | None = None
-    param_group: int | None = None
+    dtype: str
+    group: str | None
+    module_type: str | None
+    tensor_type: str | None
+    param_group: int | None
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ShapesError(f"TensorSpec name={self.name!r} must be a non-empty string")
+    def __init__(
+        self,
+        *,
+        name: str,
+        shape: Iterable[int],
+        dtype: DTypeLike = "bfloat16",
+        group: str | None = None,
+        module_type: str | None = None,
+        tensor_type: str | None = None,
+        param_group: int | None = None,
+    ) -> None:
+        # A hand-written __init__ because the accepted and the stored types differ (shape, dtype).
+        if not isinstance(name, str) or not name:
+            raise ShapesError(f"TensorSpec name={name!r} must be a non-empty string")
         try:
-            shape = tuple(int(d) for d in self.shape)
+            dims = tuple(int(d) for d in shape)
         except (TypeError, ValueError):
-            raise ShapesError(f"tensor {self.name!r}: shape={self.shape!r} must be a sequence of integers") from None
-        if any(d < 0 for d in shape):
-            raise ShapesError(f"tensor {self.name!r}: shape={shape} has a negative dimension; dims must be >= 0")
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+            raise ShapesError(f"tensor {name!r}: shape={shape!r} must be a sequence of integers") from None
+        if any(d < 0 for d in dims):
+            raise ShapesError(f"tensor {name!r}: shape={dims} has a negative dimension; dims must be >= 0")
+        fields = dict(name=name, shape=dims, dtype=normalize_dtype(dtype), group=group, module_type=module_type,
+                      tensor_type=tensor_type, param_group=param_group)  # fmt: skip
+        for key, value in fields.items():
+            object.__setattr__(self, key, value)
 
     @property
     def numel(self) -> int:

@@ -46,7 +46,6 @@ from blockshard.integrations.deepspeed._config import (
     parse_section,
 )
 from blockshard.integrations.deepspeed._hook import LAYOUT_KEY, ZERO3_REFUSAL, hooked_classes
-from blockshard.integrations.deepspeed._layout import OrderedLayout, ordered_layout
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -56,7 +55,6 @@ __all__ = [
     "ZERO3_REFUSAL",
     "DeepSpeedHookError",
     "HookConfig",
-    "OrderedLayout",
     "check_deepspeed_version",
     "initialize",
     "install",
@@ -64,7 +62,6 @@ __all__ = [
     "is_hooked",
     "is_installed",
     "layout_report",
-    "ordered_layout",
     "parse_section",
     "uninstall",
 ]

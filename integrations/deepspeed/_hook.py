@@ -16,9 +16,9 @@ and the stock padding itself (replaced in place, see below).
 
 The hook (:class:`BlockshardZeroOptimizer`):
 
-1. **Layout.** ``flatten_dense_tensors_aligned`` is called once per ``param_group`` from ``__init__``
-   with its ``param_padding`` list (the same list object as ``round_robin_bit16_padding[i]``); the
-   override computes :func:`~._layout.ordered_layout` for the ``param_group`` (semantics rules resolved on
+1. **Layout.** ``flatten_dense_tensors_aligned`` is called once per ``param_group`` from ``__init__`` with the
+   ``param_group``'s ``param_padding`` list (the same list object as ``round_robin_bit16_padding[i]``); the
+   override computes :func:`blockshard.planner.ordered_layout` for the ``param_group`` (semantics rules resolved on
    the parameters' names and shapes) and writes the holes into that list and the starts into
    ``round_robin_bit16_offsets[i]`` *in place*, then builds the buffer of ``W * S`` elements. Every
    partition boundary then falls on an allowed cut (multiples of 256 and no piece below 4096 for
@@ -48,8 +48,6 @@ one flat state tensor per ``param_group``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import threading
 from dataclasses import dataclass, field
@@ -57,8 +55,8 @@ from dataclasses import dataclass, field
 import torch
 
 from blockshard.integrations.deepspeed._config import DeepSpeedHookError, HookConfig
-from blockshard.integrations.deepspeed._layout import OrderedLayout, ordered_layout
-from blockshard.planner import alignment_elements
+from blockshard.planner import OrderedLayout, alignment_numel, ordered_layout
+from blockshard.planner._units import layout_hash
 from blockshard.semantics import TensorSpec
 
 __all__ = ["LAYOUT_KEY", "ZERO3_REFUSAL", "BlockshardZeroOptimizer", "hooked_classes", "pending"]  # noqa: F822 (created lazily by __getattr__)
@@ -211,7 +209,7 @@ def _make_zero12():
             w = dist.get_world_size(group=self.real_dp_process_group[i])
             dtype = metas[0].dtype
             itemsize = torch.tensor([], dtype=dtype).element_size()
-            align = math.lcm(alignment_elements(self._bs_config.alignment, itemsize), self.nccl_start_alignment_factor)
+            align = math.lcm(alignment_numel(self._bs_config.alignment, itemsize), self.nccl_start_alignment_factor)
             names, grids, labels = [], [], []
             for j, (param, meta) in enumerate(zip(params, metas, strict=True)):
                 name = self.param_names.get(param) or f"param_group{i}.{j}"
@@ -227,7 +225,7 @@ def _make_zero12():
                 grids.append(res.grid)
                 labels.append(res.label)
             layout = ordered_layout(grids, w, align)
-            assert layout.total % alignment == 0, (layout.total, alignment)
+            assert layout.padded_numel % alignment == 0, (layout.padded_numel, alignment)
             param_padding[:] = layout.paddings
             self.round_robin_bit16_offsets[i][:] = list(layout.starts)
             src = [p.cpu_data for p in params] if use_cpu_data else list(tensor_list)
@@ -244,10 +242,10 @@ def _make_zero12():
             for i, gs in enumerate(self._bs_groups):
                 rank = dist.get_rank(group=self.real_dp_process_group[i])
                 lay = gs.layout
-                assert self.partition_size[i] == lay.segment, (self.partition_size[i], lay.segment)
+                assert self.partition_size[i] == lay.segment_numel, (self.partition_size[i], lay.segment_numel)
                 # padding at the end of this rank's partition (what checkpoints strip)
                 last_end = max((s + n for s, n in zip(lay.starts, lay.numels, strict=True)), default=0)
-                lo, hi = rank * lay.segment, (rank + 1) * lay.segment
+                lo, hi = rank * lay.segment_numel, (rank + 1) * lay.segment_numel
                 self.groups_padding[i] = hi - min(max(last_end, lo), hi)
                 flat = self.single_partition_of_fp32_groups[i]
                 base = flat.detach()
@@ -302,7 +300,7 @@ def _make_zero12():
             return [{**gs.layout.to_json(), "names": gs.names, "semantics": gs.labels} for gs in self._bs_groups]
 
         def blockshard_layout_hash(self) -> str:
-            return hashlib.sha256(json.dumps(self.blockshard_layout(), sort_keys=True).encode()).hexdigest()[:16]
+            return layout_hash(self.blockshard_layout())
 
         def state_dict(self):
             sd = super().state_dict()

@@ -36,8 +36,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from blockshard._errors import BlockshardError
-from blockshard.integrations.fsdp2._placement import _rows_cols, decide, dim_split_keeps_units, spec_of
+from blockshard.integrations.fsdp2._placement import decide, dim_split_keeps_units, spec_of
 from blockshard.planner import PlanItem, plan_owners
+from blockshard.planner._units import block_shape, ceil_div, rows_cols
 from blockshard.semantics import SemanticsRules, TensorSpec
 
 __all__ = ["OwnerComputeError", "OwnerComputeOptimizer", "build_exchange"]
@@ -225,7 +226,7 @@ class OwnerComputeOptimizer:
                             f"parameter {name!r} lives on mesh {p.device_mesh}, but all DTensor parameters "
                             f"must share one 1-D mesh (first one: {mesh}); HSDP / 2-D meshes are not supported"
                         )
-                self._params.append(_Param(name, p, spec, gi, False, _rows_cols(spec.shape)[1]))
+                self._params.append(_Param(name, p, spec, gi, False, rows_cols(spec.shape)[1]))
         self.world_size = mesh.size() if mesh is not None else 1
         self.rank = mesh.get_local_rank() if mesh is not None else 0
         self.process_group = process_group if process_group is not None else (mesh.get_group() if mesh else None)
@@ -275,8 +276,8 @@ class OwnerComputeOptimizer:
                     )
                 continue
             decide(q.spec, res, w, other_dims=False)  # raises FSDP2PlacementError where nothing works
-            rows, row_numel = _rows_cols(q.spec.shape)
-            c = -(-rows // w)
+            rows, row_numel = rows_cols(q.spec.shape)
+            c = ceil_div(rows, w)
             lo, hi = min(r * c, rows), min((r + 1) * c, rows)
             local = p.to_local()
             if tuple(local.shape) != (hi - lo, *q.spec.shape[1:]) or not local.is_contiguous():
@@ -324,7 +325,7 @@ class OwnerComputeOptimizer:
                     g0 = q.local_start // q.row_numel
                     self._pieces.append(_Piece(i, (q.name, "rows", g0 + rlo, g0 + rhi), local[rlo:rhi], rlo, rhi))
             for k, a, n, own in owned_by_param.get(i, []):
-                shape = q.spec.shape if n == q.spec.numel else (n // q.row_numel, *q.spec.shape[1:])
+                shape = block_shape(q.spec.shape, a, n)  # the whole tensor, or whole rows of it
                 t = torch.empty(shape, dtype=q.param.dtype, device=local.device)
                 self._unit_piece[k] = len(self._pieces)
                 self._pieces.append(_Piece(i, (q.name, "unit", a, n), t, unit_start=a, own=own))

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from blockshard._errors import BlockshardError
+from blockshard.planner._units import ceil_div, check_world_size, rows_cols
 from blockshard.semantics import ResolvedSemantics, SemanticsKind, SemanticsRules, TensorSpec, UnitGrid
 
 __all__ = [
@@ -83,17 +84,13 @@ class ParamPlacement:
 
 
 # -- geometry ----------------------------------------------------------------------------------
-def _rows_cols(shape: tuple[int, ...]) -> tuple[int, int]:
-    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
-
-
 def shard0_boundaries(shape: tuple[int, ...], world_size: int) -> list[int]:
     """Element offsets (row-major) of the rank boundaries of FSDP2's ``Shard(0)`` (torch.chunk)."""
-    rows, row_numel = _rows_cols(shape)
+    rows, row_numel = rows_cols(shape)
     if rows == 0 or row_numel == 0:
         return []
-    c = -(-rows // world_size)
-    return [j * c * row_numel for j in range(1, -(-rows // c))]
+    c = ceil_div(rows, world_size)
+    return [j * c * row_numel for j in range(1, ceil_div(rows, c))]
 
 
 def dim_split_keeps_units(grid: UnitGrid, shape: tuple[int, ...], dim: int, world_size: int) -> bool:
@@ -133,7 +130,7 @@ def owner_computable(res: ResolvedSemantics, shape: tuple[int, ...], split_quant
     g = res.grid
     if g.is_whole:
         return True, ""
-    _, row_numel = _rows_cols(shape)
+    _, row_numel = rows_cols(shape)
     plain = g.min_cut == g.unit_numel and g.max_cut == (g.numel - 1) // g.unit_numel * g.unit_numel
     if plain and row_numel and g.unit_numel % row_numel == 0:
         return True, ""
@@ -164,9 +161,8 @@ def place(spec: TensorSpec, semantics: object, world_size: int) -> ParamPlacemen
 
 def decide(spec: TensorSpec, res: ResolvedSemantics, world_size: int, *, other_dims: bool = True) -> ParamPlacement:
     """:func:`place` for already resolved semantics; ``other_dims=False`` considers ``Shard(0)`` only."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise FSDP2PlacementError(f"world_size={world_size!r} must be an int >= 1 (the FSDP2 shard group size)")
-    shape, w, label = spec.shape, world_size, res.label
+    w = check_world_size(world_size)
+    shape, label = spec.shape, res.label
 
     def decision(dim: int, owner: bool, reason: str) -> ParamPlacement:
         return ParamPlacement(spec.name, shape, label, w, dim, owner, reason)
@@ -186,7 +182,7 @@ def decide(spec: TensorSpec, res: ResolvedSemantics, world_size: int, *, other_d
     ok, why = owner_computable(res, shape, split_q)
     if ok:
         return decision(0, True, f"Shard(0) cuts a unit at element {bad}; its owner computes the whole unit")
-    _, row_numel = _rows_cols(shape)
+    _, row_numel = rows_cols(shape)
     row, col = divmod(bad, row_numel)
     good = _good_world_sizes(res.grid, shape, max(8, 2 * w))
     g = res.grid

@@ -1,7 +1,7 @@
 """blockshard.integrations.deepspeed: block-aligned DeepSpeed ZeRO-1/2 partitions.
 
 Pure tests: the config section and its errors, the version guard, install/uninstall, the ZeRO-3
-refusal, and the ordered layout (every partition boundary on an allowed cut).
+refusal. The ordered layout itself (pure) is tested in ``tests/planner/test_ordered.py``.
 
 Multi-process tests (``slow``): real DeepSpeed 0.19.8 engines on spawned gloo ranks (one spawn per
 world size runs every scenario; the single-process references -- plain torch, one optimizer over
@@ -43,8 +43,8 @@ import _ds_runs as runs
 
 from blockshard._launch import spawn_gloo
 from blockshard.integrations import deepspeed as bsd
-from blockshard.integrations.deepspeed import DeepSpeedHookError, ordered_layout, parse_section
-from blockshard.semantics import SemanticsRules, TensorSpec, UnitGrid
+from blockshard.integrations.deepspeed import DeepSpeedHookError, parse_section
+from blockshard.semantics import TensorSpec, UnitGrid
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONTROL_MIN = 1e-3
@@ -160,40 +160,6 @@ def test_install_patches_deepspeed_initialize_and_uninstall_restores():
     assert deepspeed.initialize is original and not bsd.is_installed()
     bsd.uninstall()  # no-op
     assert deepspeed.initialize is original
-
-
-# -- ordered layout (pure) ----------------------------------------------------------------------
-def _grids(semantics, shapes):
-    rules = SemanticsRules.coerce(semantics)
-    return [rules.resolve(TensorSpec(name=f"t{i}", shape=s, dtype="float32")).grid for i, s in enumerate(shapes)]
-
-
-SHAPES = [(89, 64), (89,), (130, 89), (130,), (100, 130), (100,), (7, 100), (7,), (257, 48), (48,), (3000,)]
-
-
-@pytest.mark.parametrize("semantics", ["bnb8bit", "matrix", None, "ao8bit"])
-@pytest.mark.parametrize("w", [1, 2, 3, 4, 7, 16])
-def test_ordered_layout_boundaries_fall_on_allowed_cuts(semantics, w):
-    grids = _grids(semantics, SHAPES)
-    lay = ordered_layout(grids, w, 4)
-    assert lay.segment % 4 == 0 and lay.total == w * lay.segment
-    assert lay.segment >= max(g.largest_unit for g in grids)
-    ends = 0
-    for g, s in zip(grids, lay.starts, strict=True):
-        assert s % 4 == 0 and s >= ends  # in order, holes only between tensors
-        ends = s + g.numel
-        for b in range(lay.segment, lay.total, lay.segment):
-            if s < b < s + g.numel:
-                assert g.allows_cut(b - s), (g, s, b)
-    assert ends <= lay.total
-    assert sum(lay.paddings) == lay.padding_numel and min(lay.paddings) >= 0
-    pieces = [p for r in range(w) for p in lay.pieces(r)]
-    assert sum(p[3] for p in pieces) == lay.data_numel
-
-
-def test_ordered_layout_elementwise_has_no_holes_beyond_alignment():
-    lay = ordered_layout(_grids(None, [(5,), (8,), (12,)]), 2, 4)
-    assert lay.starts == (0, 8, 16) and lay.segment == 16
 
 
 # -- real DeepSpeed engines (spawned gloo ranks) ----------------------------------------------------

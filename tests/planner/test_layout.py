@@ -13,14 +13,14 @@ from blockshard import PlanError, TensorSpec, UnitGrid
 from blockshard.planner import GroupLayout, PlanItem, TensorPlacement, lower_bound, pack, plan_group, plan_model
 
 
-def _layout(grids, W, alignment=1, name="g"):
-    S, offsets, lb = pack(grids, W, alignment)
+def _layout(grids, W, alignment_numel=1, name="g"):
+    S, offsets, lb = pack(grids, W, alignment_numel)
     tensors = tuple(
         sorted(
             (TensorPlacement(f"t{i}", (g.numel,), offsets[i], g) for i, g in enumerate(grids)), key=lambda t: t.offset
         )
     )
-    return GroupLayout(name, W, alignment, "float32", 4, lb, (S,), tensors)
+    return GroupLayout(name, W, alignment_numel, "float32", 4, lb, (S,), tensors)
 
 
 def _assert_exact_coverage(layout: GroupLayout) -> None:
@@ -68,17 +68,17 @@ def grids(draw):
 
 @settings(max_examples=300, deadline=None)
 @given(grids(), st.integers(1, 17), st.sampled_from([1, 2, 4, 8]))
-def test_layout_invariants_hold_for_random_groups(gs, W, alignment):
-    layout = _layout(gs, W, alignment)
+def test_layout_invariants_hold_for_random_groups(gs, W, alignment_numel):
+    layout = _layout(gs, W, alignment_numel)
     layout.check()  # equal segments, holes between tensors only, cuts on unit boundaries, aligned S
     _assert_exact_coverage(layout)
-    assert layout.segment_numel >= lower_bound(gs, W, alignment)
+    assert layout.segment_numel >= lower_bound(gs, W, alignment_numel)
 
 
 @settings(max_examples=100, deadline=None)
 @given(grids(), st.integers(1, 17), st.sampled_from([1, 4]))
-def test_same_input_gives_same_layout_and_hash(gs, W, alignment):
-    a, b = _layout(gs, W, alignment), _layout(list(gs), W, alignment)
+def test_same_input_gives_same_layout_and_hash(gs, W, alignment_numel):
+    a, b = _layout(gs, W, alignment_numel), _layout(list(gs), W, alignment_numel)
     assert a == b
     assert a.layout_hash() == b.layout_hash()
     again = GroupLayout.from_json(json.loads(json.dumps(a.to_json())))
@@ -87,10 +87,10 @@ def test_same_input_gives_same_layout_and_hash(gs, W, alignment):
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 500), min_size=1, max_size=12), st.integers(1, 33), st.sampled_from([1, 2, 8]))
-def test_elementwise_reaches_the_lower_bound(sizes, W, alignment):
+def test_elementwise_reaches_the_lower_bound(sizes, W, alignment_numel):
     gs = [UnitGrid.units(n, 1) for n in sizes]
-    S, _, lb = pack(gs, W, alignment)
-    assert S == lb == -(-max(-(-sum(sizes) // W), 1) // alignment) * alignment
+    S, _, lb = pack(gs, W, alignment_numel)
+    assert S == lb == -(-max(-(-sum(sizes) // W), 1) // alignment_numel) * alignment_numel
 
 
 def test_whole_matrices_pack_like_bins():
@@ -166,9 +166,9 @@ def test_plan_model_rejects_empty_and_duplicate_models():
 def test_alignment_is_in_bytes():
     items = [PlanItem(TensorSpec(name="w", shape=(10,), dtype="bfloat16"), UnitGrid.units(10, 1), 10.0)]
     layout = plan_group(items, 3, alignment_bytes=16)
-    assert layout.alignment == 8 and layout.segment_numel == 8
+    assert layout.alignment_numel == 8 and layout.segment_numel == 8
     layout = plan_group(items, 3, alignment_bytes=6)  # lcm(6, 2) bytes = 3 elements
-    assert layout.alignment == 3 and layout.segment_numel == 6
+    assert layout.alignment_numel == 3 and layout.segment_numel == 6
 
 
 def test_identical_groups_get_identical_layouts_and_plan_fast():
@@ -198,16 +198,16 @@ def test_rank_loads_match_pieces(gs, W):
 
 @settings(max_examples=150, deadline=None)
 @given(grids(), st.integers(1, 12), st.sampled_from([1, 4]))
-def test_bucketed_layouts_keep_every_invariant(gs, W, alignment):
+def test_bucketed_layouts_keep_every_invariant(gs, W, alignment_numel):
     """plan_group may split a group into several buckets (one collective each): still exact."""
     items = [
         PlanItem(TensorSpec(name=f"t{i}", shape=(g.numel,), dtype="float32"), g, float(g.numel))
         for i, g in enumerate(gs)
     ]
-    layout = plan_group(items, W, alignment_bytes=4 * alignment)
+    layout = plan_group(items, W, alignment_bytes=4 * alignment_numel)
     layout.check()
     _assert_exact_coverage(layout)
-    single, _, _ = pack(gs, W, alignment)
+    single, _, _ = pack(gs, W, alignment_numel)
     assert layout.segment_numel <= single  # buckets are used only when they save memory
     assert layout.rank_loads() == [layout.rank_numel(r) for r in range(W)]
 

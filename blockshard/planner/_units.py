@@ -1,0 +1,86 @@
+"""Arithmetic the planner, the integrations, the CLI and the launcher share (pure: no process group).
+
+Where things live: the integer helpers that ``semantics`` needs as well (``ceil_div``,
+``round_up``, the rows view ``rows_cols`` and ``block_shape``) are in :mod:`blockshard._arith`, the
+bottom layer, because ``semantics`` must not import ``planner`` (dependencies point down). This
+module re-exports them and adds what only the layers from ``planner`` up need:
+
+* :func:`check_world_size`: the one validator of a world size, raising :class:`WorldSizeError`
+  with one message (parameter, value, constraint, fix) wherever a number of ranks is passed;
+* :func:`rank_overlap`: how many elements of each span every rank holds when rank ``r`` owns
+  ``[r * S, (r + 1) * S)``, accumulated with a difference array in ``O(spans + W)``;
+* :func:`layout_hash`: the stable hash of a layout's JSON that every rank must agree on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from blockshard._arith import block_shape, ceil_div, round_up, rows_cols
+from blockshard._errors import WorldSizeError
+
+__all__ = [
+    "block_shape",
+    "ceil_div",
+    "check_world_size",
+    "layout_hash",
+    "rank_overlap",
+    "round_up",
+    "rows_cols",
+]
+
+
+def check_world_size(value: object, name: str = "world_size") -> int:
+    """``value`` as an ``int`` if it is an integer >= 1 (a number of ranks), else :class:`WorldSizeError`.
+
+    ``name`` is how the caller's user spells the parameter (``"world_size"``, ``"--world-size"``).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise WorldSizeError(
+            f"{name}={value!r} must be an integer >= 1 (a number of ranks); pass a positive int, e.g. {name}=8"
+        )
+    return int(value)
+
+
+def rank_overlap(
+    starts: Sequence[int] | np.ndarray,
+    ends: Sequence[int] | np.ndarray,
+    segment_numel: int | Sequence[int] | np.ndarray,
+    world_size: int,
+) -> np.ndarray:
+    """Elements of the spans ``[starts[i], ends[i])`` that each rank holds (int64, length ``world_size``).
+
+    Rank ``r`` holds ``[r * s_i, (r + 1) * s_i)`` of span ``i``'s coordinate space, ``s_i`` being
+    ``segment_numel`` (one size for all spans, or one per span). The two end pieces of a span are
+    added directly and the whole segments between them through a difference array, so the cost is
+    ``O(spans + W)`` whatever the spans' lengths. Empty spans add nothing; every span must lie in
+    ``[0, world_size * s_i)``.
+    """
+    a = np.asarray(starts, dtype=np.int64)
+    b = np.asarray(ends, dtype=np.int64)
+    s = np.broadcast_to(np.asarray(segment_numel, dtype=np.int64), a.shape)
+    keep = b > a
+    a, b, s = a[keep], b[keep], s[keep]
+    ra, rb = a // s, (b - 1) // s
+    out = np.zeros(world_size + 1, dtype=np.int64)
+    np.add.at(out, ra, np.minimum(b, (ra + 1) * s) - a)  # first piece (the whole span if on one rank)
+    multi = rb > ra
+    np.add.at(out, rb[multi], b[multi] - rb[multi] * s[multi])  # last piece
+    diff = np.zeros(world_size + 1, dtype=np.int64)  # whole segments in between
+    np.add.at(diff, ra[multi] + 1, s[multi])
+    np.add.at(diff, rb[multi], -s[multi])
+    return (out + np.cumsum(diff))[:world_size]
+
+
+def layout_hash(data: object) -> str:
+    """A stable 16-hex-digit hash of a JSON-serializable layout description.
+
+    Canonical JSON (sorted keys, no spaces) hashed with SHA-256: every rank that computed the same
+    layout gets the same string, on any machine and Python version.
+    """
+    blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
