@@ -24,9 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 from blockshard.planner import GroupLayout
+from blockshard.planner._units import block_shape
 from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg, shift_ranks
 from blockshard.runtime._common import ShardedState, expect
-from blockshard.runtime._param import ShardedParam, block_shape
+from blockshard.runtime._param import ShardedParam
 
 __all__ = ["ParamGroup"]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["ManagedTag", "ParamRef", "ShardedParam", "block_shape", "managed_tag", "tag_managed"]
+__all__ = ["ManagedTag", "ParamRef", "ShardedParam", "managed_tag", "tag_managed"]
 
 
 @dataclass(frozen=True)
@@ -43,25 +43,6 @@ def tag_managed(param: nn.Parameter, owner: str, *, original: bool = False) -> N
 def managed_tag(param: nn.Parameter) -> ManagedTag | None:
     tag = getattr(param, _TAG_ATTR, None)
     return tag if isinstance(tag, ManagedTag) else None
-
-
-def block_shape(shape: tuple[int, ...], start: int, numel: int) -> tuple[int, ...]:
-    """The shape the optimizer sees for elements ``[start, start + numel)`` of a tensor of ``shape``.
-
-    The whole tensor keeps its shape (an owned Muon matrix); whole rows of dim 0 keep the trailing
-    dims (a Shampoo or FP8 stripe ``[rows, cols]``, whole experts ``[k, m, n]``); anything else is
-    a flat run; an empty piece is ``(0,)``.
-    """
-    total = math.prod(shape)
-    if numel == 0:
-        return (0,)
-    if start == 0 and numel == total:
-        return tuple(shape)
-    if len(shape) >= 2:
-        row = math.prod(shape[1:])
-        if row and start % row == 0 and numel % row == 0:
-            return (numel // row, *shape[1:])
-    return (numel,)
 
 
 @dataclass(eq=False)
