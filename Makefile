@@ -3,8 +3,11 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# mypy cannot follow setuptools' package-dir mapping (integrations/ is blockshard.integrations):
+# pyproject's [tool.mypy] mypy_path finds it through this link.
+MYPY_LINK := $(VENV)/mypy-path/blockshard/integrations
 
-.PHONY: demo test test-fast bench docs-bench clean
+.PHONY: demo lint mypy test test-fast bench docs-bench clean
 
 # torch first, as exactly the CPU wheel (a looser spec pulls a multi-GB CUDA build), then the
 # project with every extra under the tested pins in constraints.txt.
@@ -14,11 +17,27 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[all,dev]"
 	touch $(STAMP)
 
+$(MYPY_LINK): | $(STAMP)
+	mkdir -p $(dir $@)
+	ln -sfn ../../../integrations $@
+
 demo: $(STAMP)
 	$(BIN)/blockshard demo
 
-test: $(STAMP)
-	$(BIN)/python -m pytest
+# The gates: lint, format and types (the pre-commit hooks run the same tools).
+lint: $(STAMP) $(MYPY_LINK)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+mypy: $(MYPY_LINK)
+	$(BIN)/mypy
+
+# The gates, then the fast tier, then the slow (multi-process) tier. pytest exits 5 when a
+# marker selects no test; that is not a failure here.
+test: lint
+	$(BIN)/python -m pytest -m "not slow" || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -m slow || [ $$? -eq 5 ]
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
@@ -26,5 +45,12 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_quality.py --out docs/results/plan_quality.json --markdown docs/results/plan_quality.md
 
+# Rerun every benchmark behind docs/results/*.json, each with the command its JSON records
+# (minutes, and the timings want an otherwise idle machine).
+docs-bench: bench
+	$(BIN)/python benchmarks/engine_vs_fsdp2.py --world-size 4 --json --out docs/results/engine_vs_fsdp2.json
+	$(BIN)/python benchmarks/muon_step.py --world-size 4 --json --out docs/results/muon_step.json
+	$(BIN)/python benchmarks/deepspeed_hook.py --world-size 2 4 --json --out docs/results/deepspeed_hook.json
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info

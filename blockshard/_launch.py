@@ -55,8 +55,8 @@ def _worker(
         else:
             import torch.distributed as dist
 
-            if "GLOO_SOCKET_IFNAME" not in os.environ and _loopback_ifname():
-                os.environ["GLOO_SOCKET_IFNAME"] = _loopback_ifname()
+            if "GLOO_SOCKET_IFNAME" not in os.environ and (ifname := _loopback_ifname()):
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             store = dist.FileStore(store_path, world_size)
             dist.init_process_group(

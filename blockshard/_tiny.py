@@ -85,13 +85,14 @@ def tiny_llama(
         pad_token_id=None,
         bos_token_id=None,
         eos_token_id=None,
-        attn_implementation="eager",
+        # PreTrainedConfig pops attn_implementation from **kwargs; LlamaConfig's typed __init__ omits it
+        attn_implementation="eager",  # type: ignore[call-arg]
         dtype=torch.float32,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return model.to(torch.float32).train()
+    return model.float().train()
 
 
 class OddMLP(nn.Module):
@@ -105,15 +106,15 @@ class OddMLP(nn.Module):
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
+            ln = nn.LayerNorm(37)  # draws no random numbers: the Linear layers get the same weights
             self.blocks = nn.ModuleList(
                 [
-                    nn.Sequential(nn.Linear(13, 37), nn.LayerNorm(37), nn.GELU()),
+                    nn.Sequential(nn.Linear(13, 37), ln, nn.GELU()),
                     nn.Sequential(nn.Linear(37, 29), nn.GELU()),
                     nn.Sequential(nn.Linear(29, 7)),
                 ]
             )
             # Non-trivial LayerNorm affine parameters (defaults are all ones / zeros).
-            ln = self.blocks[0][1]
             nn.init.normal_(ln.weight, mean=1.0, std=0.1)
             nn.init.normal_(ln.bias, mean=0.0, std=0.1)
 

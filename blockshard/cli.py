@@ -50,9 +50,11 @@ def _parser() -> argparse.ArgumentParser:
         "--semantics", default="muon", help="block semantics, as for `plan` (default: muon, whole hidden matrices)"
     )
     demo.add_argument(
-        "--optimizer", choices=("adamw", "muon"), default="muon",
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="muon",
         help="muon (default: torch Muon on the whole hidden matrices each rank owns, AdamW on the rest) or adamw",
-    )  # fmt: skip
+    )
     return parser
 
 

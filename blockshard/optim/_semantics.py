@@ -17,27 +17,30 @@ module being sharded). The semantics carry a compute cost used for balancing own
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 
 import torch
 from torch import nn
 
 from blockshard._errors import SemanticsError
-from blockshard.semantics import TensorSpec, get_semantics
+from blockshard.semantics import TensorSpec, get_semantics, normalize_dtype
 from blockshard.semantics._rules import is_embedding_or_head
 
 __all__ = ["OPTIMIZER_SEMANTICS", "muon_param_groups", "optimizer_semantics", "semantics_for_optimizer"]
 
-#: Optimizer name -> the block semantics it needs.
-OPTIMIZER_SEMANTICS: dict[str, str] = {
-    "adamw": "elementwise",
-    "adam": "elementwise",
-    "sgd": "elementwise",
-    "muon": "matrix",  # Newton-Schulz orthogonalizes the whole matrix
-    "bnb8bit": "bnb8bit",  # bitsandbytes Adam8bit / AdamW8bit / ...: 256-blocks, fp32 below 4096
-    "ao8bit": "ao8bit",  # torchao AdamW8bit: 256-blocks, fp32 unless >= 4096 and a multiple
-    "ao4bit": "ao4bit",  # torchao AdamW4bit: 128-blocks
-    "shampoo": "shampoo:1024",  # D x D preconditioner tiles -> D-row stripes
-}
+#: Optimizer name -> the block semantics it needs (read-only).
+OPTIMIZER_SEMANTICS: Mapping[str, str] = MappingProxyType(
+    {
+        "adamw": "elementwise",
+        "adam": "elementwise",
+        "sgd": "elementwise",
+        "muon": "matrix",  # Newton-Schulz orthogonalizes the whole matrix
+        "bnb8bit": "bnb8bit",  # bitsandbytes Adam8bit / AdamW8bit / ...: 256-blocks, fp32 below 4096
+        "ao8bit": "ao8bit",  # torchao AdamW8bit: 256-blocks, fp32 unless >= 4096 and a multiple
+        "ao4bit": "ao4bit",  # torchao AdamW4bit: 128-blocks
+        "shampoo": "shampoo:1024",  # D x D preconditioner tiles -> D-row stripes
+    }
+)
 
 
 def semantics_for_optimizer(optimizer: object) -> str:
@@ -58,8 +61,8 @@ def semantics_for_optimizer(optimizer: object) -> str:
     module, name = cls.__module__, cls.__name__
     if name == "BlockedShampoo":
         dim = 1024
-        if not isinstance(optimizer, type):
-            dim = optimizer.defaults["max_preconditioner_dim"]  # type: ignore[attr-defined]
+        if isinstance(optimizer, torch.optim.Optimizer):
+            dim = optimizer.defaults["max_preconditioner_dim"]
         return f"shampoo:{dim}"
     if name == "Muon":
         return "matrix"
@@ -117,10 +120,11 @@ def optimizer_semantics(param_groups: Iterable[Mapping]) -> Callable[[str, torch
 
 def muon_param_groups(model: nn.Module, *, other: str = "adamw") -> list[dict]:
     """Muon on 2-D hidden weights; embeddings, the output head, norms and biases to ``other``."""
-    muon, rest = [], []
+    muon: list[nn.Parameter] = []
+    rest: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         module_type = "Embedding" if isinstance(_owner(model, name), nn.Embedding) else None
-        spec = TensorSpec(name=name, shape=tuple(p.shape), dtype=p.dtype, module_type=module_type)
+        spec = TensorSpec(name=name, shape=tuple(p.shape), dtype=normalize_dtype(p.dtype), module_type=module_type)
         (muon if p.ndim == 2 and not is_embedding_or_head(spec) else rest).append(p)
     return [{"params": muon, "optimizer": "muon"}, {"params": rest, "optimizer": other}]
 

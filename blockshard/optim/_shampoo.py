@@ -221,11 +221,11 @@ class BlockedShampoo(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._step_param(p, group)
+                    self._step_param(p, p.grad, group)
         return loss
 
-    def _step_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        if p.grad.is_sparse or p.is_complex():
+    def _step_param(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        if grad.is_sparse or p.is_complex():
             raise BlockshardError(
                 f"BlockedShampoo: parameter of shape {tuple(p.shape)} has a sparse or complex "
                 "gradient; only dense real tensors are supported (use a dense optimizer for it)"
@@ -247,7 +247,7 @@ class BlockedShampoo(torch.optim.Optimizer):
         state["step"] += 1
         t = state["step"]
         work = p if p.is_contiguous() else p.contiguous()
-        mat, grad = work.view(shape), p.grad.reshape(shape)
+        mat, grad = work.view(shape), grad.reshape(shape)
         for idx, block in zip(slices, state["blocks"], strict=True):
             update = self._block_update(_take(grad[idx], sdt), block, group, t)
             new = _take(mat[idx], sdt)

@@ -6,6 +6,7 @@ import enum
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 from blockshard._errors import SemanticsError
 from blockshard.semantics._grid import UnitGrid
@@ -51,13 +52,15 @@ class BlockSemantics(ABC):
     kind: SemanticsKind = SemanticsKind.LAYOUT
     #: Tensors with fewer dims are left element-wise by blanket rules (``--semantics fp8_block``).
     min_ndim: int = 0
+    #: The name :func:`blockshard.register_semantics` gave the class (``None``: not registered).
+    _registered_name: ClassVar[str | None] = None
 
     def __init__(self) -> None:
         self.spec = self.name_of()
 
     @classmethod
     def name_of(cls) -> str:
-        return getattr(cls, "_registered_name", cls.__name__)
+        return cls._registered_name or cls.__name__
 
     @abstractmethod
     def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 from blockshard.semantics._rules import Rule, is_embedding_or_head
 
@@ -23,4 +24,5 @@ def _adamw() -> list[Rule]:
     return [Rule(semantics="elementwise")]
 
 
-PRESETS: dict[str, Callable[[], list[Rule]]] = {"muon": _muon, "adamw": _adamw}
+#: Read-only: a preset is a name on the command line; pass your own rules where rules are accepted.
+PRESETS: Mapping[str, Callable[[], list[Rule]]] = MappingProxyType({"muon": _muon, "adamw": _adamw})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 from typing import TypeVar
 
 from blockshard._errors import SemanticsError
@@ -34,7 +34,10 @@ NO_ENTRY_POINTS_ENV = "BLOCKSHARD_NO_ENTRY_POINTS"
 _T = TypeVar("_T", bound=type[BlockSemantics])
 _REGISTRY: dict[str, type[BlockSemantics]] = {}
 _LOCK = threading.Lock()
+_LOAD_LOCK = threading.RLock()
+# Set only once every entry point has loaded: a broken plugin raises on every lookup, not just the first.
 _entry_points_loaded = False
+_entry_points_loading = False  # a plugin's import is looking up semantics: it sees what is registered so far
 
 
 def register_semantics(name: str, *, replace: bool = False) -> Callable[[_T], _T]:
@@ -62,7 +65,7 @@ def register_semantics(name: str, *, replace: bool = False) -> Callable[[_T], _T
                     f"semantics name {name!r} is already registered to {_REGISTRY[name].__qualname__}; "
                     "pick another name or pass replace=True"
                 )
-            cls._registered_name = name  # type: ignore[attr-defined]
+            cls._registered_name = name
             _REGISTRY[name] = cls
         return cls
 
@@ -75,22 +78,31 @@ def unregister_semantics(name: str) -> None:
 
 
 def _load_entry_points() -> None:
-    global _entry_points_loaded
-    if _entry_points_loaded:
+    global _entry_points_loaded, _entry_points_loading
+    if _entry_points_loaded or os.environ.get(NO_ENTRY_POINTS_ENV, "") not in ("", "0"):
         return
-    _entry_points_loaded = True
-    if os.environ.get(NO_ENTRY_POINTS_ENV, "") not in ("", "0"):
-        return
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    with _LOAD_LOCK:
+        if _entry_points_loaded or _entry_points_loading:
+            return
+        _entry_points_loading = True
         try:
-            obj = ep.load()
-        except Exception as exc:  # a broken plugin must say which one it is
-            raise SemanticsError(
-                f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} failed to "
-                f"load: {exc!r}. Fix or uninstall that package, or set {NO_ENTRY_POINTS_ENV}=1"
-            ) from exc
-        if isinstance(obj, type) and issubclass(obj, BlockSemantics) and ep.name not in _REGISTRY:
-            register_semantics(ep.name)(obj)
+            for ep in entry_points(group=ENTRY_POINT_GROUP):
+                _load_entry_point(ep)
+            _entry_points_loaded = True
+        finally:
+            _entry_points_loading = False
+
+
+def _load_entry_point(ep: EntryPoint) -> None:
+    try:
+        obj = ep.load()
+    except Exception as exc:  # a broken plugin must say which one it is
+        raise SemanticsError(
+            f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} failed to "
+            f"load: {exc!r}. Fix or uninstall that package, or set {NO_ENTRY_POINTS_ENV}=1 to skip plugins"
+        ) from exc
+    if isinstance(obj, type) and issubclass(obj, BlockSemantics) and ep.name not in _REGISTRY:
+        register_semantics(ep.name)(obj)
 
 
 def reload_entry_points() -> None:

@@ -7,8 +7,9 @@ facts that semantics rules match on (module type, tensor type, the optimizer's `
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Union
 
 from blockshard._errors import ShapesError
@@ -21,31 +22,35 @@ __all__ = ["DTYPE_ITEMSIZE", "DTypeLike", "TensorSpec", "itemsize_of", "normaliz
 #: What ``TensorSpec(dtype=...)`` accepts: a torch dtype name or alias (``"bf16"``) or a ``torch.dtype``.
 DTypeLike = Union[str, "torch.dtype"]
 
-# Bytes per element of the dtypes the planner knows, by their torch names.
-DTYPE_ITEMSIZE: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
-_DTYPE_ALIASES = {
-    "fp64": "float64",
-    "double": "float64",
-    "fp32": "float32",
-    "float": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "fp8": "float8_e4m3fn",
-}
+# Bytes per element of the dtypes the planner knows, by their torch names (read-only).
+DTYPE_ITEMSIZE: Mapping[str, int] = MappingProxyType(
+    {
+        "float64": 8,
+        "float32": 4,
+        "bfloat16": 2,
+        "float16": 2,
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+        "int64": 8,
+        "int32": 4,
+        "int16": 2,
+        "int8": 1,
+        "uint8": 1,
+        "bool": 1,
+    }
+)
+_DTYPE_ALIASES: Mapping[str, str] = MappingProxyType(
+    {
+        "fp64": "float64",
+        "double": "float64",
+        "fp32": "float32",
+        "float": "float32",
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "fp8": "float8_e4m3fn",
+    }
+)
 
 
 def normalize_dtype(dtype: object) -> str:

@@ -219,11 +219,12 @@ def _patched_initialize(*args, **kwargs):
             "mesh_param",
             "config_params",
         ]
-        kwargs.update(dict(zip(names, args, strict=True)))
+        if len(args) > len(names):
+            raise TypeError(
+                f"deepspeed.initialize() takes at most {len(names)} positional arguments ({len(args)} given)"
+            )
+        kwargs.update(zip(names[: len(args)], args, strict=True))
     return _initialize(kwargs, require_section=True)
-
-
-_patched_initialize.__blockshard__ = True
 
 
 def install(*, allow_untested_deepspeed: bool = False) -> None:

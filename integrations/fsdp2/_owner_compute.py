@@ -29,10 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from blockshard._errors import BlockshardError
@@ -131,13 +133,18 @@ def build_exchange(plan, rank: int, dtypes: list[str]) -> tuple[dict[str, _Excha
     return dict(sorted(ex.items())), owned
 
 
+def _add_module_types(mtypes: dict[int, str], root: nn.Module) -> None:
+    """Record the class name of each parameter's owning module (the first owner wins)."""
+    for mod in root.modules():
+        for p in mod.parameters(recurse=False):
+            mtypes.setdefault(id(p), type(mod).__name__)
+
+
 def _named_groups(params) -> tuple[list[tuple[dict, list[tuple[str, torch.Tensor]]]], dict[int, str]]:
     """Normalize ``params`` to ``[(param_group options, [(name, param), ...])]`` and module types by id."""
     mtypes: dict[int, str] = {}
     if isinstance(params, nn.Module):
-        for mod in params.modules():
-            for p in mod.parameters(recurse=False):
-                mtypes.setdefault(id(p), type(mod).__name__)
+        _add_module_types(mtypes, params)
         params = list(params.named_parameters())
     params = list(params)
     if not params:
@@ -205,11 +212,10 @@ class OwnerComputeOptimizer:
         rules = SemanticsRules.coerce(semantics)
         groups, mtypes = _named_groups(params)
         if model is not None:
-            for mod in model.modules():
-                for p in mod.parameters(recurse=False):
-                    mtypes.setdefault(id(p), type(mod).__name__)
+            _add_module_types(mtypes, model)
         self._params: list[_Param] = []
-        mesh, seen = None, {}
+        mesh: DeviceMesh | None = None
+        seen: dict[int, str] = {}
         for gi, (_, named) in enumerate(groups):
             for name, p in named:
                 if id(p) in seen:
@@ -338,7 +344,7 @@ class OwnerComputeOptimizer:
             chunks = []
             for peer in range(self.world_size):
                 for t, off, n in e.sends[peer]:
-                    src = self._flat(t, grads)
+                    src = self._flat_grad(t) if grads else self._flat(t)
                     chunks.append(
                         src[off : off + n] if src is not None else torch.zeros(n, dtype=dtype, device=self._device)
                     )
@@ -354,7 +360,8 @@ class OwnerComputeOptimizer:
             pc = self._pieces[j]
             if pc.own is not None:
                 off, uoff, n = pc.own
-                src = self._flat(self._plan_index[pc.p], grads)
+                t = self._plan_index[pc.p]
+                src = self._flat_grad(t) if grads else self._flat(t)
                 dst = self._unit_target(k, grads)
                 dst[uoff : uoff + n].copy_(src[off : off + n]) if src is not None else dst[uoff : uoff + n].zero_()
 
@@ -373,21 +380,22 @@ class OwnerComputeOptimizer:
             pos = 0
             for peer in range(self.world_size):
                 for t, off, n in e.sends[peer]:
-                    self._flat(t, False)[off : off + n].copy_(out[pos : pos + n])
+                    self._flat(t)[off : off + n].copy_(out[pos : pos + n])
                     pos += n
         for _k, j in self._unit_piece.items():
             pc = self._pieces[j]
             if pc.own is not None:
                 off, uoff, n = pc.own
-                self._flat(self._plan_index[pc.p], False)[off : off + n].copy_(pc.tensor.view(-1)[uoff : uoff + n])
+                self._flat(self._plan_index[pc.p])[off : off + n].copy_(pc.tensor.view(-1)[uoff : uoff + n])
 
-    def _flat(self, t: int, grads: bool) -> torch.Tensor | None:
-        """Plan tensor ``t``'s local shard (a flat view, written in place) or gradient shard (read)."""
-        q = self._params[self._shard0[t]]
-        if grads:
-            g = q.local_grad()
-            return None if g is None else g.reshape(-1)
-        return q.local().view(-1)
+    def _flat(self, t: int) -> torch.Tensor:
+        """Plan tensor ``t``'s local shard: a flat view, written in place."""
+        return self._params[self._shard0[t]].local().view(-1)
+
+    def _flat_grad(self, t: int) -> torch.Tensor | None:
+        """Plan tensor ``t``'s local gradient shard, flat (read only); ``None`` if it has no gradient."""
+        g = self._params[self._shard0[t]].local_grad()
+        return None if g is None else g.reshape(-1)
 
     def _unit_target(self, k: int, grads: bool) -> torch.Tensor:
         t = self._pieces[self._unit_piece[k]].tensor
@@ -455,7 +463,7 @@ class OwnerComputeOptimizer:
             "layout": [pc.key for pc in self._pieces],
         }
 
-    def load_state_dict(self, state_dict: Mapping) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Collective: load a state dict saved by this rank at the same world size, then resync."""
         mine = {"world_size": self.world_size, "rank": self.rank, "layout": [pc.key for pc in self._pieces]}
         got = {k: state_dict.get(k) for k in mine}
@@ -465,7 +473,7 @@ class OwnerComputeOptimizer:
             raise OwnerComputeError(
                 f"state dict was saved for world_size={got['world_size']}, rank={got['rank']} with "
                 f"{len(got['layout'] or [])} compute tensors; this optimizer is world_size={self.world_size}, "
-                f"rank={self.rank} with {len(mine['layout'])}: owner-compute state is per rank, load it at "
+                f"rank={self.rank} with {len(self._pieces)}: owner-compute state is per rank, load it at "
                 "the same world size, semantics and parameter shapes"
             )
         self.inner.load_state_dict(state_dict["inner"])

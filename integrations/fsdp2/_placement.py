@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from blockshard._errors import BlockshardError
 from blockshard.planner._units import ceil_div, check_world_size, rows_cols
-from blockshard.semantics import ResolvedSemantics, SemanticsKind, SemanticsRules, TensorSpec, UnitGrid
+from blockshard.semantics import ResolvedSemantics, SemanticsKind, SemanticsRules, TensorSpec, UnitGrid, normalize_dtype
 
 __all__ = [
     "FSDP2PlacementError",
@@ -223,10 +223,32 @@ def param_specs(root: nn.Module) -> dict[int, TensorSpec]:
 
 
 def spec_of(name: str, p: torch.Tensor, module_type: str | None = None) -> TensorSpec:
-    return TensorSpec(name=name, shape=tuple(p.shape), dtype=p.dtype, module_type=module_type)
+    return TensorSpec(name=name, shape=tuple(p.shape), dtype=normalize_dtype(p.dtype), module_type=module_type)
 
 
-def block_placement_fn(semantics: object, world_size: int, *, names: nn.Module | Mapping | None = None):
+class BlockPlacementFn:
+    """The callable :func:`block_placement_fn` returns: parameter -> ``Shard(dim)``, each decision
+    recorded in ``placements`` (name -> :class:`ParamPlacement`)."""
+
+    def __init__(
+        self, rules: SemanticsRules, world_size: int, specs: dict[int, TensorSpec], named: dict[int, str]
+    ) -> None:
+        self._rules, self._world_size, self._specs, self._named = rules, world_size, specs, named
+        self.placements: dict[str, ParamPlacement] = {}
+
+    def __call__(self, param: nn.Parameter) -> Shard:
+        spec = self._specs.get(id(param))
+        if spec is None:
+            name = self._named.get(id(param))
+            spec = spec_of(name or f"<parameter of shape {tuple(param.shape)}>", param)
+        p = place(spec, self._rules, self._world_size)
+        self.placements[p.name] = p
+        return p.placement
+
+
+def block_placement_fn(
+    semantics: object, world_size: int, *, names: nn.Module | Mapping | None = None
+) -> BlockPlacementFn:
     """A ``shard_placement_fn`` for ``torch.distributed.fsdp.fully_shard`` that keeps units whole.
 
     Args:
@@ -241,29 +263,15 @@ def block_placement_fn(semantics: object, world_size: int, *, names: nn.Module |
     records every decision.
     """
     rules = SemanticsRules.coerce(semantics)
-    named: dict = {}
+    named: dict[int, str] = {}
+    specs: dict[int, TensorSpec] = {}
     if isinstance(names, nn.Module):
         specs = param_specs(names)
     elif isinstance(names, Mapping):
-        specs = {}
         named = dict(names)
-    elif names is None:
-        specs = {}
-    else:
+    elif names is not None:
         raise FSDP2PlacementError(f"names={names!r} must be an nn.Module, a mapping id(param) -> name, or None")
-    decided: dict[str, ParamPlacement] = {}
-
-    def fn(param: nn.Parameter) -> Shard:
-        spec = specs.get(id(param))
-        if spec is None:
-            name = named.get(id(param))
-            spec = spec_of(name or f"<parameter of shape {tuple(param.shape)}>", param)
-        p = place(spec, rules, world_size)
-        decided[p.name] = p
-        return p.placement
-
-    fn.placements = decided  # type: ignore[attr-defined]
-    return fn
+    return BlockPlacementFn(rules, world_size, specs, named)
 
 
 def _shard_world_size(mesh) -> int:

@@ -162,6 +162,19 @@ def test_install_patches_deepspeed_initialize_and_uninstall_restores():
     assert deepspeed.initialize is original
 
 
+def test_installed_initialize_takes_positional_arguments():
+    import deepspeed
+
+    model = torch.nn.Linear(3, 2)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "blockshard": {"bogus": 1}}
+    with bsd.installed():
+        # (args, model) positionally, the rest by keyword: the section is still read (and refused)
+        with pytest.raises(DeepSpeedHookError, match=r"blockshard\.bogus"):
+            deepspeed.initialize(None, model, config=cfg)
+        with pytest.raises(TypeError, match="at most 13 positional arguments"):
+            deepspeed.initialize(*[None] * 14)
+
+
 # -- real DeepSpeed engines (spawned gloo ranks) ----------------------------------------------------
 CASES_24 = [
     ("z2_bnb", 2, "bnb", True, False),
