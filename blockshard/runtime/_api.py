@@ -15,7 +15,7 @@ from blockshard._errors import BlockshardError
 from blockshard.planner import GroupLayout, PlanItem, plan_group, resolve_items
 from blockshard.planner._balance import balance, rank_costs
 from blockshard.runtime._collectives import check_same_layout
-from blockshard.runtime._group import ParamGroup
+from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
 from blockshard.runtime._state import STATE_ATTR, ModuleState, state_of
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
@@ -38,7 +38,7 @@ class ShardingError(BlockshardError):
 class UnshardHandle:
     """What ``module.unshard(async_op=True)`` returns: ``wait()`` finishes the all-gathers."""
 
-    def __init__(self, group: ParamGroup) -> None:
+    def __init__(self, group: ShardGroup) -> None:
         self._group = group
 
     def wait(self) -> None:
@@ -265,7 +265,7 @@ def fully_shard(
         ShardedParam(fqn=n, refs=r, shape=tuple(p.shape), requires_grad=p.requires_grad, index=index[n])
         for n, p, r in zip(names, params, refs, strict=True)
     ]
-    group = ParamGroup(
+    group = ShardGroup(
         name,
         sps,
         params,

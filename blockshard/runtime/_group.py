@@ -1,4 +1,4 @@
-"""``ParamGroup``: the persistent buffers of one ``fully_shard`` call and the work on them.
+"""``ShardGroup``: the persistent buffers of one ``fully_shard`` call and the work on them.
 
 [Note: buffers]
 Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
@@ -29,10 +29,10 @@ from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg,
 from blockshard.runtime._common import ShardedState, expect
 from blockshard.runtime._param import ShardedParam
 
-__all__ = ["ParamGroup"]
+__all__ = ["ShardGroup"]
 
 
-class ParamGroup:
+class ShardGroup:
     """The buffers and collectives of one group; its :class:`ShardedState` is ``sharded_state``."""
 
     def __init__(

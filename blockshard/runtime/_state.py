@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from blockshard.runtime._common import TrainingState, expect, in_backward
-from blockshard.runtime._group import ParamGroup
+from blockshard.runtime._group import ShardGroup
 
 __all__ = ["STATE_ATTR", "ModuleState", "RootContext", "state_of"]
 
@@ -95,7 +95,7 @@ class ModuleState:
     def __init__(
         self,
         module: nn.Module,
-        group: ParamGroup,
+        group: ShardGroup,
         *,
         reshard_after_forward: bool,
         param_dtype: torch.dtype | None = None,

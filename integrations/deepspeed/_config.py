@@ -6,14 +6,14 @@ Keys (all optional)::
         "enabled": true,                     # false: plain DeepSpeed (the section is ignored)
         "semantics": {"*weight": "bnb8bit"}, # rules: a mapping glob -> spec, a spec string
                                              # ("bnb8bit", "matrix", "*.mlp.*=nf4,bnb8bit") or a list of them
-        "alignment": 16,                     # bytes: parameter starts and partition size are multiples
+        "alignment_bytes": 16,               # bytes: parameter starts and partition size are multiples
         "allow_untested_deepspeed": false    # run on a DeepSpeed version the hook was not tested with
     }
 
 DeepSpeed 0.19.8 ignores unknown top-level keys (``DeepSpeedConfig`` reads the keys it knows and
 never checks for others; ``tests/integrations/test_deepspeed.py`` asserts this), so the section is
 passed on to DeepSpeed unchanged. Every error is a :class:`DeepSpeedHookError` (a ``ValueError``)
-whose message names the key, e.g. ``blockshard.alignment``.
+whose message names the key, e.g. ``blockshard.alignment_bytes``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ SECTION = "blockshard"
 TESTED_DEEPSPEED_VERSIONS: tuple[str, ...] = ("0.19.8",)
 #: Setting this environment variable to 1 has the effect of ``"allow_untested_deepspeed": true``.
 ALLOW_UNTESTED_ENV = "BLOCKSHARD_ALLOW_UNTESTED_DEEPSPEED"
-_KEYS = ("enabled", "semantics", "alignment", "allow_untested_deepspeed")
+_KEYS = ("enabled", "semantics", "alignment_bytes", "allow_untested_deepspeed")
 
 
 class DeepSpeedHookError(BlockshardError):
@@ -56,7 +56,7 @@ class HookConfig:
     enabled: bool = True
     semantics: object = None
     rules: SemanticsRules = field(default_factory=SemanticsRules)
-    alignment: int = 16
+    alignment_bytes: int = 16
     allow_untested_deepspeed: bool = False
 
 
@@ -75,13 +75,19 @@ def parse_section(section: object) -> HookConfig:
             f'{SECTION}={section!r} must be a JSON object such as {{"semantics": {{"*weight": "bnb8bit"}}}}'
         )
     unknown = sorted(set(section) - set(_KEYS))
+    if "alignment" in unknown:
+        raise DeepSpeedHookError(
+            f"{SECTION}.alignment is now {SECTION}.alignment_bytes (a number of bytes, as before); rename the key"
+        )
     if unknown:
         raise DeepSpeedHookError(f"{SECTION}.{unknown[0]} is not a known key; known keys: {', '.join(_KEYS)}")
     enabled = _bool("enabled", section.get("enabled", True))
     allow = _bool("allow_untested_deepspeed", section.get("allow_untested_deepspeed", False))
-    alignment = section.get("alignment", 16)
+    alignment = section.get("alignment_bytes", 16)
     if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
-        raise DeepSpeedHookError(f"{SECTION}.alignment={alignment!r} must be a power of two number of bytes (e.g. 16)")
+        raise DeepSpeedHookError(
+            f"{SECTION}.alignment_bytes={alignment!r} must be a power of two number of bytes (e.g. 16)"
+        )
     semantics = section.get("semantics")
     raw = semantics
     if isinstance(semantics, Sequence) and not isinstance(semantics, str):

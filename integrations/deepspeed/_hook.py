@@ -209,7 +209,9 @@ def _make_zero12():
             w = dist.get_world_size(group=self.real_dp_process_group[i])
             dtype = metas[0].dtype
             itemsize = torch.tensor([], dtype=dtype).element_size()
-            align = math.lcm(alignment_numel(self._bs_config.alignment, itemsize), self.nccl_start_alignment_factor)
+            align = math.lcm(
+                alignment_numel(self._bs_config.alignment_bytes, itemsize), self.nccl_start_alignment_factor
+            )
             names, grids, labels = [], [], []
             for j, (param, meta) in enumerate(zip(params, metas, strict=True)):
                 name = self.param_names.get(param) or f"param_group{i}.{j}"

@@ -66,8 +66,9 @@ def bitwise(a, b) -> bool:
     ("section", "key"),
     [
         ({"semantic": "bnb8bit"}, "blockshard.semantic"),
-        ({"alignment": 3}, "blockshard.alignment"),
-        ({"alignment": "16"}, "blockshard.alignment"),
+        ({"alignment_bytes": 3}, "blockshard.alignment_bytes"),
+        ({"alignment_bytes": "16"}, "blockshard.alignment_bytes"),
+        ({"alignment": 16}, "blockshard.alignment is now blockshard.alignment_bytes"),
         ({"semantics": "bnb9bit"}, "blockshard.semantics"),
         ({"semantics": 5}, "blockshard.semantics"),
         ({"semantics": {"*weight": 8}}, "blockshard.semantics"),
@@ -82,10 +83,10 @@ def test_config_errors_name_the_key(section, key):
 
 
 def test_config_parses_rules_and_defaults():
-    hc = parse_section({"semantics": {"*weight": "bnb8bit"}, "alignment": 64})
+    hc = parse_section({"semantics": {"*weight": "bnb8bit"}, "alignment_bytes": 64})
     spec = TensorSpec(name="fc.weight", shape=(130, 89), dtype="float32")
     assert hc.rules.resolve(spec).grid == UnitGrid(11570, 256, 4096, 7424)
-    assert hc.alignment == 64 and hc.enabled and not hc.allow_untested_deepspeed
+    assert hc.alignment_bytes == 64 and hc.enabled and not hc.allow_untested_deepspeed
     assert parse_section(None).rules.resolve(spec).grid.unit_numel == 1  # default: element-wise
     listed = parse_section({"semantics": ["*weight=bnb8bit", "*bias=bnb8bit"]})
     assert listed.rules.resolve(spec).label == "bnb8bit"

@@ -125,7 +125,7 @@ def prefetch_and_state_dicts(rank: int, world: int) -> dict:
     """Record the all-gathers of step 2 (after the order is known) and return both state dicts."""
     import blockshard
     from blockshard.runtime import ShardedState, _api
-    from blockshard.runtime._group import ParamGroup
+    from blockshard.runtime._group import ShardGroup
 
     model = OddMLP()
     for block in model.blocks:
@@ -133,7 +133,7 @@ def prefetch_and_state_dicts(rank: int, world: int) -> dict:
     blockshard.fully_shard(model)
     names = {id(_api._state_of(m).group): n for n, m in model.named_modules() if blockshard.is_sharded(m)}
     events: list[tuple[str, str]] = []
-    real_unshard, real_wait = ParamGroup.unshard, ParamGroup.wait_unshard
+    real_unshard, real_wait = ShardGroup.unshard, ShardGroup.wait_unshard
 
     def unshard(self, *, async_op=False):
         if self.sharded_state is ShardedState.SHARDED:
@@ -147,10 +147,10 @@ def prefetch_and_state_dicts(rank: int, world: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for step, batch in enumerate(mlp_batches(2, 8)):
         if step == 1:
-            ParamGroup.unshard, ParamGroup.wait_unshard = unshard, wait_unshard
+            ShardGroup.unshard, ShardGroup.wait_unshard = unshard, wait_unshard
         _mlp_loss(model, batch).backward()
         opt.step()
         opt.zero_grad()
-    ParamGroup.unshard, ParamGroup.wait_unshard = real_unshard, real_wait
+    ShardGroup.unshard, ShardGroup.wait_unshard = real_unshard, real_wait
     shards = {k: (v.tensor.clone(), v.start, v.global_shape) for k, v in blockshard.sharded_state_dict(model).items()}
     return {"events": events, "shards": shards, "full": blockshard.full_state_dict(model)}
