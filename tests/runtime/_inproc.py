@@ -44,8 +44,10 @@ Failures never hang and always reach the test:
 What threads do not allow:
 
 * bitwise parity with one process needs identical arithmetic on every rank, so the harness runs
-  torch with one intra-op thread (``torch.set_num_threads`` is process-wide; the reference
-  computed in the test thread uses the same setting) — as the spawned tests do;
+  torch with one intra-op thread, as the spawned tests do. ``torch.set_num_threads`` must be
+  called *in each rank thread*: OpenMP's thread count is per calling thread, and a new thread
+  starts with the machine's default (measured: OddMLP at batch 6 then differs from one
+  process by 9e-8 after 2 steps, while spawned ranks are bitwise equal);
 * ranks share one interpreter: module-level state of the engine (``blockshard.runtime._api``'s
   ``_STATES``, ``_MANAGED``, ``_TALLY``) is shared by all ranks. It is keyed per module,
   parameter or process group, so ranks do not collide, but a test cannot show that the state is
@@ -54,9 +56,13 @@ What threads do not allow:
   keeps the groups of successful runs alive until the interpreter exits (a few KB each; a
   failed run's groups must be freed to release its peers, see above). So ranks should return
   what they found and let the test thread assert on it;
+* torch's default generator is process-wide: two ranks building ``OddMLP()`` at once (its
+  constructor seeds it inside ``fork_rng``) get different weights (measured: the first loss
+  differs by 4e-3). Build models under :func:`serial`;
+* lazy imports are not thread-safe: two ranks importing ``transformers``' lazy modules at
+  once fail ("cannot import name 'LlamaConfig'", measured); :func:`serial` covers that too;
 * the GIL serialises the Python parts of the ranks, so threads test order, states and values,
-  never speed; process-global settings (``torch.set_num_threads``, environment variables,
-  ``torch.manual_seed``'s default generator) are shared — scenario code seeds its own RNGs.
+  never speed; process-global settings (``torch.set_num_threads``, environment variables) are shared.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ import datetime
 import gc
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -83,11 +90,20 @@ __all__ = [
     "hidden_process_group",
     "init_world1",
     "run_ranks",
+    "serial",
     "single_thread",
 ]
 
 _KEEP: list = []  # the groups of successful runs, kept alive: see "_TALLY is keyed by id" above
 _RUN_LOCK = threading.Lock()  # one threaded run at a time (the world swap is process-wide)
+_SERIAL = threading.RLock()
+
+
+def serial():
+    """A process-wide lock for rank code that uses process-global state: building a model whose
+    constructor seeds torch's default generator (``blockshard._tiny`` does, inside
+    ``fork_rng``), or a first lazy import. ``with _inproc.serial(): model = OddMLP()``."""
+    return _SERIAL
 
 
 def _use_loopback() -> None:
@@ -113,7 +129,9 @@ def init_world1() -> tempfile.TemporaryDirectory:
     _use_loopback()
     tmp = tempfile.TemporaryDirectory(prefix="blockshard-w1-")
     store = dist.FileStore(os.path.join(tmp.name, "store"), 1)
+    hook = sys.excepthook
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    sys.excepthook = hook  # not the "[rank0]:" prefixing hook init_process_group installs
     return tmp
 
 
@@ -175,9 +193,15 @@ def _drop_locals(exc: BaseException) -> None:
 
 
 def run_ranks(
-    fn: Callable, world_size: int, *, args: tuple = (), timeout: float = 60.0, gloo_timeout_s: float = 10.0
+    fn: Callable,
+    world_size: int,
+    *,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float = 60.0,
+    gloo_timeout_s: float = 10.0,
 ) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` threads, each with its own initialised
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` threads, each with its own initialised
     gloo default group, and return the results in rank order (one intra-op torch thread).
 
     ``fn`` may be any callable (closures too). Raises the first failing rank's exception (with a
@@ -191,9 +215,10 @@ def run_ranks(
     def rank_main(rank: int) -> None:
         joined = failed = False
         try:
+            torch.set_num_threads(1)  # OpenMP's thread count is per calling thread: set it here too
             _join_world(store, rank, world_size, gloo_timeout_s)
             joined = True
-            results[rank] = fn(rank, world_size, *args)
+            results[rank] = fn(rank, world_size, *args, **(kwargs or {}))
         except BaseException as exc:
             failed = True
             _drop_locals(exc)
@@ -202,6 +227,7 @@ def run_ranks(
             if joined:
                 _leave_world(release=failed)
 
+    hook = sys.excepthook  # init_process_group wraps it (a "[rankN]:" prefix) on every call
     with single_thread(), _thread_local_world():
         threads = [
             threading.Thread(target=rank_main, args=(r,), name=f"blockshard-rank{r}", daemon=True)
@@ -212,6 +238,7 @@ def run_ranks(
         deadline = time.monotonic() + timeout
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
+    sys.excepthook = hook
     if errors:
         order = sorted(errors, key=lambda r: errors[r][0])
         first = errors[order[0]][1]
@@ -246,10 +273,11 @@ class CollectiveLog(TorchDispatchMode):
     ``torch.ops.c10d.*`` ops, so this catches the engine's collectives whatever Python function
     or module issued them (``_group.py`` imports its helpers by name, which a module-attribute
     spy would miss). Dispatch modes are per thread, so each rank of :func:`run_ranks` logs only
-    its own. ``groups`` maps the storage of a tensor a collective *sends* to a label: for an
-    all-gather the input is a group's persistent local buffer, which the sharded parameters
-    view ([Note: buffers]); :meth:`label_groups` fills it from a sharded model.
-    ``events`` is a list of ``(kind, label)`` and of marks added with :meth:`mark`.
+    its own. A collective is labelled with the group whose persistent buffer it reads or writes
+    (``blockshard.runtime.local_buffers``: an all-gather sends from ``local``, a reduce-scatter lands in
+    ``grad``; see [Note: buffers]); :meth:`label_groups` registers a sharded model's groups.
+    ``events`` is a list of ``(kind, label)`` and of ``("mark", text)`` added with :meth:`mark`.
+    The first use of a dispatch mode in a process imports ``torch._dynamo`` (about 1-2 s).
     """
 
     def __init__(self) -> None:
@@ -258,13 +286,11 @@ class CollectiveLog(TorchDispatchMode):
         self.groups: dict[int, str] = {}
 
     def label_groups(self, model: torch.nn.Module) -> None:
-        """Label each sharded group's local buffer by its module's name (call while sharded)."""
-        import blockshard
+        from blockshard.runtime import local_buffers
 
-        for name, mod in model.named_modules():  # pre-order: a group's own modules come later
-            if blockshard.is_sharded(mod):
-                for p in mod.parameters():
-                    self.groups[p.untyped_storage().data_ptr()] = name
+        for name, buffers in local_buffers(model).items():
+            for buf in buffers.values():
+                self.groups[buf.untyped_storage().data_ptr()] = name
 
     def mark(self, what: str) -> None:
         self.events.append(("mark", what))
@@ -272,8 +298,10 @@ class CollectiveLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             kind = _KINDS.get(func._opname, func._opname)
-            sent = args[1] if len(args) > 1 and isinstance(args[1], torch.Tensor) else None
-            label = self.groups.get(sent.untyped_storage().data_ptr()) if sent is not None else None
+            label = None
+            for t in args[:2]:
+                if isinstance(t, torch.Tensor) and label is None:
+                    label = self.groups.get(t.untyped_storage().data_ptr())
             self.events.append((kind, label))
         return func(*args, **(kwargs or {}))
 
