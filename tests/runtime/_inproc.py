@@ -102,7 +102,8 @@ _SERIAL = threading.RLock()
 def serial():
     """A process-wide lock for rank code that uses process-global state: building a model whose
     constructor seeds torch's default generator (``blockshard._tiny`` does, inside
-    ``fork_rng``), or a first lazy import. ``with _inproc.serial(): model = OddMLP()``."""
+    ``fork_rng``), or a first lazy import. ``with _inproc.serial(): model = OddMLP()``. Never
+    hold it across a collective (``fully_shard`` issues one): the peers would wait on the lock."""
     return _SERIAL
 
 
