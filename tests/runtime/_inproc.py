@@ -7,7 +7,7 @@ What works (torch 2.13 CPU, measured here):
   destroy), one per test module, destroyed at the module's end so slow tests that need *no*
   process group still see none. Every collective is a real gloo call (W = 1 all-gathers and
   reduce-scatters are copies inside gloo).
-* **W >= 2 on threads** (:func:`run_ranks`, the same signature as ``spawn_gloo``): every rank is
+* **W >= 2 on threads** (:func:`run_ranks`, ``spawn_gloo``'s signature plus ``kwargs``): every rank is
   a thread with its *own default* gloo group — a real ``ProcessGroupGloo`` over one shared
   ``HashStore``, real TCP pairs on the loopback interface — so the engine runs unmodified
   (``mesh=None``, ``dist.is_initialized()``, ``dist.all_gather_object``) and the scenario
@@ -20,7 +20,8 @@ What works (torch 2.13 CPU, measured here):
   c10d's C++ group registry (names -> groups) is process-global too: every rank's default
   group is named "0", so the harness turns on its thread isolation mode
   (``torch._C._distributed_c10d._set_thread_isolation_mode``, as ``MultiThreadedTestCase``
-  does) while ranks run; each rank then ends with a plain ``dist.destroy_process_group()``.
+  does) while ranks run (without it the second rank fails: "A process group is already
+  registered under the name 0"); each rank then ends with a plain ``dist.destroy_process_group()``.
   Ranks of one run rendezvous through a fresh ``HashStore``, so runs never collide.
 
 Failures never hang and always reach the test:
@@ -30,8 +31,9 @@ Failures never hang and always reach the test:
   real type;
 * a failing rank frees its gloo group at once, which closes its TCP pairs, so a peer blocked
   in a collective fails within milliseconds ("Connection closed by peer") instead of waiting
-  for gloo's timeout (``gloo_timeout_s``, the backstop). gloo has no abort (``pg.abort()`` and
-  ``shutdown()`` leave the pairs open, measured): only freeing the group's last reference
+  for gloo's timeout (``gloo_timeout_s``, the backstop). gloo has no abort (``pg.abort()``, the
+  backend's ``abort()`` and ``destroy_process_group()``'s ``shutdown()`` leave the pairs open,
+  measured): only freeing the group's last reference
   closes them, so the failing rank drops its frames' locals and collects garbage. Today a
   rank that sharded a model cannot free its group: the engine keeps every sharded module alive
   (``_api._STATES`` is a WeakKeyDictionary whose values, ``ShardState.module``, reference their
@@ -39,7 +41,8 @@ Failures never hang and always reach the test:
   by default;
 * ranks still running after ``timeout`` seconds raise ``TimeoutError`` naming them. Threads
   cannot be killed: a rank stuck outside any collective (a Python loop) is left behind as a
-  daemon thread; with its group shut down, its next collective fails.
+  daemon thread (a rank stuck *in* one fails by the gloo timeout); every test module also
+  carries ``pytest.mark.timeout(60)``, for code that hangs in the test thread itself.
 
 What threads do not allow:
 

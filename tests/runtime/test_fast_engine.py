@@ -16,6 +16,8 @@ import _fast_scenarios as fs
 import _inproc
 import pytest
 
+pytestmark = pytest.mark.timeout(60)  # in-process ranks: a hang fails the test, never the run
+
 KINDS = ["mlp", "llama"]
 
 

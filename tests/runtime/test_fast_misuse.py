@@ -13,6 +13,8 @@ from torch import nn
 import blockshard
 from blockshard.runtime import LayoutMismatchError, ShardingError
 
+pytestmark = pytest.mark.timeout(60)  # in-process ranks: a hang fails the test, never the run
+
 
 @pytest.fixture(scope="module")
 def outcomes(gloo_w1) -> dict:

@@ -14,6 +14,8 @@ from torch import nn
 import blockshard
 from blockshard.runtime import ShardingError, load_full_state_dict, load_sharded_state_dict
 
+pytestmark = pytest.mark.timeout(60)  # in-process ranks: a hang fails the test, never the run
+
 
 class _Tied(nn.Module):
     """Embedding and head share one weight (sharded together at the root), a layer between."""

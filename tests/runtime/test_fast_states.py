@@ -24,6 +24,8 @@ from torch.utils.checkpoint import checkpoint
 import blockshard
 from blockshard.runtime import ShardingError
 
+pytestmark = pytest.mark.timeout(60)  # in-process ranks: a hang fails the test, never the run
+
 
 @pytest.fixture(autouse=True)
 def _w1(gloo_w1):

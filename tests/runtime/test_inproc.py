@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 import blockshard
 
+pytestmark = pytest.mark.timeout(60)  # in-process ranks: a hang fails the test, never the run
+
 
 def _facts(rank: int, world: int, value: float) -> dict:
     everyone: list = [None] * world
