@@ -20,17 +20,17 @@ def outcomes() -> list[dict]:
     return spawn_gloo(_misuse.misuse, 2, timeout=120)
 
 
-@pytest.mark.parametrize(
-    ("case", "expected"),
-    [
-        ("twice", "ShardingError: this Linear is already sharded"),
-        ("top_down", "fully_shard was applied top-down. Fix: apply it bottom-up"),
-        ("shared", "parameter '1.weight' is shared with a module already sharded in another group"),
-        ("non_contiguous", "parameter 'weight' of shape (6, 4) is not contiguous"),
-        ("bad_mesh", "mesh='world' must be None, a 1-D DeviceMesh or a ProcessGroup"),
-        ("bad_semantics", "semantics 'nf4' cannot divide tensor 'weight' of shape (5, 3)"),
-    ],
-)
+MISUSE_CASES = [  # also run in-process at W = 1 by test_fast_misuse.py
+    ("twice", "ShardingError: this Linear is already sharded"),
+    ("top_down", "fully_shard was applied top-down. Fix: apply it bottom-up"),
+    ("shared", "parameter '1.weight' is shared with a module already sharded in another group"),
+    ("non_contiguous", "parameter 'weight' of shape (6, 4) is not contiguous"),
+    ("bad_mesh", "mesh='world' must be None, a 1-D DeviceMesh or a ProcessGroup"),
+    ("bad_semantics", "semantics 'nf4' cannot divide tensor 'weight' of shape (5, 3)"),
+]
+
+
+@pytest.mark.parametrize(("case", "expected"), MISUSE_CASES)
 def test_misuse_raises_clearly(case, expected):
     for rank_out in outcomes():
         assert expected in rank_out[case], rank_out[case]
