@@ -29,6 +29,7 @@ with checkpointing as without.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +86,21 @@ class RootContext:
         self.remember_order()
 
 
+class _WeakHook:
+    """A tensor hook that holds its state weakly. Hooks on a tensor are kept by torch's C++ side,
+    which the garbage collector cannot traverse: a hook holding the state strongly would keep
+    the state, its module and its process group alive forever (state -> group -> parameter ->
+    hook -> state)."""
+
+    def __init__(self, method: Any) -> None:
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, *args: Any) -> None:
+        method = self._method()
+        if method is not None:
+            method(*args)
+
+
 def _cast(x: object, dtype: torch.dtype) -> object:
     return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
@@ -123,7 +139,7 @@ class ModuleState:
         for handle in self._param_hooks:
             handle.remove()
         self._param_hooks = [
-            sp.unsharded.register_post_accumulate_grad_hook(self.post_accumulate_grad)
+            sp.unsharded.register_post_accumulate_grad_hook(_WeakHook(self.post_accumulate_grad))
             for sp in self.group.params
             if sp.requires_grad
         ]

@@ -34,11 +34,11 @@ Failures never hang and always reach the test:
   for gloo's timeout (``gloo_timeout_s``, the backstop). gloo has no abort (``pg.abort()``, the
   backend's ``abort()`` and ``destroy_process_group()``'s ``shutdown()`` leave the pairs open,
   measured): only freeing the group's last reference
-  closes them, so the failing rank drops its frames' locals and collects garbage. Today a
-  rank that sharded a model cannot free its group: the engine keeps every sharded module alive
-  (``_api._STATES`` is a WeakKeyDictionary whose values, ``ShardState.module``, reference their
-  keys; test_fast_states.py has the xfail test), so its peers wait for the gloo timeout, 10 s
-  by default;
+  closes them, so the failing rank drops its frames' locals and collects garbage (the engine's
+  state lives on the sharded module, so a dropped model and its group are freed; see
+  ``test_a_dropped_sharded_model_is_freed``). Every rank frees its group when it ends, so no
+  gloo context is left to be destroyed at interpreter exit (that aborted the process with
+  "terminate called without an active exception" now and then);
 * ranks still running after ``timeout`` seconds raise ``TimeoutError`` naming them. Threads
   cannot be killed: a rank stuck outside any collective (a Python loop) is left behind as a
   daemon thread (a rank stuck *in* one fails by the gloo timeout); every test module also
@@ -51,14 +51,9 @@ What threads do not allow:
   called *in each rank thread*: OpenMP's thread count is per calling thread, and a new thread
   starts with the machine's default (measured: OddMLP at batch 6 then differs from one
   process by 9e-8 after 2 steps, while spawned ranks are bitwise equal);
-* ranks share one interpreter: module-level state of the engine (``blockshard.runtime._api``'s
-  ``_STATES``, ``_MANAGED``, ``_TALLY``) is shared by all ranks. It is keyed per module,
-  parameter or process group, so ranks do not collide, but a test cannot show that the state is
-  *per process* (that is what the spawned slow tier is for). ``_TALLY`` is keyed by
-  ``id(process_group)``: to keep a reused id from inheriting a dead group's tally, the harness
-  keeps the groups of successful runs alive until the interpreter exits (a few KB each; a
-  failed run's groups must be freed to release its peers, see above). So ranks should return
-  what they found and let the test thread assert on it;
+* ranks share one interpreter, so a test cannot show that something is *per process* (that is
+  what the spawned slow tier is for); the engine keeps its state on the sharded modules, so
+  ranks do not collide. Ranks should return what they found and let the test thread assert on it;
 * torch's default generator is process-wide: two ranks building ``OddMLP()`` at once (its
   constructor seeds it inside ``fork_rng``) get different weights (measured: the first loss
   differs by 4e-3). Build models under :func:`serial`;
@@ -97,7 +92,6 @@ __all__ = [
     "single_thread",
 ]
 
-_KEEP: list = []  # the groups of successful runs, kept alive: see "_TALLY is keyed by id" above
 _RUN_LOCK = threading.Lock()  # one threaded run at a time (the world swap is process-wide)
 _SERIAL = threading.RLock()
 
@@ -166,20 +160,14 @@ def _join_world(store: dist.Store, rank: int, world_size: int, gloo_timeout_s: f
     )
 
 
-def _leave_world(*, release: bool) -> None:
-    """Destroy this thread's default group. After a failure its gloo context must be *freed* (gloo
-    has no abort; freeing closes the TCP pairs, so blocked peers fail at once): every reference
-    goes (the failed frames' locals were dropped) and a garbage collection breaks the engine's
-    module <-> hook cycles. After a success the group is kept alive instead (see ``_KEEP``)."""
+def _leave_world() -> None:
+    """Destroy and free this thread's default group: gloo has no abort, and freeing closes the TCP
+    pairs, so blocked peers fail at once (after a failure the frames' locals were dropped first);
+    a garbage collection breaks the module <-> state cycles."""
     if not isinstance(c10d._world, ThreadLocalWorld):
         return  # a straggler after its run timed out: the test thread restored c10d's world
-    pg = dist.group.WORLD
     dist.destroy_process_group()
-    if release:
-        del pg
-        gc.collect()
-    else:
-        _KEEP.append(pg)
+    gc.collect()
 
 
 def _drop_locals(exc: BaseException) -> None:
@@ -217,19 +205,18 @@ def run_ranks(
     errors: dict[int, tuple[float, BaseException]] = {}
 
     def rank_main(rank: int) -> None:
-        joined = failed = False
+        joined = False
         try:
             torch.set_num_threads(1)  # OpenMP's thread count is per calling thread: set it here too
             _join_world(store, rank, world_size, gloo_timeout_s)
             joined = True
             results[rank] = fn(rank, world_size, *args, **(kwargs or {}))
         except BaseException as exc:
-            failed = True
             _drop_locals(exc)
             errors[rank] = (time.monotonic(), exc)
         finally:
             if joined:
-                _leave_world(release=failed)
+                _leave_world()
 
     hook = sys.excepthook  # init_process_group wraps it (a "[rankN]:" prefix) on every call
     with single_thread(), _thread_local_world():

@@ -3,8 +3,8 @@ group, W = 2 on threaded gloo ranks; see _inproc.py).
 
 Collectives are counted with ``_inproc.CollectiveLog`` (a dispatch mode that sees every
 ``torch.ops.c10d`` op), so the counts do not depend on which engine function issues them.
-Tests marked ``xfail(strict=True)`` state today's known bugs of issue 8; they turn into failures
-(XPASS) the moment the fix lands, and then lose the mark.
+The activation-checkpointing, deepcopy, lifetime and two-model tests failed on the engine before
+its state machine (they were written first, as strict xfails).
 """
 
 from __future__ import annotations
@@ -192,20 +192,18 @@ def test_activation_checkpointing_gives_the_same_results_bitwise(kind):
     assert fs.bitwise_diffs(ckpt, plain) == {}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 8: AC recompute re-prefetches; the lead fixes the state machine")
 @pytest.mark.parametrize("kind", ["mlp", "llama"])
 def test_activation_checkpointing_does_not_add_all_gathers(kind):
     plain = [log.count("all_gather") for log in _step_log(kind, steps=2)]
     ckpt = [log.count("all_gather") for log in _step_log(kind, steps=2, ac=True)]
-    assert ckpt == plain  # today, step 2: mlp 8 instead of 6, llama 6 instead of 5
+    assert ckpt == plain  # before the recompute was recognized, step 2: mlp 8 instead of 6, llama 6 instead of 5
 
 
 # -- module lifetime --------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 8: deepcopy of a sharded module is not refused")
 def test_deepcopy_of_a_sharded_module_is_refused():
     model = _sharded("mlp")
     with pytest.raises(ShardingError, match="deepcopy"):
-        copy.deepcopy(model)  # today the copy's unshard() unshards the original
+        copy.deepcopy(model)  # a copy would share the original's buffers (its unshard() unsharded the original)
 
 
 def test_control_deepcopy_of_an_unsharded_module_works():
@@ -213,13 +211,22 @@ def test_control_deepcopy_of_an_unsharded_module_works():
     assert copy.deepcopy(model) is not model
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine leak: _api._STATES is a WeakKeyDictionary whose values (ShardState.module) "
-    "reference their keys, so no sharded module is ever freed",
-)
 def test_a_dropped_sharded_model_is_freed():
     ref = weakref.ref(_sharded("mlp"))
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_dropped_model_is_freed_after_training():
+    """Hooks torch keeps on tensors (C++, invisible to the garbage collector) hold the engine's
+    state weakly, so a model that trained is freed too."""
+    model = _sharded("mlp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _batches("mlp", 4, 1)[0]
+    _loss_fn("mlp")(model, (x, y)).backward()
+    opt.step()
+    ref = weakref.ref(model)
+    del model, opt
     gc.collect()
     assert ref() is None
 
@@ -281,12 +288,11 @@ def _a_around_b(rank: int, world: int) -> dict:
     return _hashes(a)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 8: rotation tally is process-global")
 def test_a_second_model_does_not_change_the_first_model_s_layouts():
     alone = _inproc.run_ranks(_a_alone, 2)
     around = _inproc.run_ranks(_a_around_b, 2)
     assert alone[0] == alone[1] and around[0] == around[1]  # every rank agrees
-    assert around[0] == alone[0]  # today the root ('') differs
+    assert around[0] == alone[0]  # with a process-global tally the root ('') differed
 
 
 def test_control_the_root_layout_depends_on_the_layers_sharded_before_it():
