@@ -24,7 +24,10 @@ must not record forward order, prefetch the next group (already resharded after 
 or reshard its own group (its backward needs the parameters right away). The hooks detect it
 with :func:`in_backward` and only make sure the group is unsharded; the module's pre-backward
 and post-backward then proceed as without checkpointing, so a step issues as many all-gathers
-with checkpointing as without.
+with checkpointing as without. A *reentrant* checkpoint ran the original forward without grad
+(so no pre-backward hook was registered then) and backpropagates through the recompute itself:
+a module still IDLE in backward hooks the recomputed outputs instead (under a non-reentrant
+checkpoint those outputs never receive a gradient, so the hook never fires).
 """
 
 from __future__ import annotations
@@ -196,12 +199,12 @@ class ModuleState:
             ctx.callback_queued = False
 
     def post_forward(self, _module: nn.Module, _args: Any, output: Any) -> Any:
-        if not in_backward():
+        if in_backward():  # [Note: recompute]
+            if self.training_state is TrainingState.IDLE:
+                self._hook_outputs(output)  # a reentrant checkpoint backpropagates through these
+        else:
             expect(f"post-forward of group {self.group.name!r}", self.training_state, TrainingState.FORWARD)
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            backward_follows = torch.is_grad_enabled() and bool(tensors)
-            if backward_follows:
-                torch.autograd.graph.register_multi_grad_hook(tensors, self.pre_backward, mode="any")
+            backward_follows = self._hook_outputs(output)
             if not backward_follows or (self.reshard_after_forward and not self.is_root):
                 self.group.reshard()
             self.training_state = TrainingState.IDLE
@@ -209,6 +212,14 @@ class ModuleState:
             dtype = self.output_dtype
             output = tree_map(lambda x: _cast(x, dtype), output)
         return output
+
+    def _hook_outputs(self, output: Any) -> bool:
+        """Run :meth:`pre_backward` when the first gradient reaches ``output``; False if none will."""
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not (torch.is_grad_enabled() and tensors):
+            return False
+        torch.autograd.graph.register_multi_grad_hook(tensors, self.pre_backward, mode="any")
+        return True
 
     # -- backward ---------------------------------------------------------------------------------
     def pre_backward(self, _grad: torch.Tensor | None = None) -> None:

@@ -10,6 +10,7 @@ its state machine (they were written first, as strict xfails).
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import weakref
 
@@ -83,14 +84,16 @@ def test_unshard_gives_full_parameters_and_reshard_frees_them(world):
 
 
 # -- collectives per step ---------------------------------------------------------------------
-def _step_log(kind: str, *, steps: int = 2, ac: bool = False, **shard_kw) -> list[_inproc.CollectiveLog]:
+def _step_log(
+    kind: str, *, steps: int = 2, ac: bool = False, reentrant: bool = False, **shard_kw
+) -> list[_inproc.CollectiveLog]:
     """The collectives of each training step (the prefetch order is known from step 2 on)."""
     with _inproc.serial():
         model = _model(kind)
     for block in _blocks(model, kind):
         blockshard.fully_shard(block, **shard_kw)
     if ac:
-        _checkpoint_blocks(model, kind)
+        _checkpoint_blocks(model, kind, reentrant)
     blockshard.fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=fs.LR)
     logs = []
@@ -169,33 +172,39 @@ def test_previous_group_is_gathered_before_this_group_s_reduce_scatter_in_backwa
 
 # -- activation checkpointing -----------------------------------------------------------------
 class _Checkpointed(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, reentrant: bool) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.reentrant = inner, reentrant
 
     def forward(self, *args, **kwargs):
+        if self.reentrant and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return self.inner(*args, **kwargs)  # reentrant checkpoints need an input that requires grad
+        if self.reentrant:  # takes no keyword arguments: bind them
+            return checkpoint(functools.partial(self.inner, **kwargs), *args, use_reentrant=True)
         return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
-def _checkpoint_blocks(model: nn.Module, kind: str) -> None:
+def _checkpoint_blocks(model: nn.Module, kind: str, reentrant: bool = False) -> None:
     blocks = _blocks(model, kind)
     for i in range(len(blocks)):
-        blocks[i] = _Checkpointed(blocks[i])
+        blocks[i] = _Checkpointed(blocks[i], reentrant)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("kind", ["mlp", "llama"])
-def test_activation_checkpointing_gives_the_same_results_bitwise(kind):
+def test_activation_checkpointing_gives_the_same_results_bitwise(kind, reentrant):
     with _inproc.single_thread():
         plain = fs.train(0, 1, kind, sharded=True)
-        ckpt = fs.train(0, 1, kind, sharded=True, wrap=lambda m: _checkpoint_blocks(m, kind))
+        ckpt = fs.train(0, 1, kind, sharded=True, wrap=lambda m: _checkpoint_blocks(m, kind, reentrant))
     ckpt["params"] = {k.replace(".inner.", "."): v for k, v in ckpt["params"].items()}  # the wrapper's name
     assert fs.bitwise_diffs(ckpt, plain) == {}
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("kind", ["mlp", "llama"])
-def test_activation_checkpointing_does_not_add_all_gathers(kind):
+def test_activation_checkpointing_does_not_add_all_gathers(kind, reentrant):
     plain = [log.count("all_gather") for log in _step_log(kind, steps=2)]
-    ckpt = [log.count("all_gather") for log in _step_log(kind, steps=2, ac=True)]
+    ckpt = [log.count("all_gather") for log in _step_log(kind, steps=2, ac=True, reentrant=reentrant)]
     assert ckpt == plain  # before the recompute was recognized, step 2: mlp 8 instead of 6, llama 6 instead of 5
 
 
