@@ -9,6 +9,7 @@ from blockshard.runtime._api import (
     is_sharded,
     local_buffers,
 )
+from blockshard.runtime._clip import ClipError, clip_grad_norm_
 from blockshard.runtime._collectives import LayoutMismatchError
 from blockshard.runtime._common import EngineStateError, ShardedState, TrainingState
 from blockshard.runtime._state_dict import (
@@ -20,6 +21,7 @@ from blockshard.runtime._state_dict import (
 )
 
 __all__ = [
+    "ClipError",
     "EngineStateError",
     "LayoutMismatchError",
     "LocalShard",
@@ -28,6 +30,7 @@ __all__ = [
     "ShardingError",
     "TrainingState",
     "UnshardHandle",
+    "clip_grad_norm_",
     "full_state_dict",
     "fully_shard",
     "group_layouts",
