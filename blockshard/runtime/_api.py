@@ -78,6 +78,25 @@ class ShardedModule(nn.Module):
             if st is not None:
                 st.group.requires_gradient_sync = requires_gradient_sync
 
+    def _apply(self, fn: Callable, recurse: bool = True) -> ShardedModule:
+        """``.to()``, ``.double()``, ``.cuda()``...: allowed only when they change nothing about the
+        parameters (the sharded parameters are views of the engine's buffers; a converted copy
+        would be trained while the engine gathers the old buffer)."""
+        for m in self.modules():
+            st = state_of(m)
+            if st is None or st.group.layout is None:
+                continue
+            probe = st.group.local[:1]
+            if fn(probe) is not probe:
+                raise ShardingError(
+                    f"converting or moving a sharded module (model.to(...), .double(), .half(), .cuda()) "
+                    f"would replace the parameters of group {st.group.name!r} ({st.group.orig_dtype} on "
+                    f"{st.group.device}) with copies the engine does not own, so training would silently "
+                    "ignore them. Fix: convert or move the model before fully_shard, or keep the parameters "
+                    "and compute in another dtype with mp_policy=MixedPrecisionPolicy(param_dtype=...)"
+                )
+        return super()._apply(fn, recurse)
+
     def __deepcopy__(self, memo: dict) -> NoReturn:
         raise ShardingError(
             f"copy.deepcopy of a sharded {self._bs_state().group.name} is not supported: the copy would share "
@@ -333,7 +352,6 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
         k = _rotation(layout, rotated)
         if k:
             st.group.relayout(rotated, k)
-            st.register_param_hooks()
             _tag_views(st)
             changed = True
     if changed:
