@@ -52,7 +52,7 @@ def _slice(batch: tuple, rank: int, world: int, split: bool) -> tuple:
 
 
 # -- LoRA (peft) on a tiny Llama, sharded layer by layer ----------------------------------------
-def lora(rank: int, world: int, optimizer: str = "adamw", split: bool = False) -> dict:
+def lora(rank: int, world: int, optimizer: str = "adamw", split: bool = False, batch: int = BATCH) -> dict:
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)  # LoRA's A matrices are initialized from the global generator
@@ -62,7 +62,7 @@ def lora(rank: int, world: int, optimizer: str = "adamw", split: bool = False) -
     _shard_llama(inner, world, semantics=semantics)
     opt = _optimizer(optimizer, model)
     losses = []
-    for ids, labels in text_batches(STEPS, BATCH, 16):
+    for ids, labels in text_batches(STEPS, batch, 16):
         ids, labels = _slice((ids, labels), rank, world, split)
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
