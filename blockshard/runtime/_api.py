@@ -16,6 +16,7 @@ from blockshard.planner import GroupLayout, PlanItem, plan_group, resolve_items
 from blockshard.planner._balance import balance, rank_costs
 from blockshard.runtime._collectives import check_same_layout
 from blockshard.runtime._group import ShardGroup
+from blockshard.runtime._optim_guard import install_optimizer_guard
 from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
 from blockshard.runtime._state import STATE_ATTR, ModuleState, state_of
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
@@ -25,6 +26,7 @@ __all__ = [
     "ShardingError",
     "UnshardHandle",
     "fully_shard",
+    "global_shapes",
     "group_layouts",
     "is_sharded",
     "local_buffers",
@@ -265,6 +267,7 @@ def fully_shard(
         )
     alignment_bytes = _check_alignment(alignment_bytes)
     process_group = _process_group(mesh)
+    install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     names, params, refs = _collect(module)
     _check_params(names, params)
     name = type(module).__name__
@@ -380,6 +383,19 @@ def _states_under(model: nn.Module) -> list[tuple[str, ModuleState]]:
 def group_layouts(model: nn.Module) -> dict[str, GroupLayout]:
     """The layout of every group under ``model``, by the sharded module's name."""
     return {prefix: st.group.layout for prefix, st in _states_under(model) if st.group.layout is not None}
+
+
+def global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every parameter's global shape by name (``model.named_parameters()`` names, tied names too).
+
+    For a parameter the engine manages, the shape of the whole tensor, whatever piece (or empty
+    ``(0,)`` piece) this rank holds; for any other parameter (not sharded, or an FSDP2 DTensor,
+    whose ``shape`` is already global), its own shape. Names are stable across sharding.
+    """
+    managed = {
+        id(p): sp.shape for _, st in _states_under(model) for sp in st.group.params for p in (sp.sharded, sp.unsharded)
+    }
+    return {n: managed.get(id(p), tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def local_buffers(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
