@@ -27,7 +27,7 @@ from blockshard.planner import GroupLayout
 from blockshard.planner._units import block_shape
 from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg, shift_ranks
 from blockshard.runtime._common import ShardedState, expect
-from blockshard.runtime._param import ShardedParam
+from blockshard.runtime._param import ShardedParam, tag_managed
 
 __all__ = ["ShardGroup"]
 
@@ -127,6 +127,8 @@ class ShardGroup:
             self.local.copy_(shift_ranks(self.local, k, self.process_group))
         for sp in self.params:
             sp.requires_grad = sp.sharded.requires_grad  # frozen since fully_shard, maybe
+            # the old pieces are replaced: an optimizer built over them raises (_optim_guard.py)
+            tag_managed(sp.sharded, self.name, original=True)
         self._place(layout)
         self._alloc_gathered()  # views need the storage's size (its contents are not touched)
         self._make_views()

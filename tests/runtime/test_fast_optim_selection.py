@@ -158,11 +158,6 @@ def _optimizer_between_layers_and_root(rank: int, world: int) -> str:
     return "no error"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the root's fully_shard rotates layer groups (_balance_costs -> ShardGroup.relayout) and makes new "
-    "pieces without tagging the old ones original=True, so the guard cannot see them (runtime/_api.py)",
-)
 def test_an_optimizer_built_before_the_root_is_sharded_raises():
     msgs = _inproc.run_ranks(_optimizer_between_layers_and_root, 2)
     assert all("fully_shard replaced" in m for m in msgs), msgs
