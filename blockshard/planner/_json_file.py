@@ -21,10 +21,12 @@ def read_json_file(p: str, what: str, *, missing_fix: str, format_fix: str) -> A
             size = os.fstat(f.fileno()).st_size
             if size > MAX_JSON_BYTES:
                 raise ShapesError(
-                    f"{what} {p!r} is {size / 2**20:,.0f} MiB, more than the {MAX_JSON_BYTES // 2**20} MiB "
+                    f"{what} {p!r} is {size / 2**20:,.1f} MiB, more than the {MAX_JSON_BYTES // 2**20} MiB "
                     "blockshard reads; plan a part of the model (some layers) at a time"
                 )
             return json.load(f)
+    except ShapesError:
+        raise
     except FileNotFoundError:
         raise ShapesError(f"{what} {p!r} does not exist; {missing_fix}") from None
     except IsADirectoryError:

@@ -136,8 +136,8 @@ def _load_entry_point(ep: EntryPoint) -> None:
 
 
 def _dist_of(ep: EntryPoint) -> str:
-    dist = getattr(ep, "dist", None)  # None for entry points not read from an installed package
-    return f" (package {dist.name!r})" if getattr(dist, "name", None) else ""
+    name = getattr(getattr(ep, "dist", None), "name", None)  # no dist: not read from an installed package
+    return f" (package {name!r})" if name else ""
 
 
 def reload_entry_points() -> None:
