@@ -14,12 +14,14 @@ from torch import nn
 from blockshard._errors import BlockshardError
 from blockshard.planner import GroupLayout, PlanItem, plan_group, resolve_items
 from blockshard.planner._balance import balance, rank_costs
+from blockshard.planner._units import check_alignment_bytes
 from blockshard.runtime._collectives import check_same_layout
 from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._optim_guard import install_optimizer_guard
 from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
 from blockshard.runtime._state import STATE_ATTR, ModuleState, state_of
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
+from blockshard.semantics._rules import call_user_semantics
 
 __all__ = [
     "ShardedModule",
@@ -221,21 +223,17 @@ def _rules(semantics: object, params_by_name: Mapping[str, nn.Parameter]) -> obj
     """``semantics`` as fully_shard takes it; a plain callable gets ``(name, param)``."""
     if callable(semantics) and not isinstance(semantics, (BlockSemantics, SemanticsRules, type)):
         user: Callable = semantics
-        return SemanticsRules.coerce(lambda name, _spec: user(name, params_by_name[name]))
+
+        def rule(name: str, _spec: TensorSpec) -> object:
+            p = params_by_name[name]
+            return call_user_semantics(user, (name, p), name, tuple(p.shape))
+
+        return SemanticsRules.coerce(rule)
     return semantics
 
 
 def _check_alignment(alignment_bytes: object) -> int:
-    if (
-        isinstance(alignment_bytes, bool)
-        or not isinstance(alignment_bytes, int)
-        or alignment_bytes < 1
-        or alignment_bytes & (alignment_bytes - 1)
-    ):
-        raise ShardingError(
-            f"alignment_bytes={alignment_bytes!r} must be a power of two number of bytes; pass e.g. alignment_bytes=16"
-        )
-    return alignment_bytes
+    return check_alignment_bytes(alignment_bytes, error=ShardingError)
 
 
 def fully_shard(
