@@ -40,6 +40,9 @@ MODEL: dict[str, int] = dict(
 OPTIMIZERS = ("adamw", "muon")
 #: World sizes where the average of W identical gradients is exact (docs/design.md, "Sharding invariance").
 EXACT_WORLD_SIZES = (2, 4)
+#: The demo spawns one gloo process per rank on this machine (``demo -W 1000`` spawned 194 before it was stopped).
+MAX_DEMO_WORLD_SIZE = 8
+MAX_DEMO_STEPS = 10_000
 #: Elsewhere AdamW is compared within this (docs/design.md, "Sharding invariance").
 ADAMW_TOLERANCE = 1e-5
 
@@ -309,12 +312,15 @@ def run_demo(
     """
     from blockshard._errors import BlockshardError
 
-    for name, value, low, why in (
-        ("world_size", world_size, 2, " (the demo compares W ranks with one process)"),
-        ("steps", steps, 1, ""),
+    spawn = " (the demo spawns one process per rank on this machine)"
+    for name, value, low, high, why, hint in (
+        ("world_size", world_size, 2, MAX_DEMO_WORLD_SIZE, spawn, "; `blockshard plan` plans any world size"),
+        ("steps", steps, 1, MAX_DEMO_STEPS, "", ""),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise BlockshardError(f"{name}={value!r} must be an integer >= {low}{why}")
+        if value > high:
+            raise BlockshardError(f"{name}={value!r} must be at most {high}{why}; pass {low} to {high}{hint}")
     if optimizer not in OPTIMIZERS:
         raise BlockshardError(f"optimizer={optimizer!r} must be one of {OPTIMIZERS}")
     import torch.multiprocessing as mp

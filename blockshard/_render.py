@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 from rich.console import Console
 from rich.table import Table
 
+from blockshard._errors import BlockshardError
 from blockshard.planner import GroupLayout
 from blockshard.planner._report import Comparison
 
-__all__ = ["comparison_table", "human", "layout_table", "plot_rank_loads"]
+__all__ = ["check_plot_path", "comparison_table", "human", "layout_table", "plot_rank_loads"]
 
 
 def human(n: float) -> str:
@@ -93,17 +96,44 @@ def layout_table(layout: GroupLayout, rank: int | None = None) -> Table:
     return table
 
 
-def plot_rank_loads(cmp: Comparison, path: str, title: str) -> None:
-    """Real elements per rank (blockshard) against each rank's segment and the baselines' shards."""
+def _pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - matplotlib ships with the [plot] extra
-        from blockshard._errors import BlockshardError
-
         raise BlockshardError("--plot needs matplotlib: pip install 'blockshard[plot]'") from exc
+    return plt
+
+
+def check_plot_path(path: str) -> None:
+    """Raise :class:`BlockshardError` unless ``path`` can take the plot (checked before planning)."""
+    from matplotlib.figure import Figure
+
+    _pyplot()
+    formats = sorted(Figure().canvas.get_supported_filetypes())
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in formats:
+        raise BlockshardError(
+            f"--plot {path!r} has suffix {suffix or '(none)'!r}, not an image format matplotlib writes; "
+            f"name the file with one of: {', '.join('.' + f for f in formats)} (e.g. loads.png)"
+        )
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
+        raise BlockshardError(
+            f"--plot {path!r}: its folder {folder!r} {what}; create the folder or pass a path in an existing one"
+        )
+    if os.path.isdir(path):
+        raise BlockshardError(
+            f"--plot {path!r} is a folder; pass a file name such as {os.path.join(path, 'loads.png')!r}"
+        )
+
+
+def plot_rank_loads(cmp: Comparison, path: str, title: str) -> None:
+    """Real elements per rank (blockshard) against each rank's segment and the baselines' shards."""
+    plt = _pyplot()
     plan = cmp.plan
     loads = plan.rank_loads()
     ranks = range(plan.world_size)
@@ -121,8 +151,12 @@ def plot_rank_loads(cmp: Comparison, path: str, title: str) -> None:
     ax.set_title(title)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:  # e.g. no permission to write there
+        raise BlockshardError(f"--plot {path!r} cannot be written ({exc}); pass a path you can write") from None
+    finally:
+        plt.close(fig)
 
 
 def console(stderr: bool = False) -> Console:

@@ -58,13 +58,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args: argparse.Namespace):
-    from blockshard.planner import load_model_tensors, plan_model
-    from blockshard.planner._units import check_world_size
+def _check_args(args: argparse.Namespace) -> None:
+    """The arguments that need no model, checked before any reading or planning."""
+    from blockshard.planner._units import check_alignment_bytes, check_world_size
 
     check_world_size(args.world_size, "--world-size")
-    tensors = load_model_tensors(model=args.model, config=args.config, shapes=args.shapes)
-    return plan_model(tensors, args.world_size, semantics=args.semantics, alignment_bytes=args.alignment_bytes)
+    check_alignment_bytes(args.alignment_bytes, "--alignment-bytes")
+
+
+def _load(args: argparse.Namespace):
+    """Read the model and plan it, under a progress bar on stderr (a large shapes file takes a while)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from blockshard._render import console
+    from blockshard.planner import load_model_tensors, plan_model
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    err = console(stderr=True)
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task(f"reading {_source(args)}", total=None)
+        tensors = load_model_tensors(model=args.model, config=args.config, shapes=args.shapes)
+        bar.update(task, description=f"planning {len(tensors):,} tensors on {args.world_size:,} ranks")
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        return plan_model(
+            tensors,
+            args.world_size,
+            semantics=args.semantics,
+            alignment_bytes=args.alignment_bytes,
+            progress=progress,
+        )
 
 
 def _source(args: argparse.Namespace) -> str:
@@ -75,9 +100,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from blockshard._render import comparison_table, console, plot_rank_loads
     from blockshard.planner import compare
 
-    err = console(stderr=True)
-    with err.status(f"planning {_source(args)} on {args.world_size} ranks ..."):
-        cmp = compare(_load(args))
+    _check_args(args)
+    if args.plot:
+        from blockshard._render import check_plot_path
+
+        check_plot_path(args.plot)
+    plan = _load(args)
+    with console(stderr=True).status(f"comparing with FSDP2 and ZeRO on {args.world_size:,} ranks ..."):
+        cmp = compare(plan)
     title = f"{_source(args)} · W = {args.world_size} · semantics {args.semantics}"
     if args.plot:
         plot_rank_loads(cmp, args.plot, title)
@@ -98,15 +128,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from blockshard._render import console, layout_table
 
+    _check_args(args)
+    if args.rank is not None and not 0 <= args.rank < args.world_size:
+        raise BlockshardError(
+            f"--rank={args.rank} must be in [0, {args.world_size}) for --world-size {args.world_size}; "
+            "pass a rank of the world"
+        )
     plan = _load(args)
     if args.group is None:
         layout = next((g for g in plan.groups if g.name), plan.groups[0])
     else:
         layout = plan.group(args.group)
-    if args.rank is not None and not 0 <= args.rank < plan.world_size:
-        raise BlockshardError(
-            f"--rank={args.rank} must be in [0, {plan.world_size}) for --world-size {plan.world_size}"
-        )
     if args.json:
         json.dump(layout.to_json() | {"layout_hash": layout.layout_hash()}, sys.stdout, indent=2)
         print()

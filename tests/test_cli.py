@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -94,3 +95,149 @@ def test_demo_runs():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "rank 3" in out.stdout and "3/3" in out.stdout and "FSDP2 Shard(0)" in out.stdout
     assert "PASS" in out.stdout and "all 21 parameters bitwise equal" in out.stdout
+
+
+# -- bad input (issue 9, point 6): one line on stderr, exit code 2, never a traceback ----------------------
+
+
+def _one_error_line(args: list[str], capsys) -> str:
+    """Run the CLI in-process; it must exit 2 with exactly one line on stderr and no traceback."""
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def _llama_config(tmp_path, **overrides) -> str:
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg | overrides))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("plot", "fragments"),
+    [
+        ("missing/loads.png", ["missing", "does not exist", "create the folder"]),
+        ("loads.unknown", ["suffix 'unknown'", ".png", "e.g. loads.png"]),
+        ("afile/loads.png", ["afile", "is a file, not a folder", "create the folder"]),
+    ],
+    ids=["missing-folder", "unknown-suffix", "under-a-file"],
+)
+def test_plan_plot_to_a_bad_path_is_one_error_line(tmp_path, capsys, plot, fragments):
+    (tmp_path / "afile").write_text("")
+    err = _one_error_line(["plan", "--model", "llama3-8b", "--plot", str(tmp_path / plot)], capsys)
+    assert err.startswith(f"blockshard plan: error: --plot '{tmp_path / plot}'")
+    for fragment in fragments:
+        assert fragment in err
+
+
+@pytest.mark.parametrize(("value", "kind"), [(["llama"], "array"), ({"llama": 1}, "object")])
+def test_config_model_type_not_a_string_is_one_error_line(tmp_path, capsys, value, kind):
+    err = _one_error_line(["plan", "--config", _llama_config(tmp_path, model_type=value)], capsys)
+    assert f"model_type={value!r} is a JSON {kind}, not a string" in err
+    assert '"model_type": "llama"' in err and "supported: llama" in err
+
+
+@pytest.mark.parametrize("value", [10**30, 1e30], ids=["int", "float"])
+def test_config_dims_of_1e30_are_one_error_line(tmp_path, capsys, value):
+    err = _one_error_line(["plan", "--config", _llama_config(tmp_path, hidden_size=value)], capsys)
+    assert "hidden_size=" in err and "fix the value of 'hidden_size' in the config" in err
+    if isinstance(value, int):
+        assert "more than 281,474,976,710,656 (2**48)" in err
+
+
+def test_config_with_a_million_layers_is_refused_at_once(tmp_path, capsys):
+    err = _one_error_line(["plan", "--config", _llama_config(tmp_path, num_hidden_layers=10**6)], capsys)
+    assert "num_hidden_layers=1,000,000" in err and "more than the 2,000,000 tensors" in err
+    assert "fix the value of 'num_hidden_layers'" in err
+
+
+def test_shapes_file_with_dims_of_1e30_is_one_error_line(tmp_path, capsys):
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text('{"tensors": [{"name": "w", "shape": [1000000000000000000000000000000, 2]}]}')
+    err = _one_error_line(["plan", "--shapes", str(shapes)], capsys)
+    assert "tensor 'w': shape=(1000000000000000000000000000000, 2) has about 2**100 elements" in err
+    assert "more than the 281,474,976,710,656 (2**48)" in err and "check the dims" in err
+
+
+@pytest.mark.parametrize("flag", ["--config", "--shapes"])
+def test_deeply_nested_json_is_one_error_line(tmp_path, capsys, flag):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    err = _one_error_line(["plan", flag, str(path)], capsys)
+    assert f"{path}' nests JSON arrays or objects too deeply" in err and "RecursionError" not in err
+
+
+@pytest.mark.parametrize("world_size", ["1000000000", str(10**22)])
+def test_huge_world_size_is_one_error_line(capsys, world_size):
+    err = _one_error_line(["plan", "--model", "llama3-8b", "-W", world_size], capsys)
+    assert f"--world-size={world_size} is more than 1,048,576 (2**20)" in err
+    assert "pass a world size <= 1048576" in err
+
+
+def test_world_size_written_as_a_float_is_argparse_error_exit_2():
+    out = run("plan", "--model", "llama3-8b", "-W", "1e22")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "argument --world-size/-W: invalid int value: '1e22'" in out.stderr
+
+
+@pytest.mark.parametrize("alignment", ["3", "12", "0", "-16"])
+def test_alignment_not_a_power_of_two_is_one_error_line(capsys, alignment):
+    err = _one_error_line(["plan", "--model", "llama3-8b", "--alignment-bytes", alignment], capsys)
+    assert f"--alignment-bytes={alignment} must be a positive integer power of two" in err
+    assert "pass e.g. --alignment-bytes=16" in err
+
+
+def test_shapes_file_over_the_size_bound_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """The bound on file size (512 MiB), tested with a small one (a 200 MB file takes ~45 s to plan)."""
+    monkeypatch.setattr("blockshard.planner._json_file.MAX_JSON_BYTES", 2**20)
+    shapes = tmp_path / "big.json"
+    shapes.write_text(json.dumps({"tensors": [{"name": f"t{i}", "shape": [4, 4]} for i in range(40_000)]}))
+    err = _one_error_line(["plan", "--shapes", str(shapes)], capsys)
+    assert re.search(r"big.json' is 1\.\d MiB, more than the 1 MiB blockshard reads", err), err
+    assert "plan a part of the model" in err
+
+
+def test_shapes_file_over_the_tensor_bound_is_one_error_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("blockshard.planner._units.MAX_MODEL_TENSORS", 10)
+    shapes = tmp_path / "many.json"
+    shapes.write_text(json.dumps({"tensors": [{"name": f"t{i}", "shape": [4, 4]} for i in range(11)]}))
+    err = _one_error_line(["plan", "--shapes", str(shapes)], capsys)
+    assert f"shapes file '{shapes}' has 11 tensors, more than the 10 blockshard plans at once" in err
+    assert "plan a part of the model" in err
+
+
+def test_group_over_the_tensor_bound_is_one_error_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("blockshard.planner._plan.MAX_GROUP_TENSORS", 5)
+    shapes = tmp_path / "onegroup.json"
+    shapes.write_text(json.dumps({"tensors": [{"name": f"t{i}", "shape": [4, 4], "group": "g"} for i in range(6)]}))
+    err = _one_error_line(["plan", "--shapes", str(shapes)], capsys)
+    assert "group 'g' has 6 tensors, more than the 5 one group may hold" in err
+    assert "split it into several groups" in err
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--rank", "-1"], ["--rank=-1 must be in [0, 4)", "pass a rank"]),
+        (["--rank", "4"], ["--rank=4 must be in [0, 4)", "pass a rank"]),
+        (["--group", "nope"], ["no group named 'nope'", "model.layers.0"]),
+        (["-W", "0"], ["--world-size=0 must be an integer >= 1"]),
+        (["-W", "2000000"], ["--world-size=2000000 is more than 1,048,576"]),
+        (["--alignment-bytes", "12"], ["--alignment-bytes=12 must be a positive integer power of two"]),
+    ],
+    ids=["rank-negative", "rank-too-big", "group-unknown", "world-zero", "world-huge", "alignment-12"],
+)
+def test_inspect_bad_arguments_are_one_error_line(capsys, args, fragments):
+    err = _one_error_line(["inspect", "--model", "llama3-8b", "-W", "4", *args], capsys)
+    assert err.startswith("blockshard inspect: error:")
+    for fragment in fragments:
+        assert fragment in err

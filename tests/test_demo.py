@@ -63,12 +63,17 @@ def test_demo_control_fails_when_muon_runs_on_split_matrices():
         (["demo", "--steps", "0"], "steps=0 must be an integer >= 1"),
         (["demo", "-W", "1"], "world_size=1 must be an integer >= 2"),
         (["demo", "--semantics", "nf5"], "unknown semantics 'nf5'"),
+        (["demo", "-W", "1000"], "world_size=1000 must be at most 8 (the demo spawns one process per rank"),
+        (["demo", "-W", "-3"], "world_size=-3 must be an integer >= 2"),
+        (["demo", "--steps", "-1"], "steps=-1 must be an integer >= 1"),
+        (["demo", "--steps", "100000"], "steps=100000 must be at most 10000; pass 1 to 10000"),
     ],
 )
 def test_demo_bad_input_is_one_clear_error_line(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 def test_importing_the_cli_stays_light():

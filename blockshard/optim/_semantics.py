@@ -1,16 +1,21 @@
 """Block semantics from the optimizer: what each parameter's optimizer needs kept whole.
 
 Build the ``param_groups`` you would give your optimizers *before* sharding, name the optimizer
-of each one, and pass :func:`optimizer_semantics` to ``fully_shard(..., semantics=...)``::
+of each one, and pass :func:`optimizer_semantics` to ``fully_shard(..., semantics=...)``; after
+sharding, :func:`muon_param_groups` gives the same split over the rank's pieces::
 
     param_groups = muon_param_groups(model)       # Muon on hidden matrices, AdamW on the rest
     semantics = optimizer_semantics(param_groups) # matched by parameter identity, not by name
     for layer in model.model.layers:
         blockshard.fully_shard(layer, semantics=semantics)
     blockshard.fully_shard(model, semantics=semantics)
+    muon_group, rest = muon_param_groups(model)   # by name and global shape: this rank's pieces
+    muon = torch.optim.Muon([muon_group], lr=0.02)
+    adamw = torch.optim.AdamW([rest], lr=1e-3)
 
 Matching by identity works at every level of bottom-up sharding (names there are relative to the
-module being sharded). The semantics carry a compute cost used for balancing owners: Muon's
+module being sharded, and the parameters still to be sharded are the model's own objects).
+The semantics carry a compute cost used for balancing owners: Muon's
 ``matrix`` costs the Newton-Schulz FLOPs ``20 m^2 n + 10 m^3`` of an ``m x n`` matrix (``m <= n``).
 """
 
@@ -119,14 +124,50 @@ def optimizer_semantics(param_groups: Iterable[Mapping]) -> Callable[[str, torch
 
 
 def muon_param_groups(model: nn.Module, *, other: str = "adamw") -> list[dict]:
-    """Muon on 2-D hidden weights; embeddings, the output head, norms and biases to ``other``."""
-    muon: list[nn.Parameter] = []
-    rest: list[nn.Parameter] = []
+    """Muon on 2-D hidden weights; embeddings, the output head, norms and biases to ``other``.
+
+    Returns ``[muon_group, other_group]``, each ``{"params": [...], "param_names": [...],
+    "optimizer": name}``, holding the parameter objects current in ``model`` when called. Chosen
+    by parameter name and *global* shape, never by a piece's shape, so the split is the same
+    before and after ``fully_shard`` (ragged engine or FSDP2), on every rank and every layout:
+
+    * before sharding: the model's parameters (for :func:`optimizer_semantics`);
+    * after sharding: this rank's pieces, to build the optimizers over (a rank may hold none of
+      Muon's matrices: ``torch.optim.Muon([muon_group])`` takes an empty ``param_group``)::
+
+          muon_group, rest = muon_param_groups(model)
+          muon = torch.optim.Muon([muon_group], lr=0.02)
+          adamw = torch.optim.AdamW([rest], lr=1e-3)
+
+    An empty piece ``(0,)`` of one of Muon's matrices is left out (``torch.optim.Muon`` takes
+    only 2-D tensors, and there is nothing to update); empty pieces of the rest stay with
+    ``other``. A non-empty piece of Muon's that is not its whole matrix raises
+    :class:`~blockshard.SemanticsError` (the model was sharded without ``matrix`` semantics).
+    """
+    from blockshard.runtime import global_shapes  # optim sits above runtime; runtime imports no optim
+
+    shapes = global_shapes(model)
+    groups: dict[bool, tuple[list[nn.Parameter], list[str]]] = {True: ([], []), False: ([], [])}
     for name, p in model.named_parameters():
+        shape = shapes[name]
         module_type = "Embedding" if isinstance(_owner(model, name), nn.Embedding) else None
-        spec = TensorSpec(name=name, shape=tuple(p.shape), dtype=normalize_dtype(p.dtype), module_type=module_type)
-        (muon if p.ndim == 2 and not is_embedding_or_head(spec) else rest).append(p)
-    return [{"params": muon, "optimizer": "muon"}, {"params": rest, "optimizer": other}]
+        spec = TensorSpec(name=name, shape=shape, dtype=normalize_dtype(p.dtype), module_type=module_type)
+        is_muon = len(shape) == 2 and not is_embedding_or_head(spec)
+        if is_muon and p.numel() == 0:
+            continue  # another rank holds this matrix
+        if is_muon and tuple(p.shape) != shape:
+            raise SemanticsError(
+                f"parameter {name!r} of shape {shape} is one of Muon's matrices, but this rank holds a piece "
+                f"of shape {tuple(p.shape)}: Muon must see whole matrices. Fix: shard with "
+                "semantics=optimizer_semantics(muon_param_groups(model)) computed before fully_shard "
+                "(or semantics='muon')"
+            )
+        groups[is_muon][0].append(p)
+        groups[is_muon][1].append(name)
+    return [
+        {"params": groups[True][0], "param_names": groups[True][1], "optimizer": "muon"},
+        {"params": groups[False][0], "param_names": groups[False][1], "optimizer": other},
+    ]
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:

@@ -25,13 +25,15 @@ block plus the root group ``""``, as FSDP2 is applied per block and then to the 
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, overload
 
 from blockshard._errors import ShapesError
+from blockshard._limits import MAX_MODEL_TENSORS, MAX_TENSOR_NUMEL, big_number
+from blockshard.planner._json_file import read_json_file
+from blockshard.planner._units import check_model_tensors
 from blockshard.semantics._spec import TensorSpec
 
 __all__ = [
@@ -233,6 +235,11 @@ class _Cfg:
                 f"{self._where()}: {key}={value!r} must be an integer >= {minimum}; "
                 f"fix the value of {key!r} in the config"
             )
+        if value > MAX_TENSOR_NUMEL:
+            raise ShapesError(
+                f"{self._where()}: {key}={big_number(value)} is more than {MAX_TENSOR_NUMEL:,} (2**48), the most "
+                f"elements one tensor may have; fix the value of {key!r} in the config"
+            )
         return value
 
     def req(self, key: str, *aliases: str, minimum: int = 1) -> int:
@@ -255,6 +262,18 @@ class _Cfg:
         value = self.data.get(key)
         return default if value is None else self._check_int(key, value, minimum)
 
+    def layers(self, per_layer: int) -> int:
+        """``num_hidden_layers``, refused up front if its layers (``per_layer`` tensors or more each) would
+        pass ``MAX_MODEL_TENSORS`` (a config with 10**6 layers would otherwise build them all first)."""
+        layers = self.req("num_hidden_layers")
+        if layers * per_layer > MAX_MODEL_TENSORS:
+            raise ShapesError(
+                f"{self._where()}: num_hidden_layers={big_number(layers)} gives {per_layer} tensors or more per "
+                f"layer, more than the {MAX_MODEL_TENSORS:,} tensors blockshard plans at once; fix the value of "
+                "'num_hidden_layers' in the config (or plan fewer layers)"
+            )
+        return layers
+
     def flag(self, key: str, default: bool) -> bool:
         value = self.data.get(key, default)
         if value is None:
@@ -271,13 +290,20 @@ class _Cfg:
 class _Builder:
     """Collects TensorSpecs in ``named_parameters()`` order."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: str) -> None:
         self.out: list[TensorSpec] = []
+        self.source = source
 
     def param(self, name: str, shape: tuple[int, ...], module_type: str) -> None:
-        self.out.append(
-            TensorSpec(name=name, shape=shape, dtype="bfloat16", group=default_group(name), module_type=module_type)
-        )
+        if len(self.out) >= MAX_MODEL_TENSORS:  # e.g. num_hidden_layers=1000000: stop before building them all
+            check_model_tensors(len(self.out) + 1, f"the model of {self.source} (stopped at {name!r})")
+        try:
+            spec = TensorSpec(
+                name=name, shape=shape, dtype="bfloat16", group=default_group(name), module_type=module_type
+            )
+        except ShapesError as e:  # e.g. dims whose product passes the limit: say which config
+            raise ShapesError(f"{self.source}: {e}; fix the config's sizes") from None
+        self.out.append(spec)
 
     def linear(self, prefix: str, in_f: int, out_f: int, bias: bool = False) -> None:
         self.param(f"{prefix}.weight", (out_f, in_f), "Linear")
@@ -312,7 +338,7 @@ def _gqa_decoder(c: _Cfg) -> list[TensorSpec]:
     mt = c.model_type
     norm_cls = _NORM_CLASS[mt]
     vocab, hidden = c.req("vocab_size"), c.req("hidden_size")
-    inter, layers = c.req("intermediate_size"), c.req("num_hidden_layers")
+    inter, layers = c.req("intermediate_size"), c.layers(per_layer=9)  # 4 attention, >= 3 mlp, 2 norms
     heads = c.req("num_attention_heads")
     kv_heads = c.opt("num_key_value_heads", heads)
     head_dim = c.head_dim(hidden, heads)
@@ -325,7 +351,7 @@ def _gqa_decoder(c: _Cfg) -> list[TensorSpec]:
     mlp_bias = c.flag("mlp_bias", False) if mt == "llama" else False
     experts = c.req("num_local_experts", "num_experts") if mt in ("mixtral", "gpt_oss") else 0
 
-    b = _Builder()
+    b = _Builder(c.source)
     b.param("model.embed_tokens.weight", (vocab, hidden), "Embedding")
     for i in range(layers):
         p = f"model.layers.{i}"
@@ -364,7 +390,7 @@ def _deepseek_v3(c: _Cfg) -> list[TensorSpec]:
     norm_cls = _NORM_CLASS["deepseek_v3"]
     vocab, hidden = c.req("vocab_size"), c.req("hidden_size")
     inter, moe_inter = c.req("intermediate_size"), c.req("moe_intermediate_size")
-    layers, heads = c.req("num_hidden_layers"), c.req("num_attention_heads")
+    layers, heads = c.layers(per_layer=8), c.req("num_attention_heads")  # >= 4 attention, 2 mlp, 2 norms
     q_lora = c.opt("q_lora_rank", None)  # None: a plain q_proj instead of q_a/q_b
     kv_lora = c.req("kv_lora_rank")
     nope, rope = c.req("qk_nope_head_dim"), c.req("qk_rope_head_dim")
@@ -375,7 +401,7 @@ def _deepseek_v3(c: _Cfg) -> list[TensorSpec]:
     bias = c.flag("attention_bias", False)
     qk = nope + rope
 
-    b = _Builder()
+    b = _Builder(c.source)
     b.param("model.embed_tokens.weight", (vocab, hidden), "Embedding")
     for i in range(layers):
         a = f"model.layers.{i}.self_attn"
@@ -428,21 +454,6 @@ def supported_model_types() -> list[str]:
     return list(_GENERATORS)
 
 
-def read_json_file(p: str, what: str, *, missing_fix: str, format_fix: str) -> Any:
-    """``json.load`` of ``p`` with a :class:`ShapesError` naming the file, the problem and the fix."""
-    try:
-        with open(p, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ShapesError(f"{what} {p!r} does not exist; {missing_fix}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ShapesError(f"{what} {p!r} cannot be read ({e}); check the path") from None
-    except json.JSONDecodeError as e:
-        raise ShapesError(
-            f"{what} {p!r} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {format_fix}"
-        ) from None
-
-
 def _read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     p = os.fspath(path)
     if os.path.isdir(p):
@@ -461,6 +472,11 @@ def _read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
+def _json_kind(value: object) -> str:
+    kinds = {dict: "object", list: "array", bool: "boolean", int: "number", float: "number"}
+    return kinds.get(type(value), type(value).__name__)
+
+
 def _model_type_of(data: Mapping[str, Any], source: str) -> str:
     supported = ", ".join(_GENERATORS)
     mt = data.get("model_type")
@@ -468,12 +484,22 @@ def _model_type_of(data: Mapping[str, Any], source: str) -> str:
         archs = data.get("architectures") or []
         if isinstance(archs, str):
             archs = [archs]
+        if not isinstance(archs, list):
+            raise ShapesError(
+                f"{source}: architectures={archs!r} must be a list of class names such as "
+                f'["LlamaForCausalLM"]; fix it or add "model_type" (one of: {supported})'
+            )
         known = [_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in _ARCHITECTURES]
         if known:
             return known[0]
         raise ShapesError(
             f"{source}: no 'model_type' and architectures={data.get('architectures')!r} names none "
             f'of {", ".join(_ARCHITECTURES)}; add "model_type" (one of: {supported})'
+        )
+    if not isinstance(mt, str):
+        raise ShapesError(
+            f"{source}: model_type={mt!r} is a JSON {_json_kind(mt)}, not a string; write it as one string, "
+            f'e.g. "model_type": "llama" (supported: {supported})'
         )
     if mt not in _GENERATORS:
         raise ShapesError(

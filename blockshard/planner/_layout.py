@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from blockshard._errors import PlanError
 from blockshard.planner._units import layout_hash, rank_overlap
 from blockshard.semantics import UnitGrid
 
@@ -119,7 +120,11 @@ class GroupLayout:
     # -- per rank ---------------------------------------------------------------------------------
     def pieces(self, rank: int) -> list[Piece]:
         """What ``rank`` holds, in local-buffer order (tensors with no elements on it are left out)."""
-        assert 0 <= rank < self.world_size, rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise PlanError(
+                f"rank={rank!r} must be an integer in [0, {self.world_size}) for group {self.name!r} "
+                f"on world size {self.world_size}; pass one of its ranks"
+            )
         out: list[Piece] = []
         for b, S in enumerate(self.buckets):
             lo, hi, base = rank * S, (rank + 1) * S, self.bucket_local_offset(b)
@@ -199,7 +204,12 @@ class GroupLayout:
 
     @classmethod
     def from_json(cls, data: dict) -> GroupLayout:
-        assert data.get("format") == LAYOUT_FORMAT_VERSION, data.get("format")
+        if not isinstance(data, dict) or data.get("format") != LAYOUT_FORMAT_VERSION:
+            got = data.get("format") if isinstance(data, dict) else f"a {type(data).__name__}"
+            raise PlanError(
+                f"layout JSON has format={got!r}, not {LAYOUT_FORMAT_VERSION!r}; pass what "
+                "GroupLayout.to_json() wrote (plan again with this version of blockshard)"
+            )
         tensors = tuple(
             TensorPlacement(
                 d["name"], tuple(d["shape"]), d["offset"], UnitGrid(*d["grid"]), d["semantics"], d["bucket"]

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from blockshard._errors import PlanError
+from blockshard._limits import MAX_GROUP_TENSORS, MAX_PADDED_NUMEL
 from blockshard.planner._balance import balance, rank_costs
 from blockshard.planner._buckets import plan_buckets
 from blockshard.planner._items import PlanItem, group_items, resolve_items
 from blockshard.planner._layout import GroupLayout, TensorPlacement
-from blockshard.planner._units import check_world_size
+from blockshard.planner._units import check_alignment_bytes, check_model_tensors, check_world_size
 from blockshard.semantics import TensorSpec
 
 __all__ = ["ModelPlan", "alignment_numel", "group_kind", "plan_group", "plan_model"]
@@ -24,12 +25,9 @@ DEFAULT_ALIGNMENT_BYTES = 16
 
 
 def alignment_numel(alignment_bytes: int, itemsize: int) -> int:
-    """Elements per alignment step: the smallest count whose bytes are a multiple of ``alignment_bytes``."""
-    if not isinstance(alignment_bytes, int) or alignment_bytes < 1:
-        raise PlanError(
-            f"alignment_bytes={alignment_bytes!r} must be a positive integer (e.g. 16 for 16-byte aligned segments)"
-        )
-    return math.lcm(alignment_bytes, itemsize) // itemsize
+    """Elements per alignment step: the smallest count whose bytes are a multiple of ``alignment_bytes``
+    (a power of two, see :func:`check_alignment_bytes`)."""
+    return math.lcm(check_alignment_bytes(alignment_bytes), itemsize) // itemsize
 
 
 def plan_group(
@@ -44,6 +42,12 @@ def plan_group(
     world_size = check_world_size(world_size)
     if not items:
         raise PlanError(f"group {name!r} has no tensors; every group needs at least one parameter")
+    if len(items) > MAX_GROUP_TENSORS:
+        raise PlanError(
+            f"group {name!r} has {len(items):,} tensors, more than the {MAX_GROUP_TENSORS:,} one group may "
+            "hold (packing one group is superlinear in its tensors); split it into several groups "
+            '(fully_shard per layer, or the "group" key of a shapes file)'
+        )
     dtypes = {it.spec.dtype for it in items}
     if len(dtypes) > 1:
         by = {d: [it.name for it in items if it.spec.dtype == d][:3] for d in sorted(dtypes)}
@@ -61,6 +65,12 @@ def plan_group(
         if _memo is not None:
             _memo[key] = hit
     buckets, bucket_of, offsets, lb = hit
+    if world_size * sum(buckets) > MAX_PADDED_NUMEL:
+        raise PlanError(
+            f"group {name!r} needs {world_size:,} ranks x {sum(buckets):,} elements per rank, more than "
+            f"{MAX_PADDED_NUMEL:,} (2**60) elements in all; check the tensor shapes, or lower the world "
+            "size or alignment_bytes"
+        )
     order = sorted(range(len(items)), key=lambda i: (bucket_of[i], offsets[i]))
     placements = tuple(
         TensorPlacement(items[i].name, items[i].spec.shape, offsets[i], items[i].grid, items[i].label, bucket_of[i])
@@ -191,6 +201,7 @@ def plan_model(
     raw = list(tensors)
     if not raw:
         raise PlanError("the model has no tensors to plan; pass at least one TensorSpec (is the shapes file empty?)")
+    check_model_tensors(len(raw), "the model")
     specs = [t for t in raw if isinstance(t, TensorSpec)]
     items = list(resolve_items(specs, semantics)) if specs else []
     if len(specs) != len(raw):

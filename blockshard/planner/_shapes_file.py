@@ -20,7 +20,9 @@ import os
 from typing import Any
 
 from blockshard._errors import ShapesError
-from blockshard.planner._catalog import default_group, model_tensors, read_json_file, tensors_from_hf_config
+from blockshard.planner._catalog import default_group, model_tensors, tensors_from_hf_config
+from blockshard.planner._json_file import read_json_file
+from blockshard.planner._units import check_model_tensors
 from blockshard.semantics._spec import TensorSpec
 
 __all__ = ["load_model_tensors", "tensors_from_shapes_file"]
@@ -100,6 +102,7 @@ def tensors_from_shapes_file(path: str | os.PathLike) -> list[TensorSpec]:
             f'shapes file {p!r} holds {got}; it must hold an object with a "tensors" list: '
             '{"tensors": [{"name": ..., "shape": [...]}, ...]}'
         )
+    check_model_tensors(len(entries), f"shapes file {p!r}")
     if not entries:
         raise ShapesError(
             f'shapes file {p!r}: "tensors" is empty, so the model has no tensors; list at least one tensor'

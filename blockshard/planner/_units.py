@@ -7,6 +7,8 @@ module re-exports them and adds what only the layers from ``planner`` up need:
 
 * :func:`check_world_size`: the one validator of a world size, raising :class:`WorldSizeError`
   with one message (parameter, value, constraint, fix) wherever a number of ranks is passed;
+* :func:`check_alignment_bytes`: the one validator of a segment alignment (a power of two of
+  bytes), for the planner, the CLI and the engine;
 * :func:`rank_overlap`: how many elements of each span every rank holds when rank ``r`` owns
   ``[r * S, (r + 1) * S)``, accumulated with a difference array in ``O(spans + W)``;
 * :func:`layout_hash`: the stable hash of a layout's JSON that every rank must agree on.
@@ -21,11 +23,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from blockshard._arith import block_shape, ceil_div, round_up, rows_cols
-from blockshard._errors import WorldSizeError
+from blockshard._errors import BlockshardError, PlanError, WorldSizeError
+from blockshard._limits import MAX_MODEL_TENSORS, MAX_WORLD_SIZE
 
 __all__ = [
     "block_shape",
     "ceil_div",
+    "check_alignment_bytes",
+    "check_model_tensors",
     "check_world_size",
     "layout_hash",
     "rank_overlap",
@@ -35,7 +40,8 @@ __all__ = [
 
 
 def check_world_size(value: object, name: str = "world_size") -> int:
-    """``value`` as an ``int`` if it is an integer >= 1 (a number of ranks), else :class:`WorldSizeError`.
+    """``value`` as an ``int`` if it is an integer in ``[1, MAX_WORLD_SIZE]`` (a number of ranks), else
+    :class:`WorldSizeError`.
 
     ``name`` is how the caller's user spells the parameter (``"world_size"``, ``"--world-size"``).
     """
@@ -43,7 +49,42 @@ def check_world_size(value: object, name: str = "world_size") -> int:
         raise WorldSizeError(
             f"{name}={value!r} must be an integer >= 1 (a number of ranks); pass a positive int, e.g. {name}=8"
         )
+    if value > MAX_WORLD_SIZE:
+        raise WorldSizeError(
+            f"{name}={value!r} is more than {MAX_WORLD_SIZE:,} (2**20), the most ranks blockshard plans "
+            f"(the planner builds per-rank arrays); pass a world size <= {MAX_WORLD_SIZE}"
+        )
     return int(value)
+
+
+def check_alignment_bytes(
+    value: object, name: str = "alignment_bytes", error: type[BlockshardError] = PlanError
+) -> int:
+    """``value`` as an ``int`` if it is a power of two (a number of bytes), else ``error``.
+
+    Segments are aligned for vectorized kernels and collectives, whose alignments are powers of
+    two; 3 or 12 bytes is a typo. ``name`` is how the caller's user spells the parameter.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or value < 1
+        or int(value) & (int(value) - 1)
+    ):
+        raise error(
+            f"{name}={value!r} must be a positive integer power of two (a number of bytes: 1, 2, 4, 8, 16, ...); "
+            f"pass e.g. {name}=16"
+        )
+    return int(value)
+
+
+def check_model_tensors(count: int, what: str) -> None:
+    """Raise :class:`PlanError` if ``what`` (a model, a file) has more than ``MAX_MODEL_TENSORS`` tensors."""
+    if count > MAX_MODEL_TENSORS:
+        raise PlanError(
+            f"{what} has {count:,} tensors, more than the {MAX_MODEL_TENSORS:,} blockshard plans at "
+            "once (about a minute); plan a part of the model (some layers) at a time"
+        )
 
 
 def rank_overlap(

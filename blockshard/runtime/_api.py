@@ -14,17 +14,21 @@ from torch import nn
 from blockshard._errors import BlockshardError
 from blockshard.planner import GroupLayout, PlanItem, plan_group, resolve_items
 from blockshard.planner._balance import balance, rank_costs
+from blockshard.planner._units import check_alignment_bytes
 from blockshard.runtime._collectives import check_same_layout
 from blockshard.runtime._group import ShardGroup
+from blockshard.runtime._optim_guard import install_optimizer_guard
 from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
 from blockshard.runtime._state import STATE_ATTR, ModuleState, state_of
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
+from blockshard.semantics._rules import call_user_semantics
 
 __all__ = [
     "ShardedModule",
     "ShardingError",
     "UnshardHandle",
     "fully_shard",
+    "global_shapes",
     "group_layouts",
     "is_sharded",
     "local_buffers",
@@ -77,6 +81,25 @@ class ShardedModule(nn.Module):
             st = state_of(m)
             if st is not None:
                 st.group.requires_gradient_sync = requires_gradient_sync
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> ShardedModule:
+        """``.to()``, ``.double()``, ``.cuda()``...: allowed only when they change nothing about the
+        parameters (the sharded parameters are views of the engine's buffers; a converted copy
+        would be trained while the engine gathers the old buffer)."""
+        for m in self.modules():
+            st = state_of(m)
+            if st is None or st.group.layout is None:
+                continue
+            probe = st.group.local[:1]
+            if fn(probe) is not probe:
+                raise ShardingError(
+                    f"converting or moving a sharded module (model.to(...), .double(), .half(), .cuda()) "
+                    f"would replace the parameters of group {st.group.name!r} ({st.group.orig_dtype} on "
+                    f"{st.group.device}) with copies the engine does not own, so training would silently "
+                    "ignore them. Fix: convert or move the model before fully_shard, or keep the parameters "
+                    "and compute in another dtype with mp_policy=MixedPrecisionPolicy(param_dtype=...)"
+                )
+        return super()._apply(fn, recurse)
 
     def __deepcopy__(self, memo: dict) -> NoReturn:
         raise ShardingError(
@@ -200,21 +223,17 @@ def _rules(semantics: object, params_by_name: Mapping[str, nn.Parameter]) -> obj
     """``semantics`` as fully_shard takes it; a plain callable gets ``(name, param)``."""
     if callable(semantics) and not isinstance(semantics, (BlockSemantics, SemanticsRules, type)):
         user: Callable = semantics
-        return SemanticsRules.coerce(lambda name, _spec: user(name, params_by_name[name]))
+
+        def rule(name: str, _spec: TensorSpec) -> object:
+            p = params_by_name[name]
+            return call_user_semantics(user, (name, p), name, tuple(p.shape))
+
+        return SemanticsRules.coerce(rule)
     return semantics
 
 
 def _check_alignment(alignment_bytes: object) -> int:
-    if (
-        isinstance(alignment_bytes, bool)
-        or not isinstance(alignment_bytes, int)
-        or alignment_bytes < 1
-        or alignment_bytes & (alignment_bytes - 1)
-    ):
-        raise ShardingError(
-            f"alignment_bytes={alignment_bytes!r} must be a power of two number of bytes; pass e.g. alignment_bytes=16"
-        )
-    return alignment_bytes
+    return check_alignment_bytes(alignment_bytes, error=ShardingError)
 
 
 def fully_shard(
@@ -246,6 +265,7 @@ def fully_shard(
         )
     alignment_bytes = _check_alignment(alignment_bytes)
     process_group = _process_group(mesh)
+    install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     names, params, refs = _collect(module)
     _check_params(names, params)
     name = type(module).__name__
@@ -333,7 +353,6 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
         k = _rotation(layout, rotated)
         if k:
             st.group.relayout(rotated, k)
-            st.register_param_hooks()
             _tag_views(st)
             changed = True
     if changed:
@@ -362,6 +381,19 @@ def _states_under(model: nn.Module) -> list[tuple[str, ModuleState]]:
 def group_layouts(model: nn.Module) -> dict[str, GroupLayout]:
     """The layout of every group under ``model``, by the sharded module's name."""
     return {prefix: st.group.layout for prefix, st in _states_under(model) if st.group.layout is not None}
+
+
+def global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every parameter's global shape by name (``model.named_parameters()`` names, tied names too).
+
+    For a parameter the engine manages, the shape of the whole tensor, whatever piece (or empty
+    ``(0,)`` piece) this rank holds; for any other parameter (not sharded, or an FSDP2 DTensor,
+    whose ``shape`` is already global), its own shape. Names are stable across sharding.
+    """
+    managed = {
+        id(p): sp.shape for _, st in _states_under(model) for sp in st.group.params for p in (sp.sharded, sp.unsharded)
+    }
+    return {n: managed.get(id(p), tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def local_buffers(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:

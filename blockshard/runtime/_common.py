@@ -19,11 +19,13 @@ order torch did not promise, never a user error, so it raises :class:`EngineStat
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import torch
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["EngineStateError", "ShardedState", "TrainingState", "expect", "in_backward"]
+__all__ = ["EngineStateError", "ShardedState", "TrainingState", "expect", "in_backward", "tensors_in"]
 
 
 class TrainingState(enum.Enum):
@@ -61,3 +63,23 @@ def in_backward() -> bool:
     ``torch.utils.module_tracker`` use the same call.
     """
     return torch._C._current_graph_task_id() != -1
+
+
+def tensors_in(obj: object) -> list[torch.Tensor]:
+    """The tensors in a module's inputs or outputs: pytree containers (tuples, lists, dicts, Hugging
+    Face ``ModelOutput``) and dataclass fields, at any depth."""
+    out: list[torch.Tensor] = []
+    stack, seen = [obj], set()
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+            if id(x) not in seen:
+                seen.add(id(x))
+                stack.extend(getattr(x, f.name) for f in dataclasses.fields(x))
+        else:
+            leaves, _ = tree_flatten(x)
+            if not (len(leaves) == 1 and leaves[0] is x):
+                stack.extend(leaves)
+    return out

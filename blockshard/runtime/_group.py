@@ -27,7 +27,7 @@ from blockshard.planner import GroupLayout
 from blockshard.planner._units import block_shape
 from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg, shift_ranks
 from blockshard.runtime._common import ShardedState, expect
-from blockshard.runtime._param import ShardedParam
+from blockshard.runtime._param import ShardedParam, tag_managed
 
 __all__ = ["ShardGroup"]
 
@@ -51,8 +51,6 @@ class ShardGroup:
         self.costs = costs  # optimizer cost per tensor name, for rotation ([Note: rotation])
         self.rank, self.world_size = process_group.rank(), process_group.size()
         self.requires_gradient_sync = True
-        self.num_grads_expected = sum(sp.requires_grad for sp in self.params)
-        self.num_grads_ready = 0
         self._pending: list = []  # async all-gather works, while UNSHARDING
         self._version_guard: torch.autograd._unsafe_preserve_version_counter | None = None
         self.sharded_state = ShardedState.SHARDED
@@ -127,6 +125,10 @@ class ShardGroup:
         expect(f"relayout of group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
         if k % self.world_size:
             self.local.copy_(shift_ranks(self.local, k, self.process_group))
+        for sp in self.params:
+            sp.requires_grad = sp.sharded.requires_grad  # frozen since fully_shard, maybe
+            # the old pieces are replaced: an optimizer built over them raises (_optim_guard.py)
+            tag_managed(sp.sharded, self.name, original=True)
         self._place(layout)
         self._alloc_gathered()  # views need the storage's size (its contents are not touched)
         self._make_views()
@@ -173,6 +175,8 @@ class ShardGroup:
             self._version_guard.__exit__(None, None, None)  # the version before the all-gathers
             self._version_guard = None
         for sp in self.params:
+            if sp.unsharded.requires_grad != sp.sharded.requires_grad:
+                sp.unsharded.requires_grad_(sp.sharded.requires_grad)  # frozen or unfrozen since
             sp.set_module_params(sp.unsharded)
         self.sharded_state = ShardedState.UNSHARDED
 
@@ -188,6 +192,23 @@ class ShardGroup:
             self._free_gathered()
         self.sharded_state = ShardedState.SHARDED
 
+    def check_registered(self) -> None:
+        """Raise if a module's parameter is no longer this group's (replaced after ``fully_shard``)."""
+        for sp in self.params:
+            mine = sp.unsharded if self.sharded_state is ShardedState.UNSHARDED else sp.sharded
+            for ref in sp.refs:
+                current = ref.module._parameters.get(ref.attr)
+                if current is not mine:
+                    from blockshard.runtime._api import ShardingError
+
+                    raise ShardingError(
+                        f"parameter {sp.fqn!r} of group {self.name!r} was replaced after fully_shard (now "
+                        f"{_describe(current)}); the engine would go on training its own piece and ignore the "
+                        "new tensor. Fix: assign or load parameters before fully_shard, or copy values into "
+                        "the sharded parameter in place (with torch.no_grad(): p.copy_(...)), or load them "
+                        "with blockshard.load_full_state_dict"
+                    )
+
     def _alloc_gathered(self) -> None:
         storage = self.gathered.untyped_storage()
         nbytes = self.gathered.numel() * self.gathered.element_size()
@@ -198,6 +219,22 @@ class ShardGroup:
         self.gathered.untyped_storage().resize_(0)
 
     # -- gradients --------------------------------------------------------------------------------
+    def accumulate_grads(self) -> None:
+        """Backward without gradient sync: keep the unsharded gradients for the next backward, in
+        the reduce dtype when it differs from the parameters' (as FSDP2 does: bf16 micro-batch
+        gradients summed in fp32)."""
+        if self._layout is None or self.reduce_dtype == self.param_dtype:
+            return  # autograd accumulates into the unsharded .grad by itself
+        for sp in self.params:
+            grad = sp.unsharded.grad
+            if grad is None:
+                continue
+            if sp.accumulated is None:
+                sp.accumulated = grad.to(self.reduce_dtype)
+            else:
+                sp.accumulated += grad
+            sp.unsharded.grad = None
+
     def reduce_grads(self) -> None:
         """Reduce-scatter (average) the unsharded gradients into ``grad``; set sharded ``.grad``.
 
@@ -217,10 +254,15 @@ class ShardGroup:
         has_grad = set()
         for sp in self.params:
             dst = rs_in[sp.gathered_offset : sp.gathered_offset + sp.numel]
-            if sp.unsharded.grad is None:
+            grad, acc = sp.unsharded.grad, sp.accumulated
+            if acc is not None:  # micro-batches accumulated without sync, in the reduce dtype
+                if grad is not None:
+                    acc += grad
+                grad, sp.accumulated = acc, None
+            if grad is None:
                 dst.zero_()
             else:
-                dst.copy_(sp.unsharded.grad.reshape(-1))
+                dst.copy_(grad.reshape(-1))
                 sp.unsharded.grad = None
                 has_grad.add(sp.index)
         # Straight into the persistent grad buffer unless a sharded grad must be accumulated into
@@ -232,7 +274,7 @@ class ShardGroup:
             off = layout.bucket_local_offset(b)
             reduce_scatter_avg(out[off : off + S_b], rs_in[W * off : W * (off + S_b)], self.process_group)
         for sp in self.params:
-            if not sp.requires_grad or sp.index not in has_grad:
+            if not sp.sharded.requires_grad or sp.index not in has_grad:
                 continue
             lo, hi = sp.local_offset, sp.local_offset + sp.local_numel
             if sp.sharded.grad is None:
@@ -257,3 +299,9 @@ def _holes(layout: GroupLayout) -> list[tuple[int, int]]:
         if pos < end:
             out.append((pos, end))
     return out
+
+
+def _describe(param: object) -> str:
+    if isinstance(param, torch.Tensor):
+        return f"a {type(param).__name__} of shape {tuple(param.shape)}"
+    return repr(param)

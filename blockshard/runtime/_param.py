@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 __all__ = ["ManagedTag", "ParamRef", "ShardedParam", "managed_tag", "tag_managed"]
@@ -66,6 +67,8 @@ class ShardedParam:
     gathered_offset: int = 0  # where the tensor sits in the gathered buffer
     sharded: nn.Parameter = field(init=False, repr=False)  # set by the group (views of its buffers)
     unsharded: nn.Parameter = field(init=False, repr=False)
+    # micro-batch gradients summed without sync in the reduce dtype (when it is not the param dtype)
+    accumulated: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def numel(self) -> int:

@@ -10,12 +10,27 @@ Forward, per sharded module in forward order (:class:`TrainingState` IDLE -> FOR
      the root and a backward follows.
 Backward, in reverse (IDLE -> PRE_BACKWARD -> POST_BACKWARD):
   3. pre-backward (first gradient reaching the module's outputs): all-gather again if resharded,
-     start counting the group's gradients, prefetch the group before this one.
-  4. post-accumulate-grad hooks count this group's gradients; when all have arrived, the group
-     reshards and reduce-scatters (unless gradient sync is off).
-  5. the first pre-backward of a step queues a final callback: it finishes every group whose
-     count never completed (unused parameters), reshards whatever is still unsharded, sets every
-     state back to IDLE and keeps this step's forward order for the next step's prefetch.
+     prefetch the group before this one.
+  4. post-backward ([Note: post-backward]): when the gradients of the module's inputs are
+     computed, its backward is over: the group reshards and reduce-scatters (unless gradient
+     sync is off: then it keeps the unsharded gradients, in the reduce dtype).
+  5. the first pre-backward of a step queues a final callback: it finishes every group still in
+     its backward (first layers, whose inputs need no gradient; unused parameters), reshards
+     whatever is still unsharded, sets every state back to IDLE and keeps this step's forward
+     order for the next step's prefetch.
+
+[Note: post-backward]
+A group may reshard and reduce only when nothing in backward needs its parameters any more.
+Counting the gradients of its trainable parameters is not enough: a frozen weight (LoRA's base
+layer) is still needed for the input gradient after the last trainable gradient arrived. So, as
+FSDP2 does, each forward call with grad enabled hooks the gradients of its *inputs* (every tensor
+in args and kwargs, dataclass fields included, that requires grad; ``mode="all"``): they come
+last in the module's backward (autograd runs a parameter's gradient accumulation as soon as it is
+ready). A module called k times in one step finishes after the k-th such hook. A call whose
+inputs need no gradient (a first layer fed token ids) cannot tell when its backward ends: the
+group then finishes in the final callback. Which parameters require grad is read from the
+sharded parameters (what ``model.parameters()`` yields) at every unshard, so freezing or
+unfreezing before or after ``fully_shard``, or between steps, takes effect at the next forward.
 
 [Note: recompute]
 Under activation checkpointing (``torch.utils.checkpoint``, either mode) a module's forward runs
@@ -32,15 +47,14 @@ checkpoint those outputs never receive a gradient, so the hook never fires).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from blockshard.runtime._common import TrainingState, expect, in_backward
+from blockshard.runtime._common import TrainingState, expect, in_backward, tensors_in
 from blockshard.runtime._group import ShardGroup
 
 __all__ = ["STATE_ATTR", "ModuleState", "RootContext", "state_of"]
@@ -86,22 +100,26 @@ class RootContext:
                 st.finish_backward()  # gradients that never all arrived (unused parameters)
             st.group.reshard()
             st.training_state = TrainingState.IDLE
+            st._inputs_pending, st._finish_at_end = 0, False
         self.remember_order()
 
 
-class _WeakHook:
-    """A tensor hook that holds its state weakly. Hooks on a tensor are kept by torch's C++ side,
-    which the garbage collector cannot traverse: a hook holding the state strongly would keep
-    the state, its module and its process group alive forever (state -> group -> parameter ->
-    hook -> state)."""
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward tells the module that its backward is over.
 
-    def __init__(self, method: Any) -> None:
-        self._method = weakref.WeakMethod(method)
+    Its outputs replace the inputs, so the gradient reaches the previous module's outputs (and its
+    pre-backward) only after this runs: a group reshards before the one before it is gathered.
+    """
 
-    def __call__(self, *args: Any) -> None:
-        method = self._method()
-        if method is not None:
-            method(*args)
+    @staticmethod
+    def forward(ctx: Any, state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state._inputs_done(grads)
+        return (None, *grads)
 
 
 def _cast(x: object, dtype: torch.dtype) -> object:
@@ -130,21 +148,12 @@ class ModuleState:
         self.ctx: RootContext | None = None
         self.balanced = False  # whether its layout took part in cost balancing ([Note: cost tally])
         self.order = 0  # position among fully_shard calls ([Note: cost tally] in _api.py)
+        # [Note: post-backward] forward calls of this step whose inputs' gradients are pending
+        self._inputs_pending = 0
+        self._finish_at_end = False  # a call whose inputs need no gradient: finish in the final callback
         self._module_hooks = [
             module.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
             module.register_forward_hook(self.post_forward),
-        ]
-        self._param_hooks: list = []
-        self.register_param_hooks()
-
-    def register_param_hooks(self) -> None:
-        """Count gradients on the current unsharded parameters (again after a relayout)."""
-        for handle in self._param_hooks:
-            handle.remove()
-        self._param_hooks = [
-            sp.unsharded.register_post_accumulate_grad_hook(_WeakHook(self.post_accumulate_grad))
-            for sp in self.group.params
-            if sp.requires_grad
         ]
 
     # -- forward ----------------------------------------------------------------------------------
@@ -172,6 +181,8 @@ class ModuleState:
     def pre_forward(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if in_backward():  # [Note: recompute]
             self.group.wait_unshard()
+            if self.training_state is TrainingState.IDLE and not self._inputs_pending:
+                args, kwargs = self._hook_inputs(args, kwargs)  # reentrant: the original forward had no grad
             return self._cast_inputs(args, kwargs)
         if self.is_root is None:
             self._lazy_init()
@@ -180,13 +191,40 @@ class ModuleState:
             self._reset_if_interrupted(ctx)
             ctx.remember_order()
         expect(f"pre-forward of group {self.group.name!r}", self.training_state, TrainingState.IDLE)
+        self.group.check_registered()
         self.training_state = TrainingState.FORWARD
         ctx.forward_order.append(self)
         self.group.wait_unshard()
         nxt = ctx.neighbour(self, +1)
         if nxt is not None:
             nxt.group.unshard(async_op=True)
+        if torch.is_grad_enabled():
+            args, kwargs = self._hook_inputs(args, kwargs)
         return self._cast_inputs(args, kwargs)
+
+    def _hook_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Route the inputs that require grad through :class:`_PostBackward` (see
+        [Note: post-backward]); inputs inside dataclasses get a gradient hook instead."""
+        leaves, spec = tree_flatten((args, kwargs))
+        slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        nested = [t for x in leaves if not isinstance(x, torch.Tensor) for t in tensors_in(x) if t.requires_grad]
+        if not slots and not nested:
+            self._finish_at_end = True
+            return args, kwargs
+        if nested:
+            self._inputs_pending += 1
+            torch.autograd.graph.register_multi_grad_hook(nested, self._inputs_done, mode="all")
+        if slots:
+            self._inputs_pending += 1
+            routed = _PostBackward.apply(self, *(leaves[i] for i in slots))
+            for i, t in zip(slots, routed, strict=True):
+                leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _inputs_done(self, _grads: Any) -> None:
+        self._inputs_pending -= 1
+        if self._inputs_pending == 0 and not self._finish_at_end and self.training_state is TrainingState.PRE_BACKWARD:
+            self.finish_backward()
 
     def _reset_if_interrupted(self, ctx: RootContext) -> None:
         """A backward that raised midway leaves states behind: drop its partial gradients."""
@@ -196,6 +234,7 @@ class ModuleState:
                     sp.unsharded.grad = None
                 st.group.reshard()
                 st.training_state = TrainingState.IDLE
+                st._inputs_pending, st._finish_at_end = 0, False
             ctx.callback_queued = False
 
     def post_forward(self, _module: nn.Module, _args: Any, output: Any) -> Any:
@@ -215,7 +254,7 @@ class ModuleState:
 
     def _hook_outputs(self, output: Any) -> bool:
         """Run :meth:`pre_backward` when the first gradient reaches ``output``; False if none will."""
-        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
         if not (torch.is_grad_enabled() and tensors):
             return False
         torch.autograd.graph.register_multi_grad_hook(tensors, self.pre_backward, mode="any")
@@ -232,17 +271,9 @@ class ModuleState:
             torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
         self.training_state = TrainingState.PRE_BACKWARD
         self.group.wait_unshard()
-        self.group.num_grads_ready = 0
         prev = ctx.neighbour(self, -1)
         if prev is not None:
             prev.group.unshard(async_op=True)
-
-    def post_accumulate_grad(self, _param: torch.Tensor) -> None:
-        if self.training_state is not TrainingState.PRE_BACKWARD:
-            return  # a gradient computed outside this module's backward (not ours to count)
-        self.group.num_grads_ready += 1
-        if self.group.num_grads_ready == self.group.num_grads_expected:
-            self.finish_backward()
 
     def finish_backward(self) -> None:
         """All gradients are in: reshard, then reduce-scatter unless accumulating without sync."""
@@ -251,3 +282,5 @@ class ModuleState:
         self.group.reshard()  # free the gathered parameters before the reduce-scatter needs its output
         if self.group.requires_gradient_sync:
             self.group.reduce_grads()
+        else:
+            self.group.accumulate_grads()

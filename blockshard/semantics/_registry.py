@@ -5,7 +5,9 @@ registered object is a :class:`BlockSemantics` subclass whose constructor takes 
 arguments. Third-party packages register through the entry-point group
 ``blockshard.block_semantics``: each entry point names a ``BlockSemantics`` subclass (registered
 under the entry point's name) or a module that registers on import. Entry points load on the
-first lookup; ``BLOCKSHARD_NO_ENTRY_POINTS=1`` turns that off.
+first lookup; ``BLOCKSHARD_NO_ENTRY_POINTS=1`` turns that off (``1/true/yes/on`` turn it off,
+``0/false/no/off`` or empty leave it on; any other value is an error). A plugin may not take a
+name that is already registered (a built-in's, or another plugin's): that raises naming both.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from blockshard.semantics._base import BlockSemantics
 __all__ = [
     "ENTRY_POINT_GROUP",
     "NO_ENTRY_POINTS_ENV",
+    "entry_points_disabled",
     "get_semantics",
     "register_semantics",
     "registered_semantics",
@@ -77,9 +80,27 @@ def unregister_semantics(name: str) -> None:
         _REGISTRY.pop(name, None)
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def entry_points_disabled() -> bool:
+    """Whether ``BLOCKSHARD_NO_ENTRY_POINTS`` turns plugins off; a value that is not a boolean raises."""
+    raw = os.environ.get(NO_ENTRY_POINTS_ENV, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise SemanticsError(
+        f"environment variable {NO_ENTRY_POINTS_ENV}={raw!r} is not a boolean; set it to 1 (or true, yes, on) "
+        "to skip plugins, or to 0 (or false, no, off, empty) to load them"
+    )
+
+
 def _load_entry_points() -> None:
     global _entry_points_loaded, _entry_points_loading
-    if _entry_points_loaded or os.environ.get(NO_ENTRY_POINTS_ENV, "") not in ("", "0"):
+    if _entry_points_loaded or entry_points_disabled():
         return
     with _LOAD_LOCK:
         if _entry_points_loaded or _entry_points_loading:
@@ -101,8 +122,22 @@ def _load_entry_point(ep: EntryPoint) -> None:
             f"entry point {ep.name!r} = {ep.value!r} in group {ENTRY_POINT_GROUP!r} failed to "
             f"load: {exc!r}. Fix or uninstall that package, or set {NO_ENTRY_POINTS_ENV}=1 to skip plugins"
         ) from exc
-    if isinstance(obj, type) and issubclass(obj, BlockSemantics) and ep.name not in _REGISTRY:
-        register_semantics(ep.name)(obj)
+    if not (isinstance(obj, type) and issubclass(obj, BlockSemantics)):
+        return  # a module that registers its semantics on import
+    taken = _REGISTRY.get(ep.name)
+    if taken is not None and taken is not obj:
+        raise SemanticsError(
+            f"entry point {ep.name!r} = {ep.value!r}{_dist_of(ep)} in group {ENTRY_POINT_GROUP!r} registers "
+            f"{obj.__qualname__} under the name {ep.name!r}, which {taken.__module__}.{taken.__qualname__} "
+            f"already has; rename that entry point, or uninstall the plugin (or set {NO_ENTRY_POINTS_ENV}=1 to "
+            "skip plugins)"
+        )
+    register_semantics(ep.name)(obj)
+
+
+def _dist_of(ep: EntryPoint) -> str:
+    name = getattr(getattr(ep, "dist", None), "name", None)  # no dist: not read from an installed package
+    return f" (package {name!r})" if name else ""
 
 
 def reload_entry_points() -> None:

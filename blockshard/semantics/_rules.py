@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 from blockshard._errors import SemanticsError
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
-from blockshard.semantics._grid import UnitGrid
+from blockshard.semantics._grid import GridError, UnitGrid
 from blockshard.semantics._registry import get_semantics
 from blockshard.semantics._spec import TensorSpec
 
-__all__ = ["ResolvedSemantics", "Rule", "SemanticsRules", "is_embedding_or_head"]
+__all__ = ["ResolvedSemantics", "Rule", "SemanticsRules", "call_user_semantics", "is_embedding_or_head"]
 
 # Embeddings and the output head: Muon leaves them to AdamW (Keller Jordan's Muon, Moonlight) and
 # quantizers leave them unquantized (bitsandbytes / QLoRA skip lm_head and embeddings).
@@ -32,6 +32,30 @@ def is_embedding_or_head(spec: TensorSpec) -> bool:
 
 
 CallableRule = Callable[[str, TensorSpec], "str | BlockSemantics | None"]
+
+
+class _CallableRaised(SemanticsError):
+    """A user's semantics callable raised; the message already names the parameter (never wrapped twice)."""
+
+
+def call_user_semantics(
+    fn: Callable, args: tuple, name: str, shape: tuple[int, ...], role: str = "semantics callable"
+) -> object:
+    """``fn(*args)`` for parameter ``name``; an exception from it becomes a :class:`SemanticsError` naming
+    the callable, the parameter and its shape (``role``: what the callable is to the user)."""
+    try:
+        return fn(*args)
+    except _CallableRaised:
+        raise
+    except Exception as exc:
+        raise _CallableRaised(
+            f"{role} {_callable_name(fn)} raised on parameter {name!r} (shape {tuple(shape)}): "
+            f"{type(exc).__name__}: {exc}; fix the callable"
+        ) from exc
+
+
+def _callable_name(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +104,39 @@ class Rule:
             or (self._resolved.kind is SemanticsKind.QUANTIZER and is_embedding_or_head(spec))
         ):
             return False
-        return self.predicate is None or bool(self.predicate(spec))
+        if self.predicate is None:
+            return True
+        return bool(call_user_semantics(self.predicate, (spec,), spec.name, spec.shape, "Rule predicate"))
+
+
+def _returned_semantics(rule: Callable, out: object, spec: TensorSpec) -> BlockSemantics:
+    try:
+        return get_semantics(out)  # type: ignore[arg-type]
+    except SemanticsError as exc:
+        raise SemanticsError(
+            f"semantics callable {_callable_name(rule)} returned {out!r} for parameter {spec.name!r} (shape {spec.shape}): "
+            f"{exc}. Fix the callable"
+        ) from None
+
+
+def _grid_of(sem: BlockSemantics, spec: TensorSpec) -> UnitGrid:
+    """``sem``'s grid of ``spec``, checked: a custom semantics' mistake names the semantics and the tensor."""
+    where = f"semantics {sem.spec!r} ({type(sem).__qualname__}) on tensor {spec.name!r} of shape {spec.shape}"
+    try:
+        grid = sem.grid(spec.shape, spec.dtype, tensor=spec.name)
+    except GridError as exc:
+        raise SemanticsError(f"{where}: {exc}") from None
+    except SemanticsError:
+        raise  # a semantics' own error (BlockSemantics.error) already names the tensor
+    except Exception as exc:
+        raise SemanticsError(f"{where}: grid() raised {type(exc).__name__}: {exc}; fix the semantics") from exc
+    if not isinstance(grid, UnitGrid) or grid.numel != spec.numel:
+        got = f"a grid of {grid.numel} elements" if isinstance(grid, UnitGrid) else repr(grid)
+        raise SemanticsError(
+            f"{where}: grid() returned {got}, not a UnitGrid of the tensor's {spec.numel} elements; fix its "
+            "grid() to return UnitGrid.units(math.prod(shape), unit_numel) or UnitGrid.whole(math.prod(shape))"
+        )
+    return grid
 
 
 def _type_name(t: str | type) -> str:
@@ -166,9 +222,9 @@ class SemanticsRules:
                 if rule.matches(spec):
                     found.append(rule.block_semantics)
             else:
-                out = rule(spec.name, spec)
+                out = call_user_semantics(rule, (spec.name, spec), spec.name, spec.shape)
                 if out is not None:
-                    found.append(get_semantics(out))
+                    found.append(_returned_semantics(rule, out, spec))
         unique: list[BlockSemantics] = []
         for s in found:
             if s not in unique:
@@ -191,7 +247,7 @@ class SemanticsRules:
         grid = UnitGrid.units(spec.numel, 1)
         companions: list[Companion] = []
         for s in sems:
-            grid = grid.combine(s.grid(spec.shape, spec.dtype, tensor=spec.name))
+            grid = grid.combine(_grid_of(s, spec))
             companions.extend(s.companions(spec.shape, spec.dtype))
         costly = by_kind.get(SemanticsKind.OPTIMIZER)
         cost = costly.cost(spec.shape, spec.dtype) if costly else float(spec.numel)

@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Union
 
 from blockshard._errors import ShapesError
+from blockshard._limits import MAX_TENSOR_NUMEL, big_number
 
 if TYPE_CHECKING:  # the pure layers never import torch at run time
     import torch
@@ -110,6 +111,13 @@ class TensorSpec:
             raise ShapesError(f"tensor {name!r}: shape={shape!r} must be a sequence of integers") from None
         if any(d < 0 for d in dims):
             raise ShapesError(f"tensor {name!r}: shape={dims} has a negative dimension; dims must be >= 0")
+        count = math.prod(dims)
+        if max(dims, default=0) > MAX_TENSOR_NUMEL or count > MAX_TENSOR_NUMEL:
+            raise ShapesError(
+                f"tensor {name!r}: shape={dims} has {big_number(count)} elements, more than the "
+                f"{MAX_TENSOR_NUMEL:,} (2**48) one tensor may have (the largest real ones hold ~1e10); "
+                "check the dims"
+            )
         fields = dict(name=name, shape=dims, dtype=normalize_dtype(dtype), group=group, module_type=module_type,
                       tensor_type=tensor_type, param_group=param_group)  # fmt: skip
         for key, value in fields.items():

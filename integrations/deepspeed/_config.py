@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from blockshard._errors import BlockshardError
+from blockshard.planner._units import check_alignment_bytes
 from blockshard.semantics import SemanticsRules
 
 __all__ = [
@@ -83,11 +84,9 @@ def parse_section(section: object) -> HookConfig:
         raise DeepSpeedHookError(f"{SECTION}.{unknown[0]} is not a known key; known keys: {', '.join(_KEYS)}")
     enabled = _bool("enabled", section.get("enabled", True))
     allow = _bool("allow_untested_deepspeed", section.get("allow_untested_deepspeed", False))
-    alignment = section.get("alignment_bytes", 16)
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
-        raise DeepSpeedHookError(
-            f"{SECTION}.alignment_bytes={alignment!r} must be a power of two number of bytes (e.g. 16)"
-        )
+    alignment = check_alignment_bytes(
+        section.get("alignment_bytes", 16), f"{SECTION}.alignment_bytes", DeepSpeedHookError
+    )
     semantics = section.get("semantics")
     raw = semantics
     if isinstance(semantics, Sequence) and not isinstance(semantics, str):

@@ -12,15 +12,17 @@
 Example (Muon on hidden matrices, AdamW on the rest)::
 
     from blockshard.integrations import fsdp2
+    from blockshard.optim import muon_param_groups
 
     for block in model.blocks:
         fsdp2.fully_shard(block, semantics="muon", root=model)
     fsdp2.fully_shard(model, semantics="muon")
-    named = list(model.named_parameters())
-    muon = fsdp2.OwnerComputeOptimizer(lambda g: torch.optim.Muon(g, lr=0.02),
-                                       [(n, p) for n, p in named if p.ndim == 2], semantics="matrix")
-    adamw = fsdp2.OwnerComputeOptimizer(lambda g: torch.optim.AdamW(g, lr=1e-3),
-                                        [(n, p) for n, p in named if p.ndim != 2])
+    muon_group, rest = muon_param_groups(model)  # by name and global shape, never by p.ndim
+    muon = fsdp2.OwnerComputeOptimizer(lambda g: torch.optim.Muon(g, lr=0.02), [muon_group], semantics="matrix")
+    adamw = fsdp2.OwnerComputeOptimizer(lambda g: torch.optim.AdamW(g, lr=1e-3), [rest])
+
+A DTensor's ``ndim`` is its global one, so ``p.ndim == 2`` would hand Muon the embedding and the
+output head; ``muon_param_groups`` leaves them to AdamW (tests/optim/test_selection.py runs this).
 """
 
 from blockshard.integrations.fsdp2._owner_compute import OwnerComputeError, OwnerComputeOptimizer, build_exchange

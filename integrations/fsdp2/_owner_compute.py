@@ -160,13 +160,20 @@ def _named_groups(params) -> tuple[list[tuple[dict, list[tuple[str, torch.Tensor
                 f"param_groups[{gi}] ({g!r}) must be a dict with a 'params' list of (name, param) pairs"
             )
         named = list(g["params"])
+        if "param_names" in g:  # torch's named param_groups, e.g. blockshard.optim.muon_param_groups(model)
+            names = list(g["param_names"])
+            if len(names) != len(named):
+                raise OwnerComputeError(
+                    f"param_groups[{gi}] has {len(named)} params but {len(names)} param_names; give one name per parameter"
+                )
+            named = list(zip(names, named, strict=True))
         for x in named:
             if not (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)):
                 raise OwnerComputeError(
                     f"param_groups[{gi}]: {type(x).__name__} entry is not a (name, parameter) pair; rules match "
                     "parameter names, so pass model.named_parameters() or [(name, param), ...]"
                 )
-        out.append(({k: v for k, v in g.items() if k != "params"}, named))
+        out.append(({k: v for k, v in g.items() if k not in ("params", "param_names")}, named))
     return out, mtypes
 
 
@@ -179,8 +186,10 @@ class OwnerComputeOptimizer:
             shards and the full-unit tensors it owns -- and returns the inner optimizer (e.g.
             ``lambda groups: torch.optim.Muon(groups, lr=0.02)``). A rank may get empty ``param_groups``.
         params: ``model.named_parameters()`` (or any ``(name, param)`` pairs), a module, or a list of
-            ``param_groups`` ``{"params": [(name, param), ...], **options}``; names are what ``semantics``
-            rules match (use the root model's names, as :func:`fully_shard` with ``root=``).
+            ``param_groups`` ``{"params": [(name, param), ...], **options}`` (or ``{"params": [param, ...],
+            "param_names": [name, ...], ...}``, as :func:`blockshard.optim.muon_param_groups` returns);
+            names are what ``semantics`` rules match (use the root model's names, as :func:`fully_shard`
+            with ``root=``).
         semantics: rules as :meth:`SemanticsRules.coerce` accepts (``"matrix"`` for Muon, ``None``
             for element-wise optimizers, ``"bnb8bit"``, ...).
         process_group: the FSDP2 shard group; default: the group of the parameters' 1-D mesh.

@@ -296,6 +296,19 @@ def test_owner_compute_rejects_bad_input():
         OwnerComputeOptimizer(torch.optim.AdamW, [])
     with pytest.raises(ValueError, match="'p'"):  # the semantics reject the shape, naming the tensor
         OwnerComputeOptimizer(torch.optim.AdamW, [("p", p)], semantics="nf4")
+    with pytest.raises(OwnerComputeError, match="1 params but 2 param_names"):
+        OwnerComputeOptimizer(torch.optim.AdamW, [{"params": [p], "param_names": ["p", "q"]}])
+
+
+def test_owner_compute_takes_named_param_groups_as_muon_param_groups_returns_them():
+    from blockshard.optim import muon_param_groups
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    muon_group, rest = muon_param_groups(model)
+    opt = OwnerComputeOptimizer(lambda g: torch.optim.Muon(g, lr=0.02), [muon_group], semantics="matrix")
+    assert [n for n, *_ in opt.state_dict()["layout"]] == ["0.weight", "1.weight"]
+    assert "param_names" not in opt.inner.param_groups[0]  # consumed: the inner optimizer gets tensors
+    OwnerComputeOptimizer(torch.optim.AdamW, [rest]).step()
 
 
 # -- spawned gloo ranks ------------------------------------------------------------------------------

@@ -167,8 +167,11 @@ def test_alignment_is_in_bytes():
     items = [PlanItem(TensorSpec(name="w", shape=(10,), dtype="bfloat16"), UnitGrid.units(10, 1), 10.0)]
     layout = plan_group(items, 3, alignment_bytes=16)
     assert layout.alignment_numel == 8 and layout.segment_numel == 8
-    layout = plan_group(items, 3, alignment_bytes=6)  # lcm(6, 2) bytes = 3 elements
-    assert layout.alignment_numel == 3 and layout.segment_numel == 6
+    fp32 = [PlanItem(TensorSpec(name="w", shape=(10,), dtype="float32"), UnitGrid.units(10, 1), 10.0)]
+    layout = plan_group(fp32, 3, alignment_bytes=2)  # lcm(2, 4) bytes = 1 element (was 6 bytes: not a power of 2)
+    assert layout.alignment_numel == 1 and layout.segment_numel == 4
+    with pytest.raises(PlanError, match=r"alignment_bytes=6 must be a positive integer power of two"):
+        plan_group(items, 3, alignment_bytes=6)
 
 
 def test_identical_groups_get_identical_layouts_and_plan_fast():

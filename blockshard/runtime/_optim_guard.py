@@ -1,0 +1,71 @@
+"""The optimizer guard: an optimizer over parameters that ``fully_shard`` replaced raises at its first step.
+
+[Note: optimizer guard]
+``fully_shard`` replaces every parameter of a group by a new ``nn.Parameter`` viewing the rank's
+piece of the group's local buffer (see [Note: buffers] in _group.py). An optimizer built *before*
+sharding (or over parameter lists taken before it) holds the replaced objects: they never get a
+gradient again, so ``step()`` silently trains nothing. The replaced objects carry a
+``ManagedTag(original=True)`` (_param.py), so one global optimizer step pre-hook
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``, registered once by the first
+``fully_shard``) can tell: the first time an optimizer steps it looks at every parameter and raises
+:class:`~blockshard.runtime.ShardingError` naming the first replaced one. Every rank builds its
+optimizer the same way, so every rank raises.
+
+Cost: an optimizer is checked once per number of parameters it holds (``add_param_group`` makes
+it check again); afterwards a step costs one weak-dictionary lookup and a sum over its
+``param_groups``: measured 0.9 us (10 parameters) and 1.2 us (300) per step on this machine's CPU,
+against 0.55 ms and 19 ms for the AdamW steps themselves (``timeit`` of ``_pre_step`` on a checked
+``torch.optim.AdamW``, one thread); the first check of 300 parameters took 28 us. The cache is
+keyed weakly by the optimizer, so it keeps nothing alive, and it never changes a result
+(tests/runtime/test_fast_optim_selection.py checks that it checks once).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from blockshard.runtime._param import managed_tag
+
+__all__ = ["check_optimizer", "install_optimizer_guard"]
+
+_handle: RemovableHandle | None = None  # the registered hook: installed once per process
+# optimizer -> the number of parameters it held when last checked (a cache, not state)
+_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+
+
+def install_optimizer_guard() -> None:
+    """Register the global step pre-hook of [Note: optimizer guard] (idempotent)."""
+    global _handle
+    if _handle is None:
+        _handle = register_optimizer_step_pre_hook(_pre_step)
+
+
+def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _checked.get(optimizer) != count:
+        check_optimizer(optimizer)
+        _checked[optimizer] = count
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``ShardingError`` if ``optimizer`` holds a parameter that ``fully_shard`` replaced."""
+    for i, group in enumerate(optimizer.param_groups):
+        names = group.get("param_names")
+        for j, p in enumerate(group["params"]):
+            tag = managed_tag(p)
+            if tag is not None and tag.original:
+                from blockshard.runtime._api import ShardingError  # _api installs this guard
+
+                what = f"parameter {names[j]!r}" if names is not None else "a parameter"
+                raise ShardingError(
+                    f"{type(optimizer).__name__} holds {what} of shape {tuple(p.shape)} "
+                    f"(param_groups[{i}]['params'][{j}]) that fully_shard replaced by its local piece "
+                    f"(in the group of a {tag.owner}): stepping it would train nothing. Fix: build the "
+                    "optimizer after fully_shard, over model.parameters() (or "
+                    "blockshard.optim.muon_param_groups(model) called after sharding)"
+                )

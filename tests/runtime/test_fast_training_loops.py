@@ -1,0 +1,83 @@
+"""Real training loops on the engine in-process (W = 1 on a real gloo group): the same scenarios
+as test_training_loops.py, bitwise against the unsharded model, plus the errors for what the
+engine cannot do right (a replaced parameter, converting a sharded model)."""
+
+from __future__ import annotations
+
+import _inproc
+import _loops
+import pytest
+import torch
+from torch import nn
+
+import blockshard
+from blockshard.runtime import ShardingError
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("gloo_w1")]
+
+# LoRA (peft, ~20 s to import) runs in the slow tier only: test_training_loops.py
+CASES = ["freeze_after_sharding", "requires_grad_changes", "frozen_under_no_grad", "dataclass_activations"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_training_loop_equals_the_unsharded_model_bitwise(name):
+    with _inproc.single_thread():
+        got = _loops.run(0, 1, name, {}, True)["params"]
+        want = _loops.run(0, 1, name, {}, False)["params"]
+    assert got.keys() == want.keys()
+    bad = {n: (got[n] - want[n]).abs().max().item() for n in want if not torch.equal(got[n], want[n])}
+    assert not bad
+
+
+def test_bf16_micro_batches_accumulate_in_fp32():
+    with _inproc.single_thread():
+        got = _loops.run(0, 1, "bf16_accumulation", {"micro": 2}, True)["params"]
+        want = _loops.run(0, 1, "bf16_accumulation", {"micro": 2}, False)["params"]
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_control_freezing_after_sharding_is_not_ignored():
+    """Control: the frozen run differs from a run that trains everything."""
+    with _inproc.single_thread():
+        frozen = _loops.run(0, 1, "freeze_after_sharding", {}, True)["params"]
+        model = _loops._mlp(1)
+        trained = _loops._train_mlp(model, 1)["params"]
+    assert not torch.equal(frozen["blocks.1.0.weight"], trained["blocks.1.0.weight"])
+
+
+def _sharded_mlp() -> nn.Module:
+    with _inproc.serial():
+        return _loops._mlp(1)
+
+
+def test_a_parameter_replaced_after_sharding_raises_naming_it():
+    model = _sharded_mlp()
+    model.blocks[2][0].weight = nn.Parameter(torch.zeros(7, 29))
+    with pytest.raises(
+        ShardingError, match=r"parameter '0\.weight' of group 'Sequential' was replaced after fully_shard"
+    ):
+        model(torch.ones(2, 13))
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.double(), lambda m: m.to(torch.bfloat16), lambda m: m.half()])
+def test_converting_a_sharded_model_raises_with_the_fix(convert):
+    model = _sharded_mlp()
+    with pytest.raises(ShardingError, match=r"convert or move the model before fully_shard.*mp_policy"):
+        convert(model)
+
+
+def test_a_conversion_that_changes_nothing_is_allowed():
+    model = _sharded_mlp()
+    before = list(model.parameters())
+    assert model.to("cpu") is model and model.float() is model
+    assert all(a is b for a, b in zip(before, model.parameters(), strict=True))  # still the engine's views
+
+
+def test_empty_pieces_still_give_every_rank_an_optimizer():
+    """The recipe that works on every rank: all parameters that require grad, empty pieces included
+    (whole matrices leave some ranks with (0,) pieces; torch optimizers accept them)."""
+    with _inproc.serial():
+        model = _loops.OddMLP()
+    blockshard.fully_shard(model, semantics="matrix")
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert params and torch.optim.AdamW(params, lr=1e-3)
