@@ -315,7 +315,7 @@ def fully_shard(
 
 def _tag_views(state: ModuleState) -> None:
     for sp in state.group.params:
-        tag_managed(sp.sharded, state.group.name)
+        tag_managed(sp.sharded, state.group.name, process_group=state.group.process_group)
         tag_managed(sp.unsharded, state.group.name)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -95,7 +96,6 @@ def _pieces_of(model: nn.Module) -> dict[int, dist.ProcessGroup]:
 
 def _resolve(
     parameters_or_model: nn.Module | torch.Tensor | Iterable[torch.Tensor],
-    process_group: dist.ProcessGroup | None,
 ) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
     """The parameters, and for each the process group its piece is sharded over (None: replicated)."""
     if isinstance(parameters_or_model, nn.Module):
@@ -115,10 +115,10 @@ def _resolve(
             groups.append(pieces[id(p)])
         elif tag is None:
             groups.append(None)  # replicated: not managed by the engine
-        elif isinstance(parameters_or_model, nn.Module) or tag.original:
+        elif isinstance(parameters_or_model, nn.Module) or tag.original or tag.process_group is None:
             raise ClipError(_unknown_piece(i, tuple(p.shape), tag.owner, tag.original))
-        else:
-            groups.append(process_group or _default_group())
+        else:  # a local piece: its tag names the process group it is sharded over
+            groups.append(cast(dist.ProcessGroup, tag.process_group))
     return params, groups
 
 
@@ -132,13 +132,6 @@ def _unknown_piece(i: int, shape: tuple[int, ...], owner: str, original: bool) -
         f"parameters[{i}] (shape {shape}) is a full parameter view of a group of a {owner}, held while the group "
         "is unsharded. Fix: clip after loss.backward() has finished, before optimizer.step()"
     )
-
-
-def _default_group() -> dist.ProcessGroup:
-    world = dist.group.WORLD if dist.is_initialized() else None
-    if world is None:
-        raise ClipError("sharded parameters were given but no default process group is initialized")
-    return world
 
 
 def _tensor_norms(grads: list[torch.Tensor], p: float, foreach: bool | None) -> list[torch.Tensor]:
@@ -175,7 +168,6 @@ def clip_grad_norm_(
     *,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
-    process_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Clip the gradients of a sharded model by their global norm; return that norm (every rank alike).
 
@@ -183,15 +175,14 @@ def clip_grad_norm_(
     arithmetic ([Note: clipping]). Call it on every rank, after ``backward()`` and before
     ``optimizer.step()``: it runs one ``all_reduce`` per process group.
 
-    ``parameters_or_model``: the model (best: each group's process group is known), or its
-    parameters (``model.parameters()``, an optimizer's ``param_group["params"]``); pieces given as
-    parameters are taken to be sharded over ``process_group`` (default: the default group).
+    ``parameters_or_model``: the model, or its parameters (``model.parameters()``, an optimizer's
+    ``param_group["params"]``); each local piece carries the process group it is sharded over.
     Parameters outside every sharded group are counted once: their gradients must be the same on
     every rank (as under data parallelism), else each rank gets its own total. ``norm_type``: any
     p > 0, or ``float('inf')``.
     """
     p, max_norm = _norm_type(norm_type), _max_norm(max_norm)
-    params, groups = _resolve(parameters_or_model, process_group)
+    params, groups = _resolve(parameters_or_model)
     by_group: dict[int, tuple[dist.ProcessGroup | None, torch.device, list[torch.Tensor]]] = {}
     for param, pg in zip(params, groups, strict=True):
         entry = by_group.setdefault(id(pg), (pg, param.device, []))  # first-seen order: same on every rank

@@ -32,13 +32,15 @@ class ManagedTag:
 
     owner: str  # class name of the sharded module whose group made or replaced it
     original: bool  # True: a parameter that sharding replaced by its local piece
+    # for a local piece: the process group it is sharded over (None: a full view or an original)
+    process_group: object = None
 
 
 _TAG_ATTR = "_blockshard_managed"
 
 
-def tag_managed(param: nn.Parameter, owner: str, *, original: bool = False) -> None:
-    setattr(param, _TAG_ATTR, ManagedTag(owner, original))
+def tag_managed(param: nn.Parameter, owner: str, *, original: bool = False, process_group: object = None) -> None:
+    setattr(param, _TAG_ATTR, ManagedTag(owner, original, process_group))
 
 
 def managed_tag(param: nn.Parameter) -> ManagedTag | None:
