@@ -11,7 +11,7 @@ from blockshard.runtime._api import (
     local_buffers,
 )
 from blockshard.runtime._clip import ClipError, clip_grad_norm_
-from blockshard.runtime._collectives import LayoutMismatchError
+from blockshard.runtime._collectives import CollectiveIntegrityError, LayoutMismatchError
 from blockshard.runtime._common import EngineStateError, ShardedState, TrainingState
 from blockshard.runtime._state_dict import (
     LocalShard,
@@ -22,6 +22,7 @@ from blockshard.runtime._state_dict import (
 )
 
 __all__ = [
+    "CollectiveIntegrityError",
     "ClipError",
     "EngineStateError",
     "LayoutMismatchError",

@@ -8,20 +8,85 @@ Phase by phase (one group, bucket ``b`` with segment ``S_b``; ``W`` ranks):
     gathered gradient buffer and receives the average of its own ``S_b`` segment over ranks.
   * **layout check** (once per ``fully_shard``): an all-gather of a small object so a rank whose
     layout differs raises before any tensor collective could hang on mismatched sizes.
+  * **end-of-step check** (once per backward, in the final callback): see below.
+
+[Note: collective integrity]
+Collectives that do not line up across ranks (a rank skips a step, runs an extra forward, leaves
+a module unused, or has other requires_grad flags) either hang or pair the wrong buffers. Two
+guards make every such case an error on every rank, in bounded time, at next to no cost:
+  1. every engine collective is waited for at most ``BLOCKSHARD_COLLECTIVE_TIMEOUT_S`` seconds
+     (default 30), and a timeout or a failed peer raises :class:`CollectiveIntegrityError`
+     naming the group and the phase (gloo's own default timeout is 30 minutes);
+  2. each rank's root context counts the collectives it issues in a step (a count and an
+     order-sensitive hash of (group, kind)) and hashes the requires_grad flags; at the end of
+     backward one all-gather of four int64 per rank compares them (and the step number), so
+     collectives that paired silently raise before ``optimizer.step()`` can use the gradients.
+The cost is one 32-byte all-gather per step, whatever the number of groups.
 """
 
 from __future__ import annotations
+
+import datetime
+import os
 
 import torch
 import torch.distributed as dist
 
 from blockshard._errors import BlockshardError
 
-__all__ = ["LayoutMismatchError", "all_gather_into", "check_same_layout", "reduce_scatter_avg", "shift_ranks"]
+__all__ = [
+    "TIMEOUT_ENV",
+    "CollectiveIntegrityError",
+    "LayoutMismatchError",
+    "all_gather_into",
+    "check_same_layout",
+    "collective_timeout_s",
+    "reduce_scatter_avg",
+    "shift_ranks",
+    "wait",
+]
+
+#: Seconds an engine collective may wait for its peers before every waiting rank raises.
+TIMEOUT_ENV = "BLOCKSHARD_COLLECTIVE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 30.0
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveIntegrityError(RuntimeError):
+    """The ranks' collectives did not line up (or a peer failed): named group, phase and fix."""
+
+
+def collective_timeout_s() -> float:
+    """[Note: collective integrity] The bound on one engine collective's wait, in seconds."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise BlockshardError(f"environment variable {TIMEOUT_ENV}={raw!r} must be a number of seconds > 0, e.g. 30")
+    return value
+
+
+def wait(work: dist.Work, what: str, group: dist.ProcessGroup) -> None:
+    """Wait for ``work`` at most :func:`collective_timeout_s`; a timeout or a failed peer raises
+    :class:`CollectiveIntegrityError` naming ``what`` (the group and the phase)."""
+    timeout = collective_timeout_s()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CollectiveIntegrityError(
+            f"blockshard: {what} on rank {group.rank()} of {group.size()} did not complete ({first}; waited at most "
+            f"{timeout:g} s, {TIMEOUT_ENV}). A peer rank failed or exited, or the ranks' collectives do not line up: "
+            "every rank must run the same forward and backward passes, over the same modules, with the same "
+            "requires_grad flags, in every step. See the other ranks' errors for the first failure"
+        ) from e
 
 
 class LayoutMismatchError(BlockshardError):

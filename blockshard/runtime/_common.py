@@ -25,7 +25,15 @@ import enum
 import torch
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["EngineStateError", "ShardedState", "TrainingState", "expect", "in_backward", "tensors_in"]
+__all__ = [
+    "CollectiveTally",
+    "EngineStateError",
+    "ShardedState",
+    "TrainingState",
+    "expect",
+    "in_backward",
+    "tensors_in",
+]
 
 
 class TrainingState(enum.Enum):
@@ -83,3 +91,22 @@ def tensors_in(obj: object) -> list[torch.Tensor]:
             if not (len(leaves) == 1 and leaves[0] is x):
                 stack.extend(leaves)
     return out
+
+
+class CollectiveTally:
+    """The collectives one root context issued in the current step, as a count and an
+    order-sensitive hash of (group index, kind), plus the steps so far ([Note: collective integrity])."""
+
+    _MOD = (1 << 61) - 1
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.count = 0
+        self.hash = 0
+
+    def record(self, index: int, kind: int) -> None:
+        self.count += 1
+        self.hash = (self.hash * 1_000_003 + 2 * index + kind + 1) % self._MOD
+
+    def reset(self) -> None:
+        self.count, self.hash = 0, 0

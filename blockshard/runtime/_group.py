@@ -25,8 +25,8 @@ from torch import nn
 
 from blockshard.planner import GroupLayout
 from blockshard.planner._units import block_shape
-from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg, shift_ranks
-from blockshard.runtime._common import ShardedState, expect
+from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg, shift_ranks, wait
+from blockshard.runtime._common import CollectiveTally, ShardedState, expect
 from blockshard.runtime._param import ShardedParam, tag_managed
 
 __all__ = ["ShardGroup"]
@@ -51,6 +51,8 @@ class ShardGroup:
         self.costs = costs  # optimizer cost per tensor name, for rotation ([Note: rotation])
         self.rank, self.world_size = process_group.rank(), process_group.size()
         self.requires_gradient_sync = True
+        self.tally: CollectiveTally | None = None  # set by the root context ([Note: collective integrity])
+        self.tally_index = 0  # this group's position in its root context
         self._pending: list = []  # async all-gather works, while UNSHARDING
         self._version_guard: torch.autograd._unsafe_preserve_version_counter | None = None
         self.sharded_state = ShardedState.SHARDED
@@ -158,6 +160,8 @@ class ShardGroup:
             gathered, local = self.gathered[W * off : W * (off + S_b)], self.send[off : off + S_b]
             self._pending.append(all_gather_into(gathered, local, self.process_group, async_op=True))
         self.sharded_state = ShardedState.UNSHARDING
+        if self.tally is not None:
+            self.tally.record(self.tally_index, 0)
         if not async_op:
             self.wait_unshard()
 
@@ -169,7 +173,7 @@ class ShardGroup:
             self.unshard()
             return
         for work in self._pending:
-            work.wait()
+            wait(work, f"the all-gather of group {self.name!r}", self.process_group)
         self._pending.clear()
         if self._version_guard is not None:
             self._version_guard.__exit__(None, None, None)  # the version before the all-gathers
@@ -270,9 +274,14 @@ class ShardGroup:
         accumulate = any(sp.sharded.grad is not None for sp in self.params)
         direct = not accumulate and self.reduce_dtype == self.orig_dtype
         out = self.grad if direct else torch.empty(self.grad.numel(), dtype=self.reduce_dtype, device=self.device)
+        if self.tally is not None:
+            self.tally.record(self.tally_index, 1)
         for b, S_b in enumerate(layout.buckets):
             off = layout.bucket_local_offset(b)
-            reduce_scatter_avg(out[off : off + S_b], rs_in[W * off : W * (off + S_b)], self.process_group)
+            work = reduce_scatter_avg(
+                out[off : off + S_b], rs_in[W * off : W * (off + S_b)], self.process_group, async_op=True
+            )
+            wait(work, f"the reduce-scatter of group {self.name!r}", self.process_group)
         for sp in self.params:
             if not sp.sharded.requires_grad or sp.index not in has_grad:
                 continue

@@ -54,7 +54,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from blockshard.runtime._common import TrainingState, expect, in_backward, tensors_in
+from blockshard.runtime._collectives import CollectiveIntegrityError, all_gather_into, wait
+from blockshard.runtime._common import CollectiveTally, TrainingState, expect, in_backward, tensors_in
 from blockshard.runtime._group import ShardGroup
 
 __all__ = ["STATE_ATTR", "ModuleState", "RootContext", "state_of"]
@@ -78,6 +79,7 @@ class RootContext:
     last_order: list[ModuleState] = field(default_factory=list)
     last_index: dict[int, int] = field(default_factory=dict)  # id(state) -> position in last_order
     callback_queued: bool = False
+    tally: CollectiveTally = field(default_factory=CollectiveTally)
 
     def remember_order(self) -> None:
         """The forward order just recorded becomes the prefetch order of the next step."""
@@ -102,6 +104,30 @@ class RootContext:
             st.training_state = TrainingState.IDLE
             st._inputs_pending, st._finish_at_end = 0, False
         self.remember_order()
+        self.check_step()
+
+    def check_step(self) -> None:
+        """[Note: collective integrity] One small all-gather per step: every rank must have issued
+        the same collectives (count and order), at the same step, with the same trainable
+        parameters; else every rank raises before the optimizer step uses the gradients."""
+        tally, group = self.tally, self.states[0].group
+        trainable = 0
+        for st in self.states:
+            for sp in st.group.params:
+                trainable = (trainable * 3 + 1 + sp.sharded.requires_grad) % CollectiveTally._MOD
+        tally.steps += 1
+        mine = torch.tensor([tally.steps, tally.count, tally.hash, trainable], dtype=torch.int64)
+        pg, W = group.process_group, group.world_size
+        everyone = torch.empty(W * 4, dtype=torch.int64)
+        wait(
+            all_gather_into(everyone, mine, pg, async_op=True),
+            f"the end-of-step check of the model rooted at group {group.name!r}",
+            pg,
+        )
+        tally.reset()
+        rows = everyone.view(W, 4).tolist()
+        if any(row != rows[0] for row in rows):
+            raise CollectiveIntegrityError(_mismatch(group.name, rows))
 
 
 class _PostBackward(torch.autograd.Function):
@@ -120,6 +146,23 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.state._inputs_done(grads)
         return (None, *grads)
+
+
+def _mismatch(name: str, rows: list[list[int]]) -> str:
+    """What differs between the ranks' end-of-step records (step, collectives, order, trainable)."""
+    what = []
+    for col, label in ((0, "step"), (1, "collectives issued"), (2, "collective order"), (3, "requires_grad flags")):
+        values = [row[col] for row in rows]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if col < 2 else "differ"
+            what.append(f"{label} ({shown})")
+    return (
+        f"blockshard: the ranks' collectives for the model rooted at group {name!r} did not line up in this "
+        f"step: {'; '.join(what)}. A rank skipped a step or ran an extra forward, left a module unused, or "
+        "has other requires_grad flags; the gradients of this step are not the average of the ranks' and "
+        "must not be used. Fix: run the same forward and backward on every rank, with the same modules "
+        "and the same trainable parameters"
+    )
 
 
 def _cast(x: object, dtype: torch.dtype) -> object:
@@ -164,6 +207,7 @@ class ModuleState:
             st = state_of(m)
             if st is not None:
                 st.ctx, st.is_root = ctx, st is self
+                st.group.tally, st.group.tally_index = ctx.tally, len(ctx.states)
                 ctx.states.append(st)
         return ctx
 
@@ -236,6 +280,7 @@ class ModuleState:
                 st.training_state = TrainingState.IDLE
                 st._inputs_pending, st._finish_at_end = 0, False
             ctx.callback_queued = False
+            ctx.tally.reset()
 
     def post_forward(self, _module: nn.Module, _args: Any, output: Any) -> Any:
         if in_backward():  # [Note: recompute]

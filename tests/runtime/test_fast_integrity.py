@@ -1,0 +1,40 @@
+"""The pieces of [Note: collective integrity] that need no misbehaving peer."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockshard import BlockshardError
+from blockshard.runtime._collectives import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, collective_timeout_s
+from blockshard.runtime._common import CollectiveTally
+from blockshard.runtime._state import _mismatch
+
+
+def test_the_timeout_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert collective_timeout_s() == DEFAULT_TIMEOUT_S
+    monkeypatch.setenv(TIMEOUT_ENV, "2.5")
+    assert collective_timeout_s() == 2.5
+
+
+@pytest.mark.parametrize("bad", ["abc", "0", "-3", "nan"])
+def test_a_bad_timeout_names_the_variable(monkeypatch, bad):
+    monkeypatch.setenv(TIMEOUT_ENV, bad)
+    with pytest.raises(BlockshardError, match=rf"{TIMEOUT_ENV}='{bad}' must be a number of seconds > 0"):
+        collective_timeout_s()
+
+
+def test_the_tally_is_order_sensitive():
+    a, b = CollectiveTally(), CollectiveTally()
+    for i, k in [(0, 0), (1, 0), (1, 1)]:
+        a.record(i, k)
+    for i, k in [(1, 0), (0, 0), (1, 1)]:
+        b.record(i, k)
+    assert a.count == b.count and a.hash != b.hash
+
+
+def test_the_mismatch_message_names_what_differs_and_the_fix():
+    msg = _mismatch("Tower", [[3, 7, 11, 5], [2, 6, 11, 5]])
+    assert "step (rank 0: 3, rank 1: 2)" in msg and "collectives issued (rank 0: 7, rank 1: 6)" in msg
+    assert "requires_grad" not in msg.split("did not line up")[1].split(". A rank")[0]
+    assert "Fix: run the same forward and backward on every rank" in msg
