@@ -22,8 +22,8 @@ from blockshard.runtime._state_dict import (
 )
 
 __all__ = [
-    "CollectiveIntegrityError",
     "ClipError",
+    "CollectiveIntegrityError",
     "EngineStateError",
     "LayoutMismatchError",
     "LocalShard",

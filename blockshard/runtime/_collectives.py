@@ -19,9 +19,10 @@ guards make every such case an error on every rank, in bounded time, at next to 
      naming the group and the phase (gloo's own default timeout is 30 minutes);
   2. each rank's root context counts the collectives it issues in a step (a count and an
      order-sensitive hash of (group, kind)) and hashes the requires_grad flags; at the end of
-     backward one all-gather of four int64 per rank compares them (and the step number), so
-     collectives that paired silently raise before ``optimizer.step()`` can use the gradients.
-The cost is one 32-byte all-gather per step, whatever the number of groups.
+     backward one all-reduce (MAX of the four int64 and of their negatives: every field's max
+     and min) compares them and the step number, so collectives that paired silently raise before
+     ``optimizer.step()`` can use the gradients (only then an all-gather collects the details).
+The cost is one 64-byte all-reduce per step, whatever the number of groups.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -107,7 +108,7 @@ class RootContext:
         self.check_step()
 
     def check_step(self) -> None:
-        """[Note: collective integrity] One small all-gather per step: every rank must have issued
+        """[Note: collective integrity] One small all-reduce per step: every rank must have issued
         the same collectives (count and order), at the same step, with the same trainable
         parameters; else every rank raises before the optimizer step uses the gradients."""
         tally, group = self.tally, self.states[0].group
@@ -116,15 +117,19 @@ class RootContext:
             for sp in st.group.params:
                 trainable = (trainable * 3 + 1 + sp.sharded.requires_grad) % CollectiveTally._MOD
         tally.steps += 1
-        mine = torch.tensor([tally.steps, tally.count, tally.hash, trainable], dtype=torch.int64)
+        fields = [tally.steps, tally.count, tally.hash, trainable]
         pg, W = group.process_group, group.world_size
-        everyone = torch.empty(W * 4, dtype=torch.int64)
-        wait(
-            all_gather_into(everyone, mine, pg, async_op=True),
-            f"the end-of-step check of the model rooted at group {group.name!r}",
-            pg,
-        )
+        what = f"the end-of-step check of the model rooted at group {group.name!r}"
+        # one all-reduce (MAX) of the fields and their negatives gives every field's max and min
+        extremes = torch.tensor(fields + [-v for v in fields], dtype=torch.int64)
+        wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg, async_op=True), what, pg)
         tally.reset()
+        top = extremes.tolist()
+        if top[:4] == [-v for v in top[4:]]:
+            return
+        mine = torch.tensor(fields, dtype=torch.int64)
+        everyone = torch.empty(W * 4, dtype=torch.int64)  # every rank saw the mismatch: the details
+        wait(all_gather_into(everyone, mine, pg, async_op=True), what, pg)
         rows = everyone.view(W, 4).tolist()
         if any(row != rows[0] for row in rows):
             raise CollectiveIntegrityError(_mismatch(group.name, rows))

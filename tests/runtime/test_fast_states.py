@@ -125,8 +125,8 @@ def _mark_forward(model: nn.Module, kind: str, log: _inproc.CollectiveLog) -> No
 
 # N groups of one bucket each; the root of the MLP has no parameters of its own (no collective).
 # reshard_after_forward=True: every group is gathered in forward and, except the root, again in
-# backward; False: once. Each group reduce-scatters once. Plus, per step, the one all-gather of the
-# end-of-step check ([Note: collective integrity]), which touches no group buffer (label None).
+# backward; False: once. Each group reduce-scatters once. Plus, per step, the one all-reduce of the
+# end-of-step check ([Note: collective integrity]).
 COUNTS = {
     ("mlp", True): (6, 3),  # 3 blocks: 3 + 3 all-gathers
     ("mlp", False): (3, 3),
@@ -140,9 +140,8 @@ def test_collectives_per_step(kind, reshard):
     logs = _step_log(kind, reshard_after_forward=reshard)
     gathers, scatters = COUNTS[kind, reshard]
     for log in logs:
-        checks = [label for k, label in log.events if k == "all_gather" and label is None]
-        assert len(checks) == 1  # the end-of-step check, once per step
-        assert (log.count("all_gather") - 1, log.count("reduce_scatter")) == (gathers, scatters)
+        assert log.count("all_reduce") == 1  # the end-of-step check, once per step
+        assert (log.count("all_gather"), log.count("reduce_scatter")) == (gathers, scatters)
         by_group = [label for k, label in log.events if k == "reduce_scatter"]
         assert len(set(by_group)) == scatters and None not in by_group  # every group once
     layouts = blockshard.group_layouts(_sharded(kind))
