@@ -280,7 +280,7 @@ class ModuleState:
         if ctx.callback_queued or any(st.training_state is not TrainingState.IDLE for st in ctx.states):
             for st in ctx.states:
                 for sp in st.group.params:
-                    sp.unsharded.grad = None
+                    sp.unsharded.grad, sp.accumulated = None, None
                 st.group.reshard()
                 st.training_state = TrainingState.IDLE
                 st._inputs_pending, st._finish_at_end = 0, False
