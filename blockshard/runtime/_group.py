@@ -88,11 +88,6 @@ class ShardGroup:
     def layout(self) -> GroupLayout | None:
         return self._layout
 
-    def _laid_out(self) -> GroupLayout:
-        if self._layout is None:
-            raise AssertionError(f"group {self.name!r} has no parameters, hence no buffers")
-        return self._layout
-
     # -- construction -----------------------------------------------------------------------------
     def _place(self, layout: GroupLayout) -> None:
         """Record where each parameter's piece and full view sit under ``layout``."""
