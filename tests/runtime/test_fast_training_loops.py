@@ -73,11 +73,22 @@ def test_a_conversion_that_changes_nothing_is_allowed():
     assert all(a is b for a, b in zip(before, model.parameters(), strict=True))  # still the engine's views
 
 
-def test_empty_pieces_still_give_every_rank_an_optimizer():
-    """The recipe that works on every rank: all parameters that require grad, empty pieces included
-    (whole matrices leave some ranks with (0,) pieces; torch optimizers accept them)."""
+def _empty_pieces_step(rank: int, world: int) -> dict:
     with _inproc.serial():
         model = _loops.OddMLP()
     blockshard.fully_shard(model, semantics="matrix")
     params = [p for p in model.parameters() if p.requires_grad]
-    assert params and torch.optim.AdamW(params, lr=1e-3)
+    empty = sum(p.numel() == 0 for p in params)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    ((model(torch.ones(2, 13)) - 1) ** 2).mean().backward()
+    opt.step()
+    return {"params": len(params), "empty": empty, "nonempty_filter": sum(p.numel() > 0 for p in params)}
+
+
+def test_empty_pieces_still_give_every_rank_an_optimizer():
+    """The recipe that works on every rank: all parameters that require grad, empty pieces included
+    (whole matrices leave a rank with (0,) pieces; torch optimizers accept them and step)."""
+    out = _inproc.run_ranks(_empty_pieces_step, 2)
+    assert out[0]["params"] == out[1]["params"] == len(list(_loops.OddMLP().parameters()))
+    assert any(o["empty"] > 0 for o in out)  # some rank really holds empty pieces
+    assert out[0]["nonempty_filter"] != out[1]["nonempty_filter"]  # a numel filter differs per rank
