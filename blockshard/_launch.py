@@ -121,7 +121,7 @@ def _stop(procs: list) -> None:
             p.join()
 
 
-def _run(fn, world_size: int, args: tuple, timeout: float, threads: int, group: bool) -> list:
+def _run(fn, world_size: int, args: tuple, timeout: float, threads: int, group: bool, grace: float = _GRACE_S) -> list:
     _check(fn, world_size, args, timeout, threads)
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="blockshard-gloo-") if group else None
@@ -174,8 +174,8 @@ def _run(fn, world_size: int, args: tuple, timeout: float, threads: int, group: 
                     results[r] = value
                 else:
                     errors[r] = (stamp, value)
-            if errors and deadline > time.monotonic() + _GRACE_S:
-                deadline = time.monotonic() + _GRACE_S  # collect the peers' errors, then report
+            if errors and deadline > time.monotonic() + grace:
+                deadline = time.monotonic() + grace  # collect the peers' errors, then report
         if errors:
             order = sorted(errors, key=lambda r: errors[r][0])
             first = order[0]
@@ -202,16 +202,19 @@ def _run(fn, world_size: int, args: tuple, timeout: float, threads: int, group: 
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def spawn_gloo(fn, world_size: int, *, args: tuple = (), timeout: float = 300.0, threads: int = 1) -> list:
+def spawn_gloo(
+    fn, world_size: int, *, args: tuple = (), timeout: float = 300.0, threads: int = 1, grace: float = _GRACE_S
+) -> list:
     """Run fn(rank, world_size, *args) in `world_size` spawned processes, each with an initialized
     gloo process group, and return the per-rank return values (picklable) in rank order.
 
     ``fn`` must be a picklable top-level function. Every rank calls ``torch.set_num_threads(threads)``
     first; the group's timeout is ``0.9 * timeout``. Raises ``RuntimeError`` (failing rank and its
     traceback) if a rank raises or dies, ``TimeoutError`` (unfinished ranks) after ``timeout`` seconds,
-    ``ValueError`` for bad arguments.
+    ``ValueError`` for bad arguments. After a first failure the other ranks get ``grace`` seconds
+    to finish or fail (their errors name the root cause) before they are killed.
     """
-    return _run(fn, world_size, args, timeout, threads, group=True)
+    return _run(fn, world_size, args, timeout, threads, group=True, grace=grace)
 
 
 def run_single(fn, *, args: tuple = (), threads: int = 1, timeout: float = 300.0):

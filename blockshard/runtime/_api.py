@@ -15,7 +15,8 @@ from blockshard._errors import BlockshardError
 from blockshard.planner import GroupLayout, PlanItem, plan_group, resolve_items
 from blockshard.planner._balance import balance, rank_costs
 from blockshard.planner._units import check_alignment_bytes
-from blockshard.runtime._collectives import check_same_layout
+from blockshard.runtime._clip import install_torch_clip_route
+from blockshard.runtime._collectives import check_same_layout, engine_group
 from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._optim_guard import install_optimizer_guard
 from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
@@ -264,8 +265,9 @@ def fully_shard(
             "(bottom-up: layers first, then the root)"
         )
     alignment_bytes = _check_alignment(alignment_bytes)
-    process_group = _process_group(mesh)
+    process_group = engine_group(_process_group(mesh))  # [Note: collective integrity], point 1
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
+    install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
     names, params, refs = _collect(module)
     _check_params(names, params)
     name = type(module).__name__

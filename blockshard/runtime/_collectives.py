@@ -12,23 +12,42 @@ Phase by phase (one group, bucket ``b`` with segment ``S_b``; ``W`` ranks):
 
 [Note: collective integrity]
 Collectives that do not line up across ranks (a rank skips a step, runs an extra forward, leaves
-a module unused, or has other requires_grad flags) either hang or pair the wrong buffers. Two
+a module unused, or has other requires_grad flags) either hang or pair the wrong buffers. Three
 guards make every such case an error on every rank, in bounded time, at next to no cost:
-  1. every engine collective is waited for at most ``BLOCKSHARD_COLLECTIVE_TIMEOUT_S`` seconds
-     (default 30), and a timeout or a failed peer raises :class:`CollectiveIntegrityError`
-     naming the group and the phase (gloo's own default timeout is 30 minutes);
-  2. each rank's root context counts the collectives it issues in a step (a count and an
-     order-sensitive hash of (group, kind)) and hashes the requires_grad flags; at the end of
-     backward one all-reduce (MAX of the four int64 and of their negatives: every field's max
-     and min) compares them and the step number, so collectives that paired silently raise before
-     ``optimizer.step()`` can use the gradients (only then an all-gather collects the details).
-The cost is one 64-byte all-reduce per step, whatever the number of groups.
+  1. **Bounded waits.** Every engine collective waits at most ``BLOCKSHARD_COLLECTIVE_TIMEOUT_S``
+     seconds (default 30; gloo's own default is 30 minutes). ``Work.wait(timeout)`` alone does
+     not bound gloo: gloo runs some collectives (reduce-scatter) inside the issuing call, where
+     only the process group's own timeout applies. So on gloo the engine issues its collectives
+     on a process group of its own over the same ranks, created once per user group with that
+     timeout (:func:`engine_group`; ``new_group(..., use_local_synchronization=True)``, about 1 ms).
+     On other backends (NCCL) the user's group is used as it is and its timeout applies (set it
+     with ``init_process_group(timeout=...)``; NCCL's watchdog aborts a stuck collective).
+  2. **Failures are reported.** A timeout or a failed peer raises :class:`CollectiveIntegrityError`
+     naming the group, the phase and the ranks involved: the failing rank writes one key to the
+     group's store (``blockshard/failed/<rank>``) and reads the others' for at most
+     ``_REPORT_WAIT_S``, so the message says which peers failed (and how) and which never
+     reported (exited, were killed, or are stuck outside blockshard).
+  3. **The end-of-step check.** Each rank's root context counts the collectives it issues in a
+     step (a count and an order-sensitive hash of (group, kind)), hashes the requires_grad flags
+     and counts the optimizer steps over its parameters; at the end of backward one all-reduce
+     (MAX of the five int64 and of their negatives: every field's max and min) compares them and
+     the step number, so collectives that paired silently raise before ``optimizer.step()`` can
+     use the gradients (only then an all-gather collects the details).
+The cost is one 80-byte all-reduce per step, whatever the number of groups (measured in
+docs/engine_benchmark.md), and nothing per collective beyond the count.
+
+What cannot be caught: a rank that skips a whole step (forward, backward and optimizer step)
+issues exactly the collectives of a rank that ran one step fewer, so the two pair up; the ranks
+diverge only where one runs a step the other never reaches: that rank raises within the bound,
+naming the peer that never reported.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -42,6 +61,7 @@ __all__ = [
     "all_gather_into",
     "check_same_layout",
     "collective_timeout_s",
+    "engine_group",
     "reduce_scatter_avg",
     "shift_ranks",
     "wait",
@@ -50,6 +70,14 @@ __all__ = [
 #: Seconds an engine collective may wait for its peers before every waiting rank raises.
 TIMEOUT_ENV = "BLOCKSHARD_COLLECTIVE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 30.0
+_MAX_TIMEOUT_S = 86400.0
+_REPORT_WAIT_S = 1.0  # after a failure, how long to wait for the peers' reports (point 2 of the Note)
+_REPORT_PREFIX = "blockshard/failed/"
+
+# user process group -> the engine's group over the same ranks (point 1 of the Note); weak keys,
+# so a destroyed and dropped user group frees the engine's. The user group lives in c10d's maps
+# until it is destroyed, so every rank finds the same entry at the same fully_shard call.
+_ENGINE_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -69,25 +97,85 @@ def collective_timeout_s() -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise BlockshardError(f"environment variable {TIMEOUT_ENV}={raw!r} must be a number of seconds > 0, e.g. 30")
+    if not 0 < value <= _MAX_TIMEOUT_S:
+        raise BlockshardError(
+            f"environment variable {TIMEOUT_ENV}={raw!r} must be a number of seconds > 0 and <= "
+            f"{_MAX_TIMEOUT_S:g} (a day), e.g. 30"
+        )
     return value
+
+
+def engine_group(process_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group the engine issues its collectives on for ``process_group`` (point 1 of
+    [Note: collective integrity]): on gloo with W > 1 a group of its own over the same ranks,
+    whose timeout is :func:`collective_timeout_s`; otherwise ``process_group`` itself."""
+    if process_group.size() == 1 or dist.get_backend(process_group) != "gloo":
+        return process_group
+    found = _ENGINE_GROUPS.get(process_group)
+    if found is None:
+        found = dist.new_group(
+            dist.get_process_group_ranks(process_group),
+            timeout=datetime.timedelta(seconds=collective_timeout_s()),
+            backend="gloo",
+            use_local_synchronization=True,
+        )
+        _ENGINE_GROUPS[process_group] = found
+    return found
 
 
 def wait(work: dist.Work, what: str, group: dist.ProcessGroup) -> None:
     """Wait for ``work`` at most :func:`collective_timeout_s`; a timeout or a failed peer raises
-    :class:`CollectiveIntegrityError` naming ``what`` (the group and the phase)."""
+    :class:`CollectiveIntegrityError` naming ``what`` (the group and the phase) and the peers."""
     timeout = collective_timeout_s()
     try:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CollectiveIntegrityError(
-            f"blockshard: {what} on rank {group.rank()} of {group.size()} did not complete ({first}; waited at most "
-            f"{timeout:g} s, {TIMEOUT_ENV}). A peer rank failed or exited, or the ranks' collectives do not line up: "
-            "every rank must run the same forward and backward passes, over the same modules, with the same "
-            "requires_grad flags, in every step. See the other ranks' errors for the first failure"
-        ) from e
+        raise failure(what, group, e, timeout) from e
+
+
+def failure(what: str, group: dist.ProcessGroup, exc: BaseException, timeout: float) -> CollectiveIntegrityError:
+    """The error for a collective ``what`` that failed with ``exc`` (point 2 of the Note)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    rank, W = group.rank(), group.size()
+    for user, mine in list(_ENGINE_GROUPS.items()):  # a failed gloo group stays broken: fully_shard makes anew
+        if mine is group:
+            del _ENGINE_GROUPS[user]
+    peers = _peer_reports(group, f"{what}: {first[:200]}")
+    return CollectiveIntegrityError(
+        f"blockshard: {what} on rank {rank} of {W} did not complete ({first}; waited at most {timeout:g} s, "
+        f"{TIMEOUT_ENV}).{peers} A peer rank failed or exited, or the ranks' collectives do not line up: every "
+        "rank must run the same forward and backward passes, over the same modules, with the same requires_grad "
+        f"flags, in every step. If a rank legitimately works alone that long (e.g. rank 0 saves a checkpoint "
+        f"while the others wait), raise {TIMEOUT_ENV}"
+    )
+
+
+def _peer_reports(group: dist.ProcessGroup, mine: str) -> str:
+    """Report this rank's failure in the group's store and read the peers' reports (at most
+    ``_REPORT_WAIT_S``): a sentence naming who failed and who never reported; "" if the store is
+    unreachable (the master rank of a TCPStore died)."""
+    rank, W = group.rank(), group.size()
+    try:
+        store = group.get_group_store()
+        store.set(f"{_REPORT_PREFIX}{rank}", mine)
+        others = [r for r in range(W) if r != rank]
+        deadline = time.monotonic() + _REPORT_WAIT_S
+        while True:
+            reported = [r for r in others if store.check([f"{_REPORT_PREFIX}{r}"])]
+            if len(reported) == len(others) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        said = {r: store.get(f"{_REPORT_PREFIX}{r}").decode(errors="replace") for r in reported}
+    except Exception:  # the store is gone with a dead master: report without the peers
+        return ""
+    silent = [r for r in others if r not in said]
+    parts = [f"rank {r} failed in {text}" for r, text in sorted(said.items())]
+    if silent:
+        parts.append(
+            f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} of the group never reported a "
+            f"failure within {_REPORT_WAIT_S:g} s: exited, killed, or stuck outside blockshard (e.g. a skipped step)"
+        )
+    return " Peers: " + "; ".join(parts) + "."
 
 
 class LayoutMismatchError(BlockshardError):

@@ -48,6 +48,7 @@ class ShardGroup:
         reduce_dtype: torch.dtype | None,
     ) -> None:
         self.name, self.params, self.process_group = name, list(params), process_group
+        self.path: str | None = None  # the module's path under its root, known at the root's first forward
         self.costs = costs  # optimizer cost per tensor name, for rotation ([Note: rotation])
         self.rank, self.world_size = process_group.rank(), process_group.size()
         self.requires_gradient_sync = True
@@ -83,6 +84,12 @@ class ShardGroup:
                 )
         self._make_views()
         self._free_gathered()
+
+    @property
+    def described(self) -> str:
+        """The group in messages: its name and, once known, its module's path under the root."""
+        where = "" if self.path is None else f" ({self.path or 'the root'})"
+        return f"{self.name!r}{where}"
 
     @property
     def layout(self) -> GroupLayout | None:
@@ -168,7 +175,7 @@ class ShardGroup:
             self.unshard()
             return
         for work in self._pending:
-            wait(work, f"the all-gather of group {self.name!r}", self.process_group)
+            wait(work, f"the all-gather of group {self.described}", self.process_group)
         self._pending.clear()
         if self._version_guard is not None:
             self._version_guard.__exit__(None, None, None)  # the version before the all-gathers
@@ -276,7 +283,7 @@ class ShardGroup:
             work = reduce_scatter_avg(
                 out[off : off + S_b], rs_in[W * off : W * (off + S_b)], self.process_group, async_op=True
             )
-            wait(work, f"the reduce-scatter of group {self.name!r}", self.process_group)
+            wait(work, f"the reduce-scatter of group {self.described}", self.process_group)
         for sp in self.params:
             if not sp.sharded.requires_grad or sp.index not in has_grad:
                 continue

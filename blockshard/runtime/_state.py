@@ -58,6 +58,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from blockshard.runtime._collectives import CollectiveIntegrityError, all_gather_into, wait
 from blockshard.runtime._common import CollectiveTally, TrainingState, expect, in_backward, tensors_in
 from blockshard.runtime._group import ShardGroup
+from blockshard.runtime._optim_guard import optimizer_steps
 
 __all__ = ["STATE_ATTR", "ModuleState", "RootContext", "state_of"]
 
@@ -110,27 +111,29 @@ class RootContext:
     def check_step(self) -> None:
         """[Note: collective integrity] One small all-reduce per step: every rank must have issued
         the same collectives (count and order), at the same step, with the same trainable
-        parameters; else every rank raises before the optimizer step uses the gradients."""
+        parameters and as many optimizer steps; else every rank raises before the optimizer step
+        uses the gradients."""
         tally, group = self.tally, self.states[0].group
         trainable = 0
         for st in self.states:
             for sp in st.group.params:
                 trainable = (trainable * 3 + 1 + sp.sharded.requires_grad) % CollectiveTally._MOD
         tally.steps += 1
-        fields = [tally.steps, tally.count, tally.hash, trainable]
         pg, W = group.process_group, group.world_size
+        fields = [tally.steps, tally.count, tally.hash, trainable, optimizer_steps(pg)]
+        n = len(fields)
         what = f"the end-of-step check of the model rooted at group {group.name!r}"
         # one all-reduce (MAX) of the fields and their negatives gives every field's max and min
         extremes = torch.tensor(fields + [-v for v in fields], dtype=torch.int64)
         wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg, async_op=True), what, pg)
         tally.reset()
         top = extremes.tolist()
-        if top[:4] == [-v for v in top[4:]]:
+        if top[:n] == [-v for v in top[n:]]:
             return
         mine = torch.tensor(fields, dtype=torch.int64)
-        everyone = torch.empty(W * 4, dtype=torch.int64)  # every rank saw the mismatch: the details
+        everyone = torch.empty(W * n, dtype=torch.int64)  # every rank saw the mismatch: the details
         wait(all_gather_into(everyone, mine, pg, async_op=True), what, pg)
-        rows = everyone.view(W, 4).tolist()
+        rows = everyone.view(W, n).tolist()
         if any(row != rows[0] for row in rows):
             raise CollectiveIntegrityError(_mismatch(group.name, rows))
 
@@ -156,17 +159,18 @@ class _PostBackward(torch.autograd.Function):
 def _mismatch(name: str, rows: list[list[int]]) -> str:
     """What differs between the ranks' end-of-step records (step, collectives, order, trainable)."""
     what = []
-    for col, label in ((0, "step"), (1, "collectives issued"), (2, "collective order"), (3, "requires_grad flags")):
+    labels = ("step", "collectives issued", "collective order", "requires_grad flags", "optimizer steps")
+    for col, label in enumerate(labels):
         values = [row[col] for row in rows]
         if len(set(values)) > 1:
-            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if col < 2 else "differ"
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if col in (0, 1, 4) else "differ"
             what.append(f"{label} ({shown})")
     return (
         f"blockshard: the ranks' collectives for the model rooted at group {name!r} did not line up in this "
         f"step: {'; '.join(what)}. A rank skipped a step or ran an extra forward, left a module unused, or "
-        "has other requires_grad flags; the gradients of this step are not the average of the ranks' and "
-        "must not be used. Fix: run the same forward and backward on every rank, with the same modules "
-        "and the same trainable parameters"
+        "has other requires_grad flags, or a rank skipped (or repeated) optimizer.step(); the gradients of "
+        "this step are not the average of the ranks' and must not be used. Fix: run the same forward, "
+        "backward and optimizer step on every rank, with the same modules and the same trainable parameters"
     )
 
 
@@ -208,10 +212,10 @@ class ModuleState:
     def _lazy_init(self) -> RootContext:
         """At the first forward, the module that runs first is the root: it owns the context."""
         ctx = RootContext()
-        for m in self.module.modules():
+        for path, m in self.module.named_modules():
             st = state_of(m)
             if st is not None:
-                st.ctx, st.is_root = ctx, st is self
+                st.ctx, st.is_root, st.group.path = ctx, st is self, path
                 st.group.tally, st.group.tally_index = ctx.tally, len(ctx.states)
                 ctx.states.append(st)
         return ctx

@@ -3,8 +3,9 @@
 Every function takes ``(rank, world, ...)`` and returns plain values. Every rank trains on the
 whole batch, so averaged gradients equal one process's exactly and any difference comes from
 how the norm is computed. ``how``: "blockshard" (``blockshard.clip_grad_norm_(model)``),
-"params" (the same on ``model.parameters()``) or "torch" (``torch.nn.utils.clip_grad_norm_``
-on the local pieces: the control).
+"params" (the same on ``model.parameters()``), "torch_routed" (``torch.nn.utils.clip_grad_norm_``,
+which the first ``fully_shard`` routes to blockshard's on sharded pieces: [Note: clipping]) or
+"torch" (torch's own function, unrouted, on the local pieces: the control).
 """
 
 from __future__ import annotations
@@ -35,7 +36,15 @@ def _clip(model, how: str, max_norm: float, norm_type: float) -> torch.Tensor:
         return blockshard.clip_grad_norm_(model, max_norm, norm_type)
     if how == "params":
         return blockshard.clip_grad_norm_(model.parameters(), max_norm, norm_type)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    if how == "torch_routed":
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    return torch_own_clip()(model.parameters(), max_norm, norm_type)
+
+
+def torch_own_clip():
+    """torch's ``clip_grad_norm_`` itself, whether or not blockshard routed the attribute."""
+    fn = torch.nn.utils.clip_grad_norm_
+    return getattr(fn, "_blockshard_torch", fn)
 
 
 def train(

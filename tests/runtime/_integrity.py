@@ -1,14 +1,21 @@
-"""Ranks whose collectives do not line up (for test_integrity.py): each returns what it raised."""
+"""Ranks whose collectives do not line up (for test_integrity.py): each records what it raised.
+
+Every rank writes its outcome to ``<out_dir>/rank<r>.json`` as well as returning it, so a test
+still reads the survivors' errors when one rank dies (``spawn_gloo`` then raises for that rank).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import torch
 from torch import nn
 
-TIMEOUT_S = 5.0  # BLOCKSHARD_COLLECTIVE_TIMEOUT_S for these runs
+TIMEOUT_S = 4.0  # BLOCKSHARD_COLLECTIVE_TIMEOUT_S for these runs
+STEPS = 3
+MISBEHAVING_STEP = 1
 
 
 class Tower(nn.Module):
@@ -39,33 +46,41 @@ def _setup():
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, extra_forward: bool = False) -> None:
-    x = torch.ones(4, 16)
-    if extra_forward:
-        model(x)
-    model(x).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def case(rank: int, world: int, name: str) -> dict:
-    """Three steps; in step 2 rank 1 misbehaves as ``name`` says. Returns rank's outcome."""
+def case(rank: int, world: int, name: str, out_dir: str, odd_rank: int = 1) -> dict:
+    """``STEPS`` steps; in step ``MISBEHAVING_STEP`` rank ``odd_rank`` misbehaves as ``name`` says."""
     model, opt = _setup()
     start = time.monotonic()
     try:
-        for step in range(3):
-            odd = rank == 1 and step == 1
+        for step in range(STEPS):
+            odd = rank == odd_rank and step == MISBEHAVING_STEP
             if odd and name == "skipped_step":
                 continue
+            if odd and name == "dead_peer":
+                os._exit(3)
             if odd and name == "unused_module":
                 model.skip = 1
             if odd and name == "requires_grad":
                 model.layers[0].weight.requires_grad_(False)
-            if odd and name == "dead_peer":
-                os._exit(3)
-            _step(model, opt, extra_forward=odd and name == "extra_forward")
+            x = torch.ones(4, 16)
+            if odd and name == "extra_forward":
+                model(x)
+            if odd and name == "raised_in_forward":
+                try:  # the rank catches an error of its own in the middle of a forward and goes on
+                    model.layers[0](x)
+                    raise ValueError("a bad batch")
+                except ValueError:
+                    pass
+            model(x).square().mean().backward()
+            if not (odd and name == "skipped_optimizer_step"):
+                opt.step()
+            if odd and name == "repeated_optimizer_step":
+                opt.step()
+            opt.zero_grad()
             model.skip = None
         outcome = "no error"
     except Exception as exc:  # the test asserts the type and the text
         outcome = f"{type(exc).__name__}: {exc}"
-    return {"outcome": outcome, "seconds": time.monotonic() - start}
+    result = {"outcome": outcome, "seconds": time.monotonic() - start}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    return result

@@ -23,6 +23,10 @@ NORMS = [2.0, 1.0, INF]
 SEMANTICS = [None, "matrix"]
 CASES = tuple(((k, p, s), (k, p), {"semantics": s}) for k in KINDS for p in NORMS for s in SEMANTICS)
 CONTROLS = tuple(((k, p, "torch"), (k, p), {"how": "torch"}) for k in KINDS for p in (2.0, 1.0))
+# torch.nn.utils.clip_grad_norm_ itself, routed by fully_shard, on layouts with empty pieces
+ROUTED = tuple(
+    ((k, p, "torch_routed"), (k, p), {"how": "torch_routed", "semantics": "matrix"}) for k in KINDS for p in NORMS
+)
 
 
 @functools.cache
@@ -33,7 +37,7 @@ def references() -> dict:
 
 @functools.cache
 def sharded(world: int) -> list[dict]:
-    return spawn_gloo(cr.cases, world, args=(CASES + CONTROLS,), timeout=500)
+    return spawn_gloo(cr.cases, world, args=(CASES + CONTROLS + ROUTED,), timeout=500)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -44,6 +48,15 @@ def test_matches_one_process(kind, norm_type, semantics, world):
     got = [per_rank[(kind, norm_type, semantics)] for per_rank in sharded(world)]
     if semantics == "matrix":
         assert any(0 in shape for res in got for shape in res["shapes"])  # some rank holds an empty piece
+    check_matches(got, references()[(kind, norm_type)], norm_type)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("norm_type", NORMS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_torch_clip_grad_norm_on_a_sharded_model_matches_one_process(kind, norm_type, world):
+    got = [per_rank[(kind, norm_type, "torch_routed")] for per_rank in sharded(world)]
+    assert any(0 in shape for res in got for shape in res["shapes"])  # some rank holds an empty piece
     check_matches(got, references()[(kind, norm_type)], norm_type)
 
 

@@ -62,6 +62,29 @@ def test_sgd_shows_the_clip_in_full():
     check_matches(got, reference(2.0, "sgd"), 2.0)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, INF])
+def test_torch_clip_grad_norm_is_routed_to_the_global_norm(norm_type):
+    """[Note: clipping]: torch.nn.utils.clip_grad_norm_ on a sharded model, as Accelerate and the HF
+    Trainer call it, returns the global norm on every rank, with empty pieces (the control below
+    runs torch's own function)."""
+    kwargs = {"sharded": True, "how": "torch_routed", "semantics": "matrix"}
+    got = _inproc.run_ranks(cr.train, 2, args=("mlp", norm_type), kwargs=kwargs)
+    assert any(0 in shape for shape in got[0]["shapes"] + got[1]["shapes"])
+    check_matches(got, reference(norm_type), norm_type)
+
+
+def test_the_route_leaves_other_tensors_to_torch_and_is_installed_once(gloo_w1):
+    blockshard.fully_shard(torch.nn.Linear(2, 2))
+    blockshard.fully_shard(torch.nn.Linear(2, 2))
+    routed = torch.nn.utils.clip_grad_norm_
+    assert routed is torch.nn.utils.clip_grad.clip_grad_norm_ and routed._blockshard_route
+    assert routed._blockshard_torch.__module__ == "torch.nn.utils.clip_grad"  # wraps torch's, not itself
+    plain = torch.nn.Parameter(torch.ones(3))
+    plain.grad = torch.full((3,), 4.0)
+    assert routed(iter([plain]), 1.0).item() == pytest.approx(48**0.5)  # a generator, as torch takes
+    torch.testing.assert_close(plain.grad, torch.full((3,), 4.0 / (48**0.5 + 1e-6)))
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1.0])
 def test_control_torch_clip_grad_norm_on_local_pieces_is_wrong(norm_type):
     got = _inproc.run_ranks(cr.train, 2, args=("mlp", norm_type), kwargs={"sharded": True, "how": "torch"})

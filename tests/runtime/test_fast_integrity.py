@@ -17,7 +17,7 @@ def test_the_timeout_comes_from_the_environment(monkeypatch):
     assert collective_timeout_s() == 2.5
 
 
-@pytest.mark.parametrize("bad", ["abc", "0", "-3", "nan"])
+@pytest.mark.parametrize("bad", ["abc", "0", "-3", "nan", "inf", "1e12"])
 def test_a_bad_timeout_names_the_variable(monkeypatch, bad):
     monkeypatch.setenv(TIMEOUT_ENV, bad)
     with pytest.raises(BlockshardError, match=rf"{TIMEOUT_ENV}='{bad}' must be a number of seconds > 0"):
@@ -34,7 +34,14 @@ def test_the_tally_is_order_sensitive():
 
 
 def test_the_mismatch_message_names_what_differs_and_the_fix():
-    msg = _mismatch("Tower", [[3, 7, 11, 5], [2, 6, 11, 5]])
+    msg = _mismatch("Tower", [[3, 7, 11, 5, 2], [2, 6, 11, 5, 2]])
     assert "step (rank 0: 3, rank 1: 2)" in msg and "collectives issued (rank 0: 7, rank 1: 6)" in msg
-    assert "requires_grad" not in msg.split("did not line up")[1].split(". A rank")[0]
-    assert "Fix: run the same forward and backward on every rank" in msg
+    differs = msg.split("did not line up")[1].split(". A rank")[0]
+    assert "requires_grad" not in differs and "optimizer steps" not in differs
+    assert "Fix: run the same forward, backward and optimizer step on every rank" in msg
+
+
+def test_the_mismatch_message_names_differing_optimizer_steps():
+    msg = _mismatch("Tower", [[3, 7, 11, 5, 2], [3, 7, 11, 5, 1]])
+    differs = msg.split("did not line up")[1].split(". A rank")[0]
+    assert differs == " in this step: optimizer steps (rank 0: 2, rank 1: 1)", differs

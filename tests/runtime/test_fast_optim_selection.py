@@ -129,7 +129,7 @@ def test_the_guard_checks_once_per_parameter_count_and_is_installed_once(gloo_w1
     blockshard.fully_shard(nn.Linear(2, 2))  # a second fully_shard installs nothing more
     assert sum(h is guard._pre_step for h in _global_optimizer_pre_hooks.values()) == 1
     calls = []
-    monkeypatch.setattr(guard, "check_optimizer", calls.append)
+    monkeypatch.setattr(guard, "check_optimizer", lambda opt: calls.append(opt) or ())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(3):
         _step(model, [opt])
