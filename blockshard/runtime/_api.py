@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
@@ -317,7 +318,9 @@ def fully_shard(
 
 def _tag_views(state: ModuleState) -> None:
     for sp in state.group.params:
-        tag_managed(sp.sharded, state.group.name, process_group=state.group.process_group)
+        tag_managed(
+            sp.sharded, state.group.name, process_group=state.group.process_group, group=weakref.ref(state.group)
+        )
         tag_managed(sp.unsharded, state.group.name)
 
 
@@ -399,12 +402,15 @@ def global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
 
 
 def local_buffers(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-    """The persistent buffers of every group (``local`` and ``grad``), for memory checks."""
-    return {
-        prefix: {"local": st.group.local, "grad": st.group.grad}
-        for prefix, st in _states_under(model)
-        if st.group.layout is not None
-    }
+    """The buffers of every group, for memory checks: ``local`` (persistent) and ``grad`` while a
+    sharded ``.grad`` views it (see [Note: buffers] in _group.py)."""
+    out = {}
+    for prefix, st in _states_under(model):
+        if st.group.layout is not None:
+            out[prefix] = {"local": st.group.local}
+            if (grad := st.group.grad_buffer()) is not None:
+                out[prefix]["grad"] = grad
+    return out
 
 
 def _join(prefix: str, name: str) -> str:

@@ -29,10 +29,11 @@ guards make every such case an error on every rank, in bounded time, at next to 
      reported (exited, were killed, or are stuck outside blockshard).
   3. **The end-of-step check.** Each rank's root context counts the collectives it issues in a
      step (a count and an order-sensitive hash of (group, kind)), hashes the requires_grad flags
-     and counts the optimizer steps over its parameters; at the end of backward one all-reduce
-     (MAX of the five int64 and of their negatives: every field's max and min) compares them and
-     the step number, so collectives that paired silently raise before ``optimizer.step()`` can
-     use the gradients (only then an all-gather collects the details).
+     and counts the backwards after which an optimizer had stepped its parameters (ranks that
+     never step one, holding nothing to step, are left out); at the end of backward one
+     all-reduce (MAX of the five int64 and of their negatives: every field's max and min)
+     compares them and the step number, so collectives that paired silently raise before
+     ``optimizer.step()`` can use the gradients (only then an all-gather collects the details).
 The cost is one 80-byte all-reduce per step, whatever the number of groups (measured in
 docs/engine_benchmark.md), and nothing per collective beyond the count.
 

@@ -103,6 +103,8 @@ class CollectiveTally:
         self.steps = 0
         self.count = 0
         self.hash = 0
+        self.optimizer_steps = 0  # end-of-step checks after which an optimizer had stepped
+        self.optimizer_stepped = False  # set by the optimizer guard's step pre-hook (_optim_guard.py)
 
     def record(self, index: int, kind: int) -> None:
         self.count += 1

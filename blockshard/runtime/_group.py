@@ -8,7 +8,12 @@ Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
   * ``gathered`` [W * S], param dtype: bucket ``b`` is ``[W * off_b, W * (off_b + S_b))``.
     Unsharded parameters are views into it; its storage is resized to 0 on reshard and back
     before the next all-gather, so the views (and autograd's saved references) stay valid.
-  * ``grad``   [S], original dtype: the persistent local gradient; sharded ``.grad`` views it.
+  * the local gradient [S], original dtype: sharded ``.grad`` are views of it. The reduce-scatter
+    allocates it and the group keeps only a weak reference (``grad_buffer()``), so it lives exactly
+    as long as a piece's ``.grad`` does: ``optimizer.zero_grad()`` (``set_to_none=True``, the
+    default) frees it, and between steps gradients take no memory, as under FSDP2. Kept gradients
+    (``set_to_none=False``, accumulation across steps) keep it, and the next reduce-scatter adds
+    into them.
   * the reduce-scatter input [W * S], reduce dtype: allocated when the group's gradients are all
     in, filled from the unsharded ``.grad`` (autograd's own tensors, accumulated across
     micro-batches without sync) and freed after the reduce-scatter.
@@ -17,6 +22,7 @@ Holes are padding: zeros that never reach a parameter.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -68,7 +74,7 @@ class ShardGroup:
         self.reduce_dtype = reduce_dtype or self.param_dtype
         S, W = layout.segment_numel, self.world_size
         self.local = torch.zeros(S, dtype=self.orig_dtype, device=self.device)  # [S]
-        self.grad = torch.zeros(S, dtype=self.orig_dtype, device=self.device)  # [S]
+        self._grad: weakref.ref[torch.Tensor] | None = None  # the local gradient [S] while a .grad views it
         self.send = (
             self.local
             if self.param_dtype == self.orig_dtype
@@ -225,6 +231,16 @@ class ShardGroup:
         self.gathered.untyped_storage().resize_(0)
 
     # -- gradients --------------------------------------------------------------------------------
+    def grad_buffer(self) -> torch.Tensor | None:
+        """The local gradient [S] while some sharded ``.grad`` views it, else None ([Note: buffers])."""
+        return None if self._grad is None else self._grad()
+
+    def _new_grad_buffer(self) -> torch.Tensor:
+        # not zeroed: only the pieces the reduce-scatter wrote are ever viewed
+        buf = torch.empty(self.local.numel(), dtype=self.orig_dtype, device=self.device)
+        self._grad = weakref.ref(buf)
+        return buf
+
     def accumulate_grads(self) -> None:
         """Backward without gradient sync: keep the unsharded gradients for the next backward, in
         the reduce dtype when it differs from the parameters' (as FSDP2 does: bf16 micro-batch
@@ -271,11 +287,15 @@ class ShardGroup:
                 dst.copy_(grad.reshape(-1))
                 sp.unsharded.grad = None
                 has_grad.add(sp.index)
-        # Straight into the persistent grad buffer unless a sharded grad must be accumulated into
-        # (the user kept .grad across steps) or the reduce dtype differs from the parameters'.
+        # Straight into a new gradient buffer unless a sharded grad must be accumulated into (the
+        # user kept .grad across steps) or the reduce dtype differs from the parameters'. Never
+        # into a buffer still alive without our pieces: the user may hold an old .grad.
         accumulate = any(sp.sharded.grad is not None for sp in self.params)
         direct = not accumulate and self.reduce_dtype == self.orig_dtype
-        out = self.grad if direct else torch.empty(self.grad.numel(), dtype=self.reduce_dtype, device=self.device)
+        S = self.local.numel()
+        buf = self._new_grad_buffer() if direct else self.grad_buffer() if accumulate else None
+        out = buf if direct else torch.empty(S, dtype=self.reduce_dtype, device=self.device)
+        assert out is not None
         if self.tally is not None:
             self.tally.record(self.tally_index, 1)
         for b, S_b in enumerate(layout.buckets):
@@ -290,8 +310,11 @@ class ShardGroup:
             lo, hi = sp.local_offset, sp.local_offset + sp.local_numel
             if sp.sharded.grad is None:
                 if not direct:
-                    self.grad[lo:hi].copy_(out[lo:hi])
-                sp.sharded.grad = self.grad[lo:hi].view(sp.sharded.shape)
+                    if buf is None:
+                        buf = self._new_grad_buffer()
+                    buf[lo:hi].copy_(out[lo:hi])
+                assert buf is not None
+                sp.sharded.grad = buf[lo:hi].view(sp.sharded.shape)
             else:
                 sp.sharded.grad += out[lo:hi].view(sp.sharded.shape).to(self.orig_dtype)
 

@@ -11,10 +11,13 @@ gradient again, so ``step()`` silently trains nothing. The replaced objects carr
 :class:`~blockshard.runtime.ShardingError` naming the first replaced one. Every rank builds its
 optimizer the same way, so every rank raises.
 
-The same hook counts, per process group, the optimizer steps over parameters sharded on it
-(:func:`optimizer_steps`): the end-of-step check compares the count across ranks, so an
-``optimizer.step()`` that one rank skipped or ran twice raises on every rank at the next backward
-([Note: collective integrity] in _collectives.py).
+The same hook notes on each group's root context that an optimizer stepped its pieces
+(``CollectiveTally.optimizer_stepped``): each end-of-step check counts the backwards after which
+some optimizer had stepped the model, and compares the counts of the ranks that step at all, so an
+``optimizer.step()`` that one rank skipped raises on every rank at the next backward
+([Note: collective integrity] in _collectives.py). Calls are not counted: a rank may legitimately
+run several optimizers, or none over a tensor it holds no element of (ranks that filter out
+empty pieces build different optimizers), so one rank stepping twice is not caught.
 
 Cost: an optimizer is checked once per number of parameters it holds (``add_param_group`` makes
 it check again); afterwards a step costs one weak-dictionary lookup and a sum over its
@@ -36,14 +39,12 @@ from torch.utils.hooks import RemovableHandle
 
 from blockshard.runtime._param import managed_tag
 
-__all__ = ["check_optimizer", "install_optimizer_guard", "optimizer_steps"]
+__all__ = ["check_optimizer", "install_optimizer_guard"]
 
 _handle: RemovableHandle | None = None  # the registered hook: installed once per process
-# optimizer -> (the number of parameters it held when last checked, the process groups they are
-# sharded on): a cache, not state
+# optimizer -> (the number of parameters it held when last checked, weak references to the groups
+# of its sharded pieces): a cache, not state
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
-# process group -> optimizer steps over parameters sharded on it, on this rank
-_steps: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 def install_optimizer_guard() -> None:
@@ -53,24 +54,21 @@ def install_optimizer_guard() -> None:
         _handle = register_optimizer_step_pre_hook(_pre_step)
 
 
-def optimizer_steps(process_group: Any) -> int:
-    """How many optimizer steps on this rank stepped parameters sharded on ``process_group``."""
-    return _steps.get(process_group, 0)
-
-
 def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     seen = _checked.get(optimizer)
     if seen is None or seen[0] != count:
         seen = (count, check_optimizer(optimizer))
         _checked[optimizer] = seen
-    for pg in seen[1]:
-        _steps[pg] = _steps.get(pg, 0) + 1
+    for ref in seen[1]:
+        group = ref()
+        if group is not None and group.tally is not None:
+            group.tally.optimizer_stepped = True
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
     """Raise ``ShardingError`` if ``optimizer`` holds a parameter that ``fully_shard`` replaced;
-    else return the process groups its sharded parameters live on."""
+    else return weak references to the groups of its sharded pieces."""
     groups: dict[int, Any] = {}
     for i, group in enumerate(optimizer.param_groups):
         names = group.get("param_names")
@@ -87,6 +85,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
                     "optimizer after fully_shard, over model.parameters() (or "
                     "blockshard.optim.muon_param_groups(model) called after sharding)"
                 )
-            if tag is not None and tag.process_group is not None:
-                groups.setdefault(id(tag.process_group), tag.process_group)
+            if tag is not None and tag.group is not None:
+                groups.setdefault(id(tag.group), tag.group)
     return tuple(groups.values())

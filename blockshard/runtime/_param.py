@@ -34,13 +34,17 @@ class ManagedTag:
     original: bool  # True: a parameter that sharding replaced by its local piece
     # for a local piece: the process group it is sharded over (None: a full view or an original)
     process_group: object = None
+    # for a local piece: a weak reference to its ShardGroup (weak: a tag never keeps a model alive)
+    group: object = None
 
 
 _TAG_ATTR = "_blockshard_managed"
 
 
-def tag_managed(param: nn.Parameter, owner: str, *, original: bool = False, process_group: object = None) -> None:
-    setattr(param, _TAG_ATTR, ManagedTag(owner, original, process_group))
+def tag_managed(
+    param: nn.Parameter, owner: str, *, original: bool = False, process_group: object = None, group: object = None
+) -> None:
+    setattr(param, _TAG_ATTR, ManagedTag(owner, original, process_group, group))
 
 
 def managed_tag(param: nn.Parameter) -> ManagedTag | None:

@@ -58,7 +58,6 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from blockshard.runtime._collectives import CollectiveIntegrityError, all_gather_into, wait
 from blockshard.runtime._common import CollectiveTally, TrainingState, expect, in_backward, tensors_in
 from blockshard.runtime._group import ShardGroup
-from blockshard.runtime._optim_guard import optimizer_steps
 
 __all__ = ["STATE_ATTR", "ModuleState", "RootContext", "state_of"]
 
@@ -111,31 +110,38 @@ class RootContext:
     def check_step(self) -> None:
         """[Note: collective integrity] One small all-reduce per step: every rank must have issued
         the same collectives (count and order), at the same step, with the same trainable
-        parameters and as many optimizer steps; else every rank raises before the optimizer step
-        uses the gradients."""
+        parameters, and every rank that steps an optimizer must have stepped as often; else every
+        rank raises before the optimizer step uses the gradients."""
         tally, group = self.tally, self.states[0].group
         trainable = 0
         for st in self.states:
             for sp in st.group.params:
                 trainable = (trainable * 3 + 1 + sp.sharded.requires_grad) % CollectiveTally._MOD
-        tally.steps += 1
         pg, W = group.process_group, group.world_size
-        fields = [tally.steps, tally.count, tally.hash, trainable, optimizer_steps(pg)]
+        tally.steps += 1
+        tally.optimizer_steps += tally.optimizer_stepped
+        tally.optimizer_stepped = False
+        fields = [tally.steps, tally.count, tally.hash, trainable, tally.optimizer_steps]
         n = len(fields)
         what = f"the end-of-step check of the model rooted at group {group.name!r}"
-        # one all-reduce (MAX) of the fields and their negatives gives every field's max and min
-        extremes = torch.tensor(fields + [-v for v in fields], dtype=torch.int64)
+        # one all-reduce (MAX) of the fields and their negatives gives every field's max and min;
+        # a rank that never stepped an optimizer (it holds nothing to step) is left out of the min
+        lows = fields[:-1] + [fields[-1] or _NEVER]
+        extremes = torch.tensor(fields + [-v for v in lows], dtype=torch.int64)
         wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg, async_op=True), what, pg)
         tally.reset()
         top = extremes.tolist()
-        if top[:n] == [-v for v in top[n:]]:
+        highs, mins = top[:n], [-v for v in top[n:]]
+        if highs[:-1] == mins[:-1] and mins[-1] in (highs[-1], _NEVER):
             return
         mine = torch.tensor(fields, dtype=torch.int64)
         everyone = torch.empty(W * n, dtype=torch.int64)  # every rank saw the mismatch: the details
         wait(all_gather_into(everyone, mine, pg, async_op=True), what, pg)
         rows = everyone.view(W, n).tolist()
-        if any(row != rows[0] for row in rows):
-            raise CollectiveIntegrityError(_mismatch(group.name, rows))
+        raise CollectiveIntegrityError(_mismatch(group.name, rows))
+
+
+_NEVER = 1 << 62  # "never stepped an optimizer", in the min of the end-of-step check
 
 
 class _PostBackward(torch.autograd.Function):
@@ -162,13 +168,13 @@ def _mismatch(name: str, rows: list[list[int]]) -> str:
     labels = ("step", "collectives issued", "collective order", "requires_grad flags", "optimizer steps")
     for col, label in enumerate(labels):
         values = [row[col] for row in rows]
-        if len(set(values)) > 1:
+        if len(set(values) - ({0} if col == 4 else set())) > 1:
             shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if col in (0, 1, 4) else "differ"
             what.append(f"{label} ({shown})")
     return (
         f"blockshard: the ranks' collectives for the model rooted at group {name!r} did not line up in this "
         f"step: {'; '.join(what)}. A rank skipped a step or ran an extra forward, left a module unused, or "
-        "has other requires_grad flags, or a rank skipped (or repeated) optimizer.step(); the gradients of "
+        "has other requires_grad flags, or a rank skipped optimizer.step(); the gradients of "
         "this step are not the average of the ranks' and must not be used. Fix: run the same forward, "
         "backward and optimizer step on every rank, with the same modules and the same trainable parameters"
     )

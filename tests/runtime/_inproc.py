@@ -266,7 +266,8 @@ class CollectiveLog(TorchDispatchMode):
     spy would miss). Dispatch modes are per thread, so each rank of :func:`run_ranks` logs only
     its own. A collective is labelled with the group whose persistent buffer it reads or writes
     (``blockshard.runtime.local_buffers``: an all-gather sends from ``local``, a reduce-scatter lands in
-    ``grad``; see [Note: buffers]); :meth:`label_groups` registers a sharded model's groups.
+    the gradient buffer, which it allocates; see [Note: buffers]); :meth:`label_groups` registers a
+    sharded model, whose buffers are looked up again when a collective's tensor is not known yet.
     ``events`` is a list of ``(kind, label)`` and of ``("mark", text)`` added with :meth:`mark`.
     The first use of a dispatch mode in a process imports ``torch._dynamo`` (about 1-2 s).
     """
@@ -275,13 +276,20 @@ class CollectiveLog(TorchDispatchMode):
         super().__init__()
         self.events: list[tuple[str, str | None]] = []
         self.groups: dict[int, str] = {}
+        self.models: list[torch.nn.Module] = []
 
     def label_groups(self, model: torch.nn.Module) -> None:
+        self.models.append(model)
+        self._refresh()
+
+    def _refresh(self) -> None:
         from blockshard.runtime import local_buffers
 
-        for name, buffers in local_buffers(model).items():
-            for buf in buffers.values():
-                self.groups[buf.untyped_storage().data_ptr()] = name
+        self.groups = {}  # rebuilt: a freed gradient buffer's address may be reused
+        for model in self.models:
+            for name, buffers in local_buffers(model).items():
+                for buf in buffers.values():
+                    self.groups[buf.untyped_storage().data_ptr()] = name
 
     def mark(self, what: str) -> None:
         self.events.append(("mark", what))
@@ -290,6 +298,7 @@ class CollectiveLog(TorchDispatchMode):
         if func.namespace == "c10d":
             kind = _KINDS.get(func._opname, func._opname)
             label = None
+            self._refresh()  # gradient buffers come and go with the step
             for t in args[:2]:
                 if isinstance(t, torch.Tensor) and label is None:
                     label = self.groups.get(t.untyped_storage().data_ptr())

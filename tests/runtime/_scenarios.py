@@ -104,13 +104,15 @@ def sharded(rank: int, world: int, kind: str, batch_size: int, options: dict) ->
                 batch = _slice(batch, rank, world)
             loss_fn(model, batch).backward()
         opt.step()
+        grad_numel = {k: b["grad"].numel() for k, b in local_buffers(model).items() if "grad" in b}
         opt.zero_grad()
     layouts = group_layouts(model)
     buffers = local_buffers(model)
     facts = {
         "segment_numel": {k: v.segment_numel for k, v in layouts.items()},
         "local_numel": {k: b["local"].numel() for k, b in buffers.items()},
-        "grad_numel": {k: b["grad"].numel() for k, b in buffers.items()},
+        "grad_numel": grad_numel,
+        "grad_freed_by_zero_grad": all("grad" not in b for b in buffers.values()),
         "gathered_freed": all(
             blockshard.runtime._api._state_of(m).group.gathered.untyped_storage().size() == 0
             for m in model.modules()

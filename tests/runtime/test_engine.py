@@ -102,6 +102,7 @@ def test_persistent_memory_is_the_planned_segments(world):
     planned = {g.name: g.segment_numel for g in plan.groups}
     assert facts["segment_numel"] == planned
     assert facts["local_numel"] == planned and facts["grad_numel"] == planned
+    assert facts["grad_freed_by_zero_grad"]  # [Note: buffers]: no gradient memory between steps
     total = sum(p.numel() for p in model.parameters())
     assert sum(planned.values()) * world >= total
     assert sum(planned.values()) <= -(-total // world) + 64 * len(planned)  # total / W plus small padding

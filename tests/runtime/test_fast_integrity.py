@@ -45,3 +45,10 @@ def test_the_mismatch_message_names_differing_optimizer_steps():
     msg = _mismatch("Tower", [[3, 7, 11, 5, 2], [3, 7, 11, 5, 1]])
     differs = msg.split("did not line up")[1].split(". A rank")[0]
     assert differs == " in this step: optimizer steps (rank 0: 2, rank 1: 1)", differs
+
+
+def test_a_rank_that_never_steps_an_optimizer_is_not_a_mismatch():
+    """Ranks that hold no element to step (empty pieces filtered out) build no optimizer."""
+    msg = _mismatch("Tower", [[3, 7, 11, 5, 2], [3, 7, 11, 5, 0], [3, 6, 11, 5, 2]])
+    differs = msg.split("did not line up")[1].split(". A rank")[0]
+    assert "optimizer steps" not in differs and "collectives issued" in differs, differs

@@ -48,12 +48,10 @@ def test_differing_requires_grad_raises_on_every_rank_before_the_optimizer_step(
         assert "requires_grad flags" in msg and "Fix: run the same forward, backward and optimizer step" in msg
 
 
-@pytest.mark.parametrize("name", ["skipped_optimizer_step", "repeated_optimizer_step"])
-def test_an_optimizer_step_on_one_rank_only_raises_on_every_rank_at_the_next_backward(tmp_path, name):
-    expected = "(rank 0: 2, rank 1: 1)" if name.startswith("skipped") else "(rank 0: 2, rank 1: 3)"
-    for rank, res in enumerate(_outcomes(name, tmp_path)):
+def test_an_optimizer_step_one_rank_skipped_raises_on_every_rank_at_the_next_backward(tmp_path):
+    for rank, res in enumerate(_outcomes("skipped_optimizer_step", tmp_path)):
         msg = _raised_in_time(res, rank)
-        assert f"optimizer steps {expected}" in msg, msg
+        assert "optimizer steps (rank 0: 2, rank 1: 1)" in msg, msg
 
 
 @pytest.mark.parametrize("name", ["extra_forward", "unused_module", "raised_in_forward"])
