@@ -14,7 +14,7 @@ def _muon() -> list[Rule]:
     """Muon on hidden weights: a 2-D weight is one whole matrix, a stacked ``(E, m, n)`` expert
     weight one matrix per expert; embeddings, head, norms and biases stay element-wise (AdamW)."""
     return [
-        Rule(semantics="matrix", predicate=lambda s: len(s.shape) == 2 and not is_embedding_or_head(s)),
+        Rule(semantics="matrix", predicate=lambda s: len(s.shape) in (2, 3) and not is_embedding_or_head(s)),
         Rule(semantics="expert", predicate=lambda s: len(s.shape) == 3 and not is_embedding_or_head(s)),
     ]
 
