@@ -31,6 +31,14 @@ __all__ = ["ComputeTally", "OwnerAssignment", "OwnerBuilder", "straddling_units"
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
+def _spans(layout: GroupLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ts = layout.tensors
+    starts = np.fromiter((t.offset for t in ts), dtype=np.int64, count=len(ts))
+    numel = np.fromiter((t.numel for t in ts), dtype=np.int64, count=len(ts))
+    seg = np.fromiter((layout.buckets[t.bucket] for t in ts), dtype=np.int64, count=len(ts))
+    return starts, starts + numel, seg
+
+
 def straddling_units(grid: UnitGrid, offset: int, S: int, memo: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(starts, ends)``, in the tensor's flattening, of the units of ``grid`` that a rank boundary
     cuts when the tensor starts at ``offset`` of a bucket with segment ``S`` (rank ``r`` holds
@@ -164,11 +172,25 @@ class OwnerBuilder:
         costs: Mapping[str, float],
         running: np.ndarray,
         modeled: float,
+        unrotated: np.ndarray,
     ) -> GroupLayout:
         """Rotate ``layout`` (whose tensors in ``compute`` are owner-computed on those compute grids)
-        against ``running``, add what its ranks compute themselves to ``running``; return it rotated."""
+        against ``running``, add what its ranks compute themselves to ``running`` (and its proportional
+        cost to ``unrotated``, for the report); return it rotated."""
         W = self.world_size
-        base = self._fixed(layout, compute, costs)
+        key = (
+            "group",
+            layout.buckets,
+            tuple((t.offset, t.bucket, t.grid, costs.get(t.name), compute.get(t.name)) for t in layout.tensors),
+        )
+        hit = self.memo.get(key)
+        if hit is None:  # identical blocks share one computation
+            proportional = rank_costs(layout, costs)
+            base = self._fixed(layout, compute, costs, proportional.copy())
+            loads = rank_overlap(*_spans(layout), W).astype(np.float64) * layout.itemsize
+            hit = self.memo[key] = (proportional, base, loads, self._largest(layout, compute, costs))
+        proportional, base, loads, largest = hit
+        unrotated += proportional
         k = best_rotation(layout, base, running)
         nz = np.flatnonzero(base)
         running[(nz + k) % W] += base[nz]  # exactly as balance() does, so whole plans match the engine's
@@ -178,14 +200,19 @@ class OwnerBuilder:
         tally.cost += np.roll(base, k)
         tally.modeled += modeled
         tally.owner_tensors += len(compute)
-        loads = np.asarray(layout.rank_loads(), dtype=np.float64) * layout.itemsize
-        tally.state += loads
+        tally.state += np.roll(loads, k)
+        tally.largest = max(tally.largest, largest)
+        return layout
+
+    @staticmethod
+    def _largest(layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> float:
+        """Cost of the costliest compute unit of the group."""
+        out = 0.0
         for t in layout.tensors:
             if t.numel:
                 grid = compute.get(t.name, t.grid)
-                unit_cost = costs.get(t.name, float(t.numel)) * grid.largest_unit / t.numel
-                tally.largest = max(tally.largest, unit_cost)
-        return layout
+                out = max(out, costs.get(t.name, float(t.numel)) * grid.largest_unit / t.numel)
+        return out
 
     def _cut(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]):
         """``(tensor, starts, ends, S, density)`` of every owner-computed tensor with cut compute units."""
@@ -198,9 +225,8 @@ class OwnerBuilder:
             if starts.size:
                 yield t, starts, ends, S, costs.get(t.name, float(t.numel)) / t.numel
 
-    def _fixed(self, layout, compute, costs) -> np.ndarray:
-        """Cost per rank of what each rank computes itself (all but the cut compute units)."""
-        base = rank_costs(layout, costs)
+    def _fixed(self, layout, compute, costs, base: np.ndarray) -> np.ndarray:
+        """Cost per rank of what each rank computes itself (``base``, the proportional cost, less the cut units)."""
         for t, starts, ends, S, density in self._cut(layout, compute, costs):
             base -= density * rank_overlap(t.offset + starts, t.offset + ends, S, self.world_size)
         return base

@@ -12,7 +12,6 @@ import numpy as np
 
 from blockshard._errors import PlanError
 from blockshard._limits import MAX_GROUP_TENSORS, MAX_PADDED_NUMEL
-from blockshard.planner._balance import rank_costs
 from blockshard.planner._buckets import plan_buckets
 from blockshard.planner._compute import ComputeTally, OwnerAssignment, OwnerBuilder
 from blockshard.planner._items import PlanItem, group_items, resolve_items
@@ -273,8 +272,7 @@ def plan_model(
         )
         owner_tensors |= owned
         compute = {it.name: it.grid for it in gitems if it.name in owned}
-        unrotated += rank_costs(layout, costs)
-        layouts.append(builder.add_group(layout, group_kind(gname), compute, costs, running, modeled))
+        layouts.append(builder.add_group(layout, group_kind(gname), compute, costs, running, modeled, unrotated))
         if progress is not None:
             progress(i + 1, len(grouped))
     owners, by_kind = builder.finish(running)  # see [Note: owners across groups]
