@@ -180,6 +180,7 @@ class OwnerBuilder:
         W = self.world_size
         key = (
             "group",
+            layout.itemsize,
             layout.buckets,
             tuple((t.offset, t.bucket, t.grid, costs.get(t.name), compute.get(t.name)) for t in layout.tensors),
         )
