@@ -15,6 +15,7 @@ and :meth:`OwnerAssignment.owner_hash` is checked like a layout hash.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -29,6 +30,51 @@ from blockshard.semantics import UnitGrid
 __all__ = ["ComputeTally", "OwnerAssignment", "OwnerBuilder", "straddling_units"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+#: Shifts are tried for a group where one rank's fixed cost (what it computes itself) exceeds this
+#: fraction of the group's mean cost per rank: below it, repeating the layout costs little.
+SHIFT_WORTH = 0.05
+#: At most this many shifts are tried per distinct group layout.
+MAX_SHIFTS = 16
+
+
+def tensor_shifts(layout: GroupLayout, memo: dict | None = None) -> list[GroupLayout]:
+    """[Note: shifts] ``layout`` re-based so that another tensor starts the gathered buffer.
+
+    Rotating by whole segments (``_balance.py``) needs a segment boundary outside every tensor,
+    which an owner-policy layout rarely has: its fine tensors straddle nearly every boundary, so
+    identical blocks would keep their whole-placed units on the same ranks. Starting the circular
+    order of a one-bucket layout at tensor ``j`` (every offset minus ``offset_j``, modulo ``W * S``)
+    keeps the tensors contiguous and the holes between tensors; it is kept when every rank boundary
+    still falls on an allowed cut of every tensor's grid. At most ``MAX_SHIFTS`` starts (evenly
+    spaced) are tried; the result depends only on the layout.
+    """
+    if len(layout.buckets) != 1 or layout.world_size == 1:
+        return []
+    key = ("shifts", layout.buckets, tuple((t.offset, t.grid) for t in layout.tensors))
+    if memo is not None and key in memo:
+        return [_with_offsets(layout, offs) for offs in memo[key]]
+    S = layout.buckets[0]
+    total = layout.world_size * S
+    starts = sorted({t.offset for t in layout.tensors if t.numel and t.offset})
+    if len(starts) > MAX_SHIFTS:
+        starts = [starts[int(i)] for i in np.linspace(0, len(starts) - 1, MAX_SHIFTS)]
+    found = []
+    for d in starts:
+        offs = tuple((t.offset - d) % total for t in layout.tensors)
+        if all(
+            not t.numel or straddling_units(t.grid, o, S, memo)[0].size == 0
+            for t, o in zip(layout.tensors, offs, strict=True)
+        ):
+            found.append(offs)
+    if memo is not None:
+        memo[key] = found
+    return [_with_offsets(layout, offs) for offs in found]
+
+
+def _with_offsets(layout: GroupLayout, offsets: tuple[int, ...]) -> GroupLayout:
+    moved = [dataclasses.replace(t, offset=o) for t, o in zip(layout.tensors, offsets, strict=True)]
+    moved.sort(key=lambda t: (t.bucket, t.offset))
+    return dataclasses.replace(layout, tensors=tuple(moved))
 
 
 def _spans(layout: GroupLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -178,21 +224,11 @@ class OwnerBuilder:
         against ``running``, add what its ranks compute themselves to ``running`` (and its proportional
         cost to ``unrotated``, for the report); return it rotated."""
         W = self.world_size
-        key = (
-            "group",
-            layout.itemsize,
-            layout.buckets,
-            tuple((t.offset, t.bucket, t.grid, costs.get(t.name), compute.get(t.name)) for t in layout.tensors),
-        )
-        hit = self.memo.get(key)
-        if hit is None:  # identical blocks share one computation
-            proportional = rank_costs(layout, costs)
-            base = self._fixed(layout, compute, costs, proportional.copy())
-            loads = rank_overlap(*_spans(layout), W).astype(np.float64) * layout.itemsize
-            hit = self.memo[key] = (proportional, base, loads, self._largest(layout, compute, costs))
-        proportional, base, loads, largest = hit
+        proportional, base, loads, largest = self._geometry(layout, compute, costs)
         unrotated += proportional
         k = best_rotation(layout, base, running)
+        if compute and base.max() > SHIFT_WORTH * self._total(layout, costs) / W:
+            layout, base, loads, k = self._best_shift(layout, compute, costs, running, (base, loads, k))
         nz = np.flatnonzero(base)
         running[(nz + k) % W] += base[nz]  # exactly as balance() does, so whole plans match the engine's
         layout = rotate(layout, k)
@@ -204,6 +240,43 @@ class OwnerBuilder:
         tally.state += np.roll(loads, k)
         tally.largest = max(tally.largest, largest)
         return layout
+
+    def _geometry(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]):
+        """``(proportional cost, fixed cost, loads in bytes, largest unit cost)``; identical blocks share one."""
+        key = (
+            "group",
+            layout.itemsize,
+            layout.buckets,
+            tuple((t.offset, t.bucket, t.grid, costs.get(t.name), compute.get(t.name)) for t in layout.tensors),
+        )
+        hit = self.memo.get(key)
+        if hit is None:
+            proportional = rank_costs(layout, costs)
+            base = self._fixed(layout, compute, costs, proportional.copy())
+            loads = rank_overlap(*_spans(layout), self.world_size).astype(np.float64) * layout.itemsize
+            hit = self.memo[key] = (proportional, base, loads, self._largest(layout, compute, costs))
+        return hit
+
+    def _total(self, layout: GroupLayout, costs: Mapping[str, float]) -> float:
+        return sum(costs.get(t.name, float(t.numel)) for t in layout.tensors)
+
+    def _best_shift(self, layout, compute, costs, running, current):
+        """Among ``layout`` and its tensor shifts (see [Note: shifts]), the one whose fixed cost, at its
+        best rotation, leaves the lowest peak on ``running`` (the first on ties)."""
+        base, loads, k = current
+
+        def peak(b: np.ndarray, k: int) -> float:
+            nz = np.flatnonzero(b)
+            return float(np.max(running[(nz + k) % self.world_size] + b[nz], initial=running.max()))
+
+        best = (peak(base, k), layout, base, loads, k)
+        for cand in tensor_shifts(layout, self.memo):
+            _, b, ld, _ = self._geometry(cand, compute, costs)
+            kk = best_rotation(cand, b, running)
+            p = peak(b, kk)
+            if p < best[0]:
+                best = (p, cand, b, ld, kk)
+        return best[1:]
 
     @staticmethod
     def _largest(layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> float:

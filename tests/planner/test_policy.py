@@ -192,3 +192,27 @@ def test_catalog_experts_are_one_matrix_per_expert():
     up = items["model.layers.0.mlp.experts.gate_up_proj"]  # (8, 28672, 4096)
     assert up.grid == UnitGrid.units(8 * 28672 * 4096, 28672 * 4096) and up.placement.unit_numel == 1
     assert up.label == "matrix+expert"
+
+
+@pytest.mark.parametrize("W", [2, 3, 5, 8])
+def test_tensor_shifts_keep_every_layout_invariant(W):
+    from blockshard.planner._compute import tensor_shifts
+
+    plan = plan_model(_tiny(moe=True), W, semantics="muon", policy="owner", alignment_bytes=2)
+    tried = 0
+    for g in plan.groups:
+        for shifted in tensor_shifts(g):
+            shifted.check()
+            assert shifted.buckets == g.buckets and shifted.padded_numel == g.padded_numel
+            assert sorted((t.name, t.numel) for t in shifted.tensors) == sorted((t.name, t.numel) for t in g.tensors)
+            assert sum(shifted.rank_loads()) == g.total_numel
+            tried += 1
+    assert tried or W == 2
+
+
+def test_shifts_spread_whole_units_of_identical_blocks():
+    """Llama-3-8B at W = 8 under auto: the attention stays whole, MLP matrices go to owners; without
+    shifts every block put its attention on the same two ranks (1.057 x the bound)."""
+    plan = plan_model(model_tensors("llama3-8b"), 8, semantics="muon")
+    assert plan.compute.max_cost_over_lower_bound <= 1.05
+    assert len({tuple(t.offset for t in g.tensors) for g in plan.groups}) > 2
