@@ -4,8 +4,9 @@
 Under the ``owner`` policy a rank boundary may fall inside a compute unit (a Muon matrix, an
 expert). A compute unit that lies inside one rank's segment is computed there; a **cut** one
 gets one owner rank. Groups are taken in ``fully_shard`` order; each is rotated by whole
-segments (see [Note: rotation] in ``_balance.py``) against the cost fixed so far: what its
-ranks compute themselves. Then every cut unit of the model, largest cost first, goes to the
+segments (see [Note: rotation] in ``_balance.py``; a group with owner-computed tensors may also be
+re-based at another tensor, see [Note: shifts]) against the cost fixed so far: what its ranks
+compute themselves. Then every cut unit of the model, largest cost first, goes to the
 least-loaded rank (ties: the holder with the largest piece, then the lowest rank) — the greedy
 of ``_owner.py``'s :func:`_assign`, run once over all groups. Costs are the semantics' (Newton-Schulz
 FLOPs for matrices, elements otherwise) split over a tensor's units in proportion to their
