@@ -78,12 +78,23 @@ def _with_offsets(layout: GroupLayout, offsets: tuple[int, ...]) -> GroupLayout:
     return dataclasses.replace(layout, tensors=tuple(moved))
 
 
-def _spans(layout: GroupLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _loads(layout: GroupLayout) -> np.ndarray:
+    """Real elements per rank (float64), as ``GroupLayout.rank_loads``: the first and last piece of
+    each tensor, and whole segments between them through a difference array."""
     ts = layout.tensors
-    starts = np.fromiter((t.offset for t in ts), dtype=np.int64, count=len(ts))
-    numel = np.fromiter((t.numel for t in ts), dtype=np.int64, count=len(ts))
-    seg = np.fromiter((layout.buckets[t.bucket] for t in ts), dtype=np.int64, count=len(ts))
-    return starts, starts + numel, seg
+    W = layout.world_size
+    a = np.fromiter((t.offset for t in ts), dtype=np.int64, count=len(ts))
+    b = a + np.fromiter((t.numel for t in ts), dtype=np.int64, count=len(ts))
+    s = np.fromiter((layout.buckets[t.bucket] for t in ts), dtype=np.int64, count=len(ts))
+    keep = b > a
+    a, b, s = a[keep], b[keep], s[keep]
+    ra, rb = a // s, (b - 1) // s
+    out = np.bincount(ra, weights=np.minimum(b, (ra + 1) * s) - a, minlength=W + 1)
+    multi = rb > ra
+    out += np.bincount(rb[multi], weights=b[multi] - rb[multi] * s[multi], minlength=W + 1)
+    diff = np.bincount(ra[multi] + 1, weights=s[multi], minlength=W + 1)
+    diff -= np.bincount(rb[multi], weights=s[multi], minlength=W + 1)
+    return (out + np.cumsum(diff))[:W]
 
 
 def straddling_units(grid: UnitGrid, offset: int, S: int, memo: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -254,7 +265,7 @@ class OwnerBuilder:
         if hit is None:
             proportional = rank_costs(layout, costs)
             base = self._fixed(layout, compute, costs, proportional.copy())
-            loads = rank_overlap(*_spans(layout), self.world_size).astype(np.float64) * layout.itemsize
+            loads = _loads(layout) * layout.itemsize
             hit = self.memo[key] = (proportional, base, loads, self._largest(layout, compute, costs))
         return hit
 

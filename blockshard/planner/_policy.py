@@ -93,19 +93,23 @@ def choose_layout(
 
     key = ("policy", policy, world_size, alignment_bytes, tuple((it.grid, it.placement) for it in items))
     chosen = memo.get(key)
-    if chosen is None:
-        best: tuple[float, tuple[int, ...]] | None = None
-        for owners in _candidates(items, policy):
-            layout = plan_group(
-                _laid_out(items, owners), world_size, name=name, alignment_bytes=alignment_bytes, _memo=memo
-            )
-            cost = modeled_cost_bytes(layout, [items[i] for i in owners], memo)
-            if best is None or cost < best[0]:
-                best = (cost, owners)
-        assert best is not None
-        chosen = memo[key] = best
-    cost, owners = chosen
-    layout = plan_group(_laid_out(items, owners), world_size, name=name, alignment_bytes=alignment_bytes, _memo=memo)
+    if chosen is not None:  # an identical group chose already
+        cost, owners = chosen
+        layout = plan_group(
+            _laid_out(items, owners), world_size, name=name, alignment_bytes=alignment_bytes, _memo=memo
+        )
+        return layout, frozenset(items[i].name for i in owners), cost
+    best: tuple[float, tuple[int, ...], GroupLayout] | None = None
+    for owners in _candidates(items, policy):
+        layout = plan_group(
+            _laid_out(items, owners), world_size, name=name, alignment_bytes=alignment_bytes, _memo=memo
+        )
+        cost = modeled_cost_bytes(layout, [items[i] for i in owners], memo)
+        if best is None or cost < best[0]:
+            best = (cost, owners, layout)
+    assert best is not None
+    cost, owners, layout = best
+    memo[key] = (cost, owners)
     return layout, frozenset(items[i].name for i in owners), cost
 
 

@@ -135,11 +135,13 @@ def _returned_semantics(rule: Callable, out: object, spec: TensorSpec) -> BlockS
 
 def _grids_of(sem: BlockSemantics, spec: TensorSpec, experts: bool) -> tuple[UnitGrid, UnitGrid]:
     """``sem``'s compute and placement grids of ``spec`` (per expert on a stacked expert tensor)."""
+    own_placement = type(sem).placement_grid is not BlockSemantics.placement_grid
     if experts and sem.per_expert:
         one = TensorSpec(name=spec.name, shape=spec.shape[1:], dtype=spec.dtype, module_type=spec.module_type)
-        g, p = _grid_of(sem, one, "grid"), _grid_of(sem, one, "placement_grid")
-        return repeat_grid(g, spec.shape[0]), repeat_grid(p, spec.shape[0])
-    return _grid_of(sem, spec, "grid"), _grid_of(sem, spec, "placement_grid")
+        g = repeat_grid(_grid_of(sem, one, "grid"), spec.shape[0])
+        return g, repeat_grid(_grid_of(sem, one, "placement_grid"), spec.shape[0]) if own_placement else g
+    g = _grid_of(sem, spec, "grid")
+    return g, _grid_of(sem, spec, "placement_grid") if own_placement else g
 
 
 def _grid_of(sem: BlockSemantics, spec: TensorSpec, method: str = "grid") -> UnitGrid:
@@ -277,17 +279,24 @@ class SemanticsRules:
                 )
             by_kind.setdefault(s.kind, s)
         experts = is_stacked_experts(spec, sems)
-        grid = placement = UnitGrid.units(spec.numel, 1)
+        grid = UnitGrid.units(spec.numel, 1)
+        placements: list[UnitGrid] = []
         coarse: list[tuple[BlockSemantics, UnitGrid]] = []
         companions: list[Companion] = []
         for s in sems:
             g, p = _grids_of(s, spec, experts)
-            grid, placement = grid.combine(g), placement.combine(p)
-            if g != p:
+            grid = grid.combine(g)
+            placements.append(p)
+            if p is not g and g != p:
                 _check_nested(spec, coarse, s, g)
                 coarse.append((s, g))
             companions.extend(s.companions(spec.shape, spec.dtype))
-        grid = grid.combine(placement)  # a compute unit holds whole placement units
+        placement = grid  # every semantics' units coincide: one grid
+        if coarse:
+            placement = UnitGrid.units(spec.numel, 1)
+            for p in placements:
+                placement = placement.combine(p)
+            grid = grid.combine(placement)  # a compute unit holds whole placement units
         costly = by_kind.get(SemanticsKind.OPTIMIZER)
         if costly is None:
             cost = float(spec.numel)
