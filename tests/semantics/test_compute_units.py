@@ -163,3 +163,11 @@ def test_compute_units_that_do_not_nest_raise_naming_both():
     msg = str(info.value)
     assert "'l.w'" in msg and "'rows:3'" in msg and "'rows:2'" in msg and "Fix:" in msg
     assert isinstance(info.value, SemanticsError) and isinstance(info.value, ValueError)
+
+
+def test_muon_leaves_stacked_expert_biases_elementwise():
+    rules = SemanticsRules.coerce("muon")
+    bias = TensorSpec(name="model.layers.0.mlp.experts.gate_up_proj_bias", shape=(4, 10), module_type="GptOssExperts")
+    assert rules.resolve(bias).grid == FINE(40, 1) and rules.resolve(bias).label == "elementwise"
+    up = TensorSpec(name="model.layers.0.mlp.experts.gate_up_proj", shape=(4, 6, 10), module_type="GptOssExperts")
+    assert rules.resolve(up).grid == FINE(240, 60)
