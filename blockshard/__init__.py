@@ -4,7 +4,7 @@
 process group (the pure layers do not even import torch).
 """
 
-from blockshard._errors import BlockshardError, PlanError, SemanticsError, ShapesError, WorldSizeError
+from blockshard._errors import BlockshardError, ComputeUnitError, PlanError, SemanticsError, ShapesError, WorldSizeError
 from blockshard.semantics import (
     BlockSemantics,
     Companion,
@@ -34,6 +34,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "BlockshardError",
+    "ComputeUnitError",
     "PlanError",
     "SemanticsError",
     "ShapesError",

@@ -26,6 +26,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "or rules '[GLOB=]NAME,...' (default: elementwise)",
     )
     p.add_argument("--alignment-bytes", type=int, default=16, help="segment alignment in bytes (default 16)")
+    p.add_argument(
+        "--policy",
+        default="auto",
+        help="placement of compute units coarser than their placement units (Muon matrices, Shampoo stripes, "
+        "experts): auto (default: per tensor, by bytes moved), whole (on one rank: what fully_shard builds "
+        "today) or owner (storage cut finely, each cut unit computed at an owner rank)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,10 +67,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_args(args: argparse.Namespace) -> None:
     """The arguments that need no model, checked before any reading or planning."""
+    from blockshard.planner._policy import check_policy
     from blockshard.planner._units import check_alignment_bytes, check_world_size
 
     check_world_size(args.world_size, "--world-size")
     check_alignment_bytes(args.alignment_bytes, "--alignment-bytes")
+    check_policy(args.policy, "--policy")
 
 
 def _load(args: argparse.Namespace):
@@ -89,6 +98,7 @@ def _load(args: argparse.Namespace):
             semantics=args.semantics,
             alignment_bytes=args.alignment_bytes,
             progress=progress,
+            policy=args.policy,
         )
 
 
@@ -97,7 +107,7 @@ def _source(args: argparse.Namespace) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from blockshard._render import comparison_table, console, plot_rank_loads
+    from blockshard._render import comparison_table, compute_table, console, plot_rank_loads, policy_table
     from blockshard.planner import compare
 
     _check_args(args)
@@ -108,18 +118,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan = _load(args)
     with console(stderr=True).status(f"comparing with FSDP2 and ZeRO on {args.world_size:,} ranks ..."):
         cmp = compare(plan)
-    title = f"{_source(args)} · W = {args.world_size} · semantics {args.semantics}"
+    title = f"{_source(args)} · W = {args.world_size} · semantics {args.semantics} · policy {args.policy}"
     if args.plot:
         plot_rank_loads(cmp, args.plot, title)
     if args.json:
         data = cmp.to_json()
-        data.update(model=_source(args), semantics=args.semantics)
+        data.update(model=_source(args), semantics=args.semantics, policy=args.policy)
         if args.layouts:
             data["layouts"] = [g.to_json() for g in cmp.plan.groups]
         json.dump(data, sys.stdout, indent=2)
         print()
     else:
         console().print(comparison_table(cmp, title))
+        console().print(compute_table(cmp))
+        if cmp.plan.policy_by_tensor_kind():
+            console().print(policy_table(cmp.plan))
         if args.plot:
             console().print(f"per-rank loads drawn to {args.plot}")
     return 0

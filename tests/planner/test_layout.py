@@ -179,7 +179,7 @@ def test_identical_groups_get_identical_layouts_and_plan_fast():
     for i in range(50):
         for name, shape in (("q", (64, 48)), ("up", (96, 48)), ("norm", (48,))):
             specs.append(TensorSpec(name=f"layers.{i}.{name}", shape=shape, group=f"layers.{i}"))
-    plan = plan_model(specs, 7, semantics="muon")
+    plan = plan_model(specs, 7, semantics="muon", policy="whole")  # whole matrices: rotated
     assert len({g.buckets for g in plan.groups}) == 1 and len(plan.groups) == 50
     for g in plan.groups:
         g.check()
@@ -243,7 +243,7 @@ def test_rotation_balances_whole_matrix_work_across_groups():
         for i in range(16)
         for n, s in (("up", (64, 32)), ("down", (32, 64)), ("q", (32, 32)), ("norm", (32,)))
     ]
-    plan = plan_model(specs, 8, semantics="muon")
+    plan = plan_model(specs, 8, semantics="muon", policy="whole")
     costs = {it.name: it.cost for it in plan.items}
     unrotated = sum(
         rank_costs(plan_group([it for it in plan.items if it.spec.group == g.name], 8), costs) for g in plan.groups
