@@ -150,6 +150,26 @@ class PieceTensor(torch.Tensor):
             f"boxes={[(b.offsets, b.sizes) for b in self._boxes]})"
         )
 
+    # Writers of whole tensors (safetensors, HF ``save_pretrained``) read storages: refuse by name.
+    def untyped_storage(self):
+        raise PieceTensorError(self._needs_whole("its storage"))
+
+    def storage(self):
+        raise PieceTensorError(self._needs_whole("its storage"))
+
+    def data_ptr(self) -> int:
+        raise PieceTensorError(self._needs_whole("its data pointer"))
+
+    def _needs_whole(self, what: str) -> str:
+        return (
+            f"{what} was asked of the state-dict entry {self._name or 'of a sharded parameter'} (global shape "
+            f"{tuple(self.shape)}), a blockshard PieceTensor that holds only this rank's piece "
+            f"[{self._start}, {self._start + self._local.numel()}): writing it would save one rank's piece as the "
+            "whole tensor. Fix: export full tensors with blockshard.full_state_dict(model) (collective: every rank "
+            "calls it), e.g. model.save_pretrained(path, state_dict=blockshard.full_state_dict(model), "
+            "is_main_process=rank == 0); or checkpoint with torch.distributed.checkpoint (dcp.save(model.state_dict()))"
+        )
+
     def __reduce_ex__(self, protocol):
         return (PieceTensor, (self._local, self._start, tuple(self.shape), self._name))
 
