@@ -113,10 +113,10 @@ class PieceTensor(torch.Tensor):
         self._boxes = tuple(flat_run_boxes(tuple(shape), self._start, local.numel()))
         return self
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         x = args[0]
         if func in (aten.detach.default, aten.alias.default):
@@ -143,7 +143,7 @@ class PieceTensor(torch.Tensor):
     def boxes(self) -> tuple[Box, ...]:
         return self._boxes
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         end = self._start + self._local.numel()
         return (
             f"PieceTensor(shape={tuple(self.shape)}, dtype={self.dtype}, piece=[{self._start}, {end}), "
@@ -169,6 +169,11 @@ class PieceTensor(torch.Tensor):
             "calls it), e.g. model.save_pretrained(path, state_dict=blockshard.full_state_dict(model), "
             "is_main_process=rank == 0); or checkpoint with torch.distributed.checkpoint (dcp.save(model.state_dict()))"
         )
+
+    def __deepcopy__(self, memo: dict) -> PieceTensor:
+        if id(self) not in memo:
+            memo[id(self)] = PieceTensor(self._local.clone(), self._start, tuple(self.shape), self._name)
+        return memo[id(self)]
 
     def __reduce_ex__(self, protocol):
         return (PieceTensor, (self._local, self._start, tuple(self.shape), self._name))
