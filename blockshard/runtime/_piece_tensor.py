@@ -110,7 +110,10 @@ class PieceTensor(torch.Tensor):
         local = local.detach().reshape(-1)
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
         self._local, self._start, self._name = local, int(start), name
-        self._boxes = tuple(flat_run_boxes(tuple(shape), self._start, local.numel()))
+        if math.prod(shape) == 0:  # every rank names the empty tensor (DCP keeps one), so it is saved
+            self._boxes = (Box(tuple(0 for _ in shape), tuple(shape), 0),)
+        else:
+            self._boxes = tuple(flat_run_boxes(tuple(shape), self._start, local.numel()))
         return self
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]

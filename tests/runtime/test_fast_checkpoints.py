@@ -67,6 +67,12 @@ def test_piece_tensor_keeps_its_piece_through_what_state_dict_tools_do():
     assert "piece=[3, 8)" in repr(p)
 
 
+def test_an_empty_tensor_is_one_empty_box_on_every_rank():
+    # every rank writes the same empty box (DCP keeps one), so the name is in the checkpoint
+    boxes = PieceTensor(torch.empty(0), 0, (0, 3)).__create_chunk_list__()
+    assert [(tuple(c.offsets), tuple(c.sizes)) for c in boxes] == [((0, 0), (0, 3))]
+
+
 @pytest.mark.parametrize(
     "op", [lambda p: p + 1, lambda p: p.sum(), lambda p: p.untyped_storage(), lambda p: p.data_ptr()]
 )
@@ -142,6 +148,19 @@ def test_load_state_dict_takes_full_tensors_and_refuses_wrong_ones():
         other = PieceTensor(torch.zeros(5), 2, (37, 13))
         with pytest.raises(ShardingError, match=r"holds piece \[2, 7\) of it, this rank holds \[0, 481\)"):
             model.load_state_dict(dict(full, **{"blocks.0.0.weight": other}))
+
+
+def test_set_model_state_dict_with_full_tensors_loads_and_get_model_state_dict_keeps_pieces():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    with _inproc.single_thread():
+        model = _sharded(1)
+        full = OddMLP(0).state_dict()
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+        assert all(torch.equal(blockshard.full_state_dict(model)[k], v) for k, v in full.items())
+        # DCP's full_state_dict=True gathers DTensors only: entries stay pieces (documented)
+        got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        assert {type(v) for v in got.values()} == {PieceTensor}
 
 
 # -- tied names, save_pretrained -----------------------------------------------------------------
