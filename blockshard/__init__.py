@@ -30,6 +30,8 @@ _RUNTIME = (
     "group_layouts",
     "save_checkpoint",
     "load_checkpoint",
+    "optimizer_state_dict",
+    "load_optimizer_state_dict",
 )
 
 

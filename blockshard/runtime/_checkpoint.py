@@ -33,26 +33,60 @@ class CheckpointError(BlockshardError):
     """A checkpoint that is incomplete or does not fit the model it is loaded into."""
 
 
-def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike) -> None:
-    """``dcp.save(model.state_dict(), checkpoint_id=...)`` (collective: call on every rank)."""
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """``model.state_dict()``, or ``{"model": ..., "optimizer": ...}`` with an optimizer."""
+    if optimizer is None:
+        return model.state_dict()
+    from blockshard.runtime._optim_state import optimizer_state_dict
+
+    return {"model": model.state_dict(), "optimizer": optimizer_state_dict(model, optimizer)}
+
+
+def save_checkpoint(
+    model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """``dcp.save(model.state_dict(), checkpoint_id=...)`` (collective: call on every rank); with
+    ``optimizer``, ``{"model": ..., "optimizer": blockshard.optimizer_state_dict(model, optimizer)}``."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(model.state_dict(), checkpoint_id=checkpoint_id)
+    dcp.save(_state(model, optimizer), checkpoint_id=checkpoint_id)
 
 
-def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike) -> None:
-    """Load a DCP checkpoint saved from this model at any world size or semantics (collective).
+def load_checkpoint(
+    model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Load a checkpoint of :func:`save_checkpoint` at any world size or semantics (collective).
 
-    Checks the checkpoint against ``model.state_dict()`` first (:class:`CheckpointError` on every
-    rank), then ``dcp.load`` reads each rank's boxes straight into its pieces, and
+    Checks the checkpoint against the model (and optimizer) first (:class:`CheckpointError` on
+    every rank), then ``dcp.load`` reads each rank's boxes straight into its pieces, and
     ``model.load_state_dict`` finishes (buffers, non-tensor entries, a resharded group).
     """
     import torch.distributed.checkpoint as dcp
 
-    state = model.state_dict()
+    state = _state(model, optimizer)
     check_checkpoint(state, checkpoint_id)
     dcp.load(state, checkpoint_id=checkpoint_id)
-    model.load_state_dict(state)
+    if optimizer is None:
+        model.load_state_dict(state)
+        return
+    from blockshard.runtime._optim_state import load_optimizer_state_dict
+
+    model.load_state_dict(state["model"])
+    load_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _flatten(state: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts and lists flattened with DCP's dotted names (``optimizer.state.w.exp_avg``)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out |= _flatten(value, f"{name}.")
+        elif isinstance(value, list) and any(isinstance(v, (Mapping, list, torch.Tensor)) for v in value):
+            out |= _flatten({str(i): v for i, v in enumerate(value)}, f"{name}.")
+        else:
+            out[name] = value
+    return out
 
 
 def _read_metadata(path: str) -> Any:
@@ -98,6 +132,7 @@ def check_checkpoint(state: Mapping[str, object], checkpoint_id: str | os.PathLi
     path = os.fspath(checkpoint_id)
     md = _read_metadata(path)
     saved = md.state_dict_metadata
+    state = _flatten(state)
     missing = sorted(repr(k) for k in state if k not in saved)
     unexpected = sorted(repr(k) for k in saved if k not in state)
     shapes = []

@@ -2,9 +2,9 @@
 another, continue training. Every function takes ``(rank, world, ...)``; ``world == 1`` without a
 process group (``run_single``) is the one-process reference. Every rank sees the whole batch.
 
-The optimizer is plain SGD (no momentum): it has no state, so a run resumed from the model's
-checkpoint alone must continue exactly as the uninterrupted run (resharding optimizer state is
-not part of this checkpoint).
+The optimizer is AdamW; its state is checkpointed by parameter name with global shapes
+(``blockshard.optimizer_state_dict``), so a resumed run must continue exactly as the uninterrupted
+one. The control resumes the model alone with a fresh AdamW.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 
 import blockshard
 from blockshard._tiny import OddMLP, mlp_batches
-from blockshard.runtime import PieceTensor, load_checkpoint
+from blockshard.runtime import PieceTensor, load_checkpoint, load_optimizer_state_dict, optimizer_state_dict
 from blockshard.runtime._state import state_of
 
 LR = 0.05
@@ -35,8 +35,15 @@ def _model(seed: int, sharded: bool, semantics: object = None, reshard_after_for
     return model
 
 
-def _train(model: nn.Module, batches: list) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    return {"model": model.state_dict(), "optimizer": optimizer_state_dict(model, opt)}
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list) -> None:
     for x, y in batches:
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -58,9 +65,10 @@ def _entries(model: nn.Module) -> dict[str, tuple]:
 def uninterrupted(rank: int, world: int) -> dict:
     """One process, no sharding: the state after steps 1-2 and after steps 1-4."""
     model = _model(0, sharded=False)
-    _train(model, BATCHES[:2])
+    opt = _adamw(model)
+    _train(model, opt, BATCHES[:2])
     mid = {k: v.clone() for k, v in model.state_dict().items()}
-    _train(model, BATCHES[2:])
+    _train(model, opt, BATCHES[2:])
     return {"mid": mid, "final": model.state_dict(), "shapes": {k: tuple(v.shape) for k, v in mid.items()}}
 
 
@@ -69,35 +77,46 @@ def save(rank: int, world: int, path: str) -> dict:
     (``reshard_after_forward=False``, the forward of a step whose backward has not run), finish
     that step without an optimizer step, then train 2 more steps."""
     model = _model(0, sharded=True, reshard_after_forward=False)
-    _train(model, BATCHES[:2])
+    opt = _adamw(model)
+    _train(model, opt, BATCHES[:2])
     before = _entries(model)
     out = model(BATCHES[0][0])  # the blocks stay gathered until the backward
     gathered = [state_of(m).group.sharded_state.name for m in model.blocks]
     after = _entries(model)
-    dcp.save(model.state_dict(), checkpoint_id=path)
+    dcp.save(_state(model, opt), checkpoint_id=path)
     out.sum().backward()
     model.zero_grad()
     mid = _full(model)
     # what model.state_dict() returned before checkpoints spoke DCP: local pieces under full names
     pieces = {k: v.to_local().clone() for k, v in model.state_dict().items()}
-    _train(model, BATCHES[2:])
+    _train(model, opt, BATCHES[2:])
     return {"before": before, "after": after, "gathered": gathered, "mid": mid, "pieces": pieces, "final": _full(model)}
 
 
-def load(rank: int, world: int, path: str, semantics: object = None, gathered_first: bool = False) -> dict:
+def load(
+    rank: int, world: int, path: str, semantics: object = None, gathered_first: bool = False, model_only: bool = False
+) -> dict:
     """A model of other weights (seed 1), sharded at this world size and ``semantics``: load the
-    checkpoint through ``dcp.load`` + ``load_state_dict``, then train steps 3-4."""
+    checkpoint through ``dcp.load`` + ``load_state_dict`` (``model_only``: keep a fresh AdamW),
+    then train steps 3-4."""
     model = _model(1, sharded=True, semantics=semantics, reshard_after_forward=not gathered_first)
+    opt = _adamw(model)
     fresh = _full(model)
     if gathered_first:  # the blocks hold gathered copies that loading must not leave stale
         out = model(BATCHES[0][0])
         assert state_of(model.blocks[0]).group.sharded_state.name == "UNSHARDED"
         del out  # a step abandoned after its forward
-    state = model.state_dict()
-    dcp.load(state, checkpoint_id=path)
-    model.load_state_dict(state)
+    if model_only:
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+    else:
+        state = _state(model, opt)
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        load_optimizer_state_dict(model, opt, state["optimizer"])
     loaded = _full(model)
-    _train(model, BATCHES[2:])
+    _train(model, opt, BATCHES[2:])
     return {"fresh": fresh, "loaded": loaded, "final": _full(model)}
 
 
@@ -108,10 +127,14 @@ def load_variants(rank: int, world: int, path: str, pieces_at_w4: dict) -> dict:
         "plain": load(rank, world, path),
         "muon": load(rank, world, path, semantics="muon"),
         "gathered": load(rank, world, path, gathered_first=True),
+        "model_only": load(rank, world, path, model_only=True),
     }
     model = _model(1, sharded=True, semantics="bnb8bit")
-    load_checkpoint(model, path)
+    opt = _adamw(model)
+    load_checkpoint(model, path, opt)
     out["load_checkpoint"] = _full(model)
+    _train(model, opt, BATCHES[2:])
+    out["load_checkpoint_final"] = _full(model)
     out["errors"] = _bad_cases(rank, path, pieces_at_w4)
     return out
 
@@ -135,14 +158,14 @@ def _bad_cases(rank: int, path: str, pieces_at_w4: dict) -> dict[str, str]:
     changed = OddMLP(1)
     changed.blocks[2][0] = nn.Linear(29, 5)
     blockshard.fully_shard(changed)
-    errors["changed_shapes"] = _error(lambda: load_checkpoint(changed, path))
-    errors["changed_shapes_dcp"] = _error(lambda: dcp.load(changed.state_dict(), checkpoint_id=path))
+    errors["changed_shapes"] = _error(lambda: load_checkpoint(changed, path, _adamw(changed)))
+    errors["changed_shapes_dcp"] = _error(lambda: dcp.load({"model": changed.state_dict()}, checkpoint_id=path))
     broken = f"{path}-broken"
     if rank == 0:
         shutil.copytree(path, broken)
         os.remove(os.path.join(broken, "__1_0.distcp"))
     dist.barrier()
-    errors["missing_shard"] = _error(lambda: load_checkpoint(model, broken))
+    errors["missing_shard"] = _error(lambda: load_checkpoint(model, broken, _adamw(model)))
     dist.barrier()
     if rank == 0:
         os.remove(os.path.join(broken, ".metadata"))

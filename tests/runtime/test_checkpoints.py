@@ -1,12 +1,13 @@
 """DCP checkpoints of the ragged engine on spawned gloo ranks: ``dcp.save(model.state_dict())`` at
-W = 4, loaded at W = 1, 2, 3 and with other semantics, training continued (plain SGD, every rank
-the whole batch; see _checkpoint_runs.py).
+W = 4 with the AdamW state (``blockshard.optimizer_state_dict``), loaded at W = 1, 2, 3 and with
+other semantics, training continued (every rank the whole batch; see _checkpoint_runs.py).
 
 Tolerances: a load is a copy, so loaded parameters equal the saved ones bitwise at every W. The
 continued run equals the uninterrupted one-process run bitwise at W in {1, 2, 4} (the average of
 identical gradients is exact there, docs/design.md "Sharding invariance"); at W = 3 it is not
-exact, so within 1e-6 after 2 SGD steps. Controls: the fresh model differs from the checkpoint;
-the old per-rank pieces under full names do not load; bad checkpoints raise on every rank.
+exact, so within 1e-6 after 2 AdamW steps. Controls: the fresh model differs from the checkpoint;
+resuming the model without the optimizer state misses the uninterrupted run; the old per-rank
+pieces under full names do not load; bad checkpoints raise on every rank.
 """
 
 from __future__ import annotations
@@ -98,6 +99,13 @@ def test_loads_into_other_semantics_and_into_gathered_blocks(variant):
         assert not _diff(r[variant]["loaded"], saved()[0]["mid"])
         assert not _diff(r[variant]["final"], reference()["final"])
         assert not _diff(r["load_checkpoint"], saved()[0]["mid"])  # blockshard.load_checkpoint, bnb8bit units
+        assert not _diff(r["load_checkpoint_final"], reference()["final"])
+
+
+def test_resuming_without_the_optimizer_state_misses_the_uninterrupted_run():
+    for r in loaded(2):  # the control: the optimizer state matters
+        assert not _diff(r["model_only"]["loaded"], saved()[0]["mid"])
+        assert max(_diff(r["model_only"]["final"], reference()["final"]).values()) > 1e-4
 
 
 def test_old_per_rank_pieces_under_full_names_do_not_load():
@@ -110,7 +118,7 @@ def test_old_per_rank_pieces_under_full_names_do_not_load():
     ("case", "text"),
     [
         ("other_model", "missing from the checkpoint: '0.bias', '0.weight'"),
-        ("changed_shapes", "shapes differ: 'blocks.2.0.weight': saved (7, 29), model (5, 29)"),
+        ("changed_shapes", "shapes differ: 'model.blocks.2.0.weight': saved (7, 29), model (5, 29)"),
         ("missing_shard", "shard file '__1_0.distcp' is missing"),
         ("unfinished", "has no .metadata file: the save did not finish"),
     ],

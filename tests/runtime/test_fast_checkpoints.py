@@ -163,6 +163,31 @@ def test_set_model_state_dict_with_full_tensors_loads_and_get_model_state_dict_k
         assert {type(v) for v in got.values()} == {PieceTensor}
 
 
+class _PerBlockState(torch.optim.Optimizer):
+    """Keeps a state tensor that is not piece-shaped (as bitsandbytes' absmax per 256-block)."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("absmax", torch.zeros(2))
+
+
+def test_optimizer_state_that_is_not_piece_shaped_raises_naming_the_key():
+    with _inproc.single_thread():
+        model = _sharded(0)
+        with pytest.raises(
+            blockshard.runtime.CheckpointError, match=r"state 'absmax' of parameter 'blocks.0.0.weight'"
+        ):
+            blockshard.optimizer_state_dict(model, _PerBlockState(model.parameters()))
+        state = blockshard.optimizer_state_dict(model, torch.optim.AdamW(model.parameters()))
+        entry = state["state"]["blocks.0.0.weight"]
+        assert isinstance(entry["exp_avg"], PieceTensor) and entry["exp_avg"].shape == (37, 13)
+        assert type(entry["step"]) is torch.Tensor and state["param_groups"][0]["params"][0] == "blocks.0.0.weight"
+
+
 # -- tied names, save_pretrained -----------------------------------------------------------------
 def _tiny_llama(tie: bool) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
