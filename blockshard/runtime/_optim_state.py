@@ -61,22 +61,26 @@ def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create missing state with one step of zero gradients at learning rate 0 (as torch's
-    ``set_optimizer_state_dict`` does), so a fresh optimizer has tensors to load into."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if all(optimizer.state.get(p) for p in params):
+    """Create the state of trainable parameters that have none yet (a fresh optimizer, or a
+    parameter that never had a gradient) with one step at learning rate 0 that sees a zero
+    gradient for those parameters only (the others' gradients are hidden, so their state is not
+    touched), as torch's ``set_optimizer_state_dict`` does; a fresh optimizer then has tensors
+    for ``dcp.load`` to fill. The parameters do not change (an update scaled by 0)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    missing = {id(p) for p in params if p.requires_grad and not optimizer.state.get(p)}
+    if not missing:
         return
+    grads = [p.grad for p in params]
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
-    missing = [p for p in params if p.grad is None]
-    for p in missing:
-        p.grad = torch.zeros_like(p)
+    for p in params:
+        p.grad = torch.zeros_like(p) if id(p) in missing else None
     try:
         optimizer.step()
     finally:
-        for p in missing:
-            p.grad = None
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
         for g, lr in zip(optimizer.param_groups, lrs, strict=True):
             g["lr"] = lr
 

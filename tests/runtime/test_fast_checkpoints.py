@@ -188,6 +188,25 @@ def test_optimizer_state_that_is_not_piece_shaped_raises_naming_the_key():
         assert type(entry["step"]) is torch.Tensor and state["param_groups"][0]["params"][0] == "blocks.0.0.weight"
 
 
+def test_creating_missing_optimizer_state_leaves_existing_state_and_parameters_alone():
+    with _inproc.single_thread():
+        model = _sharded(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        x, _ = mlp_batches(1, 4)[0]
+        model(x).sum().backward()
+        for p in model.blocks[1:].parameters():
+            p.grad = None  # these get no state in this step
+        opt.step()
+        first = model.blocks[0][0].weight
+        before = {k: v.clone() for k, v in opt.state[first].items()}
+        params = [p.detach().clone() for p in model.parameters()]
+        state = blockshard.optimizer_state_dict(model, opt)
+        assert set(state["state"]) == {n for n, _ in model.named_parameters()}  # created for every parameter
+        assert all(torch.equal(opt.state[first][k], v) for k, v in before.items())  # step stays 1
+        assert all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
+        assert first.grad is not None and model.blocks[1][0].weight.grad is None  # gradients as they were
+
+
 # -- tied names, save_pretrained -----------------------------------------------------------------
 def _tiny_llama(tie: bool) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
