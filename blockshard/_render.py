@@ -151,6 +151,23 @@ def layout_table(layout: GroupLayout, rank: int | None = None) -> Table:
     return table
 
 
+def checkpoint_table(info: dict) -> Table:
+    """What ``describe_checkpoint`` found in a DCP checkpoint directory."""
+    status = "complete" if info["complete"] else "INCOMPLETE: " + "; ".join(info["problems"])
+    title = (
+        f"checkpoint {info['path']}: {len(info['tensors'])} tensors, {info['tensor_bytes']:,} bytes of tensors "
+        f"({info['file_bytes']:,} on disk), written by {info['ranks_that_wrote']} ranks, {status}"
+    )
+    table = Table(title=title, title_justify="left", header_style="bold")
+    for col in ("tensor", "global shape", "dtype", "bytes", "chunks"):
+        table.add_column(col, justify="left" if col in ("tensor", "dtype") else "right")
+    for t in info["tensors"]:
+        table.add_row(t["name"], str(tuple(t["shape"])), t["dtype"], f"{t['bytes']:,}", str(t["chunks"]))
+    if info["objects"]:
+        table.caption = f"other entries (pickled): {', '.join(info['objects'])}"
+    return table
+
+
 def _pyplot():
     try:
         import matplotlib

@@ -12,8 +12,8 @@ from blockshard._errors import BlockshardError
 __all__ = ["main"]
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
+def _add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--model", help="a catalog model (see `blockshard plan --list-models`)")
     src.add_argument("--config", help="a Hugging Face config.json (no weights needed)")
     src.add_argument("--shapes", help='a JSON tensor list {"tensors": [{"name", "shape", "dtype", "group"}]}')
@@ -43,8 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.add_argument("--plot", metavar="FILE.png", help="draw per-rank loads to this file")
     plan.add_argument("--layouts", action="store_true", help="with --json: include every group's layout")
-    inspect = sub.add_parser("inspect", help="show one group's layout, or what one rank holds")
-    _add_model_args(inspect)
+    inspect = sub.add_parser(
+        "inspect", help="show one group's layout, what one rank holds, or what a DCP checkpoint directory holds"
+    )
+    inspect.add_argument(
+        "checkpoint", nargs="?", help="a checkpoint directory written by dcp.save(model.state_dict(), ...)"
+    )
+    _add_model_args(inspect, required=False)
     inspect.add_argument("--group", help="group name (default: the first group that is not the root)")
     inspect.add_argument("--rank", type=int, help="show the pieces this rank holds")
     inspect.add_argument("--json", action="store_true", help="print the layout as JSON")
@@ -141,6 +146,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from blockshard._render import console, layout_table
 
+    has_model = bool(args.model or args.config or args.shapes)
+    if args.checkpoint is not None and not has_model:
+        return _cmd_inspect_checkpoint(args)
+    if args.checkpoint is not None or not has_model:
+        raise BlockshardError(
+            "inspect takes either a checkpoint directory (blockshard inspect DIR) or a model (--model, "
+            "--config or --shapes), not both and not neither"
+        )
     _check_args(args)
     if args.rank is not None and not 0 <= args.rank < args.world_size:
         raise BlockshardError(
@@ -158,6 +171,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     else:
         console().print(layout_table(layout, args.rank))
     return 0
+
+
+def _cmd_inspect_checkpoint(args: argparse.Namespace) -> int:
+    from blockshard._render import checkpoint_table, console
+    from blockshard.runtime import describe_checkpoint
+
+    info = describe_checkpoint(args.checkpoint)
+    if args.json:
+        json.dump(info, sys.stdout, indent=2)
+        print()
+    else:
+        console().print(checkpoint_table(info))
+    return 0 if info["complete"] else 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
