@@ -69,7 +69,7 @@ def rotate(layout: GroupLayout, k: int) -> GroupLayout:
         dataclasses.replace(t, offset=(t.offset + k * layout.buckets[t.bucket]) % (W * layout.buckets[t.bucket]))
         for t in layout.tensors
     ]
-    moved.sort(key=lambda t: (t.bucket, t.offset))
+    moved.sort(key=lambda t: (t.bucket, t.offset, t.end))  # an empty tensor before one at its offset
     return dataclasses.replace(layout, tensors=tuple(moved))
 
 

@@ -74,7 +74,7 @@ def tensor_shifts(layout: GroupLayout, memo: dict | None = None) -> list[GroupLa
 
 def _with_offsets(layout: GroupLayout, offsets: tuple[int, ...]) -> GroupLayout:
     moved = [dataclasses.replace(t, offset=o) for t, o in zip(layout.tensors, offsets, strict=True)]
-    moved.sort(key=lambda t: (t.bucket, t.offset))
+    moved.sort(key=lambda t: (t.bucket, t.offset, t.end))  # an empty tensor before one at its offset
     return dataclasses.replace(layout, tensors=tuple(moved))
 
 

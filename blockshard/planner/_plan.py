@@ -72,7 +72,7 @@ def plan_group(
             f"{MAX_PADDED_NUMEL:,} (2**60) elements in all; check the tensor shapes, or lower the world "
             "size or alignment_bytes"
         )
-    order = sorted(range(len(items)), key=lambda i: (bucket_of[i], offsets[i]))
+    order = sorted(range(len(items)), key=lambda i: (bucket_of[i], offsets[i], offsets[i] + items[i].grid.numel))
     placements = tuple(
         TensorPlacement(items[i].name, items[i].spec.shape, offsets[i], items[i].grid, items[i].label, bucket_of[i])
         for i in order

@@ -251,3 +251,32 @@ def test_rotation_balances_whole_matrix_work_across_groups():
     assert unrotated.max() / unrotated.mean() > 2  # the same ranks would own every block's matrices
     assert plan.max_cost_over_mean < unrotated.max() / unrotated.mean() / 1.5
     assert plan.to_json()["max_cost_over_mean"] == plan.max_cost_over_mean
+
+
+def _plan_shapes(shapes, W, semantics):
+    import torch
+
+    from blockshard.planner import resolve_items
+
+    specs = [TensorSpec(name=f"t{i}", shape=s, dtype=torch.float32, module_type="Linear") for i, s in enumerate(shapes)]
+    return plan_group(resolve_items(specs, semantics), W, name="g")
+
+
+def test_a_tensor_without_elements_never_hides_the_tensor_before_it():
+    """Regression: a (0, 3) tensor packed at offset 0 after a (3, 4) one made the per-rank search
+    skip the (3, 4) tensor: no rank held it, and its values were lost."""
+    layout = _plan_shapes([(3, 4), (3,), (0, 3)], 2, None)
+    assert sum(p.numel for r in range(2) for p in layout.pieces(r)) == 15
+    _assert_exact_coverage(layout)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 6), st.integers(1, 5)), min_size=1, max_size=8),
+    st.integers(1, 9),
+    st.sampled_from([None, "matrix", "rows:2"]),
+)
+def test_tensors_without_elements_keep_exact_coverage(shapes, W, semantics):
+    layout = _plan_shapes(shapes, W, semantics)
+    layout.check()
+    _assert_exact_coverage(layout)
