@@ -4,7 +4,7 @@
 process group (the pure layers do not even import torch).
 """
 
-from blockshard._errors import BlockshardError, PlanError, SemanticsError, ShapesError, WorldSizeError
+from blockshard._errors import BlockshardError, ComputeUnitError, PlanError, SemanticsError, ShapesError, WorldSizeError
 from blockshard.semantics import (
     BlockSemantics,
     Companion,
@@ -21,7 +21,18 @@ from blockshard.semantics import (
 __version__ = "0.1.0.dev0"
 
 # The engine imports torch; it loads on first use so that `import blockshard` stays light.
-_RUNTIME = ("fully_shard", "clip_grad_norm_", "full_state_dict", "sharded_state_dict", "is_sharded", "group_layouts")
+_RUNTIME = (
+    "fully_shard",
+    "clip_grad_norm_",
+    "full_state_dict",
+    "sharded_state_dict",
+    "is_sharded",
+    "group_layouts",
+    "save_checkpoint",
+    "load_checkpoint",
+    "optimizer_state_dict",
+    "load_optimizer_state_dict",
+)
 
 
 def __getattr__(name: str):
@@ -34,6 +45,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "BlockshardError",
+    "ComputeUnitError",
     "PlanError",
     "SemanticsError",
     "ShapesError",

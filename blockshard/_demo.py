@@ -137,7 +137,7 @@ def _plan(world_size: int, semantics: str):
 
     config = {"model_type": "llama", "tie_word_embeddings": False, **MODEL}
     specs = [replace(s, dtype="float32") for s in tensors_from_hf_config(config)]
-    return plan_model(specs, world_size, semantics=semantics)
+    return plan_model(specs, world_size, semantics=semantics, policy="whole")  # what fully_shard builds today
 
 
 def _planned_shapes(plan) -> list[dict[str, tuple[int, ...]]]:

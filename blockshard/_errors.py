@@ -7,7 +7,7 @@ Internal invariants use ``assert``.
 
 from __future__ import annotations
 
-__all__ = ["BlockshardError", "PlanError", "SemanticsError", "ShapesError", "WorldSizeError"]
+__all__ = ["BlockshardError", "ComputeUnitError", "PlanError", "SemanticsError", "ShapesError", "WorldSizeError"]
 
 
 class BlockshardError(ValueError):
@@ -16,6 +16,10 @@ class BlockshardError(ValueError):
 
 class SemanticsError(BlockshardError):
     """A block semantics cannot be applied (unknown name, shape not divisible into units, conflict)."""
+
+
+class ComputeUnitError(SemanticsError):
+    """Two semantics on one tensor ask for compute units that do not nest (neither holds whole units of the other)."""
 
 
 class PlanError(BlockshardError):

@@ -8,10 +8,19 @@ from rich.console import Console
 from rich.table import Table
 
 from blockshard._errors import BlockshardError
-from blockshard.planner import GroupLayout
+from blockshard.planner import GroupLayout, ModelPlan
+from blockshard.planner._compute import ComputeTally
 from blockshard.planner._report import Comparison
 
-__all__ = ["check_plot_path", "comparison_table", "human", "layout_table", "plot_rank_loads"]
+__all__ = [
+    "check_plot_path",
+    "comparison_table",
+    "compute_table",
+    "human",
+    "layout_table",
+    "plot_rank_loads",
+    "policy_table",
+]
 
 
 def human(n: float) -> str:
@@ -63,6 +72,52 @@ def comparison_table(cmp: Comparison, title: str) -> Table:
     return table
 
 
+def compute_table(cmp: Comparison) -> Table:
+    """Per group kind and in total: the policy's price (padding, all_to_all) and the optimizer's load per rank."""
+    plan = cmp.plan
+    table = Table(title=f"optimizer step per rank · policy {plan.policy}", title_justify="left", header_style="bold")
+    cols = ("group kind", "owner", "padding", "a2a max", "a2a mean", "state max", "state mean", "cost max",
+            "cost LB", "max / LB")  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="right" if col != "group kind" else "left", no_wrap=True)
+    for row in cmp.kinds:
+        if row.compute is not None:
+            table.add_row(row.kind, *_compute_cells(row.compute, row.padding_fraction))
+    table.add_section()
+    table.add_row("[bold]total[/]", *_compute_cells(plan.compute, plan.padding_fraction))
+    table.caption = (
+        "owner: tensors under the owner policy. Bytes per rank per optimizer step. a2a (all_to_all): what a rank receives moving owner-computed units' gradient "
+        "pieces to their owners and the new values back. state: parameters whose step a rank computes (one "
+        "state tensor of the parameter dtype). cost: the semantics' cost (Newton-Schulz FLOPs for matrices); "
+        "cost LB = max(mean, largest compute unit)."
+    )
+    return table
+
+
+def _compute_cells(t: ComputeTally, padding: float) -> list[str]:
+    return [
+        f"{t.owner_tensors:,}",
+        _pct(padding),
+        human(float(t.all_to_all_bytes.max(initial=0))) + "B",
+        human(float(t.all_to_all_bytes.mean())) + "B",
+        human(float(t.state_bytes.max(initial=0))) + "B",
+        human(float(t.state_bytes.mean())) + "B",
+        f"{float(t.cost.max(initial=0)):.3g}",
+        f"{t.cost_lower_bound:.3g}",
+        f"{t.max_cost_over_lower_bound:.4f}",
+    ]
+
+
+def policy_table(plan: ModelPlan) -> Table:
+    """The policy chosen per tensor kind (only tensors whose compute units are coarser than their placement)."""
+    table = Table(title="policy per tensor kind", title_justify="left", header_style="bold")
+    for col in ("tensor kind", "whole", "owner"):
+        table.add_column(col, justify="right" if col != "tensor kind" else "left", no_wrap=True)
+    for kind, counts in plan.policy_by_tensor_kind().items():
+        table.add_row(kind, f"{counts['whole']:,}", f"{counts['owner']:,}")
+    return table
+
+
 def _base_cell(b) -> str:
     split = f" ({b.splits_units:,})" if not b.block_respecting else ""
     style = "red" if b.splits_units else ""
@@ -93,6 +148,23 @@ def layout_table(layout: GroupLayout, rank: int | None = None) -> Table:
         t = layout.tensors[p.index]
         table.add_row(t.name, f"[{p.start:,}, {p.start + p.numel:,})", f"{p.numel:,}", f"{p.local_offset:,}")
     table.caption = f"rank {rank}: {layout.rank_numel(rank):,} of {S:,} elements hold data"
+    return table
+
+
+def checkpoint_table(info: dict) -> Table:
+    """What ``describe_checkpoint`` found in a DCP checkpoint directory."""
+    status = "complete" if info["complete"] else "INCOMPLETE: " + "; ".join(info["problems"])
+    title = (
+        f"checkpoint {info['path']}: {len(info['tensors'])} tensors, {info['tensor_bytes']:,} bytes of tensors "
+        f"({info['file_bytes']:,} on disk), written by {info['ranks_that_wrote']} ranks, {status}"
+    )
+    table = Table(title=title, title_justify="left", header_style="bold")
+    for col in ("tensor", "global shape", "dtype", "bytes", "chunks"):
+        table.add_column(col, justify="left" if col in ("tensor", "dtype") else "right")
+    for t in info["tensors"]:
+        table.add_row(t["name"], str(tuple(t["shape"])), t["dtype"], f"{t['bytes']:,}", str(t["chunks"]))
+    if info["objects"]:
+        table.caption = f"other entries (pickled): {', '.join(info['objects'])}"
     return table
 
 

@@ -12,8 +12,8 @@ from blockshard._errors import BlockshardError
 __all__ = ["main"]
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
+def _add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> None:
+    src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--model", help="a catalog model (see `blockshard plan --list-models`)")
     src.add_argument("--config", help="a Hugging Face config.json (no weights needed)")
     src.add_argument("--shapes", help='a JSON tensor list {"tensors": [{"name", "shape", "dtype", "group"}]}')
@@ -26,6 +26,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "or rules '[GLOB=]NAME,...' (default: elementwise)",
     )
     p.add_argument("--alignment-bytes", type=int, default=16, help="segment alignment in bytes (default 16)")
+    p.add_argument(
+        "--policy",
+        default="auto",
+        help="placement of compute units coarser than their placement units (Muon matrices, Shampoo stripes, "
+        "experts): auto (default: per tensor, by bytes moved), whole (on one rank: what fully_shard builds "
+        "today) or owner (storage cut finely, each cut unit computed at an owner rank)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,8 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.add_argument("--plot", metavar="FILE.png", help="draw per-rank loads to this file")
     plan.add_argument("--layouts", action="store_true", help="with --json: include every group's layout")
-    inspect = sub.add_parser("inspect", help="show one group's layout, or what one rank holds")
-    _add_model_args(inspect)
+    inspect = sub.add_parser(
+        "inspect", help="show one group's layout, what one rank holds, or what a DCP checkpoint directory holds"
+    )
+    inspect.add_argument(
+        "checkpoint", nargs="?", help="a checkpoint directory written by dcp.save(model.state_dict(), ...)"
+    )
+    _add_model_args(inspect, required=False)
     inspect.add_argument("--group", help="group name (default: the first group that is not the root)")
     inspect.add_argument("--rank", type=int, help="show the pieces this rank holds")
     inspect.add_argument("--json", action="store_true", help="print the layout as JSON")
@@ -60,10 +72,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_args(args: argparse.Namespace) -> None:
     """The arguments that need no model, checked before any reading or planning."""
+    from blockshard.planner._policy import check_policy
     from blockshard.planner._units import check_alignment_bytes, check_world_size
 
     check_world_size(args.world_size, "--world-size")
     check_alignment_bytes(args.alignment_bytes, "--alignment-bytes")
+    check_policy(args.policy, "--policy")
 
 
 def _load(args: argparse.Namespace):
@@ -89,6 +103,7 @@ def _load(args: argparse.Namespace):
             semantics=args.semantics,
             alignment_bytes=args.alignment_bytes,
             progress=progress,
+            policy=args.policy,
         )
 
 
@@ -97,7 +112,7 @@ def _source(args: argparse.Namespace) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from blockshard._render import comparison_table, console, plot_rank_loads
+    from blockshard._render import comparison_table, compute_table, console, plot_rank_loads, policy_table
     from blockshard.planner import compare
 
     _check_args(args)
@@ -108,18 +123,21 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan = _load(args)
     with console(stderr=True).status(f"comparing with FSDP2 and ZeRO on {args.world_size:,} ranks ..."):
         cmp = compare(plan)
-    title = f"{_source(args)} · W = {args.world_size} · semantics {args.semantics}"
+    title = f"{_source(args)} · W = {args.world_size} · semantics {args.semantics} · policy {args.policy}"
     if args.plot:
         plot_rank_loads(cmp, args.plot, title)
     if args.json:
         data = cmp.to_json()
-        data.update(model=_source(args), semantics=args.semantics)
+        data.update(model=_source(args), semantics=args.semantics, policy=args.policy)
         if args.layouts:
             data["layouts"] = [g.to_json() for g in cmp.plan.groups]
         json.dump(data, sys.stdout, indent=2)
         print()
     else:
         console().print(comparison_table(cmp, title))
+        console().print(compute_table(cmp))
+        if cmp.plan.policy_by_tensor_kind():
+            console().print(policy_table(cmp.plan))
         if args.plot:
             console().print(f"per-rank loads drawn to {args.plot}")
     return 0
@@ -128,6 +146,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from blockshard._render import console, layout_table
 
+    has_model = bool(args.model or args.config or args.shapes)
+    if args.checkpoint is not None and not has_model:
+        return _cmd_inspect_checkpoint(args)
+    if args.checkpoint is not None or not has_model:
+        raise BlockshardError(
+            "inspect takes either a checkpoint directory (blockshard inspect DIR) or a model (--model, "
+            "--config or --shapes), not both and not neither"
+        )
     _check_args(args)
     if args.rank is not None and not 0 <= args.rank < args.world_size:
         raise BlockshardError(
@@ -145,6 +171,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     else:
         console().print(layout_table(layout, args.rank))
     return 0
+
+
+def _cmd_inspect_checkpoint(args: argparse.Namespace) -> int:
+    from blockshard._render import checkpoint_table, console
+    from blockshard.runtime import describe_checkpoint
+
+    info = describe_checkpoint(args.checkpoint)
+    if args.json:
+        json.dump(info, sys.stdout, indent=2)
+        print()
+    else:
+        console().print(checkpoint_table(info))
+    return 0 if info["complete"] else 1
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -241,3 +241,31 @@ def test_inspect_bad_arguments_are_one_error_line(capsys, args, fragments):
     assert err.startswith("blockshard inspect: error:")
     for fragment in fragments:
         assert fragment in err
+
+
+@pytest.mark.parametrize("policy", ["whole", "owner", "auto"])
+def test_plan_policy_json(policy, capsys):
+    assert main(["plan", "--model", "llama3-8b", "-W", "64", "--semantics", "muon", "--policy", policy, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["policy"] == policy
+    for key in ("all_to_all_bytes_per_rank_max", "optimizer_state_bytes_per_rank_max", "optimizer_cost_lower_bound"):
+        assert key in data and key in data["groups_by_kind"][0]
+    kinds = data["policy_by_tensor_kind"]["model.layers.*.mlp.up_proj.weight"]
+    if policy == "whole":
+        assert data["padding_fraction"] > 0.9 and data["all_to_all_bytes_per_rank_max"] == 0 and kinds["owner"] == 0
+    else:
+        assert data["padding_fraction"] < 0.01 and data["all_to_all_bytes_per_rank_max"] > 0 and kinds["owner"] == 32
+
+
+def test_plan_policy_table(capsys):
+    assert main(["plan", "--model", "mixtral-8x7b", "-W", "64", "--semantics", "muon"]) == 0
+    out = capsys.readouterr().out
+    for word in ("policy auto", "optimizer step per rank", "a2a max", "cost LB", "max / LB", "policy per tensor kind"):
+        assert word in out, word
+    assert "mlp.experts.gate_up_proj" in out
+
+
+@pytest.mark.parametrize("bad", ["bogus", "Whole", ""])
+def test_bad_policy_is_one_error_line(bad, capsys):
+    err = _one_error_line(["plan", "--model", "llama3-8b", "--policy", bad], capsys)
+    assert f"--policy={bad!r} is not a placement policy; pass one of auto, whole, owner" in err

@@ -22,7 +22,7 @@ import numpy as np
 
 from blockshard.planner._layout import GroupLayout
 
-__all__ = ["balance", "clean_rotations", "rank_costs", "rotate"]
+__all__ = ["balance", "best_rotation", "clean_rotations", "rank_costs", "rotate"]
 
 MIN_CANDIDATES = 32
 #: Rotations tried per group are capped so that candidates x loaded ranks stays under this.
@@ -69,14 +69,22 @@ def rotate(layout: GroupLayout, k: int) -> GroupLayout:
         dataclasses.replace(t, offset=(t.offset + k * layout.buckets[t.bucket]) % (W * layout.buckets[t.bucket]))
         for t in layout.tensors
     ]
-    moved.sort(key=lambda t: (t.bucket, t.offset))
+    moved.sort(key=lambda t: (t.bucket, t.offset, t.end))  # an empty tensor before one at its offset
     return dataclasses.replace(layout, tensors=tuple(moved))
 
 
 def balance(layout: GroupLayout, costs: Mapping[str, float], running: np.ndarray) -> GroupLayout:
     """Rotate ``layout`` to minimize ``max(running + its per-rank cost)``; adds its cost to ``running``."""
-    W = layout.world_size
     base = rank_costs(layout, costs)
+    k = best_rotation(layout, base, running)
+    nz = np.flatnonzero(base)
+    running[(nz + k) % layout.world_size] += base[nz]
+    return rotate(layout, k)
+
+
+def best_rotation(layout: GroupLayout, base: np.ndarray, running: np.ndarray) -> int:
+    """The rotation (in segments) that minimizes ``max(running + base rolled by it)``; 0 when balanced."""
+    W = layout.world_size
     nz = np.flatnonzero(base)  # ranks that carry cost: few when units are coarse
     best_k = 0
     if W > 1 and base.max() > base.mean() * (1 + IMBALANCE_TOLERANCE):
@@ -87,5 +95,4 @@ def balance(layout: GroupLayout, costs: Mapping[str, float], running: np.ndarray
         # peak of running + base rolled by k, for every candidate k at once, on the loaded ranks only
         peaks = np.maximum((running[(nz[None, :] + cands[:, None]) % W] + base[nz]).max(axis=1), running.max())
         best_k = int(cands[int(np.argmin(peaks))])  # the first (smallest) k on ties
-    running[(nz + best_k) % W] += base[nz]
-    return rotate(layout, best_k)
+    return best_k

@@ -1,4 +1,4 @@
-"""``PlanItem``: one tensor as the planner sees it (its spec plus resolved unit grid and cost)."""
+"""``PlanItem``: one tensor as the planner sees it (its spec plus resolved unit grids and cost)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,23 @@ __all__ = ["PlanItem", "resolve_items"]
 
 @dataclass(frozen=True)
 class PlanItem:
+    """``grid``: the compute units (what ``whole`` placement keeps on one rank); ``placement_grid``:
+    the placement units (where ``owner`` placement cuts the storage), ``None`` when they are the same."""
+
     spec: TensorSpec
     grid: UnitGrid
     cost: float
     label: str = "elementwise"
+    placement_grid: UnitGrid | None = None
+
+    @property
+    def placement(self) -> UnitGrid:
+        return self.grid if self.placement_grid is None else self.placement_grid
+
+    @property
+    def coarse(self) -> bool:
+        """Whether its compute units are coarser than its placement units (a policy can choose)."""
+        return self.placement != self.grid
 
     @property
     def name(self) -> str:
@@ -39,7 +52,7 @@ def resolve_items(specs: Iterable[TensorSpec], rules: object = None) -> list[Pla
         if res is None:
             res = r.resolve(spec, sems)
             cache[key] = res
-        out.append(PlanItem(spec, res.grid, res.cost, res.label))
+        out.append(PlanItem(spec, res.grid, res.cost, res.label, res.placement_grid))
     return out
 
 

@@ -20,6 +20,7 @@ padding into a single one (see ``_buckets.py``).
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from blockshard._errors import PlanError
@@ -142,7 +143,12 @@ class GroupLayout:
         hit = self._ends.get(bucket)
         if hit is None:
             idx = [i for i, t in enumerate(self.tensors) if t.bucket == bucket]
-            hit = (idx[0] if idx else len(self.tensors), [self.tensors[i].end for i in idx])
+            # running maxima: a tensor with no elements ends where it starts, before an earlier
+            # tensor's end, and the search needs ends that never decrease
+            hit = (
+                idx[0] if idx else len(self.tensors),
+                list(itertools.accumulate((self.tensors[i].end for i in idx), max)),
+            )
             self._ends[bucket] = hit
         return hit
 

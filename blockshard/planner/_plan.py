@@ -5,17 +5,18 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from blockshard._errors import PlanError
 from blockshard._limits import MAX_GROUP_TENSORS, MAX_PADDED_NUMEL
-from blockshard.planner._balance import balance, rank_costs
 from blockshard.planner._buckets import plan_buckets
+from blockshard.planner._compute import ComputeTally, OwnerAssignment, OwnerBuilder
 from blockshard.planner._items import PlanItem, group_items, resolve_items
 from blockshard.planner._layout import GroupLayout, TensorPlacement
+from blockshard.planner._policy import check_policy, choose_layout
 from blockshard.planner._units import check_alignment_bytes, check_model_tensors, check_world_size
 from blockshard.semantics import TensorSpec
 
@@ -71,7 +72,7 @@ def plan_group(
             f"{MAX_PADDED_NUMEL:,} (2**60) elements in all; check the tensor shapes, or lower the world "
             "size or alignment_bytes"
         )
-    order = sorted(range(len(items)), key=lambda i: (bucket_of[i], offsets[i]))
+    order = sorted(range(len(items)), key=lambda i: (bucket_of[i], offsets[i], offsets[i] + items[i].grid.numel))
     placements = tuple(
         TensorPlacement(items[i].name, items[i].spec.shape, offsets[i], items[i].grid, items[i].label, bucket_of[i])
         for i in order
@@ -100,6 +101,38 @@ class ModelPlan:
     items: tuple[PlanItem, ...]
     cost_per_rank: tuple[float, ...] = ()  # optimizer compute per rank (e.g. Newton-Schulz FLOPs)
     cost_per_rank_unrotated: tuple[float, ...] = ()  # the same had no group been rotated
+    policy: str = "whole"  # what plan_model was asked for
+    owner_tensors: frozenset[str] = frozenset()  # tensors laid out under the owner policy
+    owners: OwnerAssignment | None = None  # the owner of every cut compute unit
+    compute_by_kind: Mapping[str, ComputeTally] = field(default_factory=dict)  # per group kind
+
+    def policy_of(self, name: str) -> str:
+        """``"owner"`` or ``"whole"``: how tensor ``name``'s compute units are placed."""
+        return "owner" if name in self.owner_tensors else "whole"
+
+    def policy_by_tensor_kind(self) -> dict[str, dict[str, int]]:
+        """Tensors whose compute units are coarser than their placement units, by tensor kind
+        (``model.layers.*.mlp.up_proj.weight``): how many are under each policy."""
+        out: dict[str, dict[str, int]] = {}
+        for it in self.items:
+            if it.coarse:
+                counts = out.setdefault(group_kind(it.name), {"whole": 0, "owner": 0})
+                counts[self.policy_of(it.name)] += 1
+        return out
+
+    @property
+    def compute(self) -> ComputeTally:
+        """The per-rank tallies of the whole model (every group kind together)."""
+        tallies = list(self.compute_by_kind.values())
+        W = self.world_size
+        return ComputeTally(
+            cost=np.asarray(self.cost_per_rank, dtype=np.float64) if self.cost_per_rank else np.zeros(W),
+            state_bytes=sum((t.state_bytes for t in tallies), np.zeros(W)),
+            all_to_all_bytes=sum((t.all_to_all_bytes for t in tallies), np.zeros(W)),
+            largest_unit_cost=max((t.largest_unit_cost for t in tallies), default=0.0),
+            modeled_cost_bytes=sum(t.modeled_cost_bytes for t in tallies),
+            owner_tensors=len(self.owner_tensors),
+        )
 
     @property
     def max_cost_over_mean(self) -> float:
@@ -174,6 +207,11 @@ class ModelPlan:
             "plan_seconds": self.plan_seconds,
             "max_cost_over_mean": self.max_cost_over_mean,
             "max_cost_over_mean_unrotated": self.max_cost_over_mean_unrotated,
+            "policy": self.policy,
+            **self.compute.to_json(),
+            "policy_by_tensor_kind": self.policy_by_tensor_kind(),
+            "owner_units": self.owners.num_units if self.owners else 0,
+            "owner_hash": self.owners.owner_hash() if self.owners else None,
         }
         if layouts:
             data["layout_hashes"] = {g.name: g.layout_hash() for g in self.groups}
@@ -188,6 +226,7 @@ def plan_model(
     semantics: object = None,
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
     progress: Callable[[int, int], None] | None = None,
+    policy: str = "auto",
 ) -> ModelPlan:
     """Plan every group of a model. Tensors are grouped by ``TensorSpec.group`` (``None`` -> root).
 
@@ -195,8 +234,14 @@ def plan_model(
     inputs, which already carry their grids). Groups with the same grids in the same order share
     one search (transformer blocks are identical), so time grows with the number of distinct
     groups plus a linear pass over tensors.
+
+    ``policy`` places the compute units of tensors that have coarser compute than placement
+    units (see ``planner/_policy.py``): ``"whole"`` (one rank each: what ``fully_shard`` builds
+    today), ``"owner"`` (storage cut at placement units, each cut compute unit computed at an
+    owner) or ``"auto"`` (per tensor, by a cost in bytes; the default).
     """
     world_size = check_world_size(world_size)
+    policy = check_policy(policy)
     t0 = time.perf_counter()
     raw = list(tensors)
     if not raw:
@@ -219,12 +264,18 @@ def plan_model(
     costs = {it.name: it.cost for it in items}
     running = np.zeros(world_size)  # compute cost per rank so far (see [Note: rotation])
     unrotated = np.zeros(world_size)  # the same without rotation, for the report
+    builder = OwnerBuilder(world_size, memo)
+    owner_tensors: set[str] = set()
     for i, (gname, gitems) in enumerate(grouped.items()):
-        layout = plan_group(gitems, world_size, name=gname, alignment_bytes=alignment_bytes, _memo=memo)
-        unrotated += rank_costs(layout, costs)
-        layouts.append(balance(layout, costs, running))
+        layout, owned, modeled = choose_layout(
+            gitems, world_size, policy, name=gname, alignment_bytes=alignment_bytes, memo=memo
+        )
+        owner_tensors |= owned
+        compute = {it.name: it.grid for it in gitems if it.name in owned}
+        layouts.append(builder.add_group(layout, group_kind(gname), compute, costs, running, modeled, unrotated))
         if progress is not None:
             progress(i + 1, len(grouped))
+    owners, by_kind = builder.finish(running)  # see [Note: owners across groups]
     return ModelPlan(
         world_size,
         tuple(layouts),
@@ -232,4 +283,8 @@ def plan_model(
         tuple(items),
         tuple(running.tolist()),
         tuple(unrotated.tolist()),
+        policy,
+        frozenset(owner_tensors),
+        owners,
+        by_kind,
     )

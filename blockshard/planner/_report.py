@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from blockshard.planner._baselines import BASELINES, BaselineResult, baseline, combine
+from blockshard.planner._compute import ComputeTally
 from blockshard.planner._items import PlanItem, group_items
 from blockshard.planner._plan import ModelPlan
 
@@ -25,9 +26,11 @@ class KindRow:
     segment_over_lower_bound: float
     padding_fraction: float
     baselines: dict[str, BaselineResult]
+    compute: ComputeTally | None = None  # per-rank optimizer facts of the kind's groups
 
     def to_json(self) -> dict:
         return {
+            **(self.compute.to_json() if self.compute is not None else {}),
             "kind": self.kind,
             "num_groups": self.num_groups,
             "num_tensors": self.num_tensors,
@@ -91,6 +94,7 @@ def compare(plan: ModelPlan, baselines: Sequence[str] = BASELINES) -> Comparison
                 segment_over_lower_bound=max(g.segment_over_lower_bound for g in layouts),
                 padding_fraction=1.0 - total / padded if padded else 0.0,
                 baselines={b: combine([per_group[g.name][b] for g in layouts]) for b in baselines},
+                compute=plan.compute_by_kind.get(kind),
             )
         )
     totals = {b: combine([per_group[g.name][b] for g in plan.groups]) for b in baselines}

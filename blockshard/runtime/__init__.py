@@ -10,9 +10,12 @@ from blockshard.runtime._api import (
     is_sharded,
     local_buffers,
 )
+from blockshard.runtime._checkpoint import CheckpointError, describe_checkpoint, load_checkpoint, save_checkpoint
 from blockshard.runtime._clip import ClipError, clip_grad_norm_
 from blockshard.runtime._collectives import CollectiveIntegrityError, LayoutMismatchError
 from blockshard.runtime._common import EngineStateError, ShardedState, TrainingState
+from blockshard.runtime._optim_state import load_optimizer_state_dict, optimizer_state_dict
+from blockshard.runtime._piece_tensor import PieceTensor, PieceTensorError
 from blockshard.runtime._state_dict import (
     LocalShard,
     full_state_dict,
@@ -22,24 +25,32 @@ from blockshard.runtime._state_dict import (
 )
 
 __all__ = [
+    "CheckpointError",
     "ClipError",
     "CollectiveIntegrityError",
     "EngineStateError",
     "LayoutMismatchError",
     "LocalShard",
+    "PieceTensor",
+    "PieceTensorError",
     "ShardedModule",
     "ShardedState",
     "ShardingError",
     "TrainingState",
     "UnshardHandle",
     "clip_grad_norm_",
+    "describe_checkpoint",
     "full_state_dict",
     "fully_shard",
     "global_shapes",
     "group_layouts",
     "is_sharded",
+    "load_checkpoint",
     "load_full_state_dict",
+    "load_optimizer_state_dict",
     "load_sharded_state_dict",
     "local_buffers",
+    "optimizer_state_dict",
+    "save_checkpoint",
     "sharded_state_dict",
 ]

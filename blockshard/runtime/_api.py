@@ -312,6 +312,9 @@ def fully_shard(
     _tag_views(state)
     module.__dict__[STATE_ATTR] = state
     _swap_class(module)
+    from blockshard.runtime._state_dict import install_state_dict_hooks  # imports this module
+
+    install_state_dict_hooks(module)  # model.state_dict() speaks DCP ([Note: state dict entries])
     _balance_costs(module, state)
     return module
 

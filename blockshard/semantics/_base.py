@@ -41,17 +41,31 @@ class Companion:
 
 
 class BlockSemantics(ABC):
-    """A named rule that gives a tensor its unit grid, companions and compute cost.
+    """A named rule that gives a tensor its unit grids, companions and compute cost.
 
     Subclass it and register it with :func:`blockshard.register_semantics`; ``grid`` raises
     :class:`~blockshard.SemanticsError` (a ``ValueError``) naming the tensor, the shape, the
     constraint and the fix when a shape cannot be divided into units.
+
+    [Note: placement and compute units]
+    A semantics states two grids. :meth:`grid` gives the **compute units**: what one optimizer
+    (or quantizer) call must see whole — a Muon matrix, a stripe of whole Shampoo tiles, one
+    expert. :meth:`placement_grid` gives the **placement units**: what a shard boundary may not
+    cut, because the *storage* must keep it whole — an 8-bit optimizer block, a quantization
+    group. The placement grid defaults to :meth:`grid` (the two coincide, as for quantizers and
+    for every semantics written before the distinction), so an existing semantics behaves as it
+    did. Under the ``whole`` policy the planner lays a tensor out on its compute grid (each
+    compute unit on one rank); under ``owner`` on its placement grid, and each compute unit that
+    a rank boundary cuts gets an owner rank. ``per_expert = True`` makes the semantics act on
+    each expert's ``shape[1:]`` of a stacked expert tensor (see ``semantics/_experts.py``).
     """
 
     #: What the semantics describes; optimizers and quantizers are exclusive per tensor.
     kind: SemanticsKind = SemanticsKind.LAYOUT
     #: Tensors with fewer dims are left element-wise by blanket rules (``--semantics fp8_block``).
     min_ndim: int = 0
+    #: On a stacked expert tensor ``(E, m, n)``, act on each expert's ``(m, n)`` (grids and cost).
+    per_expert: ClassVar[bool] = False
     #: The name :func:`blockshard.register_semantics` gave the class (``None``: not registered).
     _registered_name: ClassVar[str | None] = None
 
@@ -65,6 +79,10 @@ class BlockSemantics(ABC):
     @abstractmethod
     def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         """Where a tensor of ``shape`` and ``dtype`` may be cut."""
+
+    def placement_grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
+        """Where the storage of a tensor may be cut (default: :meth:`grid`, the compute units)."""
+        return self.grid(shape, dtype, tensor=tensor)
 
     def companions(self, shape: tuple[int, ...], dtype: str) -> tuple[Companion, ...]:
         """Tensors that travel with this one's units (none by default)."""

@@ -2,6 +2,24 @@
 
 Each class is registered under the name in its decorator; ``NAME:ARG`` semantics strings pass integer
 arguments to the constructor. Sizes are counted in elements of the row-major flattening.
+
+Every built-in states both of its units (see [Note: placement and compute units] in ``_base.py``):
+
+==============  =========================================  ==========================================
+semantics       compute unit (``grid``)                    placement unit (``placement_grid``)
+==============  =========================================  ==========================================
+elementwise     1 element                                  1 element
+matrix          the tensor (one per expert)                1 element
+rows:k          k rows (per expert)                        1 element
+shampoo:D       D rows: whole D x D tiles (per expert)     1 element
+flat:n          n elements                                 n elements
+bnb8bit, ao*    256 / 128-element state blocks             the same (the storage keeps them whole)
+nf4, ao_nf4, mx quantization groups                        the same
+fp8_block:B     B-row stripes of B x B tiles (per expert)  the same (weights are quantized in place)
+expert          one expert of a stacked (E, ...) tensor    1 element
+==============  =========================================  ==========================================
+
+Combined with an 8-bit or quantization semantics, ``matrix``'s placement unit becomes theirs.
 """
 
 from __future__ import annotations
@@ -43,6 +61,11 @@ def _positive(name: str, value: int) -> int:
     return value
 
 
+def _fine(shape: tuple[int, ...]) -> UnitGrid:
+    """Placement unit of one element: storage may be cut anywhere (the compute unit goes to an owner)."""
+    return UnitGrid.units(math.prod(shape), 1)
+
+
 def newton_schulz_flops(shape: tuple[int, ...], steps: int = 5) -> float:
     """FLOPs of Muon's quintic Newton-Schulz on the 2-D view ``m x n`` (m <= n).
 
@@ -67,13 +90,18 @@ class Matrix(BlockSemantics):
     """The whole tensor is one unit: Muon orthogonalizes the full matrix, GaLore projects it.
 
     Cost for balancing: Newton-Schulz FLOPs (:func:`newton_schulz_flops`) on the 2-D view.
+    Compute unit: the tensor (each expert's matrix of a stacked expert tensor); placement unit: 1 element.
     """
 
     kind = SemanticsKind.OPTIMIZER
     min_ndim = 2
+    per_expert = True
 
     def grid(self, shape, dtype, *, tensor="<tensor>"):
         return UnitGrid.whole(math.prod(shape))
+
+    def placement_grid(self, shape, dtype, *, tensor="<tensor>"):
+        return _fine(shape)
 
     def cost(self, shape, dtype):
         return newton_schulz_flops(shape)
@@ -81,7 +109,12 @@ class Matrix(BlockSemantics):
 
 @register_semantics("rows")
 class Rows(BlockSemantics):
-    """Stripes of ``k`` rows of the 2-D view ``(shape[0], prod(shape[1:]))``; a shorter last stripe is allowed."""
+    """Stripes of ``k`` rows of the 2-D view ``(shape[0], prod(shape[1:]))``; a shorter last stripe is allowed.
+
+    Compute unit: a stripe (rows of each expert's matrix on a stacked expert tensor); placement unit: 1 element.
+    """
+
+    per_expert = True
 
     def __init__(self, k: int) -> None:
         super().__init__()
@@ -92,6 +125,9 @@ class Rows(BlockSemantics):
         _, cols = rows_cols(shape)
         return UnitGrid.units(math.prod(shape), self.k * cols)
 
+    def placement_grid(self, shape, dtype, *, tensor="<tensor>"):
+        return _fine(shape)
+
 
 @register_semantics("shampoo")
 class Shampoo(BlockSemantics):
@@ -101,9 +137,11 @@ class Shampoo(BlockSemantics):
     (smaller blocks at the edges); a 1-D tensor into runs of ``D``. A stripe of ``D`` full rows
     holds whole tiles, so cutting between stripes never splits a preconditioner.
     Cost: ``sum over tiles (r^3 + c^3)`` (the eigendecompositions of both factors).
+    Compute unit: a stripe of ``D`` rows (per expert on a stacked expert tensor); placement unit: 1 element.
     """
 
     kind = SemanticsKind.OPTIMIZER
+    per_expert = True
 
     def __init__(self, max_preconditioner_dim: int = 1024) -> None:
         super().__init__()
@@ -116,6 +154,9 @@ class Shampoo(BlockSemantics):
             return UnitGrid.units(numel, self.dim)
         _, cols = rows_cols(shape)
         return UnitGrid.units(numel, self.dim * cols)
+
+    def placement_grid(self, shape, dtype, *, tensor="<tensor>"):
+        return _fine(shape)
 
     def cost(self, shape, dtype):
         rows, cols = rows_cols(shape)
@@ -285,10 +326,12 @@ class FP8Block(BlockSemantics):
 
     Edge tiles may be partial (the last stripe may be shorter). A stacked ``(E, rows, cols)``
     expert weight is tiled per expert: ``B``-row stripes when ``rows % B == 0``, else one expert.
+    Compute and placement unit: a stripe (weights are quantized where they are stored).
     """
 
     kind = SemanticsKind.QUANTIZER
     min_ndim = 2
+    per_expert = True
 
     def __init__(self, tile: int = 128) -> None:
         super().__init__()
@@ -320,7 +363,11 @@ class FP8Block(BlockSemantics):
 
 @register_semantics("expert")
 class Expert(BlockSemantics):
-    """One expert of a stacked ``(E, ...)`` MoE weight is one unit (expert parallel placement)."""
+    """One expert of a stacked ``(E, ...)`` MoE weight is one unit (expert parallel placement).
+
+    Compute unit: one expert; placement unit: 1 element. A tensor with this semantics is a stacked
+    expert tensor, so per-expert semantics on it act on each expert (``semantics/_experts.py``).
+    """
 
     min_ndim = 2
 
@@ -333,3 +380,7 @@ class Expert(BlockSemantics):
                 "apply 'expert' only to stacked expert weights (e.g. rule '*.experts.*=expert')",
             )
         return UnitGrid.units(math.prod(shape), math.prod(shape[1:]))
+
+    def placement_grid(self, shape, dtype, *, tensor="<tensor>"):
+        self.grid(shape, dtype, tensor=tensor)  # the same shape check
+        return _fine(shape)

@@ -6,16 +6,22 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from blockshard.semantics._rules import Rule, is_embedding_or_head
+from blockshard.semantics._spec import TensorSpec
 
 __all__ = ["PRESETS"]
+
+
+def _hidden(spec: TensorSpec) -> bool:
+    """Not an embedding, the head or a bias (GPT-OSS stacks expert biases as 2-D ``(E, n)``)."""
+    return not is_embedding_or_head(spec) and not spec.name.endswith("bias")
 
 
 def _muon() -> list[Rule]:
     """Muon on hidden weights: a 2-D weight is one whole matrix, a stacked ``(E, m, n)`` expert
     weight one matrix per expert; embeddings, head, norms and biases stay element-wise (AdamW)."""
     return [
-        Rule(semantics="matrix", predicate=lambda s: len(s.shape) == 2 and not is_embedding_or_head(s)),
-        Rule(semantics="expert", predicate=lambda s: len(s.shape) == 3 and not is_embedding_or_head(s)),
+        Rule(semantics="matrix", predicate=lambda s: len(s.shape) in (2, 3) and _hidden(s)),
+        Rule(semantics="expert", predicate=lambda s: len(s.shape) == 3 and _hidden(s)),
     ]
 
 

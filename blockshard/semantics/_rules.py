@@ -6,6 +6,13 @@ a rule too. Every matching rule applies: their grids combine to the least common
 (:meth:`UnitGrid.combine`); two different optimizers or two different quantizers on one tensor
 are a conflict and raise :class:`~blockshard.SemanticsError` naming both and the tensor.
 Tensors no rule matches are ``elementwise``.
+
+Compute and placement grids (see [Note: placement and compute units] in ``_base.py``) combine
+separately, each to its least common unit; the compute grid also holds whole placement units.
+Two semantics whose compute units are coarser than their placement units (``matrix``,
+``shampoo``, ``rows``, ``expert``) must nest — one's compute unit made of whole units of the
+other's — or they raise :class:`ComputeUnitError`: ``rows:3`` and ``rows:2`` ask for two
+different calls, ``matrix`` and ``rows:16`` agree (the matrix holds whole stripes).
 """
 
 from __future__ import annotations
@@ -14,13 +21,20 @@ import fnmatch
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from blockshard._errors import SemanticsError
+from blockshard._errors import ComputeUnitError, SemanticsError
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
+from blockshard.semantics._experts import is_stacked_experts, repeat_grid
 from blockshard.semantics._grid import GridError, UnitGrid
 from blockshard.semantics._registry import get_semantics
 from blockshard.semantics._spec import TensorSpec
 
-__all__ = ["ResolvedSemantics", "Rule", "SemanticsRules", "call_user_semantics", "is_embedding_or_head"]
+__all__ = [
+    "ResolvedSemantics",
+    "Rule",
+    "SemanticsRules",
+    "call_user_semantics",
+    "is_embedding_or_head",
+]
 
 # Embeddings and the output head: Muon leaves them to AdamW (Keller Jordan's Muon, Moonlight) and
 # quantizers leave them unquantized (bitsandbytes / QLoRA skip lm_head and embeddings).
@@ -119,22 +133,33 @@ def _returned_semantics(rule: Callable, out: object, spec: TensorSpec) -> BlockS
         ) from None
 
 
-def _grid_of(sem: BlockSemantics, spec: TensorSpec) -> UnitGrid:
+def _grids_of(sem: BlockSemantics, spec: TensorSpec, experts: bool) -> tuple[UnitGrid, UnitGrid]:
+    """``sem``'s compute and placement grids of ``spec`` (per expert on a stacked expert tensor)."""
+    own_placement = type(sem).placement_grid is not BlockSemantics.placement_grid
+    if experts and sem.per_expert:
+        one = TensorSpec(name=spec.name, shape=spec.shape[1:], dtype=spec.dtype, module_type=spec.module_type)
+        g = repeat_grid(_grid_of(sem, one, "grid"), spec.shape[0])
+        return g, repeat_grid(_grid_of(sem, one, "placement_grid"), spec.shape[0]) if own_placement else g
+    g = _grid_of(sem, spec, "grid")
+    return g, _grid_of(sem, spec, "placement_grid") if own_placement else g
+
+
+def _grid_of(sem: BlockSemantics, spec: TensorSpec, method: str = "grid") -> UnitGrid:
     """``sem``'s grid of ``spec``, checked: a custom semantics' mistake names the semantics and the tensor."""
     where = f"semantics {sem.spec!r} ({type(sem).__qualname__}) on tensor {spec.name!r} of shape {spec.shape}"
     try:
-        grid = sem.grid(spec.shape, spec.dtype, tensor=spec.name)
+        grid = getattr(sem, method)(spec.shape, spec.dtype, tensor=spec.name)
     except GridError as exc:
         raise SemanticsError(f"{where}: {exc}") from None
     except SemanticsError:
         raise  # a semantics' own error (BlockSemantics.error) already names the tensor
     except Exception as exc:
-        raise SemanticsError(f"{where}: grid() raised {type(exc).__name__}: {exc}; fix the semantics") from exc
+        raise SemanticsError(f"{where}: {method}() raised {type(exc).__name__}: {exc}; fix the semantics") from exc
     if not isinstance(grid, UnitGrid) or grid.numel != spec.numel:
         got = f"a grid of {grid.numel} elements" if isinstance(grid, UnitGrid) else repr(grid)
         raise SemanticsError(
-            f"{where}: grid() returned {got}, not a UnitGrid of the tensor's {spec.numel} elements; fix its "
-            "grid() to return UnitGrid.units(math.prod(shape), unit_numel) or UnitGrid.whole(math.prod(shape))"
+            f"{where}: {method}() returned {got}, not a UnitGrid of the tensor's {spec.numel} elements; fix its "
+            f"{method}() to return UnitGrid.units(math.prod(shape), unit_numel) or UnitGrid.whole(math.prod(shape))"
         )
     return grid
 
@@ -145,12 +170,21 @@ def _type_name(t: str | type) -> str:
 
 @dataclass(frozen=True)
 class ResolvedSemantics:
-    """The semantics a tensor ended up with: its combined grid, cost and companions."""
+    """The semantics a tensor ended up with: its combined grids, cost and companions.
+
+    ``grid``: the compute units (what ``whole`` placement keeps on one rank); ``placement_grid``:
+    the placement units (where ``owner`` placement may cut the storage).
+    """
 
     semantics: tuple[BlockSemantics, ...]
     grid: UnitGrid
     cost: float
     companions: tuple[Companion, ...]
+    placement_grid: UnitGrid | None = None  # None: the same as ``grid``
+
+    @property
+    def placement(self) -> UnitGrid:
+        return self.grid if self.placement_grid is None else self.placement_grid
 
     @property
     def label(self) -> str:
@@ -244,14 +278,52 @@ class SemanticsRules:
                     "rules (name globs, module types) so only one applies to it"
                 )
             by_kind.setdefault(s.kind, s)
+        experts = is_stacked_experts(spec, sems)
         grid = UnitGrid.units(spec.numel, 1)
+        placements: list[UnitGrid] = []
+        coarse: list[tuple[BlockSemantics, UnitGrid]] = []
         companions: list[Companion] = []
         for s in sems:
-            grid = grid.combine(_grid_of(s, spec))
+            g, p = _grids_of(s, spec, experts)
+            grid = grid.combine(g)
+            placements.append(p)
+            if p is not g and g != p:
+                _check_nested(spec, coarse, s, g)
+                coarse.append((s, g))
             companions.extend(s.companions(spec.shape, spec.dtype))
+        placement = grid  # every semantics' units coincide: one grid
+        if coarse:
+            placement = UnitGrid.units(spec.numel, 1)
+            for p in placements:
+                placement = placement.combine(p)
+            grid = grid.combine(placement)  # a compute unit holds whole placement units
         costly = by_kind.get(SemanticsKind.OPTIMIZER)
-        cost = costly.cost(spec.shape, spec.dtype) if costly else float(spec.numel)
-        return ResolvedSemantics(tuple(sems), grid, cost, tuple(companions))
+        if costly is None:
+            cost = float(spec.numel)
+        elif experts and costly.per_expert:
+            cost = spec.shape[0] * costly.cost(spec.shape[1:], spec.dtype)
+        else:
+            cost = costly.cost(spec.shape, spec.dtype)
+        return ResolvedSemantics(tuple(sems), grid, cost, tuple(companions), placement)
 
     def __repr__(self) -> str:
         return f"SemanticsRules({list(self.rules)!r})"
+
+
+def _check_nested(
+    spec: TensorSpec, coarse: list[tuple[BlockSemantics, UnitGrid]], sem: BlockSemantics, grid: UnitGrid
+) -> None:
+    """Raise :class:`ComputeUnitError` unless ``grid`` nests with every compute grid in ``coarse``."""
+    for other, og in coarse:
+        both = og.combine(grid)
+        if both != og and both != grid:
+            raise ComputeUnitError(
+                f"tensor {spec.name!r} of shape {spec.shape} gets compute units from {other.spec!r} "
+                f"({_unit_text(og)}) and {sem.spec!r} ({_unit_text(grid)}), and neither is made of whole units "
+                "of the other: one optimizer call cannot see both. Fix: give the tensor one of them (narrow "
+                "the rules' name globs), or units that nest (rows:4 with rows:2, matrix with rows:k)"
+            )
+
+
+def _unit_text(g: UnitGrid) -> str:
+    return "the whole tensor" if g.is_whole else f"units of {g.unit_numel:,} elements"

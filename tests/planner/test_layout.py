@@ -179,7 +179,7 @@ def test_identical_groups_get_identical_layouts_and_plan_fast():
     for i in range(50):
         for name, shape in (("q", (64, 48)), ("up", (96, 48)), ("norm", (48,))):
             specs.append(TensorSpec(name=f"layers.{i}.{name}", shape=shape, group=f"layers.{i}"))
-    plan = plan_model(specs, 7, semantics="muon")
+    plan = plan_model(specs, 7, semantics="muon", policy="whole")  # whole matrices: rotated
     assert len({g.buckets for g in plan.groups}) == 1 and len(plan.groups) == 50
     for g in plan.groups:
         g.check()
@@ -243,7 +243,7 @@ def test_rotation_balances_whole_matrix_work_across_groups():
         for i in range(16)
         for n, s in (("up", (64, 32)), ("down", (32, 64)), ("q", (32, 32)), ("norm", (32,)))
     ]
-    plan = plan_model(specs, 8, semantics="muon")
+    plan = plan_model(specs, 8, semantics="muon", policy="whole")
     costs = {it.name: it.cost for it in plan.items}
     unrotated = sum(
         rank_costs(plan_group([it for it in plan.items if it.spec.group == g.name], 8), costs) for g in plan.groups
@@ -251,3 +251,32 @@ def test_rotation_balances_whole_matrix_work_across_groups():
     assert unrotated.max() / unrotated.mean() > 2  # the same ranks would own every block's matrices
     assert plan.max_cost_over_mean < unrotated.max() / unrotated.mean() / 1.5
     assert plan.to_json()["max_cost_over_mean"] == plan.max_cost_over_mean
+
+
+def _plan_shapes(shapes, W, semantics):
+    import torch
+
+    from blockshard.planner import resolve_items
+
+    specs = [TensorSpec(name=f"t{i}", shape=s, dtype=torch.float32, module_type="Linear") for i, s in enumerate(shapes)]
+    return plan_group(resolve_items(specs, semantics), W, name="g")
+
+
+def test_a_tensor_without_elements_never_hides_the_tensor_before_it():
+    """Regression: a (0, 3) tensor packed at offset 0 after a (3, 4) one made the per-rank search
+    skip the (3, 4) tensor: no rank held it, and its values were lost."""
+    layout = _plan_shapes([(3, 4), (3,), (0, 3)], 2, None)
+    assert sum(p.numel for r in range(2) for p in layout.pieces(r)) == 15
+    _assert_exact_coverage(layout)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 6), st.integers(1, 5)), min_size=1, max_size=8),
+    st.integers(1, 9),
+    st.sampled_from([None, "matrix", "rows:2"]),
+)
+def test_tensors_without_elements_keep_exact_coverage(shapes, W, semantics):
+    layout = _plan_shapes(shapes, W, semantics)
+    layout.check()
+    _assert_exact_coverage(layout)

@@ -106,7 +106,9 @@ def test_full_and_sharded_state_dicts_round_trip_bitwise(kind, world):
         assert out["fresh_differs"]  # control
         assert out["full_round_trip"] and out["sharded_round_trip"] and out["pieces_equal"]
         if kind == "tied":
-            assert out["names"] == ["embed.weight", "mid.bias", "mid.weight"]  # one entry per tensor
+            # the unsharded model's state_dict() names, the tied head included (issue 11), as one tensor
+            assert out["names"] == ["embed.weight", "head.weight", "mid.bias", "mid.weight"]
+            assert out["full"]["head.weight"] is out["full"]["embed.weight"]
             assert out["still_tied"] and out["trains_alike"]
     assert all(_same(out["full"], outs[0]["full"]) for out in outs)  # every rank the same full state
 

@@ -1,0 +1,363 @@
+"""Who computes what: owners of cut compute units across all groups, and per-rank tallies.
+
+[Note: owners across groups]
+Under the ``owner`` policy a rank boundary may fall inside a compute unit (a Muon matrix, an
+expert). A compute unit that lies inside one rank's segment is computed there; a **cut** one
+gets one owner rank. Groups are taken in ``fully_shard`` order; each is rotated by whole
+segments (see [Note: rotation] in ``_balance.py``; a group with owner-computed tensors may also be
+re-based at another tensor, see [Note: shifts]) against the cost fixed so far: what its ranks
+compute themselves. Then every cut unit of the model, largest cost first, goes to the
+least-loaded rank (ties: the holder with the largest piece, then the lowest rank) — the greedy
+of ``_owner.py``'s :func:`_assign`, run once over all groups. Costs are the semantics' (Newton-Schulz
+FLOPs for matrices, elements otherwise) split over a tensor's units in proportion to their
+elements. The result is a pure function of the inputs: every rank computes the same owners,
+and :meth:`OwnerAssignment.owner_hash` is checked like a layout hash.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from blockshard.planner._balance import best_rotation, rank_costs, rotate
+from blockshard.planner._layout import GroupLayout
+from blockshard.planner._owner import _assign
+from blockshard.planner._units import layout_hash, rank_overlap
+from blockshard.semantics import UnitGrid
+
+__all__ = ["ComputeTally", "OwnerAssignment", "OwnerBuilder", "straddling_units"]
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+#: Shifts are tried for a group where one rank's fixed cost (what it computes itself) exceeds this
+#: fraction of the group's mean cost per rank: below it, repeating the layout costs little.
+SHIFT_WORTH = 0.05
+#: At most this many shifts are tried per distinct group layout.
+MAX_SHIFTS = 16
+
+
+def tensor_shifts(layout: GroupLayout, memo: dict | None = None) -> list[GroupLayout]:
+    """[Note: shifts] ``layout`` re-based so that another tensor starts the gathered buffer.
+
+    Rotating by whole segments (``_balance.py``) needs a segment boundary outside every tensor,
+    which an owner-policy layout rarely has: its fine tensors straddle nearly every boundary, so
+    identical blocks would keep their whole-placed units on the same ranks. Starting the circular
+    order of a one-bucket layout at tensor ``j`` (every offset minus ``offset_j``, modulo ``W * S``)
+    keeps the tensors contiguous and the holes between tensors; it is kept when every rank boundary
+    still falls on an allowed cut of every tensor's grid. At most ``MAX_SHIFTS`` starts (evenly
+    spaced) are tried; the result depends only on the layout.
+    """
+    if len(layout.buckets) != 1 or layout.world_size == 1:
+        return []
+    key = ("shifts", layout.buckets, tuple((t.offset, t.grid) for t in layout.tensors))
+    if memo is not None and key in memo:
+        return [_with_offsets(layout, offs) for offs in memo[key]]
+    S = layout.buckets[0]
+    total = layout.world_size * S
+    starts = sorted({t.offset for t in layout.tensors if t.numel and t.offset})
+    if len(starts) > MAX_SHIFTS:
+        starts = [starts[int(i)] for i in np.linspace(0, len(starts) - 1, MAX_SHIFTS)]
+    found = []
+    for d in starts:
+        offs = tuple((t.offset - d) % total for t in layout.tensors)
+        if all(
+            not t.numel or straddling_units(t.grid, o, S, memo)[0].size == 0
+            for t, o in zip(layout.tensors, offs, strict=True)
+        ):
+            found.append(offs)
+    if memo is not None:
+        memo[key] = found
+    return [_with_offsets(layout, offs) for offs in found]
+
+
+def _with_offsets(layout: GroupLayout, offsets: tuple[int, ...]) -> GroupLayout:
+    moved = [dataclasses.replace(t, offset=o) for t, o in zip(layout.tensors, offsets, strict=True)]
+    moved.sort(key=lambda t: (t.bucket, t.offset, t.end))  # an empty tensor before one at its offset
+    return dataclasses.replace(layout, tensors=tuple(moved))
+
+
+def _loads(layout: GroupLayout) -> np.ndarray:
+    """Real elements per rank (float64), as ``GroupLayout.rank_loads``: the first and last piece of
+    each tensor, and whole segments between them through a difference array."""
+    ts = layout.tensors
+    W = layout.world_size
+    a = np.fromiter((t.offset for t in ts), dtype=np.int64, count=len(ts))
+    b = a + np.fromiter((t.numel for t in ts), dtype=np.int64, count=len(ts))
+    s = np.fromiter((layout.buckets[t.bucket] for t in ts), dtype=np.int64, count=len(ts))
+    keep = b > a
+    a, b, s = a[keep], b[keep], s[keep]
+    ra, rb = a // s, (b - 1) // s
+    out = np.bincount(ra, weights=np.minimum(b, (ra + 1) * s) - a, minlength=W + 1)
+    multi = rb > ra
+    out += np.bincount(rb[multi], weights=b[multi] - rb[multi] * s[multi], minlength=W + 1)
+    diff = np.bincount(ra[multi] + 1, weights=s[multi], minlength=W + 1)
+    diff -= np.bincount(rb[multi], weights=s[multi], minlength=W + 1)
+    return (out + np.cumsum(diff))[:W]
+
+
+def straddling_units(grid: UnitGrid, offset: int, S: int, memo: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, ends)``, in the tensor's flattening, of the units of ``grid`` that a rank boundary
+    cuts when the tensor starts at ``offset`` of a bucket with segment ``S`` (rank ``r`` holds
+    ``[r * S, (r + 1) * S)``). Rotations move ``offset`` by multiples of ``S``: same answer."""
+    key = ("straddle", grid, offset % S, S)
+    hit = memo.get(key) if memo is not None else None
+    if hit is not None:
+        return hit
+    n = grid.numel
+    first, last = offset // S + 1, (offset + n - 1) // S
+    if n == 0 or first > last:
+        out = (_EMPTY, _EMPTY)
+    elif grid.is_whole:
+        out = (np.zeros(1, dtype=np.int64), np.full(1, n, dtype=np.int64))
+    else:
+        u, lo, hi = grid.unit_numel, grid.min_cut, grid.max_cut
+        c = np.arange(first, last + 1, dtype=np.int64) * S - offset
+        c = c[~((c >= lo) & (c <= hi) & (c % u == 0))]
+        start = np.where(c < lo, 0, np.where(c > hi, hi, lo + ((c - lo) // u) * u))
+        end = np.where(c < lo, lo, np.where(c > hi, n, start + u))
+        start, first_of = np.unique(start, return_index=True)
+        out = (start, end[first_of])
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class OwnerAssignment:
+    """The owner of every cut compute unit of a model: unit ``i`` is ``unit_numel[i]`` elements
+    from ``unit_start[i]`` of tensor ``tensor_names[unit_tensor[i]]``, computed by ``unit_owner[i]``.
+    Compute units not listed lie inside one rank's segment and are computed there."""
+
+    world_size: int
+    tensor_names: tuple[str, ...]
+    unit_tensor: np.ndarray
+    unit_start: np.ndarray
+    unit_numel: np.ndarray
+    unit_owner: np.ndarray
+
+    @property
+    def num_units(self) -> int:
+        return int(self.unit_owner.size)
+
+    def to_json(self) -> dict:
+        names = self.tensor_names
+        return {
+            "world_size": self.world_size,
+            "units": [
+                [names[t], s, n, o]
+                for t, s, n, o in zip(
+                    self.unit_tensor.tolist(),
+                    self.unit_start.tolist(),
+                    self.unit_numel.tolist(),
+                    self.unit_owner.tolist(),
+                    strict=True,
+                )
+            ],
+        }
+
+    def owner_hash(self) -> str:
+        """A stable hash of the assignment (every rank must compute the same one)."""
+        return layout_hash(self.to_json())
+
+
+@dataclass(frozen=True, eq=False)
+class ComputeTally:
+    """Per-rank optimizer facts of some groups (a group kind, or the model).
+
+    ``cost``: optimizer compute per rank; ``state_bytes``: bytes of the parameters whose step the
+    rank computes (one optimizer-state tensor of the parameter dtype, e.g. Muon's momentum; scale
+    by your optimizer's state count); ``all_to_all_bytes``: bytes a rank receives per step in the
+    owner all_to_alls (gradient pieces in, new values back); ``largest_unit_cost``: the costliest
+    compute unit; ``modeled_cost_bytes``: [Note: policy cost model] per rank per step.
+    """
+
+    cost: np.ndarray
+    state_bytes: np.ndarray
+    all_to_all_bytes: np.ndarray
+    largest_unit_cost: float
+    modeled_cost_bytes: float
+    owner_tensors: int
+
+    @property
+    def cost_lower_bound(self) -> float:
+        """``max(mean, largest compute unit)``: no owner plan gets the busiest rank below it."""
+        return max(float(self.cost.mean()) if self.cost.size else 0.0, self.largest_unit_cost)
+
+    @property
+    def max_cost_over_lower_bound(self) -> float:
+        lb = self.cost_lower_bound
+        return float(self.cost.max()) / lb if lb > 0 else 1.0
+
+    def to_json(self) -> dict:
+        return {
+            "owner_tensors": self.owner_tensors,
+            "all_to_all_bytes_per_rank_max": int(self.all_to_all_bytes.max(initial=0)),
+            "all_to_all_bytes_per_rank_mean": float(self.all_to_all_bytes.mean()) if self.cost.size else 0.0,
+            "optimizer_state_bytes_per_rank_max": int(self.state_bytes.max(initial=0)),
+            "optimizer_state_bytes_per_rank_mean": float(self.state_bytes.mean()) if self.cost.size else 0.0,
+            "optimizer_cost_per_rank_max": float(self.cost.max(initial=0.0)),
+            "optimizer_cost_lower_bound": self.cost_lower_bound,
+            "optimizer_cost_max_over_lower_bound": self.max_cost_over_lower_bound,
+            "modeled_cost_bytes_per_rank": self.modeled_cost_bytes,
+        }
+
+
+@dataclass
+class _Kind:
+    cost: np.ndarray
+    state: np.ndarray
+    largest: float = 0.0
+    modeled: float = 0.0
+    owner_tensors: int = 0
+
+
+@dataclass
+class OwnerBuilder:
+    """Collects groups in order (rotating each), then assigns every cut unit an owner (:meth:`finish`)."""
+
+    world_size: int
+    memo: dict
+    kinds: dict[str, _Kind] = field(default_factory=dict)
+    units: list[tuple] = field(default_factory=list)  # (kind, tensor, starts, ends, offset, S, density, itemsize)
+
+    def add_group(
+        self,
+        layout: GroupLayout,
+        kind: str,
+        compute: Mapping[str, UnitGrid],
+        costs: Mapping[str, float],
+        running: np.ndarray,
+        modeled: float,
+        unrotated: np.ndarray,
+    ) -> GroupLayout:
+        """Rotate ``layout`` (whose tensors in ``compute`` are owner-computed on those compute grids)
+        against ``running``, add what its ranks compute themselves to ``running`` (and its proportional
+        cost to ``unrotated``, for the report); return it rotated."""
+        W = self.world_size
+        proportional, base, loads, largest = self._geometry(layout, compute, costs)
+        unrotated += proportional
+        k = best_rotation(layout, base, running)
+        if compute and base.max() > SHIFT_WORTH * self._total(layout, costs) / W:
+            layout, base, loads, k = self._best_shift(layout, compute, costs, running, (base, loads, k))
+        nz = np.flatnonzero(base)
+        running[(nz + k) % W] += base[nz]  # exactly as balance() does, so whole plans match the engine's
+        layout = rotate(layout, k)
+        self._collect(layout, compute, costs, kind)
+        tally = self.kinds.setdefault(kind, _Kind(np.zeros(W), np.zeros(W)))
+        tally.cost += np.roll(base, k)
+        tally.modeled += modeled
+        tally.owner_tensors += len(compute)
+        tally.state += np.roll(loads, k)
+        tally.largest = max(tally.largest, largest)
+        return layout
+
+    def _geometry(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]):
+        """``(proportional cost, fixed cost, loads in bytes, largest unit cost)``; identical blocks share one."""
+        key = (
+            "group",
+            layout.itemsize,
+            layout.buckets,
+            tuple((t.offset, t.bucket, t.grid, costs.get(t.name), compute.get(t.name)) for t in layout.tensors),
+        )
+        hit = self.memo.get(key)
+        if hit is None:
+            proportional = rank_costs(layout, costs)
+            base = self._fixed(layout, compute, costs, proportional.copy())
+            loads = _loads(layout) * layout.itemsize
+            hit = self.memo[key] = (proportional, base, loads, self._largest(layout, compute, costs))
+        return hit
+
+    def _total(self, layout: GroupLayout, costs: Mapping[str, float]) -> float:
+        return sum(costs.get(t.name, float(t.numel)) for t in layout.tensors)
+
+    def _best_shift(self, layout, compute, costs, running, current):
+        """Among ``layout`` and its tensor shifts (see [Note: shifts]), the one whose fixed cost, at its
+        best rotation, leaves the lowest peak on ``running`` (the first on ties)."""
+        base, loads, k = current
+
+        def peak(b: np.ndarray, k: int) -> float:
+            nz = np.flatnonzero(b)
+            return float(np.max(running[(nz + k) % self.world_size] + b[nz], initial=running.max()))
+
+        best = (peak(base, k), layout, base, loads, k)
+        for cand in tensor_shifts(layout, self.memo):
+            _, b, ld, _ = self._geometry(cand, compute, costs)
+            kk = best_rotation(cand, b, running)
+            p = peak(b, kk)
+            if p < best[0]:
+                best = (p, cand, b, ld, kk)
+        return best[1:]
+
+    @staticmethod
+    def _largest(layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> float:
+        """Cost of the costliest compute unit of the group."""
+        out = 0.0
+        for t in layout.tensors:
+            if t.numel:
+                grid = compute.get(t.name, t.grid)
+                out = max(out, costs.get(t.name, float(t.numel)) * grid.largest_unit / t.numel)
+        return out
+
+    def _cut(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]):
+        """``(tensor, starts, ends, S, density)`` of every owner-computed tensor with cut compute units."""
+        for t in layout.tensors:
+            grid = compute.get(t.name)
+            if grid is None or not t.numel:
+                continue
+            S = layout.buckets[t.bucket]
+            starts, ends = straddling_units(grid, t.offset, S, self.memo)
+            if starts.size:
+                yield t, starts, ends, S, costs.get(t.name, float(t.numel)) / t.numel
+
+    def _fixed(self, layout, compute, costs, base: np.ndarray) -> np.ndarray:
+        """Cost per rank of what each rank computes itself (``base``, the proportional cost, less the cut units)."""
+        for t, starts, ends, S, density in self._cut(layout, compute, costs):
+            base -= density * rank_overlap(t.offset + starts, t.offset + ends, S, self.world_size)
+        return base
+
+    def _collect(self, layout, compute, costs, kind: str) -> None:
+        for t, starts, ends, S, density in self._cut(layout, compute, costs):
+            self.units.append((kind, t.name, starts, ends, t.offset, S, density, layout.itemsize))
+
+    def _columns(self, units: list[tuple]) -> tuple[list[np.ndarray], list[str]]:
+        """Per cut unit: tensor index, start, end (tensor), start, end (bucket), S, cost, itemsize; and its kind."""
+        names = {n: i for i, n in enumerate(dict.fromkeys(u[1] for u in self.units))}
+        parts = [
+            (np.full(s.size, names[n]), s, e, o + s, o + e, np.full(s.size, S), d * (e - s), np.full(s.size, b), kd)
+            for kd, n, s, e, o, S, d, b in units
+        ]
+        if not parts:
+            return [np.zeros(0, dtype=np.int64)] * 8, []
+        cols = [np.concatenate([p[j] for p in parts]) for j in range(8)]
+        return cols, [p[8] for p in parts for _ in range(p[1].size)]
+
+    def finish(self, running: np.ndarray) -> tuple[OwnerAssignment, dict[str, ComputeTally]]:
+        """Owners of every cut unit (adds their cost to ``running``); per-kind tallies."""
+        W = self.world_size
+        names = tuple(dict.fromkeys(u[1] for u in self.units))
+        (ut, us, ue, ua, ub, steps, uc, item), kind_of = self._columns(self.units)
+        owner, own_piece = _assign(running, np.arange(ut.size), ua, ub, uc.astype(np.float64), steps)
+        kinds = {kd: self._tally(kd, kind_of, owner, own_piece, ua, ub, steps, uc, item) for kd in self.kinds}
+        return OwnerAssignment(W, names, ut, us, ue - us, owner), kinds
+
+    def _tally(self, kind, kind_of, owner, own_piece, ua, ub, steps, uc, item) -> ComputeTally:
+        W, t = self.world_size, self.kinds[kind]
+        m = np.asarray([k == kind for k in kind_of], dtype=bool)
+        a2a = np.zeros(W)
+        if m.any():
+            numel = (ub - ua)[m]
+            size = item[m].astype(np.float64)
+            held = np.zeros(W)
+            for b in np.unique(item[m]):  # a group's pieces in its own itemsize
+                sel = m & (item == b)
+                held += b * rank_overlap(ua[sel], ub[sel], steps[sel], W)
+            kept = np.zeros(W)
+            np.add.at(kept, owner[m], own_piece[m] * size)
+            recv = np.zeros(W)
+            np.add.at(recv, owner[m], (numel - own_piece[m]) * size)
+            a2a = (held - kept) + recv  # update pieces come back to the holders; gradient pieces go in
+            np.add.at(t.cost, owner[m], uc[m])
+            t.state += recv - (held - kept)
+        return ComputeTally(t.cost, t.state, a2a, t.largest, t.modeled, t.owner_tensors)

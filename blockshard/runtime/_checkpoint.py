@@ -1,0 +1,196 @@
+"""DCP checkpoints of sharded models: save, checked load, and what a checkpoint directory holds.
+
+``model.state_dict()`` already speaks DCP ([Note: state dict entries] in ``_piece_tensor.py``), so
+``dcp.save(model.state_dict(), checkpoint_id=path)`` is a checkpoint that loads at any world size.
+:func:`load_checkpoint` adds what ``dcp.load`` leaves to the caller: it compares the checkpoint's
+metadata with the model first, on every rank and without a collective (every rank reads the
+``.metadata`` file itself), so a checkpoint of another model, of other shapes, incomplete or with a
+missing shard file raises the same :class:`CheckpointError` on every rank, naming what differs,
+before any value is read. (``dcp.load`` itself reports such cases as a ``CheckpointException``,
+a ``BaseException``, that ``except Exception`` does not catch.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from blockshard._errors import BlockshardError
+
+__all__ = ["CheckpointError", "describe_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+_METADATA = ".metadata"  # written by DCP's coordinator once every rank has written its data
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+class CheckpointError(BlockshardError):
+    """A checkpoint that is incomplete or does not fit the model it is loaded into."""
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """``model.state_dict()``, or ``{"model": ..., "optimizer": ...}`` with an optimizer."""
+    if optimizer is None:
+        return model.state_dict()
+    from blockshard.runtime._optim_state import optimizer_state_dict
+
+    return {"model": model.state_dict(), "optimizer": optimizer_state_dict(model, optimizer)}
+
+
+def save_checkpoint(
+    model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """``dcp.save(model.state_dict(), checkpoint_id=...)`` (collective: call on every rank); with
+    ``optimizer``, ``{"model": ..., "optimizer": blockshard.optimizer_state_dict(model, optimizer)}``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(model, optimizer), checkpoint_id=checkpoint_id)
+
+
+def load_checkpoint(
+    model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Load a checkpoint of :func:`save_checkpoint` at any world size or semantics (collective).
+
+    Checks the checkpoint against the model (and optimizer) first (:class:`CheckpointError` on
+    every rank), then ``dcp.load`` reads each rank's boxes straight into its pieces, and
+    ``model.load_state_dict`` finishes (buffers, non-tensor entries, a resharded group).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    state = _state(model, optimizer)
+    check_checkpoint(state, checkpoint_id)
+    dcp.load(state, checkpoint_id=checkpoint_id)
+    if optimizer is None:
+        model.load_state_dict(state)
+        return
+    from blockshard.runtime._optim_state import load_optimizer_state_dict
+
+    model.load_state_dict(state["model"])
+    load_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
+def _flatten(state: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts and lists flattened with DCP's dotted names (``optimizer.state.w.exp_avg``)."""
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out |= _flatten(value, f"{name}.")
+        elif isinstance(value, list) and any(isinstance(v, (Mapping, list, torch.Tensor)) for v in value):
+            out |= _flatten({str(i): v for i, v in enumerate(value)}, f"{name}.")
+        else:
+            out[name] = value
+    return out
+
+
+def _read_metadata(path: str) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} is not a directory. Fix: pass the directory dcp.save wrote")
+    if not os.path.isfile(os.path.join(path, _METADATA)):
+        raise CheckpointError(
+            f"checkpoint {path!r} has no {_METADATA} file: the save did not finish on every rank (DCP writes "
+            "it last), or this is not a DCP checkpoint. Fix: load the previous complete checkpoint"
+        )
+    return FileSystemReader(path).read_metadata()
+
+
+def _problems(path: str, md: Any) -> list[str]:
+    """What makes a checkpoint incomplete: uncovered tensors, missing or short shard files."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out = []
+    for name, entry in md.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            covered, numel = sum(math.prod(c.sizes) for c in entry.chunks), math.prod(entry.size)
+            if covered != numel:
+                out.append(f"tensor {name!r}: its chunks cover {covered} of {numel} elements")
+    sizes: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    for rel, need in sorted(sizes.items()):
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            out.append(f"shard file {rel!r} is missing")
+        elif os.path.getsize(full) < need:
+            out.append(f"shard file {rel!r} has {os.path.getsize(full)} bytes, the metadata needs {need}")
+    return out
+
+
+def check_checkpoint(state: Mapping[str, object], checkpoint_id: str | os.PathLike) -> None:
+    """Raise :class:`CheckpointError` unless the checkpoint is complete and holds every entry of
+    ``state`` with the same global shape (no collective: each rank reads the metadata itself)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.fspath(checkpoint_id)
+    md = _read_metadata(path)
+    saved = md.state_dict_metadata
+    state = _flatten(state)
+    missing = sorted(repr(k) for k in state if k not in saved)
+    unexpected = sorted(repr(k) for k in saved if k not in state)
+    shapes = []
+    for k, v in state.items():
+        entry = saved.get(k)
+        if isinstance(v, torch.Tensor) and isinstance(entry, TensorStorageMetadata):
+            if tuple(entry.size) != tuple(v.shape):
+                shapes.append(f"{k!r}: saved {tuple(entry.size)}, model {tuple(v.shape)}")
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {_few(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the model: {_few(unexpected)}")
+        if shapes:
+            parts.append(f"shapes differ: {_few(shapes)}")
+        raise CheckpointError(
+            f"checkpoint {path!r} does not fit this model ({'; '.join(parts)}): it was saved from another model "
+            "or another configuration. Fix: load it into the model it was saved from"
+        )
+    problems = _problems(path, md)
+    if problems:
+        raise CheckpointError(f"checkpoint {path!r} is incomplete: {_few(problems)}. Fix: save it again")
+
+
+def _few(items: list[str], n: int = 5) -> str:
+    more = f" and {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def describe_checkpoint(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
+    """What a DCP checkpoint directory holds (no process group needed): the ranks that wrote
+    data, every tensor's global shape, dtype, bytes and number of chunks, and completeness."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.fspath(checkpoint_id)
+    md = _read_metadata(path)
+    ranks = sorted({int(m.group(1)) for f in os.listdir(path) if (m := _RANK_FILE.match(f))})
+    tensors, objects = [], []
+    for name, entry in sorted(md.state_dict_metadata.items()):
+        if isinstance(entry, TensorStorageMetadata):
+            dtype = entry.properties.dtype
+            numel = math.prod(entry.size)
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            tensors.append(
+                {"name": name, "shape": list(entry.size), "dtype": str(dtype).removeprefix("torch."), "bytes": nbytes}
+                | {"chunks": len(entry.chunks)}
+            )
+        else:
+            objects.append(name)
+    problems = _problems(path, md)
+    return {
+        "path": path,
+        "ranks_that_wrote": len(ranks),
+        "tensors": tensors,
+        "objects": objects,
+        "tensor_bytes": sum(t["bytes"] for t in tensors),
+        "file_bytes": sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)),
+        "complete": not problems,
+        "problems": problems,
+    }

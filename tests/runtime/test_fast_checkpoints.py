@@ -1,0 +1,296 @@
+"""Checkpoints in-process (issue 11): the boxes of a flat run, PieceTensor, model.state_dict() /
+load_state_dict(), DCP round trips at W = 1 and W = 2 (threads, see _inproc.py), tied names in
+full_state_dict, Hugging Face save_pretrained, ``blockshard inspect CHECKPOINT``.
+Tolerance: bitwise (every check here is a copy). Controls: fresh models differ from the saved
+state; the dict without the tied name fails a strict load; save_pretrained without full tensors
+writes no weights."""
+
+from __future__ import annotations
+
+import copy
+import io
+import itertools
+import math
+import os
+
+import _inproc
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import blockshard
+from blockshard._tiny import OddMLP, mlp_batches
+from blockshard.cli import main
+from blockshard.runtime import PieceTensor, PieceTensorError, ShardingError, describe_checkpoint
+from blockshard.runtime._piece_tensor import flat_run_boxes
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True)
+def _w1(gloo_w1):
+    return gloo_w1
+
+
+# -- boxes --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(5, 7), (3, 4, 5), (2, 3, 2, 3), (9,), ()])
+def test_every_flat_run_is_tiled_by_at_most_2ndim_minus_1_boxes_in_order(shape):
+    n = math.prod(shape)
+    t = torch.arange(n).view(shape)
+    for lo, hi in itertools.combinations_with_replacement(range(n + 1), 2):
+        boxes = flat_run_boxes(shape, lo, hi - lo)
+        assert len(boxes) <= max(1, 2 * len(shape) - 1)
+        got = [t[tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes, strict=True))].reshape(-1) for b in boxes]
+        assert torch.equal(torch.cat(got) if got else torch.empty(0, dtype=t.dtype), torch.arange(lo, hi))
+        starts = list(itertools.accumulate((b.numel for b in boxes[:-1]), initial=0)) if boxes else []
+        assert [b.run_offset for b in boxes] == starts
+
+
+def test_a_matrix_run_over_partial_rows_is_three_boxes():
+    boxes = flat_run_boxes((4, 10), 7, 25)  # the end of row 0, rows 1-2, the start of row 3
+    assert [(b.offsets, b.sizes) for b in boxes] == [((0, 7), (1, 3)), ((1, 0), (2, 10)), ((3, 0), (1, 2))]
+
+
+# -- PieceTensor --------------------------------------------------------------------------------
+def test_piece_tensor_keeps_its_piece_through_what_state_dict_tools_do():
+    p = PieceTensor(torch.arange(5.0), 3, (4, 3), "w")
+    assert p.shape == (4, 3) and p.dtype == torch.float32 and p.local_start == 3
+    for q in (p.detach(), p.clone(), copy.deepcopy(p), p.to("cpu"), p.cpu()):
+        assert isinstance(q, PieceTensor) and q.local_start == 3 and torch.equal(q.to_local(), p.to_local())
+    assert p.to(torch.float64).to_local().dtype == torch.float64
+    buf = io.BytesIO()
+    torch.save({"w": p}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=False)["w"]
+    assert isinstance(back, PieceTensor) and torch.equal(back.to_local(), p.to_local())
+    assert "piece=[3, 8)" in repr(p)
+
+
+def test_an_empty_tensor_is_one_empty_box_on_every_rank():
+    # every rank writes the same empty box (DCP keeps one), so the name is in the checkpoint
+    boxes = PieceTensor(torch.empty(0), 0, (0, 3)).__create_chunk_list__()
+    assert [(tuple(c.offsets), tuple(c.sizes)) for c in boxes] == [((0, 0), (0, 3))]
+
+
+@pytest.mark.parametrize(
+    "op", [lambda p: p + 1, lambda p: p.sum(), lambda p: p.untyped_storage(), lambda p: p.data_ptr()]
+)
+def test_piece_tensor_refuses_whole_tensor_work_naming_full_state_dict(op):
+    with pytest.raises(PieceTensorError, match=r"only this rank's piece \[3, 8\).*blockshard.full_state_dict"):
+        op(PieceTensor(torch.arange(5.0), 3, (4, 3), "w"))
+
+
+# -- model.state_dict() at W = 1 and W = 2 -------------------------------------------------------
+def _sharded(seed: int, semantics: object = None) -> nn.Module:
+    with _inproc.serial():
+        model = OddMLP(seed)
+    for block in model.blocks:
+        blockshard.fully_shard(block, semantics=semantics)
+    return blockshard.fully_shard(model, semantics=semantics)
+
+
+def _step(model: nn.Module) -> None:
+    x, y = mlp_batches(1, 4)[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    model.zero_grad()
+
+
+def _dcp_round_trip(rank: int, world: int, path: str) -> dict:
+    saved = _sharded(0)
+    _step(saved)
+    entries = saved.state_dict()
+    dcp.save(entries, checkpoint_id=path)
+    model = _sharded(1, semantics="muon")
+    fresh_differs = not all(torch.equal(a, b) for a, b in zip(*map(_values, (saved, model)), strict=True))
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state)
+    _step(model)
+    _step(saved)
+    return {
+        "kinds": {type(v).__name__ for v in entries.values()},
+        "shapes": {k: tuple(v.shape) for k, v in entries.items()},
+        "fresh_differs": fresh_differs,
+        "equal_after_a_step": all(torch.equal(a, b) for a, b in zip(*map(_values, (saved, model)), strict=True)),
+    }
+
+
+def _values(model: nn.Module) -> list[torch.Tensor]:
+    return list(blockshard.full_state_dict(model).values())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_dcp_round_trip_into_other_semantics_then_training_goes_on_alike(world, tmp_path):
+    if world == 1:
+        with _inproc.single_thread():
+            outs = [_dcp_round_trip(0, 1, str(tmp_path / "ckpt"))]
+    else:
+        outs = _inproc.run_ranks(_dcp_round_trip, 2, args=(str(tmp_path / "ckpt"),))
+    want = {k: tuple(v.shape) for k, v in OddMLP(0).state_dict().items()}
+    for out in outs:
+        assert out["kinds"] == {"PieceTensor"} and out["shapes"] == want
+        assert out["fresh_differs"] and out["equal_after_a_step"]
+
+
+def test_load_state_dict_takes_full_tensors_and_refuses_wrong_ones():
+    with _inproc.single_thread():
+        model = _sharded(1)
+        full = OddMLP(0).state_dict()
+        model.load_state_dict(full)  # an unsharded model's state dict loads as it is
+        assert all(torch.equal(blockshard.full_state_dict(model)[k], v) for k, v in full.items())
+        bad = dict(full, **{"blocks.0.0.weight": torch.zeros(3, 13)})
+        with pytest.raises(ShardingError, match=r"'blocks.0.0.weight': the state dict holds shape \(3, 13\)"):
+            model.load_state_dict(bad)
+        with pytest.raises(ShardingError, match="assign=True"):
+            model.load_state_dict(full, assign=True)
+        other = PieceTensor(torch.zeros(5), 2, (37, 13))
+        with pytest.raises(ShardingError, match=r"holds piece \[2, 7\) of it, this rank holds \[0, 481\)"):
+            model.load_state_dict(dict(full, **{"blocks.0.0.weight": other}))
+
+
+def test_set_model_state_dict_with_full_tensors_loads_and_get_model_state_dict_keeps_pieces():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    with _inproc.single_thread():
+        model = _sharded(1)
+        full = OddMLP(0).state_dict()
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+        assert all(torch.equal(blockshard.full_state_dict(model)[k], v) for k, v in full.items())
+        # DCP's full_state_dict=True gathers DTensors only: entries stay pieces (documented)
+        got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        assert {type(v) for v in got.values()} == {PieceTensor}
+
+
+class _PerBlockState(torch.optim.Optimizer):
+    """Keeps a state tensor that is not piece-shaped (as bitsandbytes' absmax per 256-block)."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p].setdefault("absmax", torch.zeros(2))
+
+
+def test_optimizer_state_that_is_not_piece_shaped_raises_naming_the_key():
+    with _inproc.single_thread():
+        model = _sharded(0)
+        with pytest.raises(
+            blockshard.runtime.CheckpointError, match=r"state 'absmax' of parameter 'blocks.0.0.weight'"
+        ):
+            blockshard.optimizer_state_dict(model, _PerBlockState(model.parameters()))
+        state = blockshard.optimizer_state_dict(model, torch.optim.AdamW(model.parameters()))
+        entry = state["state"]["blocks.0.0.weight"]
+        assert isinstance(entry["exp_avg"], PieceTensor) and entry["exp_avg"].shape == (37, 13)
+        assert type(entry["step"]) is torch.Tensor and state["param_groups"][0]["params"][0] == "blocks.0.0.weight"
+
+
+def test_creating_missing_optimizer_state_leaves_existing_state_and_parameters_alone():
+    with _inproc.single_thread():
+        model = _sharded(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        x, _ = mlp_batches(1, 4)[0]
+        model(x).sum().backward()
+        for p in model.blocks[1:].parameters():
+            p.grad = None  # these get no state in this step
+        opt.step()
+        first = model.blocks[0][0].weight
+        before = {k: v.clone() for k, v in opt.state[first].items()}
+        params = [p.detach().clone() for p in model.parameters()]
+        state = blockshard.optimizer_state_dict(model, opt)
+        assert set(state["state"]) == {n for n, _ in model.named_parameters()}  # created for every parameter
+        assert all(torch.equal(opt.state[first][k], v) for k, v in before.items())  # step stays 1
+        assert all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
+        assert first.grad is not None and model.blocks[1][0].weight.grad is None  # gradients as they were
+
+
+# -- tied names, save_pretrained -----------------------------------------------------------------
+def _tiny_llama(tie: bool) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=tie,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config)
+
+
+def _export(rank: int, world: int, path: str, tie: bool) -> dict:
+    with _inproc.serial():  # lazy imports are not thread-safe
+        from transformers import LlamaForCausalLM
+
+        model = _tiny_llama(tie)
+        unsharded = _tiny_llama(tie)
+    for layer in model.model.layers:
+        blockshard.fully_shard(layer)
+    blockshard.fully_shard(model)
+    out: dict = {}
+    full = blockshard.full_state_dict(model)
+    out["names_match"] = list(full) == list(unsharded.state_dict())
+    unsharded.load_state_dict(full)  # strict
+    try:
+        model.save_pretrained(f"{path}/pieces", is_main_process=rank == 0)
+        out["pieces"] = "no error"
+    except PieceTensorError as e:
+        out["pieces"] = str(e)
+    out["pieces_files"] = sorted(os.listdir(f"{path}/pieces")) if os.path.isdir(f"{path}/pieces") else []
+    model.save_pretrained(f"{path}/full", state_dict=dict(full), is_main_process=rank == 0)  # HF pops entries
+    torch.distributed.barrier()
+    with _inproc.serial():
+        back = LlamaForCausalLM.from_pretrained(f"{path}/full")
+    out["reloaded_equal"] = all(torch.equal(v, full[k]) for k, v in back.state_dict().items())
+    out["without_tied_name_fails"] = None
+    if tie:
+        try:
+            unsharded.load_state_dict({k: v for k, v in full.items() if k != "lm_head.weight"})
+        except RuntimeError:
+            out["without_tied_name_fails"] = True
+    return out
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_full_state_dict_has_tied_names_and_save_pretrained_never_writes_pieces(tie, tmp_path):
+    for out in _inproc.run_ranks(_export, 2, args=(str(tmp_path), tie)):
+        assert out["names_match"] and out["reloaded_equal"]
+        assert "save_pretrained(path, state_dict=blockshard.full_state_dict(model)" in out["pieces"]
+        assert not [f for f in out["pieces_files"] if f.endswith((".safetensors", ".bin"))]
+        assert out["without_tied_name_fails"] is (True if tie else None)  # control
+
+
+# -- blockshard inspect CHECKPOINT ---------------------------------------------------------------
+def test_inspect_a_checkpoint(tmp_path, capsys):
+    with _inproc.single_thread():
+        model = _sharded(0)
+        dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "ok"))
+    info = describe_checkpoint(tmp_path / "ok")
+    assert info["complete"] and info["ranks_that_wrote"] == 1
+    by_name = {t["name"]: t for t in info["tensors"]}
+    assert by_name["blocks.0.0.weight"] == {"name": "blocks.0.0.weight", "shape": [37, 13], "dtype": "float32"} | {
+        "bytes": 37 * 13 * 4,
+        "chunks": 1,
+    }
+    assert main(["inspect", str(tmp_path / "ok")]) == 0
+    assert "blocks.0.0.weight" in capsys.readouterr().out
+    os.remove(tmp_path / "ok" / "__0_0.distcp")
+    assert main(["inspect", str(tmp_path / "ok"), "--json"]) == 1  # readable, but incomplete
+    assert "shard file '__0_0.distcp' is missing" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["nowhere"], "'nowhere' is not a directory"),
+        (["."], "has no .metadata file"),
+        ([], "either a checkpoint directory"),
+        (["x", "--model", "llama3-8b"], "not both and not neither"),
+    ],
+)
+def test_inspect_bad_checkpoint_arguments_are_one_error_line(args, fragment, capsys):
+    assert main(["inspect", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("blockshard inspect: error:") and fragment in err
