@@ -30,7 +30,9 @@ keyed weakly by the optimizer, so it keeps nothing alive, and it never changes a
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,7 +41,7 @@ from torch.utils.hooks import RemovableHandle
 
 from blockshard.runtime._param import managed_tag
 
-__all__ = ["check_optimizer", "install_optimizer_guard"]
+__all__ = ["check_optimizer", "install_optimizer_guard", "uncounted_steps"]
 
 _handle: RemovableHandle | None = None  # the registered hook: installed once per process
 # optimizer -> (the number of parameters it held when last checked, weak references to the groups
@@ -54,12 +56,29 @@ def install_optimizer_guard() -> None:
         _handle = register_optimizer_step_pre_hook(_pre_step)
 
 
+_uncounted = 0  # > 0 inside uncounted_steps()
+
+
+@contextlib.contextmanager
+def uncounted_steps() -> Iterator[None]:
+    """Optimizer steps inside are not training steps (e.g. the learning-rate-0 step that creates
+    optimizer state before a checkpoint load): the end-of-step check does not count them."""
+    global _uncounted
+    _uncounted += 1
+    try:
+        yield
+    finally:
+        _uncounted -= 1
+
+
 def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     seen = _checked.get(optimizer)
     if seen is None or seen[0] != count:
         seen = (count, check_optimizer(optimizer))
         _checked[optimizer] = seen
+    if _uncounted:
+        return
     for ref in seen[1]:
         group = ref()
         if group is not None and group.tally is not None:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from blockshard.runtime._api import _join, _states_under
+from blockshard.runtime._optim_guard import uncounted_steps
 from blockshard.runtime._param import ShardedParam
 from blockshard.runtime._piece_tensor import PieceTensor
 
@@ -77,7 +78,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for p in params:
         p.grad = torch.zeros_like(p) if id(p) in missing else None
     try:
-        optimizer.step()
+        with uncounted_steps():  # not a training step ([Note: collective integrity])
+            optimizer.step()
     finally:
         for p, grad in zip(params, grads, strict=True):
             p.grad = grad
