@@ -58,6 +58,9 @@ class ShardGroup:
         self.costs = costs  # optimizer cost per tensor name, for rotation ([Note: rotation])
         self.rank, self.world_size = process_group.rank(), process_group.size()
         self.requires_gradient_sync = True
+        self.reshard_after_backward = True  # set_reshard_after_backward (_module.py)
+        self.requires_all_reduce = True  # set_requires_all_reduce: no replicate axis yet, nothing to skip
+        self.divide_factor: float | None = None  # set_gradient_divide_factor: sum / factor, not the average
         self.tally: CollectiveTally | None = None  # set by the root context ([Note: collective integrity])
         self.tally_index = 0  # this group's position in its root context
         self._pending: list = []  # async all-gather works, while UNSHARDING
@@ -301,9 +304,15 @@ class ShardGroup:
         for b, S_b in enumerate(layout.buckets):
             off = layout.bucket_local_offset(b)
             work = reduce_scatter_avg(
-                out[off : off + S_b], rs_in[W * off : W * (off + S_b)], self.process_group, async_op=True
+                out[off : off + S_b],
+                rs_in[W * off : W * (off + S_b)],
+                self.process_group,
+                async_op=True,
+                summed=self.divide_factor is not None,
             )
             wait(work, f"the reduce-scatter of group {self.described}", self.process_group)
+        if self.divide_factor is not None:
+            out.div_(self.divide_factor)
         for sp in self.params:
             if not sp.sharded.requires_grad or sp.index not in has_grad:
                 continue
