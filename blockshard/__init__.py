@@ -33,6 +33,7 @@ _RUNTIME = (
     "optimizer_state_dict",
     "load_optimizer_state_dict",
     "register_forward_method",
+    "init_parameters",
 )
 
 

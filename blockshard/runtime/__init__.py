@@ -14,6 +14,7 @@ from blockshard.runtime._checkpoint import CheckpointError, describe_checkpoint,
 from blockshard.runtime._clip import ClipError, clip_grad_norm_
 from blockshard.runtime._collectives import CollectiveIntegrityError, LayoutMismatchError
 from blockshard.runtime._common import EngineStateError, ShardedState, TrainingState
+from blockshard.runtime._init import init_parameters
 from blockshard.runtime._module import register_forward_method
 from blockshard.runtime._optim_state import load_optimizer_state_dict, optimizer_state_dict
 from blockshard.runtime._piece_tensor import PieceTensor, PieceTensorError
@@ -45,6 +46,7 @@ __all__ = [
     "fully_shard",
     "global_shapes",
     "group_layouts",
+    "init_parameters",
     "is_sharded",
     "load_checkpoint",
     "load_full_state_dict",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -176,8 +175,6 @@ def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
                 "engine shards the row-major flattening. Fix: make it contiguous first, e.g. "
                 "module.weight = nn.Parameter(module.weight.contiguous())"
             )
-        if p.device.type == "meta":
-            raise ShardingError(f"parameter {n!r} is on the meta device; materialize the model before fully_shard")
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ShardingError(
@@ -293,7 +290,7 @@ def fully_shard(
     state.order = next(_ORDER)  # see [Note: cost tally]
     for orig in params:
         tag_managed(orig, name, original=True)
-    _tag_views(state)
+    group.tag_views()
     module.__dict__[STATE_ATTR] = state
     _swap_class(module)
     from blockshard.runtime._state_dict import install_state_dict_hooks  # imports this module
@@ -301,14 +298,6 @@ def fully_shard(
     install_state_dict_hooks(module)  # model.state_dict() speaks DCP ([Note: state dict entries])
     _balance_costs(module, state)
     return module
-
-
-def _tag_views(state: ModuleState) -> None:
-    for sp in state.group.params:
-        tag_managed(
-            sp.sharded, state.group.name, process_group=state.group.process_group, group=weakref.ref(state.group)
-        )
-        tag_managed(sp.unsharded, state.group.name)
 
 
 # [Note: cost tally]
@@ -345,7 +334,7 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
         k = _rotation(layout, rotated)
         if k:
             st.group.relayout(rotated, k)
-            _tag_views(st)
+            st.group.tag_views()
             changed = True
     if changed:
         hashes = ",".join(st.group.layout.layout_hash() for st in [*below, state] if st.group.layout is not None)

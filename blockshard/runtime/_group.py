@@ -120,6 +120,34 @@ class ShardGroup:
             else:
                 sp.local_start, sp.local_numel, sp.local_offset = piece.start, piece.numel, piece.local_offset
 
+    def tag_views(self) -> None:
+        """Tag the parameter objects this group made ([Note: optimizer guard], clipping)."""
+        for sp in self.params:
+            tag_managed(sp.sharded, self.name, process_group=self.process_group, group=weakref.ref(self))
+            tag_managed(sp.unsharded, self.name)
+
+    @torch.no_grad()
+    def materialize(self, device: torch.device) -> None:
+        """A group sharded on the meta device gets real, uninitialized buffers on ``device`` (as
+        ``model.to_empty(device=...)`` asks) and new parameter objects over them; the meta ones
+        are tagged as replaced, so an optimizer built over them raises. See [Note: meta init]."""
+        expect(f"materialize group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
+        S, W = self.local.numel(), self.world_size
+        for sp in self.params:
+            tag_managed(sp.sharded, self.name, original=True)
+        self.device = device
+        self.local = torch.empty(S, dtype=self.orig_dtype, device=device)
+        self.send = (
+            self.local if self.param_dtype == self.orig_dtype else torch.empty(S, dtype=self.param_dtype, device=device)
+        )
+        self.gathered = torch.empty(W * S, dtype=self.param_dtype, device=device)
+        self._grad = None
+        for sp in self.params:
+            sp.requires_grad = sp.sharded.requires_grad
+        self._make_views()
+        self._free_gathered()
+        self.tag_views()
+
     def _make_views(self) -> None:
         """New parameter objects over the buffers: sharded (block-shaped) and unsharded (full)."""
         for sp in self.params:
@@ -136,7 +164,7 @@ class ShardGroup:
         moves to rank ``(r + k) % W``, see [Note: rotation]): one shift of ``local`` across ranks,
         then new parameter objects. Only before training (no gradients, no optimizer state)."""
         expect(f"relayout of group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
-        if k % self.world_size:
+        if k % self.world_size and self.local.device.type != "meta":  # meta: no values to move
             self.local.copy_(shift_ranks(self.local, k, self.process_group))
         for sp in self.params:
             sp.requires_grad = sp.sharded.requires_grad  # frozen since fully_shard, maybe

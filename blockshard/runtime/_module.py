@@ -156,13 +156,18 @@ class ShardedModule(nn.Module):
     def _apply(self, fn: Callable, recurse: bool = True) -> ShardedModule:
         """``.to()``, ``.double()``, ``.cuda()``...: allowed only when they change nothing about the
         parameters (the sharded parameters are views of the engine's buffers; a converted copy
-        would be trained while the engine gathers the old buffer)."""
-        for m in self.modules():
-            st = state_of(m)
-            if st is None or st.group.layout is None:
-                continue
+        would be trained while the engine gathers the old buffer), and to materialize a model
+        sharded on the meta device (``model.to_empty(device=...)``, [Note: meta init])."""
+        global _applying
+        if _applying:  # an enclosing sharded module's _apply has handled this subtree's groups
+            return super()._apply(fn, recurse)
+        states = [st for m in self.modules() if (st := state_of(m)) is not None and st.group.layout is not None]
+        for st in states:
             probe = st.group.local[:1]
-            if fn(probe) is not probe:
+            out = fn(probe)
+            if st.group.device.type == "meta" and out.device.type != "meta" and out.dtype == probe.dtype:
+                continue  # materialized below
+            if out is not probe:
                 raise ShardingError(
                     f"converting or moving a sharded module (model.to(...), .double(), .half(), .cuda()) "
                     f"would replace the parameters of group {st.group.name!r} ({st.group.orig_dtype} on "
@@ -170,7 +175,21 @@ class ShardedModule(nn.Module):
                     "ignore them. Fix: convert or move the model before fully_shard, or keep the parameters "
                     "and compute in another dtype with mp_policy=MixedPrecisionPolicy(param_dtype=...)"
                 )
-        return super()._apply(fn, recurse)
+        for st in states:
+            if st.group.device.type == "meta":
+                st.group.materialize(fn(st.group.local[:1]).device)
+        # the rest (buffers, unsharded parameters) as torch does; the engine's own parameters are
+        # hidden meanwhile, so torch does not replace their data
+        hidden = [(ref, ref.module._parameters[ref.attr]) for st in states for sp in st.group.params for ref in sp.refs]
+        for ref, _ in hidden:
+            ref.module._parameters[ref.attr] = None
+        _applying = True
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            _applying = False
+            for ref, p in hidden:
+                ref.module._parameters[ref.attr] = p
 
     def __deepcopy__(self, memo: dict) -> NoReturn:
         raise ShardingError(
@@ -178,6 +197,9 @@ class ShardedModule(nn.Module):
             "the original's buffers and collectives (its unshard() would unshard the original). Fix: "
             "deepcopy the model before fully_shard and shard the copy, or build a second model"
         )
+
+
+_applying = False  # inside the outermost ShardedModule._apply (its subtree's groups are handled)
 
 
 def _check_bool(name: str, value: object) -> None:
