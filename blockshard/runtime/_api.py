@@ -75,10 +75,13 @@ def _process_group(mesh: object) -> dist.ProcessGroup:
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(mesh, DeviceMesh):
+        if mesh.ndim == 2:  # HSDP: (replicate, shard), as FSDP2
+            return mesh.get_group(1)
         if mesh.ndim != 1:
             raise ShardingError(
-                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; blockshard shards over a 1-D mesh. "
-                "Pass the sharding axis, e.g. mesh['dp_shard']"
+                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; blockshard shards over a 1-D mesh, or "
+                "replicates and shards over a 2-D (replicate, shard) mesh (HSDP). Pass one of those, e.g. "
+                "mesh['dp_replicate', 'dp_shard']"
             )
         return mesh.get_group()
     raise ShardingError(f"mesh={mesh!r} must be None, a 1-D DeviceMesh or a ProcessGroup")
@@ -116,6 +119,15 @@ def _ignored(ignored_params: object) -> set[int]:
         if not isinstance(p, nn.Parameter):
             raise ShardingError(f"ignored_params holds a {type(p).__name__} (item {i}); it must hold nn.Parameters")
     return {id(p) for p in ignored_params}
+
+
+def _replicate_group(mesh: object) -> dist.ProcessGroup | None:
+    """HSDP's replicate axis (dim 0 of a 2-D mesh), or None: gradients are all-reduced over it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or mesh.size(0) == 1:
+        return None
+    return engine_group(mesh.get_group(0))
 
 
 def _collect(
@@ -242,6 +254,7 @@ def fully_shard(
         )
     alignment_bytes = _check_alignment(alignment_bytes)
     process_group = engine_group(_process_group(mesh))  # [Note: collective integrity], point 1
+    replicate_group = _replicate_group(mesh)
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
     names, params, refs = _collect(module, _ignored(ignored_params))
@@ -278,6 +291,7 @@ def fully_shard(
         costs={it.name: it.cost for it in items},
         param_dtype=getattr(mp_policy, "param_dtype", None),
         reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
+        replicate_group=replicate_group,
     )
     state = ModuleState(
         module,

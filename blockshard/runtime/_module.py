@@ -3,7 +3,7 @@
 Every control keeps FSDP2's name, arguments and meaning (torch 2.13,
 ``torch/distributed/fsdp/_fully_shard/_fully_shard.py``); where blockshard's engine has nothing
 to control (its reduce-scatter completes inside backward, its collectives run on the current
-stream, it has no replicate axis yet) the control validates its argument and says so in its
+stream) the control validates its argument and says so in its
 docstring, so FSDP2 code runs unchanged and never silently means something else.
 """
 
@@ -107,8 +107,9 @@ class ShardedModule(nn.Module):
         self._bs_state().is_last_backward = is_last_backward
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """The all-reduce across HSDP's replicate axis; the engine shards over a 1-D mesh (no
-        replicate axis, no all-reduce), so there is nothing to skip: accepted."""
+        """HSDP (a 2-D mesh): off, backward reduce-scatters but does not all-reduce across the
+        replicate axis; the segments are kept and added into the next all-reduce ([Note: HSDP]
+        in _group.py). Without a replicate axis there is nothing to skip."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         for st in self._states(recurse):
             st.group.requires_all_reduce = requires_all_reduce

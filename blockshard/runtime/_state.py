@@ -311,6 +311,7 @@ class ModuleState:
         for st in ctx.states:
             for sp in st.group.params:
                 sp.unsharded.grad, sp.accumulated = None, None
+            st.group._partial = None  # HSDP outputs not all-reduced yet: lost with the step
             st.group.reshard()
             st.training_state = TrainingState.IDLE
             st._inputs_pending, st._finish_at_end = 0, False
