@@ -129,15 +129,16 @@ class RootContext:
         # one all-reduce (MAX) of the fields and their negatives gives every field's max and min;
         # a rank that never stepped an optimizer (it holds nothing to step) is left out of the min
         lows = fields[:-1] + [fields[-1] or _NEVER]
-        extremes = torch.tensor(fields + [-v for v in lows], dtype=torch.int64)
+        device = next((st.group.device for st in self.states if st.group.layout is not None), None)
+        extremes = torch.tensor(fields + [-v for v in lows], dtype=torch.int64, device=device)  # NCCL: on the GPU
         wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg, async_op=True), what, pg)
         tally.reset()
         top = extremes.tolist()
         highs, mins = top[:n], [-v for v in top[n:]]
         if highs[:-1] == mins[:-1] and mins[-1] in (highs[-1], _NEVER):
             return
-        mine = torch.tensor(fields, dtype=torch.int64)
-        everyone = torch.empty(W * n, dtype=torch.int64)  # every rank saw the mismatch: the details
+        mine = torch.tensor(fields, dtype=torch.int64, device=device)
+        everyone = torch.empty(W * n, dtype=torch.int64, device=device)  # every rank saw the mismatch: the details
         wait(all_gather_into(everyone, mine, pg, async_op=True), what, pg)
         rows = everyone.view(W, n).tolist()
         raise CollectiveIntegrityError(_mismatch(group.name, rows))
