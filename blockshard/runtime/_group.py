@@ -69,7 +69,7 @@ class ShardGroup:
         self.rank, self.world_size = process_group.rank(), process_group.size()
         self.requires_gradient_sync = True
         self.reshard_after_backward = True  # set_reshard_after_backward (_module.py)
-        self.requires_all_reduce = True  # set_requires_all_reduce: no replicate axis yet, nothing to skip
+        self.requires_all_reduce = True  # set_requires_all_reduce: HSDP only ([Note: HSDP])
         self.divide_factor: float | None = None  # set_gradient_divide_factor: sum / factor, not the average
         # HSDP ([Note: HSDP]): the replicate axis, and reduce-scatter outputs not all-reduced yet
         self.replicate_group = replicate_group
