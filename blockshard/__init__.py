@@ -34,6 +34,7 @@ _RUNTIME = (
     "load_optimizer_state_dict",
     "register_forward_method",
     "init_parameters",
+    "check_finished",
 )
 
 

@@ -38,6 +38,15 @@ __all__ = ["run_single", "spawn_gloo"]
 _GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' errors (root cause)
 
 
+def _check_finished() -> None:
+    """blockshard's end-of-training check (``check_finished``), when the function used the engine."""
+    import sys
+
+    collectives = sys.modules.get("blockshard.runtime._collectives")
+    if collectives is not None:
+        collectives.check_finished()
+
+
 def _loopback_ifname() -> str | None:
     names = [name for _, name in socket.if_nameindex()]
     return next((n for n in ("lo", "lo0") if n in names), None)
@@ -68,6 +77,7 @@ def _worker(
             )
             try:
                 result = fn(rank, world_size, *args)
+                _check_finished()
             except BaseException:
                 # Report before tearing the group down, so this error (the root cause) reaches the
                 # parent before the peers' "connection closed" errors that the teardown triggers.

@@ -12,7 +12,7 @@ from blockshard.runtime._api import (
 )
 from blockshard.runtime._checkpoint import CheckpointError, describe_checkpoint, load_checkpoint, save_checkpoint
 from blockshard.runtime._clip import ClipError, clip_grad_norm_
-from blockshard.runtime._collectives import CollectiveIntegrityError, LayoutMismatchError
+from blockshard.runtime._collectives import CollectiveIntegrityError, LayoutMismatchError, check_finished
 from blockshard.runtime._common import EngineStateError, ShardedState, TrainingState
 from blockshard.runtime._init import init_parameters
 from blockshard.runtime._module import register_forward_method
@@ -40,6 +40,7 @@ __all__ = [
     "ShardingError",
     "TrainingState",
     "UnshardHandle",
+    "check_finished",
     "clip_grad_norm_",
     "describe_checkpoint",
     "full_state_dict",

@@ -37,10 +37,16 @@ guards make every such case an error on every rank, in bounded time, at next to 
 The cost is one 80-byte all-reduce per step, whatever the number of groups (measured in
 docs/engine_benchmark.md), and nothing per collective beyond the count.
 
-What cannot be caught: a rank that skips a whole step (forward, backward and optimizer step)
-issues exactly the collectives of a rank that ran one step fewer, so the two pair up; the ranks
-diverge only where one runs a step the other never reaches: that rank raises within the bound,
-naming the peer that never reported.
+  4. **The end of training.** A rank that skips a whole step (forward, backward and optimizer
+     step) issues exactly the collectives of a rank that ran one step fewer, so the two pair up;
+     the ranks diverge only where one runs a step the other never reaches: that rank raises
+     within the bound, naming the peer that never reported, while the one that skipped finishes
+     its loop. :func:`check_finished` (called by ``spawn_gloo`` after the function returns; call
+     it after the training loop under torchrun) makes that rank raise too: every rank writes the
+     number of end-of-step checks it ran to the store and waits, at most the collective timeout
+     plus 2 s, for its peers' counts or failure reports; a peer that failed, ran another number of
+     steps or never finishes raises :class:`CollectiveIntegrityError` (a rank that failed itself
+     has raised already and checks nothing).
 """
 
 from __future__ import annotations
@@ -60,9 +66,11 @@ __all__ = [
     "CollectiveIntegrityError",
     "LayoutMismatchError",
     "all_gather_into",
+    "check_finished",
     "check_same_layout",
     "collective_timeout_s",
     "engine_group",
+    "note_step",
     "reduce_scatter_avg",
     "shift_ranks",
     "wait",
@@ -79,6 +87,12 @@ _REPORT_PREFIX = "blockshard/failed/"
 # so a destroyed and dropped user group frees the engine's. The user group lives in c10d's maps
 # until it is destroyed, so every rank finds the same entry at the same fully_shard call.
 _ENGINE_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+# point 4: end-of-step checks run per engine group on this rank, the groups this rank reported a
+# failure on, and how often check_finished ran per group (its store keys' generation)
+_STEPS: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+_FAILED: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+_FINISHED: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+_DONE_PREFIX = "blockshard/done/"
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -156,6 +170,7 @@ def _peer_reports(group: dist.ProcessGroup, mine: str) -> str:
     ``_REPORT_WAIT_S``): a sentence naming who failed and who never reported; "" if the store is
     unreachable (the master rank of a TCPStore died)."""
     rank, W = group.rank(), group.size()
+    _FAILED.add(group)
     try:
         store = group.get_group_store()
         store.set(f"{_REPORT_PREFIX}{rank}", mine)
@@ -177,6 +192,66 @@ def _peer_reports(group: dist.ProcessGroup, mine: str) -> str:
             f"failure within {_REPORT_WAIT_S:g} s: exited, killed, or stuck outside blockshard (e.g. a skipped step)"
         )
     return " Peers: " + "; ".join(parts) + "."
+
+
+def note_step(group: dist.ProcessGroup) -> None:
+    """One end-of-step check ran on ``group`` (point 4 of the Note)."""
+    if group.size() > 1:
+        _STEPS[group] = _STEPS.get(group, 0) + 1
+
+
+def check_finished() -> None:
+    """Call on every rank after training (point 4 of [Note: collective integrity]): raise
+    :class:`CollectiveIntegrityError` unless every rank of every group this rank trained on ran
+    as many steps and none failed. Waits at most the collective timeout plus 2 s for the peers."""
+    for group in list(_STEPS):
+        if group in _FAILED:
+            continue  # this rank raised already
+        rank, W, mine = group.rank(), group.size(), _STEPS[group]
+        gen = _FINISHED.get(group, 0)
+        _FINISHED[group] = gen + 1
+        try:
+            store = group.get_group_store()
+            store.set(f"{_DONE_PREFIX}{gen}/{rank}", str(mine))
+        except Exception:  # the store is gone (its master rank exited): nothing left to compare with
+            continue
+        _wait_for_peers(store, gen, rank, W, mine, collective_timeout_s() + 2.0)
+
+
+def _wait_for_peers(store: dist.Store, gen: int, rank: int, W: int, mine: int, bound: float) -> None:
+    others = [r for r in range(W) if r != rank]
+    deadline = time.monotonic() + bound
+    done: dict[int, int] = {}
+    while True:
+        for r in others:
+            if store.check([f"{_REPORT_PREFIX}{r}"]):
+                text = store.get(f"{_REPORT_PREFIX}{r}").decode(errors="replace")
+                raise CollectiveIntegrityError(
+                    f"blockshard: rank {r} of {W} failed ({text}) while this rank (rank {rank}) finished training "
+                    f"after {mine} steps: the ranks did not run the same steps (a rank that skips a whole step "
+                    "finishes first, and its peers' last step has no partner). Fix: run the same steps on every rank"
+                )
+            if r not in done and store.check([f"{_DONE_PREFIX}{gen}/{r}"]):
+                done[r] = int(store.get(f"{_DONE_PREFIX}{gen}/{r}"))
+        if len(done) == len(others):
+            break
+        if time.monotonic() >= deadline:
+            missing = [r for r in others if r not in done]
+            raise CollectiveIntegrityError(
+                f"blockshard: this rank (rank {rank} of {W}) finished training after {mine} steps, but ranks "
+                f"{missing} did not finish within {bound:g} s: they are still training (they ran more steps), "
+                f"stuck, or exited without blockshard.check_finished(). Fix: run the same steps on every rank "
+                f"and call check_finished() on every rank (or raise {TIMEOUT_ENV} if a rank legitimately "
+                "finishes later)"
+            )
+        time.sleep(0.02)
+    differ = {r: n for r, n in done.items() if n != mine}
+    if differ:
+        shown = ", ".join(f"rank {r}: {n}" for r, n in sorted({**done, rank: mine}.items()))
+        raise CollectiveIntegrityError(
+            f"blockshard: the ranks finished training after different numbers of steps ({shown}). Fix: run the "
+            "same steps on every rank"
+        )
 
 
 class LayoutMismatchError(BlockshardError):

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from blockshard.runtime._collectives import CollectiveIntegrityError, all_gather_into, wait
+from blockshard.runtime._collectives import CollectiveIntegrityError, all_gather_into, note_step, wait
 from blockshard.runtime._common import CollectiveTally, TrainingState, expect, in_backward, tensors_in
 from blockshard.runtime._group import ShardGroup
 
@@ -123,6 +123,7 @@ class RootContext:
         tally.steps += 1
         tally.optimizer_steps += tally.optimizer_stepped
         tally.optimizer_stepped = False
+        note_step(pg)
         fields = [tally.steps, tally.count, tally.hash, trainable, tally.optimizer_steps]
         n = len(fields)
         what = f"the end-of-step check of the model rooted at group {group.name!r}"

@@ -79,11 +79,16 @@ def test_a_dead_peer_makes_the_others_raise_naming_it(tmp_path):
     assert "rank 1 of the group never reported a failure" in msg, msg
 
 
-def test_a_skipped_step_raises_on_the_rank_left_waiting_naming_the_peer(tmp_path):
-    """The documented limit: the rank that skipped a whole step issues exactly the collectives of
-    a rank that ran one step fewer, so it finishes without error; its peer's last step has no
-    partner, and that rank raises, naming the rank that never reported."""
-    rank0, rank1 = _outcomes("skipped_step", tmp_path)
+def test_a_skipped_step_raises_on_every_rank(tmp_path):
+    """The rank that skipped a whole step issued exactly the collectives of a rank that ran one
+    step fewer, so it finishes its loop; its peer's last step has no partner and raises, naming the
+    rank that never reported; then spawn_gloo's end-of-training check (check_finished) makes the
+    rank that skipped raise too, naming the peer's failure."""
+    with pytest.raises(RuntimeError, match="rank 1 of 2 failed") as info:
+        spawn_gloo(_integrity.case, 2, args=("skipped_step", str(tmp_path)), timeout=120, grace=15)
+    assert "CollectiveIntegrityError: blockshard: rank 0 of 2 failed (the all-gather of group" in str(info.value)
+    assert "finished training after 2 steps: the ranks did not run the same steps" in str(info.value)
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
     msg = _raised_in_time(rank0, 0)
     assert "rank 1 of the group never reported a failure" in msg, msg
-    assert rank1["outcome"] == "no error"
+    assert json.loads((tmp_path / "rank1.json").read_text())["outcome"] == "no error"  # inside its loop
