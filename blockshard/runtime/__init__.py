@@ -15,6 +15,7 @@ from blockshard.runtime._clip import ClipError, clip_grad_norm_
 from blockshard.runtime._collectives import CollectiveIntegrityError, LayoutMismatchError
 from blockshard.runtime._common import EngineStateError, ShardedState, TrainingState
 from blockshard.runtime._optim_state import load_optimizer_state_dict, optimizer_state_dict
+from blockshard.runtime._owners import TensorOwners, owner_plan
 from blockshard.runtime._piece_tensor import PieceTensor, PieceTensorError
 from blockshard.runtime._state_dict import (
     LocalShard,
@@ -36,6 +37,7 @@ __all__ = [
     "ShardedModule",
     "ShardedState",
     "ShardingError",
+    "TensorOwners",
     "TrainingState",
     "UnshardHandle",
     "clip_grad_norm_",
@@ -51,6 +53,7 @@ __all__ = [
     "load_sharded_state_dict",
     "local_buffers",
     "optimizer_state_dict",
+    "owner_plan",
     "save_checkpoint",
     "sharded_state_dict",
 ]

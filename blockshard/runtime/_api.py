@@ -13,13 +13,23 @@ import torch.distributed as dist
 from torch import nn
 
 from blockshard._errors import BlockshardError
-from blockshard.planner import GroupLayout, PlanItem, plan_group, resolve_items
-from blockshard.planner._balance import balance, rank_costs
+from blockshard.planner import GroupLayout, PlanItem, resolve_items
+from blockshard.planner._balance import rotate
+from blockshard.planner._plan import group_kind
+from blockshard.planner._policy import check_policy, choose_layout
 from blockshard.planner._units import check_alignment_bytes
 from blockshard.runtime._clip import install_torch_clip_route
 from blockshard.runtime._collectives import check_same_layout, engine_group
 from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._optim_guard import install_optimizer_guard
+from blockshard.runtime._owners import (
+    EngineOwnerBuilder,
+    assign_owners,
+    compute_of,
+    qualified,
+    record_compute,
+    record_owners,
+)
 from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
 from blockshard.runtime._state import STATE_ATTR, ModuleState, state_of
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
@@ -246,6 +256,7 @@ def fully_shard(
     mp_policy: Any = None,
     semantics: object = None,
     alignment_bytes: int = 16,
+    policy: str = "whole",
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
 
@@ -255,7 +266,11 @@ def fully_shard(
     (default: ``elementwise``). ``alignment_bytes``: every bucket's per-rank segment is a
     multiple of it (16 suits vectorized kernels and NCCL). ``mp_policy`` is torch's
     ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``, ``output_dtype``,
-    ``cast_forward_inputs``). Returns ``module``, whose class becomes a :class:`ShardedModule`
+    ``cast_forward_inputs``). ``policy`` places tensors whose compute units are coarser than their
+    placement units (Muon matrices, experts; ``planner/_policy.py``): ``"whole"`` (each compute unit
+    on one rank, the default), ``"owner"`` (storage cut at placement units; cut compute units get
+    an owner rank, see :func:`blockshard.runtime.owner_plan`) or ``"auto"`` (per tensor, by a cost
+    in bytes). Returns ``module``, whose class becomes a :class:`ShardedModule`
     (``unshard()``, ``reshard()``, ``set_requires_gradient_sync()``).
     """
     if not isinstance(module, nn.Module):
@@ -266,6 +281,7 @@ def fully_shard(
             "(bottom-up: layers first, then the root)"
         )
     alignment_bytes = _check_alignment(alignment_bytes)
+    policy = check_policy(policy)
     process_group = engine_group(_process_group(mesh))  # [Note: collective integrity], point 1
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
@@ -274,6 +290,7 @@ def fully_shard(
     name = type(module).__name__
     layout: GroupLayout | None = None
     items: list[PlanItem] = []
+    owned: frozenset[str] = frozenset()
     if params:  # a root without parameters of its own still drives the hooks, as in FSDP2
         by_name = dict(zip(names, params, strict=True))
         specs = [
@@ -281,7 +298,9 @@ def fully_shard(
             for n, p, r in zip(names, params, refs, strict=True)
         ]
         items = resolve_items(specs, _rules(semantics, by_name))
-        layout = plan_group(items, process_group.size(), name=name, alignment_bytes=alignment_bytes)
+        layout, owned, _ = choose_layout(
+            items, process_group.size(), policy, name=name, alignment_bytes=alignment_bytes, memo={}
+        )
     check_same_layout(name, layout.layout_hash() if layout else "empty", process_group)
     index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
     sps = [
@@ -307,6 +326,7 @@ def fully_shard(
         cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),
     )
     state.order = next(_ORDER)  # see [Note: cost tally]
+    record_compute(group, {it.name: it.grid for it in items if it.name in owned})
     for orig in params:
         tag_managed(orig, name, original=True)
     _tag_views(state)
@@ -344,28 +364,58 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
         (st for m in module.modules() if m is not module and (st := state_of(m)) is not None),
         key=lambda st: st.order,
     )
-    if not below:
-        return  # a leaf: balanced by the call that shards an enclosing module
+    if not below:  # a leaf: balanced by the call that shards an enclosing module
+        if compute_of(state.group):  # its own owners until then ([Note: engine owner plan])
+            _plan_owners(module, [("", state)], EngineOwnerBuilder(state.group.world_size, {}), None)
+        return
     process_group = state.group.process_group
-    running = np.zeros(process_group.size())
-    for st in below:
-        if st.balanced and st.group.layout is not None:
-            running += rank_costs(st.group.layout, st.group.costs)  # balanced by an earlier call
+    W = process_group.size()
+    prefixes = {id(m): f"{p}." if p else "" for p, m in module.named_modules()}
+    named = [(prefixes[id(st.module)], st) for st in below]
+    builder = EngineOwnerBuilder(W, {})
+    running = np.zeros(W)
+    for prefix, st in named:
+        if st.balanced and st.group.layout is not None:  # balanced by an earlier call
+            builder.add_fixed(*_qualified(st, prefix), running)
     changed = False
-    for st in [*(st for st in below if not st.balanced), state]:
+    for prefix, st in [*((p, st) for p, st in named if not st.balanced), ("", state)]:
         st.balanced = True
         layout = st.group.layout
         if layout is None:
             continue
-        rotated = balance(layout, st.group.costs, running)
-        k = _rotation(layout, rotated)
+        q, kind, compute, costs = _qualified(st, prefix)
+        k = _rotation(q, builder.add_group(q, kind, compute, costs, running, 0.0, np.zeros(W)))
         if k:
-            st.group.relayout(rotated, k)
+            st.group.relayout(rotate(layout, k), k)
             _tag_views(st)
             changed = True
     if changed:
         hashes = ",".join(st.group.layout.layout_hash() for st in [*below, state] if st.group.layout is not None)
         check_same_layout(f"{type(module).__name__} (balanced)", hashes, process_group)
+    _plan_owners(module, [*named, ("", state)], builder, running)
+
+
+def _qualified(st: ModuleState, prefix: str) -> tuple[GroupLayout, str, dict, dict[str, float]]:
+    """A group as the owner builder sees it: tensor names prefixed by the group's module path."""
+    assert st.group.layout is not None
+    compute = {prefix + n: g for n, g in compute_of(st.group).items()}
+    costs = {prefix + n: c for n, c in st.group.costs.items()}
+    return qualified(st.group.layout, prefix), group_kind(prefix.rstrip(".")), compute, costs
+
+
+def _plan_owners(
+    module: nn.Module, named: list[tuple[str, ModuleState]], builder: EngineOwnerBuilder, running: np.ndarray | None
+) -> None:
+    """Owners of every cut compute unit of ``named``'s groups, checked across ranks ([Note: engine owner plan])."""
+    if not any(compute_of(st.group) for _, st in named):
+        return
+    if running is None:  # a leaf alone: its own cost, not rotated
+        running = np.zeros(builder.world_size)
+        for prefix, st in named:
+            if st.group.layout is not None:
+                builder.add_fixed(*_qualified(st, prefix), running)
+    digest = record_owners([(p, st.group) for p, st in named], assign_owners(builder, running))
+    check_same_layout(f"{type(module).__name__} (owner plan)", digest, named[-1][1].group.process_group)
 
 
 def _rotation(old: GroupLayout, new: GroupLayout) -> int:
