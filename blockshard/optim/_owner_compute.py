@@ -35,7 +35,15 @@ from torch import nn
 
 from blockshard._errors import BlockshardError
 
-__all__ = ["Exchange", "Holding", "OwnerComputeError", "add_module_types", "exchange_lists", "named_groups"]
+__all__ = [
+    "Exchange",
+    "Holding",
+    "OwnerComputeError",
+    "add_module_types",
+    "exchange_lists",
+    "local_region",
+    "named_groups",
+]
 
 
 class OwnerComputeError(BlockshardError):
@@ -128,6 +136,18 @@ def exchange_lists(
         e.send_sizes = [sum(x[2] for x in lst) for lst in e.sends]
         e.recv_sizes = [sum(x[2] for x in lst) for lst in e.recvs]
     return dict(sorted(ex.items())), owned
+
+
+def local_region(q: Holding) -> tuple[int, int]:
+    """``[lo, hi)``: the whole compute units in this rank's piece of planned tensor ``q`` (its cut
+    units overlap only the piece's ends); empty when ``lo >= hi``."""
+    lo, hi = q.local_start, q.local_start + q.local_numel
+    for a, n, _ in q.units:
+        if a <= lo < a + n:
+            lo = a + n
+        if a < hi <= a + n:
+            hi = a
+    return lo, hi
 
 
 def add_module_types(mtypes: dict[int, str], root: nn.Module) -> None:

@@ -14,6 +14,7 @@ from blockshard.optim._owner_compute import (
     OwnerComputeError,
     _Piece,
     exchange_lists,
+    local_region,
     named_groups,
 )
 
@@ -95,17 +96,11 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
                 self._pieces.append(_Piece(i, (q.name, "unit", a, n), unit, unit_start=a, own=own))
 
     def _add_region(self, i: int, q: Holding, local: torch.Tensor) -> None:
-        """The whole compute units of this rank's piece of planned tensor ``q``: cut units overlap
-        only the piece's ends."""
-        lo, hi = q.local_start, q.local_start + q.local_numel
-        for a, n, _ in q.units:
-            if a <= lo < a + n:
-                lo = a + n
-            if a < hi <= a + n:
-                hi = a
+        """The whole compute units of this rank's piece of planned tensor ``q``, as one compute tensor."""
+        lo, hi = local_region(q)
         if lo >= hi:
             return
-        row = rows_cols(q.shape)[1] if len(q.shape) >= 2 else 0
+        row = rows_cols(q.shape)[1]
         key = (
             (q.name, "rows", lo // row, hi // row)
             if row and not lo % row and not hi % row
