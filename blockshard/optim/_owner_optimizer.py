@@ -64,15 +64,17 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         self._params, self.process_group, self.world_size, self.rank = holdings, process_group, W, rank
         self._device = holdings[0].local().device
         self._build_pieces()
-        self.inner = factory(
-            [
-                {**opts, "params": [pc.tensor for pc in self._pieces if self._params[pc.p].group == gi]}
-                for gi, (opts, _) in enumerate(groups)
-            ]
-        )
+        self.inner = factory(self._inner_groups(groups))
         if not all(hasattr(self.inner, a) for a in ("step", "state_dict", "load_state_dict", "param_groups")):
             raise OwnerComputeError(f"inner_optimizer_factory returned {self.inner!r}, not a torch.optim.Optimizer")
         self.resync_params()
+
+    def _inner_groups(self, groups: Sequence) -> list[dict]:
+        """The inner optimizer's ``param_groups``: this rank's compute tensors, group by group."""
+        return [
+            {**opts, "params": [pc.tensor for pc in self._pieces if self._params[pc.p].group == gi]}
+            for gi, (opts, _) in enumerate(groups)
+        ]
 
     def _build_pieces(self) -> None:
         dtypes = [str(q.param.dtype).removeprefix("torch.") for q in self._params]
@@ -87,7 +89,8 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
             if not q.planned:
                 if local.numel():
                     t = q.param if q.direct else local
-                    self._pieces.append(_Piece(i, (q.name, "local", tuple(local.shape)), t, direct=q.direct))
+                    key = (q.name, "local", tuple(local.shape))
+                    self._pieces.append(_Piece(i, key, t, 0, local.numel(), direct=q.direct))
             else:
                 self._add_region(i, q, local)
             for k, a, n, own in owned_by_param.get(i, []):
@@ -117,14 +120,15 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         work = dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group, async_op=True)
         _wait(work, f"the owner-compute all_to_all ({what})", self.process_group)
 
-    def _to_owners(self, grads: bool) -> None:
-        """Gradient (or value) slices of cut units -> their owners' full-unit tensors."""
+    def _to_owners(self, source: Callable[[int], torch.Tensor | None], grads: bool) -> None:
+        """Slices of cut units (``source(t)``: tensor ``t``'s local piece, flat, or ``None``: zeros) ->
+        their owners' full-unit tensors (``grads``: their ``.grad``)."""
         for dt, e in self._exchanges.items():
             dtype = getattr(torch, dt)
             chunks = []
             for peer in range(self.world_size):
                 for t, off, n in e.sends[peer]:
-                    src = self._flat_grad(t) if grads else self._flat(t)
+                    src = source(t)
                     chunks.append(
                         src[off : off + n] if src is not None else torch.zeros(n, dtype=dtype, device=self._device)
                     )
@@ -140,12 +144,12 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
             pc = self._pieces[j]
             if pc.own is not None:
                 off, uoff, n = pc.own
-                src = self._flat_grad(pc.p) if grads else self._flat(pc.p)
+                src = source(pc.p)
                 dst = self._unit_target(k, grads)
                 dst[uoff : uoff + n].copy_(src[off : off + n]) if src is not None else dst[uoff : uoff + n].zero_()
 
-    def _from_owners(self) -> None:
-        """Updated values of owned units -> every holder's local piece."""
+    def _from_owners(self, dest: Callable[[int], torch.Tensor]) -> None:
+        """Values of owned units -> every holder's ``dest(t)`` (tensor ``t``'s local piece, flat)."""
         for dt, e in self._exchanges.items():
             dtype = getattr(torch, dt)
             chunks = [
@@ -159,13 +163,13 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
             pos = 0
             for peer in range(self.world_size):
                 for t, off, n in e.sends[peer]:
-                    self._flat(t)[off : off + n].copy_(out[pos : pos + n])
+                    dest(t)[off : off + n].copy_(out[pos : pos + n])
                     pos += n
         for j in self._unit_piece.values():
             pc = self._pieces[j]
             if pc.own is not None:
                 off, uoff, n = pc.own
-                self._flat(pc.p)[off : off + n].copy_(pc.tensor.view(-1)[uoff : uoff + n])
+                dest(pc.p)[off : off + n].copy_(pc.tensor.view(-1)[uoff : uoff + n])
 
     def _flat(self, t: int) -> torch.Tensor:
         """Tensor ``t``'s local piece: a flat view, written in place."""
@@ -203,7 +207,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
     def resync_params(self) -> None:
         """Collective: re-read the owners' full-unit tensors from the parameters' local pieces."""
         self._refresh_views()
-        self._to_owners(grads=False)
+        self._to_owners(self._flat, grads=False)
 
     def _refresh_views(self) -> None:
         for pc in self._pieces:
@@ -227,12 +231,12 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
                     if g is not None and q.planned:
                         g = g.reshape(-1)[pc.lo : pc.hi].view(pc.tensor.shape)
                     pc.tensor.grad = g
-            self._to_owners(grads=True)
+            self._to_owners(self._flat_grad, grads=True)
             for j in self._unit_piece.values():  # a unit whose parameter has no gradient is skipped
                 if self._params[self._pieces[j].p].param.grad is None:
                     self._pieces[j].tensor.grad = None
             self.inner.step()
-            self._from_owners()
+            self._from_owners(self._flat)
             for pc in self._pieces:
                 if not pc.direct:
                     pc.tensor.grad = None

@@ -33,7 +33,7 @@ def _is_matrix(name: str) -> bool:
 
 def optimizers(name: str, named: list[tuple[str, nn.Parameter]], wrap: bool) -> list[torch.optim.Optimizer]:
     """``name``'s optimizers; ``wrap``: through OwnerComputeOptimizer (the sharded runs)."""
-    from blockshard.optim import BlockedShampoo, OwnerComputeOptimizer
+    from blockshard.optim import BlockedShampoo, Muon, OwnerComputeOptimizer
 
     def make(factory, params):
         return OwnerComputeOptimizer(factory, params) if wrap else factory([{"params": [p for _, p in params]}])
@@ -43,6 +43,11 @@ def optimizers(name: str, named: list[tuple[str, nn.Parameter]], wrap: bool) -> 
         rest = [p for n, p in named if not _is_matrix(n) and p.numel()]
         adamw = torch.optim.AdamW(rest or [nn.Parameter(torch.zeros(1))], lr=1e-3)
         return [make(lambda g: torch.optim.Muon(g, lr=0.02), mats), adamw]
+    if name == "bsmuon":  # momentum-sharded; one process's reference is torch's Muon ("muon")
+        mats = [(n, p) for n, p in named if _is_matrix(n)]
+        rest = [p for n, p in named if not _is_matrix(n) and p.numel()]
+        adamw = torch.optim.AdamW(rest or [nn.Parameter(torch.zeros(1))], lr=1e-3)
+        return [Muon(mats, lr=0.02), adamw]
     if name == "shampoo":
         return [make(lambda g: BlockedShampoo(g, lr=1e-2, max_preconditioner_dim=16), named)]
     if name == "bnb8bit":
@@ -52,7 +57,7 @@ def optimizers(name: str, named: list[tuple[str, nn.Parameter]], wrap: bool) -> 
     raise ValueError(name)
 
 
-RULES_OF = {"muon": RULES, "shampoo": SHAMPOO_RULES, "bnb8bit": BNB_RULES}
+RULES_OF = {"muon": RULES, "bsmuon": RULES, "shampoo": SHAMPOO_RULES, "bnb8bit": BNB_RULES}
 
 
 def _train(m: nn.Module, opts, rank: int = 0, split: int = 1) -> None:
@@ -97,6 +102,10 @@ def sharded(rank: int, world: int, name: str, policy: str, split: bool) -> dict:
         "owned": opts[0].owned_units(),
         "a2a": {dt: (e.send_sizes, e.recv_sizes) for dt, e in opts[0]._exchanges.items()},
         "state_keys": sorted(pc.key for pc in opts[0]._pieces if pc.tensor in opts[0].inner.state),
+        "state_numel": sum(
+            v.numel() for st in opts[0].inner.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim
+        ),
+        "matrix_numel": sum(p.numel() for n, p in m.named_parameters() if _is_matrix(n)),
     }
 
 
@@ -177,7 +186,7 @@ def cases(rank: int, world: int, todo: tuple) -> dict:
     out: dict = {}
     for case in todo:
         kind, *args = case
-        out[case] = {"sharded": sharded, "control": control, "round_trip": round_trip, "other_plan": other_plan}[
-            kind
-        ](rank, world, *args)
+        out[case] = {"sharded": sharded, "control": control, "round_trip": round_trip, "other_plan": other_plan}[kind](
+            rank, world, *args
+        )
     return out
