@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -63,11 +64,27 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
             )
         self._params, self.process_group, self.world_size, self.rank = holdings, process_group, W, rank
         self._device = holdings[0].local().device
+        if W > 1 and process_group is not None:
+            self._check_same_plan()
         self._build_pieces()
         self.inner = factory(self._inner_groups(groups))
         if not all(hasattr(self.inner, a) for a in ("step", "state_dict", "load_state_dict", "param_groups")):
             raise OwnerComputeError(f"inner_optimizer_factory returned {self.inner!r}, not a torch.optim.Optimizer")
         self.resync_params()
+
+    def _check_same_plan(self) -> None:
+        """Every rank must hold the same owner-computed tensors (else the all_to_alls would not pair)."""
+        mine = [(q.name, q.units) for q in self._params if q.planned]
+        digest = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, (digest, len(mine)), group=self.process_group)
+        if len(set(everyone)) > 1:
+            by_rank = ", ".join(f"rank {r}: {n} tensors, plan {h}" for r, (h, n) in enumerate(everyone))
+            raise OwnerComputeError(
+                f"ranks disagree on the owner-computed tensors they pass ({by_rank}). Every rank must pass "
+                "the same parameters, its empty pieces too (a rank may own a matrix it holds none of): "
+                "pass model.named_parameters() or blockshard.optim.muon_param_groups(model), unfiltered"
+            )
 
     def _inner_groups(self, groups: Sequence) -> list[dict]:
         """The inner optimizer's ``param_groups``: this rank's compute tensors, group by group."""

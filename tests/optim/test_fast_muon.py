@@ -18,8 +18,7 @@ def _pair(seed: int = 0):
     "kwargs",
     [
         {"lr": 0.02},
-        {"lr": 0.05, "weight_decay": 0.0, "nesterov": False},
-        {"lr": 0.01, "adjust_lr_fn": "match_rms_adamw"},
+        {"lr": 0.05, "weight_decay": 0.0, "nesterov": False, "adjust_lr_fn": "match_rms_adamw"},
     ],
 )
 def test_bitwise_equal_to_torch_muon(kwargs):
