@@ -132,8 +132,9 @@ class Muon(OwnerComputeOptimizer):
         self._to_owners(lambda t: dirs.get(t), grads=True)
         for j in self._unit_piece.values():
             pc = self._pieces[j]
-            if self._params[pc.p].param.grad is not None:
-                pc.tensor.copy_(self._ns(pc.p, pc.tensor.grad.view(pc.tensor.shape)))
+            d = pc.tensor.grad
+            if d is not None and self._params[pc.p].param.grad is not None:
+                pc.tensor.copy_(self._ns(pc.p, d.view(pc.tensor.shape)))
             pc.tensor.grad = None
         updates = {t: torch.zeros_like(self._flat(t)) for t, q in enumerate(self._params) if q.planned or t in dirs}
         for pc in self._pieces:
@@ -148,7 +149,7 @@ class Muon(OwnerComputeOptimizer):
         """Nothing to resync: owners hold no copy of the parameters (only directions, per step)."""
         self._refresh_views()
 
-    def step(self, closure: Any = None):  # type: ignore[override]
+    def step(self, closure: Any = None):
         loss = None
         if closure is not None:
             with torch.enable_grad():

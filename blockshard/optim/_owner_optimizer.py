@@ -205,16 +205,16 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         return t.view(-1)
 
     # -- optimizer surface -------------------------------------------------------------------------
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict]:
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
         return self.inner.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Mapping:
+    @property
+    def state(self) -> Any:  # type: ignore[override]
         return self.inner.state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict:
+    @property
+    def defaults(self) -> dict:  # type: ignore[override]
         return self.inner.defaults
 
     def add_param_group(self, param_group: dict) -> None:
@@ -233,7 +233,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
                 local = q.local()
                 pc.tensor.data = local.reshape(-1)[pc.lo : pc.hi].view(pc.tensor.shape) if q.planned else local
 
-    def step(self, closure: Callable | None = None):  # type: ignore[override]
+    def step(self, closure: Callable | None = None):
         """Gradients to owners, inner step on whole units and local pieces, new values back."""
         loss = None
         if closure is not None:
@@ -327,8 +327,9 @@ def _ragged_holdings(groups: Sequence) -> tuple[list[Holding], Any]:
                     f"parameter {name!r} of shape {tuple(p.shape)} was replaced by fully_shard (in the group of a "
                     f"{tag.owner}); build the optimizer after the last fully_shard, over model.named_parameters()"
                 )
-            group = tag.group() if tag is not None and tag.group is not None else None
-            if group is None:  # not sharded by the ragged engine: stepped as it is
+            ref = tag.group if tag is not None else None
+            group: Any = ref() if callable(ref) else None
+            if tag is None or group is None:  # not sharded by the ragged engine: stepped as it is
                 holdings.append(Holding(name, p, tuple(p.shape), gi, direct=True))
                 continue
             process_group = process_group if process_group is not None else tag.process_group
