@@ -333,7 +333,13 @@ def _ragged_holdings(groups: Sequence) -> tuple[list[Holding], Any]:
                 holdings.append(Holding(name, p, tuple(p.shape), gi, direct=True))
                 continue
             process_group = process_group if process_group is not None else tag.process_group
-            sp = next(sp for sp in group.params if sp.sharded is p)
+            sp = next((sp for sp in group.params if sp.sharded is p), None)
+            if sp is None:
+                raise OwnerComputeError(
+                    f"parameter {name!r} is not a current local piece of its group {group.name!r} (taken during "
+                    "forward, or before the group was rebalanced); build the optimizer after the last "
+                    "fully_shard, outside forward/backward, over model.named_parameters()"
+                )
             owners = tensor_owners(group, sp.fqn, name)
             if owners is None or not owners.units:
                 holdings.append(Holding(name, p, tuple(sp.shape), gi, direct=True))
