@@ -15,21 +15,13 @@ from torch import nn
 from blockshard._errors import BlockshardError
 from blockshard.planner import GroupLayout, PlanItem, resolve_items
 from blockshard.planner._balance import rotate
-from blockshard.planner._plan import group_kind
 from blockshard.planner._policy import check_policy, choose_layout
 from blockshard.planner._units import check_alignment_bytes
 from blockshard.runtime._clip import install_torch_clip_route
 from blockshard.runtime._collectives import check_same_layout, engine_group
 from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._optim_guard import install_optimizer_guard
-from blockshard.runtime._owners import (
-    EngineOwnerBuilder,
-    assign_owners,
-    compute_of,
-    qualified,
-    record_compute,
-    record_owners,
-)
+from blockshard.runtime._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
 from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
 from blockshard.runtime._state import STATE_ATTR, ModuleState, state_of
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
@@ -366,7 +358,7 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
     )
     if not below:  # a leaf: balanced by the call that shards an enclosing module
         if compute_of(state.group):  # its own owners until then ([Note: engine owner plan])
-            _plan_owners(module, [("", state)], EngineOwnerBuilder(state.group.world_size, {}), None)
+            plan_owners(type(module).__name__, [("", state)], EngineOwnerBuilder(state.group.world_size, {}), None)
         return
     process_group = state.group.process_group
     W = process_group.size()
@@ -376,14 +368,14 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
     running = np.zeros(W)
     for prefix, st in named:
         if st.balanced and st.group.layout is not None:  # balanced by an earlier call
-            builder.add_fixed(*_qualified(st, prefix), running)
+            builder.add_fixed(*qualified_group(st, prefix), running)
     changed = False
     for prefix, st in [*((p, st) for p, st in named if not st.balanced), ("", state)]:
         st.balanced = True
         layout = st.group.layout
         if layout is None:
             continue
-        q, kind, compute, costs = _qualified(st, prefix)
+        q, kind, compute, costs = qualified_group(st, prefix)
         k = _rotation(q, builder.add_group(q, kind, compute, costs, running, 0.0, np.zeros(W)))
         if k:
             st.group.relayout(rotate(layout, k), k)
@@ -392,30 +384,7 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
     if changed:
         hashes = ",".join(st.group.layout.layout_hash() for st in [*below, state] if st.group.layout is not None)
         check_same_layout(f"{type(module).__name__} (balanced)", hashes, process_group)
-    _plan_owners(module, [*named, ("", state)], builder, running)
-
-
-def _qualified(st: ModuleState, prefix: str) -> tuple[GroupLayout, str, dict, dict[str, float]]:
-    """A group as the owner builder sees it: tensor names prefixed by the group's module path."""
-    assert st.group.layout is not None
-    compute = {prefix + n: g for n, g in compute_of(st.group).items()}
-    costs = {prefix + n: c for n, c in st.group.costs.items()}
-    return qualified(st.group.layout, prefix), group_kind(prefix.rstrip(".")), compute, costs
-
-
-def _plan_owners(
-    module: nn.Module, named: list[tuple[str, ModuleState]], builder: EngineOwnerBuilder, running: np.ndarray | None
-) -> None:
-    """Owners of every cut compute unit of ``named``'s groups, checked across ranks ([Note: engine owner plan])."""
-    if not any(compute_of(st.group) for _, st in named):
-        return
-    if running is None:  # a leaf alone: its own cost, not rotated
-        running = np.zeros(builder.world_size)
-        for prefix, st in named:
-            if st.group.layout is not None:
-                builder.add_fixed(*_qualified(st, prefix), running)
-    digest = record_owners([(p, st.group) for p, st in named], assign_owners(builder, running))
-    check_same_layout(f"{type(module).__name__} (owner plan)", digest, named[-1][1].group.process_group)
+    plan_owners(type(module).__name__, [*named, ("", state)], builder, running)
 
 
 def _rotation(old: GroupLayout, new: GroupLayout) -> int:

@@ -21,14 +21,25 @@ import dataclasses
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from blockshard.planner._compute import OwnerAssignment, OwnerBuilder
 from blockshard.planner._layout import GroupLayout
+from blockshard.planner._plan import group_kind
+from blockshard.runtime._collectives import check_same_layout
 from blockshard.semantics import UnitGrid
 
-__all__ = ["EngineOwnerBuilder", "TensorOwners", "owner_plan", "record_compute", "tensor_owners"]
+__all__ = [
+    "EngineOwnerBuilder",
+    "TensorOwners",
+    "owner_plan",
+    "plan_owners",
+    "qualified_group",
+    "record_compute",
+    "tensor_owners",
+]
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,31 @@ def qualified(layout: GroupLayout, prefix: str) -> GroupLayout:
     return dataclasses.replace(
         layout, tensors=tuple(dataclasses.replace(t, name=prefix + t.name) for t in layout.tensors)
     )
+
+
+def qualified_group(st: Any, prefix: str) -> tuple[GroupLayout, str, dict, dict[str, float]]:
+    """A group's state as the owner builder sees it: tensor names prefixed by its module's path."""
+    layout = st.group.layout
+    compute = {prefix + n: g for n, g in compute_of(st.group).items()}
+    costs = {prefix + n: c for n, c in st.group.costs.items()}
+    return qualified(layout, prefix), group_kind(prefix.rstrip(".")), compute, costs
+
+
+def plan_owners(
+    what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerBuilder, running: np.ndarray | None
+) -> None:
+    """Owners of every cut compute unit of ``named``'s groups (``(prefix, module state)`` pairs, the
+    builder holding them all, unless ``running`` is ``None``: a leaf alone, not rotated), recorded
+    on the groups and checked across ranks. No-op without owner-computed tensors."""
+    if not any(compute_of(st.group) for _, st in named):
+        return
+    if running is None:
+        running = np.zeros(builder.world_size)
+        for prefix, st in named:
+            if st.group.layout is not None:
+                builder.add_fixed(*qualified_group(st, prefix), running)
+    digest = record_owners([(p, st.group) for p, st in named], assign_owners(builder, running))
+    check_same_layout(f"{what} (owner plan)", digest, named[-1][1].group.process_group)
 
 
 def assign_owners(builder: OwnerBuilder, running: np.ndarray) -> OwnerAssignment:

@@ -161,7 +161,7 @@ def round_trip(rank: int, world: int) -> dict:
 
 def other_plan(rank: int, world: int) -> str:
     """Rank 1 computes another owner plan: every rank raises, none hangs."""
-    import blockshard.runtime._api as api
+    import blockshard.runtime._owners as api
     from blockshard.runtime import LayoutMismatchError
 
     if rank == 1:
