@@ -1,8 +1,9 @@
-"""The four Muon-step variants of ``benchmarks/muon_step.py`` (see its docstring): one model and its
+"""The Muon-step variants of ``benchmarks/muon_step.py`` (see its docstring): one model and its
 optimizers per variant on this rank, and the gather-everywhere Muon of Moonshot / DeepSpeed ZeRO-1/2."""
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import time
 
@@ -11,10 +12,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _common import BlockStack  # benchmarks/_common.py (scripts run with benchmarks/ on sys.path)
 
-VARIANTS = ("ragged", "fsdp2+owner", "fsdp2+plain-muon", "gather-everywhere")
+VARIANTS = (
+    "ragged",
+    "fsdp2+owner",
+    "fsdp2+plain-muon",
+    "gather-everywhere",
+    "ragged+owner",
+    "ragged+owner (momentum-sharded)",
+)
 MUON = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)  # ns_steps=5, torch's coefficients
 ADAMW = dict(lr=1e-3)
 MATRIX_SEMANTICS = {"*_proj.weight": "matrix"}  # q/k/v/o and the MLP; the RMSNorm weights stay element-wise
+
+
+def is_muon(name: str) -> bool:
+    """Muon's matrices, by name (a ragged piece's ndim is not its tensor's)."""
+    return any(fnmatch.fnmatchcase(name, g) for g in MATRIX_SEMANTICS)
 
 
 def build(cfg: dict) -> BlockStack:
@@ -126,11 +139,13 @@ class Variant:
                 blockshard.fully_shard(b, semantics=MATRIX_SEMANTICS)
             blockshard.fully_shard(model)
             named = [(n, p) for n, p in model.named_parameters() if p.numel() > 0]  # ranks may hold empty pieces
-            mats = [(n, p) for n, p in named if p.ndim == 2]
+            mats = [(n, p) for n, p in named if is_muon(n)]
             self.muon = torch.optim.Muon([p for _, p in mats], **MUON) if mats else None
-            rest = [p for _, p in named if p.ndim != 2]
+            rest = [p for n, p in named if not is_muon(n)]
             self.adamw = torch.optim.AdamW(rest, **ADAMW) if rest else None
             self.ns_matrices = [(n, tuple(p.shape)) for n, p in mats]
+        elif name.startswith("ragged+owner"):
+            self._ragged_owner(name)
         elif name == "fsdp2+owner":
             from blockshard.integrations import fsdp2
 
@@ -174,6 +189,32 @@ class Variant:
                 self.ns_matrices = [(n, tuple(p.shape)) for n, p in mats]
                 self.planned = self.muon.planned_bytes()
 
+    def _ragged_owner(self, name: str) -> None:
+        """The ragged engine with ``policy="owner"``: matrices cut anywhere, computed at owners by
+        ``OwnerComputeOptimizer(torch.optim.Muon)`` or ``blockshard.optim.Muon`` (momentum on the shards)."""
+        import blockshard
+        from blockshard.optim import Muon, OwnerComputeOptimizer
+        from blockshard.runtime import global_shapes
+
+        model = self.model
+        for b in model.blocks:
+            blockshard.fully_shard(b, semantics=MATRIX_SEMANTICS, policy="owner")
+        blockshard.fully_shard(model, policy="owner")
+        named = list(model.named_parameters())
+        mats = [(n, p) for n, p in named if is_muon(n)]
+        full = global_shapes(model)
+        if name == "ragged+owner":
+            self.muon = OwnerComputeOptimizer(lambda g: torch.optim.Muon(g, **MUON), mats)
+        else:
+            self.muon = Muon(mats, **MUON)
+        rest = [p for n, p in named if not is_muon(n) and p.numel() > 0]
+        self.adamw = torch.optim.AdamW(rest, **ADAMW) if rest else None
+        whole_here = [(n, full[n]) for n, p in mats if p.numel() == math.prod(full[n])]
+        self.ns_matrices = [(n, full[n]) for n, _, _ in self.muon.owned_units()] + whole_here
+        ex = self.muon._exchanges.get("float32")
+        nbytes = 4 * (sum(ex.send_sizes) + sum(ex.recv_sizes)) if ex is not None else 0
+        self.planned = (nbytes, nbytes)  # fp32 pieces in, the same counts back
+
     def forward_backward(self, batch) -> float:
         x, y = batch
         loss = F.mse_loss(self.model(x), y)
@@ -197,7 +238,7 @@ class Variant:
 
     def full_params(self) -> dict[str, torch.Tensor]:
         """Full parameters by name (collective)."""
-        if self.name == "ragged":
+        if self.name.startswith("ragged"):
             import blockshard
 
             return {k: v.clone() for k, v in blockshard.full_state_dict(self.model).items()}

@@ -1,4 +1,5 @@
-"""Muon's optimizer step, four ways: ragged engine, FSDP2 + owner-compute, FSDP2 + plain Muon, gather-everywhere.
+"""Muon's optimizer step, six ways: ragged engine (whole matrices; owner-compute; momentum-sharded),
+FSDP2 + owner-compute, FSDP2 + plain Muon, gather-everywhere.
 
     python benchmarks/muon_step.py --world-size 4 --json --out docs/results/muon_step.json
 
@@ -23,6 +24,11 @@ drift of the machine hits all alike):
    updates the momentum of its shard, all-gathers every matrix's (Nesterov) update direction
    (``all_gather_into_tensor``, issued asynchronously for all matrices at once), runs Newton-Schulz on
    every whole matrix and keeps its own rows of the result. Numerically the same as Muon on one process.
+5. **ragged+owner**: ``blockshard.fully_shard(..., policy="owner")``: storage cut anywhere (no padding
+   for the matrices), every cut matrix computed at an owner by ``blockshard.optim.OwnerComputeOptimizer``
+   around ``torch.optim.Muon`` (one ``all_to_all_single`` of gradient pieces in, one of new values back).
+6. **ragged+owner (momentum-sharded)**: the same layout, ``blockshard.optim.Muon``: momentum stays on the
+   shards; only the Nesterov direction goes to the owner and the orthogonalized update comes back.
 
 Timing: forward and backward are not timed. A ``dist.barrier()`` precedes every timed Muon step; a
 step's time is the slowest rank's ``muon.step()``; medians are over the timed steps (after
@@ -248,6 +254,7 @@ def _aggregate(per_rank: list[dict], opts: dict) -> dict:
                                  "recv_numel_per_rank": p["recv_numel_per_rank"]}  # fmt: skip
         variants[name] = rec
     r, o, g = variants["ragged"], variants["fsdp2+owner"], variants["gather-everywhere"]
+    ro, rm = variants["ragged+owner"], variants["ragged+owner (momentum-sharded)"]
 
     def step_bytes(v: dict) -> int:  # the busiest rank, the larger of its two directions
         return max(
@@ -262,6 +269,11 @@ def _aggregate(per_rank: list[dict], opts: dict) -> dict:
         "gather_ns_flops_max_rank_over_total_per_rank": g["ns_flops_max_over_total_per_rank"],
         "owner_step_bytes_max_rank_over_2x_grad_bytes_per_rank": step_bytes(o) / (2 * grad_bytes / w),
         "gather_step_bytes_max_rank_over_2x_grad_bytes_per_rank": step_bytes(g) / (2 * grad_bytes / w),
+        "ragged_owner_over_fsdp2_owner_step_time": ro["step_time_s"]["median"] / o["step_time_s"]["median"],
+        "ragged_owner_over_gather_everywhere_step_time": ro["step_time_s"]["median"] / g["step_time_s"]["median"],
+        "momentum_sharded_over_fsdp2_owner_step_time": rm["step_time_s"]["median"] / o["step_time_s"]["median"],
+        "momentum_sharded_over_gather_everywhere_step_time": rm["step_time_s"]["median"] / g["step_time_s"]["median"],
+        "ragged_owner_step_bytes_max_rank_over_2x_grad_bytes_per_rank": step_bytes(ro) / (2 * grad_bytes / w),
     }
     targets = {
         "ragged_step_at_least_2x_faster_than_gather_everywhere": {
@@ -274,6 +286,10 @@ def _aggregate(per_rank: list[dict], opts: dict) -> dict:
             "value": ratios["owner_step_bytes_max_rank_over_2x_grad_bytes_per_rank"], "target": "<= 1",
             "met": ratios["owner_step_bytes_max_rank_over_2x_grad_bytes_per_rank"] <= 1.0},
     }  # fmt: skip
+    for v in ("ragged_owner", "momentum_sharded"):
+        a, b = ratios[f"{v}_over_fsdp2_owner_step_time"], ratios[f"{v}_over_gather_everywhere_step_time"]
+        targets[f"{v}_step_le_fsdp2_owner"] = {"value": a, "target": "<= 1", "met": a <= 1.0}
+        targets[f"{v}_step_le_0.3x_gather_everywhere"] = {"value": b, "target": "<= 0.3", "met": b <= 0.3}
     return {"totals": {"ns_flops_total": total_flops, "ns_flops_total_over_W": total_flops / w,
                        "muon_grad_bytes": grad_bytes, "muon_grad_bytes_over_W": grad_bytes / w},
             "variants": variants, "ratios": ratios, "targets": targets,
@@ -329,7 +345,11 @@ def render(report: dict) -> None:
     t.caption = (f"NS total {_gflop(tot['ns_flops_total'])} GFLOP, total/W {_gflop(tot['ns_flops_total_over_W'])}; "
                  f"Muon grads {_mib(tot['muon_grad_bytes'])} MiB, 2 x grads/W {_mib(2 * tot['muon_grad_bytes_over_W'])} MiB. "
                  f"gather/ragged step time {r['gather_everywhere_over_ragged_step_time']:.2f}x; "
-                 f"owner bytes / (2 x grads/W) {r['owner_step_bytes_max_rank_over_2x_grad_bytes_per_rank']:.3f}"
+                 f"owner bytes / (2 x grads/W) {r['owner_step_bytes_max_rank_over_2x_grad_bytes_per_rank']:.3f}; "
+                 f"ragged+owner / fsdp2+owner {r['ragged_owner_over_fsdp2_owner_step_time']:.2f}x, "
+                 f"/ gather {r['ragged_owner_over_gather_everywhere_step_time']:.2f}x; momentum-sharded / "
+                 f"fsdp2+owner {r['momentum_sharded_over_fsdp2_owner_step_time']:.2f}x, "
+                 f"/ gather {r['momentum_sharded_over_gather_everywhere_step_time']:.2f}x"
                  + (f"\nfsdp2+plain-muon: {err['type']}: {err['message']} ({err['where']})" if err else ""))  # fmt: skip
     Console(stderr=True, width=140).print(t)
     pk = Table(title="ragged engine: NS FLOPs of the busiest rank / (total / W), from the planner "

@@ -2,10 +2,15 @@
 
 ``BlockedShampoo``: a reference blocked Shampoo (no distributed Shampoo package is on PyPI).
 ``optimizer_semantics`` / ``muon_param_groups``: the block semantics ``fully_shard`` should use
-for the optimizers you plan to run. The owner-compute wrapper for engines that keep
-element-wise shards lives with its engine (``blockshard.integrations.fsdp2``).
+for the optimizers you plan to run. ``Muon``: ``torch.optim.Muon`` with its momentum on the storage shards (only directions and
+updates move). ``OwnerComputeOptimizer``: an unmodified optimizer on whole
+compute units of cut storage (the ragged engine's ``policy="owner" | "auto"``; FSDP2's adapter,
+``blockshard.integrations.fsdp2``, uses the same implementation).
 """
 
+from blockshard.optim._muon import Muon
+from blockshard.optim._owner_compute import OwnerComputeError
+from blockshard.optim._owner_optimizer import OwnerComputeOptimizer
 from blockshard.optim._semantics import (
     OPTIMIZER_SEMANTICS,
     muon_param_groups,
@@ -17,6 +22,9 @@ from blockshard.optim._shampoo import BlockedShampoo
 __all__ = [
     "OPTIMIZER_SEMANTICS",
     "BlockedShampoo",
+    "Muon",
+    "OwnerComputeError",
+    "OwnerComputeOptimizer",
     "muon_param_groups",
     "optimizer_semantics",
     "semantics_for_optimizer",

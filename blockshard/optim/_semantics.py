@@ -142,20 +142,24 @@ def muon_param_groups(model: nn.Module, *, other: str = "adamw") -> list[dict]:
     An empty piece ``(0,)`` of one of Muon's matrices is left out (``torch.optim.Muon`` takes
     only 2-D tensors, and there is nothing to update); empty pieces of the rest stay with
     ``other``. A non-empty piece of Muon's that is not its whole matrix raises
-    :class:`~blockshard.SemanticsError` (the model was sharded without ``matrix`` semantics).
+    :class:`~blockshard.SemanticsError` (the model was sharded without ``matrix`` semantics),
+    unless the matrix is owner-computed (``fully_shard(..., policy="owner" | "auto")``): then its
+    piece, empty or not, stays in the Muon group, for :class:`blockshard.optim.Muon` or
+    :class:`blockshard.optim.OwnerComputeOptimizer` (which need every rank's pieces).
     """
-    from blockshard.runtime import global_shapes  # optim sits above runtime; runtime imports no optim
+    from blockshard.runtime import global_shapes, owner_plan  # optim sits above runtime; runtime imports no optim
 
     shapes = global_shapes(model)
+    owner_computed = owner_plan(model)
     groups: dict[bool, tuple[list[nn.Parameter], list[str]]] = {True: ([], []), False: ([], [])}
     for name, p in model.named_parameters():
         shape = shapes[name]
         module_type = "Embedding" if isinstance(_owner(model, name), nn.Embedding) else None
         spec = TensorSpec(name=name, shape=shape, dtype=normalize_dtype(p.dtype), module_type=module_type)
         is_muon = len(shape) == 2 and not is_embedding_or_head(spec)
-        if is_muon and p.numel() == 0:
+        if is_muon and p.numel() == 0 and name not in owner_computed:
             continue  # another rank holds this matrix
-        if is_muon and tuple(p.shape) != shape:
+        if is_muon and tuple(p.shape) != shape and name not in owner_computed:
             raise SemanticsError(
                 f"parameter {name!r} of shape {shape} is one of Muon's matrices, but this rank holds a piece "
                 f"of shape {tuple(p.shape)}: Muon must see whole matrices. Fix: shard with "

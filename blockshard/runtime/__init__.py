@@ -17,6 +17,7 @@ from blockshard.runtime._common import EngineStateError, ShardedState, TrainingS
 from blockshard.runtime._init import init_parameters
 from blockshard.runtime._module import register_forward_method
 from blockshard.runtime._optim_state import load_optimizer_state_dict, optimizer_state_dict
+from blockshard.runtime._owners import TensorOwners, owner_plan
 from blockshard.runtime._piece_tensor import PieceTensor, PieceTensorError
 from blockshard.runtime._state_dict import (
     LocalShard,
@@ -38,6 +39,7 @@ __all__ = [
     "ShardedModule",
     "ShardedState",
     "ShardingError",
+    "TensorOwners",
     "TrainingState",
     "UnshardHandle",
     "check_finished",
@@ -55,6 +57,7 @@ __all__ = [
     "load_sharded_state_dict",
     "local_buffers",
     "optimizer_state_dict",
+    "owner_plan",
     "register_forward_method",
     "save_checkpoint",
     "sharded_state_dict",

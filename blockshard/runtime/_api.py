@@ -11,13 +11,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from blockshard.planner import GroupLayout, PlanItem, plan_group, resolve_items
-from blockshard.planner._balance import balance, rank_costs
+from blockshard.planner import GroupLayout, PlanItem, resolve_items
+from blockshard.planner._balance import rotate
+from blockshard.planner._policy import check_policy, choose_layout
 from blockshard.planner._units import check_alignment_bytes
 from blockshard.runtime._clip import install_torch_clip_route
 from blockshard.runtime._collectives import check_same_layout, engine_group
 from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._optim_guard import install_optimizer_guard
+from blockshard.runtime._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
 from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
 from blockshard.runtime._state import STATE_ATTR, ModuleState, state_of
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
@@ -222,6 +224,7 @@ def fully_shard(
     ignored_params: object = None,
     semantics: object = None,
     alignment_bytes: int = 16,
+    policy: str = "whole",
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
 
@@ -236,8 +239,12 @@ def fully_shard(
     they are (not sharded, their gradients not reduced), as FSDP2's. ``offload_policy``: only
     FSDP2's default ``OffloadPolicy()`` (or ``CPUOffloadPolicy`` when the parameters are on the CPU
     already). ``shard_placement_fn`` is FSDP2's per-parameter ``Shard(dim)`` choice: blockshard
-    chooses layouts by ``semantics`` instead, so it must be None. Returns ``module``, whose class
-    becomes a :class:`ShardedModule` (FSDP2's ``FSDPModule`` methods, see _module.py).
+    chooses layouts by ``semantics`` instead, so it must be None.
+    ``policy`` places tensors whose compute units are coarser than their placement units (Muon
+    matrices, experts; ``planner/_policy.py``): ``"whole"`` (each compute unit on one rank, the
+    default), ``"owner"`` (storage cut at placement units; cut compute units get an owner rank, see
+    :func:`blockshard.runtime.owner_plan`) or ``"auto"`` (per tensor, by a cost in bytes). Returns
+    ``module``, whose class becomes a :class:`ShardedModule` (FSDP2's ``FSDPModule`` methods, see _module.py).
     """
     if isinstance(module, (list, tuple)):
         raise ShardingError(
@@ -253,6 +260,7 @@ def fully_shard(
             "(bottom-up: layers first, then the root)"
         )
     alignment_bytes = _check_alignment(alignment_bytes)
+    policy = check_policy(policy)
     process_group = engine_group(_process_group(mesh))  # [Note: collective integrity], point 1
     replicate_group = _replicate_group(mesh)
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
@@ -268,6 +276,7 @@ def fully_shard(
     name = type(module).__name__
     layout: GroupLayout | None = None
     items: list[PlanItem] = []
+    owned: frozenset[str] = frozenset()
     if params:  # a root without parameters of its own still drives the hooks, as in FSDP2
         by_name = dict(zip(names, params, strict=True))
         specs = [
@@ -275,7 +284,9 @@ def fully_shard(
             for n, p, r in zip(names, params, refs, strict=True)
         ]
         items = resolve_items(specs, _rules(semantics, by_name))
-        layout = plan_group(items, process_group.size(), name=name, alignment_bytes=alignment_bytes)
+        layout, owned, _ = choose_layout(
+            items, process_group.size(), policy, name=name, alignment_bytes=alignment_bytes, memo={}
+        )
     check_same_layout(name, layout.layout_hash() if layout else "empty", process_group)
     index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
     sps = [
@@ -302,6 +313,7 @@ def fully_shard(
         cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),
     )
     state.order = next(_ORDER)  # see [Note: cost tally]
+    record_compute(group, {it.name: it.grid for it in items if it.name in owned})
     for orig in params:
         tag_managed(orig, name, original=True)
     group.tag_views()
@@ -331,28 +343,35 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
         (st for m in module.modules() if m is not module and (st := state_of(m)) is not None),
         key=lambda st: st.order,
     )
-    if not below:
-        return  # a leaf: balanced by the call that shards an enclosing module
+    if not below:  # a leaf: balanced by the call that shards an enclosing module
+        if compute_of(state.group):  # its own owners until then ([Note: engine owner plan])
+            plan_owners(type(module).__name__, [("", state)], EngineOwnerBuilder(state.group.world_size, {}), None)
+        return
     process_group = state.group.process_group
-    running = np.zeros(process_group.size())
-    for st in below:
-        if st.balanced and st.group.layout is not None:
-            running += rank_costs(st.group.layout, st.group.costs)  # balanced by an earlier call
+    W = process_group.size()
+    prefixes = {id(m): f"{p}." if p else "" for p, m in module.named_modules()}
+    named = [(prefixes[id(st.module)], st) for st in below]
+    builder = EngineOwnerBuilder(W, {})
+    running = np.zeros(W)
+    for prefix, st in named:
+        if st.balanced and st.group.layout is not None:  # balanced by an earlier call
+            builder.add_fixed(*qualified_group(st, prefix), running)
     changed = False
-    for st in [*(st for st in below if not st.balanced), state]:
+    for prefix, st in [*((p, st) for p, st in named if not st.balanced), ("", state)]:
         st.balanced = True
         layout = st.group.layout
         if layout is None:
             continue
-        rotated = balance(layout, st.group.costs, running)
-        k = _rotation(layout, rotated)
+        q, kind, compute, costs = qualified_group(st, prefix)
+        k = _rotation(q, builder.add_group(q, kind, compute, costs, running, 0.0, np.zeros(W)))
         if k:
-            st.group.relayout(rotated, k)
+            st.group.relayout(rotate(layout, k), k)
             st.group.tag_views()
             changed = True
     if changed:
         hashes = ",".join(st.group.layout.layout_hash() for st in [*below, state] if st.group.layout is not None)
         check_same_layout(f"{type(module).__name__} (balanced)", hashes, process_group)
+    plan_owners(type(module).__name__, [*named, ("", state)], builder, running)
 
 
 def _rotation(old: GroupLayout, new: GroupLayout) -> int:

@@ -59,6 +59,16 @@ def test_muon_step_smallest_run(tmp_path, monkeypatch):
     assert g["step_bytes_sent_per_rank"] == g["step_bytes_planned_per_rank"]
     # Same gradients on every rank (the whole batch), so the same Muon: bitwise equal parameters.
     assert o["param_max_abs_diff_vs_ragged"] == 0.0 and g["param_max_abs_diff_vs_ragged"] == 0.0
+    # ragged+owner, both Muons: every matrix once, the bytes the exchange lists plan, bitwise equal.
+    for name in ("ragged+owner", "ragged+owner (momentum-sharded)"):
+        v = vs[name]
+        assert v["ns_flops_sum_over_ranks"] == total, name
+        assert v["step_bytes_sent_per_rank"] == v["step_bytes_planned_per_rank"], name
+        assert set(v["step_collectives_rank0"]) <= {"alltoall_base_"}, name
+        assert v["param_max_abs_diff_vs_ragged"] == 0.0, name
     assert set(report["targets"]) == {"ragged_step_at_least_2x_faster_than_gather_everywhere",
                                       "ragged_ns_flops_max_rank_le_1.1x_total_over_W",
-                                      "owner_step_bytes_max_rank_le_2x_grad_bytes_over_W"}  # fmt: skip
+                                      "owner_step_bytes_max_rank_le_2x_grad_bytes_over_W",
+                                      "ragged_owner_step_le_fsdp2_owner", "ragged_owner_step_le_0.3x_gather_everywhere",
+                                      "momentum_sharded_step_le_fsdp2_owner",
+                                      "momentum_sharded_step_le_0.3x_gather_everywhere"}  # fmt: skip

@@ -1,0 +1,159 @@
+"""``blockshard.optim.Muon``: torch's Muon with its momentum on the storage shards.
+
+[Note: momentum-sharded Muon]
+``torch.optim.Muon`` does, per matrix: ``buf.lerp_(g, 1 - mu)``; the Nesterov direction
+``d = g.lerp(buf, mu)``; ``O = NS(d)`` (Newton-Schulz on the whole matrix, in bfloat16); then
+``p.mul_(1 - lr * wd)`` and ``p.add_(O, alpha=-adjusted_lr(shape))``. Everything but ``NS`` is
+element-wise, so this optimizer keeps ``buf`` on each rank's piece (optimizer state even across
+ranks whatever the matrix sizes, as veScale-FSDP runs it) and moves only ``d``: the pieces of every
+cut matrix go to its owner (one ``all_to_all_single``, [Note: owner compute]), the owner runs
+torch's own ``NS`` on the whole matrix, and the ``O`` pieces come back (one more) to be applied
+where they are. Matrices inside one rank's piece never move. Each element sees the same float
+operations in the same order as under ``torch.optim.Muon`` on one process, so the result is
+bitwise the same (bfloat16 ``O`` travels as its exact float32 value).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
+from torch.optim._muon import _zeropower_via_newtonschulz as _newton_schulz
+
+from blockshard.optim._owner_compute import OwnerComputeError, named_groups
+from blockshard.optim._owner_optimizer import OwnerComputeOptimizer, _ragged_holdings
+
+__all__ = ["Muon"]
+
+
+class _MomentumOnShards(torch.optim.Optimizer):
+    """The inner optimizer of :class:`Muon`: its ``param_groups`` hold the local pieces and its state
+    their momentum; its ``step`` is the element-wise part, with the owner exchange in between."""
+
+    def __init__(self, groups: list[dict], defaults: dict, outer: Muon) -> None:
+        super().__init__(groups, defaults)
+        self._outer = outer
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        outer = self._outer
+        dirs: dict[int, torch.Tensor] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                d = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                dirs[outer._index[id(p)]] = d.reshape(-1)
+        updates = outer._orthogonalize(dirs)
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                t = outer._index[id(p)]
+                if t not in dirs:
+                    continue
+                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(outer._params[t].shape))
+                p.mul_(1 - lr * wd)
+                p.add_(updates[t].view(p.shape), alpha=-adjusted)
+
+
+class Muon(OwnerComputeOptimizer):
+    """``torch.optim.Muon``'s update on the ragged engine's pieces, momentum kept on the shards.
+
+    ``params``: named matrices as :class:`OwnerComputeOptimizer` takes them (``(name, param)``
+    pairs, or param_groups such as ``blockshard.optim.muon_param_groups(model)[0]``); every one 2-D
+    in its *global* shape. The other arguments are ``torch.optim.Muon``'s, with its defaults.
+    Shard with ``semantics="matrix"`` (or the ``"muon"`` preset) and ``policy="owner"`` or
+    ``"auto"``: a matrix the storage cuts is orthogonalized at its owner; see
+    [Note: momentum-sharded Muon].
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
+        eps: float = EPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        process_group: Any = None,
+    ) -> None:
+        probe = torch.optim.Muon(  # torch's own checks of the arguments, and its defaults
+            [torch.zeros(1, 1)],
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+        )
+        defaults = dict(probe.defaults)
+        groups, _ = named_groups(params)
+        holdings, found = _ragged_holdings(groups)
+        for q in holdings:
+            if len(q.shape) != 2:
+                raise OwnerComputeError(
+                    f"parameter {q.name!r} has global shape {q.shape}; Muon orthogonalizes 2-D matrices only. "
+                    "Fix: pass Muon's matrices by name, e.g. blockshard.optim.muon_param_groups(model)[0], "
+                    "and the rest to AdamW"
+                )
+        group = process_group if process_group is not None else found
+        W = group.size() if group is not None else 1
+        factory = lambda gs: _MomentumOnShards(gs, defaults, self)  # noqa: E731
+        self._setup(factory, groups, holdings, group, W, group.rank() if group is not None else 0)
+
+    def _inner_groups(self, groups: Sequence) -> list[dict]:
+        """The local pieces (momentum lives with them), not the compute tensors."""
+        self._index = {id(q.param): t for t, q in enumerate(self._params)}
+        return [
+            {**opts, "params": [q.param for q in self._params if q.group == gi and q.local().numel()]}
+            for gi, (opts, _) in enumerate(groups)
+        ]
+
+    def _ns(self, t: int, d: torch.Tensor) -> torch.Tensor:
+        g = self.inner.param_groups[self._params[t].group]
+        return _newton_schulz(d, g["ns_coefficients"], g["ns_steps"], g["eps"])
+
+    def _orthogonalize(self, dirs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """``NS`` of every matrix's direction, as flat pieces of this rank: whole matrices here,
+        cut ones at their owners (``dirs``: local pieces' directions by tensor index)."""
+        self._to_owners(lambda t: dirs.get(t), grads=True)
+        for j in self._unit_piece.values():
+            pc = self._pieces[j]
+            d = pc.tensor.grad
+            if d is not None and self._params[pc.p].param.grad is not None:
+                pc.tensor.copy_(self._ns(pc.p, d.view(pc.tensor.shape)))
+            pc.tensor.grad = None
+        updates = {t: torch.zeros_like(self._flat(t)) for t, q in enumerate(self._params) if q.planned or t in dirs}
+        for pc in self._pieces:
+            if pc.unit_start < 0 and pc.p in dirs:
+                d = dirs[pc.p][pc.lo : pc.hi].view(pc.tensor.shape)
+                updates[pc.p][pc.lo : pc.hi].copy_(self._ns(pc.p, d).reshape(-1))
+        self._from_owners(lambda t: updates[t])
+        return updates
+
+    @torch.no_grad()
+    def resync_params(self) -> None:
+        """Nothing to resync: owners hold no copy of the parameters (only directions, per step)."""
+        self._refresh_views()
+
+    def step(self, closure: Any = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._refresh_views()
+        self.inner.step()
+        return loss

@@ -1,0 +1,208 @@
+"""Owner-compute: run an unmodified optimizer on whole compute units of cut storage.
+
+[Note: owner compute]
+An engine that cuts a tensor's storage inside a compute unit (a Muon matrix, a Shampoo stripe)
+gives each cut unit one **owner** rank. Both engines state where a tensor lies in the same way:
+rank ``h`` holds elements ``[h * S - offset, (h + 1) * S - offset)`` of its flattening, clipped to
+the tensor (FSDP2's ``Shard(0)``: ``offset = 0``, ``S`` = its shard; the ragged engine: the
+tensor's offset in its bucket and the bucket's segment, :class:`blockshard.runtime.TensorOwners`),
+and lists its cut units as ``(start, numel, owner)``. From that, every rank derives the same
+exchange lists (:func:`exchange_lists`). The owner keeps a persistent full-unit tensor for each unit
+it owns; the inner optimizer steps those, so its state for a cut unit lives only at the owner. The
+whole compute units inside a rank's piece are stepped in place on a view of it; tensors that are not
+owner-computed are stepped on their local pieces.
+
+Communication (``all_to_all_single`` with uneven splits, one call per dtype and direction, none when
+no unit is cut; waits bounded as the engine's, ``runtime/_collectives.wait``). Buffers are grouped
+by peer in rank order; within a peer, pieces follow the order of the cut units, which both sides
+know, so no index travels:
+
+* **gradients to owners** (every :meth:`OwnerComputeOptimizer.step`): rank ``r`` sends each rank
+  ``o`` its slices of the cut units ``o`` owns and receives from each rank ``h`` ``h``'s slices of
+  the units ``r`` owns; the owner copies its own slice locally. The self entry is 0.
+* **values back to holders** (after the inner step): the reverse, with the same counts swapped.
+* **values to owners** (at construction and :meth:`OwnerComputeOptimizer.resync_params`): as the
+  gradient phase, with parameter values, to (re)initialize the owners' full-unit tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from blockshard._errors import BlockshardError
+
+__all__ = [
+    "Exchange",
+    "Holding",
+    "OwnerComputeError",
+    "add_module_types",
+    "exchange_lists",
+    "local_region",
+    "named_groups",
+]
+
+
+class OwnerComputeError(BlockshardError):
+    """Bad input to an ``OwnerComputeOptimizer`` (the message names the parameter and the fix)."""
+
+
+@dataclass
+class Holding:
+    """One parameter as owner-compute sees it on this rank.
+
+    ``planned``: part of an owner plan (its storage may cut compute units): rank ``h`` holds
+    ``[h * segment - offset, ...)`` clipped to the tensor, ``units`` are its cut units
+    ``(start, numel, owner)``, and this rank's piece is ``local_numel`` elements from
+    ``local_start``. Otherwise the local tensor is stepped as it is (``direct``: the parameter
+    object itself goes to the inner optimizer, with its own ``.grad``).
+    """
+
+    name: str
+    param: torch.Tensor
+    shape: tuple[int, ...]
+    group: int
+    planned: bool = False
+    offset: int = 0
+    segment: int = 1
+    units: tuple[tuple[int, int, int], ...] = ()
+    local_start: int = 0
+    local_numel: int = 0
+    direct: bool = False
+
+    def local(self) -> torch.Tensor:
+        p = self.param
+        return (p.to_local() if hasattr(p, "to_local") else p).detach()
+
+    def local_grad(self) -> torch.Tensor | None:
+        g = self.param.grad
+        if g is None:
+            return None
+        return (g.to_local() if hasattr(g, "to_local") else g).detach()
+
+    def holders(self, a: int, n: int) -> list[tuple[int, int, int]]:
+        """``(rank, offset in that rank's piece, count)`` of every rank holding part of ``[a, a + n)``."""
+        S, off = self.segment, self.offset
+        out = []
+        for h in range((off + a) // S, (off + a + n - 1) // S + 1):
+            start = max(h * S - off, 0)
+            lo, hi = max(a, start), min(a + n, (h + 1) * S - off)
+            if hi > lo:
+                out.append((h, lo - start, hi - lo))
+        return out
+
+
+@dataclass
+class Exchange:
+    """One dtype's all_to_all lists, gradient direction (the update direction swaps them)."""
+
+    sends: list[list[tuple[int, int, int]]]  # [peer] -> (tensor index, local offset, n): my slices of peer's units
+    recvs: list[list[tuple[int, int, int]]]  # [peer] -> (owned index, unit offset, n): peer's slices of my units
+    send_sizes: list[int] = field(default_factory=list)
+    recv_sizes: list[int] = field(default_factory=list)
+
+
+def exchange_lists(
+    holdings: Sequence[Holding], dtypes: Sequence[str], rank: int, world_size: int
+) -> tuple[dict[str, Exchange], list[tuple]]:
+    """Pure: this rank's all_to_all lists per dtype, and the units it owns.
+
+    Units are taken tensor by tensor, in each tensor's order (the same on every rank). Returns
+    ``(exchanges, owned)``, ``owned`` a list of ``(unit index, tensor index, start, numel, own slice
+    or None)`` where the own slice is ``(local offset, unit offset, n)``; ``recvs`` index ``owned``.
+    """
+    ex: dict[str, Exchange] = {}
+    owned: list[tuple] = []
+    i = 0
+    for t, q in enumerate(holdings):
+        for a, n, o in q.units:
+            e = ex.setdefault(dtypes[t], Exchange([[] for _ in range(world_size)], [[] for _ in range(world_size)]))
+            own = None
+            for h, loc, cnt in q.holders(a, n):
+                uoff = loc + max(h * q.segment - q.offset, 0) - a
+                if h == rank and o == rank:
+                    own = (loc, uoff, cnt)
+                elif h == rank:
+                    e.sends[o].append((t, loc, cnt))
+                elif o == rank:
+                    e.recvs[h].append((len(owned), uoff, cnt))
+            if o == rank:
+                owned.append((i, t, a, n, own))
+            i += 1
+    for e in ex.values():
+        e.send_sizes = [sum(x[2] for x in lst) for lst in e.sends]
+        e.recv_sizes = [sum(x[2] for x in lst) for lst in e.recvs]
+    return dict(sorted(ex.items())), owned
+
+
+def local_region(q: Holding) -> tuple[int, int]:
+    """``[lo, hi)``: the whole compute units in this rank's piece of planned tensor ``q`` (its cut
+    units overlap only the piece's ends); empty when ``lo >= hi``."""
+    lo, hi = q.local_start, q.local_start + q.local_numel
+    for a, n, _ in q.units:
+        if a <= lo < a + n:
+            lo = a + n
+        if a < hi <= a + n:
+            hi = a
+    return lo, hi
+
+
+def add_module_types(mtypes: dict[int, str], root: nn.Module) -> None:
+    """Record the class name of each parameter's owning module (the first owner wins)."""
+    for mod in root.modules():
+        for p in mod.parameters(recurse=False):
+            mtypes.setdefault(id(p), type(mod).__name__)
+
+
+def named_groups(params) -> tuple[list[tuple[dict, list[tuple[str, torch.Tensor]]]], dict[int, str]]:
+    """Normalize ``params`` to ``[(param_group options, [(name, param), ...])]`` and module types by id."""
+    mtypes: dict[int, str] = {}
+    if isinstance(params, nn.Module):
+        add_module_types(mtypes, params)
+        params = list(params.named_parameters())
+    params = list(params)
+    if not params:
+        raise OwnerComputeError(
+            "params is empty: pass model.named_parameters(), a list of (name, param) "
+            "pairs or param_groups {'params': [(name, param), ...], ...}"
+        )
+    groups = params if isinstance(params[0], Mapping) else [{"params": params}]
+    out = []
+    for gi, g in enumerate(groups):
+        if not isinstance(g, Mapping) or "params" not in g:
+            raise OwnerComputeError(
+                f"param_groups[{gi}] ({g!r}) must be a dict with a 'params' list of (name, param) pairs"
+            )
+        named = list(g["params"])
+        if "param_names" in g:  # torch's named param_groups, e.g. blockshard.optim.muon_param_groups(model)
+            names = list(g["param_names"])
+            if len(names) != len(named):
+                raise OwnerComputeError(
+                    f"param_groups[{gi}] has {len(named)} params but {len(names)} param_names; give one name per parameter"
+                )
+            named = list(zip(names, named, strict=True))
+        for x in named:
+            if not (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)):
+                raise OwnerComputeError(
+                    f"param_groups[{gi}]: {type(x).__name__} entry is not a (name, parameter) pair; rules match "
+                    "parameter names, so pass model.named_parameters() or [(name, param), ...]"
+                )
+        out.append(({k: v for k, v in g.items() if k not in ("params", "param_names")}, named))
+    return out, mtypes
+
+
+@dataclass
+class _Piece:
+    """A compute tensor: a view of a local piece (or the parameter itself), or an owned unit."""
+
+    p: int
+    key: tuple
+    tensor: torch.Tensor
+    lo: int = 0  # element range of the view within the local piece
+    hi: int = 0
+    unit_start: int = -1  # >= 0: an owned unit, starting at this element of the flattening
+    own: tuple[int, int, int] | None = None  # (local offset, unit offset, n) of the owner's own slice
+    direct: bool = False  # the parameter itself: the inner optimizer reads its own .grad

@@ -1,0 +1,362 @@
+"""``OwnerComputeOptimizer``: one implementation of [Note: owner compute] for both engines."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from blockshard._arith import block_shape, rows_cols
+from blockshard.optim._owner_compute import (
+    Holding,
+    OwnerComputeError,
+    _Piece,
+    exchange_lists,
+    local_region,
+    named_groups,
+)
+
+__all__ = ["OwnerComputeOptimizer"]
+
+
+def _wait(work: Any, what: str, group: Any) -> None:
+    from blockshard.runtime._collectives import wait  # bounded, reported as the engine's
+
+    wait(work, what, group)
+
+
+class OwnerComputeOptimizer(torch.optim.Optimizer):
+    """Step sharded parameters with an unmodified optimizer that sees whole compute units.
+
+    Args:
+        inner_optimizer_factory: called once with a list of ``param_groups`` (``{"params": [tensors],
+            **options}``) holding this rank's *compute tensors* -- its local pieces, views of the whole
+            compute units in them, and the full-unit tensors it owns -- and returns the inner optimizer
+            (e.g. ``lambda groups: torch.optim.Muon(groups, lr=0.02)``). A rank may get empty groups.
+        params: ``model.named_parameters()`` (or any ``(name, param)`` pairs), a module, or a list of
+            ``param_groups`` ``{"params": [(name, param), ...], **options}`` (or ``{"params": [...],
+            "param_names": [...]}``, as :func:`blockshard.optim.muon_param_groups` returns).
+
+    On the ragged engine (this class), a tensor that ``fully_shard(..., policy="owner" | "auto")``
+    laid out with cut compute units is owner-computed as :func:`blockshard.runtime.owner_plan`
+    says; every other piece is stepped where it is. Build it after the last ``fully_shard`` call,
+    on every rank. ``inner`` is the inner optimizer; ``param_groups``, ``state_dict`` /
+    ``load_state_dict`` (per rank: same world size and plan) and LR schedulers work on this object
+    as on it. If parameter values change outside :meth:`step`, call :meth:`resync_params`.
+    """
+
+    def __init__(self, inner_optimizer_factory: Callable, params, *, process_group: Any = None) -> None:
+        groups, _ = named_groups(params)
+        holdings, found = _ragged_holdings(groups)
+        group = process_group if process_group is not None else found
+        W = group.size() if group is not None else 1
+        self._setup(inner_optimizer_factory, groups, holdings, group, W, group.rank() if group is not None else 0)
+
+    # -- setup ------------------------------------------------------------------------------------
+    def _setup(self, factory: Callable, groups: Sequence, holdings: list[Holding], process_group, W: int, rank: int):
+        if not callable(factory):
+            raise OwnerComputeError(
+                f"inner_optimizer_factory={factory!r} must be callable: "
+                "groups -> optimizer, e.g. lambda groups: torch.optim.Muon(groups, lr=0.02)"
+            )
+        self._params, self.process_group, self.world_size, self.rank = holdings, process_group, W, rank
+        self._device = holdings[0].local().device
+        if W > 1 and process_group is not None:
+            self._check_same_plan()
+        self._build_pieces()
+        self.inner = factory(self._inner_groups(groups))
+        if not all(hasattr(self.inner, a) for a in ("step", "state_dict", "load_state_dict", "param_groups")):
+            raise OwnerComputeError(f"inner_optimizer_factory returned {self.inner!r}, not a torch.optim.Optimizer")
+        self.resync_params()
+
+    def _check_same_plan(self) -> None:
+        """Every rank must hold the same owner-computed tensors (else the all_to_alls would not pair)."""
+        mine = [(q.name, q.units) for q in self._params if q.planned]
+        digest = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, (digest, len(mine)), group=self.process_group)
+        if len(set(everyone)) > 1:
+            by_rank = ", ".join(f"rank {r}: {n} tensors, plan {h}" for r, (h, n) in enumerate(everyone))
+            raise OwnerComputeError(
+                f"ranks disagree on the owner-computed tensors they pass ({by_rank}). Every rank must pass "
+                "the same parameters, its empty pieces too (a rank may own a matrix it holds none of): "
+                "pass model.named_parameters() or blockshard.optim.muon_param_groups(model), unfiltered"
+            )
+
+    def _inner_groups(self, groups: Sequence) -> list[dict]:
+        """The inner optimizer's ``param_groups``: this rank's compute tensors, group by group."""
+        return [
+            {**opts, "params": [pc.tensor for pc in self._pieces if self._params[pc.p].group == gi]}
+            for gi, (opts, _) in enumerate(groups)
+        ]
+
+    def _build_pieces(self) -> None:
+        dtypes = [str(q.param.dtype).removeprefix("torch.") for q in self._params]
+        self._exchanges, owned = exchange_lists(self._params, dtypes, self.rank, self.world_size)
+        owned_by_param: dict[int, list[tuple]] = {}
+        for k, (_, t, a, n, own) in enumerate(owned):
+            owned_by_param.setdefault(t, []).append((k, a, n, own))
+        self._pieces: list[_Piece] = []
+        self._unit_piece: dict[int, int] = {}  # position in `owned` -> index in self._pieces
+        for i, q in enumerate(self._params):
+            local = q.local()
+            if not q.planned:
+                if local.numel():
+                    t = q.param if q.direct else local
+                    key = (q.name, "local", tuple(local.shape))
+                    self._pieces.append(_Piece(i, key, t, 0, local.numel(), direct=q.direct))
+            else:
+                self._add_region(i, q, local)
+            for k, a, n, own in owned_by_param.get(i, []):
+                unit = torch.empty(block_shape(q.shape, a, n), dtype=q.param.dtype, device=local.device)
+                self._unit_piece[k] = len(self._pieces)
+                self._pieces.append(_Piece(i, (q.name, "unit", a, n), unit, unit_start=a, own=own))
+
+    def _add_region(self, i: int, q: Holding, local: torch.Tensor) -> None:
+        """The whole compute units of this rank's piece of planned tensor ``q``, as one compute tensor."""
+        lo, hi = local_region(q)
+        if lo >= hi:
+            return
+        row = rows_cols(q.shape)[1]
+        key = (
+            (q.name, "rows", lo // row, hi // row)
+            if row and not lo % row and not hi % row
+            else (q.name, "elems", lo, hi)
+        )
+        a, b = lo - q.local_start, hi - q.local_start
+        if q.direct and (a, b) == (0, q.local_numel):
+            self._pieces.append(_Piece(i, key, q.param, a, b, direct=True))
+        else:
+            self._pieces.append(_Piece(i, key, local.reshape(-1)[a:b].view(block_shape(q.shape, lo, hi - lo)), a, b))
+
+    # -- communication ----------------------------------------------------------------------------
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_sizes, in_sizes, what: str) -> None:
+        work = dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group, async_op=True)
+        _wait(work, f"the owner-compute all_to_all ({what})", self.process_group)
+
+    def _to_owners(self, source: Callable[[int], torch.Tensor | None], grads: bool) -> None:
+        """Slices of cut units (``source(t)``: tensor ``t``'s local piece, flat, or ``None``: zeros) ->
+        their owners' full-unit tensors (``grads``: their ``.grad``)."""
+        for dt, e in self._exchanges.items():
+            dtype = getattr(torch, dt)
+            chunks = []
+            for peer in range(self.world_size):
+                for t, off, n in e.sends[peer]:
+                    src = source(t)
+                    chunks.append(
+                        src[off : off + n] if src is not None else torch.zeros(n, dtype=dtype, device=self._device)
+                    )
+            inp = torch.cat(chunks).to(dtype) if chunks else torch.empty(0, dtype=dtype, device=self._device)
+            out = torch.empty(sum(e.recv_sizes), dtype=dtype, device=self._device)
+            self._all_to_all(out, inp, e.recv_sizes, e.send_sizes, "gradients to owners" if grads else "values")
+            pos = 0
+            for peer in range(self.world_size):
+                for k, uoff, n in e.recvs[peer]:
+                    self._unit_target(k, grads)[uoff : uoff + n].copy_(out[pos : pos + n])
+                    pos += n
+        for k, j in self._unit_piece.items():
+            pc = self._pieces[j]
+            if pc.own is not None:
+                off, uoff, n = pc.own
+                src = source(pc.p)
+                dst = self._unit_target(k, grads)
+                dst[uoff : uoff + n].copy_(src[off : off + n]) if src is not None else dst[uoff : uoff + n].zero_()
+
+    def _from_owners(self, dest: Callable[[int], torch.Tensor]) -> None:
+        """Values of owned units -> every holder's ``dest(t)`` (tensor ``t``'s local piece, flat)."""
+        for dt, e in self._exchanges.items():
+            dtype = getattr(torch, dt)
+            chunks = [
+                self._unit_target(k, False)[uoff : uoff + n]
+                for peer in range(self.world_size)
+                for k, uoff, n in e.recvs[peer]
+            ]
+            inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype, device=self._device)
+            out = torch.empty(sum(e.send_sizes), dtype=dtype, device=self._device)
+            self._all_to_all(out, inp, e.send_sizes, e.recv_sizes, "new values back")
+            pos = 0
+            for peer in range(self.world_size):
+                for t, off, n in e.sends[peer]:
+                    dest(t)[off : off + n].copy_(out[pos : pos + n])
+                    pos += n
+        for j in self._unit_piece.values():
+            pc = self._pieces[j]
+            if pc.own is not None:
+                off, uoff, n = pc.own
+                dest(pc.p)[off : off + n].copy_(pc.tensor.view(-1)[uoff : uoff + n])
+
+    def _flat(self, t: int) -> torch.Tensor:
+        """Tensor ``t``'s local piece: a flat view, written in place."""
+        return self._params[t].local().view(-1)
+
+    def _flat_grad(self, t: int) -> torch.Tensor | None:
+        g = self._params[t].local_grad()
+        return None if g is None else g.reshape(-1)
+
+    def _unit_target(self, k: int, grads: bool) -> torch.Tensor:
+        t = self._pieces[self._unit_piece[k]].tensor
+        if grads:
+            if t.grad is None:
+                t.grad = torch.empty_like(t)
+            return t.grad.view(-1)
+        return t.view(-1)
+
+    # -- optimizer surface -------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @property
+    def defaults(self) -> dict:  # type: ignore[override]
+        return self.inner.defaults
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise OwnerComputeError("add_param_group is not supported: build a new OwnerComputeOptimizer with every group")
+
+    @torch.no_grad()
+    def resync_params(self) -> None:
+        """Collective: re-read the owners' full-unit tensors from the parameters' local pieces."""
+        self._refresh_views()
+        self._to_owners(self._flat, grads=False)
+
+    def _refresh_views(self) -> None:
+        for pc in self._pieces:
+            if pc.unit_start < 0 and not pc.direct:  # re-point the view at the current local piece
+                q = self._params[pc.p]
+                local = q.local()
+                pc.tensor.data = local.reshape(-1)[pc.lo : pc.hi].view(pc.tensor.shape) if q.planned else local
+
+    def step(self, closure: Callable | None = None):
+        """Gradients to owners, inner step on whole units and local pieces, new values back."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._refresh_views()
+            for pc in self._pieces:
+                if pc.unit_start < 0 and not pc.direct:
+                    q = self._params[pc.p]
+                    g = q.local_grad()
+                    if g is not None and q.planned:
+                        g = g.reshape(-1)[pc.lo : pc.hi].view(pc.tensor.shape)
+                    pc.tensor.grad = g
+            self._to_owners(self._flat_grad, grads=True)
+            for j in self._unit_piece.values():  # a unit whose parameter has no gradient is skipped
+                if self._params[self._pieces[j].p].param.grad is None:
+                    self._pieces[j].tensor.grad = None
+            self.inner.step()
+            self._from_owners(self._flat)
+            for pc in self._pieces:
+                if not pc.direct:
+                    pc.tensor.grad = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for q in self._params:
+            if q.param.grad is not None:
+                if set_to_none:
+                    q.param.grad = None
+                else:
+                    q.param.grad.zero_()
+
+    def state_dict(self) -> dict:
+        """This rank's state: the inner optimizer's state dict and the layout it belongs to."""
+        return {
+            "inner": self.inner.state_dict(),
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "layout": [pc.key for pc in self._pieces],
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Collective: load a state dict saved by this rank at the same world size, then resync."""
+        mine = {"world_size": self.world_size, "rank": self.rank, "layout": [pc.key for pc in self._pieces]}
+        got = {k: state_dict.get(k) for k in mine}
+        if [got["world_size"], got["rank"]] != [mine["world_size"], mine["rank"]] or [
+            tuple(x) for x in (got["layout"] or [])
+        ] != mine["layout"]:
+            raise OwnerComputeError(
+                f"state dict was saved for world_size={got['world_size']}, rank={got['rank']} with "
+                f"{len(got['layout'] or [])} compute tensors; this optimizer is world_size={self.world_size}, "
+                f"rank={self.rank} with {len(self._pieces)}: owner-compute state is per rank, load it at "
+                "the same world size, semantics and parameter shapes"
+            )
+        self.inner.load_state_dict(state_dict["inner"])
+        self.resync_params()
+
+    def owned_units(self) -> list[tuple[str, int, int]]:
+        """``(parameter name, start element, numel)`` of every unit this rank owns."""
+        return [
+            (self._params[pc.p].name, pc.unit_start, pc.tensor.numel()) for pc in self._pieces if pc.unit_start >= 0
+        ]
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(inner={type(self.inner).__name__}, world_size={self.world_size}, "
+            f"rank={self.rank}, compute_tensors={len(self._pieces)}, owned_units={len(self._unit_piece)})"
+        )
+
+    def __getstate__(self) -> dict:
+        raise OwnerComputeError("an OwnerComputeOptimizer cannot be pickled; save its state_dict() instead")
+
+
+def _ragged_holdings(groups: Sequence) -> tuple[list[Holding], Any]:
+    """Every parameter as a :class:`Holding`: owner-computed where the engine's owner plan cuts it."""
+    from blockshard.runtime._owners import tensor_owners
+    from blockshard.runtime._param import managed_tag
+
+    holdings: list[Holding] = []
+    process_group = None
+    seen: dict[int, str] = {}
+    for gi, (_, named) in enumerate(groups):
+        for name, p in named:
+            if id(p) in seen:
+                raise OwnerComputeError(f"parameter {name!r} is the same tensor as {seen[id(p)]!r}; pass each once")
+            seen[id(p)] = name
+            tag = managed_tag(p)
+            if tag is not None and tag.original:
+                raise OwnerComputeError(
+                    f"parameter {name!r} of shape {tuple(p.shape)} was replaced by fully_shard (in the group of a "
+                    f"{tag.owner}); build the optimizer after the last fully_shard, over model.named_parameters()"
+                )
+            ref = tag.group if tag is not None else None
+            group: Any = ref() if callable(ref) else None
+            if tag is None or group is None:  # not sharded by the ragged engine: stepped as it is
+                holdings.append(Holding(name, p, tuple(p.shape), gi, direct=True))
+                continue
+            process_group = process_group if process_group is not None else tag.process_group
+            sp = next((sp for sp in group.params if sp.sharded is p), None)
+            if sp is None:
+                raise OwnerComputeError(
+                    f"parameter {name!r} is not a current local piece of its group {group.name!r} (taken during "
+                    "forward, or before the group was rebalanced); build the optimizer after the last "
+                    "fully_shard, outside forward/backward, over model.named_parameters()"
+                )
+            owners = tensor_owners(group, sp.fqn, name)
+            if owners is None or not owners.units:
+                holdings.append(Holding(name, p, tuple(sp.shape), gi, direct=True))
+                continue
+            holdings.append(
+                Holding(
+                    name,
+                    p,
+                    tuple(sp.shape),
+                    gi,
+                    planned=True,
+                    offset=owners.offset,
+                    segment=owners.segment_numel,
+                    units=owners.units,
+                    local_start=sp.local_start,
+                    local_numel=sp.local_numel,
+                    direct=True,
+                )
+            )
+    return holdings, process_group

@@ -1,0 +1,203 @@
+"""The engine's owner plan: who computes each compute unit that a rank boundary cuts.
+
+[Note: engine owner plan]
+Under ``fully_shard(..., policy="owner" | "auto")`` a group may lay out some tensors on their
+placement grids (``planner/_policy.py``): storage is cut at placement units and a compute unit (a
+Muon matrix, an expert) may straddle rank boundaries. Every call that balances groups
+([Note: cost tally] in ``_api.py``) rebuilds the owner plan of its subtree with the planner's
+:class:`~blockshard.planner._compute.OwnerBuilder` — the same rotations as before for groups without
+owner-computed tensors, then one greedy over every cut unit of the subtree (longest first,
+[Note: owners across groups]) — and checks its hash across ranks like a layout hash, so a rank with
+another plan raises on every rank. The engine moves a group's buffer by whole segments only, so
+the builder's tensor shifts are not used here. The plan is kept per group in a weak registry
+(nothing outlives the group); the last balancing call of a model (its root) writes the final one.
+An optimizer finds it from a sharded piece (:func:`tensor_owners`) or for a whole model
+(:func:`owner_plan`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from blockshard.planner._compute import OwnerAssignment, OwnerBuilder
+from blockshard.planner._layout import GroupLayout
+from blockshard.planner._plan import group_kind
+from blockshard.runtime._collectives import check_same_layout
+from blockshard.semantics import UnitGrid
+
+__all__ = [
+    "EngineOwnerBuilder",
+    "TensorOwners",
+    "owner_plan",
+    "plan_owners",
+    "qualified_group",
+    "record_compute",
+    "tensor_owners",
+]
+
+
+@dataclass(frozen=True)
+class TensorOwners:
+    """One owner-computed tensor of a group: where it lies and who computes its cut units.
+
+    Rank ``h`` holds elements ``piece(h)`` of the tensor's flattening (``[h * S - offset, ...)``
+    clipped to the tensor). ``units``: ``(start, numel, owner)`` of every cut compute unit; compute
+    units not listed lie inside one rank's piece and are computed there.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    compute: UnitGrid
+    offset: int  # in its bucket of the gathered buffer
+    segment_numel: int  # S of that bucket
+    world_size: int
+    units: tuple[tuple[int, int, int], ...]
+    owner_hash: str
+
+    @property
+    def numel(self) -> int:
+        return self.compute.numel
+
+    def piece(self, rank: int) -> tuple[int, int]:
+        """``(start, stop)`` of the elements rank ``rank`` holds."""
+        n = self.numel
+        lo = min(max(rank * self.segment_numel - self.offset, 0), n)
+        return lo, max(lo, min(max((rank + 1) * self.segment_numel - self.offset, 0), n))
+
+
+@dataclass
+class _GroupOwners:
+    compute: dict[str, UnitGrid]  # owner-computed tensors of the group, by name in the group
+    units: dict[str, tuple[tuple[int, int, int], ...]] = dataclasses.field(default_factory=dict)
+    owner_hash: str = ""
+
+
+# ShardGroup -> its owner-computed tensors and their owners: weak, so it never keeps a model alive
+_REGISTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def record_compute(group: object, compute: Mapping[str, UnitGrid]) -> None:
+    """Note ``group``'s owner-computed tensors (their compute grids), at ``fully_shard``."""
+    if compute:
+        _REGISTRY[group] = _GroupOwners(dict(compute))
+
+
+def compute_of(group: object) -> dict[str, UnitGrid]:
+    entry = _REGISTRY.get(group)
+    return entry.compute if entry is not None else {}
+
+
+class EngineOwnerBuilder(OwnerBuilder):
+    """:class:`OwnerBuilder` with rotations only (the engine cannot re-base a buffer)."""
+
+    def _best_shift(self, layout, compute, costs, running, current):
+        return (layout, *current)
+
+    def add_fixed(
+        self, layout: GroupLayout, kind: str, compute: Mapping[str, UnitGrid], costs: Mapping[str, float], running
+    ) -> None:
+        """A group balanced by an earlier call: its own cost and cut units, not rotated again."""
+        _, base, _, _ = self._geometry(layout, compute, costs)
+        running += base
+        self._collect(layout, compute, costs, kind)
+
+
+def qualified(layout: GroupLayout, prefix: str) -> GroupLayout:
+    """``layout`` with every tensor named ``prefix + name`` (names are unique across the groups)."""
+    if not prefix:
+        return layout
+    return dataclasses.replace(
+        layout, tensors=tuple(dataclasses.replace(t, name=prefix + t.name) for t in layout.tensors)
+    )
+
+
+def qualified_group(st: Any, prefix: str) -> tuple[GroupLayout, str, dict, dict[str, float]]:
+    """A group's state as the owner builder sees it: tensor names prefixed by its module's path."""
+    layout = st.group.layout
+    compute = {prefix + n: g for n, g in compute_of(st.group).items()}
+    costs = {prefix + n: c for n, c in st.group.costs.items()}
+    return qualified(layout, prefix), group_kind(prefix.rstrip(".")), compute, costs
+
+
+def plan_owners(
+    what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerBuilder, running: np.ndarray | None
+) -> None:
+    """Owners of every cut compute unit of ``named``'s groups (``(prefix, module state)`` pairs, the
+    builder holding them all, unless ``running`` is ``None``: a leaf alone, not rotated), recorded
+    on the groups and checked across ranks. No-op without owner-computed tensors."""
+    if not any(compute_of(st.group) for _, st in named):
+        return
+    if running is None:
+        running = np.zeros(builder.world_size)
+        for prefix, st in named:
+            if st.group.layout is not None:
+                builder.add_fixed(*qualified_group(st, prefix), running)
+    digest = record_owners([(p, st.group) for p, st in named], assign_owners(builder, running))
+    check_same_layout(f"{what} (owner plan)", digest, named[-1][1].group.process_group)
+
+
+def assign_owners(builder: OwnerBuilder, running: np.ndarray) -> OwnerAssignment:
+    """The owner of every cut unit collected by ``builder`` (a seam for tests)."""
+    return builder.finish(running)[0]
+
+
+def record_owners(groups: Sequence[tuple[str, object]], assignment: OwnerAssignment) -> str:
+    """Store ``assignment`` on the groups (``(prefix, group)`` pairs); return its hash."""
+    digest = assignment.owner_hash()
+    by_name: dict[str, list[tuple[int, int, int]]] = {}
+    for t, s, n, o in zip(
+        assignment.unit_tensor.tolist(),
+        assignment.unit_start.tolist(),
+        assignment.unit_numel.tolist(),
+        assignment.unit_owner.tolist(),
+        strict=True,
+    ):
+        by_name.setdefault(assignment.tensor_names[t], []).append((s, n, o))
+    for prefix, group in groups:
+        entry = _REGISTRY.get(group)
+        if entry is not None:
+            entry.units = {name: tuple(by_name.get(prefix + name, ())) for name in entry.compute}
+            entry.owner_hash = digest
+    return digest
+
+
+def tensor_owners(group: object, fqn: str, name: str | None = None) -> TensorOwners | None:
+    """The owner plan of tensor ``fqn`` of ``group`` (a ``ShardGroup``); ``None`` unless owner-computed."""
+    entry = _REGISTRY.get(group)
+    if entry is None or fqn not in entry.compute:
+        return None
+    layout: GroupLayout = group.layout  # type: ignore[attr-defined]
+    t = next(t for t in layout.tensors if t.name == fqn)
+    return TensorOwners(
+        name if name is not None else fqn,
+        tuple(t.shape),
+        entry.compute[fqn],
+        t.offset,
+        layout.buckets[t.bucket],
+        layout.world_size,
+        entry.units.get(fqn, ()),
+        entry.owner_hash,
+    )
+
+
+def owner_plan(model: object) -> dict[str, TensorOwners]:
+    """Every owner-computed tensor under ``model`` by its ``model.named_parameters()`` name."""
+    from blockshard.runtime._state import state_of
+
+    out = {}
+    for prefix, m in model.named_modules():  # type: ignore[attr-defined]
+        st = state_of(m)
+        if st is None:
+            continue
+        for fqn in compute_of(st.group):
+            name = f"{prefix}.{fqn}" if prefix else fqn
+            found = tensor_owners(st.group, fqn, name)
+            if found is not None:
+                out[name] = found
+    return out

@@ -1,0 +1,192 @@
+"""Owner-compute on the ragged engine and on one process (for test_owner_compute.py).
+
+The model: one group ``0`` (a 96 x 40 and a 5 x 96 matrix, biases) where ``policy="auto"`` puts
+the large matrix under ``owner`` and keeps the small one whole, and the root's 7 x 5 matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+STEPS = 3
+BATCH = 12  # W = 3 splits it in 3 x 4
+RULES = {"*weight": "matrix", "*bias": "elementwise"}
+SHAMPOO_RULES = {"*": "shampoo:16"}
+BNB_RULES = {"*": "bnb8bit"}
+
+
+def model(seed: int = 0) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Sequential(nn.Linear(40, 96), nn.GELU(), nn.Linear(96, 5)), nn.Linear(5, 7))
+
+
+def batches(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, 40, generator=g), torch.randn(BATCH, 7, generator=g)) for _ in range(STEPS)]
+
+
+def _is_matrix(name: str) -> bool:
+    return name.endswith("weight")  # by name, never by a local piece's ndim
+
+
+def optimizers(name: str, named: list[tuple[str, nn.Parameter]], wrap: bool) -> list[torch.optim.Optimizer]:
+    """``name``'s optimizers; ``wrap``: through OwnerComputeOptimizer (the sharded runs)."""
+    from blockshard.optim import BlockedShampoo, Muon, OwnerComputeOptimizer
+
+    def make(factory, params):
+        return OwnerComputeOptimizer(factory, params) if wrap else factory([{"params": [p for _, p in params]}])
+
+    if name == "muon":
+        mats = [(n, p) for n, p in named if _is_matrix(n)]
+        rest = [p for n, p in named if not _is_matrix(n) and p.numel()]
+        adamw = torch.optim.AdamW(rest or [nn.Parameter(torch.zeros(1))], lr=1e-3)
+        return [make(lambda g: torch.optim.Muon(g, lr=0.02), mats), adamw]
+    if name == "bsmuon":  # momentum-sharded; one process's reference is torch's Muon ("muon")
+        mats = [(n, p) for n, p in named if _is_matrix(n)]
+        rest = [p for n, p in named if not _is_matrix(n) and p.numel()]
+        adamw = torch.optim.AdamW(rest or [nn.Parameter(torch.zeros(1))], lr=1e-3)
+        return [Muon(mats, lr=0.02), adamw]
+    if name == "shampoo":
+        return [make(lambda g: BlockedShampoo(g, lr=1e-2, max_preconditioner_dim=16), named)]
+    if name == "bnb8bit":
+        import bitsandbytes as bnb
+
+        return [make(lambda g: bnb.optim.AdamW8bit(g, lr=1e-3), named)]
+    raise ValueError(name)
+
+
+RULES_OF = {"muon": RULES, "bsmuon": RULES, "shampoo": SHAMPOO_RULES, "bnb8bit": BNB_RULES}
+
+
+def _train(m: nn.Module, opts, rank: int = 0, split: int = 1) -> None:
+    for x, y in batches():
+        n = BATCH // split
+        ((m(x[rank * n : (rank + 1) * n]) - y[rank * n : (rank + 1) * n]) ** 2).mean().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+
+
+def references(_rank: int, _world: int, names: tuple) -> dict:
+    out = {}
+    for name in names:
+        m = model()
+        _train(m, optimizers(name, list(m.named_parameters()), wrap=False))
+        out[name] = {n: p.detach().clone() for n, p in m.named_parameters()}
+    return out
+
+
+def shard(m: nn.Module, rules, policy: str) -> None:
+    import blockshard
+
+    blockshard.fully_shard(m[0], semantics=rules, policy=policy)
+    blockshard.fully_shard(m, semantics=rules, policy=policy)
+
+
+def sharded(rank: int, world: int, name: str, policy: str, split: bool) -> dict:
+    import blockshard
+    from blockshard.runtime import owner_plan
+
+    m = model()
+    shard(m, RULES_OF[name], policy)
+    plan = owner_plan(m)
+    opts = optimizers(name, list(m.named_parameters()), wrap=True)
+    _train(m, opts, rank if split else 0, world if split else 1)
+    return {
+        "params": blockshard.full_state_dict(m),
+        "owner": sorted(plan),
+        "owner_hash": next(iter(plan.values())).owner_hash if plan else None,
+        "units": {n: t.units for n, t in plan.items()},
+        "owned": opts[0].owned_units(),
+        "a2a": {dt: (e.send_sizes, e.recv_sizes) for dt, e in opts[0]._exchanges.items()},
+        "state_keys": sorted(pc.key for pc in opts[0]._pieces if pc.tensor in opts[0].inner.state),
+        "state_numel": sum(
+            v.numel() for st in opts[0].inner.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim
+        ),
+        "matrix_numel": sum(p.numel() for n, p in m.named_parameters() if _is_matrix(n)),
+    }
+
+
+def control(rank: int, world: int) -> dict:
+    """Plain torch Muon on row-sliced pieces (element-wise shards of whole rows): not one process's Muon."""
+    import blockshard
+
+    m = model()
+    shard(m, {"*weight": "rows:1", "*bias": "elementwise"}, "whole")
+    named = list(m.named_parameters())
+    mats = [p for n, p in named if _is_matrix(n) and p.numel()]
+    rest = [p for n, p in named if not _is_matrix(n) and p.numel()]
+    opts = [torch.optim.Muon(mats, lr=0.02)] if mats else []
+    opts.append(torch.optim.AdamW(rest or [nn.Parameter(torch.zeros(1))], lr=1e-3))
+    _train(m, opts)
+    return {"params": blockshard.full_state_dict(m)}
+
+
+def round_trip(rank: int, world: int) -> dict:
+    """Train 1 step, save model pieces and optimizer state, rebuild, load, train the rest."""
+    import io
+
+    import blockshard
+    from blockshard.runtime import load_sharded_state_dict
+
+    def build():
+        m = model()
+        shard(m, RULES, "owner")
+        return m, optimizers("muon", list(m.named_parameters()), wrap=True)
+
+    data = batches()
+    m, opts = build()
+    x, y = data[0]
+    ((m(x) - y) ** 2).mean().backward()
+    for o in opts:
+        o.step()
+        o.zero_grad()
+    buf = io.BytesIO()
+    torch.save({"model": blockshard.sharded_state_dict(m), "optim": [o.state_dict() for o in opts]}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    m2, opts2 = build()
+    load_sharded_state_dict(m2, saved["model"])
+    for o, sd in zip(opts2, saved["optim"], strict=True):
+        o.load_state_dict(sd)
+    for x, y in data[1:]:
+        ((m2(x) - y) ** 2).mean().backward()
+        for o in opts2:
+            o.step()
+            o.zero_grad()
+    return {"params": blockshard.full_state_dict(m2)}
+
+
+def other_plan(rank: int, world: int) -> str:
+    """Rank 1 computes another owner plan: every rank raises, none hangs."""
+    import blockshard.runtime._owners as api
+    from blockshard.runtime import LayoutMismatchError
+
+    if rank == 1:
+        real = api.assign_owners
+
+        def flipped(builder, running):
+            a = real(builder, running)
+            return type(a)(
+                a.world_size, a.tensor_names, a.unit_tensor, a.unit_start, a.unit_numel, (a.unit_owner + 1) % world
+            )
+
+        api.assign_owners = flipped
+    try:
+        shard(model(), RULES, "owner")
+    except LayoutMismatchError as e:
+        return f"raised: {e}"
+    return "no error"
+
+
+def cases(rank: int, world: int, todo: tuple) -> dict:
+    """Several runs in one spawn (imports happen once)."""
+    out: dict = {}
+    for case in todo:
+        kind, *args = case
+        out[case] = {"sharded": sharded, "control": control, "round_trip": round_trip, "other_plan": other_plan}[kind](
+            rank, world, *args
+        )
+    return out
