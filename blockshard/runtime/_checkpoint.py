@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,24 +27,38 @@ __all__ = ["CheckpointError", "describe_checkpoint", "load_checkpoint", "save_ch
 
 _METADATA = ".metadata"  # written by DCP's coordinator once every rank has written its data
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+# optimizer state of parameters that other ranks hold: in the checkpoint, not in this rank's state
+_OTHER_RANKS_STATE = re.compile(r"^optimizer(\.\d+)?\.state\.")
 
 
 class CheckpointError(BlockshardError):
     """A checkpoint that is incomplete or does not fit the model it is loaded into."""
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """``model.state_dict()``, or ``{"model": ..., "optimizer": ...}`` with an optimizer."""
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+
+def _optimizers(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+
+
+def _state(model: nn.Module, optimizer: Optimizers) -> dict[str, Any]:
+    """``model.state_dict()``, or ``{"model": ..., "optimizer": ...}`` with an optimizer (a list of
+    their state dicts for a sequence of optimizers, e.g. Muon and AdamW)."""
     if optimizer is None:
         return model.state_dict()
     from blockshard.runtime._optim_state import optimizer_state_dict
 
-    return {"model": model.state_dict(), "optimizer": optimizer_state_dict(model, optimizer)}
+    states = [optimizer_state_dict(model, o) for o in _optimizers(optimizer)]
+    return {
+        "model": model.state_dict(),
+        "optimizer": states[0] if isinstance(optimizer, torch.optim.Optimizer) else states,
+    }
 
 
-def save_checkpoint(
-    model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
-) -> None:
+def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: Optimizers = None) -> None:
     """``dcp.save(model.state_dict(), checkpoint_id=...)`` (collective: call on every rank); with
     ``optimizer``, ``{"model": ..., "optimizer": blockshard.optimizer_state_dict(model, optimizer)}``."""
     import torch.distributed.checkpoint as dcp
@@ -52,9 +66,7 @@ def save_checkpoint(
     dcp.save(_state(model, optimizer), checkpoint_id=checkpoint_id)
 
 
-def load_checkpoint(
-    model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
-) -> None:
+def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: Optimizers = None) -> None:
     """Load a checkpoint of :func:`save_checkpoint` at any world size or semantics (collective).
 
     Checks the checkpoint against the model (and optimizer) first (:class:`CheckpointError` on
@@ -72,7 +84,9 @@ def load_checkpoint(
     from blockshard.runtime._optim_state import load_optimizer_state_dict
 
     model.load_state_dict(state["model"])
-    load_optimizer_state_dict(model, optimizer, state["optimizer"])
+    saved = [state["optimizer"]] if isinstance(optimizer, torch.optim.Optimizer) else state["optimizer"]
+    for o, osd in zip(_optimizers(optimizer), saved, strict=True):
+        load_optimizer_state_dict(model, o, osd)
 
 
 def _flatten(state: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -134,14 +148,16 @@ def check_checkpoint(state: Mapping[str, object], checkpoint_id: str | os.PathLi
     saved = md.state_dict_metadata
     state = _flatten(state)
     missing = sorted(repr(k) for k in state if k not in saved)
-    unexpected = sorted(repr(k) for k in saved if k not in state)
-    shapes = []
+    unexpected = sorted(repr(k) for k in saved if k not in state and not _OTHER_RANKS_STATE.match(k))
+    shapes, dtypes = [], []
     for k, v in state.items():
         entry = saved.get(k)
         if isinstance(v, torch.Tensor) and isinstance(entry, TensorStorageMetadata):
             if tuple(entry.size) != tuple(v.shape):
                 shapes.append(f"{k!r}: saved {tuple(entry.size)}, model {tuple(v.shape)}")
-    if missing or unexpected or shapes:
+            elif entry.properties.dtype != v.dtype:
+                dtypes.append(f"{k!r}: saved {entry.properties.dtype}, model {v.dtype}")
+    if missing or unexpected or shapes or dtypes:
         parts = []
         if missing:
             parts.append(f"missing from the checkpoint: {_few(missing)}")
@@ -149,6 +165,8 @@ def check_checkpoint(state: Mapping[str, object], checkpoint_id: str | os.PathLi
             parts.append(f"in the checkpoint but not in the model: {_few(unexpected)}")
         if shapes:
             parts.append(f"shapes differ: {_few(shapes)}")
+        if dtypes:
+            parts.append(f"dtypes differ (e.g. 8-bit state saved, 32-bit state here): {_few(dtypes)}")
         raise CheckpointError(
             f"checkpoint {path!r} does not fit this model ({'; '.join(parts)}): it was saved from another model "
             "or another configuration. Fix: load it into the model it was saved from"
