@@ -95,17 +95,24 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     State that does not exist yet is created first (:func:`init_optimizer_state`). Collective
     (every rank calls it) when the model is sharded over more than one rank: the ranks' parameter
     names are gathered."""
+    from blockshard.runtime._checkpoint import CheckpointError
+
     init_optimizer_state(optimizer)
     params = _optimizer_params(model, optimizer)
     state: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
+    error = None
     for g, members in zip(optimizer.param_groups, _by_group(params, optimizer), strict=True):
         for name, p, sp in members:
-            if entries := optimizer.state.get(p):
-                state[name] = {k: encode_state(name, k, v, p, sp, (optimizer, g)) for k, v in entries.items()}
+            try:
+                if entries := optimizer.state.get(p):
+                    state[name] = {k: encode_state(name, k, v, p, sp, (optimizer, g)) for k, v in entries.items()}
+            except CheckpointError as e:  # raised on every rank below
+                error = error or str(e)
         groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [n for n, _, _ in members]})
-    for group, names in zip(groups, _every_rank_names(model, [g["params"] for g in groups]), strict=True):
-        group["params"] = names
+    names = _every_rank_names(model, [g["params"] for g in groups], error)
+    for group, every in zip(groups, names, strict=True):
+        group["params"] = every
     return {"state": state, "param_groups": groups}
 
 
@@ -114,24 +121,31 @@ def _by_group(params: list, optimizer: torch.optim.Optimizer) -> list[list]:
     return [[next(it) for _ in g["params"]] for g in optimizer.param_groups]
 
 
-def _every_rank_names(model: nn.Module, names: list[list[str]]) -> list[list[str]]:
-    """Per ``param_group``, the names every rank's optimizer holds, in the model's order."""
+def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | None) -> list[list[str]]:
+    """Per ``param_group``, the names every rank's optimizer holds, in the model's order; raises
+    :class:`CheckpointError` on every rank if one rank's state could not be placed (``error``)."""
     import torch.distributed as dist
 
-    states = _states_under(model)
-    if not states or not dist.is_initialized() or dist.get_world_size(states[0][1].group.process_group) == 1:
-        return names
-    gathered: list[Any] = [None] * dist.get_world_size(states[0][1].group.process_group)
-    dist.all_gather_object(gathered, names, group=states[0][1].group.process_group)
-    order = {n: i for i, n in enumerate(n for n, _ in model.named_parameters())}
-    if len({len(g) for g in gathered}) != 1:
-        from blockshard.runtime._checkpoint import CheckpointError
+    from blockshard.runtime._checkpoint import CheckpointError
 
+    states = _states_under(model)
+    pg = states[0][1].group.process_group if states else None
+    if pg is None or not dist.is_initialized() or dist.get_world_size(pg) == 1:
+        if error:
+            raise CheckpointError(error)
+        return names
+    gathered: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(gathered, (names, error), group=pg)
+    errors = [(r, e) for r, (_, e) in enumerate(gathered) if e]
+    if errors:
+        raise CheckpointError(f"{errors[0][1]} (on rank {errors[0][0]}; {len(errors)} of {len(gathered)} ranks)")
+    if len({len(n) for n, _ in gathered}) != 1:
         raise CheckpointError(
-            f"the ranks' optimizers have different numbers of param_groups ({[len(g) for g in gathered]}). "
+            f"the ranks' optimizers have different numbers of param_groups ({[len(n) for n, _ in gathered]}). "
             "Fix: build the same param_groups on every rank (a group may be empty)"
         )
-    return [sorted(set().union(*(g[i] for g in gathered)), key=order.__getitem__) for i in range(len(names))]
+    order = {n: i for i, n in enumerate(n for n, _ in model.named_parameters())}
+    return [sorted(set().union(*(n[i] for n, _ in gathered)), key=order.__getitem__) for i in range(len(names))]
 
 
 @torch.no_grad()
