@@ -59,15 +59,24 @@ def _state(model: nn.Module, optimizer: Optimizers) -> dict[str, Any]:
 
 
 def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: Optimizers = None) -> None:
-    """``dcp.save(model.state_dict(), checkpoint_id=...)`` (collective: call on every rank); with
-    ``optimizer``, ``{"model": ..., "optimizer": blockshard.optimizer_state_dict(model, optimizer)}``."""
+    """Save ``model.state_dict()`` (with ``optimizer``: ``{"model": ..., "optimizer":
+    blockshard.optimizer_state_dict(model, optimizer)}``) with DCP, atomically (collective: call
+    on every rank). The directory appears complete, with a ``blockshard.json`` record of the world
+    size, groups, layouts and semantics, only once every rank finished; a save killed midway
+    leaves the previous checkpoint in place ([Note: atomic checkpoints] in ``_checkpoint_files.py``)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, optimizer), checkpoint_id=checkpoint_id)
+    from blockshard.runtime._checkpoint_files import finish_save, model_record, start_save
+
+    path = os.fspath(checkpoint_id)
+    partial = start_save(model, path)
+    dcp.save(_state(model, optimizer), checkpoint_id=partial)
+    finish_save(model, path, partial, model_record(model, _optimizers(optimizer)))
 
 
 def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: Optimizers = None) -> None:
-    """Load a checkpoint of :func:`save_checkpoint` at any world size or semantics (collective).
+    """Load a checkpoint of :func:`save_checkpoint` (or of ``dcp.save(model.state_dict())``) at any
+    world size or semantics (collective).
 
     Checks the checkpoint against the model (and optimizer) first (:class:`CheckpointError` on
     every rank), then ``dcp.load`` reads each rank's boxes straight into its pieces, and
@@ -75,9 +84,12 @@ def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimize
     """
     import torch.distributed.checkpoint as dcp
 
+    from blockshard.runtime._checkpoint_files import resolve
+
+    path = resolve(os.fspath(checkpoint_id))
     state = _state(model, optimizer)
-    check_checkpoint(state, checkpoint_id)
-    dcp.load(state, checkpoint_id=checkpoint_id)
+    check_checkpoint(state, path)
+    dcp.load(state, checkpoint_id=path)
     if optimizer is None:
         model.load_state_dict(state)
         return
@@ -113,7 +125,20 @@ def _read_metadata(path: str) -> Any:
             f"checkpoint {path!r} has no {_METADATA} file: the save did not finish on every rank (DCP writes "
             "it last), or this is not a DCP checkpoint. Fix: load the previous complete checkpoint"
         )
-    return FileSystemReader(path).read_metadata()
+    from blockshard.runtime._checkpoint_files import RECORD, is_partial, read_record
+
+    if is_partial(path) and read_record(path) is None:
+        raise CheckpointError(
+            f"checkpoint {path!r} is what a blockshard.save_checkpoint that did not finish on every rank left (no "
+            f"{RECORD}). Fix: load the checkpoint it was to replace (the same name without the dot and suffix)"
+        )
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as e:  # a truncated or foreign file
+        raise CheckpointError(
+            f"checkpoint {path!r}: its {_METADATA} file cannot be read ({type(e).__name__}: {e}). Fix: load "
+            "another checkpoint"
+        ) from e
 
 
 def _problems(path: str, md: Any) -> list[str]:
@@ -183,8 +208,12 @@ def _few(items: list[str], n: int = 5) -> str:
 
 def describe_checkpoint(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
     """What a DCP checkpoint directory holds (no process group needed): the ranks that wrote
-    data, every tensor's global shape, dtype, bytes and number of chunks, and completeness."""
+    data, every tensor's global shape, dtype, bytes and number of chunks, completeness, and for a
+    checkpoint of :func:`save_checkpoint` its record: world size, groups with their layouts and
+    semantics, optimizers, versions (``None`` for plain ``dcp.save`` checkpoints)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from blockshard.runtime._checkpoint_files import read_record
 
     path = os.fspath(checkpoint_id)
     md = _read_metadata(path)
@@ -202,13 +231,34 @@ def describe_checkpoint(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
         else:
             objects.append(name)
     problems = _problems(path, md)
+    record = read_record(path)
     return {
         "path": path,
         "ranks_that_wrote": len(ranks),
+        "world_size": record["world_size"] if record else None,
+        "saved_by": record["saved_by"] if record else "dcp.save (no blockshard record)",
+        "blockshard_version": record["blockshard_version"] if record else None,
         "tensors": tensors,
         "objects": objects,
         "tensor_bytes": sum(t["bytes"] for t in tensors),
         "file_bytes": sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)),
         "complete": not problems,
         "problems": problems,
+        "groups": _group_summaries(record),
+        "optimizers": record["optimizers"] if record else [],
     }
+
+
+def _group_summaries(record: dict | None) -> list[dict[str, Any]]:
+    """Per group of the record: module, world size, layout (buckets, segment, hash), the semantics
+    of its tensors (``{semantics: count}``) and each tensor's pieces."""
+    out = []
+    for g in (record or {}).get("groups", []):
+        semantics: dict[str, int] = {}
+        for t in g["tensors"]:
+            semantics[t["semantics"]] = semantics.get(t["semantics"], 0) + 1
+        out.append(
+            {k: g[k] for k in ("module", "class", "world_size", "dtype", "segment_numel", "buckets", "layout_hash")}
+            | {"semantics": semantics, "tensors": g["tensors"]}
+        )
+    return out
