@@ -32,6 +32,7 @@ _RUNTIME = (
     "load_checkpoint",
     "optimizer_state_dict",
     "load_optimizer_state_dict",
+    "save_pretrained",
 )
 
 

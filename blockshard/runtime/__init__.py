@@ -14,6 +14,7 @@ from blockshard.runtime._checkpoint import CheckpointError, describe_checkpoint,
 from blockshard.runtime._clip import ClipError, clip_grad_norm_
 from blockshard.runtime._collectives import CollectiveIntegrityError, LayoutMismatchError
 from blockshard.runtime._common import EngineStateError, ShardedState, TrainingState
+from blockshard.runtime._export import save_pretrained
 from blockshard.runtime._optim_state import load_optimizer_state_dict, optimizer_state_dict
 from blockshard.runtime._piece_tensor import PieceTensor, PieceTensorError
 from blockshard.runtime._state_dict import (
@@ -52,5 +53,6 @@ __all__ = [
     "local_buffers",
     "optimizer_state_dict",
     "save_checkpoint",
+    "save_pretrained",
     "sharded_state_dict",
 ]

@@ -170,7 +170,8 @@ class PieceTensor(torch.Tensor):
             f"[{self._start}, {self._start + self._local.numel()}): writing it would save one rank's piece as the "
             "whole tensor. Fix: export full tensors with blockshard.full_state_dict(model) (collective: every rank "
             "calls it), e.g. model.save_pretrained(path, state_dict=blockshard.full_state_dict(model), "
-            "is_main_process=rank == 0); or checkpoint with torch.distributed.checkpoint (dcp.save(model.state_dict()))"
+            "is_main_process=rank == 0), or stream it with blockshard.save_pretrained(model, path) (one group at a "
+            "time); or checkpoint with torch.distributed.checkpoint (dcp.save(model.state_dict()))"
         )
 
     def __deepcopy__(self, memo: dict) -> PieceTensor:

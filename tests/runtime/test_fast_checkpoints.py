@@ -244,6 +244,15 @@ def _export(rank: int, world: int, path: str, tie: bool) -> dict:
     with _inproc.serial():
         back = LlamaForCausalLM.from_pretrained(f"{path}/full")
     out["reloaded_equal"] = all(torch.equal(v, full[k]) for k, v in back.state_dict().items())
+    _step_llama(model)  # the streamed export of a trained model (blockshard.save_pretrained)
+    trained = blockshard.full_state_dict(model)
+    blockshard.save_pretrained(model, f"{path}/streamed")
+    torch.distributed.barrier()
+    with _inproc.serial():
+        back = LlamaForCausalLM.from_pretrained(f"{path}/streamed")
+    out["streamed_equal"] = all(torch.equal(v, trained[k]) for k, v in back.state_dict().items())
+    out["streamed_differs_from_first"] = not torch.equal(trained["model.norm.weight"], full["model.norm.weight"])
+    out["streamed_files"] = sorted(os.listdir(f"{path}/streamed"))
     out["without_tied_name_fails"] = None
     if tie:
         try:
@@ -253,10 +262,20 @@ def _export(rank: int, world: int, path: str, tie: bool) -> dict:
     return out
 
 
+def _step_llama(model: nn.Module) -> None:
+    ids = torch.arange(12).view(2, 6) % 64
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.zero_grad()
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_full_state_dict_has_tied_names_and_save_pretrained_never_writes_pieces(tie, tmp_path):
     for out in _inproc.run_ranks(_export, 2, args=(str(tmp_path), tie)):
         assert out["names_match"] and out["reloaded_equal"]
+        assert out["streamed_equal"] and out["streamed_differs_from_first"]  # control: training changed it
+        shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]  # one per group: 2 layers, the root
+        assert out["streamed_files"] == ["config.json", *shards, "model.safetensors.index.json"]
         assert "save_pretrained(path, state_dict=blockshard.full_state_dict(model)" in out["pieces"]
         assert not [f for f in out["pieces_files"] if f.endswith((".safetensors", ".bin"))]
         assert out["without_tied_name_fails"] is (True if tie else None)  # control
