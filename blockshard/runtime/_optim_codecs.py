@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from blockshard._arith import ceil_div
-from blockshard.runtime._param import ShardedParam
+from blockshard.runtime._param import ShardedParam, managed_tag
 from blockshard.runtime._piece_tensor import PieceTensor
 
 __all__ = ["decode_state", "encode_state"]
@@ -68,6 +68,12 @@ def _is_shampoo(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, BlockedShampoo)
 
 
+def _pg(sp: ShardedParam) -> Any:
+    """The process group the parameter's pieces are spread over."""
+    tag = managed_tag(sp.sharded)
+    return tag.process_group if tag is not None else None
+
+
 def _per_block(name: str, key: str, value: torch.Tensor, sp: ShardedParam, block: int) -> PieceTensor:
     """``value`` (one entry per ``block`` elements of the piece) as a piece of the whole tensor's."""
     start, n, numel = sp.local_start, sp.local_numel, sp.numel
@@ -80,7 +86,7 @@ def _per_block(name: str, key: str, value: torch.Tensor, sp: ShardedParam, block
             f"shard this parameter with the optimizer's block semantics (e.g. semantics='bnb8bit' or 'ao8bit'), "
             f"or {_SAME_W_FIX}",
         )
-    return PieceTensor(value, start // block, (ceil_div(numel, block),), name=f"{name}.{key}")
+    return PieceTensor(value, start // block, (ceil_div(numel, block),), name=f"{name}.{key}", process_group=_pg(sp))
 
 
 def encode_state(name: str, key: str, value: object, p: torch.Tensor, sp: ShardedParam | None, ctx: Any) -> object:
@@ -93,7 +99,9 @@ def encode_state(name: str, key: str, value: object, p: torch.Tensor, sp: Sharde
         return _encode_shampoo(name, value, sp, group["max_preconditioner_dim"])
     if sp is not None and _is_ao8bit(value):
         return {
-            "codes": PieceTensor(value.codes, sp.local_start, sp.shape, name=f"{name}.{key}.codes"),
+            "codes": PieceTensor(
+                value.codes, sp.local_start, sp.shape, name=f"{name}.{key}.codes", process_group=_pg(sp)
+            ),
             "scale": _per_block(name, f"{key}.scale", value.scale, sp, value.block_size),
             "qmap": value.qmap,
         }
@@ -108,7 +116,7 @@ def encode_state(name: str, key: str, value: object, p: torch.Tensor, sp: Sharde
     if sp is None or (value.dim() == 0 and p.dim() != 0):
         return value  # the same on every rank (a parameter outside any group, a step count)
     if tuple(value.shape) == tuple(p.shape):
-        return PieceTensor(value, sp.local_start, sp.shape, name=f"{name}.{key}")
+        return PieceTensor(value, sp.local_start, sp.shape, name=f"{name}.{key}", process_group=_pg(sp))
     if _is_bnb(optimizer) and key in _BNB_PER_BLOCK:
         return _per_block(name, key, value, sp, _BNB_BLOCK)
     if _is_bnb(optimizer) and key in _BNB_CODE_BOOKS:
@@ -169,7 +177,9 @@ def _encode_shampoo(name: str, blocks: list[dict[str, torch.Tensor]], sp: Sharde
         packed = torch.zeros((len(blocks), *slot), dtype=blocks[0][key].dtype, device=blocks[0][key].device)
         for i, block in enumerate(blocks):
             packed[i][tuple(slice(0, s) for s in block[key].shape)].copy_(block[key])
-        out[key] = PieceTensor(packed, first * math.prod(slot), (len(tiles), *slot), name=f"{name}.blocks.{key}")
+        out[key] = PieceTensor(
+            packed, first * math.prod(slot), (len(tiles), *slot), name=f"{name}.blocks.{key}", process_group=_pg(sp)
+        )
     return out
 
 

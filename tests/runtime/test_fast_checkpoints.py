@@ -101,6 +101,8 @@ def _dcp_round_trip(rank: int, world: int, path: str) -> dict:
     saved = _sharded(0)
     _step(saved)
     entries = saved.state_dict()
+    full = blockshard.full_state_dict(saved)
+    full_tensor_equal = all(torch.equal(v.full_tensor(), full[k]) for k, v in entries.items())  # collective
     dcp.save(entries, checkpoint_id=path)
     model = _sharded(1, semantics="muon")
     fresh_differs = not all(torch.equal(a, b) for a, b in zip(*map(_values, (saved, model)), strict=True))
@@ -114,6 +116,7 @@ def _dcp_round_trip(rank: int, world: int, path: str) -> dict:
         "shapes": {k: tuple(v.shape) for k, v in entries.items()},
         "fresh_differs": fresh_differs,
         "equal_after_a_step": all(torch.equal(a, b) for a, b in zip(*map(_values, (saved, model)), strict=True)),
+        "full_tensor_equal": full_tensor_equal,
     }
 
 
@@ -132,6 +135,12 @@ def test_dcp_round_trip_into_other_semantics_then_training_goes_on_alike(world, 
     for out in outs:
         assert out["kinds"] == {"PieceTensor"} and out["shapes"] == want
         assert out["fresh_differs"] and out["equal_after_a_step"]
+        assert out["full_tensor_equal"]  # PieceTensor.full_tensor() gathers, as DTensor.full_tensor()
+
+
+def test_full_tensor_of_pieces_that_do_not_cover_the_tensor_raises():
+    with pytest.raises(PieceTensorError, match=r"the ranks' pieces hold 5 of its 12 elements"):
+        PieceTensor(torch.arange(5.0), 3, (4, 3), "w").full_tensor()  # W = 1: one piece of 5
 
 
 def test_load_state_dict_takes_full_tensors_and_refuses_wrong_ones():
