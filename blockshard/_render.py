@@ -151,6 +151,14 @@ def layout_table(layout: GroupLayout, rank: int | None = None) -> Table:
     return table
 
 
+def _pieces_text(pieces: list, most: int = 6) -> str:
+    """``rank:start+numel`` of a tensor's pieces, the middle elided past ``most``."""
+    text = [f"{r}:{a}+{n}" for r, a, n in pieces]
+    if len(text) > most:
+        text = [*text[: most // 2], f"... ({len(text)} pieces)", *text[-2:]]
+    return " ".join(text)
+
+
 def checkpoint_table(info: dict) -> Table:
     """What ``describe_checkpoint`` found in a DCP checkpoint directory."""
     status = "complete" if info["complete"] else "INCOMPLETE: " + "; ".join(info["problems"])
@@ -169,7 +177,7 @@ def checkpoint_table(info: dict) -> Table:
     placed = {t["name"]: t for g in info.get("groups", []) for t in g["tensors"]}
     for t in info["tensors"]:
         where = placed.get(t["name"].removeprefix("model."))
-        pieces = " ".join(f"{r}:{a}+{n}" for r, a, n in where["pieces"]) if where else ""
+        pieces = _pieces_text(where["pieces"]) if where else ""
         sem = where["semantics"] if where else ""
         table.add_row(t["name"], str(tuple(t["shape"])), t["dtype"], f"{t['bytes']:,}", str(t["chunks"]), sem, pieces)
     lines = [

@@ -52,7 +52,7 @@ def _write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
         f.write(raw)
         for t in tensors.values():
             if t.numel():
-                f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+                f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
     return offset
 
 
@@ -79,7 +79,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
     if rank == 0:
         os.makedirs(path, exist_ok=True)
     weight_map: dict[str, str] = {}
-    total, written = 0, set()
+    total, written = 0, set[int]()
     for file, (prefix, st) in zip(files, groups, strict=False):
         tensors = _gathered(prefix, st, set(state), written)
         if rank == 0:

@@ -89,7 +89,7 @@ def _per_block(name: str, key: str, value: torch.Tensor, sp: ShardedParam, block
     return PieceTensor(value, start // block, (ceil_div(numel, block),), name=f"{name}.{key}", process_group=_pg(sp))
 
 
-def encode_state(name: str, key: str, value: object, p: torch.Tensor, sp: ShardedParam | None, ctx: Any) -> object:
+def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedParam | None, ctx: Any) -> object:
     """The checkpoint entry for ``optimizer.state[p][key]`` (see [Note: optimizer state codecs]);
     ``ctx`` is ``(optimizer, param_group)``."""
     optimizer, group = ctx

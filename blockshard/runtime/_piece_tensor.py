@@ -153,22 +153,24 @@ class PieceTensor(torch.Tensor):
         places and their values padded to the largest piece."""
         import torch.distributed as dist
 
+        from blockshard.runtime._collectives import all_gather_into
+
         numel = math.prod(self.shape)
         if not dist.is_initialized():
             if self._local.numel() != numel:
                 raise PieceTensorError(self._needs_whole("full_tensor() without a process group"))
             return self._local.clone().view(self.shape)
-        pg = self._process_group
+        pg: Any = self._process_group or dist.group.WORLD
         W = dist.get_world_size(pg)
         places = torch.empty(2 * W, dtype=torch.int64, device=self.device)
         mine = torch.tensor([self._start, self._local.numel()], dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(places, mine, group=pg)
+        all_gather_into(places, mine, pg)
         starts, numels = places[0::2].tolist(), places[1::2].tolist()
         most = max(numels)
         padded = torch.zeros(most, dtype=self.dtype, device=self.device)
         padded[: self._local.numel()] = self._local
         values = torch.empty(W * most, dtype=self.dtype, device=self.device)
-        dist.all_gather_into_tensor(values, padded, group=pg)
+        all_gather_into(values, padded, pg)
         if sum(numels) != numel:
             raise PieceTensorError(
                 f"full_tensor() of {self._name or 'a PieceTensor'} (shape {tuple(self.shape)}): the ranks' pieces "
