@@ -1,13 +1,13 @@
 """8-bit and per-block optimizer state across world sizes on spawned gloo ranks (issue 11):
 ``blockshard.save_checkpoint`` at W = 4 with AdamW, bitsandbytes AdamW8bit, torch Muon (+ AdamW on
-the biases) and BlockedShampoo under their block semantics, loaded at W = 2 and W = 1, training
+the biases) and BlockedShampoo under their block semantics, loaded at W = 2, 1 and 3, training
 continued (every rank the whole batch; see _optim_checkpoint_runs.py).
 
 Tolerances: the state is restored by copies, so the whole optimizer state (bitsandbytes' uint8
 ``state1`` / ``state2`` and their ``absmax``, Shampoo's factors and inverse roots, Muon's
 momentum) assembled from the ranks' pieces equals the saved one bitwise; the continued run
 equals the uninterrupted one-process run bitwise at W in {1, 2, 4} (identical gradients average
-exactly there, docs/design.md "Sharding invariance"). Controls: resuming the model with a fresh
+exactly there, docs/design.md "Sharding invariance"), within ``W3_TOLERANCE`` at W = 3. Controls: resuming the model with a fresh
 optimizer misses the uninterrupted run; bitsandbytes' state loaded into element-wise pieces (which
 cut its 256-blocks) raises.
 """
@@ -72,7 +72,7 @@ def test_the_w4_run_equals_one_process(name):
     assert not _diff(saved()[0][name]["final"], reference()[name])
 
 
-@pytest.mark.parametrize("world", [2, 1])
+@pytest.mark.parametrize("world", [2, 1, 3])
 @pytest.mark.parametrize("name", ocr.NAMES)
 def test_optimizer_state_reshards_exactly(name, world):
     want = _assemble([r[name]["state"] for r in saved()])
@@ -86,12 +86,20 @@ def test_optimizer_state_reshards_exactly(name, world):
         assert sum(r[name]["state"][split][2].numel() > 0 for r in saved()) > 1
 
 
-@pytest.mark.parametrize("world", [2, 1])
+# W = 3: the average of three identical gradients is off by an ulp in places, which 8-bit
+# quantization, Newton-Schulz and Shampoo's inverse roots amplify (tests/optim/test_invariance.py
+# measured 1.1e-8 for bnb8bit and muon, 1.6e-4 for shampoo after 3 steps): held to its tolerances.
+W3_TOLERANCE = {"adamw": 1e-6, "bnb8bit": 1e-6, "muon": 1e-6, "shampoo": 1e-3}
+
+
+@pytest.mark.parametrize("world", [2, 1, 3])
 @pytest.mark.parametrize("name", ocr.NAMES)
 def test_training_continues_as_if_uninterrupted(name, world):
+    tol = W3_TOLERANCE[name] if world == 3 else 0.0
     for r in loaded(world):
-        assert not _diff(r[name]["final"], reference()[name])
-        assert max(_diff(r[name]["fresh"], reference()[name]).values()) > 1e-6  # control: fresh state
+        diff = _diff(r[name]["final"], reference()[name])
+        assert max(diff.values(), default=0.0) <= tol, diff
+        assert max(_diff(r[name]["fresh"], reference()[name]).values()) > max(tol, 1e-6)  # control: fresh state
 
 
 def test_8bit_state_into_pieces_that_cut_its_blocks_raises():
