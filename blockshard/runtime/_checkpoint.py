@@ -29,6 +29,7 @@ _METADATA = ".metadata"  # written by DCP's coordinator once every rank has writ
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 # optimizer state of parameters that other ranks hold: in the checkpoint, not in this rank's state
 _OTHER_RANKS_STATE = re.compile(r"^optimizer(\.\d+)?\.state\.")
+_ANY_OPTIMIZER_STATE = re.compile(r"^optimizer\.")
 
 
 class CheckpointError(BlockshardError):
@@ -80,7 +81,8 @@ def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimize
 
     Checks the checkpoint against the model (and optimizer) first (:class:`CheckpointError` on
     every rank), then ``dcp.load`` reads each rank's boxes straight into its pieces, and
-    ``model.load_state_dict`` finishes (buffers, non-tensor entries, a resharded group).
+    ``model.load_state_dict`` finishes (buffers, non-tensor entries, a resharded group). Without
+    ``optimizer``, a checkpoint saved with one loads the model alone (e.g. to fine-tune from it).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -88,6 +90,12 @@ def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimize
 
     path = resolve(os.fspath(checkpoint_id))
     state = _state(model, optimizer)
+    if optimizer is None and _saved_with_optimizer(path):  # the model alone, e.g. to fine-tune from it
+        state = {"model": state}
+        check_checkpoint(state, path, skip_optimizer=True)
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        return
     check_checkpoint(state, path)
     dcp.load(state, checkpoint_id=path)
     if optimizer is None:
@@ -163,17 +171,31 @@ def _problems(path: str, md: Any) -> list[str]:
     return out
 
 
-def check_checkpoint(state: Mapping[str, object], checkpoint_id: str | os.PathLike) -> None:
+def _saved_with_optimizer(path: str) -> bool:
+    """Whether the checkpoint is ``{"model": ..., "optimizer": ...}`` (not a bare model state dict)."""
+    names = _read_metadata(path).state_dict_metadata
+    return (
+        bool(names)
+        and all(k.startswith(("model.", "optimizer.")) for k in names)
+        and any(k.startswith("optimizer.") for k in names)
+    )
+
+
+def check_checkpoint(
+    state: Mapping[str, object], checkpoint_id: str | os.PathLike, *, skip_optimizer: bool = False
+) -> None:
     """Raise :class:`CheckpointError` unless the checkpoint is complete and holds every entry of
-    ``state`` with the same global shape (no collective: each rank reads the metadata itself)."""
+    ``state`` with the same global shape (no collective: each rank reads the metadata itself);
+    ``skip_optimizer``: the checkpoint's optimizer entries are not expected in ``state``."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = os.fspath(checkpoint_id)
     md = _read_metadata(path)
     saved = md.state_dict_metadata
     state = _flatten(state)
+    other = _ANY_OPTIMIZER_STATE if skip_optimizer else _OTHER_RANKS_STATE
     missing = sorted(repr(k) for k in state if k not in saved)
-    unexpected = sorted(repr(k) for k in saved if k not in state and not _OTHER_RANKS_STATE.match(k))
+    unexpected = sorted(repr(k) for k in saved if k not in state and not other.match(k))
     shapes, dtypes = [], []
     for k, v in state.items():
         entry = saved.get(k)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import blockshard
@@ -138,9 +137,7 @@ def load(rank: int, world: int, path: str) -> dict:
         state = pieces(m, opts)
         train(m, opts, batches()[STEPS_BEFORE:])
         fresh = build(name, 1, sharded=True)
-        model_only = {"model": fresh.state_dict()}
-        dcp.load(model_only, checkpoint_id=os.path.join(path, name))
-        fresh.load_state_dict(model_only["model"])
+        load_checkpoint(fresh, os.path.join(path, name))  # the model alone
         fresh_opts = optimizers(name, fresh)
         train(fresh, fresh_opts, batches()[STEPS_BEFORE:])
         out[name] = {"state": state, "final": blockshard.full_state_dict(m), "fresh": blockshard.full_state_dict(fresh)}

@@ -99,6 +99,9 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monke
         resumed = _sharded(1)
         load_checkpoint(resumed, path, torch.optim.AdamW(resumed.parameters(), lr=0.1))
         assert all(torch.equal(first[k], v) for k, v in blockshard.full_state_dict(resumed).items())
+        alone = _sharded(2)
+        load_checkpoint(alone, path)  # the model alone from a checkpoint with optimizer state
+        assert all(torch.equal(first[k], v) for k, v in blockshard.full_state_dict(alone).items())
         save_checkpoint(model, path, opt)  # the next save replaces the leftovers
         assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
