@@ -29,7 +29,6 @@ _METADATA = ".metadata"  # written by DCP's coordinator once every rank has writ
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 # optimizer state of parameters that other ranks hold: in the checkpoint, not in this rank's state
 _OTHER_RANKS_STATE = re.compile(r"^optimizer(\.\d+)?\.state\.")
-_ANY_OPTIMIZER_STATE = re.compile(r"^optimizer\.")
 
 
 class CheckpointError(BlockshardError):
@@ -91,10 +90,9 @@ def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimize
     path = resolve(os.fspath(checkpoint_id))
     state = _state(model, optimizer)
     if optimizer is None and _saved_with_optimizer(path):  # the model alone, e.g. to fine-tune from it
-        state = {"model": state}
-        check_checkpoint(state, path, skip_optimizer=True)
-        dcp.load(state, checkpoint_id=path)
-        model.load_state_dict(state["model"])
+        check_checkpoint(state, path, under="model.")
+        dcp.load({"model": state}, checkpoint_id=path)
+        model.load_state_dict(state)
         return
     check_checkpoint(state, path)
     dcp.load(state, checkpoint_id=path)
@@ -181,21 +179,18 @@ def _saved_with_optimizer(path: str) -> bool:
     )
 
 
-def check_checkpoint(
-    state: Mapping[str, object], checkpoint_id: str | os.PathLike, *, skip_optimizer: bool = False
-) -> None:
+def check_checkpoint(state: Mapping[str, object], checkpoint_id: str | os.PathLike, *, under: str = "") -> None:
     """Raise :class:`CheckpointError` unless the checkpoint is complete and holds every entry of
     ``state`` with the same global shape (no collective: each rank reads the metadata itself);
-    ``skip_optimizer``: the checkpoint's optimizer entries are not expected in ``state``."""
+    ``under``: compare ``state`` with the checkpoint's entries under this prefix only."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = os.fspath(checkpoint_id)
     md = _read_metadata(path)
-    saved = md.state_dict_metadata
+    saved = {k.removeprefix(under): v for k, v in md.state_dict_metadata.items() if k.startswith(under)}
     state = _flatten(state)
-    other = _ANY_OPTIMIZER_STATE if skip_optimizer else _OTHER_RANKS_STATE
     missing = sorted(repr(k) for k in state if k not in saved)
-    unexpected = sorted(repr(k) for k in saved if k not in state and not other.match(k))
+    unexpected = sorted(repr(k) for k in saved if k not in state and not _OTHER_RANKS_STATE.match(k))
     shapes, dtypes = [], []
     for k, v in state.items():
         entry = saved.get(k)
