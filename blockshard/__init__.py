@@ -32,6 +32,8 @@ _RUNTIME = (
     "load_checkpoint",
     "optimizer_state_dict",
     "load_optimizer_state_dict",
+    "register_forward_method",
+    "init_parameters",
     "save_pretrained",
 )
 

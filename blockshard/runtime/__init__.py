@@ -15,6 +15,8 @@ from blockshard.runtime._clip import ClipError, clip_grad_norm_
 from blockshard.runtime._collectives import CollectiveIntegrityError, LayoutMismatchError
 from blockshard.runtime._common import EngineStateError, ShardedState, TrainingState
 from blockshard.runtime._export import save_pretrained
+from blockshard.runtime._init import init_parameters
+from blockshard.runtime._module import register_forward_method
 from blockshard.runtime._optim_state import load_optimizer_state_dict, optimizer_state_dict
 from blockshard.runtime._piece_tensor import PieceTensor, PieceTensorError
 from blockshard.runtime._state_dict import (
@@ -45,6 +47,7 @@ __all__ = [
     "fully_shard",
     "global_shapes",
     "group_layouts",
+    "init_parameters",
     "is_sharded",
     "load_checkpoint",
     "load_full_state_dict",
@@ -52,6 +55,7 @@ __all__ = [
     "load_sharded_state_dict",
     "local_buffers",
     "optimizer_state_dict",
+    "register_forward_method",
     "save_checkpoint",
     "save_pretrained",
     "sharded_state_dict",

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from blockshard._errors import BlockshardError
 from blockshard.planner import GroupLayout, PlanItem, plan_group, resolve_items
 from blockshard.planner._balance import balance, rank_costs
 from blockshard.planner._units import check_alignment_bytes
@@ -37,79 +35,7 @@ __all__ = [
 ]
 
 
-class ShardingError(BlockshardError):
-    """``fully_shard`` was used in a way the engine does not support (with the fix in the message)."""
-
-
-class UnshardHandle:
-    """What ``module.unshard(async_op=True)`` returns: ``wait()`` finishes the all-gathers."""
-
-    def __init__(self, group: ShardGroup) -> None:
-        self._group = group
-
-    def wait(self) -> None:
-        self._group.wait_unshard()
-
-
-class ShardedModule(nn.Module):
-    """What ``fully_shard`` makes of a module (as FSDP2's ``FSDPModule``).
-
-    ``fully_shard(m)`` swaps ``m``'s class for ``BlockShard<Class>``, a subclass of both this class
-    and ``m``'s own, so ``isinstance(m, ShardedModule)`` holds and the methods below exist; the
-    engine's state lives on the module (``m._blockshard_state``), nowhere else.
-    """
-
-    def _bs_state(self) -> ModuleState:
-        state = state_of(self)
-        if state is None:
-            raise ShardingError(f"this {type(self).__name__} has no blockshard state; shard it with fully_shard")
-        return state
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters (``async_op=True``: return a handle to ``wait()``)."""
-        group = self._bs_state().group
-        group.unshard(async_op=async_op)
-        return UnshardHandle(group) if async_op else None
-
-    def reshard(self) -> None:
-        """Free the gathered parameters; the module holds its local pieces again."""
-        self._bs_state().group.reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """Off: backward accumulates unsharded gradients without a reduce-scatter (micro-batches)."""
-        if not isinstance(requires_gradient_sync, bool):
-            raise ShardingError(f"requires_gradient_sync={requires_gradient_sync!r} must be True or False")
-        for m in self.modules() if recurse else [self]:
-            st = state_of(m)
-            if st is not None:
-                st.group.requires_gradient_sync = requires_gradient_sync
-
-    def _apply(self, fn: Callable, recurse: bool = True) -> ShardedModule:
-        """``.to()``, ``.double()``, ``.cuda()``...: allowed only when they change nothing about the
-        parameters (the sharded parameters are views of the engine's buffers; a converted copy
-        would be trained while the engine gathers the old buffer)."""
-        for m in self.modules():
-            st = state_of(m)
-            if st is None or st.group.layout is None:
-                continue
-            probe = st.group.local[:1]
-            if fn(probe) is not probe:
-                raise ShardingError(
-                    f"converting or moving a sharded module (model.to(...), .double(), .half(), .cuda()) "
-                    f"would replace the parameters of group {st.group.name!r} ({st.group.orig_dtype} on "
-                    f"{st.group.device}) with copies the engine does not own, so training would silently "
-                    "ignore them. Fix: convert or move the model before fully_shard, or keep the parameters "
-                    "and compute in another dtype with mp_policy=MixedPrecisionPolicy(param_dtype=...)"
-                )
-        return super()._apply(fn, recurse)
-
-    def __deepcopy__(self, memo: dict) -> NoReturn:
-        raise ShardingError(
-            f"copy.deepcopy of a sharded {self._bs_state().group.name} is not supported: the copy would share "
-            "the original's buffers and collectives (its unshard() would unshard the original). Fix: "
-            "deepcopy the model before fully_shard and shard the copy, or build a second model"
-        )
-
+from blockshard.runtime._module import ShardedModule, ShardingError, UnshardHandle
 
 # One subclass per original class, as FSDP2's ``FSDP<Class>``: a cache, not state (same inputs
 # give the same class).
@@ -149,17 +75,66 @@ def _process_group(mesh: object) -> dist.ProcessGroup:
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(mesh, DeviceMesh):
+        if mesh.ndim == 2:  # HSDP: (replicate, shard), as FSDP2
+            return mesh.get_group(1)
         if mesh.ndim != 1:
             raise ShardingError(
-                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; blockshard shards over a 1-D mesh. "
-                "Pass the sharding axis, e.g. mesh['dp_shard']"
+                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; blockshard shards over a 1-D mesh, or "
+                "replicates and shards over a 2-D (replicate, shard) mesh (HSDP). Pass one of those, e.g. "
+                "mesh['dp_replicate', 'dp_shard']"
             )
         return mesh.get_group()
     raise ShardingError(f"mesh={mesh!r} must be None, a 1-D DeviceMesh or a ProcessGroup")
 
 
-def _collect(module: nn.Module) -> tuple[list[str], list[nn.Parameter], list[list[ParamRef]]]:
-    """Parameters of ``module``'s subtree not owned by an already sharded submodule."""
+def _check_fsdp_arguments(reshard_after_forward: object, shard_placement_fn: object, offload_policy: object) -> None:
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ShardingError(
+            f"reshard_after_forward={reshard_after_forward!r} must be True, False or None (FSDP2's int, "
+            "resharding to a smaller world after forward, is not supported). Fix: pass True to free the "
+            "gathered parameters after forward, False to keep them, None for FSDP2's default"
+        )
+    if shard_placement_fn is not None:
+        raise ShardingError(
+            "shard_placement_fn chooses FSDP2's Shard(dim) per parameter; blockshard lays parameters out by "
+            "their block semantics instead. Fix: drop shard_placement_fn and pass semantics= (e.g. "
+            "semantics={'*.weight': 'rows:1'} to keep rows whole)"
+        )
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        if type(offload_policy).__name__ != "CPUOffloadPolicy":
+            raise ShardingError(
+                f"offload_policy={offload_policy!r} must be torch's OffloadPolicy() or CPUOffloadPolicy()"
+            )
+
+
+def _ignored(ignored_params: object) -> set[int]:
+    if ignored_params is None:
+        return set()
+    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, (set, frozenset, list, tuple)):
+        raise ShardingError(
+            f"ignored_params={ignored_params!r} must be a set of the module's parameters (as FSDP2's), e.g. "
+            "{model.pos_embed}"
+        )
+    for i, p in enumerate(ignored_params):
+        if not isinstance(p, nn.Parameter):
+            raise ShardingError(f"ignored_params holds a {type(p).__name__} (item {i}); it must hold nn.Parameters")
+    return {id(p) for p in ignored_params}
+
+
+def _replicate_group(mesh: object) -> dist.ProcessGroup | None:
+    """HSDP's replicate axis (dim 0 of a 2-D mesh), or None: gradients are all-reduced over it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or mesh.size(0) == 1:
+        return None
+    return engine_group(mesh.get_group(0))
+
+
+def _collect(
+    module: nn.Module, ignored: set[int] | None = None
+) -> tuple[list[str], list[nn.Parameter], list[list[ParamRef]]]:
+    """Parameters of ``module``'s subtree not owned by an already sharded submodule, nor ignored."""
+    ignored = ignored or set()
     names: list[str] = []
     params: list[nn.Parameter] = []
     refs: dict[int, list[ParamRef]] = {}
@@ -172,7 +147,7 @@ def _collect(module: nn.Module) -> tuple[list[str], list[nn.Parameter], list[lis
                 owned_below[id(p)] = n
             continue
         for attr, param in mod._parameters.items():
-            if param is None:
+            if param is None or id(param) in ignored:
                 continue
             if id(param) not in refs:
                 names.append(prefix + attr)
@@ -212,8 +187,6 @@ def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
                 "engine shards the row-major flattening. Fix: make it contiguous first, e.g. "
                 "module.weight = nn.Parameter(module.weight.contiguous())"
             )
-        if p.device.type == "meta":
-            raise ShardingError(f"parameter {n!r} is on the meta device; materialize the model before fully_shard")
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ShardingError(
@@ -242,8 +215,11 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: object = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: object = None,
     mp_policy: Any = None,
+    offload_policy: object = None,
+    ignored_params: object = None,
     semantics: object = None,
     alignment_bytes: int = 16,
 ) -> nn.Module:
@@ -255,11 +231,22 @@ def fully_shard(
     (default: ``elementwise``). ``alignment_bytes``: every bucket's per-rank segment is a
     multiple of it (16 suits vectorized kernels and NCCL). ``mp_policy`` is torch's
     ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``, ``output_dtype``,
-    ``cast_forward_inputs``). Returns ``module``, whose class becomes a :class:`ShardedModule`
-    (``unshard()``, ``reshard()``, ``set_requires_gradient_sync()``).
+    ``cast_forward_inputs``). ``reshard_after_forward``: as FSDP2's (``None``: free the
+    gathered parameters after forward, but the root's). ``ignored_params``: parameters left as
+    they are (not sharded, their gradients not reduced), as FSDP2's. ``offload_policy``: only
+    FSDP2's default ``OffloadPolicy()`` (or ``CPUOffloadPolicy`` when the parameters are on the CPU
+    already). ``shard_placement_fn`` is FSDP2's per-parameter ``Shard(dim)`` choice: blockshard
+    chooses layouts by ``semantics`` instead, so it must be None. Returns ``module``, whose class
+    becomes a :class:`ShardedModule` (FSDP2's ``FSDPModule`` methods, see _module.py).
     """
+    if isinstance(module, (list, tuple)):
+        raise ShardingError(
+            f"fully_shard of a list of {len(module)} modules (one group over several modules) is not supported "
+            "yet. Fix: shard each module on its own, or put them under one parent module and shard that"
+        )
     if not isinstance(module, nn.Module):
         raise ShardingError(f"module={module!r} must be a torch.nn.Module")
+    _check_fsdp_arguments(reshard_after_forward, shard_placement_fn, offload_policy)
     if (done := state_of(module)) is not None:
         raise ShardingError(
             f"this {done.group.name} is already sharded: call fully_shard once per module "
@@ -267,10 +254,17 @@ def fully_shard(
         )
     alignment_bytes = _check_alignment(alignment_bytes)
     process_group = engine_group(_process_group(mesh))  # [Note: collective integrity], point 1
+    replicate_group = _replicate_group(mesh)
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
-    names, params, refs = _collect(module)
+    names, params, refs = _collect(module, _ignored(ignored_params))
     _check_params(names, params)
+    if type(offload_policy).__name__ == "CPUOffloadPolicy" and any(p.device.type != "cpu" for p in params):
+        raise ShardingError(
+            "offload_policy=CPUOffloadPolicy(): offloading parameters from "
+            f"{next(p.device for p in params if p.device.type != 'cpu')} to the CPU is not implemented in "
+            "blockshard's engine yet (on the CPU it is a no-op and accepted). Fix: drop offload_policy"
+        )
     name = type(module).__name__
     layout: GroupLayout | None = None
     items: list[PlanItem] = []
@@ -297,11 +291,12 @@ def fully_shard(
         costs={it.name: it.cost for it in items},
         param_dtype=getattr(mp_policy, "param_dtype", None),
         reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
+        replicate_group=replicate_group,
     )
     state = ModuleState(
         module,
         group,
-        reshard_after_forward=reshard_after_forward,
+        reshard_after_forward=cast("bool | None", reshard_after_forward),  # checked above
         param_dtype=getattr(mp_policy, "param_dtype", None),
         output_dtype=getattr(mp_policy, "output_dtype", None),
         cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),
@@ -309,7 +304,7 @@ def fully_shard(
     state.order = next(_ORDER)  # see [Note: cost tally]
     for orig in params:
         tag_managed(orig, name, original=True)
-    _tag_views(state)
+    group.tag_views()
     module.__dict__[STATE_ATTR] = state
     _swap_class(module)
     from blockshard.runtime._state_dict import install_state_dict_hooks  # imports this module
@@ -317,14 +312,6 @@ def fully_shard(
     install_state_dict_hooks(module)  # model.state_dict() speaks DCP ([Note: state dict entries])
     _balance_costs(module, state)
     return module
-
-
-def _tag_views(state: ModuleState) -> None:
-    for sp in state.group.params:
-        tag_managed(
-            sp.sharded, state.group.name, process_group=state.group.process_group, group=weakref.ref(state.group)
-        )
-        tag_managed(sp.unsharded, state.group.name)
 
 
 # [Note: cost tally]
@@ -361,7 +348,7 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
         k = _rotation(layout, rotated)
         if k:
             st.group.relayout(rotated, k)
-            _tag_views(st)
+            st.group.tag_views()
             changed = True
     if changed:
         hashes = ",".join(st.group.layout.layout_hash() for st in [*below, state] if st.group.layout is not None)

@@ -188,9 +188,13 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGro
     return _all_gather(out, inp, group=group, async_op=async_op)
 
 
-def reduce_scatter_avg(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+def reduce_scatter_avg(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False, summed: bool = False
+):
+    """The average over ranks (``summed``: the sum, for a custom divide factor)."""
     assert inp.numel() == out.numel() * group.size() and out.dtype == inp.dtype, (out.shape, inp.shape)
-    return _reduce_scatter(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+    op = dist.ReduceOp.SUM if summed else dist.ReduceOp.AVG
+    return _reduce_scatter(out, inp, op=op, group=group, async_op=async_op)
 
 
 def check_same_layout(group_name: str, layout_hash: str, group: dist.ProcessGroup) -> None:

@@ -108,7 +108,7 @@ class CollectiveTally:
 
     def record(self, index: int, kind: int) -> None:
         self.count += 1
-        self.hash = (self.hash * 1_000_003 + 2 * index + kind + 1) % self._MOD
+        self.hash = (self.hash * 1_000_003 + 3 * index + kind + 1) % self._MOD  # kind: 0, 1 or 2
 
     def reset(self) -> None:
         self.count, self.hash = 0, 0

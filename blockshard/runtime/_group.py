@@ -18,6 +18,15 @@ Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
     in, filled from the unsharded ``.grad`` (autograd's own tensors, accumulated across
     micro-batches without sync) and freed after the reduce-scatter.
 Holes are padding: zeros that never reach a parameter.
+
+[Note: HSDP]
+With a 2-D mesh ``(replicate, shard)``, as FSDP2's HSDP, the layout is planned over the shard
+axis (each replica holds the whole model, sharded over its ``W_shard`` ranks), and a group's
+gradients are reduce-scattered over the shard axis, then all-reduced over the replicate axis
+(one all-reduce of the rank's segment per group): the average over all ranks (the sum, divided
+by the divide factor, when one is set). ``set_requires_all_reduce(False)`` keeps the
+reduce-scattered segment (summed across such backwards) without a ``.grad``; the next backward
+that all-reduces adds it in, as FSDP2's partial reduce output.
 """
 
 from __future__ import annotations
@@ -52,12 +61,19 @@ class ShardGroup:
         costs: dict[str, float],
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.name, self.params, self.process_group = name, list(params), process_group
         self.path: str | None = None  # the module's path under its root, known at the root's first forward
         self.costs = costs  # optimizer cost per tensor name, for rotation ([Note: rotation])
         self.rank, self.world_size = process_group.rank(), process_group.size()
         self.requires_gradient_sync = True
+        self.reshard_after_backward = True  # set_reshard_after_backward (_module.py)
+        self.requires_all_reduce = True  # set_requires_all_reduce: HSDP only ([Note: HSDP])
+        self.divide_factor: float | None = None  # set_gradient_divide_factor: sum / factor, not the average
+        # HSDP ([Note: HSDP]): the replicate axis, and reduce-scatter outputs not all-reduced yet
+        self.replicate_group = replicate_group
+        self._partial: torch.Tensor | None = None
         self.tally: CollectiveTally | None = None  # set by the root context ([Note: collective integrity])
         self.tally_index = 0  # this group's position in its root context
         self._pending: list = []  # async all-gather works, while UNSHARDING
@@ -117,6 +133,34 @@ class ShardGroup:
             else:
                 sp.local_start, sp.local_numel, sp.local_offset = piece.start, piece.numel, piece.local_offset
 
+    def tag_views(self) -> None:
+        """Tag the parameter objects this group made ([Note: optimizer guard], clipping)."""
+        for sp in self.params:
+            tag_managed(sp.sharded, self.name, process_group=self.process_group, group=weakref.ref(self))
+            tag_managed(sp.unsharded, self.name)
+
+    @torch.no_grad()
+    def materialize(self, device: torch.device) -> None:
+        """A group sharded on the meta device gets real, uninitialized buffers on ``device`` (as
+        ``model.to_empty(device=...)`` asks) and new parameter objects over them; the meta ones
+        are tagged as replaced, so an optimizer built over them raises. See [Note: meta init]."""
+        expect(f"materialize group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
+        S, W = self.local.numel(), self.world_size
+        for sp in self.params:
+            tag_managed(sp.sharded, self.name, original=True)
+        self.device = device
+        self.local = torch.empty(S, dtype=self.orig_dtype, device=device)
+        self.send = (
+            self.local if self.param_dtype == self.orig_dtype else torch.empty(S, dtype=self.param_dtype, device=device)
+        )
+        self.gathered = torch.empty(W * S, dtype=self.param_dtype, device=device)
+        self._grad = None
+        for sp in self.params:
+            sp.requires_grad = sp.sharded.requires_grad
+        self._make_views()
+        self._free_gathered()
+        self.tag_views()
+
     def _make_views(self) -> None:
         """New parameter objects over the buffers: sharded (block-shaped) and unsharded (full)."""
         for sp in self.params:
@@ -133,7 +177,7 @@ class ShardGroup:
         moves to rank ``(r + k) % W``, see [Note: rotation]): one shift of ``local`` across ranks,
         then new parameter objects. Only before training (no gradients, no optimizer state)."""
         expect(f"relayout of group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
-        if k % self.world_size:
+        if k % self.world_size and self.local.device.type != "meta":  # meta: no values to move
             self.local.copy_(shift_ranks(self.local, k, self.process_group))
         for sp in self.params:
             sp.requires_grad = sp.sharded.requires_grad  # frozen since fully_shard, maybe
@@ -301,9 +345,17 @@ class ShardGroup:
         for b, S_b in enumerate(layout.buckets):
             off = layout.bucket_local_offset(b)
             work = reduce_scatter_avg(
-                out[off : off + S_b], rs_in[W * off : W * (off + S_b)], self.process_group, async_op=True
+                out[off : off + S_b],
+                rs_in[W * off : W * (off + S_b)],
+                self.process_group,
+                async_op=True,
+                summed=self.divide_factor is not None,
             )
             wait(work, f"the reduce-scatter of group {self.described}", self.process_group)
+        if self.replicate_group is not None and not self._all_reduce(out):
+            return  # set_requires_all_reduce(False): kept for the next all-reduce, no .grad yet
+        if self.divide_factor is not None:
+            out.div_(self.divide_factor)
         for sp in self.params:
             if not sp.sharded.requires_grad or sp.index not in has_grad:
                 continue
@@ -317,6 +369,23 @@ class ShardGroup:
                 sp.sharded.grad = buf[lo:hi].view(sp.sharded.shape)
             else:
                 sp.sharded.grad += out[lo:hi].view(sp.sharded.shape).to(self.orig_dtype)
+
+    def _all_reduce(self, out: torch.Tensor) -> bool:
+        """[Note: HSDP] Average (sum, with a divide factor) ``out`` over the replicate axis, adding
+        the outputs kept while ``requires_all_reduce`` was off; False while it is off."""
+        if self._partial is not None:
+            out += self._partial
+        if not self.requires_all_reduce:
+            self._partial = out  # no .grad views it: the next reduce-scatter adds it in
+            return False
+        self._partial = None
+        pg = self.replicate_group
+        assert pg is not None
+        op = dist.ReduceOp.SUM if self.divide_factor is not None else dist.ReduceOp.AVG
+        if self.tally is not None:
+            self.tally.record(self.tally_index, 2)
+        wait(dist.all_reduce(out, op=op, group=pg, async_op=True), f"the all-reduce of group {self.described}", pg)
+        return True
 
 
 def _holes(layout: GroupLayout) -> list[tuple[int, int]]:

@@ -39,6 +39,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from blockshard.runtime._common import ShardedState
 from blockshard.runtime._param import managed_tag
 
 __all__ = ["check_optimizer", "install_optimizer_guard", "uncounted_steps"]
@@ -77,11 +78,13 @@ def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> Non
     if seen is None or seen[0] != count:
         seen = (count, check_optimizer(optimizer))
         _checked[optimizer] = seen
-    if _uncounted:
-        return
     for ref in seen[1]:
         group = ref()
-        if group is not None and group.tally is not None:
+        if group is None:
+            continue
+        if group.sharded_state is not ShardedState.SHARDED:
+            group.reshard()  # kept gathered (set_reshard_after_backward(False)): the next forward gathers the new values
+        if group.tally is not None and not _uncounted:
             group.tally.optimizer_stepped = True
 
 

@@ -6,17 +6,18 @@ Forward, per sharded module in forward order (:class:`TrainingState` IDLE -> FOR
      unsharded views; start the *next* group's all-gather (prefetch, in the order recorded in the
      previous step).
   2. post-forward: register a pre-backward hook on the outputs; reshard (free the gathered
-     storage, swap back to sharded parameters) unless ``reshard_after_forward=False`` or this is
-     the root and a backward follows.
+     storage, swap back to sharded parameters) unless ``reshard_after_forward`` says to keep them
+     (``False``; ``None``, the default: the root keeps them) and a backward follows.
 Backward, in reverse (IDLE -> PRE_BACKWARD -> POST_BACKWARD):
   3. pre-backward (first gradient reaching the module's outputs): all-gather again if resharded,
      prefetch the group before this one.
   4. post-backward ([Note: post-backward]): when the gradients of the module's inputs are
-     computed, its backward is over: the group reshards and reduce-scatters (unless gradient
-     sync is off: then it keeps the unsharded gradients, in the reduce dtype).
+     computed, its backward is over: the group reshards (unless ``set_reshard_after_backward(False)``)
+     and reduce-scatters (unless gradient sync is off: then it keeps the unsharded gradients, in the
+     reduce dtype).
   5. the first pre-backward of a step queues a final callback: it finishes every group still in
      its backward (first layers, whose inputs need no gradient; unused parameters), reshards
-     whatever is still unsharded, sets every state back to IDLE and keeps this step's forward
+     whatever is still unsharded (but groups told not to reshard after backward), sets every state back to IDLE and keeps this step's forward
      order for the next step's prefetch.
 
 [Note: post-backward]
@@ -101,7 +102,8 @@ class RootContext:
         for st in self.states:
             if st.training_state is TrainingState.PRE_BACKWARD:
                 st.finish_backward()  # gradients that never all arrived (unused parameters)
-            st.group.reshard()
+            if st.group.reshard_after_backward:
+                st.group.reshard()
             st.training_state = TrainingState.IDLE
             st._inputs_pending, st._finish_at_end = 0, False
         self.remember_order()
@@ -127,15 +129,16 @@ class RootContext:
         # one all-reduce (MAX) of the fields and their negatives gives every field's max and min;
         # a rank that never stepped an optimizer (it holds nothing to step) is left out of the min
         lows = fields[:-1] + [fields[-1] or _NEVER]
-        extremes = torch.tensor(fields + [-v for v in lows], dtype=torch.int64)
+        device = next((st.group.device for st in self.states if st.group.layout is not None), None)
+        extremes = torch.tensor(fields + [-v for v in lows], dtype=torch.int64, device=device)  # NCCL: on the GPU
         wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg, async_op=True), what, pg)
         tally.reset()
         top = extremes.tolist()
         highs, mins = top[:n], [-v for v in top[n:]]
         if highs[:-1] == mins[:-1] and mins[-1] in (highs[-1], _NEVER):
             return
-        mine = torch.tensor(fields, dtype=torch.int64)
-        everyone = torch.empty(W * n, dtype=torch.int64)  # every rank saw the mismatch: the details
+        mine = torch.tensor(fields, dtype=torch.int64, device=device)
+        everyone = torch.empty(W * n, dtype=torch.int64, device=device)  # every rank saw the mismatch: the details
         wait(all_gather_into(everyone, mine, pg, async_op=True), what, pg)
         rows = everyone.view(W, n).tolist()
         raise CollectiveIntegrityError(_mismatch(group.name, rows))
@@ -192,13 +195,17 @@ class ModuleState:
         module: nn.Module,
         group: ShardGroup,
         *,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | None,
         param_dtype: torch.dtype | None = None,
         output_dtype: torch.dtype | None = None,
         cast_forward_inputs: bool = True,
     ) -> None:
         self.module, self.group = module, group
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward  # None: True but for the root (FSDP2's default)
+        # set_modules_to_forward_prefetch / _backward_prefetch: None = the recorded order's neighbour
+        self.forward_prefetch: list[ModuleState] | None = None
+        self.backward_prefetch: list[ModuleState] | None = None
+        self.is_last_backward = True  # FSDP2's flag: nothing waits past backward here (_module.py)
         self.param_dtype, self.output_dtype = param_dtype, output_dtype
         self.cast_forward_inputs = cast_forward_inputs
         self.training_state = TrainingState.IDLE
@@ -254,8 +261,7 @@ class ModuleState:
         self.training_state = TrainingState.FORWARD
         ctx.forward_order.append(self)
         self.group.wait_unshard()
-        nxt = ctx.neighbour(self, +1)
-        if nxt is not None:
+        for nxt in self._prefetch(ctx, self.forward_prefetch, +1):
             nxt.group.unshard(async_op=True)
         if torch.is_grad_enabled():
             args, kwargs = self._hook_inputs(args, kwargs)
@@ -285,17 +291,33 @@ class ModuleState:
         if self._inputs_pending == 0 and not self._finish_at_end and self.training_state is TrainingState.PRE_BACKWARD:
             self.finish_backward()
 
+    def _prefetch(self, ctx: RootContext, chosen: list[ModuleState] | None, step: int) -> list[ModuleState]:
+        if chosen is not None:
+            return chosen
+        nb = ctx.neighbour(self, step)
+        return [] if nb is None else [nb]
+
+    def _reshards_after_forward(self) -> bool:
+        return not self.is_root if self.reshard_after_forward is None else self.reshard_after_forward
+
     def _reset_if_interrupted(self, ctx: RootContext) -> None:
         """A backward that raised midway leaves states behind: drop its partial gradients."""
         if ctx.callback_queued or any(st.training_state is not TrainingState.IDLE for st in ctx.states):
-            for st in ctx.states:
-                for sp in st.group.params:
-                    sp.unsharded.grad, sp.accumulated = None, None
-                st.group.reshard()
-                st.training_state = TrainingState.IDLE
-                st._inputs_pending, st._finish_at_end = 0, False
-            ctx.callback_queued = False
-            ctx.tally.reset()
+            self.reset_step(ctx)
+
+    @staticmethod
+    def reset_step(ctx: RootContext) -> None:
+        """Every group resharded, every state IDLE, partial gradients and the tally dropped
+        (``reset_iter_state()``, and the next forward after an interrupted step)."""
+        for st in ctx.states:
+            for sp in st.group.params:
+                sp.unsharded.grad, sp.accumulated = None, None
+            st.group._partial = None  # HSDP outputs not all-reduced yet: lost with the step
+            st.group.reshard()
+            st.training_state = TrainingState.IDLE
+            st._inputs_pending, st._finish_at_end = 0, False
+        ctx.callback_queued = False
+        ctx.tally.reset()
 
     def post_forward(self, _module: nn.Module, _args: Any, output: Any) -> Any:
         if in_backward():  # [Note: recompute]
@@ -304,7 +326,7 @@ class ModuleState:
         else:
             expect(f"post-forward of group {self.group.name!r}", self.training_state, TrainingState.FORWARD)
             backward_follows = self._hook_outputs(output)
-            if not backward_follows or (self.reshard_after_forward and not self.is_root):
+            if not backward_follows or self._reshards_after_forward():
                 self.group.reshard()
             self.training_state = TrainingState.IDLE
         if self.output_dtype is not None:
@@ -331,15 +353,15 @@ class ModuleState:
             torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
         self.training_state = TrainingState.PRE_BACKWARD
         self.group.wait_unshard()
-        prev = ctx.neighbour(self, -1)
-        if prev is not None:
+        for prev in self._prefetch(ctx, self.backward_prefetch, -1):
             prev.group.unshard(async_op=True)
 
     def finish_backward(self) -> None:
         """All gradients are in: reshard, then reduce-scatter unless accumulating without sync."""
         expect(f"post-backward of group {self.group.name!r}", self.training_state, TrainingState.PRE_BACKWARD)
         self.training_state = TrainingState.POST_BACKWARD
-        self.group.reshard()  # free the gathered parameters before the reduce-scatter needs its output
+        if self.group.reshard_after_backward:
+            self.group.reshard()  # free the gathered parameters before the reduce-scatter needs its output
         if self.group.requires_gradient_sync:
             self.group.reduce_grads()
         else:
