@@ -46,14 +46,11 @@ def is_partial(path: str) -> bool:
 
 
 def _process_group(model: nn.Module) -> Any:
+    """The default group, as DCP's (its coordinator is global rank 0): with replicas (HSDP) a
+    group's own process group has a rank 0 in every replica."""
     import torch.distributed as dist
 
-    from blockshard.runtime._api import _states_under
-
-    if not dist.is_initialized():
-        return None
-    states = _states_under(model)
-    return states[0][1].group.process_group if states else dist.group.WORLD
+    return dist.group.WORLD if dist.is_initialized() else None
 
 
 def _barrier(pg: Any) -> None:
