@@ -35,6 +35,7 @@ _RUNTIME = (
     "register_forward_method",
     "init_parameters",
     "check_finished",
+    "save_pretrained",
 )
 
 

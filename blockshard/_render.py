@@ -151,20 +151,47 @@ def layout_table(layout: GroupLayout, rank: int | None = None) -> Table:
     return table
 
 
+def _pieces_text(pieces: list, most: int = 6) -> str:
+    """``rank:start+numel`` of a tensor's pieces, the middle elided past ``most``."""
+    text = [f"{r}:{a}+{n}" for r, a, n in pieces]
+    if len(text) > most:
+        text = [*text[: most // 2], f"... ({len(text)} pieces)", *text[-2:]]
+    return " ".join(text)
+
+
 def checkpoint_table(info: dict) -> Table:
     """What ``describe_checkpoint`` found in a DCP checkpoint directory."""
     status = "complete" if info["complete"] else "INCOMPLETE: " + "; ".join(info["problems"])
+    saved = (
+        f"saved by {info['saved_by']} {info['blockshard_version']} at world size {info['world_size']}"
+        if info.get("world_size")
+        else f"saved by {info.get('saved_by', 'dcp.save')}"
+    )
     title = (
         f"checkpoint {info['path']}: {len(info['tensors'])} tensors, {info['tensor_bytes']:,} bytes of tensors "
-        f"({info['file_bytes']:,} on disk), written by {info['ranks_that_wrote']} ranks, {status}"
+        f"({info['file_bytes']:,} on disk), written by {info['ranks_that_wrote']} ranks, {saved}, {status}"
     )
     table = Table(title=title, title_justify="left", header_style="bold")
-    for col in ("tensor", "global shape", "dtype", "bytes", "chunks"):
-        table.add_column(col, justify="left" if col in ("tensor", "dtype") else "right")
+    for col in ("tensor", "global shape", "dtype", "bytes", "chunks", "semantics", "pieces (rank: start+numel)"):
+        table.add_column(col, justify="left" if col in ("tensor", "dtype", "semantics") or "pieces" in col else "right")
+    placed = {t["name"]: t for g in info.get("groups", []) for t in g["tensors"]}
     for t in info["tensors"]:
-        table.add_row(t["name"], str(tuple(t["shape"])), t["dtype"], f"{t['bytes']:,}", str(t["chunks"]))
+        where = placed.get(t["name"].removeprefix("model."))
+        pieces = _pieces_text(where["pieces"]) if where else ""
+        sem = where["semantics"] if where else ""
+        table.add_row(t["name"], str(tuple(t["shape"])), t["dtype"], f"{t['bytes']:,}", str(t["chunks"]), sem, pieces)
+    lines = [
+        f"group {g['module'] or '(root)'} ({g['class']}): world size {g['world_size']}, {g['dtype']}, segment "
+        f"{g['segment_numel']:,} elements in {len(g['buckets'])} buckets, layout {g['layout_hash'][:12]}, semantics "
+        + ", ".join(f"{k} x{v}" for k, v in g["semantics"].items())
+        for g in info.get("groups", [])
+    ]
+    if info.get("optimizers"):
+        lines.append(f"optimizers: {', '.join(info['optimizers'])}")
     if info["objects"]:
-        table.caption = f"other entries (pickled): {', '.join(info['objects'])}"
+        lines.append(f"other entries (pickled): {', '.join(info['objects'])}")
+    table.caption = "\n".join(lines) or None
+    table.caption_justify = "left"
     return table
 
 

@@ -14,6 +14,7 @@ from blockshard.runtime._checkpoint import CheckpointError, describe_checkpoint,
 from blockshard.runtime._clip import ClipError, clip_grad_norm_
 from blockshard.runtime._collectives import CollectiveIntegrityError, LayoutMismatchError, check_finished
 from blockshard.runtime._common import EngineStateError, ShardedState, TrainingState
+from blockshard.runtime._export import save_pretrained
 from blockshard.runtime._init import init_parameters
 from blockshard.runtime._module import register_forward_method
 from blockshard.runtime._optim_state import load_optimizer_state_dict, optimizer_state_dict
@@ -60,5 +61,6 @@ __all__ = [
     "owner_plan",
     "register_forward_method",
     "save_checkpoint",
+    "save_pretrained",
     "sharded_state_dict",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,52 +27,84 @@ __all__ = ["CheckpointError", "describe_checkpoint", "load_checkpoint", "save_ch
 
 _METADATA = ".metadata"  # written by DCP's coordinator once every rank has written its data
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+# optimizer state of parameters that other ranks hold: in the checkpoint, not in this rank's state
+_OTHER_RANKS_STATE = re.compile(r"^optimizer(\.\d+)?\.state\.")
 
 
 class CheckpointError(BlockshardError):
     """A checkpoint that is incomplete or does not fit the model it is loaded into."""
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """``model.state_dict()``, or ``{"model": ..., "optimizer": ...}`` with an optimizer."""
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
+
+
+def _optimizers(optimizer: Optimizers) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+
+
+def _state(model: nn.Module, optimizer: Optimizers) -> dict[str, Any]:
+    """``model.state_dict()``, or ``{"model": ..., "optimizer": ...}`` with an optimizer (a list of
+    their state dicts for a sequence of optimizers, e.g. Muon and AdamW)."""
     if optimizer is None:
         return model.state_dict()
     from blockshard.runtime._optim_state import optimizer_state_dict
 
-    return {"model": model.state_dict(), "optimizer": optimizer_state_dict(model, optimizer)}
+    states = [optimizer_state_dict(model, o) for o in _optimizers(optimizer)]
+    return {
+        "model": model.state_dict(),
+        "optimizer": states[0] if isinstance(optimizer, torch.optim.Optimizer) else states,
+    }
 
 
-def save_checkpoint(
-    model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
-) -> None:
-    """``dcp.save(model.state_dict(), checkpoint_id=...)`` (collective: call on every rank); with
-    ``optimizer``, ``{"model": ..., "optimizer": blockshard.optimizer_state_dict(model, optimizer)}``."""
+def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: Optimizers = None) -> None:
+    """Save ``model.state_dict()`` (with ``optimizer``: ``{"model": ..., "optimizer":
+    blockshard.optimizer_state_dict(model, optimizer)}``) with DCP, atomically (collective: call
+    on every rank). The directory appears complete, with a ``blockshard.json`` record of the world
+    size, groups, layouts and semantics, only once every rank finished; a save killed midway
+    leaves the previous checkpoint in place ([Note: atomic checkpoints] in ``_checkpoint_files.py``)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, optimizer), checkpoint_id=checkpoint_id)
+    from blockshard.runtime._checkpoint_files import finish_save, model_record, start_save
+
+    path = os.fspath(checkpoint_id)
+    partial = start_save(model, path)
+    dcp.save(_state(model, optimizer), checkpoint_id=partial)
+    finish_save(model, path, partial, model_record(model, _optimizers(optimizer)))
 
 
-def load_checkpoint(
-    model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None
-) -> None:
-    """Load a checkpoint of :func:`save_checkpoint` at any world size or semantics (collective).
+def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: Optimizers = None) -> None:
+    """Load a checkpoint of :func:`save_checkpoint` (or of ``dcp.save(model.state_dict())``) at any
+    world size or semantics (collective).
 
     Checks the checkpoint against the model (and optimizer) first (:class:`CheckpointError` on
     every rank), then ``dcp.load`` reads each rank's boxes straight into its pieces, and
-    ``model.load_state_dict`` finishes (buffers, non-tensor entries, a resharded group).
+    ``model.load_state_dict`` finishes (buffers, non-tensor entries, a resharded group). Without
+    ``optimizer``, a checkpoint saved with one loads the model alone (e.g. to fine-tune from it).
     """
     import torch.distributed.checkpoint as dcp
 
+    from blockshard.runtime._checkpoint_files import resolve
+
+    path = resolve(os.fspath(checkpoint_id))
     state = _state(model, optimizer)
-    check_checkpoint(state, checkpoint_id)
-    dcp.load(state, checkpoint_id=checkpoint_id)
+    if optimizer is None and _saved_with_optimizer(path):  # the model alone, e.g. to fine-tune from it
+        check_checkpoint(state, path, under="model.")
+        dcp.load({"model": state}, checkpoint_id=path)
+        model.load_state_dict(state)
+        return
+    check_checkpoint(state, path)
+    dcp.load(state, checkpoint_id=path)
     if optimizer is None:
         model.load_state_dict(state)
         return
     from blockshard.runtime._optim_state import load_optimizer_state_dict
 
     model.load_state_dict(state["model"])
-    load_optimizer_state_dict(model, optimizer, state["optimizer"])
+    saved = [state["optimizer"]] if isinstance(optimizer, torch.optim.Optimizer) else state["optimizer"]
+    for o, osd in zip(_optimizers(optimizer), saved, strict=True):
+        load_optimizer_state_dict(model, o, osd)
 
 
 def _flatten(state: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -99,7 +131,20 @@ def _read_metadata(path: str) -> Any:
             f"checkpoint {path!r} has no {_METADATA} file: the save did not finish on every rank (DCP writes "
             "it last), or this is not a DCP checkpoint. Fix: load the previous complete checkpoint"
         )
-    return FileSystemReader(path).read_metadata()
+    from blockshard.runtime._checkpoint_files import RECORD, is_partial, read_record
+
+    if is_partial(path) and read_record(path) is None:
+        raise CheckpointError(
+            f"checkpoint {path!r} is what a blockshard.save_checkpoint that did not finish on every rank left (no "
+            f"{RECORD}). Fix: load the checkpoint it was to replace (the same name without the dot and suffix)"
+        )
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as e:  # a truncated or foreign file
+        raise CheckpointError(
+            f"checkpoint {path!r}: its {_METADATA} file cannot be read ({type(e).__name__}: {e}). Fix: load "
+            "another checkpoint"
+        ) from e
 
 
 def _problems(path: str, md: Any) -> list[str]:
@@ -124,24 +169,37 @@ def _problems(path: str, md: Any) -> list[str]:
     return out
 
 
-def check_checkpoint(state: Mapping[str, object], checkpoint_id: str | os.PathLike) -> None:
+def _saved_with_optimizer(path: str) -> bool:
+    """Whether the checkpoint is ``{"model": ..., "optimizer": ...}`` (not a bare model state dict)."""
+    names = _read_metadata(path).state_dict_metadata
+    return (
+        bool(names)
+        and all(k.startswith(("model.", "optimizer.")) for k in names)
+        and any(k.startswith("optimizer.") for k in names)
+    )
+
+
+def check_checkpoint(state: Mapping[str, object], checkpoint_id: str | os.PathLike, *, under: str = "") -> None:
     """Raise :class:`CheckpointError` unless the checkpoint is complete and holds every entry of
-    ``state`` with the same global shape (no collective: each rank reads the metadata itself)."""
+    ``state`` with the same global shape (no collective: each rank reads the metadata itself);
+    ``under``: compare ``state`` with the checkpoint's entries under this prefix only."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = os.fspath(checkpoint_id)
     md = _read_metadata(path)
-    saved = md.state_dict_metadata
+    saved = {k.removeprefix(under): v for k, v in md.state_dict_metadata.items() if k.startswith(under)}
     state = _flatten(state)
     missing = sorted(repr(k) for k in state if k not in saved)
-    unexpected = sorted(repr(k) for k in saved if k not in state)
-    shapes = []
+    unexpected = sorted(repr(k) for k in saved if k not in state and not _OTHER_RANKS_STATE.match(k))
+    shapes, dtypes = [], []
     for k, v in state.items():
         entry = saved.get(k)
         if isinstance(v, torch.Tensor) and isinstance(entry, TensorStorageMetadata):
             if tuple(entry.size) != tuple(v.shape):
                 shapes.append(f"{k!r}: saved {tuple(entry.size)}, model {tuple(v.shape)}")
-    if missing or unexpected or shapes:
+            elif entry.properties.dtype != v.dtype:
+                dtypes.append(f"{k!r}: saved {entry.properties.dtype}, model {v.dtype}")
+    if missing or unexpected or shapes or dtypes:
         parts = []
         if missing:
             parts.append(f"missing from the checkpoint: {_few(missing)}")
@@ -149,6 +207,8 @@ def check_checkpoint(state: Mapping[str, object], checkpoint_id: str | os.PathLi
             parts.append(f"in the checkpoint but not in the model: {_few(unexpected)}")
         if shapes:
             parts.append(f"shapes differ: {_few(shapes)}")
+        if dtypes:
+            parts.append(f"dtypes differ (e.g. 8-bit state saved, 32-bit state here): {_few(dtypes)}")
         raise CheckpointError(
             f"checkpoint {path!r} does not fit this model ({'; '.join(parts)}): it was saved from another model "
             "or another configuration. Fix: load it into the model it was saved from"
@@ -165,8 +225,12 @@ def _few(items: list[str], n: int = 5) -> str:
 
 def describe_checkpoint(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
     """What a DCP checkpoint directory holds (no process group needed): the ranks that wrote
-    data, every tensor's global shape, dtype, bytes and number of chunks, and completeness."""
+    data, every tensor's global shape, dtype, bytes and number of chunks, completeness, and for a
+    checkpoint of :func:`save_checkpoint` its record: world size, groups with their layouts and
+    semantics, optimizers, versions (``None`` for plain ``dcp.save`` checkpoints)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from blockshard.runtime._checkpoint_files import read_record
 
     path = os.fspath(checkpoint_id)
     md = _read_metadata(path)
@@ -184,13 +248,34 @@ def describe_checkpoint(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
         else:
             objects.append(name)
     problems = _problems(path, md)
+    record = read_record(path)
     return {
         "path": path,
         "ranks_that_wrote": len(ranks),
+        "world_size": record["world_size"] if record else None,
+        "saved_by": record["saved_by"] if record else "dcp.save (no blockshard record)",
+        "blockshard_version": record["blockshard_version"] if record else None,
         "tensors": tensors,
         "objects": objects,
         "tensor_bytes": sum(t["bytes"] for t in tensors),
         "file_bytes": sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)),
         "complete": not problems,
         "problems": problems,
+        "groups": _group_summaries(record),
+        "optimizers": record["optimizers"] if record else [],
     }
+
+
+def _group_summaries(record: dict | None) -> list[dict[str, Any]]:
+    """Per group of the record: module, world size, layout (buckets, segment, hash), the semantics
+    of its tensors (``{semantics: count}``) and each tensor's pieces."""
+    out = []
+    for g in (record or {}).get("groups", []):
+        semantics: dict[str, int] = {}
+        for t in g["tensors"]:
+            semantics[t["semantics"]] = semantics.get(t["semantics"], 0) + 1
+        out.append(
+            {k: g[k] for k in ("module", "class", "world_size", "dtype", "segment_numel", "buckets", "layout_hash")}
+            | {"semantics": semantics, "tensors": g["tensors"]}
+        )
+    return out

@@ -1,17 +1,21 @@
 """Optimizer state of a sharded model by parameter name, with global shapes: what DCP can reshard.
 
 [Note: optimizer state entries]
-An optimizer over the sharded parameters keeps per-parameter state of the *piece's* block shape
-(AdamW's ``exp_avg``, Muon's ``momentum_buffer``): such a tensor is an element-wise companion of
-the piece, so it becomes a :class:`PieceTensor` of the parameter's global shape and the same
-boxes, and DCP reshards it exactly like the parameter. A one-element tensor that is not a piece
-(AdamW's ``step``) is the same on every rank (every rank steps every parameter) and is saved
-once. Any other state (bitsandbytes' ``absmax`` per 256-block, torchao's quantized subclasses,
-BlockedShampoo's per-block lists) is not a companion of the piece yet: it raises
-:class:`~blockshard.runtime.CheckpointError` naming the key instead of being saved as if every
-rank held the same value (DCP keeps one rank's copy of a plain entry).
+An optimizer over the sharded parameters keeps per-parameter state that describes the rank's
+*piece*: element-wise tensors of the piece's block shape (AdamW's ``exp_avg``, Muon's
+``momentum_buffer``, bitsandbytes' quantized ``state1``), one value per block of the piece
+(bitsandbytes' ``absmax``), tensor subclasses (torchao's ``OptimState8bit``), per-tile lists
+(BlockedShampoo). Each becomes entries of *global* tensors of which this rank's state is one flat
+run, a :class:`PieceTensor` ([Note: optimizer state codecs] in ``_optim_codecs.py``), so DCP reshards
+it like the parameter. A one-element tensor that is not a piece (AdamW's ``step``) is the same on
+every rank and is saved once. State blockshard does not know raises
+:class:`~blockshard.runtime.CheckpointError` naming the key instead of being saved as if every rank
+held the same value (DCP keeps one rank's copy of a plain entry).
 The layout is FQN-keyed, as ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``:
 ``{"state": {name: {key: value}}, "param_groups": [{hyperparameters..., "params": [names]}]}``.
+Ranks may build their optimizers over different parameters (a rank leaves out the tensors it
+holds no element of): each ``param_group``'s ``params`` lists the names of every rank's
+(gathered, in the model's order), and a rank loads the state of the names it holds.
 """
 
 from __future__ import annotations
@@ -23,13 +27,11 @@ import torch
 from torch import nn
 
 from blockshard.runtime._api import _join, _states_under
+from blockshard.runtime._optim_codecs import decode_state, encode_state
 from blockshard.runtime._optim_guard import uncounted_steps
 from blockshard.runtime._param import ShardedParam
-from blockshard.runtime._piece_tensor import PieceTensor
 
 __all__ = ["load_optimizer_state_dict", "optimizer_state_dict"]
-
-_SCALARS = (int, float, bool, str, type(None))
 
 
 def _by_param(model: nn.Module) -> dict[int, tuple[str, ShardedParam | None]]:
@@ -88,46 +90,62 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state by parameter name, piece-shaped tensors as :class:`PieceTensor`
-    entries of the global shape (views of the live state; see [Note: optimizer state entries]).
-    State that does not exist yet is created first (:func:`init_optimizer_state`)."""
+    """The optimizer's state by parameter name, as entries of global tensors (:class:`PieceTensor`,
+    views of the live state where the state is one flat run; see [Note: optimizer state entries]).
+    State that does not exist yet is created first (:func:`init_optimizer_state`). Collective
+    (every rank calls it) when the model is sharded over more than one rank: the ranks' parameter
+    names are gathered."""
+    from blockshard.runtime._checkpoint import CheckpointError
+
     init_optimizer_state(optimizer)
+    params = _optimizer_params(model, optimizer)
     state: dict[str, dict[str, Any]] = {}
-    for name, p, sp in _optimizer_params(model, optimizer):
-        entries = optimizer.state.get(p)
-        if entries:
-            state[name] = {k: _entry(name, k, v, p, sp) for k, v in entries.items()}
-    groups = []
-    names = iter(n for n, _, _ in _optimizer_params(model, optimizer))
-    for g in optimizer.param_groups:
-        hyper = {k: v for k, v in g.items() if k != "params"}
-        groups.append(hyper | {"params": [next(names) for _ in g["params"]]})
+    groups: list[dict[str, Any]] = []
+    error = None
+    for g, members in zip(optimizer.param_groups, _by_group(params, optimizer), strict=True):
+        for name, p, sp in members:
+            try:
+                if entries := optimizer.state.get(p):
+                    state[name] = {k: encode_state(name, k, v, p, sp, (optimizer, g)) for k, v in entries.items()}
+            except CheckpointError as e:  # raised on every rank below
+                error = error or str(e)
+        groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [n for n, _, _ in members]})
+    names = _every_rank_names(model, [g["params"] for g in groups], error)
+    for group, every in zip(groups, names, strict=True):
+        group["params"] = every
     return {"state": state, "param_groups": groups}
 
 
-def _entry(name: str, key: str, value: object, p: torch.Tensor, sp: ShardedParam | None) -> object:
+def _by_group(params: list, optimizer: torch.optim.Optimizer) -> list[list]:
+    it = iter(params)
+    return [[next(it) for _ in g["params"]] for g in optimizer.param_groups]
+
+
+def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | None) -> list[list[str]]:
+    """Per ``param_group``, the names every rank's optimizer holds, in the model's order; raises
+    :class:`CheckpointError` on every rank if one rank's state could not be placed (``error``)."""
+    import torch.distributed as dist
+
     from blockshard.runtime._checkpoint import CheckpointError
 
-    if isinstance(value, _SCALARS):
-        return value
-    if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
+    states = _states_under(model)
+    pg = states[0][1].group.process_group if states else None
+    if pg is None or not dist.is_initialized() or dist.get_world_size(pg) == 1:
+        if error:
+            raise CheckpointError(error)
+        return names
+    gathered: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(gathered, (names, error), group=pg)
+    errors = [(r, e) for r, (_, e) in enumerate(gathered) if e]
+    if errors:
+        raise CheckpointError(f"{errors[0][1]} (on rank {errors[0][0]}; {len(errors)} of {len(gathered)} ranks)")
+    if len({len(n) for n, _ in gathered}) != 1:
         raise CheckpointError(
-            f"optimizer state {key!r} of parameter {name!r} is a {type(value).__name__}, which blockshard cannot "
-            "place in the global tensor yet (quantized or per-block state). Fix: checkpoint this optimizer with "
-            "optimizer.state_dict() and reload it at the same world size and semantics"
+            f"the ranks' optimizers have different numbers of param_groups ({[len(n) for n, _ in gathered]}). "
+            "Fix: build the same param_groups on every rank (a group may be empty)"
         )
-    if sp is None or (value.dim() == 0 and p.dim() != 0):
-        if sp is not None and value.numel() != 1:
-            raise AssertionError("a 0-d tensor has one element")
-        return value  # the same on every rank (a parameter outside any group, a step count)
-    if tuple(value.shape) == tuple(p.shape):
-        return PieceTensor(value, sp.local_start, sp.shape, name=f"{name}.{key}")
-    raise CheckpointError(
-        f"optimizer state {key!r} of parameter {name!r} has shape {tuple(value.shape)}, neither the piece's "
-        f"{tuple(p.shape)} nor a scalar (e.g. bitsandbytes' absmax per 256-block): blockshard cannot place it in "
-        "the global tensor yet. Fix: checkpoint this optimizer with optimizer.state_dict() and reload it at "
-        "the same world size and semantics"
-    )
+    order = {n: i for i, n in enumerate(n for n, _ in model.named_parameters())}
+    return [sorted(set().union(*(n[i] for n, _ in gathered)), key=order.__getitem__) for i in range(len(names))]
 
 
 @torch.no_grad()
@@ -137,37 +155,21 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     from blockshard.runtime._checkpoint import CheckpointError
 
     params = _optimizer_params(model, optimizer)
-    names = [n for n, _, _ in params]
-    saved_names = [n for g in state["param_groups"] for n in g["params"]]
-    if saved_names != names:
+    saved_groups = state["param_groups"]
+    mine = _by_group(params, optimizer)
+    unknown = [n for g, members in zip(saved_groups, mine, strict=False) for n, _, _ in members if n not in g["params"]]
+    if len(saved_groups) != len(mine) or unknown:
         raise CheckpointError(
-            f"the optimizer state is for parameters {saved_names[:5]}..., this optimizer holds {names[:5]}... "
-            "(another model or another optimizer set-up). Fix: load the state of this optimizer"
+            f"the optimizer state has {len(saved_groups)} param_groups for parameters "
+            f"{[g['params'][:3] for g in saved_groups]}, this optimizer has {len(mine)} holding "
+            f"{[[n for n, _, _ in m][:3] for m in mine]} (not in the state: {unknown[:5]}): another model or another "
+            "optimizer set-up. Fix: load the state of this optimizer"
         )
     init_optimizer_state(optimizer)
-    for name, p, _ in params:
-        live = optimizer.state[p]
-        for key, value in state["state"].get(name, {}).items():
-            have = live.get(key)
-            if isinstance(value, PieceTensor):
-                if not isinstance(have, torch.Tensor) or value.to_local().numel() != have.numel():
-                    raise CheckpointError(
-                        f"optimizer state {key!r} of parameter {name!r}: the state dict holds piece "
-                        f"[{value.local_start}, {value.local_start + value.to_local().numel()}), not this rank's "
-                        "(another world size or semantics). Fix: load it through dcp.load into "
-                        "blockshard.optimizer_state_dict(model, optimizer)"
-                    )
-                value = value.to_local().view(have.shape)
-            if isinstance(have, torch.Tensor) and isinstance(value, torch.Tensor):
-                if value.shape != have.shape:
-                    raise CheckpointError(
-                        f"optimizer state {key!r} of parameter {name!r}: saved shape {tuple(value.shape)}, "
-                        f"this rank's {tuple(have.shape)}. Fix: load it through dcp.load into "
-                        "blockshard.optimizer_state_dict(model, optimizer)"
-                    )
-                if value.data_ptr() != have.data_ptr():
-                    have.copy_(value)
-            else:
-                live[key] = value
-    for g, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+    for g, members in zip(optimizer.param_groups, mine, strict=True):
+        for name, p, sp in members:
+            live = optimizer.state[p]
+            for key, value in state["state"].get(name, {}).items():
+                live[key] = decode_state(name, key, value, live.get(key), sp, (optimizer, g))
+    for g, saved in zip(optimizer.param_groups, saved_groups, strict=True):
         g.update({k: v for k, v in saved.items() if k != "params"})

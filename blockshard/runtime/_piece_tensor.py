@@ -18,7 +18,8 @@ because every rank asks for the boxes of *its* piece and DCP reads the overlaps.
 It is not a general tensor: arithmetic on it raises :class:`PieceTensorError` naming the ways to
 get values (``to_local()``, ``blockshard.full_state_dict(model)``). Only what state-dict tools do
 to entries works: ``detach``, ``clone`` / ``copy.deepcopy``, ``.to(device or dtype)`` /
-``.cpu()`` (DCP's ``cpu_offload``), pickling (``torch.save`` keeps the piece and its place).
+``.cpu()`` (DCP's ``cpu_offload``), pickling (``torch.save`` keeps the piece and its place), and
+``full_tensor()`` (collective: gathers the whole tensor, as ``DTensor.full_tensor()``).
 Parameters outside any group stay plain tensors.
 """
 
@@ -104,12 +105,16 @@ class PieceTensor(torch.Tensor):
     _start: int
     _boxes: tuple[Box, ...]
     _name: str
+    _process_group: Any
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, start: int, shape: tuple[int, ...], name: str = "") -> PieceTensor:
+    def __new__(
+        cls, local: torch.Tensor, start: int, shape: tuple[int, ...], name: str = "", *, process_group: Any = None
+    ) -> PieceTensor:
         local = local.detach().reshape(-1)
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
         self._local, self._start, self._name = local, int(start), name
+        self._process_group = process_group  # over which the pieces are spread (None: the default group)
         if math.prod(shape) == 0:  # every rank names the empty tensor (DCP keeps one), so it is saved
             self._boxes = (Box(tuple(0 for _ in shape), tuple(shape), 0),)
         else:
@@ -123,9 +128,9 @@ class PieceTensor(torch.Tensor):
         kwargs = kwargs or {}
         x = args[0]
         if func in (aten.detach.default, aten.alias.default):
-            return PieceTensor(x._local, x._start, tuple(x.shape), x._name)
+            return x._like(x._local)
         if func in (aten.clone.default, aten._to_copy.default):
-            return PieceTensor(func(x._local, *args[1:], **kwargs), x._start, tuple(x.shape), x._name)
+            return x._like(func(x._local, *args[1:], **kwargs))
         raise PieceTensorError(
             f"{func} on the state-dict entry {x._name or 'of a sharded parameter'} (global shape "
             f"{tuple(x.shape)}): it is a blockshard PieceTensor that holds only this rank's piece "
@@ -134,9 +139,48 @@ class PieceTensor(torch.Tensor):
             "tensors with blockshard.full_state_dict(model)"
         )
 
+    def _like(self, local: torch.Tensor) -> PieceTensor:
+        """The same piece of the same tensor holding ``local``."""
+        return PieceTensor(local, self._start, tuple(self.shape), self._name, process_group=self._process_group)
+
     # -- what a ragged piece is ---------------------------------------------------------------
     def to_local(self) -> torch.Tensor:
         return self._local
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor, gathered from every rank's piece (collective over the ranks the
+        pieces are spread over, as ``DTensor.full_tensor()``): two all-gathers, the pieces'
+        places and their values padded to the largest piece."""
+        import torch.distributed as dist
+
+        from blockshard.runtime._collectives import all_gather_into
+
+        numel = math.prod(self.shape)
+        if not dist.is_initialized():
+            if self._local.numel() != numel:
+                raise PieceTensorError(self._needs_whole("full_tensor() without a process group"))
+            return self._local.clone().view(self.shape)
+        pg: Any = self._process_group or dist.group.WORLD
+        W = dist.get_world_size(pg)
+        places = torch.empty(2 * W, dtype=torch.int64, device=self.device)
+        mine = torch.tensor([self._start, self._local.numel()], dtype=torch.int64, device=self.device)
+        all_gather_into(places, mine, pg)
+        starts, numels = places[0::2].tolist(), places[1::2].tolist()
+        most = max(numels)
+        padded = torch.zeros(most, dtype=self.dtype, device=self.device)
+        padded[: self._local.numel()] = self._local
+        values = torch.empty(W * most, dtype=self.dtype, device=self.device)
+        all_gather_into(values, padded, pg)
+        if sum(numels) != numel:
+            raise PieceTensorError(
+                f"full_tensor() of {self._name or 'a PieceTensor'} (shape {tuple(self.shape)}): the ranks' pieces "
+                f"hold {sum(numels)} of its {numel} elements (pieces {list(zip(starts, numels, strict=True))}). "
+                "Fix: call it on the entries of one state dict on every rank of the model's process group"
+            )
+        full = torch.empty(numel, dtype=self.dtype, device=self.device)
+        for r, (a, n) in enumerate(zip(starts, numels, strict=True)):
+            full[a : a + n] = values[r * most : r * most + n]
+        return full.view(self.shape)
 
     @property
     def local_start(self) -> int:
@@ -170,12 +214,13 @@ class PieceTensor(torch.Tensor):
             f"[{self._start}, {self._start + self._local.numel()}): writing it would save one rank's piece as the "
             "whole tensor. Fix: export full tensors with blockshard.full_state_dict(model) (collective: every rank "
             "calls it), e.g. model.save_pretrained(path, state_dict=blockshard.full_state_dict(model), "
-            "is_main_process=rank == 0); or checkpoint with torch.distributed.checkpoint (dcp.save(model.state_dict()))"
+            "is_main_process=rank == 0), or stream it with blockshard.save_pretrained(model, path) (one group at a "
+            "time); or checkpoint with torch.distributed.checkpoint (dcp.save(model.state_dict()))"
         )
 
     def __deepcopy__(self, memo: dict) -> PieceTensor:
         if id(self) not in memo:
-            memo[id(self)] = PieceTensor(self._local.clone(), self._start, tuple(self.shape), self._name)
+            memo[id(self)] = self._like(self._local.clone())
         return memo[id(self)]
 
     def __reduce_ex__(self, protocol):

@@ -110,7 +110,8 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
         key = prefix + name
         if key in state_dict:
             if id(sp) not in made:
-                made[id(sp)] = PieceTensor(sp.sharded.detach(), sp.local_start, sp.shape, name=key)
+                pg = st.group.process_group
+                made[id(sp)] = PieceTensor(sp.sharded.detach(), sp.local_start, sp.shape, name=key, process_group=pg)
             state_dict[key] = made[id(sp)]
 
 

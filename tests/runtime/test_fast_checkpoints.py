@@ -101,6 +101,8 @@ def _dcp_round_trip(rank: int, world: int, path: str) -> dict:
     saved = _sharded(0)
     _step(saved)
     entries = saved.state_dict()
+    full = blockshard.full_state_dict(saved)
+    full_tensor_equal = all(torch.equal(v.full_tensor(), full[k]) for k, v in entries.items())  # collective
     dcp.save(entries, checkpoint_id=path)
     model = _sharded(1, semantics="muon")
     fresh_differs = not all(torch.equal(a, b) for a, b in zip(*map(_values, (saved, model)), strict=True))
@@ -114,6 +116,7 @@ def _dcp_round_trip(rank: int, world: int, path: str) -> dict:
         "shapes": {k: tuple(v.shape) for k, v in entries.items()},
         "fresh_differs": fresh_differs,
         "equal_after_a_step": all(torch.equal(a, b) for a, b in zip(*map(_values, (saved, model)), strict=True)),
+        "full_tensor_equal": full_tensor_equal,
     }
 
 
@@ -132,6 +135,12 @@ def test_dcp_round_trip_into_other_semantics_then_training_goes_on_alike(world, 
     for out in outs:
         assert out["kinds"] == {"PieceTensor"} and out["shapes"] == want
         assert out["fresh_differs"] and out["equal_after_a_step"]
+        assert out["full_tensor_equal"]  # PieceTensor.full_tensor() gathers, as DTensor.full_tensor()
+
+
+def test_full_tensor_of_pieces_that_do_not_cover_the_tensor_raises():
+    with pytest.raises(PieceTensorError, match=r"the ranks' pieces hold 5 of its 12 elements"):
+        PieceTensor(torch.arange(5.0), 3, (4, 3), "w").full_tensor()  # W = 1: one piece of 5
 
 
 def test_load_state_dict_takes_full_tensors_and_refuses_wrong_ones():
@@ -244,6 +253,15 @@ def _export(rank: int, world: int, path: str, tie: bool) -> dict:
     with _inproc.serial():
         back = LlamaForCausalLM.from_pretrained(f"{path}/full")
     out["reloaded_equal"] = all(torch.equal(v, full[k]) for k, v in back.state_dict().items())
+    _step_llama(model)  # the streamed export of a trained model (blockshard.save_pretrained)
+    trained = blockshard.full_state_dict(model)
+    blockshard.save_pretrained(model, f"{path}/streamed")
+    torch.distributed.barrier()
+    with _inproc.serial():
+        back = LlamaForCausalLM.from_pretrained(f"{path}/streamed")
+    out["streamed_equal"] = all(torch.equal(v, trained[k]) for k, v in back.state_dict().items())
+    out["streamed_differs_from_first"] = not torch.equal(trained["model.norm.weight"], full["model.norm.weight"])
+    out["streamed_files"] = sorted(os.listdir(f"{path}/streamed"))
     out["without_tied_name_fails"] = None
     if tie:
         try:
@@ -253,10 +271,20 @@ def _export(rank: int, world: int, path: str, tie: bool) -> dict:
     return out
 
 
+def _step_llama(model: nn.Module) -> None:
+    ids = torch.arange(12).view(2, 6) % 64
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.zero_grad()
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_full_state_dict_has_tied_names_and_save_pretrained_never_writes_pieces(tie, tmp_path):
     for out in _inproc.run_ranks(_export, 2, args=(str(tmp_path), tie)):
         assert out["names_match"] and out["reloaded_equal"]
+        assert out["streamed_equal"] and out["streamed_differs_from_first"]  # control: training changed it
+        shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]  # one per group: 2 layers, the root
+        assert out["streamed_files"] == ["config.json", *shards, "model.safetensors.index.json"]
         assert "save_pretrained(path, state_dict=blockshard.full_state_dict(model)" in out["pieces"]
         assert not [f for f in out["pieces_files"] if f.endswith((".safetensors", ".bin"))]
         assert out["without_tied_name_fails"] is (True if tie else None)  # control

@@ -1,0 +1,243 @@
+"""How each kind of optimizer state is placed in global tensors, so that DCP can reshard it.
+
+[Note: optimizer state codecs]
+A rank's optimizer state describes its piece ``[start, start + n)`` of a parameter of global
+shape ``S``. Each kind of state is written as entries of *global* tensors that hold the state of
+the whole parameter, of which the rank's state is one flat run (a :class:`PieceTensor`), so a
+checkpoint saved at W loads at any W' as long as the new pieces cut the state where its own blocks
+end (what the optimizer's block semantics guarantee):
+
+* **element-wise** (a tensor of the piece's shape: AdamW's moments, Muon's momentum, bitsandbytes'
+  ``state1`` / ``state2`` in uint8 or fp32): a piece of ``S`` at ``start``;
+* **per block of B elements** (bitsandbytes' ``absmax1`` / ``absmax2``, B = 256; torchao
+  ``OptimState8bit.scale``, B = its ``block_size``): a piece of a vector of ``ceil(numel(S) / B)``
+  at ``start / B``, which needs ``start`` and (unless the piece ends the tensor) ``n`` to be
+  multiples of B: the quantized state is restored exactly, never re-quantized;
+* **torchao ``OptimState8bit``** (a tensor subclass): its ``codes`` element-wise, its ``scale``
+  per block, its ``qmap`` (the fixed code book) as it is;
+* **BlockedShampoo's ``blocks``** (a list of per-tile dicts, row-major over the piece's tiles): per
+  key, a tensor of shape ``(tiles of S, *slot)`` where ``slot`` is that key's shape in the largest
+  tile (tile 0) and edge tiles sit zero-padded in their slot; a stripe of whole tile rows is the
+  flat run of its tiles. The piece must start at a tile row (``shampoo:D`` semantics).
+* one-element tensors that are no piece (a step count) and Python scalars: as they are (every rank
+  holds the same value; DCP keeps one copy), as are bitsandbytes' ``qmap1`` / ``qmap2``.
+
+Anything else raises :class:`~blockshard.runtime.CheckpointError` naming the key. A piece that cuts
+a block raises too, at save and at load (loading builds the same entries to fill).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from blockshard._arith import ceil_div
+from blockshard.runtime._param import ShardedParam, managed_tag
+from blockshard.runtime._piece_tensor import PieceTensor
+
+__all__ = ["decode_state", "encode_state"]
+
+_SCALARS = (int, float, bool, str, type(None))
+_BNB_BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer state (Optimizer2State.init_state)
+_BNB_PER_BLOCK = ("absmax1", "absmax2")
+_BNB_CODE_BOOKS = ("qmap1", "qmap2")
+
+
+def _error(name: str, key: str, why: str, fix: str) -> Exception:
+    from blockshard.runtime._checkpoint import CheckpointError
+
+    return CheckpointError(f"optimizer state {key!r} of parameter {name!r} {why}. Fix: {fix}")
+
+
+_SAME_W_FIX = "checkpoint this optimizer with optimizer.state_dict() and reload it at the same world size and semantics"
+
+
+def _is_bnb(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__module__.startswith("bitsandbytes.")
+
+
+def _is_ao8bit(value: object) -> bool:
+    return type(value).__name__ == "OptimState8bit" and type(value).__module__.startswith("torchao.")
+
+
+def _is_shampoo(optimizer: torch.optim.Optimizer) -> bool:
+    from blockshard.optim import BlockedShampoo
+
+    return isinstance(optimizer, BlockedShampoo)
+
+
+def _pg(sp: ShardedParam) -> Any:
+    """The process group the parameter's pieces are spread over."""
+    tag = managed_tag(sp.sharded)
+    return tag.process_group if tag is not None else None
+
+
+def _per_block(name: str, key: str, value: torch.Tensor, sp: ShardedParam, block: int) -> PieceTensor:
+    """``value`` (one entry per ``block`` elements of the piece) as a piece of the whole tensor's."""
+    start, n, numel = sp.local_start, sp.local_numel, sp.numel
+    if value.numel() != ceil_div(n, block) or start % block or (n % block and start + n != numel):
+        raise _error(
+            name,
+            key,
+            f"has {value.numel()} entries, one per {block}-element block, but this rank's piece [{start}, "
+            f"{start + n}) of {numel} elements cuts such a block",
+            f"shard this parameter with the optimizer's block semantics (e.g. semantics='bnb8bit' or 'ao8bit'), "
+            f"or {_SAME_W_FIX}",
+        )
+    return PieceTensor(value, start // block, (ceil_div(numel, block),), name=f"{name}.{key}", process_group=_pg(sp))
+
+
+def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedParam | None, ctx: Any) -> object:
+    """The checkpoint entry for ``optimizer.state[p][key]`` (see [Note: optimizer state codecs]);
+    ``ctx`` is ``(optimizer, param_group)``."""
+    optimizer, group = ctx
+    if isinstance(value, _SCALARS):
+        return value
+    if sp is not None and key == "blocks" and _is_shampoo(optimizer):
+        return _encode_shampoo(name, value, sp, group["max_preconditioner_dim"])
+    if sp is not None and _is_ao8bit(value):
+        return {
+            "codes": PieceTensor(
+                value.codes, sp.local_start, sp.shape, name=f"{name}.{key}.codes", process_group=_pg(sp)
+            ),
+            "scale": _per_block(name, f"{key}.scale", value.scale, sp, value.block_size),
+            "qmap": value.qmap,
+        }
+    if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
+        raise _error(
+            name,
+            key,
+            f"is a {type(value).__name__}, which blockshard cannot place in the global tensor (quantized or "
+            "per-block state of an optimizer it does not know)",
+            _SAME_W_FIX,
+        )
+    if sp is None or (value.dim() == 0 and p.dim() != 0):
+        return value  # the same on every rank (a parameter outside any group, a step count)
+    if tuple(value.shape) == tuple(p.shape):
+        return PieceTensor(value, sp.local_start, sp.shape, name=f"{name}.{key}", process_group=_pg(sp))
+    if _is_bnb(optimizer) and key in _BNB_PER_BLOCK:
+        return _per_block(name, key, value, sp, _BNB_BLOCK)
+    if _is_bnb(optimizer) and key in _BNB_CODE_BOOKS:
+        return value  # the fixed code book, the same on every rank
+    raise _error(
+        name,
+        key,
+        f"has shape {tuple(value.shape)}, neither the piece's {tuple(p.shape)} nor a scalar (e.g. per-block "
+        "state of an optimizer blockshard does not know): blockshard cannot place it in the global tensor",
+        _SAME_W_FIX,
+    )
+
+
+# -- BlockedShampoo -------------------------------------------------------------------------------
+def _tiles(shape: tuple[int, ...], d: int) -> list[tuple[int, ...]]:
+    """The dims of BlockedShampoo's tiles of a tensor of ``shape``, row-major."""
+    from blockshard.optim._shampoo import _block_slices, _matrix_shape
+
+    return [tuple(s.stop - s.start for s in idx) for idx in _block_slices(_matrix_shape(torch.Size(shape)), d)]
+
+
+def _key_shape(key: str, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a tile's state ``key`` for a tile of ``dims``."""
+    if key.startswith(("factor_", "inv_root_")):
+        n = dims[int(key.rsplit("_", 1)[1])]
+        return (n, n)
+    return dims
+
+
+def _first_tile(name: str, sp: ShardedParam, d: int, local_tiles: list[tuple[int, ...]]) -> int:
+    """Index among the whole tensor's tiles of the piece's first tile (the piece's tiles must be
+    the whole tensor's tiles ``[first, first + len(local_tiles))``)."""
+    start, shape = sp.local_start, sp.shape
+    row = math.prod(shape[1:]) if len(shape) >= 2 else 1
+    tiles = _tiles(shape, d)
+    per_tile_row = len(_tiles((d, row), d)) if len(shape) >= 2 else 1
+    first = (start // row // d) * per_tile_row if start % (row * d) == 0 else -1
+    if first < 0 or tiles[first : first + len(local_tiles)] != local_tiles:
+        raise _error(
+            name,
+            "blocks",
+            f"holds BlockedShampoo tiles of a piece [{start}, {start + sp.local_numel}) that does not start at a "
+            f"row of {d} x {d} tiles of the tensor of shape {shape}",
+            f"shard this parameter with semantics='shampoo:{d}', or {_SAME_W_FIX}",
+        )
+    return first
+
+
+def _encode_shampoo(name: str, blocks: list[dict[str, torch.Tensor]], sp: ShardedParam, d: int) -> dict:
+    local_tiles = _tiles(tuple(sp.sharded.shape), d) if sp.local_numel else []
+    if len(blocks) != len(local_tiles):
+        raise AssertionError(f"{name}: {len(blocks)} Shampoo blocks for {len(local_tiles)} tiles")
+    first = _first_tile(name, sp, d, local_tiles)
+    tiles = _tiles(sp.shape, d)
+    out = {}
+    for key in blocks[0] if blocks else ():
+        slot = _key_shape(key, tiles[0])
+        packed = torch.zeros((len(blocks), *slot), dtype=blocks[0][key].dtype, device=blocks[0][key].device)
+        for i, block in enumerate(blocks):
+            packed[i][tuple(slice(0, s) for s in block[key].shape)].copy_(block[key])
+        out[key] = PieceTensor(
+            packed, first * math.prod(slot), (len(tiles), *slot), name=f"{name}.blocks.{key}", process_group=_pg(sp)
+        )
+    return out
+
+
+def _decode_shampoo(saved: dict, live: list[dict[str, torch.Tensor]], sp: ShardedParam, d: int) -> list[dict]:
+    local_tiles = _tiles(tuple(sp.sharded.shape), d) if sp.local_numel else []
+    out = []
+    for i, dims in enumerate(local_tiles):
+        block = {}
+        for key, packed in saved.items():
+            slot = packed.shape[1:]
+            local = packed.to_local() if isinstance(packed, PieceTensor) else packed.reshape(-1)
+            tile = local.view(len(local_tiles), *slot)[i][tuple(slice(0, s) for s in _key_shape(key, dims))]
+            dtype = live[i][key].dtype if i < len(live) and key in live[i] else tile.dtype
+            block[key] = tile.to(dtype=dtype, copy=True)
+        out.append(block)
+    return out
+
+
+# -- loading --------------------------------------------------------------------------------------
+def _copy_into(have: torch.Tensor, value: torch.Tensor) -> None:
+    if value.data_ptr() != have.data_ptr():
+        have.copy_(value.view(have.shape))
+
+
+def decode_state(name: str, key: str, value: object, have: object, sp: ShardedParam | None, ctx: Any) -> object:
+    """The live value of ``optimizer.state[p][key]`` after loading ``value`` (an entry of
+    :func:`encode_state`'s form, filled by ``dcp.load``) into ``have`` (the live value)."""
+    optimizer, group = ctx
+    if sp is not None and key == "blocks" and _is_shampoo(optimizer) and isinstance(value, dict):
+        return _decode_shampoo(value, have if isinstance(have, list) else [], sp, group["max_preconditioner_dim"])
+    if isinstance(value, dict) and _is_ao8bit(have):
+        for part in ("codes", "scale", "qmap"):
+            _copy_into(getattr(have, part), _local(name, f"{key}.{part}", value[part], getattr(have, part)))
+        return have
+    if isinstance(value, PieceTensor):
+        value = _local(name, key, value, have)
+    if isinstance(have, torch.Tensor) and isinstance(value, torch.Tensor):
+        if value.numel() != have.numel():
+            raise _error(
+                name,
+                key,
+                f"was saved with shape {tuple(value.shape)}, this rank's is {tuple(have.shape)}",
+                "load it through dcp.load into blockshard.optimizer_state_dict(model, optimizer)",
+            )
+        _copy_into(have, value)
+        return have
+    return value
+
+
+def _local(name: str, key: str, value: torch.Tensor, have: object) -> torch.Tensor:
+    if not isinstance(value, PieceTensor):
+        return value
+    if not isinstance(have, torch.Tensor) or value.to_local().numel() != have.numel():
+        raise _error(
+            name,
+            key,
+            f"in the state dict is piece [{value.local_start}, {value.local_start + value.to_local().numel()}) of "
+            "it, not this rank's (another world size or semantics)",
+            "load it through dcp.load into blockshard.optimizer_state_dict(model, optimizer)",
+        )
+    return value.to_local()
