@@ -89,6 +89,8 @@ def finish_save(model: nn.Module, path: str, partial: str, record: dict) -> None
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(partial, RECORD))
         old = _sibling(path, "old")
+        if not os.path.exists(path) and os.path.isfile(os.path.join(old, RECORD)):
+            os.rename(old, path)  # an earlier save was killed between its renames: put it back first
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(path):
             os.rename(path, old)

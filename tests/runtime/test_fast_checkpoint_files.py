@@ -122,3 +122,28 @@ def test_a_save_killed_between_its_renames_loads_the_previous_checkpoint(tmp_pat
             pass  # DCP finished but the record is missing: never complete
         with pytest.raises(CheckpointError):
             load_checkpoint(resumed, str(tmp_path / ".ckpt.partial"))
+
+
+def test_a_second_kill_between_the_renames_still_leaves_the_first_checkpoint(tmp_path, monkeypatch):
+    """A save killed between its renames leaves only ``.ckpt.old``; the next save puts it back
+    before moving it aside, so a kill at the same point again still leaves it loadable."""
+    path = str(tmp_path / "ckpt")
+    with _inproc.single_thread():
+        model = _sharded(0)
+        save_checkpoint(model, path)
+        want = blockshard.full_state_dict(model)
+        os.rename(path, tmp_path / ".ckpt.old")  # the state after the first rename of a killed save
+        real = os.rename
+
+        def killed(src, dst):
+            if str(src).endswith(".ckpt.partial"):
+                raise KeyboardInterrupt("killed between the renames")
+            real(src, dst)
+
+        monkeypatch.setattr(os, "rename", killed)
+        with pytest.raises(KeyboardInterrupt):
+            save_checkpoint(_sharded(1), path)
+        monkeypatch.setattr(os, "rename", real)
+        resumed = _sharded(2)
+        load_checkpoint(resumed, path)
+        assert all(torch.equal(want[k], v) for k, v in blockshard.full_state_dict(resumed).items())
