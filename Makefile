@@ -35,12 +35,13 @@ mypy: $(MYPY_LINK)
 
 # The gates, then the fast tier, then the slow (multi-process) tier. pytest exits 5 when a
 # marker selects no test; that is not a failure here.
+# The fast tier runs on 2 xdist workers (about 35 s on a 2-core machine instead of 48 s).
 test: lint
-	$(BIN)/python -m pytest -m "not slow" || [ $$? -eq 5 ]
+	$(BIN)/python -m pytest -m "not slow" -n 2 || [ $$? -eq 5 ]
 	$(BIN)/python -m pytest -m slow || [ $$? -eq 5 ]
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow" -n 2
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_quality.py --out docs/results/plan_quality.json --markdown docs/results/plan_quality.md
