@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -88,6 +88,34 @@ def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> Non
             group.tally.optimizer_stepped = True
 
 
+def _whole_unit_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's Muon or blockshard's BlockedShampoo: they compute on whole matrices / tiles."""
+    cls = type(optimizer)
+    return (cls.__name__ == "Muon" and cls.__module__.startswith("torch.optim")) or cls.__name__ == "BlockedShampoo"
+
+
+def _check_not_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
+    """A piece of an owner-computed tensor (``fully_shard(..., policy="owner" | "auto")``) that
+    is not its whole tensor must not reach an optimizer that computes on whole units: it would
+    orthogonalize (precondition) this rank's stripe alone, silently."""
+    from blockshard.runtime._owners import compute_of  # _owners imports the planner
+
+    if group is None:
+        return
+    compute = compute_of(group)
+    for sp in group.params:
+        if sp.sharded is p and sp.fqn in compute and sp.local_numel not in (0, sp.numel):
+            from blockshard.runtime._api import ShardingError
+
+            raise ShardingError(
+                f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of "
+                f"{name or sp.fqn!r} (global shape {sp.shape}), which fully_shard(policy='owner'/'auto') "
+                "cut and gave an owner rank: it would compute on the piece alone. Fix: step it with "
+                "blockshard.optim.OwnerComputeOptimizer(lambda groups: torch.optim.Muon(groups, ...), "
+                "model.named_parameters()) or blockshard.optim.Muon, or shard with policy='whole'"
+            )
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
     """Raise ``ShardingError`` if ``optimizer`` holds a parameter that ``fully_shard`` replaced;
     else return weak references to the groups of its sharded pieces."""
@@ -109,4 +137,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
                 )
             if tag is not None and tag.group is not None:
                 groups.setdefault(id(tag.group), tag.group)
+                if _whole_unit_optimizer(optimizer):
+                    ref = cast(Callable[[], Any], tag.group)  # a weakref.ref to the ShardGroup
+                    _check_not_cut(optimizer, p, ref(), names[j] if names is not None else None)
     return tuple(groups.values())

@@ -161,3 +161,31 @@ def _optimizer_between_layers_and_root(rank: int, world: int) -> str:
 def test_an_optimizer_built_before_the_root_is_sharded_raises():
     msgs = _inproc.run_ranks(_optimizer_between_layers_and_root, 2)
     assert all("fully_shard replaced" in m for m in msgs), msgs
+
+
+def _muon_on_owner_cut_stripes(rank: int, world: int, wrap: bool) -> str:
+    with _inproc.serial():
+        torch.manual_seed(0)
+        model = nn.Linear(8, 6, bias=False)  # 48 elements: each of 2 ranks holds a (3, 8) row stripe
+    blockshard.fully_shard(model, semantics="matrix", policy="owner")
+    if wrap:
+        from blockshard.optim import OwnerComputeOptimizer
+
+        opt = OwnerComputeOptimizer(lambda groups: torch.optim.Muon(groups, lr=0.02), model.named_parameters())
+    else:
+        opt = torch.optim.Muon(model.parameters(), lr=0.02)  # torch accepts the 2-D stripe
+    model(torch.ones(2, 8)).sum().backward()
+    try:
+        opt.step()
+    except ShardingError as exc:
+        return str(exc)
+    return f"stepped {tuple(next(model.parameters()).shape)}"
+
+
+def test_torch_muon_on_a_stripe_of_an_owner_computed_matrix_raises_on_every_rank():
+    """Newton-Schulz on this rank's stripe alone is silently wrong; OwnerComputeOptimizer (the
+    control) steps the same pieces."""
+    for msg in _inproc.run_ranks(_muon_on_owner_cut_stripes, 2, args=(False,)):
+        assert "Muon holds this rank's piece (3, 8) of 'weight' (global shape (6, 8))" in msg, msg
+        assert "blockshard.optim.OwnerComputeOptimizer" in msg
+    assert _inproc.run_ranks(_muon_on_owner_cut_stripes, 2, args=(True,)) == ["stepped (3, 8)"] * 2
