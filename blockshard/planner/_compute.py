@@ -24,7 +24,7 @@ import numpy as np
 
 from blockshard.planner._balance import best_rotation, rank_costs, rotate
 from blockshard.planner._layout import GroupLayout
-from blockshard.planner._owner import _assign
+from blockshard.planner._owner import _assign, unit_rows
 from blockshard.planner._units import layout_hash, rank_overlap
 from blockshard.semantics import UnitGrid
 
@@ -145,16 +145,7 @@ class OwnerAssignment:
         names = self.tensor_names
         return {
             "world_size": self.world_size,
-            "units": [
-                [names[t], s, n, o]
-                for t, s, n, o in zip(
-                    self.unit_tensor.tolist(),
-                    self.unit_start.tolist(),
-                    self.unit_numel.tolist(),
-                    self.unit_owner.tolist(),
-                    strict=True,
-                )
-            ],
+            "units": [[names[t], s, n, o] for t, s, n, o in unit_rows(self)],
         }
 
     def owner_hash(self) -> str:

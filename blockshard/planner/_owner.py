@@ -28,7 +28,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,9 +37,16 @@ from blockshard.planner._baselines import check_name, progression_splits, shard_
 from blockshard.planner._items import PlanItem
 from blockshard.planner._units import check_world_size, rank_overlap
 
-__all__ = ["OWNER_ENGINES", "OwnerPlan", "StraddlingUnit", "plan_owners"]
+__all__ = ["OWNER_ENGINES", "OwnerPlan", "StraddlingUnit", "plan_owners", "unit_rows"]
 
 OWNER_ENGINES: tuple[str, ...] = ("fsdp2", "zero3")
+
+
+def unit_rows(plan: Any) -> list[tuple[int, int, int, int]]:
+    """``(tensor index, start, numel, owner)`` of every cut unit of an owner plan (an
+    :class:`OwnerPlan` or the planner's ``OwnerAssignment``: both keep them as four arrays)."""
+    arrays = (plan.unit_tensor, plan.unit_start, plan.unit_numel, plan.unit_owner)
+    return list(zip(*(a.tolist() for a in arrays), strict=True))
 
 
 class StraddlingUnit(NamedTuple):
@@ -83,16 +90,7 @@ class OwnerPlan:
 
     def straddling_units(self) -> list[StraddlingUnit]:
         names = self.tensor_names
-        return [
-            StraddlingUnit(names[t], s, n, o)
-            for t, s, n, o in zip(
-                self.unit_tensor.tolist(),
-                self.unit_start.tolist(),
-                self.unit_numel.tolist(),
-                self.unit_owner.tolist(),
-                strict=True,
-            )
-        ]
+        return [StraddlingUnit(names[t], s, n, o) for t, s, n, o in unit_rows(self)]
 
     def unit_pieces(self, i: int) -> list[tuple[int, int]]:
         """``(rank, elements of straddling unit i that rank holds)`` for every holder, by rank."""

@@ -27,6 +27,7 @@ import numpy as np
 
 from blockshard.planner._compute import OwnerAssignment, OwnerBuilder
 from blockshard.planner._layout import GroupLayout
+from blockshard.planner._owner import unit_rows
 from blockshard.planner._plan import group_kind
 from blockshard.runtime._collectives import check_same_layout
 from blockshard.semantics import UnitGrid
@@ -151,13 +152,7 @@ def record_owners(groups: Sequence[tuple[str, object]], assignment: OwnerAssignm
     """Store ``assignment`` on the groups (``(prefix, group)`` pairs); return its hash."""
     digest = assignment.owner_hash()
     by_name: dict[str, list[tuple[int, int, int]]] = {}
-    for t, s, n, o in zip(
-        assignment.unit_tensor.tolist(),
-        assignment.unit_start.tolist(),
-        assignment.unit_numel.tolist(),
-        assignment.unit_owner.tolist(),
-        strict=True,
-    ):
+    for t, s, n, o in unit_rows(assignment):
         by_name.setdefault(assignment.tensor_names[t], []).append((s, n, o))
     for prefix, group in groups:
         entry = _REGISTRY.get(group)

@@ -30,6 +30,7 @@ from blockshard.optim._owner_compute import (
 )
 from blockshard.optim._owner_optimizer import OwnerComputeOptimizer as _Core
 from blockshard.planner import PlanItem, plan_owners
+from blockshard.planner._owner import unit_rows
 from blockshard.planner._units import ceil_div, rows_cols
 from blockshard.semantics import SemanticsRules, TensorSpec
 
@@ -45,13 +46,7 @@ def build_exchange(plan, rank: int, dtypes: list[str]) -> tuple[dict[str, Exchan
 def _plan_holdings(plan, holdings: list[Holding | None]) -> list[Holding]:
     """``holdings`` (one per plan tensor, ``None``: a stand-in) with the plan's geometry and cut units."""
     units: dict[int, list[tuple[int, int, int]]] = {}
-    for t, a, n, o in zip(
-        plan.unit_tensor.tolist(),
-        plan.unit_start.tolist(),
-        plan.unit_numel.tolist(),
-        plan.unit_owner.tolist(),
-        strict=True,
-    ):
+    for t, a, n, o in unit_rows(plan):
         units.setdefault(t, []).append((a, n, o))
     out = []
     for t, q in enumerate(holdings):

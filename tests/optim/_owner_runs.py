@@ -126,37 +126,16 @@ def control(rank: int, world: int) -> dict:
 
 def round_trip(rank: int, world: int) -> dict:
     """Train 1 step, save model pieces and optimizer state, rebuild, load, train the rest."""
-    import io
+    from _runs import resumed_after_one_step
 
     import blockshard
-    from blockshard.runtime import load_sharded_state_dict
 
     def build():
         m = model()
         shard(m, RULES, "owner")
         return m, optimizers("muon", list(m.named_parameters()), wrap=True)
 
-    data = batches()
-    m, opts = build()
-    x, y = data[0]
-    ((m(x) - y) ** 2).mean().backward()
-    for o in opts:
-        o.step()
-        o.zero_grad()
-    buf = io.BytesIO()
-    torch.save({"model": blockshard.sharded_state_dict(m), "optim": [o.state_dict() for o in opts]}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=False)
-    m2, opts2 = build()
-    load_sharded_state_dict(m2, saved["model"])
-    for o, sd in zip(opts2, saved["optim"], strict=True):
-        o.load_state_dict(sd)
-    for x, y in data[1:]:
-        ((m2(x) - y) ** 2).mean().backward()
-        for o in opts2:
-            o.step()
-            o.zero_grad()
-    return {"params": blockshard.full_state_dict(m2)}
+    return {"params": blockshard.full_state_dict(resumed_after_one_step(build, batches()))}
 
 
 def other_plan(rank: int, world: int) -> str:

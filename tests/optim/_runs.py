@@ -97,10 +97,7 @@ def references(_rank: int, _world: int, names: tuple) -> dict:
 
 def resume(rank: int, world: int, name: str) -> dict:
     """Train 1 step, save model pieces + optimizer state, rebuild, load, train the rest."""
-    import io
-
     import blockshard
-    from blockshard.runtime import load_sharded_state_dict
 
     def build():
         m = model()
@@ -110,7 +107,17 @@ def resume(rank: int, world: int, name: str) -> dict:
         blockshard.fully_shard(m, semantics=rules)
         return m, make_optimizers(name, list(m.parameters()))
 
-    data = batches()
+    return blockshard.full_state_dict(resumed_after_one_step(build, batches()))
+
+
+def resumed_after_one_step(build, data) -> nn.Module:
+    """``build()`` -> (sharded model, optimizers): train on ``data[0]``, save the model pieces and
+    the optimizers' state, build afresh, load, train on the rest; return the resumed model."""
+    import io
+
+    import blockshard
+    from blockshard.runtime import load_sharded_state_dict
+
     m, opts = build()
     x, y = data[0]
     ((m(x) - y) ** 2).mean().backward()
@@ -130,7 +137,7 @@ def resume(rank: int, world: int, name: str) -> dict:
         for o in opts:
             o.step()
             o.zero_grad()
-    return blockshard.full_state_dict(m)
+    return m
 
 
 def resume_cases(rank: int, world: int, names: tuple) -> dict:
