@@ -4,7 +4,15 @@
 process group (the pure layers do not even import torch).
 """
 
-from blockshard._errors import BlockshardError, ComputeUnitError, PlanError, SemanticsError, ShapesError, WorldSizeError
+from blockshard._errors import (
+    BlockshardError,
+    ComputeUnitError,
+    PlanError,
+    QuantizedWeightError,
+    SemanticsError,
+    ShapesError,
+    WorldSizeError,
+)
 from blockshard.semantics import (
     BlockSemantics,
     Companion,
@@ -36,6 +44,7 @@ _RUNTIME = (
     "init_parameters",
     "check_finished",
     "save_pretrained",
+    "quantized_stats",
 )
 
 
@@ -51,6 +60,7 @@ __all__ = [
     "BlockshardError",
     "ComputeUnitError",
     "PlanError",
+    "QuantizedWeightError",
     "SemanticsError",
     "ShapesError",
     "WorldSizeError",

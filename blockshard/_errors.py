@@ -7,7 +7,15 @@ Internal invariants use ``assert``.
 
 from __future__ import annotations
 
-__all__ = ["BlockshardError", "ComputeUnitError", "PlanError", "SemanticsError", "ShapesError", "WorldSizeError"]
+__all__ = [
+    "BlockshardError",
+    "ComputeUnitError",
+    "PlanError",
+    "QuantizedWeightError",
+    "SemanticsError",
+    "ShapesError",
+    "WorldSizeError",
+]
 
 
 class BlockshardError(ValueError):
@@ -32,3 +40,8 @@ class ShapesError(BlockshardError):
 
 class WorldSizeError(PlanError):
     """A world size (number of ranks) that is not a positive integer, wherever it is passed."""
+
+
+class QuantizedWeightError(SemanticsError):
+    """A quantized weight cannot be sharded by whole quantization groups (groups that do not divide its
+    shape, nested statistics that do not fit its blocks, a quant state that contradicts its parameter)."""

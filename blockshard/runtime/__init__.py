@@ -20,6 +20,7 @@ from blockshard.runtime._module import register_forward_method
 from blockshard.runtime._optim_state import load_optimizer_state_dict, optimizer_state_dict
 from blockshard.runtime._owners import TensorOwners, owner_plan
 from blockshard.runtime._piece_tensor import PieceTensor, PieceTensorError
+from blockshard.runtime._quantized import QuantizedStats, quantized_stats
 from blockshard.runtime._state_dict import (
     LocalShard,
     full_state_dict,
@@ -37,6 +38,7 @@ __all__ = [
     "LocalShard",
     "PieceTensor",
     "PieceTensorError",
+    "QuantizedStats",
     "ShardedModule",
     "ShardedState",
     "ShardingError",
@@ -59,6 +61,7 @@ __all__ = [
     "local_buffers",
     "optimizer_state_dict",
     "owner_plan",
+    "quantized_stats",
     "register_forward_method",
     "save_checkpoint",
     "save_pretrained",

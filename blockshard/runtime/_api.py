@@ -21,6 +21,7 @@ from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._optim_guard import install_optimizer_guard
 from blockshard.runtime._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
 from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
+from blockshard.runtime._quantized import QuantizedGroup, collect_quantized
 from blockshard.runtime._state import STATE_ATTR, ModuleState, state_of
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
 from blockshard.semantics._rules import call_user_semantics
@@ -265,7 +266,9 @@ def fully_shard(
     replicate_group = _replicate_group(mesh)
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
-    names, params, refs = _collect(module, _ignored(ignored_params))
+    ignored = _ignored(ignored_params)
+    quantized = collect_quantized(module, ignored, is_sharded)  # [quantized] [Note: quantized groups]
+    names, params, refs = _collect(module, ignored | {id(p) for _, _, p in quantized})
     _check_params(names, params)
     if type(offload_policy).__name__ == "CPUOffloadPolicy" and any(p.device.type != "cpu" for p in params):
         raise ShardingError(
@@ -304,6 +307,8 @@ def fully_shard(
         reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
         replicate_group=replicate_group,
     )
+    if quantized:  # [quantized] the frozen quantized weights: a byte-group beside the float one
+        group.quantized = QuantizedGroup(name, quantized, process_group, alignment_bytes=alignment_bytes)
     state = ModuleState(
         module,
         group,

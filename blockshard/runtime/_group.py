@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ from blockshard.planner._units import block_shape
 from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg, shift_ranks, wait
 from blockshard.runtime._common import CollectiveTally, ShardedState, expect
 from blockshard.runtime._param import ShardedParam, tag_managed
+
+if TYPE_CHECKING:  # [quantized]
+    from blockshard.runtime._quantized import QuantizedGroup
 
 __all__ = ["ShardGroup"]
 
@@ -79,6 +83,7 @@ class ShardGroup:
         self._pending: list = []  # async all-gather works, while UNSHARDING
         self._version_guard: torch.autograd._unsafe_preserve_version_counter | None = None
         self.sharded_state = ShardedState.SHARDED
+        self.quantized: QuantizedGroup | None = None  # [quantized] frozen byte-group, set by fully_shard
         self._layout = layout
         if layout is None:  # a module without parameters of its own: nothing to gather
             if self.params:
@@ -196,8 +201,12 @@ class ShardGroup:
             if not async_op:
                 self.wait_unshard()
             return
+        if self.quantized is not None:  # [quantized] its all-gather, finished in wait_unshard
+            self.quantized.unshard()
         if self._layout is None:
             self.sharded_state = ShardedState.UNSHARDED
+            if self.quantized is not None:  # [quantized]
+                self.quantized.wait_unshard()
             return
         layout, W = self._layout, self.world_size
         self._alloc_gathered()
@@ -230,6 +239,8 @@ class ShardGroup:
         if self._version_guard is not None:
             self._version_guard.__exit__(None, None, None)  # the version before the all-gathers
             self._version_guard = None
+        if self.quantized is not None:  # [quantized]
+            self.quantized.wait_unshard()
         for sp in self.params:
             if sp.unsharded.requires_grad != sp.sharded.requires_grad:
                 sp.unsharded.requires_grad_(sp.sharded.requires_grad)  # frozen or unfrozen since
@@ -244,6 +255,8 @@ class ShardGroup:
             return
         for sp in self.params:
             sp.set_module_params(sp.sharded)
+        if self.quantized is not None:  # [quantized]
+            self.quantized.reshard()
         if self._layout is not None:
             self._free_gathered()
         self.sharded_state = ShardedState.SHARDED

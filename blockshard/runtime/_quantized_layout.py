@@ -1,0 +1,114 @@
+"""The layout of a frozen quantized group: whole quantization units cut into equal byte segments.
+
+[Note: quantized layout]
+A quantized tensor is a few byte *streams* (bitsandbytes ``Params4bit``: the packed payload, its
+absmax, with nested statistics the absmax of the absmax) that share one unit grid: unit ``k``
+owns bytes ``[k * unit_bytes, (k + 1) * unit_bytes)`` of every stream (the last unit may be
+shorter). A rank holds whole units, each with all its streams' bytes (the companions travel with
+their payload, never replicated). The tensors of one group are concatenated in order, unit by
+unit, and rank ``r``'s cut is the unit boundary nearest to ``r * total / W``; every rank's segment
+is padded to the largest, ``S`` bytes (a multiple of the alignment), so one
+``all_gather_into_tensor`` of ``uint8 [S]`` moves the group: the gathered buffer holds rank ``r``'s
+pieces at ``[r * S, (r + 1) * S)``, each piece's streams one after another. Bytes travel as bytes:
+a bf16-stored payload is moved as its ``uint8`` view, so no NaN pattern is canonicalized.
+The imbalance is at most one unit (8448 bytes for nested NF4 with 64-value blocks).
+This module is pure (no torch.distributed): every rank computes the same layout from the shapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["QuantizedLayout", "QuantizedPiece", "StreamShape", "plan_quantized"]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamShape:
+    """One byte stream of a quantized tensor: ``nbytes`` in all, ``unit_bytes`` per unit."""
+
+    name: str
+    nbytes: int
+    unit_bytes: int
+
+    def byte_range(self, unit_start: int, unit_stop: int) -> tuple[int, int]:
+        return min(unit_start * self.unit_bytes, self.nbytes), min(unit_stop * self.unit_bytes, self.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedPiece:
+    """Units ``[unit_start, unit_stop)`` of tensor ``tensor`` held by one rank; ``ranges`` gives,
+    per stream, ``(stream_lo, stream_hi, segment_offset)`` in bytes."""
+
+    tensor: int
+    unit_start: int
+    unit_stop: int
+    ranges: tuple[tuple[int, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(hi - lo for lo, hi, _ in self.ranges)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedLayout:
+    """Every rank's pieces and the common segment size ``segment_bytes`` (see [Note: quantized layout])."""
+
+    world_size: int
+    segment_bytes: int
+    total_bytes: int  # payload and companions of every tensor, without padding
+    pieces: tuple[tuple[QuantizedPiece, ...], ...]  # by rank
+
+    def rank_bytes(self, rank: int) -> int:
+        return sum(p.nbytes for p in self.pieces[rank])
+
+    def layout_hash(self) -> str:
+        text = repr((self.world_size, self.segment_bytes, self.pieces))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _unit_sizes(streams: tuple[StreamShape, ...], n_units: int) -> np.ndarray:
+    k = np.arange(n_units, dtype=np.int64)
+    out = np.zeros(n_units, dtype=np.int64)
+    for s in streams:
+        out += np.minimum((k + 1) * s.unit_bytes, s.nbytes) - np.minimum(k * s.unit_bytes, s.nbytes)
+    return out
+
+
+def plan_quantized(
+    tensors: list[tuple[tuple[StreamShape, ...], int]], world_size: int, alignment_bytes: int
+) -> QuantizedLayout:
+    """Cut ``tensors`` (each: its streams and unit count) into ``world_size`` segments of whole units."""
+    sizes = [_unit_sizes(streams, n) for streams, n in tensors]
+    flat = np.concatenate(sizes) if sizes else np.zeros(0, dtype=np.int64)
+    cum = np.concatenate([[0], np.cumsum(flat)])  # cum[k]: bytes before global unit k
+    total = int(cum[-1])
+    cuts = [0]
+    for r in range(1, world_size):
+        ideal = r * total / world_size
+        hi = int(np.searchsorted(cum, ideal))  # first boundary at or past the ideal cut
+        lo = max(hi - 1, 0)
+        best = lo if hi >= len(cum) or ideal - cum[lo] <= cum[hi] - ideal else hi
+        cuts.append(max(best, cuts[-1]))
+    cuts.append(len(flat))
+    starts = np.concatenate([[0], np.cumsum([n for _, n in tensors])])  # first global unit of each tensor
+    by_rank = []
+    for r in range(world_size):
+        a, b = cuts[r], cuts[r + 1]
+        pieces, offset = [], 0
+        for t, (streams, _) in enumerate(tensors):
+            i, j = max(a, int(starts[t])) - int(starts[t]), min(b, int(starts[t + 1])) - int(starts[t])
+            if i >= j:
+                continue
+            ranges = []
+            for s in streams:
+                lo, hi = s.byte_range(i, j)
+                ranges.append((lo, hi, offset))
+                offset += hi - lo
+            pieces.append(QuantizedPiece(t, i, j, tuple(ranges)))
+        by_rank.append(tuple(pieces))
+    largest = max((sum(p.nbytes for p in ps) for ps in by_rank), default=0)
+    S = -(-largest // alignment_bytes) * alignment_bytes
+    return QuantizedLayout(world_size, max(S, alignment_bytes), total, tuple(by_rank))

@@ -1,0 +1,52 @@
+"""One frozen quantized tensor as a quantized group sees it: byte streams and the rebuilt parameter.
+
+A format adapter (``_bnb4bit.py``, ``_ao_nf4.py``) turns a quantized parameter into a
+:class:`QuantizedTensor`: its byte streams on one unit grid ([Note: quantized layout]), the
+original bytes to shard (``sources``, dropped once copied into the local segment), persistent
+gathered tensors (``gathered``, their storage freed while sharded) with byte views of them
+(``targets``), and ``unsharded``: the format's own parameter over the gathered tensors, what the
+module holds during forward and backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from blockshard.runtime._param import ParamRef
+from blockshard.runtime._quantized_layout import StreamShape
+
+__all__ = ["QuantizedTensor", "byte_view"]
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat ``uint8`` tensor (no copy, no float canonicalization)."""
+    if t.dtype == torch.uint8:
+        return t.reshape(-1)
+    return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+@dataclass(eq=False)
+class QuantizedTensor:
+    fqn: str  # name relative to the sharded module
+    refs: list[ParamRef]
+    format: str  # e.g. "bitsandbytes nf4 (nested absmax, bf16 storage)"
+    numel: int  # quantized values
+    n_units: int
+    streams: tuple[StreamShape, ...]
+    sources: list[torch.Tensor]  # byte views of the original tensors, one per stream
+    gathered: list[torch.Tensor]  # persistent full tensors, one per stream (storage freed while sharded)
+    targets: list[torch.Tensor]  # byte views of ``gathered``
+    unsharded: nn.Parameter  # the format's parameter over ``gathered``
+    constant_bytes: int = 0  # replicated per-tensor constants (code tables, offsets)
+    sharded: nn.Parameter = field(init=False, repr=False)  # this rank's payload bytes (frozen)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.streams)
+
+    def set_module_params(self, param: nn.Parameter) -> None:
+        for ref in self.refs:
+            ref.set(param)
