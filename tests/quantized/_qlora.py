@@ -78,7 +78,7 @@ def _shard(model: nn.Module, world: int) -> None:
     if world:
         import blockshard
 
-        inner = model.base_model.model if hasattr(model, "base_model") else model
+        inner = model.base_model.model if hasattr(model, "peft_config") else model
         for layer in inner.model.layers:
             blockshard.fully_shard(layer)
         blockshard.fully_shard(inner)
@@ -130,3 +130,113 @@ def qlora(rank: int, world: int, steps: int = 3, **quant) -> dict:
     else:
         out["params"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return out
+
+
+# -- bytes ------------------------------------------------------------------------------------
+def _linears4bit(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    import bitsandbytes as bnb
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+
+def quantized_bytes(weight) -> dict[str, torch.Tensor]:
+    """A Params4bit's payload and scales as bytes (what must be identical after a gather)."""
+    from blockshard.runtime._quantized_tensor import byte_view
+
+    qs = weight.quant_state
+    out = {"payload": byte_view(weight.data), "absmax": byte_view(qs.absmax)}
+    if qs.nested:
+        out["state2.absmax"] = byte_view(qs.state2.absmax)
+    return {k: v.clone() for k, v in out.items()}
+
+
+def memory(rank: int, world: int, replicate: bool = False, **quant) -> dict:
+    """This rank's quantized bytes: under blockshard (``held``: payload and scales of its pieces,
+    ``stats``), or replicated as on Accelerate's path (stock FSDP2 with the Params4bit ignored)."""
+    from blockshard.runtime import quantized_stats
+    from blockshard.runtime._state import state_of
+
+    with _serial():
+        model = qlora_llama(lora=False, **quant)
+    if replicate:
+        from torch.distributed.fsdp import fully_shard
+
+        weights = {m.weight for _, m in _linears4bit(model)}
+        for layer in model.model.layers:
+            fully_shard(layer, ignored_params={w for w in weights if any(w is p for p in layer.parameters())})
+        fully_shard(model)
+        return {"replicated_bytes": sum(b.numel() for w in weights for b in quantized_bytes(w).values())}
+    _shard(model, world)
+    held = {}
+    for prefix, m in model.named_modules():
+        st = state_of(m)
+        if st is not None and st.group.quantized is not None:
+            held[prefix] = st.group.quantized.layout.rank_bytes(rank)
+    tensors = [
+        t
+        for _, m in model.named_modules()
+        if (st := state_of(m)) and st.group.quantized
+        for t in st.group.quantized.tensors
+    ]
+    return {
+        "held": held,
+        "stats": quantized_stats(model),
+        "pieces_are_uint8": all(
+            type(m.weight) is nn.Parameter and m.weight.dtype == torch.uint8 for _, m in _linears4bit(model)
+        ),
+        "gathered_freed": all(g.untyped_storage().size() == 0 for t in tensors for g in t.gathered),
+    }
+
+
+def gathered_bytes(rank: int, world: int, **quant) -> dict:
+    """Every Linear4bit's bytes while its layer is unsharded (the one process's as they are)."""
+    with _serial():
+        model = qlora_llama(lora=False, **quant)
+    _shard(model, world)
+    out: dict[str, torch.Tensor] = {}
+    nans = 0
+    for i, layer in enumerate(model.model.layers):
+        if world:
+            layer.unshard()
+        for name, m in _linears4bit(layer):
+            for k, v in quantized_bytes(m.weight).items():
+                out[f"layers.{i}.{name}.{k}"] = v
+            if m.weight.dtype == torch.bfloat16:
+                nans += int(m.weight.data.isnan().sum())
+        if world:
+            layer.reshard()
+    return {"bytes": out, "nan_payload_values": nans}
+
+
+def stock_fsdp2(rank: int, world: int, **quant) -> dict:
+    """Stock FSDP2 over the Params4bit: the forward's error (the quant state does not survive)."""
+    from torch.distributed.fsdp import fully_shard
+
+    with _serial():
+        model = qlora_llama(**quant)
+    inner = model.base_model.model
+    for layer in inner.model.layers:
+        fully_shard(layer)
+    fully_shard(inner)
+    ids, labels = next(iter(text_batches(1, 4, 16)))
+    try:
+        model(input_ids=ids, labels=labels)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": ""}
+
+
+def float_roundtrip(**quant) -> dict:
+    """A bf16-stored payload through a float cast (fp32 and back): changed bytes and weights."""
+    import bitsandbytes.functional as F
+
+    model = qlora_llama(lora=False, **quant)
+    changed, equal = 0, True
+    for _, m in _linears4bit(model):
+        w = m.weight
+        moved = w.data.float().to(w.dtype)
+        changed += int((moved.view(torch.uint8) != w.data.view(torch.uint8)).sum())
+        a = F.dequantize_4bit(w.data, w.quant_state)
+        b = F.dequantize_4bit(moved, w.quant_state)
+        equal = equal and torch.equal(a, b)
+    return {"changed_bytes": changed, "dequantized_equal": equal}
