@@ -240,3 +240,12 @@ def float_roundtrip(**quant) -> dict:
         b = F.dequantize_4bit(moved, w.quant_state)
         equal = equal and torch.equal(a, b)
     return {"changed_bytes": changed, "dequantized_equal": equal}
+
+
+def run(rank: int, world: int, sharded: bool, configs: list[tuple], steps: int) -> dict:
+    """Spawned ranks: :func:`qlora` for each ``(quant_type, nested, storage)``, sharded or the reference."""
+    out = {}
+    for qt, nested, storage in configs:
+        quant = {"quant_type": qt, "compress_statistics": nested, "quant_storage": getattr(torch, storage)}
+        out[(qt, nested, storage)] = qlora(rank, world if sharded else 0, steps, **quant)
+    return out
