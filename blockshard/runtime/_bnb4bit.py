@@ -94,8 +94,19 @@ def _check(fqn: str, p, qs) -> tuple[int, int]:
     return numel, n_blocks
 
 
-def bnb_tensor(fqn: str, refs: list[ParamRef], p) -> QuantizedTensor:
-    """The :class:`QuantizedTensor` of a bitsandbytes ``Params4bit`` (validated, see ``_check``)."""
+def _shared(t: torch.Tensor, constants: dict[tuple, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """One copy per group of equal constants (every NF4 tensor has the same 16-value code, every
+    nested one the same 256-value dynamic map): the tensor to use and the bytes it adds."""
+    key = (t.dtype, tuple(t.shape), byte_view(t.detach().contiguous()).cpu().numpy().tobytes())
+    if key in constants:
+        return constants[key], 0
+    constants[key] = t
+    return t, t.numel() * t.element_size()
+
+
+def bnb_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.Tensor]) -> QuantizedTensor:
+    """The :class:`QuantizedTensor` of a bitsandbytes ``Params4bit`` (validated, see ``_check``);
+    ``constants``: the group's shared constants (see ``_shared``)."""
     from bitsandbytes.nn import Params4bit
 
     qs = p.quant_state
@@ -117,13 +128,14 @@ def bnb_tensor(fqn: str, refs: list[ParamRef], p) -> QuantizedTensor:
         originals = [payload, absmax]
         streams = (StreamShape("payload", numel // 2, bs // 2), StreamShape("absmax", 4 * n_blocks, 4))
     gathered = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in originals]
-    state = copy.copy(qs)  # code, shape, dtype, offset shared (replicated constants)
+    state = copy.copy(qs)  # shape, dtype, offset shared (replicated constants)
     state.absmax = gathered[1]
-    constants = qs.code.numel() * qs.code.element_size()
+    state.code, added = _shared(qs.code, constants)
     if qs.nested:
         state.state2 = copy.copy(qs.state2)
         state.state2.absmax = gathered[2]
-        constants += qs.state2.code.numel() * qs.state2.code.element_size() + 4  # + offset
+        state.state2.code, more = _shared(qs.state2.code, constants)
+        added += more + 4  # + the offset (one fp32 per tensor)
     unsharded = Params4bit(
         gathered[0],
         requires_grad=False,
@@ -148,7 +160,7 @@ def bnb_tensor(fqn: str, refs: list[ParamRef], p) -> QuantizedTensor:
         gathered=gathered,
         targets=[byte_view(t) for t in gathered],
         unsharded=unsharded,
-        constant_bytes=constants,
+        constant_bytes=added,
     )
 
 

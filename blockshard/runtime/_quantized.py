@@ -36,7 +36,7 @@ from blockshard.runtime._quantized_tensor import QuantizedTensor
 __all__ = ["QuantizedGroup", "QuantizedStats", "collect_quantized", "quantized_stats"]
 
 
-def _adapter(param: nn.Parameter) -> Callable[[str, list[ParamRef], nn.Parameter], QuantizedTensor] | None:
+def _adapter(param: nn.Parameter) -> Callable[..., QuantizedTensor] | None:
     from blockshard.runtime._bnb4bit import bnb_tensor, is_params4bit
 
     if is_params4bit(param):
@@ -91,7 +91,8 @@ class QuantizedGroup:
     ) -> None:
         self.name, self.process_group = name, process_group
         self.rank, self.world_size = process_group.rank(), process_group.size()
-        self.tensors = [_adapter(p)(n, refs, p) for n, refs, p in found]  # type: ignore[misc]
+        constants: dict[tuple, torch.Tensor] = {}  # code tables shared by the group's tensors
+        self.tensors = [_adapter(p)(n, refs, p, constants) for n, refs, p in found]  # type: ignore[misc]
         devices = {p.device for _, _, p in found}
         if len(devices) > 1:
             from blockshard.runtime._module import ShardingError
