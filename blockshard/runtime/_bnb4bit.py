@@ -29,6 +29,8 @@ __all__ = ["bnb_tensor", "is_params4bit"]
 
 
 def is_params4bit(param: object) -> bool:
+    if not type(param).__module__.startswith("bitsandbytes."):  # never import bitsandbytes for other parameters
+        return False
     try:
         from bitsandbytes.nn import Params4bit
     except ImportError:  # bitsandbytes is an optional extra

@@ -2,8 +2,8 @@
 
 [Note: quantized groups]
 Beside its float :class:`~blockshard.runtime._group.ShardGroup`, a ``fully_shard`` call gives the
-frozen quantized weights of its module (bitsandbytes ``Params4bit``; see ``_quantized_tensor.py``
-for the format adapters) their own group, laid out by whole quantization units
+frozen quantized weights of its module (bitsandbytes ``Params4bit``, torchao ``NF4Tensor``; see
+``_quantized_tensor.py`` for the format adapters) their own group, laid out by whole quantization units
 ([Note: quantized layout] in ``_quantized_layout.py``):
   * ``local``  uint8 [S]: the persistent segment, every held unit's payload with its companions
     (absmax, nested absmax) — no rank holds another rank's scales;
@@ -37,10 +37,13 @@ __all__ = ["QuantizedGroup", "QuantizedStats", "collect_quantized", "quantized_s
 
 
 def _adapter(param: nn.Parameter) -> Callable[..., QuantizedTensor] | None:
+    from blockshard.runtime._ao_nf4 import ao_nf4_tensor, is_ao_nf4
     from blockshard.runtime._bnb4bit import bnb_tensor, is_params4bit
 
     if is_params4bit(param):
         return bnb_tensor
+    if is_ao_nf4(param):
+        return ao_nf4_tensor
     return None
 
 
