@@ -249,3 +249,41 @@ def run(rank: int, world: int, sharded: bool, configs: list[tuple], steps: int) 
         quant = {"quant_type": qt, "compress_statistics": nested, "quant_storage": getattr(torch, storage)}
         out[(qt, nested, storage)] = qlora(rank, world if sharded else 0, steps, **quant)
     return out
+
+
+def qlora_variants(rank: int, world: int, variant: str) -> dict:
+    """One training step of QLoRA under a loop variant: ``checkpointing`` (HF gradient
+    checkpointing, the QLoRA default), ``keep`` (``reshard_after_forward=False``), ``eval`` (a
+    no-grad eval forward first, then training) or ``prefetch_off`` (no forward or backward prefetch)."""
+    with _serial():
+        model = qlora_llama()
+    inner = model.base_model.model
+    if variant == "checkpointing":
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    if world:
+        import blockshard
+
+        kw = {"reshard_after_forward": False} if variant == "keep" else {}
+        for layer in inner.model.layers:
+            blockshard.fully_shard(layer, **kw)
+        blockshard.fully_shard(inner, **kw)
+        if variant == "prefetch_off":
+            for layer in inner.model.layers:
+                layer.set_modules_to_forward_prefetch([])
+                layer.set_modules_to_backward_prefetch([])
+    elif variant == "eval":  # the engine keeps bitsandbytes' canonical packing (no AVX512 repack)
+        for _, m in _linears4bit(model):
+            m.support_avx512bf16_for_cpu = False
+    ids, labels = next(iter(text_batches(1, 4, 16)))
+    out: dict = {}
+    if variant == "eval":
+        model.eval()
+        with torch.no_grad():
+            out["eval_logits"] = model(input_ids=ids).logits.clone()
+        model.train()
+    res = model(input_ids=ids, labels=labels)
+    res.loss.backward()
+    out["logits"] = res.logits.detach().clone()
+    out["grads"] = _lora_grads(model, world)
+    return out

@@ -127,3 +127,17 @@ def test_control_a_float_path_changes_the_payload():
     with _inproc.single_thread():
         res = _qlora.float_roundtrip(quant_storage=torch.bfloat16)
     assert res["changed_bytes"] > 0 and not res["dequantized_equal"]
+
+
+@pytest.mark.parametrize("variant", ["checkpointing", "keep", "eval", "prefetch_off"])
+def test_qlora_loop_variants_equal_one_process_bitwise(variant):
+    """HF gradient checkpointing (the recompute regathers the 4-bit weights inside backward),
+    ``reshard_after_forward=False``, an eval forward under no_grad, no prefetch: W = 2 bitwise."""
+    with _inproc.single_thread():
+        want = _qlora.qlora_variants(0, 0, variant)
+    for got in _inproc.run_ranks(_qlora.qlora_variants, 2, args=(variant,)):
+        assert got.keys() == want.keys()
+        assert torch.equal(got["logits"], want["logits"])
+        assert not _bad(got["grads"], want["grads"])
+        if variant == "eval":
+            assert torch.equal(got["eval_logits"], want["eval_logits"])
