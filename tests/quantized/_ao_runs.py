@@ -101,3 +101,8 @@ def _grads(model: nn.Module, world: int) -> dict[str, torch.Tensor]:
     from _qlora import _lora_grads
 
     return _lora_grads(model, world)
+
+
+def run(rank: int, world: int, sharded: bool) -> dict:
+    """Spawned ranks: :func:`train` sharded, or the reference."""
+    return train(rank, world if sharded else 0)
