@@ -2,7 +2,7 @@
 
 [Note: quantized groups]
 Beside its float :class:`~blockshard.runtime._group.ShardGroup`, a ``fully_shard`` call gives the
-frozen quantized weights of its module (bitsandbytes ``Params4bit``, torchao ``NF4Tensor``; see
+frozen quantized weights of its module (bitsandbytes ``Params4bit``, torchao ``NF4Tensor`` and ``MXTensor``; see
 ``_quantized_tensor.py`` for the format adapters) their own group, laid out by whole quantization units
 ([Note: quantized layout] in ``_quantized_layout.py``):
   * ``local``  uint8 [S]: the persistent segment, every held unit's payload with its companions
@@ -44,6 +44,10 @@ def _adapter(param: nn.Parameter) -> Callable[..., QuantizedTensor] | None:
         return bnb_tensor
     if is_ao_nf4(param):
         return ao_nf4_tensor
+    from blockshard.runtime._mx import is_mx, mx_tensor
+
+    if is_mx(param):
+        return mx_tensor
     return None
 
 
