@@ -268,7 +268,7 @@ def fully_shard(
     install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
     ignored = _ignored(ignored_params)
     quantized = collect_quantized(module, ignored, is_sharded)  # [quantized] [Note: quantized groups]
-    names, params, refs = _collect(module, ignored | {id(p) for _, _, p in quantized})
+    names, params, refs = _collect(module, ignored | {i for f in quantized for i in f.ids})
     _check_params(names, params)
     if type(offload_policy).__name__ == "CPUOffloadPolicy" and any(p.device.type != "cpu" for p in params):
         raise ShardingError(

@@ -33,7 +33,7 @@ from blockshard.runtime._param import ParamRef
 from blockshard.runtime._quantized_layout import QuantizedLayout, plan_quantized
 from blockshard.runtime._quantized_tensor import QuantizedTensor
 
-__all__ = ["QuantizedGroup", "QuantizedStats", "collect_quantized", "quantized_stats"]
+__all__ = ["Found", "QuantizedGroup", "QuantizedStats", "collect_quantized", "quantized_stats"]
 
 
 def _adapter(param: nn.Parameter) -> Callable[..., QuantizedTensor] | None:
@@ -51,21 +51,56 @@ def _adapter(param: nn.Parameter) -> Callable[..., QuantizedTensor] | None:
     return None
 
 
-def collect_quantized(
-    module: nn.Module, ignored: set[int], is_sharded: Callable[[nn.Module], bool]
-) -> list[tuple[str, list[ParamRef], nn.Parameter]]:
+@dataclass
+class Found:
+    """A quantized parameter of a module's subtree: its name, where it is registered, the parameter
+    and, for blockwise FP8, its scale parameter (name, place, parameter) and tile."""
+
+    name: str
+    refs: list[ParamRef]
+    param: nn.Parameter
+    scale: tuple[str, ParamRef, nn.Parameter] | None = None
+    block: object = None  # the module's block_size, checked by the FP8 adapter
+
+    @property
+    def ids(self) -> set[int]:
+        return {id(self.param)} | ({id(self.scale[2])} if self.scale else set())
+
+    def build(self, constants: dict[tuple, torch.Tensor]) -> QuantizedTensor:
+        if self.scale is not None:
+            from blockshard.runtime._fp8_block import fp8_block_tensor
+
+            return fp8_block_tensor(self.name, self.refs, self.param, self.scale, self.block)
+        adapter = _adapter(self.param)
+        assert adapter is not None
+        return adapter(self.name, self.refs, self.param, constants)
+
+
+def collect_quantized(module: nn.Module, ignored: set[int], is_sharded: Callable[[nn.Module], bool]) -> list[Found]:
     """The quantized parameters of ``module``'s subtree, not in a sharded submodule nor ignored, in
-    ``named_modules`` order: ``(name, places it is registered, parameter)``."""
-    found: dict[int, tuple[str, list[ParamRef], nn.Parameter]] = {}
+    ``named_modules`` order."""
+    from blockshard.runtime._fp8_block import fp8_block_pair
+
+    found: dict[int, Found] = {}
     stack: list[tuple[str, nn.Module]] = [("", module)]
     while stack:
         prefix, mod = stack.pop()
         if mod is not module and is_sharded(mod):
             continue
+        pair = fp8_block_pair(mod, ignored)
+        if pair is not None and id(pair[0]) not in found:
+            weight, scale, block = pair
+            found[id(weight)] = Found(
+                prefix + "weight",
+                [ParamRef(mod, "weight")],
+                weight,
+                (prefix + "weight_scale_inv", ParamRef(mod, "weight_scale_inv"), scale),
+                block,
+            )
         for attr, param in mod._parameters.items():
-            if param is None or id(param) in ignored or _adapter(param) is None:
+            if param is None or id(param) in ignored or pair is not None or _adapter(param) is None:
                 continue
-            found.setdefault(id(param), (prefix + attr, [], param))[1].append(ParamRef(mod, attr))
+            found.setdefault(id(param), Found(prefix + attr, [], param)).refs.append(ParamRef(mod, attr))
         for cname, child in reversed(list(mod._modules.items())):
             if child is not None:
                 stack.append((f"{prefix}{cname}.", child))
@@ -91,7 +126,7 @@ class QuantizedGroup:
     def __init__(
         self,
         name: str,
-        found: list[tuple[str, list[ParamRef], nn.Parameter]],
+        found: list[Found],
         process_group: dist.ProcessGroup,
         *,
         alignment_bytes: int,
@@ -99,8 +134,8 @@ class QuantizedGroup:
         self.name, self.process_group = name, process_group
         self.rank, self.world_size = process_group.rank(), process_group.size()
         constants: dict[tuple, torch.Tensor] = {}  # code tables shared by the group's tensors
-        self.tensors = [_adapter(p)(n, refs, p, constants) for n, refs, p in found]  # type: ignore[misc]
-        devices = {p.device for _, _, p in found}
+        self.tensors = [f.build(constants) for f in found]
+        devices = {f.param.device for f in found}
         if len(devices) > 1:
             from blockshard.runtime._module import ShardingError
 
@@ -123,7 +158,8 @@ class QuantizedGroup:
         for t in self.tensors:
             t.sources = []  # the originals are released: this rank keeps only its segment
             t.sharded = nn.Parameter(self._payload_piece(t), requires_grad=False)
-            t.set_module_params(t.sharded)
+            t.extra_sharded = [nn.Parameter(self.local[:0], requires_grad=False) for _ in t.extra]
+            t.set_module_params(unsharded=False)
             for ref in t.refs:
                 from blockshard.runtime._bnb4bit import prepare_module
 
@@ -174,7 +210,7 @@ class QuantizedGroup:
                             dst[lo:hi].copy_(buf[r * S + off : r * S + off + hi - lo])
         self._gathered_bytes = None
         for t in self.tensors:
-            t.set_module_params(t.unsharded)
+            t.set_module_params(unsharded=True)
         self._unsharded = True
 
     def reshard(self) -> None:
@@ -184,7 +220,7 @@ class QuantizedGroup:
         if not self._unsharded:
             return
         for t in self.tensors:
-            t.set_module_params(t.sharded)
+            t.set_module_params(unsharded=False)
         self._free_gathered()
         self._unsharded = False
 

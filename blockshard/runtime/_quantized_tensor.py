@@ -41,12 +41,19 @@ class QuantizedTensor:
     targets: list[torch.Tensor]  # byte views of ``gathered``
     unsharded: nn.Parameter  # the format's parameter over ``gathered``
     constant_bytes: int = 0  # replicated per-tensor constants (code tables, offsets)
+    # parameters of their own that travel with this one (blockwise FP8's ``weight_scale_inv``):
+    # (where registered, the unsharded parameter over a gathered tensor)
+    extra: list[tuple[list[ParamRef], nn.Parameter]] = field(default_factory=list)
     sharded: nn.Parameter = field(init=False, repr=False)  # this rank's payload bytes (frozen)
+    extra_sharded: list[nn.Parameter] = field(default_factory=list, repr=False)  # empty, frozen
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.streams)
 
-    def set_module_params(self, param: nn.Parameter) -> None:
+    def set_module_params(self, unsharded: bool) -> None:
         for ref in self.refs:
-            ref.set(param)
+            ref.set(self.unsharded if unsharded else self.sharded)
+        for i, (refs, full) in enumerate(self.extra):
+            for ref in refs:
+                ref.set(full if unsharded else self.extra_sharded[i])

@@ -1,0 +1,98 @@
+"""Blockwise FP8 (128 x 128 tiles, DeepSeek-V3 style) frozen weights with a pure-torch reference
+quantizer, a module shaped like transformers' ``FP8Linear`` (``weight`` float8, ``weight_scale_inv``
+fp32, ``block_size``) and bf16 adapters. ``(rank, world, ...)``; ``world == 0``: one process."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+E4M3_MAX = 448.0
+# rows 320 = 2.5 tile stripes, cols 192 = 1.5 tiles: tails in both dims
+SHAPES = ((192, 320), (320, 256), (256, 192))
+
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference quantizer: one fp32 scale per tile (amax / 448), float8_e4m3fn payload."""
+    (N, K), (br, bc) = w.shape, block
+    nb, kb = -(-N // br), -(-K // bc)
+    padded = torch.zeros(nb * br, kb * bc, dtype=torch.float32)
+    padded[:N, :K] = w.float()
+    tiles = padded.view(nb, br, kb, bc)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX  # [nb, kb]
+    q = (tiles / scale[:, None, :, None]).view(nb * br, kb * bc)[:N, :K].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
+def dequantize_fp8_block(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    (N, K), (br, bc) = q.shape, block
+    s = scale.repeat_interleave(br, dim=0)[:N].repeat_interleave(bc, dim=1)[:, :K]
+    return (q.float() * s).to(dtype)
+
+
+class FP8BlockLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, rank: int = 4) -> None:
+        super().__init__()
+        self.block_size = (128, 128)
+        w = torch.randn(out_features, in_features) / math.sqrt(in_features)
+        q, scale = quantize_fp8_block(w, self.block_size)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+        self.lora_a = nn.Parameter(torch.randn(rank, in_features, dtype=torch.bfloat16) / math.sqrt(in_features))
+        self.lora_b = nn.Parameter(torch.randn(out_features, rank, dtype=torch.bfloat16) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block_size, x.dtype)
+        return torch.nn.functional.linear(x, w) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+class FP8Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(FP8BlockLinear(i, o) for i, o in SHAPES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.nn.functional.silu(layer(x))
+        return x
+
+
+def train(rank: int, world: int, steps: int = 2) -> dict:
+    """Logits and adapter gradients of the first step, adapters after ``steps`` AdamW steps."""
+    from _qlora import _lora_grads, _serial
+
+    import blockshard
+
+    with _serial():
+        model = FP8Stack()
+    if world:
+        for layer in model.layers:
+            blockshard.fully_shard(layer)
+        blockshard.fully_shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    out: dict = {}
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        y = model(torch.randn(8, SHAPES[0][0], generator=g).to(torch.bfloat16))
+        y.float().square().mean().backward()
+        if step == 0:
+            out["logits"] = y.detach().clone()
+            out["grads"] = _lora_grads(model, world)
+        opt.step()
+        opt.zero_grad()
+    full = blockshard.full_state_dict(model) if world else dict(model.named_parameters())
+    out["params"] = {n: full[n].detach().clone() for n in full if "lora" in n}
+    if world:
+        from blockshard.runtime._state import state_of
+
+        qs = [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
+        out["held"] = sum(q.layout.rank_bytes(rank) for q in qs)
+        out["total"] = sum(q.layout.total_bytes for q in qs)
+        out["pieces"] = [list(q.layout.pieces[rank]) for q in qs]
+    return out

@@ -1,0 +1,96 @@
+"""Blockwise FP8 (128 x 128 tiles) frozen weights sharded by whole 128-row tile stripes with their
+scales (threaded gloo ranks), and why the cut must follow the tiles.
+
+Three ``FP8Linear``-shaped layers (rows 192, 320, 256: tail stripes in both dims) with bf16 adapters:
+with the whole batch on every rank, logits, first-step adapter gradients and adapters after two
+AdamW steps equal one process bitwise at W in {2, 4}; at W = 3 logits bitwise, gradients within
+one bf16 ulp. Quantizing each rank's whole stripes locally and gathering gives the bytes of
+quantizing the whole weight (bitwise); the control cuts at torch.chunk's rows (FSDP2's Shard(0)).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import _fp8_runs
+import _inproc
+import pytest
+import torch
+
+import blockshard
+from blockshard import QuantizedWeightError
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@functools.cache
+def reference() -> dict:
+    with _inproc.single_thread():
+        return _fp8_runs.train(0, 0)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fp8_block_weights_equal_one_process(world):
+    want = reference()
+    results = _inproc.run_ranks(_fp8_runs.train, world)
+    for rank, got in enumerate(results):
+        assert torch.equal(got["logits"], want["logits"]), rank
+        for n, g in want["grads"].items():
+            if world == 3:
+                torch.testing.assert_close(got["grads"][n], g, rtol=2**-7, atol=1e-6)  # one bf16 ulp
+            else:
+                assert torch.equal(got["grads"][n], g), (rank, n)
+        if world != 3:
+            assert all(torch.equal(got["params"][n], p) for n, p in want["params"].items()), rank
+        for pieces in got["pieces"]:  # every piece: whole 128-row stripes (the tensor's tail stripe last)
+            assert all(p.unit_stop > p.unit_start for p in pieces)
+    assert sum(r["held"] for r in results) == results[0]["total"]
+
+
+def _quantize_pieces(w: torch.Tensor, cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [_fp8_runs.quantize_fp8_block(w[a:b]) for a, b in itertools.pairwise(cuts)]
+    return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_local_quantization_of_whole_stripes_equals_gather_then_quantize(world):
+    w = torch.randn(320, 192, generator=torch.Generator().manual_seed(1))
+    q, s = _fp8_runs.quantize_fp8_block(w)
+    stripes = [0, 128, 256, 320]  # blockshard's cuts fall on stripe boundaries
+    for cut in range(1, len(stripes) - 1):
+        got_q, got_s = _quantize_pieces(w, [0, stripes[cut], 320])
+        assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got_s, s)
+    # control: torch.chunk's rows (FSDP2's Shard(0)) cut tiles, so each rank's scales differ
+    rows = [c.shape[0] for c in torch.chunk(w, world)]
+    cuts = [0, *torch.tensor(rows).cumsum(0).tolist()]
+    assert any(c % 128 for c in cuts[1:-1])
+    bad_q, bad_s = _quantize_pieces(w, cuts)
+    assert bad_s.shape != s.shape or not torch.equal(bad_q.view(torch.uint8), q.view(torch.uint8))
+
+
+def _one_rank(rank, world, tamper):
+    layer = _fp8_runs.FP8BlockLinear(192, 320)
+    tamper(layer)
+    try:
+        blockshard.fully_shard(layer)
+    except QuantizedWeightError as e:
+        return str(e)
+    return ""
+
+
+def test_scales_that_do_not_fit_the_tiles():
+    def tamper(layer):
+        layer.weight_scale_inv = torch.nn.Parameter(layer.weight_scale_inv[:2], requires_grad=False)
+
+    msg = _inproc.run_ranks(_one_rank, 1, args=(tamper,))[0]
+    assert "'weight' (blockwise FP8): its weight_scale_inv has shape (2, 2)" in msg
+    assert "320 x 192 in 128 x 128 tiles needs (3, 2) fp32 scales" in msg and "Fix: re-quantize" in msg
+
+
+def test_a_per_tensor_scale_has_no_tiles():
+    def tamper(layer):
+        layer.block_size = None
+
+    msg = _inproc.run_ranks(_one_rank, 1, args=(tamper,))[0]
+    assert "block_size=None is not a tile" in msg and "ignored_params" in msg
