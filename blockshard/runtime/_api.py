@@ -18,6 +18,10 @@ from blockshard.planner._units import check_alignment_bytes
 from blockshard.runtime._clip import install_torch_clip_route
 from blockshard.runtime._collectives import check_same_layout, engine_group
 from blockshard.runtime._group import ShardGroup
+from blockshard.runtime._grouped import bind_below, listed_modules
+from blockshard.runtime._inspect import _join as _join  # re-exported: the state dict and checkpoint files use them
+from blockshard.runtime._inspect import _states_under as _states_under
+from blockshard.runtime._inspect import global_shapes, group_layouts, local_buffers
 from blockshard.runtime._optim_guard import install_optimizer_guard
 from blockshard.runtime._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
 from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
@@ -169,6 +173,27 @@ def _collect(
     return names, params, [refs[id(p)] for p in params]
 
 
+def _collect_all(
+    modules: tuple[nn.Module, ...], ignored: set[int]
+) -> tuple[list[str], list[nn.Parameter], list[list[ParamRef]]]:
+    """:func:`_collect` over each listed module; a list's names get the module's position first
+    (``0.weight``) until the group is bound ([Note: a list of modules]); a parameter tied across
+    them is collected once, with every place it is registered."""
+    if len(modules) == 1:
+        return _collect(modules[0], ignored)
+    names: list[str] = []
+    params: list[nn.Parameter] = []
+    refs: dict[int, list[ParamRef]] = {}
+    for i, m in enumerate(modules):
+        for n, p, r in zip(*_collect(m, ignored), strict=True):
+            if id(p) not in refs:
+                names.append(f"{i}.{n}")
+                params.append(p)
+                refs[id(p)] = []
+            refs[id(p)].extend(r)
+    return names, params, [refs[id(p)] for p in params]
+
+
 def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
     for n, p in zip(names, params, strict=True):
         hit = managed_tag(p)
@@ -214,7 +239,7 @@ def _check_alignment(alignment_bytes: object) -> int:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: object = None,
     reshard_after_forward: bool | int | None = None,
@@ -225,7 +250,7 @@ def fully_shard(
     semantics: object = None,
     alignment_bytes: int = 16,
     policy: str = "whole",
-) -> nn.Module:
+) -> Any:
     """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
 
     Apply bottom-up as with FSDP2: layers first, then the root. ``semantics`` gives each
@@ -245,27 +270,29 @@ def fully_shard(
     default), ``"owner"`` (storage cut at placement units; cut compute units get an owner rank, see
     :func:`blockshard.runtime.owner_plan`) or ``"auto"`` (per tensor, by a cost in bytes). Returns
     ``module``, whose class becomes a :class:`ShardedModule` (FSDP2's ``FSDPModule`` methods, see _module.py).
+    A list ``[norm, head]`` makes one group over all their parameters, gathered before the first
+    of them runs and resharded after the last (FSDP2's; see [Note: a list of modules] in
+    _grouped.py); the list is returned.
     """
-    if isinstance(module, (list, tuple)):
-        raise ShardingError(
-            f"fully_shard of a list of {len(module)} modules (one group over several modules) is not supported "
-            "yet. Fix: shard each module on its own, or put them under one parent module and shard that"
-        )
-    if not isinstance(module, nn.Module):
-        raise ShardingError(f"module={module!r} must be a torch.nn.Module")
+    arg = module
+    modules = listed_modules(module) if isinstance(module, (list, tuple)) else (module,)
+    if not isinstance(modules[0], nn.Module):
+        raise ShardingError(f"module={module!r} must be a torch.nn.Module or a list of them")
+    module = modules[0]
     _check_fsdp_arguments(reshard_after_forward, shard_placement_fn, offload_policy)
-    if (done := state_of(module)) is not None:
-        raise ShardingError(
-            f"this {done.group.name} is already sharded: call fully_shard once per module "
-            "(bottom-up: layers first, then the root)"
-        )
+    for m in modules:
+        if (done := state_of(m)) is not None:
+            raise ShardingError(
+                f"this {done.group.name} is already sharded: call fully_shard once per module "
+                "(bottom-up: layers first, then the root)"
+            )
     alignment_bytes = _check_alignment(alignment_bytes)
     policy = check_policy(policy)
     process_group = engine_group(_process_group(mesh))  # [Note: collective integrity], point 1
     replicate_group = _replicate_group(mesh)
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
-    names, params, refs = _collect(module, _ignored(ignored_params))
+    names, params, refs = _collect_all(modules, _ignored(ignored_params))
     _check_params(names, params)
     if type(offload_policy).__name__ == "CPUOffloadPolicy" and any(p.device.type != "cpu" for p in params):
         raise ShardingError(
@@ -273,7 +300,7 @@ def fully_shard(
             f"{next(p.device for p in params if p.device.type != 'cpu')} to the CPU is not implemented in "
             "blockshard's engine yet (on the CPU it is a no-op and accepted). Fix: drop offload_policy"
         )
-    name = type(module).__name__
+    name = type(module).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
     layout: GroupLayout | None = None
     items: list[PlanItem] = []
     owned: frozenset[str] = frozenset()
@@ -287,6 +314,12 @@ def fully_shard(
         layout, owned, _ = choose_layout(
             items, process_group.size(), policy, name=name, alignment_bytes=alignment_bytes, memo={}
         )
+        if owned and len(modules) > 1:
+            raise ShardingError(
+                f"fully_shard of a list of modules {name}: owner-computed tensors ({sorted(owned)[:3]}, policy="
+                f"{policy!r}) are not supported in a list's group yet. Fix: pass policy='whole', or shard the "
+                "modules one by one"
+            )
     check_same_layout(name, layout.layout_hash() if layout else "empty", process_group)
     index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
     sps = [
@@ -311,19 +344,23 @@ def fully_shard(
         param_dtype=getattr(mp_policy, "param_dtype", None),
         output_dtype=getattr(mp_policy, "output_dtype", None),
         cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),
+        modules=modules,
     )
     state.order = next(_ORDER)  # see [Note: cost tally]
     record_compute(group, {it.name: it.grid for it in items if it.name in owned})
     for orig in params:
         tag_managed(orig, name, original=True)
     group.tag_views()
-    module.__dict__[STATE_ATTR] = state
-    _swap_class(module)
     from blockshard.runtime._state_dict import install_state_dict_hooks  # imports this module
 
-    install_state_dict_hooks(module)  # model.state_dict() speaks DCP ([Note: state dict entries])
-    _balance_costs(module, state)
-    return module
+    for m in modules:  # as FSDP2: each listed module gets the state and the class swap
+        m.__dict__[STATE_ATTR] = state
+        _swap_class(m)
+        install_state_dict_hooks(m)  # model.state_dict() speaks DCP ([Note: state dict entries])
+    if len(modules) == 1:
+        bind_below(module)  # list groups under it get their names ([Note: a list of modules])
+        _balance_costs(module, state)
+    return arg
 
 
 # [Note: cost tally]
@@ -339,10 +376,9 @@ _ORDER = itertools.count()
 
 
 def _balance_costs(module: nn.Module, state: ModuleState) -> None:
-    below = sorted(
-        (st for m in module.modules() if m is not module and (st := state_of(m)) is not None),
-        key=lambda st: st.order,
-    )
+    own = state_of(module)
+    unique = {id(st): st for m in module.modules() if (st := state_of(m)) is not None and st is not own}
+    below = sorted(unique.values(), key=lambda st: st.order)
     if not below:  # a leaf: balanced by the call that shards an enclosing module
         if compute_of(state.group):  # its own owners until then ([Note: engine owner plan])
             plan_owners(type(module).__name__, [("", state)], EngineOwnerBuilder(state.group.world_size, {}), None)
@@ -385,42 +421,3 @@ def _rotation(old: GroupLayout, new: GroupLayout) -> int:
             S = old.buckets[t.bucket]
             return ((by_name[t.name].offset - t.offset) // S) % W
     return 0
-
-
-# -- inspection -------------------------------------------------------------------------------
-def _states_under(model: nn.Module) -> list[tuple[str, ModuleState]]:
-    return [(prefix, st) for prefix, m in model.named_modules() if (st := state_of(m)) is not None]
-
-
-def group_layouts(model: nn.Module) -> dict[str, GroupLayout]:
-    """The layout of every group under ``model``, by the sharded module's name."""
-    return {prefix: st.group.layout for prefix, st in _states_under(model) if st.group.layout is not None}
-
-
-def global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Every parameter's global shape by name (``model.named_parameters()`` names, tied names too).
-
-    For a parameter the engine manages, the shape of the whole tensor, whatever piece (or empty
-    ``(0,)`` piece) this rank holds; for any other parameter (not sharded, or an FSDP2 DTensor,
-    whose ``shape`` is already global), its own shape. Names are stable across sharding.
-    """
-    managed = {
-        id(p): sp.shape for _, st in _states_under(model) for sp in st.group.params for p in (sp.sharded, sp.unsharded)
-    }
-    return {n: managed.get(id(p), tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)}
-
-
-def local_buffers(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-    """The buffers of every group, for memory checks: ``local`` (persistent) and ``grad`` while a
-    sharded ``.grad`` views it (see [Note: buffers] in _group.py)."""
-    out = {}
-    for prefix, st in _states_under(model):
-        if st.group.layout is not None:
-            out[prefix] = {"local": st.group.local}
-            if (grad := st.group.grad_buffer()) is not None:
-                out[prefix]["grad"] = grad
-    return out
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name

@@ -57,8 +57,8 @@ def init_parameters(
     owner: dict[int, ShardGroup] = {}
     for m in model.modules():
         st = state_of(m)
-        if st is None or st.group.layout is None:
-            continue
+        if st is None or st.group.layout is None or any(g is st.group for g in groups):
+            continue  # a list's group is met at each of its modules
         groups.append(st.group)
         for sp in st.group.params:
             for ref in sp.refs:

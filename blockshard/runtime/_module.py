@@ -73,7 +73,7 @@ class ShardedModule(nn.Module):
     # -- FSDP2's controls -------------------------------------------------------------------------
     def _states(self, recurse: bool) -> list[ModuleState]:
         mods = self.modules() if recurse else [self]
-        return [st for m in mods if (st := state_of(m)) is not None]
+        return list({id(st): st for m in mods if (st := state_of(m)) is not None}.values())  # a list's group once
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free the gathered parameters after forward (re-gathered in backward); this
@@ -162,8 +162,12 @@ class ShardedModule(nn.Module):
         global _applying
         if _applying:  # an enclosing sharded module's _apply has handled this subtree's groups
             return super()._apply(fn, recurse)
-        states = [st for m in self.modules() if (st := state_of(m)) is not None and st.group.layout is not None]
-        for st in states:
+        states = [st for st in self._states(True) if st.group.layout is not None]
+        # a list's group ([Note: a list of modules]) is checked and materialized with its first
+        # module's subtree (its parameters are hidden from torch in every listed module's)
+        inside = {id(m) for m in self.modules()}
+        mine = [st for st in states if id(st.modules[0]) in inside]
+        for st in mine:
             probe = st.group.local[:1]
             out = fn(probe)
             if st.group.device.type == "meta" and out.device.type != "meta" and out.dtype == probe.dtype:
@@ -176,7 +180,7 @@ class ShardedModule(nn.Module):
                     "ignore them. Fix: convert or move the model before fully_shard, or keep the parameters "
                     "and compute in another dtype with mp_policy=MixedPrecisionPolicy(param_dtype=...)"
                 )
-        for st in states:
+        for st in mine:
             if st.group.device.type == "meta":
                 st.group.materialize(fn(st.group.local[:1]).device)
         # the rest (buffers, unsharded parameters) as torch does; the engine's own parameters are
