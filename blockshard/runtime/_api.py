@@ -17,6 +17,7 @@ from blockshard.planner._policy import check_policy, choose_layout
 from blockshard.planner._units import check_alignment_bytes
 from blockshard.runtime._clip import install_torch_clip_route
 from blockshard.runtime._collectives import check_same_layout, engine_group
+from blockshard.runtime._dtypes import install_extra_state_dict_hooks, split_by_dtype
 from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._grouped import bind_below, listed_modules
 from blockshard.runtime._inspect import _join as _join  # re-exported: the state dict and checkpoint files use them
@@ -234,6 +235,52 @@ def _rules(semantics: object, params_by_name: Mapping[str, nn.Parameter]) -> obj
     return semantics
 
 
+def _build_group(
+    name: str,
+    names: list[str],
+    params: list[nn.Parameter],
+    refs: list[list[ParamRef]],
+    semantics: object,
+    process_group: dist.ProcessGroup,
+    policy: str,
+    alignment_bytes: int,
+    mp_policy: Any,
+    replicate_group: dist.ProcessGroup | None,
+) -> tuple[ShardGroup, list[PlanItem], frozenset[str]]:
+    """Plan ``params`` (one dtype) and make their group: its layout checked equal on every rank."""
+    layout: GroupLayout | None = None
+    items: list[PlanItem] = []
+    owned: frozenset[str] = frozenset()
+    if params:  # a root without parameters of its own still drives the hooks, as in FSDP2
+        by_name = dict(zip(names, params, strict=True))
+        specs = [
+            TensorSpec(name=n, shape=tuple(p.shape), dtype=p.dtype, module_type=type(r[0].module).__name__)
+            for n, p, r in zip(names, params, refs, strict=True)
+        ]
+        items = resolve_items(specs, _rules(semantics, by_name))
+        layout, owned, _ = choose_layout(
+            items, process_group.size(), policy, name=name, alignment_bytes=alignment_bytes, memo={}
+        )
+    check_same_layout(name, layout.layout_hash() if layout else "empty", process_group)
+    index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
+    sps = [
+        ShardedParam(fqn=n, refs=r, shape=tuple(p.shape), requires_grad=p.requires_grad, index=index[n])
+        for n, p, r in zip(names, params, refs, strict=True)
+    ]
+    group = ShardGroup(
+        name,
+        sps,
+        params,
+        layout,
+        process_group,
+        costs={it.name: it.cost for it in items},
+        param_dtype=getattr(mp_policy, "param_dtype", None),
+        reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
+        replicate_group=replicate_group,
+    )
+    return group, items, owned
+
+
 def _check_alignment(alignment_bytes: object) -> int:
     return check_alignment_bytes(alignment_bytes, error=ShardingError)
 
@@ -301,42 +348,23 @@ def fully_shard(
             "blockshard's engine yet (on the CPU it is a no-op and accepted). Fix: drop offload_policy"
         )
     name = type(module).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
-    layout: GroupLayout | None = None
-    items: list[PlanItem] = []
-    owned: frozenset[str] = frozenset()
-    if params:  # a root without parameters of its own still drives the hooks, as in FSDP2
-        by_name = dict(zip(names, params, strict=True))
-        specs = [
-            TensorSpec(name=n, shape=tuple(p.shape), dtype=p.dtype, module_type=type(r[0].module).__name__)
-            for n, p, r in zip(names, params, refs, strict=True)
-        ]
-        items = resolve_items(specs, _rules(semantics, by_name))
-        layout, owned, _ = choose_layout(
-            items, process_group.size(), policy, name=name, alignment_bytes=alignment_bytes, memo={}
-        )
-        if owned and len(modules) > 1:
+    groups, items, owned = [], [], frozenset[str]()
+    for k, (d_names, d_params, d_refs) in enumerate(split_by_dtype(names, params, refs)):  # [Note: mixed dtypes]
+        g_name = name if k == 0 else f"{name}[{str(d_params[0].dtype).removeprefix('torch.')}]"
+        group, d_items, d_owned = _build_group(
+            g_name, d_names, d_params, d_refs, semantics, process_group, policy, alignment_bytes,
+            mp_policy if k == 0 or d_params[0].is_floating_point() else None, replicate_group,
+        )  # fmt: skip
+        if d_owned and (len(modules) > 1 or k > 0):
             raise ShardingError(
-                f"fully_shard of a list of modules {name}: owner-computed tensors ({sorted(owned)[:3]}, policy="
-                f"{policy!r}) are not supported in a list's group yet. Fix: pass policy='whole', or shard the "
-                "modules one by one"
+                f"fully_shard of {name}: owner-computed tensors ({sorted(d_owned)[:3]}, policy={policy!r}) are "
+                "not supported in a list's group or among a group's frozen parameters of another dtype yet. "
+                "Fix: pass policy='whole', or shard the modules one by one"
             )
-    check_same_layout(name, layout.layout_hash() if layout else "empty", process_group)
-    index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
-    sps = [
-        ShardedParam(fqn=n, refs=r, shape=tuple(p.shape), requires_grad=p.requires_grad, index=index[n])
-        for n, p, r in zip(names, params, refs, strict=True)
-    ]
-    group = ShardGroup(
-        name,
-        sps,
-        params,
-        layout,
-        process_group,
-        costs={it.name: it.cost for it in items},
-        param_dtype=getattr(mp_policy, "param_dtype", None),
-        reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
-        replicate_group=replicate_group,
-    )
+        groups.append(group)
+        if k == 0:
+            items, owned = d_items, d_owned
+    group = groups[0]
     state = ModuleState(
         module,
         group,
@@ -345,18 +373,21 @@ def fully_shard(
         output_dtype=getattr(mp_policy, "output_dtype", None),
         cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),
         modules=modules,
+        extra_groups=groups[1:],
     )
     state.order = next(_ORDER)  # see [Note: cost tally]
     record_compute(group, {it.name: it.grid for it in items if it.name in owned})
     for orig in params:
         tag_managed(orig, name, original=True)
-    group.tag_views()
+    for g in groups:
+        g.tag_views()
     from blockshard.runtime._state_dict import install_state_dict_hooks  # imports this module
 
     for m in modules:  # as FSDP2: each listed module gets the state and the class swap
         m.__dict__[STATE_ATTR] = state
         _swap_class(m)
         install_state_dict_hooks(m)  # model.state_dict() speaks DCP ([Note: state dict entries])
+        install_extra_state_dict_hooks(m)
     if len(modules) == 1:
         bind_below(module)  # list groups under it get their names ([Note: a list of modules])
         _balance_costs(module, state)

@@ -29,6 +29,7 @@ import dataclasses
 
 from torch import nn
 
+from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._module import ShardingError
 from blockshard.runtime._state import ModuleState, state_of
 
@@ -67,14 +68,23 @@ def bind_names(state: ModuleState, top: nn.Module) -> bool:
     rename: dict[str, str] = {}
     for i, p in enumerate(parts):
         rel = ".".join(p[common:])
-        rename |= {sp.fqn: f"{rel}.{sp.fqn[len(f'{i}.') :]}" for sp in state.group.params if sp.fqn.startswith(f"{i}.")}
+        rename |= {
+            sp.fqn: f"{rel}.{sp.fqn[len(f'{i}.') :]}"
+            for g in state.groups
+            for sp in g.params
+            if sp.fqn.startswith(f"{i}.")
+        }
     _rename(state, rename)
     state.module = anchor
     return True
 
 
 def _rename(state: ModuleState, rename: dict[str, str]) -> None:
-    group = state.group
+    for group in state.groups:
+        _rename_group(group, rename)
+
+
+def _rename_group(group: ShardGroup, rename: dict[str, str]) -> None:
     for sp in group.params:
         sp.fqn = rename[sp.fqn]
     group.costs = {rename.get(k, k): v for k, v in group.costs.items()}

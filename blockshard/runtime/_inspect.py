@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from blockshard.planner import GroupLayout
+from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._grouped import bind_names
 from blockshard.runtime._state import ModuleState, state_of
 
 __all__ = ["global_shapes", "group_layouts", "local_buffers"]
 
 
-def _states_under(model: nn.Module) -> list[tuple[str, ModuleState]]:
+def _states_under(model: nn.Module) -> list[tuple[str, ModuleState | GroupView]]:
     """Every group under ``model`` once, with the path of the module its names are relative to
     (a list group's modules' common ancestor, [Note: a list of modules]; one not wholly under
     ``model`` is left out)."""
@@ -22,23 +25,37 @@ def _states_under(model: nn.Module) -> list[tuple[str, ModuleState]]:
         paths.setdefault(id(m), prefix)
         if (st := state_of(m)) is not None:
             states.setdefault(id(st), st)
-    out = []
+    out: list[tuple[str, ModuleState | GroupView]] = []
     for st in states.values():
         if not bind_names(st, model):
             continue
         if id(st.module) not in paths:  # bound to an ancestor above model
             continue
         out.append((paths[id(st.module)], st))
+        # [Note: mixed dtypes] each other dtype's buffer set is a group of its own to the readers
+        out += [(paths[id(st.module)], GroupView(st.module, g, st.modules)) for g in st.extra_groups]
     return out
 
 
-def _keyed(model: nn.Module) -> list[tuple[str, ModuleState]]:
+@dataclass(frozen=True, eq=False)
+class GroupView:
+    """One extra buffer set of a mixed-dtype group, read as a group (``module``, ``group``)."""
+
+    module: nn.Module
+    group: ShardGroup
+    modules: tuple[nn.Module, ...]
+
+
+def _keyed(model: nn.Module) -> list[tuple[str, ModuleState | GroupView]]:
     """Every group by the sharded module's name (a list's: its modules' names joined by ``+``)."""
     paths = {id(m): p for p, m in reversed(list(model.named_modules()))}
-    return [
-        ("+".join(paths[id(m)] for m in st.modules) if len(st.modules) > 1 else prefix, st)
-        for prefix, st in _states_under(model)
-    ]
+    out: list[tuple[str, ModuleState | GroupView]] = []
+    for prefix, st in _states_under(model):
+        key = "+".join(paths[id(m)] for m in st.modules) if len(st.modules) > 1 else prefix
+        if isinstance(st, GroupView):  # the group's name ends in its dtype: "<group>[bfloat16]"
+            key += st.group.name[st.group.name.rindex("[") :]
+        out.append((key, st))
+    return out
 
 
 def group_layouts(model: nn.Module) -> dict[str, GroupLayout]:
