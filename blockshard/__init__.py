@@ -36,6 +36,7 @@ _RUNTIME = (
     "init_parameters",
     "check_finished",
     "save_pretrained",
+    "load_safetensors",
 )
 
 

@@ -20,6 +20,7 @@ from blockshard.runtime._module import register_forward_method
 from blockshard.runtime._optim_state import load_optimizer_state_dict, optimizer_state_dict
 from blockshard.runtime._owners import TensorOwners, owner_plan
 from blockshard.runtime._piece_tensor import PieceTensor, PieceTensorError
+from blockshard.runtime._safetensors import LoadReport, load_safetensors
 from blockshard.runtime._state_dict import (
     LocalShard,
     full_state_dict,
@@ -34,6 +35,7 @@ __all__ = [
     "CollectiveIntegrityError",
     "EngineStateError",
     "LayoutMismatchError",
+    "LoadReport",
     "LocalShard",
     "PieceTensor",
     "PieceTensorError",
@@ -55,6 +57,7 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "load_optimizer_state_dict",
+    "load_safetensors",
     "load_sharded_state_dict",
     "local_buffers",
     "optimizer_state_dict",
