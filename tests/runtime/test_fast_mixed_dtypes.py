@@ -141,3 +141,25 @@ def test_trainable_parameters_of_two_dtypes_are_refused_as_fsdp2(gloo_w1):
     model.blocks[1].base.weight.requires_grad_(True)  # unfrozen after fully_shard: the next forward raises
     with pytest.raises(ShardingError, match="trainable parameters of several dtypes"):
         model(_x())
+
+
+def _checkpoint_round_trip(rank: int, world: int, path: str) -> dict:
+    with _inproc.serial():
+        model, fresh = Net(), Net()
+    _shard(model)
+    _train(model)
+    blockshard.save_checkpoint(model, path)
+    with torch.no_grad():
+        for b in fresh.blocks:  # other values everywhere, the frozen sets included
+            b.base.weight.zero_()
+            b.shift.zero_()
+    _shard(fresh)
+    blockshard.load_checkpoint(fresh, path)
+    return {"saved": blockshard.full_state_dict(model), "loaded": blockshard.full_state_dict(fresh)}
+
+
+def test_a_checkpoint_of_a_mixed_dtype_model_loads_every_set(tmp_path):
+    for r in _inproc.run_ranks(_checkpoint_round_trip, 2, args=(str(tmp_path / "ckpt"),)):
+        assert r["saved"].keys() == r["loaded"].keys()
+        for k, v in r["saved"].items():
+            assert torch.equal(r["loaded"][k], v), k
