@@ -19,7 +19,7 @@ from blockshard.runtime._clip import install_torch_clip_route
 from blockshard.runtime._collectives import check_same_layout, engine_group
 from blockshard.runtime._dtypes import install_extra_state_dict_hooks, split_by_dtype
 from blockshard.runtime._group import ShardGroup
-from blockshard.runtime._grouped import bind_below, listed_modules
+from blockshard.runtime._grouped import bind_below, collect_all, listed_modules
 from blockshard.runtime._inspect import _join as _join  # re-exported: the state dict and checkpoint files use them
 from blockshard.runtime._inspect import _states_under as _states_under
 from blockshard.runtime._inspect import global_shapes, group_layouts, local_buffers
@@ -135,64 +135,6 @@ def _replicate_group(mesh: object) -> dist.ProcessGroup | None:
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or mesh.size(0) == 1:
         return None
     return engine_group(mesh.get_group(0))
-
-
-def _collect(
-    module: nn.Module, ignored: set[int] | None = None
-) -> tuple[list[str], list[nn.Parameter], list[list[ParamRef]]]:
-    """Parameters of ``module``'s subtree not owned by an already sharded submodule, nor ignored."""
-    ignored = ignored or set()
-    names: list[str] = []
-    params: list[nn.Parameter] = []
-    refs: dict[int, list[ParamRef]] = {}
-    owned_below: dict[int, str] = {}
-    stack: list[tuple[str, nn.Module]] = [("", module)]
-    while stack:
-        prefix, mod = stack.pop()
-        if mod is not module and is_sharded(mod):
-            for n, p in mod.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
-                owned_below[id(p)] = n
-            continue
-        for attr, param in mod._parameters.items():
-            if param is None or id(param) in ignored:
-                continue
-            if id(param) not in refs:
-                names.append(prefix + attr)
-                params.append(param)
-                refs[id(param)] = []
-            refs[id(param)].append(ParamRef(mod, attr))
-        for cname, child in reversed(list(mod._modules.items())):
-            if child is not None:
-                stack.append((f"{prefix}{cname}.", child))
-    shared = [(n, owned_below[id(p)]) for n, p in zip(names, params, strict=True) if id(p) in owned_below]
-    if shared:
-        raise ShardingError(
-            f"parameters shared between this group and an already sharded submodule: {shared[:5]}. One "
-            "parameter can live in one group only. Fix: shard the modules that share it in one "
-            "fully_shard call (e.g. leave the tied head and embedding to the root), or untie them"
-        )
-    return names, params, [refs[id(p)] for p in params]
-
-
-def _collect_all(
-    modules: tuple[nn.Module, ...], ignored: set[int]
-) -> tuple[list[str], list[nn.Parameter], list[list[ParamRef]]]:
-    """:func:`_collect` over each listed module; a list's names get the module's position first
-    (``0.weight``) until the group is bound ([Note: a list of modules]); a parameter tied across
-    them is collected once, with every place it is registered."""
-    if len(modules) == 1:
-        return _collect(modules[0], ignored)
-    names: list[str] = []
-    params: list[nn.Parameter] = []
-    refs: dict[int, list[ParamRef]] = {}
-    for i, m in enumerate(modules):
-        for n, p, r in zip(*_collect(m, ignored), strict=True):
-            if id(p) not in refs:
-                names.append(f"{i}.{n}")
-                params.append(p)
-                refs[id(p)] = []
-            refs[id(p)].extend(r)
-    return names, params, [refs[id(p)] for p in params]
 
 
 def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
@@ -339,7 +281,7 @@ def fully_shard(
     replicate_group = _replicate_group(mesh)
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
-    names, params, refs = _collect_all(modules, _ignored(ignored_params))
+    names, params, refs = collect_all(modules, _ignored(ignored_params))
     _check_params(names, params)
     if type(offload_policy).__name__ == "CPUOffloadPolicy" and any(p.device.type != "cpu" for p in params):
         raise ShardingError(

@@ -31,9 +31,10 @@ from torch import nn
 
 from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._module import ShardingError
+from blockshard.runtime._param import ParamRef
 from blockshard.runtime._state import ModuleState, state_of
 
-__all__ = ["bind_below", "bind_names", "listed_modules"]
+__all__ = ["bind_below", "bind_names", "collect_all", "listed_modules"]
 
 
 def listed_modules(modules: object) -> tuple[nn.Module, ...]:
@@ -102,3 +103,62 @@ def bind_below(module: nn.Module) -> None:
         if st is not None and id(st) not in seen:
             seen.add(id(st))
             bind_names(st, module)
+
+
+# -- the parameters of a group ------------------------------------------------------------------
+def _collect(
+    module: nn.Module, ignored: set[int] | None = None
+) -> tuple[list[str], list[nn.Parameter], list[list[ParamRef]]]:
+    """Parameters of ``module``'s subtree not owned by an already sharded submodule, nor ignored."""
+    ignored = ignored or set()
+    names: list[str] = []
+    params: list[nn.Parameter] = []
+    refs: dict[int, list[ParamRef]] = {}
+    owned_below: dict[int, str] = {}
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        prefix, mod = stack.pop()
+        if mod is not module and state_of(mod) is not None:
+            for n, p in mod.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
+                owned_below[id(p)] = n
+            continue
+        for attr, param in mod._parameters.items():
+            if param is None or id(param) in ignored:
+                continue
+            if id(param) not in refs:
+                names.append(prefix + attr)
+                params.append(param)
+                refs[id(param)] = []
+            refs[id(param)].append(ParamRef(mod, attr))
+        for cname, child in reversed(list(mod._modules.items())):
+            if child is not None:
+                stack.append((f"{prefix}{cname}.", child))
+    shared = [(n, owned_below[id(p)]) for n, p in zip(names, params, strict=True) if id(p) in owned_below]
+    if shared:
+        raise ShardingError(
+            f"parameters shared between this group and an already sharded submodule: {shared[:5]}. One "
+            "parameter can live in one group only. Fix: shard the modules that share it in one "
+            "fully_shard call (e.g. leave the tied head and embedding to the root), or untie them"
+        )
+    return names, params, [refs[id(p)] for p in params]
+
+
+def collect_all(
+    modules: tuple[nn.Module, ...], ignored: set[int]
+) -> tuple[list[str], list[nn.Parameter], list[list[ParamRef]]]:
+    """:func:`_collect` over each listed module; a list's names get the module's position first
+    (``0.weight``) until the group is bound ([Note: a list of modules]); a parameter tied across
+    them is collected once, with every place it is registered."""
+    if len(modules) == 1:
+        return _collect(modules[0], ignored)
+    names: list[str] = []
+    params: list[nn.Parameter] = []
+    refs: dict[int, list[ParamRef]] = {}
+    for i, m in enumerate(modules):
+        for n, p, r in zip(*_collect(m, ignored), strict=True):
+            if id(p) not in refs:
+                names.append(f"{i}.{n}")
+                params.append(p)
+                refs[id(p)] = []
+            refs[id(p)].extend(r)
+    return names, params, [refs[id(p)] for p in params]
