@@ -1,6 +1,17 @@
 """blockshard's ragged engine against torch FSDP2 on the same Llama, data, optimizer and steps.
 
     python benchmarks/engine_vs_fsdp2.py --world-size 4 --json --out docs/results/engine_vs_fsdp2.json
+    python benchmarks/engine_vs_fsdp2.py --persistent --world-size 1024 --json --out docs/results/engine_persistent_w1024.json
+
+``--persistent``: no training; the persistent parameter bytes per rank of both engines at
+``--world-size`` (any, e.g. 1024) for catalog models (``--catalog``, default Llama-3-70B and
+DeepSeek-V3; shapes from ``blockshard/planner/_catalog.py``, bf16), one group per decoder layer
+plus the root, as ``fully_shard`` makes them: blockshard's from the plan (``plan_model``, default
+semantics and policy ``"whole"``: every rank holds ``S`` elements per group), FSDP2's from
+``torch.distributed.fsdp.fully_shard`` itself, run on a meta-device copy of the shapes over a fake
+process group of that size in a child process (each parameter's padded ``Shard(0)`` storage,
+``ceil(dim0 / W) * rest`` elements on every rank; checked against that formula). Gradients and
+optimizer state are sharded the same way, so their ratio is the same.
 
 One run spawns W gloo ranks (``blockshard._launch.spawn_gloo``, one torch thread per rank). In every
 round each engine builds a fresh model (same seed) and AdamW, shards it bottom-up (each decoder layer,
@@ -407,10 +418,89 @@ def render(report: dict) -> None:
     Console(stderr=True, width=120).print(t)
 
 
+# -- --persistent: bytes per rank at large W, from plans and a fake process group --------------
+PERSISTENT_MODELS = ("llama3-70b", "deepseek-v3")
+
+
+def _fsdp2_padded_numel(name: str, world_size: int) -> int:
+    """FSDP2's padded local storage per rank (elements), from ``fully_shard`` on the meta device
+    over a fake process group of ``world_size`` ranks (run in a child process: it sets torch's
+    default group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from blockshard.planner._catalog import model_tensors
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    mesh = init_device_mesh("cpu", (world_size,))
+    root, groups = torch.nn.Module(), {}
+    with torch.device("meta"):
+        for spec in model_tensors(name):
+            if spec.group not in groups:
+                groups[spec.group] = torch.nn.Module()
+                root.add_module(f"g{len(groups)}", groups[spec.group])
+            param = torch.nn.Parameter(torch.empty(spec.shape, dtype=torch.bfloat16))
+            groups[spec.group].register_parameter(spec.name.replace(".", "_"), param)
+    for m in [*groups.values(), root]:
+        fully_shard(m, mesh=mesh)
+    states = [fully_shard.state(m)._fsdp_param_group for m in [*groups.values(), root]]
+    total = sum(fp._sharded_param_data.numel() for g in states if g is not None for fp in g.fsdp_params)
+    dist.destroy_process_group()
+    return total
+
+
+def persistent_report(world_size: int, names: list[str], argv: list[str]) -> dict:
+    import math
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from blockshard.planner import plan_model
+    from blockshard.planner._catalog import model_tensors
+
+    rows = []
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as pool:
+        for name in names:
+            specs = model_tensors(name)
+            plan = plan_model(specs, world_size, policy="whole")
+            total = sum(math.prod(t.shape) for t in specs)
+            formula = sum(math.ceil(t.shape[0] / world_size) * math.prod(t.shape[1:]) for t in specs)
+            fsdp2 = pool.submit(_fsdp2_padded_numel, name, world_size).result()
+            ours, itemsize = plan.segment_numel_per_rank, 2  # bf16
+            rows.append({
+                "model": name, "num_params": total, "num_groups": len(plan.groups),
+                "ideal_bytes_per_rank": math.ceil(total / world_size) * itemsize,
+                "blockshard_bytes_per_rank": ours * itemsize, "fsdp2_bytes_per_rank": fsdp2 * itemsize,
+                "fsdp2_matches_formula": fsdp2 == formula,
+                "blockshard_padding": 1 - total / (ours * world_size), "fsdp2_padding": 1 - total / (fsdp2 * world_size),
+                "ratio_blockshard_over_fsdp2": ours / fsdp2, "target": 0.9, "meets_target": ours / fsdp2 <= 0.9,
+            })  # fmt: skip
+    return {
+        "benchmark": "engine_vs_fsdp2 --persistent",
+        "command": command("engine_vs_fsdp2.py", argv),
+        "world_size": world_size,
+        "what": "persistent parameter bytes per rank (bf16); gradients and optimizer state scale alike",
+        "models": rows,
+        "machine": machine_facts(),
+    }
+
+
+def _render_persistent(report: dict) -> None:
+    for r in report["models"]:
+        print(
+            f"{r['model']:>12} W={report['world_size']}: blockshard {_mib(r['blockshard_bytes_per_rank'])}, "
+            f"FSDP2 {_mib(r['fsdp2_bytes_per_rank'])} per rank -> ratio {r['ratio_blockshard_over_fsdp2']:.4f} "
+            f"(FSDP2 pads {100 * r['fsdp2_padding']:.2f}%, blockshard {100 * r['blockshard_padding']:.4f}%)",
+            file=sys.stderr,
+        )
+
+
 def _parser():
     p = parser(__doc__, world_size=4, steps=10, warmup=2)
     p.add_argument("--rounds", type=int, default=3, help="rounds; each trains both engines afresh")
     p.add_argument("--model", choices=sorted(PRESETS), default="small-llama")
+    p.add_argument("--persistent", action="store_true", help="only the persistent bytes per rank (no training)")
+    p.add_argument("--catalog", nargs="+", default=list(PERSISTENT_MODELS), help="catalog models for --persistent")
     for flag, key in SIZE_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None, help=f"override the preset's {key}")
     return add_output_args(p, timeout=1800.0)
@@ -422,6 +512,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     a = _parser().parse_args(argv)
+    if a.persistent:
+        return emit(
+            persistent_report(a.world_size, a.catalog, argv), render=_render_persistent, out=a.out, as_json=a.json
+        )
     if a.world_size < 2 or a.rounds < 1 or a.steps < 1 or a.warmup < 0:
         raise SystemExit("need --world-size >= 2, --rounds >= 1, --steps >= 1, --warmup >= 0")
     cfg = dict(PRESETS[a.model], **{k: getattr(a, f) for f, k in SIZE_FLAGS.items() if getattr(a, f) is not None})

@@ -45,6 +45,7 @@ _RUNTIME = (
     "check_finished",
     "save_pretrained",
     "quantized_stats",
+    "load_safetensors",
 )
 
 

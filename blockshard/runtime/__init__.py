@@ -21,6 +21,7 @@ from blockshard.runtime._optim_state import load_optimizer_state_dict, optimizer
 from blockshard.runtime._owners import TensorOwners, owner_plan
 from blockshard.runtime._piece_tensor import PieceTensor, PieceTensorError
 from blockshard.runtime._quantized import QuantizedStats, quantized_stats
+from blockshard.runtime._safetensors import LoadReport, load_safetensors
 from blockshard.runtime._state_dict import (
     LocalShard,
     full_state_dict,
@@ -35,6 +36,7 @@ __all__ = [
     "CollectiveIntegrityError",
     "EngineStateError",
     "LayoutMismatchError",
+    "LoadReport",
     "LocalShard",
     "PieceTensor",
     "PieceTensorError",
@@ -57,6 +59,7 @@ __all__ = [
     "load_checkpoint",
     "load_full_state_dict",
     "load_optimizer_state_dict",
+    "load_safetensors",
     "load_sharded_state_dict",
     "local_buffers",
     "optimizer_state_dict",

@@ -17,7 +17,12 @@ from blockshard.planner._policy import check_policy, choose_layout
 from blockshard.planner._units import check_alignment_bytes
 from blockshard.runtime._clip import install_torch_clip_route
 from blockshard.runtime._collectives import check_same_layout, engine_group
+from blockshard.runtime._dtypes import install_extra_state_dict_hooks, split_by_dtype
 from blockshard.runtime._group import ShardGroup
+from blockshard.runtime._grouped import bind_below, collect_all, listed_modules
+from blockshard.runtime._inspect import _join as _join  # re-exported: the state dict and checkpoint files use them
+from blockshard.runtime._inspect import _states_under as _states_under
+from blockshard.runtime._inspect import global_shapes, group_layouts, local_buffers
 from blockshard.runtime._optim_guard import install_optimizer_guard
 from blockshard.runtime._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
 from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
@@ -133,43 +138,6 @@ def _replicate_group(mesh: object) -> dist.ProcessGroup | None:
     return engine_group(mesh.get_group(0))
 
 
-def _collect(
-    module: nn.Module, ignored: set[int] | None = None
-) -> tuple[list[str], list[nn.Parameter], list[list[ParamRef]]]:
-    """Parameters of ``module``'s subtree not owned by an already sharded submodule, nor ignored."""
-    ignored = ignored or set()
-    names: list[str] = []
-    params: list[nn.Parameter] = []
-    refs: dict[int, list[ParamRef]] = {}
-    owned_below: dict[int, str] = {}
-    stack: list[tuple[str, nn.Module]] = [("", module)]
-    while stack:
-        prefix, mod = stack.pop()
-        if mod is not module and is_sharded(mod):
-            for n, p in mod.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False):
-                owned_below[id(p)] = n
-            continue
-        for attr, param in mod._parameters.items():
-            if param is None or id(param) in ignored:
-                continue
-            if id(param) not in refs:
-                names.append(prefix + attr)
-                params.append(param)
-                refs[id(param)] = []
-            refs[id(param)].append(ParamRef(mod, attr))
-        for cname, child in reversed(list(mod._modules.items())):
-            if child is not None:
-                stack.append((f"{prefix}{cname}.", child))
-    shared = [(n, owned_below[id(p)]) for n, p in zip(names, params, strict=True) if id(p) in owned_below]
-    if shared:
-        raise ShardingError(
-            f"parameters shared between this group and an already sharded submodule: {shared[:5]}. One "
-            "parameter can live in one group only. Fix: shard the modules that share it in one "
-            "fully_shard call (e.g. leave the tied head and embedding to the root), or untie them"
-        )
-    return names, params, [refs[id(p)] for p in params]
-
-
 def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
     for n, p in zip(names, params, strict=True):
         hit = managed_tag(p)
@@ -210,73 +178,19 @@ def _rules(semantics: object, params_by_name: Mapping[str, nn.Parameter]) -> obj
     return semantics
 
 
-def _check_alignment(alignment_bytes: object) -> int:
-    return check_alignment_bytes(alignment_bytes, error=ShardingError)
-
-
-def fully_shard(
-    module: nn.Module,
-    *,
-    mesh: object = None,
-    reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: object = None,
-    mp_policy: Any = None,
-    offload_policy: object = None,
-    ignored_params: object = None,
-    semantics: object = None,
-    alignment_bytes: int = 16,
-    policy: str = "whole",
-) -> nn.Module:
-    """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
-
-    Apply bottom-up as with FSDP2: layers first, then the root. ``semantics`` gives each
-    parameter its block semantics: a mapping ``glob -> semantics`` on parameter names relative to
-    ``module``, a callable ``(name, param) -> semantics | None``, a semantics string or rules
-    (default: ``elementwise``). ``alignment_bytes``: every bucket's per-rank segment is a
-    multiple of it (16 suits vectorized kernels and NCCL). ``mp_policy`` is torch's
-    ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``, ``output_dtype``,
-    ``cast_forward_inputs``). ``reshard_after_forward``: as FSDP2's (``None``: free the
-    gathered parameters after forward, but the root's). ``ignored_params``: parameters left as
-    they are (not sharded, their gradients not reduced), as FSDP2's. ``offload_policy``: only
-    FSDP2's default ``OffloadPolicy()`` (or ``CPUOffloadPolicy`` when the parameters are on the CPU
-    already). ``shard_placement_fn`` is FSDP2's per-parameter ``Shard(dim)`` choice: blockshard
-    chooses layouts by ``semantics`` instead, so it must be None.
-    ``policy`` places tensors whose compute units are coarser than their placement units (Muon
-    matrices, experts; ``planner/_policy.py``): ``"whole"`` (each compute unit on one rank, the
-    default), ``"owner"`` (storage cut at placement units; cut compute units get an owner rank, see
-    :func:`blockshard.runtime.owner_plan`) or ``"auto"`` (per tensor, by a cost in bytes). Returns
-    ``module``, whose class becomes a :class:`ShardedModule` (FSDP2's ``FSDPModule`` methods, see _module.py).
-    """
-    if isinstance(module, (list, tuple)):
-        raise ShardingError(
-            f"fully_shard of a list of {len(module)} modules (one group over several modules) is not supported "
-            "yet. Fix: shard each module on its own, or put them under one parent module and shard that"
-        )
-    if not isinstance(module, nn.Module):
-        raise ShardingError(f"module={module!r} must be a torch.nn.Module")
-    _check_fsdp_arguments(reshard_after_forward, shard_placement_fn, offload_policy)
-    if (done := state_of(module)) is not None:
-        raise ShardingError(
-            f"this {done.group.name} is already sharded: call fully_shard once per module "
-            "(bottom-up: layers first, then the root)"
-        )
-    alignment_bytes = _check_alignment(alignment_bytes)
-    policy = check_policy(policy)
-    process_group = engine_group(_process_group(mesh))  # [Note: collective integrity], point 1
-    replicate_group = _replicate_group(mesh)
-    install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
-    install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
-    ignored = _ignored(ignored_params)
-    quantized = collect_quantized(module, ignored, is_sharded)  # [quantized] [Note: quantized groups]
-    names, params, refs = _collect(module, ignored | {i for f in quantized for i in f.ids})
-    _check_params(names, params)
-    if type(offload_policy).__name__ == "CPUOffloadPolicy" and any(p.device.type != "cpu" for p in params):
-        raise ShardingError(
-            "offload_policy=CPUOffloadPolicy(): offloading parameters from "
-            f"{next(p.device for p in params if p.device.type != 'cpu')} to the CPU is not implemented in "
-            "blockshard's engine yet (on the CPU it is a no-op and accepted). Fix: drop offload_policy"
-        )
-    name = type(module).__name__
+def _build_group(
+    name: str,
+    names: list[str],
+    params: list[nn.Parameter],
+    refs: list[list[ParamRef]],
+    semantics: object,
+    process_group: dist.ProcessGroup,
+    policy: str,
+    alignment_bytes: int,
+    mp_policy: Any,
+    replicate_group: dist.ProcessGroup | None,
+) -> tuple[ShardGroup, list[PlanItem], frozenset[str]]:
+    """Plan ``params`` (one dtype) and make their group: its layout checked equal on every rank."""
     layout: GroupLayout | None = None
     items: list[PlanItem] = []
     owned: frozenset[str] = frozenset()
@@ -307,6 +221,95 @@ def fully_shard(
         reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
         replicate_group=replicate_group,
     )
+    return group, items, owned
+
+
+def _check_alignment(alignment_bytes: object) -> int:
+    return check_alignment_bytes(alignment_bytes, error=ShardingError)
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: object = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: object = None,
+    mp_policy: Any = None,
+    offload_policy: object = None,
+    ignored_params: object = None,
+    semantics: object = None,
+    alignment_bytes: int = 16,
+    policy: str = "whole",
+) -> Any:
+    """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
+
+    Apply bottom-up as with FSDP2: layers first, then the root. ``semantics`` gives each
+    parameter its block semantics: a mapping ``glob -> semantics`` on parameter names relative to
+    ``module``, a callable ``(name, param) -> semantics | None``, a semantics string or rules
+    (default: ``elementwise``). ``alignment_bytes``: every bucket's per-rank segment is a
+    multiple of it (16 suits vectorized kernels and NCCL). ``mp_policy`` is torch's
+    ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``, ``output_dtype``,
+    ``cast_forward_inputs``). ``reshard_after_forward``: as FSDP2's (``None``: free the
+    gathered parameters after forward, but the root's). ``ignored_params``: parameters left as
+    they are (not sharded, their gradients not reduced), as FSDP2's. ``offload_policy``: only
+    FSDP2's default ``OffloadPolicy()`` (or ``CPUOffloadPolicy`` when the parameters are on the CPU
+    already). ``shard_placement_fn`` is FSDP2's per-parameter ``Shard(dim)`` choice: blockshard
+    chooses layouts by ``semantics`` instead, so it must be None.
+    ``policy`` places tensors whose compute units are coarser than their placement units (Muon
+    matrices, experts; ``planner/_policy.py``): ``"whole"`` (each compute unit on one rank, the
+    default), ``"owner"`` (storage cut at placement units; cut compute units get an owner rank, see
+    :func:`blockshard.runtime.owner_plan`) or ``"auto"`` (per tensor, by a cost in bytes). Returns
+    ``module``, whose class becomes a :class:`ShardedModule` (FSDP2's ``FSDPModule`` methods, see _module.py).
+    A list ``[norm, head]`` makes one group over all their parameters, gathered before the first
+    of them runs and resharded after the last (FSDP2's; see [Note: a list of modules] in
+    _grouped.py); the list is returned.
+    """
+    arg = module
+    modules = listed_modules(module) if isinstance(module, (list, tuple)) else (module,)
+    if not isinstance(modules[0], nn.Module):
+        raise ShardingError(f"module={module!r} must be a torch.nn.Module or a list of them")
+    module = modules[0]
+    _check_fsdp_arguments(reshard_after_forward, shard_placement_fn, offload_policy)
+    for m in modules:
+        if (done := state_of(m)) is not None:
+            raise ShardingError(
+                f"this {done.group.name} is already sharded: call fully_shard once per module "
+                "(bottom-up: layers first, then the root)"
+            )
+    alignment_bytes = _check_alignment(alignment_bytes)
+    policy = check_policy(policy)
+    process_group = engine_group(_process_group(mesh))  # [Note: collective integrity], point 1
+    replicate_group = _replicate_group(mesh)
+    install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
+    install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
+    ignored = _ignored(ignored_params)
+    quantized = [f for m in modules for f in collect_quantized(m, ignored, is_sharded)]  # [Note: quantized groups]
+    names, params, refs = collect_all(modules, ignored | {i for f in quantized for i in f.ids})
+    _check_params(names, params)
+    if type(offload_policy).__name__ == "CPUOffloadPolicy" and any(p.device.type != "cpu" for p in params):
+        raise ShardingError(
+            "offload_policy=CPUOffloadPolicy(): offloading parameters from "
+            f"{next(p.device for p in params if p.device.type != 'cpu')} to the CPU is not implemented in "
+            "blockshard's engine yet (on the CPU it is a no-op and accepted). Fix: drop offload_policy"
+        )
+    name = type(module).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
+    groups, items, owned = [], [], frozenset[str]()
+    for k, (d_names, d_params, d_refs) in enumerate(split_by_dtype(names, params, refs)):  # [Note: mixed dtypes]
+        g_name = name if k == 0 else f"{name}[{str(d_params[0].dtype).removeprefix('torch.')}]"
+        group, d_items, d_owned = _build_group(
+            g_name, d_names, d_params, d_refs, semantics, process_group, policy, alignment_bytes,
+            mp_policy if k == 0 or d_params[0].is_floating_point() else None, replicate_group,
+        )  # fmt: skip
+        if d_owned and (len(modules) > 1 or k > 0):
+            raise ShardingError(
+                f"fully_shard of {name}: owner-computed tensors ({sorted(d_owned)[:3]}, policy={policy!r}) are "
+                "not supported in a list's group or among a group's frozen parameters of another dtype yet. "
+                "Fix: pass policy='whole', or shard the modules one by one"
+            )
+        groups.append(group)
+        if k == 0:
+            items, owned = d_items, d_owned
+    group = groups[0]
     if quantized:  # [quantized] the frozen quantized weights: a byte-group beside the float one
         group.quantized = QuantizedGroup(name, quantized, process_group, alignment_bytes=alignment_bytes)
     state = ModuleState(
@@ -316,19 +319,26 @@ def fully_shard(
         param_dtype=getattr(mp_policy, "param_dtype", None),
         output_dtype=getattr(mp_policy, "output_dtype", None),
         cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),
+        modules=modules,
+        extra_groups=groups[1:],
     )
     state.order = next(_ORDER)  # see [Note: cost tally]
     record_compute(group, {it.name: it.grid for it in items if it.name in owned})
     for orig in params:
         tag_managed(orig, name, original=True)
-    group.tag_views()
-    module.__dict__[STATE_ATTR] = state
-    _swap_class(module)
+    for g in groups:
+        g.tag_views()
     from blockshard.runtime._state_dict import install_state_dict_hooks  # imports this module
 
-    install_state_dict_hooks(module)  # model.state_dict() speaks DCP ([Note: state dict entries])
-    _balance_costs(module, state)
-    return module
+    for m in modules:  # as FSDP2: each listed module gets the state and the class swap
+        m.__dict__[STATE_ATTR] = state
+        _swap_class(m)
+        install_state_dict_hooks(m)  # model.state_dict() speaks DCP ([Note: state dict entries])
+        install_extra_state_dict_hooks(m)
+    if len(modules) == 1:
+        bind_below(module)  # list groups under it get their names ([Note: a list of modules])
+        _balance_costs(module, state)
+    return arg
 
 
 # [Note: cost tally]
@@ -344,10 +354,9 @@ _ORDER = itertools.count()
 
 
 def _balance_costs(module: nn.Module, state: ModuleState) -> None:
-    below = sorted(
-        (st for m in module.modules() if m is not module and (st := state_of(m)) is not None),
-        key=lambda st: st.order,
-    )
+    own = state_of(module)
+    unique = {id(st): st for m in module.modules() if (st := state_of(m)) is not None and st is not own}
+    below = sorted(unique.values(), key=lambda st: st.order)
     if not below:  # a leaf: balanced by the call that shards an enclosing module
         if compute_of(state.group):  # its own owners until then ([Note: engine owner plan])
             plan_owners(type(module).__name__, [("", state)], EngineOwnerBuilder(state.group.world_size, {}), None)
@@ -390,42 +399,3 @@ def _rotation(old: GroupLayout, new: GroupLayout) -> int:
             S = old.buckets[t.bucket]
             return ((by_name[t.name].offset - t.offset) // S) % W
     return 0
-
-
-# -- inspection -------------------------------------------------------------------------------
-def _states_under(model: nn.Module) -> list[tuple[str, ModuleState]]:
-    return [(prefix, st) for prefix, m in model.named_modules() if (st := state_of(m)) is not None]
-
-
-def group_layouts(model: nn.Module) -> dict[str, GroupLayout]:
-    """The layout of every group under ``model``, by the sharded module's name."""
-    return {prefix: st.group.layout for prefix, st in _states_under(model) if st.group.layout is not None}
-
-
-def global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Every parameter's global shape by name (``model.named_parameters()`` names, tied names too).
-
-    For a parameter the engine manages, the shape of the whole tensor, whatever piece (or empty
-    ``(0,)`` piece) this rank holds; for any other parameter (not sharded, or an FSDP2 DTensor,
-    whose ``shape`` is already global), its own shape. Names are stable across sharding.
-    """
-    managed = {
-        id(p): sp.shape for _, st in _states_under(model) for sp in st.group.params for p in (sp.sharded, sp.unsharded)
-    }
-    return {n: managed.get(id(p), tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)}
-
-
-def local_buffers(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-    """The buffers of every group, for memory checks: ``local`` (persistent) and ``grad`` while a
-    sharded ``.grad`` views it (see [Note: buffers] in _group.py)."""
-    out = {}
-    for prefix, st in _states_under(model):
-        if st.group.layout is not None:
-            out[prefix] = {"local": st.group.local}
-            if (grad := st.group.grad_buffer()) is not None:
-                out[prefix]["grad"] = grad
-    return out
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name

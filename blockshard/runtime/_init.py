@@ -54,37 +54,41 @@ def init_parameters(
     run = init or _reset
     visit = list(model.modules()) if order == "modules" else list(_post_order(model))
     groups: list[ShardGroup] = []
-    owner: dict[int, ShardGroup] = {}
+    owner: dict[int, list[ShardGroup]] = {}  # a module's parameters may lie in several ([Note: mixed dtypes])
     for m in model.modules():
         st = state_of(m)
-        if st is None or st.group.layout is None:
-            continue
-        groups.append(st.group)
-        for sp in st.group.params:
-            for ref in sp.refs:
-                owner.setdefault(id(ref.module), st.group)
-        if st.group.sharded_state is not ShardedState.SHARDED or st.group.device.type == "meta":
-            raise ShardingError(
-                f"init_parameters: group {st.group.name!r} is "
-                + (
-                    "on the meta device: call model.to_empty(device=...) first"
-                    if st.group.device.type == "meta"
-                    else "gathered: call it between steps, not inside forward or backward"
+        for g in st.groups if st is not None else []:
+            if g.layout is None or any(g is seen for seen in groups):
+                continue  # a list's group is met at each of its modules
+            groups.append(g)
+            for sp in g.params:
+                for ref in sp.refs:
+                    mine = owner.setdefault(id(ref.module), [])
+                    if not any(g is o for o in mine):
+                        mine.append(g)
+            if g.sharded_state is not ShardedState.SHARDED or g.device.type == "meta":
+                raise ShardingError(
+                    f"init_parameters: group {g.name!r} is "
+                    + (
+                        "on the meta device: call model.to_empty(device=...) first"
+                        if g.device.type == "meta"
+                        else "gathered: call it between steps, not inside forward or backward"
+                    )
                 )
-            )
     remaining: dict[int, int] = {}
     for m in visit:
-        if (g := owner.get(id(m))) is not None:
+        for g in owner.get(id(m), []):
             remaining[id(g)] = remaining.get(id(g), 0) + 1
     opened: dict[int, ShardGroup] = {}
     try:
         for m in visit:
-            g = owner.get(id(m))
-            if g is not None and id(g) not in opened:
-                opened[id(g)] = g
-                _open(g)
+            mine = owner.get(id(m), [])
+            for g in mine:
+                if id(g) not in opened:
+                    opened[id(g)] = g
+                    _open(g)
             run(m)
-            if g is not None:
+            for g in mine:
                 remaining[id(g)] -= 1
                 if remaining[id(g)] == 0:
                     _close(g)

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from blockshard._errors import BlockshardError
-from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._state import ModuleState, state_of
 
 __all__ = ["ShardedModule", "ShardingError", "UnshardHandle", "register_forward_method"]
@@ -30,11 +29,11 @@ class ShardingError(BlockshardError):
 class UnshardHandle:
     """What ``module.unshard(async_op=True)`` returns: ``wait()`` finishes the all-gathers."""
 
-    def __init__(self, group: ShardGroup) -> None:
-        self._group = group
+    def __init__(self, state: ModuleState) -> None:
+        self._state = state
 
     def wait(self) -> None:
-        self._group.wait_unshard()
+        self._state.wait_unshard()
 
 
 class ShardedModule(nn.Module):
@@ -53,27 +52,25 @@ class ShardedModule(nn.Module):
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters (``async_op=True``: return a handle to ``wait()``)."""
-        group = self._bs_state().group
-        group.unshard(async_op=async_op)
-        return UnshardHandle(group) if async_op else None
+        state = self._bs_state()
+        state.unshard(async_op=async_op)
+        return UnshardHandle(state) if async_op else None
 
     def reshard(self) -> None:
         """Free the gathered parameters; the module holds its local pieces again."""
-        self._bs_state().group.reshard()
+        self._bs_state().reshard()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Off: backward accumulates unsharded gradients without a reduce-scatter (micro-batches)."""
         if not isinstance(requires_gradient_sync, bool):
             raise ShardingError(f"requires_gradient_sync={requires_gradient_sync!r} must be True or False")
-        for m in self.modules() if recurse else [self]:
-            st = state_of(m)
-            if st is not None:
-                st.group.requires_gradient_sync = requires_gradient_sync
+        for st in self._states(recurse):
+            st.group.requires_gradient_sync = requires_gradient_sync
 
     # -- FSDP2's controls -------------------------------------------------------------------------
     def _states(self, recurse: bool) -> list[ModuleState]:
         mods = self.modules() if recurse else [self]
-        return [st for m in mods if (st := state_of(m)) is not None]
+        return list({id(st): st for m in mods if (st := state_of(m)) is not None}.values())  # a list's group once
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether to free the gathered parameters after forward (re-gathered in backward); this
@@ -88,7 +85,8 @@ class ShardedModule(nn.Module):
         group's parameters reshards it first, so the next forward gathers the new values."""
         _check_bool("reshard_after_backward", reshard_after_backward)
         for st in self._states(recurse):
-            st.group.reshard_after_backward = reshard_after_backward
+            for g in st.groups:  # every buffer set of a mixed-dtype group ([Note: mixed dtypes])
+                g.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather these modules' parameters (asynchronously) right after this module's, in
@@ -162,26 +160,30 @@ class ShardedModule(nn.Module):
         global _applying
         if _applying:  # an enclosing sharded module's _apply has handled this subtree's groups
             return super()._apply(fn, recurse)
-        states = [st for m in self.modules() if (st := state_of(m)) is not None and st.group.layout is not None]
-        for st in states:
-            probe = st.group.local[:1]
+        groups = [(st, g) for st in self._states(True) for g in st.groups if g.layout is not None]
+        # a list's group ([Note: a list of modules]) is checked and materialized with its first
+        # module's subtree (its parameters are hidden from torch in every listed module's)
+        inside = {id(m) for m in self.modules()}
+        mine = [g for st, g in groups if id(st.modules[0]) in inside]
+        for g in mine:
+            probe = g.local[:1]
             out = fn(probe)
-            if st.group.device.type == "meta" and out.device.type != "meta" and out.dtype == probe.dtype:
+            if g.device.type == "meta" and out.device.type != "meta" and out.dtype == probe.dtype:
                 continue  # materialized below
             if out is not probe:
                 raise ShardingError(
                     f"converting or moving a sharded module (model.to(...), .double(), .half(), .cuda()) "
-                    f"would replace the parameters of group {st.group.name!r} ({st.group.orig_dtype} on "
-                    f"{st.group.device}) with copies the engine does not own, so training would silently "
+                    f"would replace the parameters of group {g.name!r} ({g.orig_dtype} on "
+                    f"{g.device}) with copies the engine does not own, so training would silently "
                     "ignore them. Fix: convert or move the model before fully_shard, or keep the parameters "
                     "and compute in another dtype with mp_policy=MixedPrecisionPolicy(param_dtype=...)"
                 )
-        for st in states:
-            if st.group.device.type == "meta":
-                st.group.materialize(fn(st.group.local[:1]).device)
+        for g in mine:
+            if g.device.type == "meta":
+                g.materialize(fn(g.local[:1]).device)
         # the rest (buffers, unsharded parameters) as torch does; the engine's own parameters are
         # hidden meanwhile, so torch does not replace their data
-        hidden = [(ref, ref.module._parameters[ref.attr]) for st in states for sp in st.group.params for ref in sp.refs]
+        hidden = [(ref, ref.module._parameters[ref.attr]) for _, g in groups for sp in g.params for ref in sp.refs]
         for ref, _ in hidden:
             ref.module._parameters[ref.attr] = None
         _applying = True

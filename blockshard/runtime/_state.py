@@ -58,6 +58,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from blockshard.runtime._collectives import CollectiveIntegrityError, all_gather_into, note_step, wait
 from blockshard.runtime._common import CollectiveTally, TrainingState, expect, in_backward, tensors_in
+from blockshard.runtime._dtypes import check_trainable_dtypes
 from blockshard.runtime._group import ShardGroup
 
 __all__ = ["STATE_ATTR", "ModuleState", "RootContext", "state_of"]
@@ -102,8 +103,9 @@ class RootContext:
         for st in self.states:
             if st.training_state is TrainingState.PRE_BACKWARD:
                 st.finish_backward()  # gradients that never all arrived (unused parameters)
+            st._to_run, st._backward_follows = set(), False
             if st.group.reshard_after_backward:
-                st.group.reshard()
+                st.reshard()
             st.training_state = TrainingState.IDLE
             st._inputs_pending, st._finish_at_end = 0, False
         self.remember_order()
@@ -200,8 +202,19 @@ class ModuleState:
         param_dtype: torch.dtype | None = None,
         output_dtype: torch.dtype | None = None,
         cast_forward_inputs: bool = True,
+        modules: tuple[nn.Module, ...] | None = None,
+        extra_groups: list[ShardGroup] | None = None,
     ) -> None:
+        # [Note: a list of modules] ``modules``: those the group's hooks are on (``fully_shard([a, b])``);
+        # ``module``: the one its tensor names are relative to (for a list, their lowest common
+        # ancestor once known, see _grouped.py)
         self.module, self.group = module, group
+        # [Note: mixed dtypes] the buffer sets of the group's other dtypes (frozen parameters)
+        self.extra_groups: list[ShardGroup] = list(extra_groups or [])
+        self.groups: list[ShardGroup] = [group, *self.extra_groups]
+        self.modules: tuple[nn.Module, ...] = modules or (module,)
+        self._to_run: set[int] = set()  # ids of this pass's modules that have not run forward yet
+        self._backward_follows = False  # some module of this pass hooked its outputs for backward
         self.reshard_after_forward = reshard_after_forward  # None: True but for the root (FSDP2's default)
         # set_modules_to_forward_prefetch / _backward_prefetch: None = the recorded order's neighbour
         self.forward_prefetch: list[ModuleState] | None = None
@@ -218,20 +231,28 @@ class ModuleState:
         self._inputs_pending = 0
         self._finish_at_end = False  # a call whose inputs need no gradient: finish in the final callback
         self._module_hooks = [
-            module.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
-            module.register_forward_hook(self.post_forward),
+            hook
+            for m in self.modules
+            for hook in (
+                m.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
+                m.register_forward_hook(self.post_forward),
+            )
         ]
 
     # -- forward ----------------------------------------------------------------------------------
     def _lazy_init(self) -> RootContext:
         """At the first forward, the module that runs first is the root: it owns the context."""
         ctx = RootContext()
-        for path, m in self.module.named_modules():
-            st = state_of(m)
-            if st is not None:
-                st.ctx, st.is_root, st.group.path = ctx, st is self, path
-                st.group.tally, st.group.tally_index = ctx.tally, len(ctx.states)
-                ctx.states.append(st)
+        seen: set[int] = set()
+        for top in self.modules:
+            for path, m in top.named_modules():
+                st = state_of(m)
+                if st is not None and id(st) not in seen:
+                    seen.add(id(st))
+                    st.ctx, st.is_root = ctx, st is self
+                    for g in st.groups:
+                        g.path, g.tally, g.tally_index = path, ctx.tally, sum(len(o.groups) for o in ctx.states)
+                    ctx.states.append(st)
         return ctx
 
     def _context(self) -> RootContext:
@@ -247,9 +268,15 @@ class ModuleState:
 
     def pre_forward(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if in_backward():  # [Note: recompute]
-            self.group.wait_unshard()
+            self.unshard()
             if self.training_state is TrainingState.IDLE and not self._inputs_pending:
                 args, kwargs = self._hook_inputs(args, kwargs)  # reentrant: the original forward had no grad
+            return self._cast_inputs(args, kwargs)
+        if self.training_state is TrainingState.FORWARD and len(self.modules) > 1:
+            # [Note: a list of modules] a later module of this group's pass: gathered already
+            self.unshard()
+            if torch.is_grad_enabled():
+                args, kwargs = self._hook_inputs(args, kwargs)
             return self._cast_inputs(args, kwargs)
         if self.is_root is None:
             self._lazy_init()
@@ -258,15 +285,34 @@ class ModuleState:
             self._reset_if_interrupted(ctx)
             ctx.remember_order()
         expect(f"pre-forward of group {self.group.name!r}", self.training_state, TrainingState.IDLE)
-        self.group.check_registered()
+        for g in self.groups:
+            g.check_registered()
+        check_trainable_dtypes(self.group, self.extra_groups)  # [Note: mixed dtypes]
         self.training_state = TrainingState.FORWARD
+        self._to_run = {id(m) for m in self.modules}
         ctx.forward_order.append(self)
-        self.group.wait_unshard()
+        self.unshard()
         for nxt in self._prefetch(ctx, self.forward_prefetch, +1):
-            nxt.group.unshard(async_op=True)
+            nxt.unshard(async_op=True)
         if torch.is_grad_enabled():
             args, kwargs = self._hook_inputs(args, kwargs)
         return self._cast_inputs(args, kwargs)
+
+    def unshard(self, *, async_op: bool = False) -> None:
+        """All-gather every buffer set of the group (issued together, then waited for)."""
+        for g in self.groups:
+            g.unshard(async_op=True)
+        if not async_op:
+            for g in self.groups:
+                g.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        for g in self.groups:
+            g.wait_unshard()
+
+    def reshard(self) -> None:
+        for g in self.groups:
+            g.reshard()
 
     def _hook_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Route the inputs that require grad through :class:`_PostBackward` (see
@@ -311,29 +357,41 @@ class ModuleState:
         """Every group resharded, every state IDLE, partial gradients and the tally dropped
         (``reset_iter_state()``, and the next forward after an interrupted step)."""
         for st in ctx.states:
-            for sp in st.group.params:
-                sp.unsharded.grad, sp.accumulated = None, None
-            st.group._partial = None  # HSDP outputs not all-reduced yet: lost with the step
-            st.group.reshard()
+            for g in st.groups:
+                for sp in g.params:
+                    sp.unsharded.grad, sp.accumulated = None, None
+                g._partial = None  # HSDP outputs not all-reduced yet: lost with the step
+            st.reshard()
             st.training_state = TrainingState.IDLE
             st._inputs_pending, st._finish_at_end = 0, False
+            st._to_run, st._backward_follows = set(), False
         ctx.callback_queued = False
         ctx.tally.reset()
 
-    def post_forward(self, _module: nn.Module, _args: Any, output: Any) -> Any:
+    def post_forward(self, module: nn.Module, _args: Any, output: Any) -> Any:
         if in_backward():  # [Note: recompute]
             if self.training_state is TrainingState.IDLE:
                 self._hook_outputs(output)  # a reentrant checkpoint backpropagates through these
         else:
             expect(f"post-forward of group {self.group.name!r}", self.training_state, TrainingState.FORWARD)
-            backward_follows = self._hook_outputs(output)
-            if not backward_follows or self._reshards_after_forward():
-                self.group.reshard()
-            self.training_state = TrainingState.IDLE
+            self._backward_follows |= self._hook_outputs(output)
+            self._to_run.discard(id(module))
+            if not self._to_run:  # the last of the group's modules to run in this pass
+                self._finish_forward()
+                if self.is_root:  # modules of a list group that did not run: done ([Note: a list of modules])
+                    for st in self._context().states:
+                        if st.training_state is TrainingState.FORWARD and st is not self:
+                            st._finish_forward()
         if self.output_dtype is not None:
             dtype = self.output_dtype
             output = tree_map(lambda x: _cast(x, dtype), output)
         return output
+
+    def _finish_forward(self) -> None:
+        if not self._backward_follows or self._reshards_after_forward():
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        self._to_run, self._backward_follows = set(), False
 
     def _hook_outputs(self, output: Any) -> bool:
         """Run :meth:`pre_backward` when the first gradient reaches ``output``; False if none will."""
@@ -346,23 +404,24 @@ class ModuleState:
     # -- backward ---------------------------------------------------------------------------------
     def pre_backward(self, _grad: torch.Tensor | None = None) -> None:
         """The first gradient reached this module's outputs (its other outputs' hooks return)."""
-        if self.training_state is not TrainingState.IDLE:
+        partial = self.training_state is TrainingState.FORWARD and len(self.modules) > 1  # a list's pass cut short
+        if self.training_state is not TrainingState.IDLE and not partial:
             return  # the module ran more than once in forward: one pre-backward per step
         ctx = self._context()
         if not ctx.callback_queued:
             ctx.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
         self.training_state = TrainingState.PRE_BACKWARD
-        self.group.wait_unshard()
+        self.unshard()
         for prev in self._prefetch(ctx, self.backward_prefetch, -1):
-            prev.group.unshard(async_op=True)
+            prev.unshard(async_op=True)
 
     def finish_backward(self) -> None:
         """All gradients are in: reshard, then reduce-scatter unless accumulating without sync."""
         expect(f"post-backward of group {self.group.name!r}", self.training_state, TrainingState.PRE_BACKWARD)
         self.training_state = TrainingState.POST_BACKWARD
         if self.group.reshard_after_backward:
-            self.group.reshard()  # free the gathered parameters before the reduce-scatter needs its output
+            self.reshard()  # free the gathered parameters before the reduce-scatter needs its output
         if self.group.requires_gradient_sync:
             self.group.reduce_grads()
         else:

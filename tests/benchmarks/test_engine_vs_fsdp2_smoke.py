@@ -53,3 +53,25 @@ def test_engine_vs_fsdp2_smallest_run(tmp_path, monkeypatch):
     for kind in ("_allgather_base_", "_reduce_scatter_base_"):
         assert f["collectives_rank0"][kind]["count"] == b["collectives_rank0"][kind]["count"] > 0
     assert report["loss_max_abs_diff"] < 1e-4
+
+
+@pytest.mark.slow
+def test_persistent_bytes_report(tmp_path, monkeypatch):
+    """``--persistent``: FSDP2's bytes come from its own ``fully_shard`` over a fake process group and
+    match its per-parameter ``ceil(dim0 / W) * rest`` padding; blockshard's come from the plan and are
+    never above the even share by more than the alignment, nor above FSDP2's."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import engine_vs_fsdp2 as bench
+
+    out = tmp_path / "persistent.json"
+    argv = ["--persistent", "--world-size", "96", "--catalog", "llama3-8b", "--out", str(out)]
+    report = bench.main(argv)
+
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    (row,) = report["models"]
+    assert row["model"] == "llama3-8b" and report["world_size"] == 96
+    assert row["fsdp2_matches_formula"] is True
+    # 96 divides the 128256-row embedding but not 4096, 1024 or 14336 rows: FSDP2 pads those.
+    assert row["fsdp2_bytes_per_rank"] > row["ideal_bytes_per_rank"]
+    assert row["ideal_bytes_per_rank"] <= row["blockshard_bytes_per_rank"] <= row["fsdp2_bytes_per_rank"]
+    assert row["ratio_blockshard_over_fsdp2"] == row["blockshard_bytes_per_rank"] / row["fsdp2_bytes_per_rank"]

@@ -244,6 +244,4 @@ def test_fsdp2_default_offload_policy_and_cpu_offload_on_the_cpu_are_accepted(gl
     blockshard.fully_shard(nn.Linear(2, 2), offload_policy=CPUOffloadPolicy())
 
 
-def test_a_list_of_modules_is_refused_with_the_fix(gloo_w1):
-    with pytest.raises(ShardingError, match="list of 2 modules"):
-        blockshard.fully_shard([nn.Linear(2, 2), nn.Linear(2, 2)])
+# (a list of modules, refused here before, is one group now: test_fast_list_groups.py)
