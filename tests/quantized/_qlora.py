@@ -254,7 +254,8 @@ def run(rank: int, world: int, sharded: bool, configs: list[tuple], steps: int) 
 def qlora_variants(rank: int, world: int, variant: str) -> dict:
     """One training step of QLoRA under a loop variant: ``checkpointing`` (HF gradient
     checkpointing, the QLoRA default), ``keep`` (``reshard_after_forward=False``), ``eval`` (a
-    no-grad eval forward first, then training) or ``prefetch_off`` (no forward or backward prefetch)."""
+    no-grad eval forward first, then training), ``prefetch_off`` (no forward or backward prefetch) or
+    ``list`` (each layer's attention and MLP in one list group, under the layer's)."""
     with _serial():
         model = qlora_llama()
     inner = model.base_model.model
@@ -266,6 +267,8 @@ def qlora_variants(rank: int, world: int, variant: str) -> dict:
 
         kw = {"reshard_after_forward": False} if variant == "keep" else {}
         for layer in inner.model.layers:
+            if variant == "list":  # one group over two modules (FSDP2's list form)
+                blockshard.fully_shard([layer.self_attn, layer.mlp])
             blockshard.fully_shard(layer, **kw)
         blockshard.fully_shard(inner, **kw)
         if variant == "prefetch_off":

@@ -129,10 +129,11 @@ def test_control_a_float_path_changes_the_payload():
     assert res["changed_bytes"] > 0 and not res["dequantized_equal"]
 
 
-@pytest.mark.parametrize("variant", ["checkpointing", "keep", "eval", "prefetch_off"])
+@pytest.mark.parametrize("variant", ["checkpointing", "keep", "eval", "prefetch_off", "list"])
 def test_qlora_loop_variants_equal_one_process_bitwise(variant):
     """HF gradient checkpointing (the recompute regathers the 4-bit weights inside backward),
-    ``reshard_after_forward=False``, an eval forward under no_grad, no prefetch: W = 2 bitwise."""
+    ``reshard_after_forward=False``, an eval forward under no_grad, no prefetch, a list group of
+    attention and MLP: W = 2 bitwise."""
     with _inproc.single_thread():
         want = _qlora.qlora_variants(0, 0, variant)
     for got in _inproc.run_ranks(_qlora.qlora_variants, 2, args=(variant,)):
