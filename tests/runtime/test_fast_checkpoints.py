@@ -295,6 +295,32 @@ def test_full_state_dict_has_tied_names_and_save_pretrained_never_writes_pieces(
         assert out["without_tied_name_fails"] is (True if tie else None)  # control
 
 
+def _export_chunked(rank: int, world: int, path: str) -> bool:
+    with _inproc.serial():
+        from transformers import LlamaForCausalLM
+
+        model = _tiny_llama(tie=True)
+    for layer in model.model.layers:
+        blockshard.fully_shard(layer)
+    blockshard.fully_shard(model)
+    _step_llama(model)
+    trained = blockshard.full_state_dict(model)
+    blockshard.save_pretrained(model, path)
+    torch.distributed.barrier()
+    with _inproc.serial():
+        back = LlamaForCausalLM.from_pretrained(path)
+    return back.state_dict().keys() == trained.keys() and all(
+        torch.equal(v, trained[k]) for k, v in back.state_dict().items()
+    )
+
+
+def test_save_pretrained_streams_chunks_that_cut_tensors_and_segments(tmp_path, monkeypatch):
+    from blockshard.runtime import _export
+
+    monkeypatch.setattr(_export, "_CHUNK_BYTES", 44)  # 11 fp32 elements: chunks end inside tensors
+    assert all(_inproc.run_ranks(_export_chunked, 3, args=(str(tmp_path / "w3"),)))
+
+
 # -- blockshard inspect CHECKPOINT ---------------------------------------------------------------
 def test_inspect_a_checkpoint(tmp_path, capsys):
     with _inproc.single_thread():
