@@ -122,6 +122,9 @@ def save(rank: int, world: int, path: str) -> dict:
         r["control"] = _unwrapped(m, opts)
         train(name, m, opts, slice(STEPS_BEFORE, None))
         out[name] = r | {"final": blockshard.full_state_dict(m)}
+        plain, plain_opts = setup(name, 0, sharded=False)  # torch's helpers wrapped: other models unchanged
+        train(name, plain, plain_opts, slice(None, STEPS_BEFORE))
+        out[name]["unsharded_full"] = tuple(_plain(d) for d in get_state_dict(plain, plain_opts, options=FULL))
     return out
 
 

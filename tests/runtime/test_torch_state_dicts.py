@@ -75,6 +75,13 @@ def test_full_state_dicts_equal_the_unsharded_models(name):
         assert not _differences(r[name]["full_again"][1], ref["optim"])
 
 
+@pytest.mark.parametrize("name", tr.NAMES)
+def test_an_unsharded_model_in_the_same_process_keeps_torchs_behaviour(name):
+    for r in saved():  # after fully_shard wrapped torch's helpers
+        assert not _differences(r[name]["unsharded_full"][0], reference()[name]["model"])
+        assert not _differences(r[name]["unsharded_full"][1], reference()[name]["optim"])
+
+
 def test_tied_names_share_one_gathered_tensor():
     assert set(reference()["tied"]["model"]) >= {"embed.weight", "head.weight"}
     assert all(r["tied"]["tied_one_tensor"] for r in saved())
