@@ -221,7 +221,7 @@ def decode_state(name: str, key: str, value: object, have: object, sp: ShardedPa
     if sp is not None and key == "blocks" and _is_shampoo(optimizer) and isinstance(value, dict):
         return _decode_shampoo(value, have if isinstance(have, list) else [], sp, group["max_preconditioner_dim"])
     if isinstance(value, dict) and _is_ao(have):
-        for part in type(have).tensor_attrs:
+        for part in type(have).tensor_attrs:  # type: ignore[attr-defined]
             _copy_into(getattr(have, part), _local(name, f"{key}.{part}", value[part], getattr(have, part)))
         return have
     if isinstance(value, PieceTensor):

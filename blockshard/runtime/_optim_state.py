@@ -266,11 +266,7 @@ def torch_load_optimizer_state_dict(model: nn.Module, optimizers: tuple, state_d
     from blockshard.runtime._checkpoint import CheckpointError
 
     if info.broadcast_from_rank0:
-        raise CheckpointError(
-            "set_optimizer_state_dict(..., options=StateDictOptions(broadcast_from_rank0=True)) on a blockshard "
-            "model is not supported. Fix: pass the full optimizer state dict on every rank (full_state_dict=True), "
-            "or load a sharded one with dcp.load"
-        )
+        state_dict = _from_rank0(model, optimizers, state_dict)
     total, offset = sum(len(o.param_groups) for o in optimizers), 0
     for o in optimizers:
         template = optimizer_state_dict(model, o)  # collective; creates missing state
@@ -319,6 +315,29 @@ def _bnb_flat(entries: Any) -> Any:
     if not isinstance(entries, Mapping) or not isinstance(entries.get(_BNB_NESTED), Mapping):
         return entries
     return {k: v for k, v in entries.items() if k != _BNB_NESTED} | dict(entries[_BNB_NESTED])
+
+
+def _from_rank0(model: nn.Module, optimizers: tuple, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's full optimizer state dict on every rank, as far as each rank's optimizers hold it:
+    torch's broadcast (one tensor at a time) into this rank's entries, the names every rank's
+    ``param_groups`` list kept (collective)."""
+    import torch.distributed as dist
+    from torch.distributed._state_dict_utils import _broadcast_state_dict, _flatten_state_dict, _unflatten_state_dict
+
+    local: dict[str, Any] = {"state": {}, "param_groups": []}
+    for o in optimizers:
+        one = optimizer_state_dict(model, o)
+        local["state"].update({n: _bnb_nested(o, entries) for n, entries in one["state"].items()})
+        local["param_groups"] += one["param_groups"]
+    names = [g["params"] for g in local["param_groups"]]
+    flat, mapping = _flatten_state_dict(local)
+    full = _flatten_state_dict(state_dict)[0] if dist.get_rank() == 0 else {}
+    device = _states_under(model)[0][1].group.local.device
+    _broadcast_state_dict(full, flat, device=device)
+    out = _unflatten_state_dict(flat, mapping)
+    for g, params in zip(out["param_groups"], names, strict=True):
+        g["params"] = params
+    return out
 
 
 def _unflatten(flat: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:

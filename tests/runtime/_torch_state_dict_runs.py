@@ -9,7 +9,6 @@ embedding and head share one weight ("tied").
 from __future__ import annotations
 
 import copy
-import functools
 import os
 
 import _optim_checkpoint_runs as ocr
@@ -137,20 +136,12 @@ def _unwrapped(m: nn.Module, opts: list) -> tuple:
     return _plain(msd), _plain(osd)
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def load(rank: int, world: int, path: str, ref: dict) -> dict:
     """Into models of other weights at this world size: the unsharded run's full state dicts
     (``set_state_dict(..., full_state_dict=True)``), the sharded checkpoint saved at W = 4
     (``dcp.load`` into ``get_state_dict``'s entries, then ``set_state_dict``) and torch's
-    flattened optimizer form, each continued; the model broadcast from rank 0 (the optimizer's
-    broadcast raises), which continued with a fresh optimizer is the control."""
+    flattened optimizer form, and both broadcast from rank 0 (``broadcast_from_rank0``), each
+    continued; the control broadcasts the model alone and keeps a fresh optimizer."""
     out = {}
     for name in NAMES:
         r = {}
@@ -180,10 +171,16 @@ def load(rank: int, world: int, path: str, ref: dict) -> dict:
         r["from_flat"] = blockshard.full_state_dict(m)
 
         m, opts = setup(name, 1, sharded=True)
-        set_model_state_dict(m, ref[name]["model"] if rank == 0 else {}, options=BROADCAST)
+        given = (ref[name]["model"], ref[name]["optim"]) if rank == 0 else ({}, {})
+        # (not set_state_dict: on a rank given an empty model dict it skips the model, torch 2.13 line 1537)
+        set_model_state_dict(m, given[0], options=BROADCAST)
+        set_optimizer_state_dict(m, opts, given[1], options=BROADCAST)
         r["broadcast"] = blockshard.full_state_dict(m)
-        given = ref[name]["optim"] if rank == 0 else {}
-        r["broadcast_optim"] = _error(functools.partial(set_optimizer_state_dict, m, opts, given, options=BROADCAST))
+        train(name, m, opts, slice(STEPS_BEFORE, None))
+        r["from_broadcast"] = blockshard.full_state_dict(m)
+
+        m, opts = setup(name, 1, sharded=True)
+        set_model_state_dict(m, ref[name]["model"] if rank == 0 else {}, options=BROADCAST)
         train(name, m, opts, slice(STEPS_BEFORE, None))
         r["model_only"] = blockshard.full_state_dict(m)
         out[name] = r
