@@ -222,7 +222,9 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
 # * ``_get_optim_state_dict`` / ``_load_optim_state_dict``: blockshard's
 #   :func:`~blockshard.runtime.optimizer_state_dict` (FQN-keyed, PieceTensor entries that DCP
 #   reshards; gathered likewise under ``full_state_dict=True``) and its loader, which also takes
-#   full tensors (each rank copies its piece out). See ``_optim_state.py``.
+#   full tensors (each rank copies its piece out), torch's flattened form and rank 0's broadcast.
+#   See ``_optim_state.py``.
+# A torch without these three functions (another version) is left as it is.
 # Loading a model needs no wrapper: torch hands ``model.load_state_dict`` full tensors or the
 # PieceTensors, which the load pre-hook above turns into this rank's piece.
 _TORCH_WRAPPED = False  # set once; what it changes is described above
@@ -237,6 +239,9 @@ def install_torch_state_dict_support() -> None:
 
     from blockshard.runtime import _optim_state
 
+    _TORCH_WRAPPED = True
+    if not all(hasattr(dsd, f) for f in ("_get_model_state_dict", "_get_optim_state_dict", "_load_optim_state_dict")):
+        return
     get_model, get_optim, load_optim = dsd._get_model_state_dict, dsd._get_optim_state_dict, dsd._load_optim_state_dict
 
     @functools.wraps(get_model)
@@ -261,7 +266,6 @@ def install_torch_state_dict_support() -> None:
     dsd._get_model_state_dict = _get_model_state_dict
     dsd._get_optim_state_dict = _get_optim_state_dict
     dsd._load_optim_state_dict = _load_optim_state_dict
-    _TORCH_WRAPPED = True
 
 
 def _keeps(info: Any) -> bool:
