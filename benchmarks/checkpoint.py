@@ -17,7 +17,7 @@ trained one AdamW step on W = ``--world-size`` spawned gloo ranks (one torch thr
   ``blockshard.save_pretrained(model, path)`` (streamed: one group gathered at a time) and during
   ``model.save_pretrained(path, state_dict=blockshard.full_state_dict(model))``, relative to just
   before the export, next to the rank's shard and the largest group's gathered bytes (the target:
-  extra <= one gathered group). Measured with the profiler's allocation events and c10's
+  extra <= one gathered group). ``--export-only`` measures the export alone. Measured with the profiler's allocation events and c10's
   ``caffe2_report_cpu_memory_usage`` flag, as ``engine_vs_fsdp2.py`` does.
 
 Times on a loaded 2-core machine are indicative only; bytes and memory do not depend on load.
@@ -47,6 +47,7 @@ def _parser():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--export-only", action="store_true", help="measure the Hugging Face export alone (no timing)")
     return add_output_args(p, timeout=900.0)
 
 
@@ -151,12 +152,16 @@ def _export_memory(model, root: str, rank: int) -> dict:
     gathered = _peak_extra_bytes(full)
     dist.barrier()
     groups = [st.group for _, st in _states_under(model) if st.group.layout is not None]
+    largest = max(g.world_size * g.layout.segment_numel * g.local.element_size() for g in groups)
+    shard = sum(b["local"].numel() * b["local"].element_size() for b in local_buffers(model).values())
     return {
         "streamed_peak_extra_bytes": streamed,
         "full_state_dict_peak_extra_bytes": gathered,
-        "shard_bytes": sum(b["local"].numel() * b["local"].element_size() for b in local_buffers(model).values()),
-        "largest_group_gathered_bytes": max(g.world_size * g.layout.segment_numel * g.local.element_size() for g in groups),
+        "shard_bytes": shard,
+        "largest_group_gathered_bytes": largest,
         "model_bytes": sum(g.layout.total_numel * g.local.element_size() for g in groups),
+        "streamed_over_largest_group": streamed / largest,
+        "streamed_within_target": streamed <= largest,  # extra <= one group: the rank holds <= shard + one group
     }  # fmt: skip
 
 
@@ -185,6 +190,12 @@ def _save_main(rank: int, world: int, opts: dict) -> dict:
     return out
 
 
+def _export_main(rank: int, world: int, opts: dict) -> dict:
+    os.dup2(2, 1)
+    model, _ = _setup("blockshard", opts["model"])
+    return _export_memory(model, opts["root"], rank)
+
+
 def _load_main(rank: int, world: int, opts: dict) -> dict:
     os.dup2(2, 1)
     out: dict = {}
@@ -204,6 +215,19 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = os.getloadavg()
     root = tempfile.mkdtemp(prefix="blockshard-ckpt-bench-")
     opts = {"root": root, "repeats": a.repeats, "model": {"hidden": a.hidden, "layers": a.layers, "vocab": a.vocab}}
+    if a.export_only:
+        try:
+            exported = spawn_gloo(_export_main, a.world_size, args=(opts,), timeout=a.timeout)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        report = {
+            "benchmark": "checkpoint (Hugging Face export only)",
+            "command": command("checkpoint.py", argv),
+            "machine": machine_facts(load_before=load_before),
+            "model": opts["model"] | {"world_size": a.world_size},
+            "hf_export_per_rank": exported,
+        }
+        return emit(report, render=_render, out=a.out, as_json=a.json)
     try:
         saved = spawn_gloo(_save_main, a.world_size, args=(opts,), timeout=a.timeout)
         loaded = spawn_gloo(_load_main, a.load_world_size, args=(opts,), timeout=a.timeout)
@@ -231,13 +255,14 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _render(report: dict) -> None:
-    for e, r in report["engines"].items():
+    for e, r in report.get("engines", {}).items():
         print(f"{e:10s} save {r['save_s']:.3f} s  load {r['load_s']:.3f} s  bytes/rank {r['bytes_written_per_rank']}",
               file=sys.stderr)  # fmt: skip
     for i, m in enumerate(report["hf_export_per_rank"]):
         print(f"rank {i}: HF export extra peak streamed {m['streamed_peak_extra_bytes']:,} B, full_state_dict "
               f"{m['full_state_dict_peak_extra_bytes']:,} B (largest group {m['largest_group_gathered_bytes']:,} B, "
-              f"model {m['model_bytes']:,} B)", file=sys.stderr)  # fmt: skip
+              f"model {m['model_bytes']:,} B; streamed / group {m.get('streamed_over_largest_group', 0):.3f})",
+              file=sys.stderr)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -136,7 +136,8 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
         groups.append(
             {
                 "module": prefix,
-                "class": type(st.module).__mro__[2].__name__,  # (BlockShard<cls>, ShardedModule, cls)
+                # (BlockShard<cls>, ShardedModule, cls); a list group's classes joined by "+"
+                "class": "+".join(type(m).__mro__[2].__name__ for m in st.modules),
                 "world_size": layout.world_size,
                 "dtype": layout.dtype,
                 "segment_numel": layout.segment_numel,

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -71,6 +73,12 @@ def in_backward() -> bool:
     ``torch.utils.module_tracker`` use the same call.
     """
     return torch._C._current_graph_task_id() != -1
+
+
+def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run eagerly under ``torch.compile``: a compiled module's graph holds its forward
+    alone, the engine's hooks run around it (what FSDP2's ``_dynamo_disable`` does for its hooks)."""
+    return torch._dynamo.disable(hook, recursive=True, reason="blockshard's engine hooks run eagerly")
 
 
 def tensors_in(obj: object) -> list[torch.Tensor]:

@@ -3,27 +3,34 @@
 [Note: streamed export]
 ``model.save_pretrained(path, state_dict=blockshard.full_state_dict(model))`` holds the whole
 model on every rank (``full_state_dict`` gathers every group and keeps the full tensors).
-:func:`save_pretrained` (collective) instead gathers one group at a time (the same all-gathers
-of the local buffers, in the parameters' own dtype), writes that group's tensors from rank 0 as
-one safetensors shard straight from the gathered buffer (no copy per tensor), and drops the
-buffer before the next group: no rank holds more than its shard plus one gathered group. Tensors
-outside every group (buffers, unsharded parameters) go into a last shard. Rank 0 also writes
-``model.safetensors.index.json`` (the name -> shard map ``from_pretrained`` reads) and, for a
-Hugging Face model, its ``config.json``. Tied parameters are written once, under their first
-name (``from_pretrained`` ties the others again, as for Hugging Face's own ``save_pretrained``).
+:func:`save_pretrained` (collective) instead writes one safetensors shard per group from rank 0,
+streamed: the header first (every tensor's shape and place is known without data), then the
+gathered buffer's elements in order, which is each bucket's segments rank after rank. Rank 0
+writes its own segment straight from its local buffer and receives every other rank's in chunks
+of at most ``_CHUNK_BYTES`` (point-to-point, into one reused buffer), writing each chunk's part
+that belongs to a tensor; the other ranks send views of their local buffers. No rank gathers a
+group: rank 0 holds one chunk beyond its shard, the others nothing (an all-gather held the group
+plus gloo's own copy of it on every rank). Tensors outside every group (buffers, unsharded
+parameters) go into a last shard. Rank 0 also writes ``model.safetensors.index.json`` (the name
+-> shard map ``from_pretrained`` reads) and, for a Hugging Face model, its ``config.json``. Tied
+parameters are written once, under their first name (``from_pretrained`` ties the others again,
+as for Hugging Face's own ``save_pretrained``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import struct
+from typing import Any
 
 import torch
 from torch import nn
 
 from blockshard.runtime._api import _join, _states_under
-from blockshard.runtime._collectives import all_gather_into
+from blockshard.runtime._param import ShardedParam
 from blockshard.runtime._piece_tensor import PieceTensor
 from blockshard.runtime._state_dict import _names
 
@@ -35,25 +42,35 @@ _DTYPES = {
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }  # fmt: skip
 INDEX = "model.safetensors.index.json"
+_CHUNK_BYTES = 16 << 20  # the most rank 0 receives at once ([Note: streamed export])
 
 
-def _write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
-    """The safetensors format (an 8-byte header length, a JSON header, the raw bytes), written from
-    the tensors' own memory; returns the bytes of tensor data."""
+def _header(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[bytes, int]:
+    """The safetensors header (an 8-byte length, the JSON, padded to 8 bytes) for tensors of
+    ``(dtype, shape)`` stored one after another in this order; and the bytes of tensor data."""
     header, offset = {}, 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+    for name, (dtype, shape) in tensors.items():
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header | {"__metadata__": {"format": "pt"}}, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offset
+
+
+def _write_bytes(f: Any, t: torch.Tensor) -> None:
+    if t.numel():
+        f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
+    """The safetensors format, written from the tensors' own memory; returns the bytes of tensor data."""
+    header, total = _header({k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()})
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        f.write(header)
         for t in tensors.values():
-            if t.numel():
-                f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-    return offset
+            _write_bytes(f, t)
+    return total
 
 
 def _rank(model: nn.Module) -> int:
@@ -68,8 +85,9 @@ def _rank(model: nn.Module) -> int:
 @torch.no_grad()
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None:
     """Write the full weights of a sharded model as Hugging Face safetensors shards (plus the index
-    and, for a Hugging Face model, ``config.json``) from rank 0, gathering one group at a time
-    (collective: call on every rank; see [Note: streamed export]). ``from_pretrained`` loads it."""
+    and, for a Hugging Face model, ``config.json``) from rank 0, one group at a time, streamed in
+    chunks (collective: call on every rank; see [Note: streamed export]). ``from_pretrained``
+    loads it."""
     path = os.fspath(save_directory)
     rank = _rank(model)
     groups = [(prefix, st) for prefix, st in _states_under(model) if st.group.layout is not None]
@@ -81,11 +99,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
     weight_map: dict[str, str] = {}
     total, written = 0, set[int]()
     for file, (prefix, st) in zip(files, groups, strict=False):
-        tensors = _gathered(prefix, st, set(state), written)
-        if rank == 0:
-            total += _write_safetensors(os.path.join(path, file), tensors)
-            weight_map |= dict.fromkeys(tensors, file)
-        del tensors  # the group's gathered buffer goes with its views
+        tensors = _chosen(prefix, st, set(state), written)
+        total += _stream_group(os.path.join(path, file), st.group, tensors, rank)
+        weight_map |= dict.fromkeys(tensors, file)
     if rank == 0 and rest:
         unique = _unique(rest)
         total += _write_safetensors(os.path.join(path, files[len(groups)]), unique)
@@ -98,21 +114,62 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
             config.save_pretrained(path)
 
 
-def _gathered(prefix: str, st: object, names: set[str], written: set[int]) -> dict[str, torch.Tensor]:
-    """The full tensors of one group by name (views of one gathered buffer), tied ones once."""
-    g = st.group  # type: ignore[attr-defined]
-    W, layout = g.world_size, g.layout
-    full = torch.empty(W * layout.segment_numel, dtype=g.orig_dtype, device=g.device)
-    for b, S_b in enumerate(layout.buckets):
-        off = layout.bucket_local_offset(b)
-        all_gather_into(full[W * off : W * (off + S_b)], g.local[off : off + S_b], g.process_group)
+def _chosen(prefix: str, st: Any, names: set[str], written: set[int]) -> dict[str, ShardedParam]:
+    """A group's parameters to write by name (those in the state dict, tied ones once), in the
+    order of the gathered buffer."""
     out = {}
-    for name, sp in _names(st.module, g.params):  # type: ignore[attr-defined]
+    for name, sp in _names(st.module, st.group.params):
         key = _join(prefix, name)
         if key in names and id(sp) not in written:
             written.add(id(sp))
-            out[key] = full[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape).cpu()
-    return out
+            out[key] = sp
+    return dict(sorted(out.items(), key=lambda kv: kv[1].gathered_offset))
+
+
+def _stream_group(path: str, g: Any, tensors: dict[str, ShardedParam], rank: int) -> int:
+    """Write one group's ``tensors`` as a safetensors file from rank 0, streamed (collective over the
+    group's ranks; see [Note: streamed export]); returns the bytes of tensor data."""
+    import torch.distributed as dist
+
+    layout, W = g.layout, g.world_size
+    runs = [(sp.gathered_offset, sp.gathered_offset + sp.numel) for sp in tensors.values()]
+    chunk = max(1, _CHUNK_BYTES // g.local.element_size())
+    assert g.local.dtype == g.orig_dtype, (g.local.dtype, g.orig_dtype)  # the local buffer holds the values
+    size = min(chunk, max(layout.buckets, default=0)) if rank == 0 and W > 1 else 0  # rank 0 receives into it
+    buf = torch.empty(size, dtype=g.local.dtype, device=g.local.device)
+    header, total = _header({k: (g.orig_dtype, sp.shape) for k, sp in tensors.items()})
+    with open(path, "wb") if rank == 0 else contextlib.nullcontext() as f:
+        if f is not None:
+            f.write(header)
+        for b, S_b in enumerate(layout.buckets):
+            off, base = layout.bucket_local_offset(b), layout.bucket_gathered_offset(b)
+            for r in range(W):
+                lo, hi = _span(runs, base + r * S_b, base + (r + 1) * S_b)  # gathered elements to write
+                for c in range(lo, hi, chunk):
+                    n = min(chunk, hi - c)
+                    local = g.local[off + c - base - r * S_b :][:n]  # rank r's elements [c, c + n)
+                    if rank == 0 and r == 0:
+                        _write_runs(f, local, c, runs)
+                    elif rank == 0:
+                        dist.recv(buf[:n], group=g.process_group, group_src=r)
+                        _write_runs(f, buf[:n], c, runs)
+                    elif rank == r:
+                        dist.send(local.contiguous(), group=g.process_group, group_dst=0)
+    return total
+
+
+def _span(runs: list[tuple[int, int]], lo: int, hi: int) -> tuple[int, int]:
+    """The smallest range within ``[lo, hi)`` holding every element of ``runs`` there (empty: ``(lo, lo)``)."""
+    inside = [(max(a, lo), min(b, hi)) for a, b in runs if a < hi and b > lo]
+    return (inside[0][0], inside[-1][1]) if inside else (lo, lo)
+
+
+def _write_runs(f: Any, values: torch.Tensor, start: int, runs: list[tuple[int, int]]) -> None:
+    """Write the elements of ``values`` (gathered elements ``[start, start + len)``) that lie in ``runs``."""
+    end = start + values.numel()
+    for a, b in runs:
+        if a < end and b > start:
+            _write_bytes(f, values[max(a, start) - start : min(b, end) - start])
 
 
 def _unique(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -13,8 +13,9 @@ end (what the optimizer's block semantics guarantee):
   ``OptimState8bit.scale``, B = its ``block_size``): a piece of a vector of ``ceil(numel(S) / B)``
   at ``start / B``, which needs ``start`` and (unless the piece ends the tensor) ``n`` to be
   multiples of B: the quantized state is restored exactly, never re-quantized;
-* **torchao ``OptimState8bit``** (a tensor subclass): its ``codes`` element-wise, its ``scale``
-  per block, its ``qmap`` (the fixed code book) as it is;
+* **torchao ``OptimState8bit`` / ``OptimStateFp8`` / ``OptimState4bit``** (tensor subclasses):
+  their ``codes`` element-wise (4-bit: two codes per byte, a piece at ``start / 2`` of a vector of
+  ``numel(S) / 2``), their ``scale`` per block, ``qmap`` (the fixed code book) as it is;
 * **BlockedShampoo's ``blocks``** (a list of per-tile dicts, row-major over the piece's tiles): per
   key, a tensor of shape ``(tiles of S, *slot)`` where ``slot`` is that key's shape in the largest
   tile (tile 0) and edge tiles sit zero-padded in their slot; a stripe of whole tile rows is the
@@ -58,8 +59,23 @@ def _is_bnb(optimizer: torch.optim.Optimizer) -> bool:
     return type(optimizer).__module__.startswith("bitsandbytes.")
 
 
-def _is_ao8bit(value: object) -> bool:
-    return type(value).__name__ == "OptimState8bit" and type(value).__module__.startswith("torchao.")
+_AO_STATES = ("OptimState8bit", "OptimStateFp8", "OptimState4bit")  # torchao.optim's quantized state
+
+
+def _is_ao(value: object) -> bool:
+    return type(value).__name__ in _AO_STATES and type(value).__module__.startswith("torchao.")
+
+
+def _encode_ao(name: str, key: str, value: Any, sp: ShardedParam) -> dict[str, object]:
+    """A torchao quantized state: ``codes`` element-wise (4-bit: one byte per 2 elements), ``scale``
+    per block, ``qmap`` (8-bit, 4-bit) as it is."""
+    codes: object
+    if type(value).__name__ == "OptimState4bit":
+        codes = _per_block(name, f"{key}.codes", value.codes, sp, 2)
+    else:
+        codes = PieceTensor(value.codes, sp.local_start, sp.shape, name=f"{name}.{key}.codes", process_group=_pg(sp))
+    out = {"codes": codes, "scale": _per_block(name, f"{key}.scale", value.scale, sp, value.block_size)}
+    return out | ({"qmap": value.qmap} if "qmap" in type(value).tensor_attrs else {})
 
 
 def _is_shampoo(optimizer: torch.optim.Optimizer) -> bool:
@@ -97,14 +113,8 @@ def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedPa
         return value
     if sp is not None and key == "blocks" and _is_shampoo(optimizer):
         return _encode_shampoo(name, value, sp, group["max_preconditioner_dim"])
-    if sp is not None and _is_ao8bit(value):
-        return {
-            "codes": PieceTensor(
-                value.codes, sp.local_start, sp.shape, name=f"{name}.{key}.codes", process_group=_pg(sp)
-            ),
-            "scale": _per_block(name, f"{key}.scale", value.scale, sp, value.block_size),
-            "qmap": value.qmap,
-        }
+    if sp is not None and _is_ao(value):
+        return _encode_ao(name, key, value, sp)
     if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
         raise _error(
             name,
@@ -210,8 +220,8 @@ def decode_state(name: str, key: str, value: object, have: object, sp: ShardedPa
     optimizer, group = ctx
     if sp is not None and key == "blocks" and _is_shampoo(optimizer) and isinstance(value, dict):
         return _decode_shampoo(value, have if isinstance(have, list) else [], sp, group["max_preconditioner_dim"])
-    if isinstance(value, dict) and _is_ao8bit(have):
-        for part in ("codes", "scale", "qmap"):
+    if isinstance(value, dict) and _is_ao(have):
+        for part in type(have).tensor_attrs:  # type: ignore[attr-defined]
             _copy_into(getattr(have, part), _local(name, f"{key}.{part}", value[part], getattr(have, part)))
         return have
     if isinstance(value, PieceTensor):

@@ -167,10 +167,12 @@ class PieceTensor(torch.Tensor):
         all_gather_into(places, mine, pg)
         starts, numels = places[0::2].tolist(), places[1::2].tolist()
         most = max(numels)
-        padded = torch.zeros(most, dtype=self.dtype, device=self.device)
-        padded[: self._local.numel()] = self._local
-        values = torch.empty(W * most, dtype=self.dtype, device=self.device)
+        wire = torch.uint8 if self.dtype.itemsize == 1 else self.dtype  # float8 as bytes (gloo has no float8)
+        padded = torch.zeros(most, dtype=wire, device=self.device)
+        padded[: self._local.numel()] = self._local.view(wire)
+        values = torch.empty(W * most, dtype=wire, device=self.device)
         all_gather_into(values, padded, pg)
+        values = values.view(self.dtype)
         if sum(numels) != numel:
             raise PieceTensorError(
                 f"full_tensor() of {self._name or 'a PieceTensor'} (shape {tuple(self.shape)}): the ranks' pieces "

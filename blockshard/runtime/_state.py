@@ -57,7 +57,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from blockshard.runtime._collectives import CollectiveIntegrityError, all_gather_into, note_step, wait
-from blockshard.runtime._common import CollectiveTally, TrainingState, expect, in_backward, tensors_in
+from blockshard.runtime._common import CollectiveTally, TrainingState, eager, expect, in_backward, tensors_in
 from blockshard.runtime._dtypes import check_trainable_dtypes
 from blockshard.runtime._group import ShardGroup
 
@@ -234,8 +234,8 @@ class ModuleState:
             hook
             for m in self.modules
             for hook in (
-                m.register_forward_pre_hook(self.pre_forward, with_kwargs=True),
-                m.register_forward_hook(self.post_forward),
+                m.register_forward_pre_hook(eager(self.pre_forward), with_kwargs=True),
+                m.register_forward_hook(eager(self.post_forward)),
             )
         ]
 

@@ -159,7 +159,8 @@ def test_load_state_dict_takes_full_tensors_and_refuses_wrong_ones():
             model.load_state_dict(dict(full, **{"blocks.0.0.weight": other}))
 
 
-def test_set_model_state_dict_with_full_tensors_loads_and_get_model_state_dict_keeps_pieces():
+def test_set_model_state_dict_with_full_tensors_loads_and_get_model_state_dict_gathers_them():
+    import torch.distributed.checkpoint.state_dict as dsd
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     with _inproc.single_thread():
@@ -167,9 +168,13 @@ def test_set_model_state_dict_with_full_tensors_loads_and_get_model_state_dict_k
         full = OddMLP(0).state_dict()
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
         assert all(torch.equal(blockshard.full_state_dict(model)[k], v) for k, v in full.items())
-        # DCP's full_state_dict=True gathers DTensors only: entries stay pieces (documented)
-        got = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        assert {type(v) for v in got.values()} == {PieceTensor}
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        got = get_model_state_dict(model, options=options)
+        assert got.keys() == full.keys() and all(type(got[k]) is torch.Tensor for k in full)
+        assert all(torch.equal(got[k], v) for k, v in full.items())
+        # the control: torch's own helper gathers DTensors only, the entries stayed pieces
+        info = dsd._verify_options(model, (), optim_only=False, options=options)
+        assert {type(v) for v in dsd._get_model_state_dict.__wrapped__(model, info).values()} == {PieceTensor}
 
 
 class _PerBlockState(torch.optim.Optimizer):
@@ -288,6 +293,32 @@ def test_full_state_dict_has_tied_names_and_save_pretrained_never_writes_pieces(
         assert "save_pretrained(path, state_dict=blockshard.full_state_dict(model)" in out["pieces"]
         assert not [f for f in out["pieces_files"] if f.endswith((".safetensors", ".bin"))]
         assert out["without_tied_name_fails"] is (True if tie else None)  # control
+
+
+def _export_chunked(rank: int, world: int, path: str) -> bool:
+    with _inproc.serial():
+        from transformers import LlamaForCausalLM
+
+        model = _tiny_llama(tie=True)
+    for layer in model.model.layers:
+        blockshard.fully_shard(layer)
+    blockshard.fully_shard(model)
+    _step_llama(model)
+    trained = blockshard.full_state_dict(model)
+    blockshard.save_pretrained(model, path)
+    torch.distributed.barrier()
+    with _inproc.serial():
+        back = LlamaForCausalLM.from_pretrained(path)
+    return back.state_dict().keys() == trained.keys() and all(
+        torch.equal(v, trained[k]) for k, v in back.state_dict().items()
+    )
+
+
+def test_save_pretrained_streams_chunks_that_cut_tensors_and_segments(tmp_path, monkeypatch):
+    from blockshard.runtime import _export
+
+    monkeypatch.setattr(_export, "_CHUNK_BYTES", 44)  # 11 fp32 elements: chunks end inside tensors
+    assert all(_inproc.run_ranks(_export_chunked, 3, args=(str(tmp_path / "w3"),)))
 
 
 # -- blockshard inspect CHECKPOINT ---------------------------------------------------------------

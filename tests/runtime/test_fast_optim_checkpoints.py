@@ -117,3 +117,64 @@ def test_state_in_pieces_that_cut_its_blocks_raises_naming_the_semantics():
     for out in outs:  # on every rank
         assert "cuts such a block" in out.get("ao", "") and "'ao8bit'" in out["ao"], outs
         assert "semantics='shampoo:32'" in out.get("shampoo", ""), outs
+
+
+# -- torchao 4-bit and FP8 state ------------------------------------------------------------------
+_AO_KINDS = {  # class, block size, semantics, codes per element
+    "4bit": ("subclass_4bit", "OptimState4bit", 128, "ao4bit", 0.5),
+    "fp8": ("subclass_fp8", "OptimStateFp8", 256, "ao8bit", 1),
+}
+
+
+def _ao_state(kind: str, shape, name: str, key: str, start: int, N: int, filled: bool):
+    import importlib
+
+    module, cls, block, _, per = _AO_KINDS[kind]
+    with _inproc.serial():
+        state_cls = getattr(importlib.import_module(f"torchao.optim.{module}"), cls)
+    v = state_cls.zeros(shape, block_size=block) if kind == "fp8" else state_cls.zeros(shape, signed=key == "exp_avg")
+    if filled:
+        n = v.codes.numel()
+        lo = int(start * per)
+        codes = _global(f"{name}.{key}.codes", int(N * per), torch.uint8)[lo : lo + n]
+        v.codes.view(-1).copy_(codes.view(v.codes.dtype) if kind == "fp8" else codes)
+        v.scale.copy_(_global(f"{name}.{key}.scale", N // block, torch.float32)[start // block :][: v.scale.numel()])
+    return v
+
+
+def _ao_opt(model: nn.Module, kind: str, filled: bool) -> torch.optim.Optimizer:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.numel()], lr=1e-3)  # holds the state only
+    entries = model.state_dict()
+    for name, p in model.named_parameters():
+        if p.numel() >= 4096:
+            start, N = entries[name].local_start, entries[name].numel()
+            opt.state[p] = {k: _ao_state(kind, p.shape, name, k, start, N, filled) for k in ("exp_avg", "exp_avg_sq")}
+    return opt
+
+
+def _save_ao_kind(rank: int, world: int, path: str, kind: str) -> None:
+    model = _ao_model(_AO_KINDS[kind][3])
+    dcp.save(
+        {"optimizer": blockshard.optimizer_state_dict(model, _ao_opt(model, kind, filled=True))}, checkpoint_id=path
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(_AO_KINDS))
+def test_torchao_4bit_and_fp8_state_saved_at_w2_loads_at_w1_exactly(kind, tmp_path):
+    _inproc.run_ranks(_save_ao_kind, 2, args=(str(tmp_path / kind), kind))
+    with _inproc.single_thread():
+        model = _ao_model(_AO_KINDS[kind][3])
+        opt = _ao_opt(model, kind, filled=False)
+        w = model[0].weight
+        before = opt.state[w]["exp_avg"].codes.clone()
+        state = {"optimizer": blockshard.optimizer_state_dict(model, opt)}
+        dcp.load(state, checkpoint_id=str(tmp_path / kind))
+        blockshard.load_optimizer_state_dict(model, opt, state["optimizer"])
+    per, block = _AO_KINDS[kind][4], _AO_KINDS[kind][2]
+    for key in ("exp_avg", "exp_avg_sq"):
+        live = opt.state[w][key]
+        assert type(live).__name__ == _AO_KINDS[kind][1]
+        codes = live.codes.view(-1).view(torch.uint8) if kind == "fp8" else live.codes.view(-1)
+        assert torch.equal(codes, _global(f"0.weight.{key}.codes", int(8192 * per), torch.uint8))
+        assert torch.equal(live.scale, _global(f"0.weight.{key}.scale", 8192 // block, torch.float32))
+    assert not torch.equal(before.view(torch.uint8), opt.state[w]["exp_avg"].codes.view(torch.uint8))  # control
