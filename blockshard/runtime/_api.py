@@ -224,7 +224,7 @@ def fully_shard(
     ignored_params: object = None,
     semantics: object = None,
     alignment_bytes: int = 16,
-    policy: str = "whole",
+    policy: str = "auto",
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
 
@@ -241,9 +241,11 @@ def fully_shard(
     already). ``shard_placement_fn`` is FSDP2's per-parameter ``Shard(dim)`` choice: blockshard
     chooses layouts by ``semantics`` instead, so it must be None.
     ``policy`` places tensors whose compute units are coarser than their placement units (Muon
-    matrices, experts; ``planner/_policy.py``): ``"whole"`` (each compute unit on one rank, the
-    default), ``"owner"`` (storage cut at placement units; cut compute units get an owner rank, see
-    :func:`blockshard.runtime.owner_plan`) or ``"auto"`` (per tensor, by a cost in bytes). Returns
+    matrices, experts; ``planner/_policy.py``): ``"whole"`` (each compute unit on one rank),
+    ``"owner"`` (storage cut at placement units; cut compute units get an owner rank, see
+    :func:`blockshard.runtime.owner_plan`) or ``"auto"`` (per tensor, by a cost in bytes; the default,
+    as in ``plan_model`` and ``blockshard plan``: pair owner-computed matrices with
+    ``blockshard.optim.OwnerComputeOptimizer`` or ``blockshard.optim.Muon``). Returns
     ``module``, whose class becomes a :class:`ShardedModule` (FSDP2's ``FSDPModule`` methods, see _module.py).
     """
     if isinstance(module, (list, tuple)):
