@@ -169,3 +169,71 @@ def cases(rank: int, world: int, todo: tuple) -> dict:
             rank, world, *args
         )
     return out
+
+
+# -- what `blockshard plan` shows is what the engine runs -------------------------------------
+#: The demo's tiny Llama: ``auto`` computes its MLP matrices at owners at W = 2 and 4.
+LLAMA = dict(vocab_size=257, hidden_size=32, intermediate_size=777, num_hidden_layers=3)
+
+
+def planned(world: int, policy: str) -> dict:
+    """``plan_model``'s layouts and owner plan for :data:`LLAMA` (pure: no process group)."""
+    from dataclasses import replace
+
+    from blockshard.planner import plan_model, tensors_from_hf_config
+    from blockshard.planner._owner import unit_rows
+
+    config = {"model_type": "llama", "tie_word_embeddings": False, "num_attention_heads": 4, "num_key_value_heads": 2}
+    specs = [replace(s, dtype="float32") for s in tensors_from_hf_config({**config, **LLAMA})]
+    plan = plan_model(specs, world, semantics="muon", policy=policy)
+    units: dict = {}
+    assert plan.owners is not None
+    for t, s, n, o in unit_rows(plan.owners):
+        units.setdefault(plan.owners.tensor_names[t], []).append((s, n, o))
+    return {
+        "layouts": {g.name: g.layout_hash() for g in plan.groups},
+        "units": {n: tuple(u) for n, u in units.items()},
+        "owner_hash": plan.owners.owner_hash() if plan.owners.num_units else None,
+    }
+
+
+def engine_plan(rank: int, world: int, policy: str) -> dict:
+    """The layouts and owner plan ``fully_shard`` built for :data:`LLAMA`; how many groups it
+    re-based at another tensor ([Note: shifts]); and whether the shift kept every value."""
+    from dataclasses import replace
+
+    import blockshard
+    import blockshard.runtime._owners as owners_mod
+    from blockshard._tiny import tiny_llama
+    from blockshard.runtime import group_layouts, owner_plan
+
+    shifted = []
+    real = owners_mod.apply_shifts
+
+    def counting(what, named, builder):
+        shifted.append(len(builder.shifted))
+        return real(what, named, builder)
+
+    owners_mod.apply_shifts = counting
+    before = {n: p.detach().clone() for n, p in tiny_llama(**LLAMA).named_parameters()}
+    m = tiny_llama(**LLAMA)
+    for layer in m.model.layers:
+        blockshard.fully_shard(layer, semantics="muon", policy=policy)
+    blockshard.fully_shard(m, semantics="muon", policy=policy)
+    layouts = {}
+    for prefix, lay in group_layouts(m).items():
+        full = tuple(replace(t, name=f"{prefix}.{t.name}" if prefix else t.name) for t in lay.tensors)
+        layouts[prefix] = replace(lay, name=prefix, tensors=full).layout_hash()
+    plan = owner_plan(m)
+    after = blockshard.full_state_dict(m)
+    return {
+        "layouts": layouts,
+        "units": {n: t.units for n, t in plan.items() if t.units},
+        "owner_hash": next((t.owner_hash for t in plan.values() if t.units), None),
+        "shifted": sum(shifted),
+        "values_kept": all(torch.equal(after[n], p) for n, p in before.items()),
+    }
+
+
+def engine_plans(rank: int, world: int, policies: tuple) -> dict:
+    return {p: engine_plan(rank, world, p) for p in policies}

@@ -123,3 +123,21 @@ def test_momentum_sharded_muon_keeps_its_state_on_the_storage_shards(world):
         assert res["state_numel"] == res["matrix_numel"]
     torch_muon = [r["state_numel"] for r in _sharded("muon", "owner", world)]
     assert sum(torch_muon) == sum(r["matrix_numel"] for r in _sharded("bsmuon", "owner", world))  # whole, at owners
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_engine_runs_the_plan_that_plan_model_shows(world):
+    """``blockshard plan`` (``plan_model``) and ``fully_shard`` build the same layouts and the same
+    owner plan (same owner hash) for the same model, W and semantics, including groups the builder
+    re-bases at another tensor ([Note: shifts]); the re-basing moves the values with them."""
+    policies = ("owner", "auto")
+    runs = spawn_gloo(_owner_runs.engine_plans, world, args=(policies,), timeout=300)
+    for policy in policies:
+        want = _owner_runs.planned(world, policy)
+        assert want["units"] and want["owner_hash"], policy  # auto computes the MLP matrices at owners
+        for got in runs:
+            res = got[policy]
+            assert res["values_kept"], policy
+            assert res["layouts"] == want["layouts"], policy
+            assert res["units"] == want["units"] and res["owner_hash"] == want["owner_hash"], policy
+    assert any(got[p]["shifted"] for got in runs for p in policies)  # the shifts ran, not only rotations
