@@ -163,6 +163,8 @@ def named_groups(params) -> tuple[list[tuple[dict, list[tuple[str, torch.Tensor]
     if isinstance(params, nn.Module):
         add_module_types(mtypes, params)
         params = list(params.named_parameters())
+    if isinstance(params, Mapping):  # one param_group, e.g. the first of muon_param_groups(model)
+        params = [params]
     params = list(params)
     if not params:
         raise OwnerComputeError(
