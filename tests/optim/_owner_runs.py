@@ -237,3 +237,82 @@ def engine_plan(rank: int, world: int, policy: str) -> dict:
 
 def engine_plans(rank: int, world: int, policies: tuple) -> dict:
     return {p: engine_plan(rank, world, p) for p in policies}
+
+
+# -- stacked experts under torch's Muon ---------------------------------------------------------
+EXPERTS = (3, 24, 40)  # (E, m, n): the compute unit of `matrix` is each expert's 24 x 40 matrix
+
+
+class Experts(nn.Module):
+    """A stacked expert tensor ``(E, m, n)`` (a module class ending in ``Experts``: per-expert semantics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(*EXPERTS) / EXPERTS[2] ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bn,emn->bm", x, self.weight)
+
+
+def experts_model(seed: int = 0) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Sequential(Experts(), nn.GELU()), nn.Linear(EXPERTS[1], 7))
+
+
+def expert_batches(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, EXPERTS[2], generator=g), torch.randn(BATCH, 7, generator=g)) for _ in range(STEPS)]
+
+
+def experts_reference(_rank: int, _world: int, per_expert: bool = True) -> dict:
+    """One process: torch's Muon on each expert's matrix (2-D views of the stacked tensor, their
+    gradients the views of its gradient); ``per_expert=False``, the control: Muon on the stack
+    flattened to one ``(E * m, n)`` matrix."""
+    m = experts_model()
+    w = m[0][0].weight
+    with torch.no_grad():
+        views = [w[e] for e in range(EXPERTS[0])] if per_expert else [w.view(-1, EXPERTS[2])]
+    muon = torch.optim.Muon([*views, m[1].weight], lr=0.02)
+    adamw = torch.optim.AdamW([m[1].bias], lr=1e-3)
+    for x, y in expert_batches():
+        ((m(x) - y) ** 2).mean().backward()
+        for v, g in zip(views, w.grad if per_expert else [w.grad.view(-1, EXPERTS[2])], strict=True):
+            v.grad = g
+        for o in (muon, adamw):
+            o.step()
+            o.zero_grad()
+        w.grad = None  # the stacked tensor itself is in no optimizer
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def experts_sharded(rank: int, world: int, policy: str) -> dict:
+    """OwnerComputeOptimizer around the unmodified torch Muon: per expert, cut experts at owners."""
+    import blockshard
+    from blockshard.optim import OwnerComputeOptimizer
+    from blockshard.runtime import owner_plan
+
+    m = experts_model()
+    shard(m, {"*weight": "matrix", "*bias": "elementwise"}, policy)
+    named = list(m.named_parameters())
+    mats = [(n, p) for n, p in named if _is_matrix(n)]
+    rest = [p for n, p in named if not _is_matrix(n) and p.numel()]
+    opts = [
+        OwnerComputeOptimizer(lambda g: torch.optim.Muon(g, lr=0.02), mats),
+        torch.optim.AdamW(rest or [nn.Parameter(torch.zeros(1))], lr=1e-3),
+    ]
+    for x, y in expert_batches():
+        ((m(x) - y) ** 2).mean().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    units = owner_plan(m)
+    return {
+        "params": blockshard.full_state_dict(m),
+        "expert_units": [u[1] for u in units["0.0.weight"].units] if "0.0.weight" in units else [],
+        "inner_shapes": sorted({tuple(p.shape) for g in opts[0].inner.param_groups for p in g["params"]}),
+    }
+
+
+def experts_cases(rank: int, world: int, policies: tuple) -> dict:
+    return {p: experts_sharded(rank, world, p) for p in policies}

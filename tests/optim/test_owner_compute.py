@@ -141,3 +141,23 @@ def test_the_engine_runs_the_plan_that_plan_model_shows(world):
             assert res["layouts"] == want["layouts"], policy
             assert res["units"] == want["units"] and res["owner_hash"] == want["owner_hash"], policy
     assert any(got[p]["shifted"] for got in runs for p in policies)  # the shifts ran, not only rotations
+
+
+def test_stacked_experts_run_torch_muon_per_expert_matrix_bitwise_at_w2():
+    """torch's Muon refuses 3-D tensors: OwnerComputeOptimizer gives it each expert's (m, n) matrix,
+    whole-placed experts as views of the local piece and cut ones at their owners, and matches one
+    process that runs torch's Muon on every expert's matrix."""
+    want = run_single(_owner_runs.experts_reference, timeout=300)
+    flattened = run_single(_owner_runs.experts_reference, args=(False,), timeout=300)
+    assert _max_diff(flattened, want) > CONTROL_MIN  # control: Muon on the whole stack is another update
+    policies = ("owner", "whole", "auto")
+    runs = spawn_gloo(_owner_runs.experts_cases, 2, args=(policies,), timeout=300)
+    _, m, n = _owner_runs.EXPERTS
+    for policy in policies:
+        for res in (r[policy] for r in runs):
+            got = res["params"]
+            bad = [k for k in want if not torch.equal(got[k], want[k])]
+            assert not bad, f"{policy}: {bad} differ, max {_max_diff(got, want):.3e}"
+            assert all(len(s) == 2 for s in res["inner_shapes"]), (policy, res["inner_shapes"])
+    assert any(r["owner"]["expert_units"] == [m * n] for r in runs)  # under owner an expert is cut: at its owner
+    assert all(r["whole"]["expert_units"] == [] for r in runs)
