@@ -210,9 +210,9 @@ def _plan_tables(plan, per_rank: list[dict]) -> list[tuple]:
             shown.append((g, [g.name]))
     tables = []
     for g, names in shown:
-        label = ", ".join(names) if names[0] else "root"
         S = " + ".join(f"{b:,}" for b in g.buckets)
-        title = f"[bold]{label}[/]: S = {S} per rank, padding {100 * g.padding_fraction:.2f}%"
+        title = f"[bold]{names[0] or 'root'}[/]: S = {S} per rank, padding {100 * g.padding_fraction:.2f}%"
+        title += "".join(f" · [bold]{n}[/]: S = {S} per rank, the same layout" for n in names[1:])
         table = Table(header_style="bold", show_edge=False)
         table.add_column("tensor", overflow="fold")  # names fold on narrow terminals; numbers never do
         for col in ("shape", "unit", *(f"rank {r}" for r in ranks), *(() if ranks else ("ranks",))):

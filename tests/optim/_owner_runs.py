@@ -316,3 +316,34 @@ def experts_sharded(rank: int, world: int, policy: str) -> dict:
 
 def experts_cases(rank: int, world: int, policies: tuple) -> dict:
     return {p: experts_sharded(rank, world, p) for p in policies}
+
+
+def plain_under_auto(rank: int, world: int) -> dict:
+    """``policy="auto"`` (the default) with plain torch optimizers: AdamW on every piece is exact;
+    torch's Muon on the pieces of the cut matrix refuses (torch on a flat run, blockshard's guard
+    on a row stripe) rather than orthogonalizing a piece."""
+    import math
+
+    import blockshard
+    from blockshard.runtime import global_shapes, owner_plan
+
+    m = model()
+    shard(m, RULES, "auto")
+    adamw = torch.optim.AdamW([p for p in m.parameters() if p.numel()], lr=1e-3)
+    _train(m, [adamw])
+    out: dict = {"params": blockshard.full_state_dict(m), "owner": sorted(owner_plan(m))}
+    m2 = model()
+    shard(m2, RULES, "auto")
+    full = {n: math.prod(s) for n, s in global_shapes(m2).items()}
+    cut = [p for n, p in m2.named_parameters() if n in out["owner"] and 0 < p.numel() < full[n]]
+    try:
+        _train(m2, [torch.optim.Muon(cut, lr=0.02)])
+    except Exception as exc:
+        out["muon_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def adamw_reference(_rank: int, _world: int) -> dict:
+    m = model()
+    _train(m, [torch.optim.AdamW(list(m.parameters()), lr=1e-3)])
+    return {n: p.detach().clone() for n, p in m.named_parameters()}

@@ -161,3 +161,16 @@ def test_stacked_experts_run_torch_muon_per_expert_matrix_bitwise_at_w2():
             assert all(len(s) == 2 for s in res["inner_shapes"]), (policy, res["inner_shapes"])
     assert any(r["owner"]["expert_units"] == [m * n] for r in runs)  # under owner an expert is cut: at its owner
     assert all(r["whole"]["expert_units"] == [] for r in runs)
+
+
+def test_plain_torch_optimizers_under_auto_are_exact_or_refuse():
+    """Sharding with the default policy ("auto") and then plain torch optimizers: AdamW (element-wise)
+    over the pieces is bitwise one process's; torch's Muon over a cut matrix's pieces raises on every
+    rank that holds one, naming the fix or the shape, never computing on a piece silently."""
+    want = run_single(_owner_runs.adamw_reference, timeout=300)
+    for res in spawn_gloo(_owner_runs.plain_under_auto, 2, timeout=300):
+        assert "0.0.weight" in res["owner"]  # auto computes the 96 x 40 matrix at an owner
+        bad = [n for n in want if not torch.equal(res["params"][n], want[n])]
+        assert not bad, f"{bad} differ, max {_max_diff(res['params'], want):.3e}"
+        err = res.get("muon_error", "")
+        assert "OwnerComputeOptimizer" in err or "Muon only supports 2D parameters" in err, err
