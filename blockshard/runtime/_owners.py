@@ -102,7 +102,7 @@ def compute_of(group: object) -> dict[str, UnitGrid]:
 class EngineOwnerBuilder(OwnerBuilder):
     """:class:`OwnerBuilder` for the engine: a group the builder re-bases at another tensor
     ([Note: shifts]) is returned unmoved from :meth:`add_group` (the balancing call rotates by whole
-    segments only) and kept in ``shifted``, by its first tensor's name, for :func:`apply_shifts`."""
+    segments only) and kept in ``shifted``, by its smallest tensor name, for :func:`apply_shifts`."""
 
     shifted: dict[str, GroupLayout] = dataclasses.field(default_factory=dict)
     _chose_shift: bool = False
