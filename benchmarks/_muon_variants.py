@@ -135,9 +135,9 @@ class Variant:
         if name == "ragged":
             import blockshard
 
-            for b in model.blocks:
-                blockshard.fully_shard(b, semantics=MATRIX_SEMANTICS)
-            blockshard.fully_shard(model)
+            for b in model.blocks:  # whole matrices on one rank each (the default, auto, may cut some)
+                blockshard.fully_shard(b, semantics=MATRIX_SEMANTICS, policy="whole")
+            blockshard.fully_shard(model, policy="whole")
             named = [(n, p) for n, p in model.named_parameters() if p.numel() > 0]  # ranks may hold empty pieces
             mats = [(n, p) for n, p in named if is_muon(n)]
             self.muon = torch.optim.Muon([p for _, p in mats], **MUON) if mats else None

@@ -5,15 +5,18 @@ The demo (what ``make demo`` runs) does, in 10-40 s on 2 CPU cores (rank start-u
 1. **Plan.** The layout blockshard uses for a tiny ``LlamaForCausalLM`` (config built in code, random
    init, no download) on W ranks, computed by the pure planner from shapes alone: per group the
    buckets, the segment ``S`` per rank, the padding, and the block shape every rank's optimizer sees
-   for every parameter; then one line against FSDP2's ``Shard(0)`` for the same model.
+   for every parameter, and (policy ``auto``) the owner rank of every matrix a rank boundary cuts;
+   then one line against FSDP2's ``Shard(0)`` for the same model.
 2. **Train.** W spawned gloo ranks train it with ``blockshard.fully_shard`` (each decoder layer, then
-   the root) and an unmodified torch optimizer on ``model.parameters()``. Every rank sees the whole
+   the root; policy ``auto``) and unmodified torch optimizers: ``torch.optim.Muon`` inside
+   ``OwnerComputeOptimizer`` on the hidden matrices, AdamW on the rest. Every rank sees the whole
    batch, so the average of the gradients is exact at W in {2, 4} (see docs/design.md, "Sharding
    invariance"). Rank 0 streams each step's loss to the parent through a manager queue; the parent
    draws a progress bar with the latest loss.
 3. **Check.** The same training in one process, then every parameter (``full_state_dict`` gathered
    on rank 0) against the single-process model: max |difference|, bitwise equality, PASS or FAIL.
-   The ranks also report the layouts and block shapes the engine really used, checked against (1).
+   The ranks also report the layouts, owner plan and block shapes the engine really used, checked
+   against (1).
 
 Heavy imports (torch, transformers, rich) happen inside functions: ``import blockshard.cli`` stays light.
 """
@@ -27,12 +30,14 @@ from dataclasses import dataclass, replace
 
 __all__ = ["MODEL", "DemoRun", "run_demo"]
 
-#: The tiny model: :func:`blockshard._tiny.tiny_llama`'s awkward shapes (257-token byte vocabulary,
-#: 89-wide MLP), so every shard boundary at W in {2, 3, 4} is ragged.
+#: The tiny model: awkward shapes (257-token byte vocabulary, 777-wide MLP, 32-wide hidden), so
+#: every shard boundary is ragged, and MLP matrices large against ``total / W``: at W = 2 and 4
+#: ``policy="auto"`` computes them at owner ranks (whole placement would pad 20%) and keeps the
+#: attention matrices whole.
 MODEL: dict[str, int] = dict(
     vocab_size=257,
-    hidden_size=48,
-    intermediate_size=89,
+    hidden_size=32,
+    intermediate_size=777,
     num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -60,6 +65,7 @@ class DemoRun:
     lr: float = 3e-3
     muon_lr: float = 2e-2
     weight_decay: float = 0.1
+    whole_matrices: bool = True  # the semantics' compute unit of every hidden matrix is the matrix
 
 
 # -- what runs in the spawned processes ------------------------------------------------------
@@ -67,19 +73,35 @@ def _is_hidden_matrix(name: str) -> bool:
     return ".layers." in name and name.endswith("_proj.weight")
 
 
-def _optimizers(model, run: DemoRun) -> list:
-    """AdamW on every local piece; with ``muon``, torch's Muon on the hidden matrices a rank holds
-    as matrices (whole under ``muon`` semantics) and AdamW on the rest. Under other semantics a
-    hidden matrix may arrive as a row stripe (Muon on a stripe) or a flat run (AdamW): the control."""
+def _optimizers(model, run: DemoRun, world_size: int) -> list:
+    """AdamW on every local piece; with ``muon``, torch's Muon on the hidden matrices and AdamW on
+    the rest, chosen by ``muon_param_groups`` (by name and global shape). Sharded, Muon runs inside
+    ``OwnerComputeOptimizer``: unmodified, on whole matrices, at the owner of every matrix a rank
+    boundary cuts. Under semantics whose compute unit is not the whole matrix
+    (``--semantics elementwise``) the demo hands Muon the hidden matrices' pieces that are 2-D (a
+    row stripe) and AdamW the flat runs: the control."""
     import torch
 
+    from blockshard.optim import OwnerComputeOptimizer, muon_param_groups
+
     named = list(model.named_parameters())
+
+    def adamw(params) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=run.lr, weight_decay=run.weight_decay)
+
+    def muon(params) -> torch.optim.Optimizer:
+        return torch.optim.Muon(params, lr=run.muon_lr, weight_decay=run.weight_decay)
+
     if run.optimizer == "adamw":
-        return [torch.optim.AdamW([p for _, p in named], lr=run.lr, weight_decay=run.weight_decay)]
-    muon = [p for n, p in named if _is_hidden_matrix(n) and p.ndim == 2]
-    rest = [p for n, p in named if not (_is_hidden_matrix(n) and p.ndim == 2)]
-    opts = [torch.optim.Muon(muon, lr=run.muon_lr, weight_decay=run.weight_decay)] if muon else []
-    return opts + [torch.optim.AdamW(rest, lr=run.lr, weight_decay=run.weight_decay)]
+        return [adamw([p for _, p in named])]
+    if not run.whole_matrices:  # the control: Muon on pieces of split matrices
+        stripes = [p for n, p in named if _is_hidden_matrix(n) and p.ndim == 2]
+        others = [p for n, p in named if not (_is_hidden_matrix(n) and p.ndim == 2)]
+        return ([muon(stripes)] if stripes else []) + [adamw(others)]
+    muon_group, rest = muon_param_groups(model)
+    if world_size == 1:  # the reference: torch's Muon on one process
+        return [muon([muon_group]), adamw([rest])]
+    return [OwnerComputeOptimizer(muon, [muon_group]), adamw([rest])]
 
 
 def _engine_hashes(model) -> dict[str, str]:
@@ -91,6 +113,13 @@ def _engine_hashes(model) -> dict[str, str]:
         full = tuple(replace(t, name=f"{prefix}.{t.name}" if prefix else t.name) for t in lay.tensors)
         out[prefix] = replace(lay, name=prefix, tensors=full).layout_hash()
     return out
+
+
+def _engine_owner_hash(model) -> str | None:
+    """The hash of the owner plan the engine built (``None`` without owner-computed tensors)."""
+    from blockshard.runtime import owner_plan
+
+    return next((t.owner_hash for t in owner_plan(model).values() if t.units), None)
 
 
 def _train(rank: int, world_size: int, run: DemoRun, queue) -> dict:
@@ -108,7 +137,7 @@ def _train(rank: int, world_size: int, run: DemoRun, queue) -> dict:
         for layer in model.model.layers:
             fully_shard(layer, semantics=run.semantics)
         fully_shard(model, semantics=run.semantics)
-    optimizers = _optimizers(model, run)
+    optimizers = _optimizers(model, run, world_size)
     losses = []
     batches = text_batches(run.steps, run.batch_size, run.seq_len, seed=run.seed)
     for step, (ids, labels) in enumerate(batches, 1):
@@ -127,6 +156,7 @@ def _train(rank: int, world_size: int, run: DemoRun, queue) -> dict:
         from blockshard.runtime import full_state_dict
 
         state, hashes = full_state_dict(model), _engine_hashes(model)  # a collective: every rank
+        hashes["(owner plan)"] = _engine_owner_hash(model) or "none"
     return {"losses": losses, "shapes": shapes, "hashes": hashes, "state": state if rank == 0 else None}
 
 
@@ -137,7 +167,7 @@ def _plan(world_size: int, semantics: str):
 
     config = {"model_type": "llama", "tie_word_embeddings": False, **MODEL}
     specs = [replace(s, dtype="float32") for s in tensors_from_hf_config(config)]
-    return plan_model(specs, world_size, semantics=semantics, policy="whole")  # what fully_shard builds today
+    return plan_model(specs, world_size, semantics=semantics)  # policy "auto", as fully_shard
 
 
 def _planned_shapes(plan) -> list[dict[str, tuple[int, ...]]]:
@@ -180,9 +210,9 @@ def _plan_tables(plan, per_rank: list[dict]) -> list[tuple]:
             shown.append((g, [g.name]))
     tables = []
     for g, names in shown:
-        label = ", ".join(names) if names[0] else "root"
         S = " + ".join(f"{b:,}" for b in g.buckets)
-        title = f"[bold]{label}[/]: S = {S} per rank, padding {100 * g.padding_fraction:.2f}%"
+        title = f"[bold]{names[0] or 'root'}[/]: S = {S} per rank, padding {100 * g.padding_fraction:.2f}%"
+        title += "".join(f" · [bold]{n}[/]: S = {S} per rank, the same layout" for n in names[1:])
         table = Table(header_style="bold", show_edge=False)
         table.add_column("tensor", overflow="fold")  # names fold on narrow terminals; numbers never do
         for col in ("shape", "unit", *(f"rank {r}" for r in ranks), *(() if ranks else ("ranks",))):
@@ -190,6 +220,8 @@ def _plan_tables(plan, per_rank: list[dict]) -> list[tuple]:
         for t in g.tensors:
             name = (t.name[len(g.name) + 1 :] if g.name else t.name).removesuffix(".weight")
             unit = "whole" if t.grid.is_whole else f"{t.grid.unit_numel:,}"
+            if t.name in plan.owner_tensors:
+                unit += " (owner)"
             if ranks:
                 cells = [_fmt_shape(per_rank[r][t.name], t.shape) for r in ranks]
             else:
@@ -201,10 +233,29 @@ def _plan_tables(plan, per_rank: list[dict]) -> list[tuple]:
 
 
 _LEGEND = (
-    "[dim]S: elements per rank · unit: the smallest piece a shard may hold · rank r: the block shape "
+    "[dim]S: elements per rank · unit: the smallest piece a shard may hold ((owner): computed whole at "
+    "an owner rank where a boundary cuts it) · rank r: the block shape "
     "rank r's optimizer sees (bold: the whole tensor; a×b: whole rows; n: a flat run; ·: nothing) · "
     "tensor names without .weight[/]"
 )
+
+
+def _owner_lines(plan) -> list[str]:
+    """One line per owner-computed tensor: which ranks' boundary cuts it and which rank computes it."""
+    from blockshard.planner._owner import unit_rows
+
+    if plan.owners is None or not plan.owners.num_units:
+        return ["policy auto: every hidden matrix whole on one rank (no owner-compute at this W)"]
+    lines = [
+        f"policy auto: {len(plan.owner_tensors)} matrices stored cut (unit 1), their cut matrices computed "
+        "whole at an owner rank (OwnerComputeOptimizer: one all_to_all_single each way per step):"
+    ]
+    names = plan.owners.tensor_names
+    for t, start, numel, owner in unit_rows(plan.owners):
+        lines.append(
+            f"  {names[t].removesuffix('.weight')}: elements {start:,}..{start + numel - 1:,} -> owner rank {owner}"
+        )
+    return lines
 
 
 def _fsdp2_line(plan) -> str:
@@ -305,10 +356,11 @@ def run_demo(
 ) -> int:
     """Plan, train on ``world_size`` gloo ranks and on one process, compare; 0 on PASS, 1 on FAIL.
 
-    ``semantics`` is any ``--semantics`` spec (default ``muon``: every hidden matrix lives whole on
-    one rank). ``optimizer`` is ``adamw`` (torch AdamW on every local piece) or ``muon`` (torch Muon
-    on hidden matrices, AdamW on the rest; bitwise only with ``muon`` semantics — any other
-    semantics is the control that shows what splitting a matrix does).
+    ``semantics`` is any ``--semantics`` spec (default ``muon``: every hidden matrix is computed
+    whole, on the rank that holds it or at its owner). ``optimizer`` is ``adamw`` (torch AdamW on
+    every local piece) or ``muon`` (torch Muon on hidden matrices, AdamW on the rest; bitwise only
+    with ``muon`` semantics — any other semantics is the control that shows what splitting a
+    matrix does).
     """
     from blockshard._errors import BlockshardError
 
@@ -331,10 +383,13 @@ def run_demo(
 
     out = console if console is not None else make_console()
     t0 = time.perf_counter()
-    run = DemoRun(steps=steps, semantics=semantics, optimizer=optimizer)
-    opt_text = "torch.optim.AdamW" if optimizer == "adamw" else "torch.optim.Muon + AdamW"
     out.rule(f"blockshard demo: tiny Llama on {world_size} gloo ranks vs one process")
     plan = _plan(world_size, semantics)
+    whole = all(it.grid.is_whole for it in plan.items if _is_hidden_matrix(it.name))
+    run = DemoRun(steps=steps, semantics=semantics, optimizer=optimizer, whole_matrices=whole)
+    opt_text = "torch.optim.AdamW" if optimizer == "adamw" else "torch.optim.Muon + AdamW"
+    if optimizer == "muon" and whole:
+        opt_text = "torch.optim.Muon in OwnerComputeOptimizer + AdamW"
     planned = _planned_shapes(plan)
     out.print(
         f"plan: tiny Llama, {plan.total_numel:,} float32 parameters on W = {world_size} ranks, "
@@ -344,6 +399,8 @@ def run_demo(
         out.print(title)
         out.print(table)
     out.print(_LEGEND)
+    for line in _owner_lines(plan):
+        out.print(line)
     out.print(_fsdp2_line(plan))
     exact = world_size in EXACT_WORLD_SIZES or optimizer != "adamw"
     if not exact:
@@ -394,10 +451,12 @@ def run_demo(
     same_loss = got["losses"] == ref["losses"]
     out.print(f"loss at every step {'[green]identical to' if same_loss else '[red]differs from'}[/] one process")
     out.print(_diff_table(got["state"], ref["state"]))
-    hashes_ok = all(r["hashes"] == {g.name: g.layout_hash() for g in plan.groups} for r in ranks)
+    owner_hash = plan.owners.owner_hash() if plan.owners is not None and plan.owners.num_units else "none"
+    want = {**{g.name: g.layout_hash() for g in plan.groups}, "(owner plan)": owner_hash}
+    hashes_ok = all(r["hashes"] == want for r in ranks)
     shapes_ok = all(r["shapes"] == planned[rank] for rank, r in enumerate(ranks))
     for ok, what in (
-        (hashes_ok, "every rank's engine built the planned layouts (same layout hashes)"),
+        (hashes_ok, "every rank's engine built the planned layouts and owner plan (same hashes)"),
         (shapes_ok, "every rank's optimizer saw the planned block shapes"),
     ):
         out.print(f"{'[green]✓' if ok else '[red]✗'}[/] {what}")

@@ -35,6 +35,9 @@ def test_demo_trains_on_two_ranks_bitwise_equal_to_one_process():
         "model.embed_tokens",
         "whole",
         "FSDP2 Shard(0)",
+        "(owner)",  # policy auto computes the MLP matrices at owners at W = 2 ...
+        "-> owner rank",  # ... and the plan names the owner of every cut matrix before training
+        "OwnerComputeOptimizer",
     ):
         assert word in text, word
     # the progress bars end full, and the per-step losses of all 30 steps are printed
@@ -44,6 +47,7 @@ def test_demo_trains_on_two_ranks_bitwise_equal_to_one_process():
     assert len(losses) == 30 and losses[-1] < losses[0] - 1.0  # it learns
     assert "loss at every step identical to one process" in text
     assert "engine built the planned layouts" in text and "saw the planned block shapes" in text
+    assert "planned layouts and owner plan (same hashes)" in text
     verdict = next(line for line in text.splitlines() if line.startswith(("PASS", "FAIL")))
     assert verdict.startswith("PASS") and "bitwise equal" in verdict and "NOT" not in verdict
     assert "Traceback" not in out.stderr

@@ -58,7 +58,9 @@ class Holding:
     ``[h * segment - offset, ...)`` clipped to the tensor, ``units`` are its cut units
     ``(start, numel, owner)``, and this rank's piece is ``local_numel`` elements from
     ``local_start``. Otherwise the local tensor is stepped as it is (``direct``: the parameter
-    object itself goes to the inner optimizer, with its own ``.grad``).
+    object itself goes to the inner optimizer, with its own ``.grad``). ``matrix_numel > 0``: the
+    compute units are the trailing ``(m, n)`` matrices of a stacked tensor (one per expert); the
+    inner optimizer gets each as a 2-D view (``torch.optim.Muon`` takes only matrices).
     """
 
     name: str
@@ -72,6 +74,7 @@ class Holding:
     local_start: int = 0
     local_numel: int = 0
     direct: bool = False
+    matrix_numel: int = 0
 
     def local(self) -> torch.Tensor:
         p = self.param
@@ -163,6 +166,8 @@ def named_groups(params) -> tuple[list[tuple[dict, list[tuple[str, torch.Tensor]
     if isinstance(params, nn.Module):
         add_module_types(mtypes, params)
         params = list(params.named_parameters())
+    if isinstance(params, Mapping):  # one param_group, e.g. the first of muon_param_groups(model)
+        params = [params]
     params = list(params)
     if not params:
         raise OwnerComputeError(
@@ -206,3 +211,4 @@ class _Piece:
     unit_start: int = -1  # >= 0: an owned unit, starting at this element of the flattening
     own: tuple[int, int, int] | None = None  # (local offset, unit offset, n) of the owner's own slice
     direct: bool = False  # the parameter itself: the inner optimizer reads its own .grad
+    split: bool = False  # one (m, n) matrix of a local piece that is not planned (a whole-placed expert)

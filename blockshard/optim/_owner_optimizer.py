@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -104,14 +105,17 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         for i, q in enumerate(self._params):
             local = q.local()
             if not q.planned:
-                if local.numel():
+                if q.matrix_numel and local.numel():
+                    self._add_matrices(i, q, local, 0, local.numel(), split=True)
+                elif local.numel():
                     t = q.param if q.direct else local
                     key = (q.name, "local", tuple(local.shape))
                     self._pieces.append(_Piece(i, key, t, 0, local.numel(), direct=q.direct))
             else:
                 self._add_region(i, q, local)
             for k, a, n, own in owned_by_param.get(i, []):
-                unit = torch.empty(block_shape(q.shape, a, n), dtype=q.param.dtype, device=local.device)
+                shape = q.shape[-2:] if q.matrix_numel == n else block_shape(q.shape, a, n)
+                unit = torch.empty(shape, dtype=q.param.dtype, device=local.device)
                 self._unit_piece[k] = len(self._pieces)
                 self._pieces.append(_Piece(i, (q.name, "unit", a, n), unit, unit_start=a, own=own))
 
@@ -127,10 +131,21 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
             else (q.name, "elems", lo, hi)
         )
         a, b = lo - q.local_start, hi - q.local_start
-        if q.direct and (a, b) == (0, q.local_numel):
+        if q.matrix_numel:
+            self._add_matrices(i, q, local, a, b, split=False)
+        elif q.direct and (a, b) == (0, q.local_numel):
             self._pieces.append(_Piece(i, key, q.param, a, b, direct=True))
         else:
             self._pieces.append(_Piece(i, key, local.reshape(-1)[a:b].view(block_shape(q.shape, lo, hi - lo)), a, b))
+
+    def _add_matrices(self, i: int, q: Holding, local: torch.Tensor, a: int, b: int, *, split: bool) -> None:
+        """Elements ``[a, b)`` of the local piece (whole ``(m, n)`` matrices of a stacked tensor) as
+        one 2-D compute tensor per matrix, keyed by its first element in the tensor."""
+        mn, start = q.matrix_numel, q.local_start if q.planned else 0
+        flat = local.reshape(-1)
+        for lo in range(a, b, mn):
+            view = flat[lo : lo + mn].view(q.shape[-2:])
+            self._pieces.append(_Piece(i, (q.name, "matrix", start + lo), view, lo, lo + mn, split=split))
 
     # -- communication ----------------------------------------------------------------------------
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_sizes, in_sizes, what: str) -> None:
@@ -231,7 +246,8 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
             if pc.unit_start < 0 and not pc.direct:  # re-point the view at the current local piece
                 q = self._params[pc.p]
                 local = q.local()
-                pc.tensor.data = local.reshape(-1)[pc.lo : pc.hi].view(pc.tensor.shape) if q.planned else local
+                sliced = q.planned or pc.split
+                pc.tensor.data = local.reshape(-1)[pc.lo : pc.hi].view(pc.tensor.shape) if sliced else local
 
     def step(self, closure: Callable | None = None):
         """Gradients to owners, inner step on whole units and local pieces, new values back."""
@@ -245,7 +261,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
                 if pc.unit_start < 0 and not pc.direct:
                     q = self._params[pc.p]
                     g = q.local_grad()
-                    if g is not None and q.planned:
+                    if g is not None and (q.planned or pc.split):
                         g = g.reshape(-1)[pc.lo : pc.hi].view(pc.tensor.shape)
                     pc.tensor.grad = g
             self._to_owners(self._flat_grad, grads=True)
@@ -341,8 +357,11 @@ def _ragged_holdings(groups: Sequence) -> tuple[list[Holding], Any]:
                     "fully_shard, outside forward/backward, over model.named_parameters()"
                 )
             owners = tensor_owners(group, sp.fqn, name)
+            grid = owners.compute if owners is not None else group.layout.tensors[sp.index].grid
+            mn = math.prod(sp.shape[-2:]) if len(sp.shape) >= 3 else 0
+            matrix_numel = mn if mn and grid.unit_numel == mn else 0  # stacked experts: one matrix each
             if owners is None or not owners.units:
-                holdings.append(Holding(name, p, tuple(sp.shape), gi, direct=True))
+                holdings.append(Holding(name, p, tuple(sp.shape), gi, direct=True, matrix_numel=matrix_numel))
                 continue
             holdings.append(
                 Holding(
@@ -357,6 +376,7 @@ def _ragged_holdings(groups: Sequence) -> tuple[list[Holding], Any]:
                     local_start=sp.local_start,
                     local_numel=sp.local_numel,
                     direct=True,
+                    matrix_numel=matrix_numel,
                 )
             )
     return holdings, process_group

@@ -105,6 +105,9 @@ class ModelPlan:
     owner_tensors: frozenset[str] = frozenset()  # tensors laid out under the owner policy
     owners: OwnerAssignment | None = None  # the owner of every cut compute unit
     compute_by_kind: Mapping[str, ComputeTally] = field(default_factory=dict)  # per group kind
+    # what each rank computes itself (its whole compute units), before owners are chosen: no owner
+    # plan gets the busiest rank below max(this), see [Note: owners across groups]
+    cost_per_rank_fixed: tuple[float, ...] = ()
 
     def policy_of(self, name: str) -> str:
         """``"owner"`` or ``"whole"``: how tensor ``name``'s compute units are placed."""
@@ -133,6 +136,13 @@ class ModelPlan:
             modeled_cost_bytes=sum(t.modeled_cost_bytes for t in tallies),
             owner_tensors=len(self.owner_tensors),
         )
+
+    @property
+    def fixed_cost_over_lower_bound(self) -> float:
+        """The busiest rank's cost from its own whole compute units alone, over ``max(mean, largest
+        unit)``: the best any owner plan of these layouts can reach (the owners add to it)."""
+        lb = self.compute.cost_lower_bound
+        return max(self.cost_per_rank_fixed, default=0.0) / lb if lb > 0 else 1.0
 
     @property
     def max_cost_over_mean(self) -> float:
@@ -207,6 +217,7 @@ class ModelPlan:
             "plan_seconds": self.plan_seconds,
             "max_cost_over_mean": self.max_cost_over_mean,
             "max_cost_over_mean_unrotated": self.max_cost_over_mean_unrotated,
+            "optimizer_cost_fixed_max_over_lower_bound": self.fixed_cost_over_lower_bound,
             "policy": self.policy,
             **self.compute.to_json(),
             "policy_by_tensor_kind": self.policy_by_tensor_kind(),
@@ -275,6 +286,7 @@ def plan_model(
         layouts.append(builder.add_group(layout, group_kind(gname), compute, costs, running, modeled, unrotated))
         if progress is not None:
             progress(i + 1, len(grouped))
+    fixed = tuple(running.tolist())  # before the owners of cut units add theirs
     owners, by_kind = builder.finish(running)  # see [Note: owners across groups]
     return ModelPlan(
         world_size,
@@ -287,4 +299,5 @@ def plan_model(
         frozenset(owner_tensors),
         owners,
         by_kind,
+        fixed,
     )

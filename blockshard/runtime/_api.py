@@ -239,7 +239,7 @@ def fully_shard(
     ignored_params: object = None,
     semantics: object = None,
     alignment_bytes: int = 16,
-    policy: str = "whole",
+    policy: str = "auto",
 ) -> Any:
     """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
 
@@ -256,9 +256,11 @@ def fully_shard(
     already). ``shard_placement_fn`` is FSDP2's per-parameter ``Shard(dim)`` choice: blockshard
     chooses layouts by ``semantics`` instead, so it must be None.
     ``policy`` places tensors whose compute units are coarser than their placement units (Muon
-    matrices, experts; ``planner/_policy.py``): ``"whole"`` (each compute unit on one rank, the
-    default), ``"owner"`` (storage cut at placement units; cut compute units get an owner rank, see
-    :func:`blockshard.runtime.owner_plan`) or ``"auto"`` (per tensor, by a cost in bytes). Returns
+    matrices, experts; ``planner/_policy.py``): ``"whole"`` (each compute unit on one rank),
+    ``"owner"`` (storage cut at placement units; cut compute units get an owner rank, see
+    :func:`blockshard.runtime.owner_plan`) or ``"auto"`` (per tensor, by a cost in bytes; the default,
+    as in ``plan_model`` and ``blockshard plan``: pair owner-computed matrices with
+    ``blockshard.optim.OwnerComputeOptimizer`` or ``blockshard.optim.Muon``). Returns
     ``module``, whose class becomes a :class:`ShardedModule` (FSDP2's ``FSDPModule`` methods, see _module.py).
     A list ``[norm, head]`` makes one group over all their parameters, gathered before the first
     of them runs and resharded after the last (FSDP2's; see [Note: a list of modules] in
@@ -347,7 +349,8 @@ def fully_shard(
 # order). A call that shards a module with sharded submodules balances those not balanced yet
 # (its subtree: the model, when it is the root) and then its own group, starting from the cost of
 # the submodules balanced before; a group whose rotation changes moves its local buffer once, by
-# whole segments across ranks, before any training. A leaf's group waits for an enclosing call.
+# whole segments across ranks, and a group the owner builder re-bases at another tensor
+# ([Note: shifts], ``apply_shifts`` in _owners.py) by two shifts, before any training. A leaf's group waits for an enclosing call.
 # The tally thus belongs to the model's tree: two models built in one process never influence
 # each other, whatever the order of their calls. ``_ORDER`` only numbers the calls.
 _ORDER = itertools.count()

@@ -178,9 +178,11 @@ class ShardGroup:
 
     @torch.no_grad()
     def relayout(self, layout: GroupLayout, k: int) -> None:
-        """Move to ``layout``, this group's layout rotated by ``k`` segments (rank ``r``'s content
-        moves to rank ``(r + k) % W``, see [Note: rotation]): one shift of ``local`` across ranks,
-        then new parameter objects. Only before training (no gradients, no optimizer state)."""
+        """Move to ``layout``: this group's layout rotated by ``k`` segments (rank ``r``'s content
+        moves to rank ``(r + k) % W``, see [Note: rotation]), one shift of ``local`` across ranks,
+        then new parameter objects. ``k = 0`` with another layout: the caller moved ``local``
+        already (``apply_shifts`` in _owners.py, [Note: shifts]); only the parameter objects are
+        made anew. Only before training (no gradients, no optimizer state)."""
         expect(f"relayout of group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
         if k % self.world_size and self.local.device.type != "meta":  # meta: no values to move
             self.local.copy_(shift_ranks(self.local, k, self.process_group))

@@ -8,8 +8,11 @@ Muon matrix, an expert) may straddle rank boundaries. Every call that balances g
 :class:`~blockshard.planner._compute.OwnerBuilder` — the same rotations as before for groups without
 owner-computed tensors, then one greedy over every cut unit of the subtree (longest first,
 [Note: owners across groups]) — and checks its hash across ranks like a layout hash, so a rank with
-another plan raises on every rank. The engine moves a group's buffer by whole segments only, so
-the builder's tensor shifts are not used here. The plan is kept per group in a weak registry
+another plan raises on every rank. The builder may re-base a group at another tensor
+([Note: shifts] in ``planner/_compute.py``); a rotation by whole segments is moved by the balancing
+call itself, a shift here (:func:`apply_shifts`: two ``all_to_all_single`` that move each rank's
+segment across the shift, before training), so the engine runs the layouts and owners that
+``plan_model`` (``blockshard plan``) shows for the same model. The plan is kept per group in a weak registry
 (nothing outlives the group); the last balancing call of a model (its root) writes the final one.
 An optimizer finds it from a sharded piece (:func:`tensor_owners`) or for a whole model
 (:func:`owner_plan`).
@@ -24,12 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from blockshard.planner._compute import OwnerAssignment, OwnerBuilder
 from blockshard.planner._layout import GroupLayout
 from blockshard.planner._owner import unit_rows
 from blockshard.planner._plan import group_kind
-from blockshard.runtime._collectives import check_same_layout
+from blockshard.runtime._collectives import check_same_layout, shift_ranks
 from blockshard.semantics import UnitGrid
 
 __all__ = [
@@ -94,11 +98,27 @@ def compute_of(group: object) -> dict[str, UnitGrid]:
     return entry.compute if entry is not None else {}
 
 
+@dataclass
 class EngineOwnerBuilder(OwnerBuilder):
-    """:class:`OwnerBuilder` with rotations only (the engine cannot re-base a buffer)."""
+    """:class:`OwnerBuilder` for the engine: a group the builder re-bases at another tensor
+    ([Note: shifts]) is returned unmoved from :meth:`add_group` (the balancing call rotates by whole
+    segments only) and kept in ``shifted``, by its smallest tensor name, for :func:`apply_shifts`."""
+
+    shifted: dict[str, GroupLayout] = dataclasses.field(default_factory=dict)
+    _chose_shift: bool = False
 
     def _best_shift(self, layout, compute, costs, running, current):
-        return (layout, *current)
+        best = super()._best_shift(layout, compute, costs, running, current)
+        self._chose_shift = best[0] is not layout
+        return best
+
+    def add_group(self, layout: GroupLayout, *args: Any) -> GroupLayout:
+        self._chose_shift = False
+        out = super().add_group(layout, *args)
+        if not self._chose_shift:
+            return out
+        self.shifted[_key(layout)] = out
+        return layout
 
     def add_fixed(
         self, layout: GroupLayout, kind: str, compute: Mapping[str, UnitGrid], costs: Mapping[str, float], running
@@ -126,12 +146,54 @@ def qualified_group(st: Any, prefix: str) -> tuple[GroupLayout, str, dict, dict[
     return qualified(layout, prefix), group_kind(prefix.rstrip(".")), compute, costs
 
 
+def _key(layout: GroupLayout) -> str:
+    return min(t.name for t in layout.tensors)  # qualified names are unique across a model's groups
+
+
+def apply_shifts(what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerBuilder) -> None:
+    """Move every group ``builder`` re-based ([Note: shifts]) to its new layout, before training.
+
+    The shift moves every element of the gathered buffer by ``d`` (modulo ``W * S``, one bucket):
+    rank ``r``'s new segment is elements ``[r * S - d, (r + 1) * S - d)`` of the old buffer, the
+    tail of rank ``r + q``'s old segment and the head of rank ``r + q + 1``'s
+    (``q, rem = divmod(-d mod W * S, S)``): one ``shift_ranks`` each.
+    """
+    moved = []
+    for prefix, st in named:
+        layout = st.group.layout
+        target = builder.shifted.pop(_key(qualified(layout, prefix)), None) if layout is not None else None
+        if target is None:
+            continue
+        new = dataclasses.replace(
+            target, tensors=tuple(dataclasses.replace(t, name=t.name[len(prefix) :]) for t in target.tensors)
+        )
+        W, S = layout.world_size, layout.buckets[0]
+        old_at = {t.name: t.offset for t in layout.tensors}
+        shifts = {(t.offset - old_at[t.name]) % (W * S) for t in new.tensors}
+        assert len(layout.buckets) == 1 and len(shifts) == 1, (what, shifts)  # one bucket, one shift
+        q, rem = divmod(-shifts.pop() % (W * S), S)
+        local = st.group.local
+        if local.device.type != "meta":
+            pg = st.group.process_group
+            tail = shift_ranks(local[rem:], -q, pg)
+            head = shift_ranks(local[:rem], -q - 1, pg) if rem else local[:0]
+            local.copy_(torch.cat([tail, head]))
+        st.group.relayout(new, 0)  # the values moved above; new parameter objects over them
+        st.group.tag_views()
+        moved.append(new.layout_hash())
+    assert not builder.shifted, sorted(builder.shifted)  # every shifted group was among ``named``
+    if moved:
+        check_same_layout(f"{what} (shifted)", ",".join(moved), named[-1][1].group.process_group)
+
+
 def plan_owners(
     what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerBuilder, running: np.ndarray | None
 ) -> None:
     """Owners of every cut compute unit of ``named``'s groups (``(prefix, module state)`` pairs, the
     builder holding them all, unless ``running`` is ``None``: a leaf alone, not rotated), recorded
-    on the groups and checked across ranks. No-op without owner-computed tensors."""
+    on the groups and checked across ranks, after moving the groups the builder re-based
+    (:func:`apply_shifts`). No-op without owner-computed tensors."""
+    apply_shifts(what, named, builder)
     if not any(compute_of(st.group) for _, st in named):
         return
     if running is None:

@@ -1,5 +1,8 @@
 """Block-structured optimizers on the ragged engine and on one process (for test_invariance.py).
 
+The engine places whole compute units (``policy="whole"``), so unmodified optimizers over the
+local pieces compute what they compute on one process; owner-compute is _owner_runs.py's.
+
 Every rank sees the whole batch (docs/design.md, "Sharding invariance"): averaging identical
 gradients is exact at W in {2, 4}, so any difference from one process comes from how the tensors
 were cut.
@@ -76,9 +79,9 @@ def sharded(rank: int, world: int, name: str, semantics: str | None) -> dict:
     m = model()
     sem = SEMANTICS[name] if semantics is None else semantics
     rules = {"*weight": sem, "*bias": "elementwise" if name == "muon" else sem}
-    for block in (m[0], m[1]):
-        blockshard.fully_shard(block, semantics=rules)
-    blockshard.fully_shard(m, semantics=rules)
+    for block in (m[0], m[1]):  # whole compute units: the optimizers step unmodified pieces
+        blockshard.fully_shard(block, semantics=rules, policy="whole")
+    blockshard.fully_shard(m, semantics=rules, policy="whole")
     try:
         _train(m, make_optimizers(name, list(m.parameters())))
     except Exception as exc:  # a control may not even run
@@ -103,8 +106,8 @@ def resume(rank: int, world: int, name: str) -> dict:
         m = model()
         rules = {"*weight": SEMANTICS[name], "*bias": "elementwise" if name == "muon" else SEMANTICS[name]}
         for block in (m[0], m[1]):
-            blockshard.fully_shard(block, semantics=rules)
-        blockshard.fully_shard(m, semantics=rules)
+            blockshard.fully_shard(block, semantics=rules, policy="whole")
+        blockshard.fully_shard(m, semantics=rules, policy="whole")
         return m, make_optimizers(name, list(m.parameters()))
 
     return blockshard.full_state_dict(resumed_after_one_step(build, batches()))

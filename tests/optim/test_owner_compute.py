@@ -123,3 +123,54 @@ def test_momentum_sharded_muon_keeps_its_state_on_the_storage_shards(world):
         assert res["state_numel"] == res["matrix_numel"]
     torch_muon = [r["state_numel"] for r in _sharded("muon", "owner", world)]
     assert sum(torch_muon) == sum(r["matrix_numel"] for r in _sharded("bsmuon", "owner", world))  # whole, at owners
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_engine_runs_the_plan_that_plan_model_shows(world):
+    """``blockshard plan`` (``plan_model``) and ``fully_shard`` build the same layouts and the same
+    owner plan (same owner hash) for the same model, W and semantics, including groups the builder
+    re-bases at another tensor ([Note: shifts]); the re-basing moves the values with them."""
+    policies = ("owner", "auto")
+    runs = spawn_gloo(_owner_runs.engine_plans, world, args=(policies,), timeout=300)
+    for policy in policies:
+        want = _owner_runs.planned(world, policy)
+        assert want["units"] and want["owner_hash"], policy  # auto computes the MLP matrices at owners
+        for got in runs:
+            res = got[policy]
+            assert res["values_kept"], policy
+            assert res["layouts"] == want["layouts"], policy
+            assert res["units"] == want["units"] and res["owner_hash"] == want["owner_hash"], policy
+    assert any(got[p]["shifted"] for got in runs for p in policies)  # the shifts ran, not only rotations
+
+
+def test_stacked_experts_run_torch_muon_per_expert_matrix_bitwise_at_w2():
+    """torch's Muon refuses 3-D tensors: OwnerComputeOptimizer gives it each expert's (m, n) matrix,
+    whole-placed experts as views of the local piece and cut ones at their owners, and matches one
+    process that runs torch's Muon on every expert's matrix."""
+    want = run_single(_owner_runs.experts_reference, timeout=300)
+    flattened = run_single(_owner_runs.experts_reference, args=(False,), timeout=300)
+    assert _max_diff(flattened, want) > CONTROL_MIN  # control: Muon on the whole stack is another update
+    policies = ("owner", "whole", "auto")
+    runs = spawn_gloo(_owner_runs.experts_cases, 2, args=(policies,), timeout=300)
+    _, m, n = _owner_runs.EXPERTS
+    for policy in policies:
+        for res in (r[policy] for r in runs):
+            got = res["params"]
+            bad = [k for k in want if not torch.equal(got[k], want[k])]
+            assert not bad, f"{policy}: {bad} differ, max {_max_diff(got, want):.3e}"
+            assert all(len(s) == 2 for s in res["inner_shapes"]), (policy, res["inner_shapes"])
+    assert any(r["owner"]["expert_units"] == [m * n] for r in runs)  # under owner an expert is cut: at its owner
+    assert all(r["whole"]["expert_units"] == [] for r in runs)
+
+
+def test_plain_torch_optimizers_under_auto_are_exact_or_refuse():
+    """Sharding with the default policy ("auto") and then plain torch optimizers: AdamW (element-wise)
+    over the pieces is bitwise one process's; torch's Muon over a cut matrix's pieces raises on every
+    rank that holds one, naming the fix or the shape, never computing on a piece silently."""
+    want = run_single(_owner_runs.adamw_reference, timeout=300)
+    for res in spawn_gloo(_owner_runs.plain_under_auto, 2, timeout=300):
+        assert "0.0.weight" in res["owner"]  # auto computes the 96 x 40 matrix at an owner
+        bad = [n for n in want if not torch.equal(res["params"][n], want[n])]
+        assert not bad, f"{bad} differ, max {_max_diff(res['params'], want):.3e}"
+        err = res.get("muon_error", "")
+        assert "OwnerComputeOptimizer" in err or "Muon only supports 2D parameters" in err, err

@@ -216,3 +216,20 @@ def test_shifts_spread_whole_units_of_identical_blocks():
     plan = plan_model(model_tensors("llama3-8b"), 8, semantics="muon")
     assert plan.compute.max_cost_over_lower_bound <= 1.05
     assert len({tuple(t.offset for t in g.tensors) for g in plan.groups}) > 2
+
+
+@pytest.mark.parametrize(("model", "W", "semantics"), [("mixtral-8x7b", 64, "muon"), ("llama3-8b", 8, "muon")])
+def test_the_fixed_cost_floor_bounds_every_owner_plan(model, W, semantics):
+    """``optimizer_cost_fixed_max_over_lower_bound``: what the busiest rank computes of its own whole
+    units, which the owners of cut units only add to. Mixtral at W = 64 sits on that floor (its
+    1.056 is the layout's, not the owner packer's: docs/planner.md); Llama-3-8B at W = 8 well above it."""
+    plan = plan_model(model_tensors(model), W, semantics=semantics)
+    data = plan.to_json()
+    fixed, got = data["optimizer_cost_fixed_max_over_lower_bound"], data["optimizer_cost_max_over_lower_bound"]
+    assert 0 <= fixed <= got + 1e-12
+    assert plan.cost_per_rank_fixed and len(plan.cost_per_rank_fixed) == W
+    assert all(f <= c + 1e-6 * c for f, c in zip(plan.cost_per_rank_fixed, plan.cost_per_rank, strict=True))
+    if model == "mixtral-8x7b":
+        assert fixed == pytest.approx(got, rel=1e-9) and got > 1.05
+    else:
+        assert fixed < 0.5 < 1.0 < got < 1.05

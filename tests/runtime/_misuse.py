@@ -52,10 +52,10 @@ def semantics(rank: int, world: int) -> dict:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(13, 37), nn.GELU(), nn.Linear(37, 29), nn.Linear(29, 8))
-    blockshard.fully_shard(model, semantics=lambda name, p: "matrix" if p.ndim == 2 else None)
+    blockshard.fully_shard(model, semantics=lambda name, p: "matrix" if p.ndim == 2 else None, policy="whole")
     whole = [(tuple(p.shape)) for p in model.parameters()]
     stripes = nn.Linear(16, 12)  # rows:4 on a 12 x 16 weight: stripes of 4 rows
-    blockshard.fully_shard(stripes, semantics={"weight": "rows:4"})
+    blockshard.fully_shard(stripes, semantics={"weight": "rows:4"}, policy="whole")
     return {"whole": whole, "stripes": tuple(stripes.weight.shape)}
 
 

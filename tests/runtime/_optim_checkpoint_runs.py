@@ -61,8 +61,8 @@ def build(name: str, seed: int, sharded: bool, semantics: object = "default") ->
         sem = SEMANTICS[name] if semantics == "default" else semantics
         rules = {"*weight": sem, "*bias": "elementwise" if name == "muon" else sem} if sem else None
         for block in (m[0], m[1]):
-            blockshard.fully_shard(block, semantics=rules)
-        blockshard.fully_shard(m, semantics=rules)
+            blockshard.fully_shard(block, semantics=rules, policy="whole")  # whole units: unmodified optimizers
+        blockshard.fully_shard(m, semantics=rules, policy="whole")
     return m
 
 

@@ -27,9 +27,9 @@ def _shard(model: OddMLP) -> list[dict]:
     """Per block with Muon's semantics; returns the param_groups taken before sharding."""
     before = muon_param_groups(model)
     semantics = optimizer_semantics(before)
-    for block in model.blocks:
-        blockshard.fully_shard(block, semantics=semantics)
-    blockshard.fully_shard(model, semantics=semantics)
+    for block in model.blocks:  # whole matrices on one rank each (auto may compute some at owners)
+        blockshard.fully_shard(block, semantics=semantics, policy="whole")
+    blockshard.fully_shard(model, semantics=semantics, policy="whole")
     return before
 
 
