@@ -7,6 +7,9 @@ Streams (one unit grid, see [Note: quantized layout]): a unit is one super-block
 16-value ``nf4`` table. torchao's own FSDP2 hooks split only on dim 0 and gather the three streams
 separately; here a rank's cut is any super-block boundary and the three travel in one all-gather.
 The unsharded parameter is a new ``NF4Tensor`` over the gathered tensors (``linear_nf4`` unchanged).
+State dicts ([Note: quantized state dicts]): sharded, ``weight`` (the payload),
+``weight.quantized_scalers``, ``weight.quantization_factor`` as pieces and ``weight.scaler_mean``,
+``weight.nf4`` replicated; full, one ``NF4Tensor`` under ``weight`` (the unsharded model's entry).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from torch import nn
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime._param import ParamRef
 from blockshard.runtime._quantized_layout import StreamShape
-from blockshard.runtime._quantized_tensor import QuantizedTensor, byte_view
+from blockshard.runtime._quantized_tensor import QuantizedTensor, StateEntry, byte_view
 
 __all__ = ["ao_nf4_tensor", "is_ao_nf4"]
 
@@ -86,6 +89,34 @@ def ao_nf4_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torc
     added += p.scaler_mean.element_size()
     meta = SubclassTensorArgs(p.shape, p.stride(), p.storage_offset(), p.dtype, p.device, False)
     inner = NF4Tensor(meta, p.block_size, p.n_blocks, sbs, gathered[1], gathered[2], p.scaler_mean, gathered[0], nf4)
+    attr = refs[0].attr
+    entries = [StateEntry(attr if k == 0 else f"{attr}.{s.name}", k, g.dtype, tuple(g.shape)) for k, (s, g) in
+               enumerate(zip(streams, gathered, strict=True))]  # fmt: skip
+    entries += [
+        StateEntry(f"{attr}.{n}", None, c.dtype, tuple(c.shape), c.detach().clone())
+        for n, c in (("scaler_mean", p.scaler_mean), ("nf4", nf4))
+    ]
+
+    def to_full(full: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        sm, table = p.scaler_mean.detach().clone(), nf4.detach().clone()
+        return {attr: NF4Tensor(meta, p.block_size, p.n_blocks, sbs, full[1], full[2], sm, full[0], table)}
+
+    def from_full(values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        v = values[attr]
+        got = (type(v), tuple(v.shape), getattr(v, "block_size", None), getattr(v, "scaler_block_size", None))
+        if got != (NF4Tensor, tuple(p.shape), p.block_size, sbs):
+            raise _error(
+                fqn,
+                f"the state dict holds a {got[0].__name__} of shape {got[1]} (block_size {got[2]}, scaler_block_size "
+                f"{got[3]}) under {attr!r}, the model an NF4Tensor of shape {tuple(p.shape)} ({p.block_size}, {sbs})",
+                "load a state dict of this model (blockshard.full_state_dict, an unsharded model's state_dict(), "
+                "or model.state_dict() through torch.distributed.checkpoint)",
+            )
+        for n, mine in (("scaler_mean", p.scaler_mean), ("nf4", nf4)):
+            if not torch.equal(getattr(v, n), mine):
+                raise _error(fqn, f"its {n} differs from the model's", "load weights quantized the same way")
+        return [v.quantized_data, v.quantized_scalers, v.quantization_factor]
+
     return QuantizedTensor(
         fqn=fqn,
         refs=refs,
@@ -98,4 +129,8 @@ def ao_nf4_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torc
         targets=[byte_view(t) for t in gathered],
         unsharded=nn.Parameter(inner, requires_grad=False),
         constant_bytes=added,
+        entries=entries,
+        full_names=(attr,),
+        to_full=to_full,
+        from_full=from_full,
     )

@@ -9,7 +9,8 @@ Streams (one unit grid, see [Note: quantized layout]):
 The payload moves as bytes whatever ``quant_storage`` is (a bf16-stored payload is ``uint8``-viewed).
 Replicated: the code tables (16 or 256 fp32) and the nested ``offset`` (one fp32 scalar).
 The unsharded parameter is a new ``Params4bit`` over the gathered tensors with a copy of the quant
-state, so ``Linear4bit.forward`` (and peft's LoRA wrapper around it) runs unchanged.
+state, so ``Linear4bit.forward`` (and peft's LoRA wrapper around it) runs unchanged. State-dict
+entries: bitsandbytes' own names ([Note: quantized state dicts]).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime._param import ParamRef
 from blockshard.runtime._quantized_layout import StreamShape
-from blockshard.runtime._quantized_tensor import QuantizedTensor, byte_view
+from blockshard.runtime._quantized_tensor import QuantizedTensor, StateEntry, byte_view
 
 __all__ = ["bnb_tensor", "is_params4bit"]
 
@@ -149,6 +150,7 @@ def bnb_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.T
         module=p.module,
         bnb_quantized=True,
     )
+    entries = _entries(refs[0].attr, state, gathered)
     storage = "uint8" if payload.dtype == torch.uint8 else str(payload.dtype).removeprefix("torch.")
     nested = "nested absmax" if qs.nested else "fp32 absmax"
     return QuantizedTensor(
@@ -163,7 +165,20 @@ def bnb_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.T
         targets=[byte_view(t) for t in gathered],
         unsharded=unsharded,
         constant_bytes=added,
+        entries=entries,
     )
+
+
+def _entries(attr: str, state, gathered: list[torch.Tensor]) -> list[StateEntry]:
+    """The state-dict entries ``Linear4bit._save_to_state_dict`` writes (the payload, then
+    ``QuantState.as_dict(packed=True)`` under ``weight.``): gathered tensors as streams, the rest
+    (code tables, the packed non-tensor state with the nested offset) as constants."""
+    out = [StateEntry(attr, 0, gathered[0].dtype, tuple(gathered[0].shape))]
+    for k, v in state.as_dict(packed=True).items():
+        stream = next((i for i, g in enumerate(gathered) if v is g), None)
+        constant = None if stream is not None else v.detach().clone()
+        out.append(StateEntry(f"{attr}.{k}", stream, v.dtype, tuple(v.shape), constant))
+    return out
 
 
 def prepare_module(module: nn.Module) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime._param import ParamRef
 from blockshard.runtime._quantized_layout import StreamShape
-from blockshard.runtime._quantized_tensor import QuantizedTensor, byte_view
+from blockshard.runtime._quantized_tensor import QuantizedTensor, StateEntry, byte_view
 
 __all__ = ["fp8_block_pair", "fp8_block_tensor"]
 
@@ -64,6 +64,9 @@ def fp8_block_tensor(
 ) -> QuantizedTensor:
     """The :class:`QuantizedTensor` of a blockwise FP8 weight and its scales (validated, see ``_check``)."""
     _, ref_s, s = scale
+    entries = [
+        StateEntry(ref.attr, k, t.dtype, tuple(t.shape)) for k, (ref, t) in enumerate(((refs[0], w), (ref_s, s)))
+    ]
     br, k_tiles = _check(fqn, w, s, block)
     N, K = w.shape
     streams = (StreamShape("weight", N * K, br * K), StreamShape("weight_scale_inv", s.numel() * 4, k_tiles * 4))
@@ -80,4 +83,5 @@ def fp8_block_tensor(
         targets=[byte_view(t) for t in gathered],
         unsharded=nn.Parameter(gathered[0], requires_grad=False),
         extra=[([ref_s], nn.Parameter(gathered[1], requires_grad=False))],
+        entries=entries,
     )

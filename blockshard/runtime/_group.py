@@ -207,7 +207,9 @@ class ShardGroup:
             self.quantized.unshard()
         if self._layout is None:
             self.sharded_state = ShardedState.UNSHARDED
-            if self.quantized is not None:  # [quantized]
+            if self.quantized is not None:  # [quantized] its all-gather is the group's: counted (AG)
+                if self.tally is not None:
+                    self.tally.record(self.tally_index, 0)
                 self.quantized.wait_unshard()
             return
         layout, W = self._layout, self.world_size

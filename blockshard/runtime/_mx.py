@@ -18,7 +18,7 @@ from torch import nn
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime._param import ParamRef
 from blockshard.runtime._quantized_layout import StreamShape
-from blockshard.runtime._quantized_tensor import QuantizedTensor, byte_view
+from blockshard.runtime._quantized_tensor import QuantizedTensor, StateEntry, byte_view
 
 __all__ = ["is_mx", "mx_tensor"]
 
@@ -67,6 +67,24 @@ def mx_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.Te
     )
     gathered = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in originals]
     inner = type(p).__tensor_unflatten__(dict(zip(names, gathered, strict=True)), ctx, p.shape, p.stride())
+    attr, cls, shape, stride = refs[0].attr, type(p), p.shape, p.stride()
+    entries = [StateEntry(attr if k == 0 else f"{attr}.{n}", k, g.dtype, tuple(g.shape)) for k, (n, g) in
+               enumerate(zip(names, gathered, strict=True))]  # fmt: skip
+
+    def to_full(full: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {attr: cls.__tensor_unflatten__(dict(zip(names, full, strict=True)), ctx, shape, stride)}
+
+    def from_full(values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        v = values[attr]
+        if type(v) is not cls or tuple(v.shape) != tuple(shape) or v.__tensor_flatten__()[1] != ctx:
+            raise _error(
+                fqn,
+                f"the state dict holds a {type(v).__name__} of shape {tuple(v.shape)} under {attr!r}, the model an "
+                f"MXTensor of shape {tuple(shape)} ({ctx['elem_dtype']}, 1 x {bs})",
+                "load a state dict of this model (blockshard.full_state_dict, an unsharded model's state_dict())",
+            )
+        return [getattr(v, n) for n in names]
+
     return QuantizedTensor(
         fqn=fqn,
         refs=refs,
@@ -78,4 +96,8 @@ def mx_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.Te
         gathered=gathered,
         targets=[byte_view(t) for t in gathered],
         unsharded=nn.Parameter(inner, requires_grad=False),
+        entries=entries,
+        full_names=(attr,),
+        to_full=to_full,
+        from_full=from_full,
     )

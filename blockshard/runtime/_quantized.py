@@ -30,7 +30,7 @@ from torch import nn
 
 from blockshard.runtime._collectives import all_gather_into, check_same_layout, wait
 from blockshard.runtime._param import ParamRef
-from blockshard.runtime._quantized_layout import QuantizedLayout, plan_quantized
+from blockshard.runtime._quantized_layout import QuantizedLayout, QuantizedPiece, plan_quantized
 from blockshard.runtime._quantized_tensor import QuantizedTensor
 
 __all__ = ["Found", "QuantizedGroup", "QuantizedStats", "collect_quantized", "quantized_stats"]
@@ -167,12 +167,42 @@ class QuantizedGroup:
         self._free_gathered()
 
     def _payload_piece(self, t: QuantizedTensor) -> torch.Tensor:
+        piece = self.piece_of(t)
+        if piece is None:
+            return self.local[:0]
+        lo, hi, off = piece.ranges[0]
+        return self.local[off : off + hi - lo]
+
+    def piece_of(self, t: QuantizedTensor) -> QuantizedPiece | None:
+        """This rank's piece of ``t`` (its units are contiguous, so at most one), if any."""
         index = self.tensors.index(t)
-        for piece in self.layout.pieces[self.rank]:
-            if piece.tensor == index:
-                lo, hi, off = piece.ranges[0]
-                return self.local[off : off + hi - lo]
-        return self.local[:0]
+        return next((p for p in self.layout.pieces[self.rank] if p.tensor == index), None)
+
+    # -- state dicts ([Note: quantized state dicts] in _quantized_state.py) -----------------------
+    @torch.no_grad()
+    def write_piece(self, t: QuantizedTensor, streams: list[torch.Tensor]) -> None:
+        """Copy this rank's bytes of each of ``t``'s streams (``uint8``, in stream order) into the segment."""
+        piece = self.piece_of(t)
+        if piece is None:
+            return
+        for (lo, hi, off), src in zip(piece.ranges, streams, strict=True):
+            assert src.numel() == hi - lo, (t.fqn, src.numel(), hi - lo)
+            dst = self.local[off : off + hi - lo]
+            if src.numel() and src.data_ptr() != dst.data_ptr():
+                dst.copy_(src)
+
+    @torch.no_grad()
+    def full_streams(self) -> list[list[torch.Tensor]]:
+        """Every tensor's whole byte streams (collective: one all-gather of the segments)."""
+        S, W = self.layout.segment_bytes, self.world_size
+        buf = torch.empty(W * S, dtype=torch.uint8, device=self.device)
+        all_gather_into(buf, self.local, self.process_group)
+        out = [[torch.empty(s.nbytes, dtype=torch.uint8, device=self.device) for s in t.streams] for t in self.tensors]
+        for r, pieces in enumerate(self.layout.pieces):
+            for piece in pieces:
+                for (lo, hi, off), dst in zip(piece.ranges, out[piece.tensor], strict=True):
+                    dst[lo:hi].copy_(buf[r * S + off : r * S + off + hi - lo])
+        return out
 
     def stats(self) -> QuantizedStats:
         S, W = self.layout.segment_bytes, self.world_size

@@ -5,11 +5,13 @@ A format adapter (``_bnb4bit.py``, ``_ao_nf4.py``) turns a quantized parameter i
 original bytes to shard (``sources``, dropped once copied into the local segment), persistent
 gathered tensors (``gathered``, their storage freed while sharded) with byte views of them
 (``targets``), and ``unsharded``: the format's own parameter over the gathered tensors, what the
-module holds during forward and backward.
+module holds during forward and backward. Its state-dict entries (``entries``, ``to_full``,
+``from_full``) are described in [Note: quantized state dicts] (``_quantized_state.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +20,7 @@ from torch import nn
 from blockshard.runtime._param import ParamRef
 from blockshard.runtime._quantized_layout import StreamShape
 
-__all__ = ["QuantizedTensor", "byte_view"]
+__all__ = ["QuantizedTensor", "StateEntry", "byte_view"]
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -26,6 +28,19 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.uint8:
         return t.reshape(-1)
     return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    """One state-dict entry of a quantized tensor, named relative to the module that holds the weight
+    (``"weight"``, ``"weight.absmax"``, ``"weight_scale_inv"``): byte stream ``stream`` seen as a
+    tensor of ``dtype`` and ``shape`` (sharded), or a replicated ``constant`` (``stream`` None)."""
+
+    name: str
+    stream: int | None
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    constant: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -44,6 +59,12 @@ class QuantizedTensor:
     # parameters of their own that travel with this one (blockwise FP8's ``weight_scale_inv``):
     # (where registered, the unsharded parameter over a gathered tensor)
     extra: list[tuple[list[ParamRef], nn.Parameter]] = field(default_factory=list)
+    # state-dict entries ([Note: quantized state dicts]): the sharded model's (streams as pieces,
+    # constants), and the unsharded model's names with functions between them and the full streams
+    entries: list[StateEntry] = field(default_factory=list)
+    full_names: tuple[str, ...] = ()  # the unsharded model's entries (default: ``entries``' names)
+    to_full: Callable[[list[torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    from_full: Callable[[dict[str, torch.Tensor]], list[torch.Tensor]] | None = None
     sharded: nn.Parameter = field(init=False, repr=False)  # this rank's payload bytes (frozen)
     extra_sharded: list[nn.Parameter] = field(default_factory=list, repr=False)  # empty, frozen
 

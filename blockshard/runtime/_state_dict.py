@@ -18,6 +18,7 @@ from blockshard.runtime._collectives import all_gather_into
 from blockshard.runtime._common import ShardedState
 from blockshard.runtime._param import ShardedParam
 from blockshard.runtime._piece_tensor import PieceTensor
+from blockshard.runtime._quantized_state import full_quantized, load_quantized, quantized_entries
 from blockshard.runtime._state import state_of
 
 __all__ = [
@@ -56,9 +57,13 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     ``load_state_dict`` into an unsharded model works. One all-gather of the local buffers per
     group, in the parameters' original dtype; everything else is cloned as it is."""
     gathered = _gather_groups(model)
+    quantized, owned = full_quantized(model, _states_under(model))  # [Note: quantized state dicts]
+    gathered |= quantized
     out: dict[str, torch.Tensor] = {}
     clones: dict[tuple, torch.Tensor] = {}  # tied tensors outside any group stay one tensor
     for name, value in model.state_dict().items():
+        if name in owned and name not in gathered:
+            continue  # a sharded-only entry (torchao's inner tensors): the full one holds it
         if name in gathered:
             out[name] = gathered[name]
         elif isinstance(value, torch.Tensor):
@@ -108,6 +113,8 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
     """Replace each of the group's entries (the local piece, or the gathered view after a forward
     with ``reshard_after_forward=False``) by a :class:`PieceTensor` of its global shape."""
     st = state_of(module)
+    if st is not None and st.group.quantized is not None:  # [Note: quantized state dicts]
+        quantized_entries(module, st.group.quantized, state_dict, prefix)
     if st is None or st.group.layout is None:
         return
     made: dict[int, PieceTensor] = {}
@@ -121,13 +128,13 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
 
 
 def _load_state_dict_pre_hook(
-    module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *_args: object
+    module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any
 ) -> None:
     """Turn each of the group's entries into this rank's piece with its block shape, which
     ``nn.Module`` then copies into the sharded parameter. The group is resharded first (as FSDP2
     does), so a gathered copy never outlives the values it was gathered from."""
     st = state_of(module)
-    if st is None or st.group.layout is None:
+    if st is None or (st.group.layout is None and st.group.quantized is None):
         return
     if local_metadata.get("assign_to_params_buffers"):
         raise ShardingError(
@@ -136,6 +143,8 @@ def _load_state_dict_pre_hook(
         )
     if st.group.sharded_state is not ShardedState.SHARDED:
         st.group.reshard()
+    if st.group.quantized is not None:  # [Note: quantized state dicts]; args: strict, missing_keys, ...
+        load_quantized(module, st.group.quantized, state_dict, prefix, args[1])
     for name, sp in _names(module, st.group.params):
         key = prefix + name
         if key in state_dict:

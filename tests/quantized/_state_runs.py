@@ -1,0 +1,159 @@
+"""State dicts of sharded quantized weights, checked against the unsharded quantized model's own.
+
+Every function takes ``(rank, world, kind, ...)`` and builds the model itself (the same on every
+rank and in the reference): ``kind`` is ``"bnb"`` (a tiny Llama with bitsandbytes 4-bit decoder
+linears; ``quant`` picks nf4/fp4, nested, storage), ``"ao_nf4"``, ``"mx"`` or ``"fp8"``.
+Comparisons run inside the ranks (torchao subclasses do not cross processes), results are plain.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+def build(kind: str, **quant) -> nn.Module:
+    from _qlora import _serial, qlora_llama
+
+    with _serial():
+        if kind == "bnb":
+            return qlora_llama(lora=False, **quant)
+        if kind == "ao_nf4":
+            from _ao_runs import NF4Stack
+
+            return NF4Stack()
+        if kind == "mx":
+            from _mx_runs import MXStack
+
+            return MXStack("float8_e4m3fn")
+        from _fp8_runs import FP8Stack
+
+        return FP8Stack()
+
+
+def shard(model: nn.Module, kind: str) -> nn.Module:
+    import blockshard
+
+    layers = model.model.layers if kind == "bnb" else model.layers
+    for layer in layers:
+        blockshard.fully_shard(layer)
+    blockshard.fully_shard(model)
+    return model
+
+
+def _parts(v: object) -> list[torch.Tensor]:
+    """A tensor as the plain tensors that hold its bytes (a tensor subclass: its inner tensors)."""
+    if type(v) in (torch.Tensor, nn.Parameter) or not hasattr(v, "__tensor_flatten__"):
+        return [v]  # type: ignore[list-item]
+    names, _ = v.__tensor_flatten__()  # type: ignore[attr-defined]
+    return [getattr(v, n) for n in names] + [getattr(v, a) for a in ("scaler_mean", "nf4") if hasattr(v, a)]
+
+
+def same(a: object, b: object) -> bool:
+    """Bitwise equal: type family, dtype, shape and bytes of every part."""
+    from blockshard.runtime._quantized_tensor import byte_view
+
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return a == b
+    if (a.dtype, tuple(a.shape), len(_parts(a))) != (b.dtype, tuple(b.shape), len(_parts(b))):
+        return False
+    return all(
+        x.dtype == y.dtype
+        and x.shape == y.shape
+        and torch.equal(byte_view(x.detach().contiguous()), byte_view(y.detach().contiguous()))
+        for x, y in zip(_parts(a), _parts(b), strict=True)
+    )
+
+
+def differences(got: dict, want: dict) -> list[str]:
+    """Names whose entries differ, and names only one side has."""
+    out = [f"only sharded: {k}" for k in got if k not in want] + [f"only unsharded: {k}" for k in want if k not in got]
+    return out + [k for k in want if k in got and not same(got[k], want[k])]
+
+
+def reference(kind: str, **quant) -> dict[str, torch.Tensor]:
+    return {k: copy.deepcopy(v.detach()) for k, v in build(kind, **quant).state_dict().items()}
+
+
+def _quantized_groups(model: nn.Module) -> list:
+    from blockshard.runtime._state import state_of
+
+    return [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
+
+
+def corrupt(model: nn.Module) -> None:
+    """Overwrite every quantized segment (payload and scales) with other bytes."""
+    with torch.no_grad():
+        for q in _quantized_groups(model):
+            q.local.copy_(
+                torch.randint(0, 256, q.local.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+            )
+
+
+def entries(rank: int, world: int, kind: str, **quant) -> dict:
+    """``model.state_dict()`` and ``full_state_dict`` of the sharded model against the unsharded one,
+    and ``load_state_dict`` of full entries and of pieces after the segments were overwritten."""
+    import blockshard
+    from blockshard.runtime import PieceTensor
+
+    want = reference(kind, **quant)
+    model = shard(build(kind, **quant), kind)
+    local = {n: tuple(p.shape) for n, p in model.named_parameters()}  # what state_dict() held before: pieces
+    sd = model.state_dict()
+    pieces = {k: v for k, v in sd.items() if isinstance(v, PieceTensor)}
+    saved_pieces = copy.deepcopy(sd)
+    full = blockshard.full_state_dict(model)
+    out: dict = {
+        "full_differs": differences(full, want),
+        "full_keys_in_order": list(full) == list(want),
+        "piece_shapes": {k: tuple(v.shape) for k, v in pieces.items()},
+        "local_shapes": local,
+        # plain tensors (torchao's subclass is one entry unsharded, its inner tensors sharded)
+        "want_shapes": {k: tuple(v.shape) for k, v in want.items() if type(v) is torch.Tensor},
+        "full_tensor_equal": all(
+            same(v.full_tensor(), full[k]) for k, v in pieces.items() if k in full and type(full[k]) is torch.Tensor
+        ),
+    }
+    corrupt(model)
+    out["corrupted_differs"] = bool(differences(blockshard.full_state_dict(model), want))  # the control
+    model.load_state_dict(full)
+    out["after_full_load"] = differences(blockshard.full_state_dict(model), want)
+    corrupt(model)
+    model.load_state_dict(saved_pieces)
+    out["after_piece_load"] = differences(blockshard.full_state_dict(model), want)
+    return out
+
+
+def dcp_save(rank: int, world: int, kind: str, path: str, checkpoint: bool = False, **quant) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    import blockshard
+
+    model = shard(build(kind, **quant), kind)
+    if checkpoint:
+        blockshard.save_checkpoint(model, path)
+    else:
+        dcp.save(model.state_dict(), checkpoint_id=path)
+    return {}
+
+
+def dcp_load(rank: int, world: int, kind: str, path: str, checkpoint: bool = False, **quant) -> dict:
+    """Load a checkpoint into a model whose quantized bytes were overwritten: the unsharded model's
+    state dict again (and the forward's output)."""
+    import torch.distributed.checkpoint as dcp
+
+    import blockshard
+
+    want = reference(kind, **quant)
+    model = shard(build(kind, **quant), kind)
+    corrupt(model)
+    corrupted = bool(differences(blockshard.full_state_dict(model), want))
+    if checkpoint:
+        blockshard.load_checkpoint(model, path)
+    else:
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state)
+    return {"corrupted_differs": corrupted, "after_load": differences(blockshard.full_state_dict(model), want)}

@@ -1,0 +1,114 @@
+"""State dicts of sharded quantized weights (threaded gloo ranks): [Note: quantized state dicts].
+
+``model.state_dict()`` holds every stream of a quantized weight (payload, absmax, nested
+statistics, torchao scalers and factors, MX and FP8 scales) as a PieceTensor of its global shape,
+``blockshard.full_state_dict`` equals the unsharded quantized model's ``state_dict()`` bitwise
+(keys in order, dtypes, bytes), and loading full entries or pieces restores overwritten segments
+exactly, as do DCP and ``save_checkpoint`` across world sizes (W = 2 -> 1 and 1 -> 2).
+Control: the sharded model's parameters are this rank's payload bytes of local shapes (what
+``model.state_dict()`` held under the full names before), and overwritten segments differ.
+"""
+
+from __future__ import annotations
+
+import _inproc
+import _state_runs
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(300)
+
+BNB = [
+    {"quant_type": qt, "compress_statistics": nested, "quant_storage": storage}
+    for qt in ("nf4", "fp4")
+    for nested in (True, False)
+    for storage in (torch.uint8, torch.bfloat16)
+]
+
+
+def _id(quant: dict) -> str:
+    return "-".join(str(v).removeprefix("torch.") for v in quant.values())
+
+
+def _check_entries(outs: list[dict], stream_names: tuple[str, ...]) -> None:
+    for rank, out in enumerate(outs):
+        assert out["full_differs"] == [], rank
+        assert out["full_keys_in_order"], rank
+        assert out["full_tensor_equal"], rank
+        assert out["corrupted_differs"], rank  # the control: overwritten bytes are seen
+        assert out["after_full_load"] == [] and out["after_piece_load"] == [], rank
+        for name, shape in out["piece_shapes"].items():  # every piece has its tensor's global shape
+            if name in out["want_shapes"]:
+                assert shape == out["want_shapes"][name], name
+        assert any(n.endswith(stream_names) for n in out["piece_shapes"]), out["piece_shapes"]
+    # the control: a sharded weight's parameter is this rank's payload of a local shape
+    weights = [n for n in outs[0]["want_shapes"] if n in outs[0]["local_shapes"] and n in outs[0]["piece_shapes"]]
+    assert weights
+    assert any(out["local_shapes"][n] != out["want_shapes"][n] for out in outs for n in weights)
+
+
+@pytest.mark.parametrize("quant", BNB, ids=_id)
+def test_bnb_state_dicts_at_w2_are_the_unsharded_models(quant):
+    outs = _inproc.run_ranks(_state_runs.entries, 2, args=("bnb",), kwargs=quant)
+    names = (".absmax", ".nested_absmax") if quant["compress_statistics"] else (".absmax",)
+    _check_entries(outs, names)
+    pieces = outs[0]["piece_shapes"]
+    assert "model.layers.0.self_attn.q_proj.weight" in pieces
+    assert ("model.layers.0.self_attn.q_proj.weight.nested_absmax" in pieces) == quant["compress_statistics"]
+    assert "model.layers.0.self_attn.q_proj.weight.quant_map" not in pieces  # a constant: replicated
+
+
+@pytest.mark.parametrize(
+    ("kind", "streams"), [("ao_nf4", (".quantized_scalers",)), ("mx", (".scale",)), ("fp8", ("weight_scale_inv",))]
+)
+def test_torchao_mx_and_fp8_state_dicts_at_w2_are_the_unsharded_models(kind, streams):
+    _check_entries(_inproc.run_ranks(_state_runs.entries, 2, args=(kind,)), streams)
+
+
+def test_bnb_state_dicts_at_w3():
+    _check_entries(_inproc.run_ranks(_state_runs.entries, 3, args=("bnb",)), (".absmax",))
+
+
+KINDS = [
+    ("bnb", {}),
+    ("bnb", {"quant_type": "fp4", "compress_statistics": False, "quant_storage": torch.bfloat16}),
+    ("ao_nf4", {}),
+]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["dcp", "save_checkpoint"])
+@pytest.mark.parametrize(("kind", "quant"), KINDS, ids=lambda x: _id(x) if isinstance(x, dict) else x)
+def test_checkpoints_of_quantized_weights_reshard(kind, quant, checkpoint, tmp_path):
+    for i, (w_save, w_load) in enumerate(((2, 1), (1, 2))):
+        path = str(tmp_path / f"ckpt{i}")
+        _inproc.run_ranks(_state_runs.dcp_save, w_save, args=(kind, path, checkpoint), kwargs=quant)
+        loads = _inproc.run_ranks(_state_runs.dcp_load, w_load, args=(kind, path, checkpoint), kwargs=quant)
+        for rank, out in enumerate(loads):
+            assert out["corrupted_differs"], (w_save, w_load, rank)
+            assert out["after_load"] == [], (w_save, w_load, rank)
+
+
+def _load_bad(rank: int, world: int, what: str) -> str:
+    import blockshard
+
+    model = _state_runs.shard(_state_runs.build("bnb"), "bnb")
+    full = blockshard.full_state_dict(model)
+    key = "model.layers.0.self_attn.q_proj.weight"
+    if what == "quant_map":
+        full[key + ".quant_map"] = full[key + ".quant_map"] + 1
+    elif what == "local":
+        full[key] = full[key][:10]
+    try:
+        model.load_state_dict(full)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize(
+    ("what", "fragment"),
+    [("quant_map", "differs from the model's quant state"), ("local", "the model's payload is a torch.uint8 tensor")],
+)
+def test_loading_another_quant_state_or_a_local_piece_raises(what, fragment):
+    for msg in _inproc.run_ranks(_load_bad, 2, args=(what,)):
+        assert "model.layers.0.self_attn.q_proj.weight" in msg and fragment in msg and "Fix:" in msg, msg
