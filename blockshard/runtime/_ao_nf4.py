@@ -15,6 +15,7 @@ State dicts ([Note: quantized state dicts]): sharded, ``weight`` (the payload),
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,7 +103,7 @@ def ao_nf4_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torc
         return {attr: NF4Tensor(meta, p.block_size, p.n_blocks, sbs, full[1], full[2], sm, full[0], table)}
 
     def from_full(values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        v = values[attr]
+        v: Any = values[attr]
         got = (type(v), tuple(v.shape), getattr(v, "block_size", None), getattr(v, "scaler_block_size", None))
         if got != (NF4Tensor, tuple(p.shape), p.block_size, sbs):
             raise _error(

@@ -11,6 +11,7 @@ blocks. The unsharded parameter is a new ``MXTensor`` over the gathered tensors
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,7 +76,7 @@ def mx_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.Te
         return {attr: cls.__tensor_unflatten__(dict(zip(names, full, strict=True)), ctx, shape, stride)}
 
     def from_full(values: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        v = values[attr]
+        v: Any = values[attr]
         if type(v) is not cls or tuple(v.shape) != tuple(shape) or v.__tensor_flatten__()[1] != ctx:
             raise _error(
                 fqn,

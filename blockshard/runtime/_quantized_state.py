@@ -263,7 +263,7 @@ def _settle(t: QuantizedTensor, state_dict: dict, p: str) -> None:
     for name in {e.name for e in t.entries} | set(t.full_names):
         if p + name not in state_dict:
             continue
-        if name in params and params[name] is not None:
-            state_dict[p + name] = params[name].detach()
+        if (param := params.get(name)) is not None:
+            state_dict[p + name] = param.detach()
         else:
             del state_dict[p + name]
