@@ -90,7 +90,7 @@ def ao_nf4_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torc
     added += p.scaler_mean.element_size()
     meta = SubclassTensorArgs(p.shape, p.stride(), p.storage_offset(), p.dtype, p.device, False)
     inner = NF4Tensor(meta, p.block_size, p.n_blocks, sbs, gathered[1], gathered[2], p.scaler_mean, gathered[0], nf4)
-    attr = refs[0].attr
+    attr = refs[0].attr if refs else "weight"
     entries = [StateEntry(attr if k == 0 else f"{attr}.{s.name}", k, g.dtype, tuple(g.shape)) for k, (s, g) in
                enumerate(zip(streams, gathered, strict=True))]  # fmt: skip
     entries += [

@@ -150,7 +150,7 @@ def bnb_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.T
         module=p.module,
         bnb_quantized=True,
     )
-    entries = _entries(refs[0].attr, state, gathered)
+    entries = _entries(refs[0].attr if refs else "weight", state, gathered)
     storage = "uint8" if payload.dtype == torch.uint8 else str(payload.dtype).removeprefix("torch.")
     nested = "nested absmax" if qs.nested else "fp32 absmax"
     return QuantizedTensor(

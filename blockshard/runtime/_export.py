@@ -14,7 +14,10 @@ plus gloo's own copy of it on every rank). Tensors outside every group (buffers,
 parameters) go into a last shard. Rank 0 also writes ``model.safetensors.index.json`` (the name
 -> shard map ``from_pretrained`` reads) and, for a Hugging Face model, its ``config.json``. Tied
 parameters are written once, under their first name (``from_pretrained`` ties the others again,
-as for Hugging Face's own ``save_pretrained``).
+as for Hugging Face's own ``save_pretrained``). Quantized weights (bitsandbytes 4-bit, blockwise
+FP8) go into a shard of their own under the unsharded model's state-dict names (bitsandbytes'
+serialization keys, [Note: quantized state dicts]), gathered whole (a quarter of bf16 or less);
+torchao's tensor subclasses raise before anything is written.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from blockshard._errors import QuantizedWeightError
 from blockshard.runtime._api import _join, _states_under
 from blockshard.runtime._param import ShardedParam
 from blockshard.runtime._piece_tensor import PieceTensor
+from blockshard.runtime._quantized_state import full_quantized
 from blockshard.runtime._state_dict import _names
 
 __all__ = ["save_pretrained"]
@@ -90,10 +95,19 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
     loads it."""
     path = os.fspath(save_directory)
     rank = _rank(model)
-    groups = [(prefix, st) for prefix, st in _states_under(model) if st.group.layout is not None]
+    states = _states_under(model)
+    _check_exportable(states)  # before any collective or file
+    groups = [(prefix, st) for prefix, st in states if st.group.layout is not None]
     state = model.state_dict()
-    rest = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and not isinstance(v, PieceTensor)}
-    files = [f"model-{i + 1:05d}-of-{len(groups) + bool(rest):05d}.safetensors" for i in range(len(groups) + 1)]
+    quantized, owned = full_quantized(model, states)  # [Note: quantized state dicts]; collective
+    quantized = {k: v for k, v in quantized.items() if k in state}
+    rest = {
+        k: v
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and not isinstance(v, PieceTensor) and k not in owned
+    }
+    n_files = len(groups) + bool(quantized) + bool(rest)
+    files = [f"model-{i + 1:05d}-of-{n_files:05d}.safetensors" for i in range(n_files)]
     if rank == 0:
         os.makedirs(path, exist_ok=True)
     weight_map: dict[str, str] = {}
@@ -102,16 +116,33 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
         tensors = _chosen(prefix, st, set(state), written)
         total += _stream_group(os.path.join(path, file), st.group, tensors, rank)
         weight_map |= dict.fromkeys(tensors, file)
+    if rank == 0 and quantized:  # bitsandbytes' serialization keys, as the unsharded model's state_dict()
+        total += _write_safetensors(os.path.join(path, files[len(groups)]), quantized)
+        weight_map |= dict.fromkeys(quantized, files[len(groups)])
     if rank == 0 and rest:
         unique = _unique(rest)
-        total += _write_safetensors(os.path.join(path, files[len(groups)]), unique)
-        weight_map |= dict.fromkeys(unique, files[len(groups)])
+        total += _write_safetensors(os.path.join(path, files[-1]), unique)
+        weight_map |= dict.fromkeys(unique, files[-1])
     if rank == 0:
         with open(os.path.join(path, INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(path)
+
+
+def _check_exportable(states: list) -> None:
+    """Raise before anything is written if a quantized weight's full entry is a tensor subclass
+    (torchao ``NF4Tensor``, ``MXTensor``), which safetensors cannot hold."""
+    for prefix, st in states:
+        for t in st.group.quantized.tensors if st.group.quantized is not None else ():
+            if t.to_full is not None:
+                raise QuantizedWeightError(
+                    f"blockshard.save_pretrained: quantized weight {_join(prefix, t.fqn)!r} of group {st.group.name!r} is a "
+                    f"{t.format} (a tensor subclass), which safetensors cannot hold, and its library has no "
+                    "safetensors serialization. Fix: save a checkpoint with blockshard.save_checkpoint (or "
+                    "dcp.save(model.state_dict())), or save the adapters only (peft's save_pretrained)"
+                )
 
 
 def _chosen(prefix: str, st: Any, names: set[str], written: set[int]) -> dict[str, ShardedParam]:

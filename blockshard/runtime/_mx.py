@@ -68,7 +68,7 @@ def mx_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.Te
     )
     gathered = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in originals]
     inner = type(p).__tensor_unflatten__(dict(zip(names, gathered, strict=True)), ctx, p.shape, p.stride())
-    attr, cls, shape, stride = refs[0].attr, type(p), p.shape, p.stride()
+    attr, cls, shape, stride = refs[0].attr if refs else "weight", type(p), p.shape, p.stride()
     entries = [StateEntry(attr if k == 0 else f"{attr}.{n}", k, g.dtype, tuple(g.shape)) for k, (n, g) in
                enumerate(zip(names, gathered, strict=True))]  # fmt: skip
 

@@ -157,3 +157,33 @@ def dcp_load(rank: int, world: int, kind: str, path: str, checkpoint: bool = Fal
         dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state)
     return {"corrupted_differs": corrupted, "after_load": differences(blockshard.full_state_dict(model), want)}
+
+
+def export(rank: int, world: int, kind: str, path: str, **quant) -> dict:
+    """``blockshard.save_pretrained`` of the sharded model: on rank 0 what the files hold against
+    the unsharded model's state dict (bitsandbytes' serialization keys), or the error."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    import blockshard
+
+    want = reference(kind, **quant)
+    model = shard(build(kind, **quant), kind)
+    try:
+        blockshard.save_pretrained(model, path)
+    except ValueError as e:
+        return {"error": str(e), "files": sorted(os.listdir(path)) if os.path.isdir(path) else []}
+    if rank != 0:
+        return {}
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        files = set(json.load(f)["weight_map"].values())
+    got: dict = {}
+    for file in sorted(files):
+        got |= load_file(os.path.join(path, file))
+    return {
+        "differs": [k for k in got if k not in want or not same(got[k], want[k])],
+        "not_written": sorted(k for k in want if k not in got),
+        "quantized_keys": sorted(k for k in got if ".weight." in k),
+    }

@@ -112,3 +112,24 @@ def _load_bad(rank: int, world: int, what: str) -> str:
 def test_loading_another_quant_state_or_a_local_piece_raises(what, fragment):
     for msg in _inproc.run_ranks(_load_bad, 2, args=(what,)):
         assert "model.layers.0.self_attn.q_proj.weight" in msg and fragment in msg and "Fix:" in msg, msg
+
+
+@pytest.mark.parametrize("quant", [BNB[0], BNB[-1]], ids=_id)
+def test_save_pretrained_writes_the_unsharded_4bit_models_entries(quant, tmp_path):
+    outs = _inproc.run_ranks(_state_runs.export, 2, args=("bnb", str(tmp_path)), kwargs=quant)
+    got = outs[0]
+    assert got["differs"] == []
+    assert got["not_written"] in ([], ["lm_head.weight"])  # a tied name is written once, as Hugging Face does
+    q = "model.layers.0.self_attn.q_proj.weight."
+    packed = f"{q}quant_state.bitsandbytes__{quant['quant_type']}"
+    assert {f"{q}absmax", f"{q}quant_map", packed} <= set(got["quantized_keys"])
+    assert (f"{q}nested_absmax" in got["quantized_keys"]) == quant["compress_statistics"]
+
+
+def test_save_pretrained_of_torchao_nf4_raises_before_writing(tmp_path):
+    for out in _inproc.run_ranks(_state_runs.export, 2, args=("ao_nf4", str(tmp_path / "out"))):
+        assert "quantized weight 'layers.0.weight'" in out["error"] and "torchao NF4Tensor" in out["error"], out[
+            "error"
+        ]
+        assert "Fix: save a checkpoint with blockshard.save_checkpoint" in out["error"]
+        assert out["files"] == []
