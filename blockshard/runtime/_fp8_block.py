@@ -64,9 +64,8 @@ def fp8_block_tensor(
 ) -> QuantizedTensor:
     """The :class:`QuantizedTensor` of a blockwise FP8 weight and its scales (validated, see ``_check``)."""
     _, ref_s, s = scale
-    entries = [
-        StateEntry(ref.attr, k, t.dtype, tuple(t.shape)) for k, (ref, t) in enumerate(((refs[0], w), (ref_s, s)))
-    ]
+    names = (refs[0].attr if refs else "weight", ref_s.attr)
+    entries = [StateEntry(n, k, t.dtype, tuple(t.shape)) for k, (n, t) in enumerate(zip(names, (w, s), strict=True))]
     br, k_tiles = _check(fqn, w, s, block)
     N, K = w.shape
     streams = (StreamShape("weight", N * K, br * K), StreamShape("weight_scale_inv", s.numel() * 4, k_tiles * 4))
