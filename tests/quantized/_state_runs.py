@@ -187,3 +187,10 @@ def export(rank: int, world: int, kind: str, path: str, **quant) -> dict:
         "not_written": sorted(k for k in want if k not in got),
         "quantized_keys": sorted(k for k in got if ".weight." in k),
     }
+
+
+def spawned(rank: int, world: int, what: str, kind: str, path: str, checkpoint: bool, quant: tuple) -> dict:
+    """Spawned ranks (positional arguments only): :func:`dcp_save` or :func:`dcp_load` with ``quant``
+    given as ``(name, value)`` pairs, dtypes by name."""
+    kwargs = {k: getattr(torch, v) if k == "quant_storage" else v for k, v in quant}
+    return (dcp_save if what == "save" else dcp_load)(rank, world, kind, path, checkpoint, **kwargs)
