@@ -28,7 +28,8 @@ model; sharded, their inner tensors become entries of their own (``weight`` the 
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -37,7 +38,15 @@ from blockshard._errors import QuantizedWeightError
 from blockshard.runtime._piece_tensor import PieceTensor
 from blockshard.runtime._quantized_tensor import QuantizedTensor, StateEntry, byte_view
 
-__all__ = ["StateEntry", "default_full", "full_quantized", "load_quantized", "quantized_entries"]
+__all__ = [
+    "StateEntry",
+    "default_full",
+    "full_entries_of",
+    "full_quantized",
+    "load_quantized",
+    "quantized_entries",
+    "wrap_get_fqns",
+]
 
 
 def _module_names(root: nn.Module) -> dict[int, list[str]]:
@@ -267,3 +276,44 @@ def _settle(t: QuantizedTensor, state_dict: dict, p: str) -> None:
             state_dict[p + name] = param.detach()
         else:
             del state_dict[p + name]
+
+
+# -- torch's get_state_dict / set_state_dict ([Note: torch's state-dict helpers] in _state_dict.py) --
+def wrap_get_fqns(dsd: Any) -> None:
+    """torch's ``_get_fqns`` resolves a state-dict name attribute by attribute; a quantized tensor's
+    entries (``weight.absmax``, ``weight.quant_state.bitsandbytes__nf4``) name no attribute of the
+    sharded piece. A name that fails where it reaches a tensor keeps the rest as it is (torch's own
+    result for every name that resolves)."""
+    if not hasattr(dsd, "_get_fqns"):
+        return
+    get_fqns = dsd._get_fqns
+
+    @functools.wraps(get_fqns)
+    def _get_fqns(model: nn.Module, name: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return get_fqns(model, name, *args, **kwargs)
+        except AttributeError:
+            parts, obj = name.split("."), cast(Any, model)
+            for i, part in enumerate(parts):
+                if isinstance(obj, torch.Tensor) and i > 0:
+                    rest = ".".join(parts[i:])
+                    return {f"{f}.{rest}" for f in get_fqns(model, ".".join(parts[:i]), *args, **kwargs)}
+                obj = getattr(obj, part, None)
+            raise
+
+    dsd._get_fqns = _get_fqns
+
+
+def full_entries_of(model: nn.Module, state: dict[str, Any], states: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``state`` (its PieceTensors gathered) with the quantized tensors' entries replaced by the
+    unsharded model's (torchao's subclasses whole again; collective). Dropped values (``None``:
+    a rank that keeps nothing) stay dropped."""
+    if not any(st.group.quantized is not None for _, st in states):
+        return state
+    full, owned = full_quantized(model, states)
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if k in owned and k not in full:
+            continue
+        out[k] = full[k] if k in full and v is not None else v
+    return out

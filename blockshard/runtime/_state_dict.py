@@ -18,7 +18,13 @@ from blockshard.runtime._collectives import all_gather_into
 from blockshard.runtime._common import ShardedState
 from blockshard.runtime._param import ShardedParam
 from blockshard.runtime._piece_tensor import PieceTensor
-from blockshard.runtime._quantized_state import full_quantized, load_quantized, quantized_entries
+from blockshard.runtime._quantized_state import (
+    full_entries_of,
+    full_quantized,
+    load_quantized,
+    quantized_entries,
+    wrap_get_fqns,
+)
 from blockshard.runtime._state import state_of
 
 __all__ = [
@@ -258,7 +264,8 @@ def install_torch_state_dict_support() -> None:
         if not _states_under(model) or not info.full_state_dict:
             return get_model(model, info)
         state = get_model(model, dataclasses.replace(info, full_state_dict=False, cpu_offload=False))
-        return dsd._maybe_full_or_cpu_state_dict(gather_pieces(state, keep=_keeps(info)), info)
+        state = full_entries_of(model, gather_pieces(state, keep=_keeps(info)), _states_under(model))  # quantized
+        return dsd._maybe_full_or_cpu_state_dict(state, info)
 
     @functools.wraps(get_optim)
     def _get_optim_state_dict(model: nn.Module, optimizers: tuple, info: Any) -> dict[str, Any]:
@@ -273,6 +280,7 @@ def install_torch_state_dict_support() -> None:
         return _optim_state.torch_load_optimizer_state_dict(model, optimizers, state_dict, info)
 
     dsd._get_model_state_dict = _get_model_state_dict
+    wrap_get_fqns(dsd)  # quantized entries' names ([Note: quantized state dicts])
     dsd._get_optim_state_dict = _get_optim_state_dict
     dsd._load_optim_state_dict = _load_optim_state_dict
 

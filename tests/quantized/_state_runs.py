@@ -194,3 +194,24 @@ def spawned(rank: int, world: int, what: str, kind: str, path: str, checkpoint: 
     given as ``(name, value)`` pairs, dtypes by name."""
     kwargs = {k: getattr(torch, v) if k == "quant_storage" else v for k, v in quant}
     return (dcp_save if what == "save" else dcp_load)(rank, world, kind, path, checkpoint, **kwargs)
+
+
+def torch_helpers(rank: int, world: int, kind: str) -> dict:
+    """torch's ``get_model_state_dict`` (sharded and ``full_state_dict=True``) and
+    ``set_model_state_dict`` of the full one into overwritten segments."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    import blockshard
+
+    want = reference(kind)
+    model = shard(build(kind), kind)
+    sharded = get_model_state_dict(model)
+    full_options = StateDictOptions(full_state_dict=True)
+    full = get_model_state_dict(model, options=full_options)
+    corrupt(model)
+    set_model_state_dict(model, full, options=full_options)
+    return {
+        "sharded_keys": list(sharded) == list(model.state_dict()),
+        "full_differs": differences(full, want),
+        "after_set": differences(blockshard.full_state_dict(model), want),
+    }

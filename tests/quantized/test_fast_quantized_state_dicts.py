@@ -133,3 +133,10 @@ def test_save_pretrained_of_torchao_nf4_raises_before_writing(tmp_path):
         ]
         assert "Fix: save a checkpoint with blockshard.save_checkpoint" in out["error"]
         assert out["files"] == []
+
+
+@pytest.mark.parametrize("kind", ["bnb", "ao_nf4"])
+def test_torch_get_and_set_model_state_dict(kind):
+    for out in _inproc.run_ranks(_state_runs.torch_helpers, 2, args=(kind,)):
+        assert out["sharded_keys"]  # torch resolves the quantized entries' names (weight.absmax, ...)
+        assert out["full_differs"] == [] and out["after_set"] == []
