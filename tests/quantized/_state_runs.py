@@ -185,7 +185,7 @@ def export(rank: int, world: int, kind: str, path: str, **quant) -> dict:
     return {
         "differs": [k for k in got if k not in want or not same(got[k], want[k])],
         "not_written": sorted(k for k in want if k not in got),
-        "quantized_keys": sorted(k for k in got if ".weight." in k),
+        "quantized_keys": sorted(k for k in got if ".weight." in k or k.endswith("weight_scale_inv")),
     }
 
 
@@ -214,4 +214,34 @@ def torch_helpers(rank: int, world: int, kind: str) -> dict:
         "sharded_keys": list(sharded) == list(model.state_dict()),
         "full_differs": differences(full, want),
         "after_set": differences(blockshard.full_state_dict(model), want),
+    }
+
+
+def after_forward(rank: int, world: int) -> dict:
+    """``model.state_dict()`` before and after a forward with ``reshard_after_forward=False`` (the
+    layers stay gathered): the same entries; ``full_state_dict`` still the unsharded model's."""
+    import blockshard
+    from blockshard.runtime import PieceTensor
+
+    want = reference("bnb")
+    model = build("bnb")
+    for layer in model.model.layers:
+        blockshard.fully_shard(layer, reshard_after_forward=False)
+    blockshard.fully_shard(model)
+
+    def described() -> dict:
+        return {
+            k: (type(v).__name__, tuple(v.shape), v.dtype, (v.to_local() if isinstance(v, PieceTensor) else v).clone())
+            for k, v in model.state_dict().items()
+        }
+
+    before = described()
+    model(input_ids=torch.ones(1, 8, dtype=torch.long))  # float parameters train: a backward may follow
+    gathered = type(model.model.layers[0].self_attn.q_proj.weight).__name__
+    after = described()
+    return {
+        "gathered": gathered,
+        "changed": [k for k in before if before[k][:3] != after[k][:3] or not same(before[k][3], after[k][3])],
+        "keys_equal": list(before) == list(after),
+        "full_differs": differences(blockshard.full_state_dict(model), want),
     }

@@ -73,6 +73,8 @@ KINDS = [
     ("bnb", {}),
     ("bnb", {"quant_type": "fp4", "compress_statistics": False, "quant_storage": torch.bfloat16}),
     ("ao_nf4", {}),
+    ("mx", {}),
+    ("fp8", {}),
 ]
 
 
@@ -126,6 +128,11 @@ def test_save_pretrained_writes_the_unsharded_4bit_models_entries(quant, tmp_pat
     assert (f"{q}nested_absmax" in got["quantized_keys"]) == quant["compress_statistics"]
 
 
+def test_save_pretrained_of_blockwise_fp8_writes_the_unsharded_models_entries(tmp_path):
+    got = _inproc.run_ranks(_state_runs.export, 2, args=("fp8", str(tmp_path)))[0]
+    assert got["differs"] == [] and got["not_written"] == []
+
+
 def test_save_pretrained_of_torchao_nf4_raises_before_writing(tmp_path):
     for out in _inproc.run_ranks(_state_runs.export, 2, args=("ao_nf4", str(tmp_path / "out"))):
         assert "quantized weight 'layers.0.weight'" in out["error"] and "torchao NF4Tensor" in out["error"], out[
@@ -140,3 +147,10 @@ def test_torch_get_and_set_model_state_dict(kind):
     for out in _inproc.run_ranks(_state_runs.torch_helpers, 2, args=(kind,)):
         assert out["sharded_keys"]  # torch resolves the quantized entries' names (weight.absmax, ...)
         assert out["full_differs"] == [] and out["after_set"] == []
+
+
+def test_a_forward_that_keeps_layers_gathered_changes_no_entry():
+    for out in _inproc.run_ranks(_state_runs.after_forward, 2):
+        assert out["gathered"] == "Params4bit"  # the layer holds the format's parameter now
+        assert out["keys_equal"] and out["changed"] == []
+        assert out["full_differs"] == []
