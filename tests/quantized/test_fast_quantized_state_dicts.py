@@ -154,3 +154,24 @@ def test_a_forward_that_keeps_layers_gathered_changes_no_entry():
         assert out["gathered"] == "Params4bit"  # the layer holds the format's parameter now
         assert out["keys_equal"] and out["changed"] == []
         assert out["full_differs"] == []
+
+
+def test_save_pretrained_writes_what_hugging_face_writes_for_the_unsharded_model(tmp_path):
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    def read(path) -> dict:
+        files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+        return {k: v for f in files for k, v in load_file(os.path.join(path, f)).items()}
+
+    with _inproc.single_thread():
+        _state_runs.build("bnb").save_pretrained(tmp_path / "hf")  # transformers' own, unsharded
+    _inproc.run_ranks(_state_runs.export, 2, args=("bnb", str(tmp_path / "ours")))
+    hf, ours = read(tmp_path / "hf"), read(tmp_path / "ours")
+    assert (
+        json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())["weight_map"].keys() == ours.keys()
+    )
+    assert sorted(hf) == sorted(ours) and any(k.endswith(".weight.quant_state.bitsandbytes__nf4") for k in hf)
+    assert [k for k in hf if not _state_runs.same(hf[k], ours[k])] == []
