@@ -16,8 +16,8 @@ parameters) go into a last shard. Rank 0 also writes ``model.safetensors.index.j
 parameters are written once, under their first name (``from_pretrained`` ties the others again,
 as for Hugging Face's own ``save_pretrained``). Quantized weights (bitsandbytes 4-bit, blockwise
 FP8) go into a shard of their own under the unsharded model's state-dict names (bitsandbytes'
-serialization keys, [Note: quantized state dicts]), gathered whole (a quarter of bf16 or less);
-torchao's tensor subclasses raise before anything is written.
+serialization keys, [Note: quantized state dicts]), all-gathered whole on every rank (not
+streamed; a quarter of bf16 or less); torchao's tensor subclasses raise before anything is written.
 """
 
 from __future__ import annotations
