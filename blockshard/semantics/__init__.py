@@ -1,6 +1,6 @@
 """Block semantics: the indivisible units optimizers and quantizers compute on."""
 
-from blockshard.semantics import _builtins  # noqa: F401  (registers the built-ins)
+from blockshard.semantics import _builtins, _quantizers  # noqa: F401  (register the built-ins)
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
 from blockshard.semantics._builtins import newton_schulz_flops
 from blockshard.semantics._grid import UnitGrid
