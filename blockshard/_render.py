@@ -122,9 +122,10 @@ def policy_table(plan: ModelPlan) -> Table:
 def quantized_table(plan: ModelPlan) -> Table:
     """Per group kind and in total: the quantized weights' bytes per rank and all-gathered per step,
     beside a bf16 gather of the same weights ([Note: planned quantized bytes])."""
-    table = Table(title="quantized weights per rank", title_justify="left", header_style="bold")
-    cols = ("group kind", "groups", "tensors", "values", "payload", "scales", "held max", "held mean",
-            "S / rank", "gathered / step", "bf16 / step", "x bf16")  # fmt: skip
+    title = "quantized weights per rank · payload and scales: the model's, the rest per rank"
+    table = Table(title=title, title_justify="left", header_style="bold")
+    cols = ("group kind", "groups", "tensors", "payload", "scales", "held max", "held mean", "S",
+            "gather/step", "bf16/step", "ratio")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="right" if col != "group kind" else "left", no_wrap=True)
     for kind, row in plan.quantized_by_kind().items():
@@ -132,11 +133,11 @@ def quantized_table(plan: ModelPlan) -> Table:
     table.add_section()
     table.add_row("[bold]total[/]", str(len(plan.quantized_groups)), *_quantized_cells(plan.quantized_totals()))
     table.caption = (
-        "Bytes of the quantized weights (payload + scales: absmax, scalers, factors) as fully_shard stores them. "
-        "held: what a rank holds (max and mean over ranks); S: its segment (held + padding, what "
-        "quantized_stats reports as local_bytes). gathered / step: all-gather output per rank, forward and "
-        "backward (the root once); bf16: the same weights gathered in bf16 (2 bytes per value). Replicated "
-        "code tables are not counted."
+        "Bytes of the quantized weights as fully_shard stores them: payload and scales (absmax, scalers, "
+        "factors) of every group of the kind. held: what a rank holds (max and mean over ranks); S: its segment (held + padding: "
+        "quantized_stats' local_bytes). gather/step: all-gather output per rank, forward and backward (the root "
+        "once); bf16/step: the same weights gathered in bf16; ratio: gather over bf16. Code tables (replicated) "
+        "are left out."
     )
     return table
 
@@ -144,7 +145,6 @@ def quantized_table(plan: ModelPlan) -> Table:
 def _quantized_cells(row: dict) -> list[str]:
     return [
         f"{row['num_tensors']:,}",
-        human(row["numel"]),
         human(row["payload_bytes"]) + "B",
         human(row["scale_bytes"]) + "B",
         human(row["rank_bytes_max"]) + "B",
