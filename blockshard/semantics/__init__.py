@@ -16,6 +16,7 @@ from blockshard.semantics._registry import (
 )
 from blockshard.semantics._rules import ResolvedSemantics, Rule, SemanticsRules
 from blockshard.semantics._spec import DTYPE_ITEMSIZE, DTypeLike, TensorSpec, itemsize_of, normalize_dtype
+from blockshard.semantics._storage import ByteStream, QuantizedStorage
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -23,8 +24,10 @@ __all__ = [
     "NO_ENTRY_POINTS_ENV",
     "PRESETS",
     "BlockSemantics",
+    "ByteStream",
     "Companion",
     "DTypeLike",
+    "QuantizedStorage",
     "ResolvedSemantics",
     "Rule",
     "SemanticsKind",
