@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 from blockshard._arith import ceil_div
+from blockshard._errors import SemanticsError
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
 from blockshard.semantics._builtins import NF4, _positive
 from blockshard.semantics._grid import UnitGrid
@@ -157,8 +158,6 @@ class MX(BlockSemantics):
     def __init__(self, bits: int = 8) -> None:
         super().__init__()
         if bits not in (4, 8):
-            from blockshard._errors import SemanticsError
-
             raise SemanticsError(
                 f"semantics mx:{bits}: the argument is the payload's bits per value, 8 (MXFP8, MXFP6 unpacked) or "
                 "4 (MXFP4 packed two per byte); write 'mx' or 'mx:4'"

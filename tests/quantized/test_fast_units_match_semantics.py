@@ -49,6 +49,12 @@ def _mx(elem=torch.float8_e4m3fn):
     return mx_tensor("w", [], torch.nn.Parameter(t, requires_grad=False), {})
 
 
+def _fp6():
+    from torchao.prototype.mx_formats.constants import DTYPE_FP6_E2M3
+
+    return DTYPE_FP6_E2M3
+
+
 def _fp8():
     from blockshard.runtime._fp8_block import fp8_block_tensor
     from blockshard.runtime._param import ParamRef
@@ -76,6 +82,7 @@ CASES = {
     "torchao NF4Tensor, fp32": (lambda: _ao(torch.float32), "ao_nf4", "float32", 2, [1, 4]),
     "torchao MXTensor": (_mx, "mx", "bfloat16", 1, [1]),
     "torchao MXTensor, fp4": (lambda: _mx(torch.float4_e2m1fn_x2), "mx:4", "bfloat16", 2, [1]),
+    "torchao MXTensor, fp6 (unpacked)": (lambda: _mx(_fp6()), "mx", "bfloat16", 1, [1]),
     "blockwise FP8": (_fp8, "fp8_block:128", "bfloat16", 1, [4]),
 }
 
