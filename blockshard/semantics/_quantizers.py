@@ -107,8 +107,8 @@ class AoNF4(BlockSemantics):
                 shape,
                 f"numel {numel} is not a multiple of the torchao NF4 block of {self.block} values (nor of the "
                 f"super-block {self.block} x {self.scaler_block} = {sb})",
-                "use 'nf4' (bitsandbytes, 64-value blocks) only for tensors of a multiple of 64 values, or leave "
-                "this one unquantized",
+                "NF4-quantize only tensors of whole 64-value blocks; leave this one unquantized (an "
+                "'elementwise' rule for it)",
             )
         if numel % sb:
             raise self.error(
