@@ -112,7 +112,14 @@ def _source(args: argparse.Namespace) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from blockshard._render import comparison_table, compute_table, console, plot_rank_loads, policy_table
+    from blockshard._render import (
+        comparison_table,
+        compute_table,
+        console,
+        plot_rank_loads,
+        policy_table,
+        quantized_table,
+    )
     from blockshard.planner import compare
 
     _check_args(args)
@@ -131,6 +138,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         data.update(model=_source(args), semantics=args.semantics, policy=args.policy)
         if args.layouts:
             data["layouts"] = [g.to_json() for g in cmp.plan.groups]
+            if cmp.plan.quantized_groups:
+                data["quantized_groups"] = [q.to_json() for q in cmp.plan.quantized_groups]
         json.dump(data, sys.stdout, indent=2)
         print()
     else:
@@ -138,6 +147,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         console().print(compute_table(cmp))
         if cmp.plan.policy_by_tensor_kind():
             console().print(policy_table(cmp.plan))
+        if cmp.plan.quantized_groups:
+            console().print(quantized_table(cmp.plan))
         if args.plot:
             console().print(f"per-rank loads drawn to {args.plot}")
     return 0
