@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 from accelerate import Accelerator
@@ -109,7 +110,7 @@ def main() -> None:
             optimizers=[type(o).__module__ + "." + type(o).__name__ for o in optimizer_chain(optimizer)],
             norms=norms,
         )
-        with open(f"{args.out}.rank{accelerator.process_index}.json", "w") as f:
+        with open(f"{args.out}.rank{os.environ.get('RANK', '0')}.json", "w") as f:  # RANK: stock runs say 0 on all
             json.dump(info, f)
         if accelerator.is_main_process:
             torch.save({k: v.detach().cpu() for k, v in state.items()}, f"{args.out}.pt")

@@ -90,6 +90,9 @@ class Accelerator(accelerate.Accelerator):
     """``accelerate.Accelerator`` that shards with blockshard when the launch config has an
     ``fsdp_config.blockshard`` mapping (see the module docstring); ``blockshard_settings`` overrides it."""
 
+    _models: list[Any]  # accelerate's prepared models and optimizers
+    _optimizers: list[Any]
+
     def __init__(self, *args: Any, blockshard_settings: AccelerateSettings | None = None, **kwargs: Any) -> None:
         settings = blockshard_settings if blockshard_settings is not None else load_settings()
         self.blockshard_settings = settings
@@ -194,7 +197,8 @@ class Accelerator(accelerate.Accelerator):
     @contextlib.contextmanager
     def _without_blockshard(self):
         """accelerate's save/load of everything but the sharded model and its optimizers."""
-        models, optimizers = self._models, self._optimizers
+        models: list[Any] = self._models
+        optimizers: list[Any] = self._optimizers
         self._models = [m for m in models if not self._is_blockshard(m)]
         self._optimizers = [] if self._blockshard_models else optimizers
         try:

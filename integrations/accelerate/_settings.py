@@ -2,8 +2,8 @@
 
 [Note: where the settings live] Accelerate rejects unknown top-level YAML keys and drops unknown
 ``fsdp_config`` keys without exporting them: ``accelerate launch`` passes the processes only
-``ACCELERATE_*`` / ``FSDP_*`` variables of the keys it knows (measured with accelerate 1.15:
-``tests/integrations/test_accelerate.py::test_launch_exports``). So blockshard's settings are a
+``ACCELERATE_*`` / ``FSDP_*`` variables of the keys it knows (measured with accelerate 1.15,
+docs/accelerate.md), and no variable names the config file. So blockshard's settings are a
 ``blockshard:`` mapping inside ``fsdp_config`` (accelerate loads and ignores it), and each process
 reads the YAML file itself: from ``BLOCKSHARD_ACCELERATE_CONFIG`` when set (any launcher), else from
 the ``--config_file`` of the ``accelerate launch`` process that started it (its parent, read from
@@ -78,8 +78,13 @@ class AccelerateSettings:
                 "set engine: ragged, or policy: auto"
             )
         from blockshard.planner._policy import check_policy
+        from blockshard.semantics import SemanticsRules
 
-        check_policy(self.policy, "blockshard policy")
+        try:
+            check_policy(self.policy, "blockshard policy")
+            SemanticsRules.coerce(self.semantics)
+        except BlockshardError as exc:
+            raise AccelerateConfigError(f"{exc}{where}") from exc
 
     def fully_shard_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"semantics": self.semantics, "reshard_after_forward": self.reshard_after_forward}
@@ -132,7 +137,7 @@ def find_config_file() -> str | None:
 def load_settings(path: str | None = None) -> AccelerateSettings | None:
     """blockshard's settings from an Accelerate YAML config (default: :func:`find_config_file`), or
     None when it has no ``fsdp_config.blockshard`` mapping (stock Accelerate then)."""
-    import yaml
+    import yaml  # type: ignore[import-untyped]
 
     path = path or find_config_file()
     if path is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,6 @@ def load_model(model: nn.Module, path: str, optimizers: list, settings: Accelera
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizers)
-    state = {"model": model_state, "optimizer": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
