@@ -14,7 +14,8 @@ rank trains on the whole batch, so (docs/design.md, "Sharding invariance"):
   **bitwise** like the uninterrupted run at W = 2; loaded at W = 4 (DCP reshards the checkpoint)
   within ``W4_RESUME_ATOL = 1e-6`` (measured 1.5e-8: the global norm sums four pieces in another
   order and clipping is active, so the clip factor differs by an ulp).
-* fsdp2 engine (stock FSDP2 reduce-scatter): within ``FSDP2_ATOL = 1e-6`` (measured 7.5e-8).
+* fsdp2 engine (stock FSDP2 reduce-scatter): within ``FSDP2_ATOL = 1e-6`` (measured 7.5e-8);
+  ``save_state`` / ``load_state`` (DCP of torch's ``get_state_dict``) continue bitwise at W = 2.
 * deepspeed engine (ZeRO-2 hooked by blockshard, DeepSpeed clipping at 1.0 as the script does):
   within ``DEEPSPEED_ATOL = 1e-6`` (DESIGN: the hook matches a clipping process within 4.5e-8).
 * Control: the same script without the added line, under the same launch, reports
@@ -264,10 +265,14 @@ def test_cli_written_ragged_config_launches(tmp_path, reference):
 
 
 @pytest.mark.slow
-def test_fsdp2_engine_equals_one_process(tmp_path, reference):
-    infos, state = _launch(EXAMPLES / "fsdp2.yaml", tmp_path / "run")
+def test_fsdp2_engine_equals_one_process_and_resumes_bitwise(tmp_path, reference):
+    ckpt = ["--ckpt", str(tmp_path / "ck")]
+    infos, state = _launch(EXAMPLES / "fsdp2.yaml", tmp_path / "run", "--save-at", "2", *ckpt)
     _check_sharded(infos)
     assert _max_diff(state, reference[1]) <= FSDP2_ATOL
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")) == []  # no .partial left
+    _, resumed = _launch(EXAMPLES / "fsdp2.yaml", tmp_path / "resumed", "--resume-at", "2", *ckpt)
+    assert _max_diff(resumed, state) == 0.0
 
 
 @pytest.mark.slow
