@@ -35,9 +35,13 @@ Everything else comes from the config file (``blockshard accelerate-config`` wri
 The processes find the file through ``BLOCKSHARD_ACCELERATE_CONFIG`` or, by default, the
 ``--config_file`` of the ``accelerate launch`` that started them ([Note: where the settings live] in
 ``_settings.py``). Settings blockshard would ignore or that conflict raise
-:class:`AccelerateConfigError` naming the key, the value and the fix. The DeepSpeed engine needs no
-``Accelerator`` change: ``distributed_type: DEEPSPEED`` with a ``deepspeed_config_file`` whose JSON has a
-``"blockshard"`` section, and ``blockshard.integrations.deepspeed.install()`` (see docs/accelerate.md).
+:class:`AccelerateConfigError` naming the key, the value and the fix. The DeepSpeed engine:
+``distributed_type: DEEPSPEED`` with a ``deepspeed_config_file`` whose JSON has a ``"blockshard"``
+section; this ``Accelerator`` then installs blockshard's DeepSpeed hook (block-aligned ZeRO-1/2).
+
+For code that builds accelerate's ``Accelerator`` itself (the HF ``Trainer``), pass this class
+where it is built; ``AccelerateSettings(...)`` as ``Accelerator(blockshard_settings=...)`` replaces
+the config file (a test or a notebook).
 See docs/accelerate.md for what each method does (and [Note: what the subclass changes]).
 """
 

@@ -5,9 +5,9 @@
 
 * ``__init__``: on a machine without an accelerator, ``accelerate launch`` of an FSDP config starts
   the processes but accelerate reports ``DistributedType.NO`` and one process on each (it sets up
-  CPU training only with ``ACCELERATE_USE_CPU``, which the multi-process launcher does not export);
-  the ragged engine also keeps accelerate's own FSDP off. So accelerate is started with
-  ``cpu=True`` there (``MULTI_CPU`` over gloo) and, for the ragged engine, without its FSDP plugin.
+  CPU training only with ``ACCELERATE_USE_CPU``, which the multi-process launcher does not export).
+  So accelerate is started with ``cpu=True`` there (``MULTI_CPU`` over gloo), and with its own FSDP
+  off for both engines (``ACCELERATE_USE_FSDP`` hidden during ``__init__``): blockshard shards.
 * ``prepare``: shards the model (each ``fsdp_transformer_layer_cls_to_wrap`` module bottom-up, then
   the root) with ``blockshard.fully_shard`` or ``blockshard.integrations.fsdp2.fully_shard``, and
   points the optimizers passed with it at the sharded parameters (by name; they must not have stepped).
@@ -112,8 +112,7 @@ class Accelerator(accelerate.Accelerator):
             )
         if _no_device() and "LOCAL_RANK" in os.environ:
             kwargs["cpu"] = True
-        env = {"ACCELERATE_USE_FSDP": "false"} if settings.engine == "ragged" or kwargs.get("cpu") else {}
-        with _env(**env):
+        with _env(ACCELERATE_USE_FSDP="false"):  # blockshard shards; accelerate's FSDP path stays off
             super().__init__(*args, **kwargs)
 
     # -- prepare ----------------------------------------------------------------------------------
@@ -156,6 +155,8 @@ class Accelerator(accelerate.Accelerator):
                 )
         from blockshard.integrations.accelerate._shard import shard_model
 
+        if self.device_placement:
+            model.to(self.device)  # shard where it trains (a no-op on CPU)
         shard_model(model, settings)
         self._blockshard_models.append(model)
         new = dict(model.named_parameters())
