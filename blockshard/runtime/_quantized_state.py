@@ -284,8 +284,8 @@ def wrap_get_fqns(dsd: Any) -> None:
     entries (``weight.absmax``, ``weight.quant_state.bitsandbytes__nf4``) name no attribute of the
     sharded piece. A name that fails where it reaches a tensor keeps the rest as it is (torch's own
     result for every name that resolves)."""
-    if not hasattr(dsd, "_get_fqns"):
-        return
+    if not hasattr(dsd, "_get_fqns") or getattr(dsd._get_fqns, "_blockshard", False):
+        return  # another torch, or already ours
     get_fqns = dsd._get_fqns
 
     @functools.wraps(get_fqns)
@@ -301,6 +301,7 @@ def wrap_get_fqns(dsd: Any) -> None:
                 obj = getattr(obj, part, None)
             raise
 
+    _get_fqns._blockshard = True  # type: ignore[attr-defined]
     dsd._get_fqns = _get_fqns
 
 
