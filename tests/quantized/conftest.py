@@ -26,3 +26,20 @@ def gloo_w1():
         finally:
             dist.destroy_process_group()
             tmp.cleanup()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each parametrized test of a ``test_fast_*`` file keeps its first case in the fast tier; the
+    rest of its matrix (formats x storage x world sizes) runs in the slow tier, so `make test-fast`
+    stays under a minute while every case still runs in `make test`."""
+    first: set[tuple[str, str]] = set()
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        here = item.path.parent == Path(__file__).resolve().parent  # the hook sees every folder's items
+        if callspec is None or not here or not item.path.name.startswith("test_fast_"):
+            continue
+        key = (str(item.path), item.originalname)
+        if key in first:
+            item.add_marker(pytest.mark.slow)
+        else:
+            first.add(key)
