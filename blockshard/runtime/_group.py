@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +43,7 @@ from torch import nn
 from blockshard.planner import GroupLayout
 from blockshard.planner._units import block_shape
 from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg, shift_ranks, wait
-from blockshard.runtime._common import CollectiveTally, ShardedState, expect
+from blockshard.runtime._common import CollectiveTally, DeviceStreams, ShardedState, expect
 from blockshard.runtime._param import ShardedParam, tag_managed
 
 if TYPE_CHECKING:  # [quantized]
@@ -66,6 +67,7 @@ class ShardGroup:
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
         replicate_group: dist.ProcessGroup | None = None,
+        offload: bool = False,
     ) -> None:
         self.name, self.params, self.process_group = name, list(params), process_group
         self.path: str | None = None  # the module's path under its root, known at the root's first forward
@@ -81,6 +83,8 @@ class ShardGroup:
         self.tally: CollectiveTally | None = None  # set by the root context ([Note: collective integrity])
         self.tally_index = 0  # this group's position in its root context
         self._pending: list = []  # async all-gather works, while UNSHARDING
+        self._reduction: _Reduction | None = None  # the reduce-scatter in flight ([Note: async reduce-scatter])
+        self.offload = offload  # CPUOffloadPolicy: local shard and gradient on the host ([Note: CPU offload])
         self._version_guard: torch.autograd._unsafe_preserve_version_counter | None = None
         self.sharded_state = ShardedState.SHARDED
         self.quantized: QuantizedGroup | None = None  # [quantized] frozen byte-group, set by fully_shard
@@ -90,18 +94,11 @@ class ShardGroup:
                 raise AssertionError(f"group {name!r} has parameters but no layout")
             return
         first = originals[0]
-        self.device, self.orig_dtype = first.device, first.dtype
+        self.orig_dtype = first.dtype
         self.param_dtype = param_dtype or self.orig_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        S, W = layout.segment_numel, self.world_size
-        self.local = torch.zeros(S, dtype=self.orig_dtype, device=self.device)  # [S]
         self._grad: weakref.ref[torch.Tensor] | None = None  # the local gradient [S] while a .grad views it
-        self.send = (
-            self.local
-            if self.param_dtype == self.orig_dtype
-            else torch.empty(S, dtype=self.param_dtype, device=self.device)
-        )
-        self.gathered = torch.empty(W * S, dtype=self.param_dtype, device=self.device)  # [W*S]
+        self._alloc_buffers(first.device, layout.segment_numel, zeros=True)
         self._place(layout)
         with torch.no_grad():
             for sp, orig in zip(self.params, originals, strict=True):
@@ -150,21 +147,29 @@ class ShardGroup:
         ``model.to_empty(device=...)`` asks) and new parameter objects over them; the meta ones
         are tagged as replaced, so an optimizer built over them raises. See [Note: meta init]."""
         expect(f"materialize group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
-        S, W = self.local.numel(), self.world_size
+        S = self.local.numel()
         for sp in self.params:
             tag_managed(sp.sharded, self.name, original=True)
-        self.device = device
-        self.local = torch.empty(S, dtype=self.orig_dtype, device=device)
-        self.send = (
-            self.local if self.param_dtype == self.orig_dtype else torch.empty(S, dtype=self.param_dtype, device=device)
-        )
-        self.gathered = torch.empty(W * S, dtype=self.param_dtype, device=device)
+        self._alloc_buffers(device, S, zeros=False)
         self._grad = None
         for sp in self.params:
             sp.requires_grad = sp.sharded.requires_grad
         self._make_views()
         self._free_gathered()
         self.tag_views()
+
+    def _alloc_buffers(self, device: torch.device, S: int, *, zeros: bool) -> None:
+        """``local`` [S] (on the host under offload, pinned when the device is CUDA), ``send`` [S]
+        and ``gathered`` [W * S] on ``device``. [Note: CPU offload]"""
+        self.device, W = device, self.world_size
+        self.host = torch.device("cpu") if self.offload and device.type != "meta" else device
+        self.streams = DeviceStreams(device, pinned=self.offload)
+        pin = self.streams.pinned
+        alloc = torch.zeros if zeros else torch.empty
+        self.local = alloc(S, dtype=self.orig_dtype, device=self.host, pin_memory=pin)  # [S]
+        separate = self.param_dtype != self.orig_dtype or self.offload
+        self.send = torch.empty(S, dtype=self.param_dtype, device=device) if separate else self.local
+        self.gathered = torch.empty(W * S, dtype=self.param_dtype, device=device)  # [W*S]
 
     def _make_views(self) -> None:
         """New parameter objects over the buffers: sharded (block-shaped) and unsharded (full)."""
@@ -185,7 +190,8 @@ class ShardGroup:
         made anew. Only before training (no gradients, no optimizer state)."""
         expect(f"relayout of group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
         if k % self.world_size and self.local.device.type != "meta":  # meta: no values to move
-            self.local.copy_(shift_ranks(self.local, k, self.process_group))
+            staged = self.local.to(self.device)  # offload: the collective runs on the device
+            self.local.copy_(shift_ranks(staged, k, self.process_group))
         for sp in self.params:
             sp.requires_grad = sp.sharded.requires_grad  # frozen since fully_shard, maybe
             # the old pieces are replaced: an optimizer built over them raises (_optim_guard.py)
@@ -212,16 +218,17 @@ class ShardGroup:
             return
         layout, W = self._layout, self.world_size
         self._alloc_gathered()
-        if self.send is not self.local:
-            self.send.copy_(self.local)  # mixed precision: the one cast of the step
         # Refilling the buffer with the same values must not look like an in-place change to the
         # tensors autograd saved in forward (they are views of it). The all-gathers bump the
         # version counter when they finish, so the counter seen here is put back in wait_unshard.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.gathered)
-        for b, S_b in enumerate(layout.buckets):
-            off = layout.bucket_local_offset(b)
-            gathered, local = self.gathered[W * off : W * (off + S_b)], self.send[off : off + S_b]
-            self._pending.append(all_gather_into(gathered, local, self.process_group, async_op=True))
+        with self.streams.on("all_gather"):  # [Note: streams]
+            if self.send is not self.local:  # mixed precision: the one cast of the step; offload: to the device
+                self.send.copy_(self.local, non_blocking=self.streams.pinned)
+            for b, S_b in enumerate(layout.buckets):
+                off = layout.bucket_local_offset(b)
+                gathered, local = self.gathered[W * off : W * (off + S_b)], self.send[off : off + S_b]
+                self._pending.append(all_gather_into(gathered, local, self.process_group, async_op=True))
         self.sharded_state = ShardedState.UNSHARDING
         if self.tally is not None:
             self.tally.record(self.tally_index, 0)
@@ -238,6 +245,8 @@ class ShardGroup:
         for work in self._pending:
             wait(work, f"the all-gather of group {self.described}", self.process_group)
         self._pending.clear()
+        if self._layout is not None:
+            self.streams.current_waits("all_gather")
         if self._version_guard is not None:
             self._version_guard.__exit__(None, None, None)  # the version before the all-gathers
             self._version_guard = None
@@ -296,7 +305,7 @@ class ShardGroup:
 
     def _new_grad_buffer(self) -> torch.Tensor:
         # not zeroed: only the pieces the reduce-scatter wrote are ever viewed
-        buf = torch.empty(self.local.numel(), dtype=self.orig_dtype, device=self.device)
+        buf = torch.empty(self.local.numel(), dtype=self.orig_dtype, device=self.host, pin_memory=self.streams.pinned)
         self._grad = weakref.ref(buf)
         return buf
 
@@ -317,7 +326,9 @@ class ShardGroup:
             sp.unsharded.grad = None
 
     def reduce_grads(self) -> None:
-        """Reduce-scatter (average) the unsharded gradients into ``grad``; set sharded ``.grad``.
+        """Pack the unsharded gradients and issue their reduce-scatter (average) into the local
+        gradient, asynchronously: :meth:`finish_reduce` waits and sets the sharded ``.grad``
+        ([Note: async reduce-scatter]).
 
         Gradients are packed into the reduce-scatter input in the gathered layout (one copy, cast
         to the reduce dtype, as FSDP2's ``chunk_cat``), each freed right after; holes and
@@ -325,7 +336,9 @@ class ShardGroup:
         """
         if self._layout is None:
             return
+        self.finish_reduce()  # one reduction in flight per group
         layout, W = self._layout, self.world_size
+        streams = self.streams
         rs_in = torch.empty(self.gathered.numel(), dtype=self.reduce_dtype, device=self.device)  # [W*S]
         for lo, hi in self._holes:
             rs_in[lo:hi].zero_()
@@ -347,26 +360,53 @@ class ShardGroup:
                 sp.unsharded.grad = None
                 has_grad.add(sp.index)
         # Straight into a new gradient buffer unless a sharded grad must be accumulated into (the
-        # user kept .grad across steps) or the reduce dtype differs from the parameters'. Never
-        # into a buffer still alive without our pieces: the user may hold an old .grad.
+        # user kept .grad across steps), the reduce dtype differs from the parameters' or the
+        # local gradient lives elsewhere (offload). Never into a buffer still alive without our
+        # pieces: the user may hold an old .grad.
         accumulate = any(sp.sharded.grad is not None for sp in self.params)
-        direct = not accumulate and self.reduce_dtype == self.orig_dtype
+        direct = not accumulate and self.reduce_dtype == self.orig_dtype and not self.offload
         S = self.local.numel()
         buf = self._new_grad_buffer() if direct else self.grad_buffer() if accumulate else None
         out = buf if direct else torch.empty(S, dtype=self.reduce_dtype, device=self.device)
         assert out is not None
         if self.tally is not None:
             self.tally.record(self.tally_index, 1)
-        for b, S_b in enumerate(layout.buckets):
-            off = layout.bucket_local_offset(b)
-            work = reduce_scatter_avg(
-                out[off : off + S_b],
-                rs_in[W * off : W * (off + S_b)],
-                self.process_group,
-                async_op=True,
-                summed=self.divide_factor is not None,
-            )
+        works = []
+        with streams.on("reduce_scatter"):  # [Note: streams]
+            for b, S_b in enumerate(layout.buckets):
+                off = layout.bucket_local_offset(b)
+                works.append(
+                    reduce_scatter_avg(
+                        out[off : off + S_b],
+                        rs_in[W * off : W * (off + S_b)],
+                        self.process_group,
+                        async_op=True,
+                        summed=self.divide_factor is not None,
+                    )
+                )
+        self._reduction = _Reduction(works, rs_in, out, buf, direct, has_grad)
+
+    @property
+    def reducing(self) -> bool:
+        """A reduce-scatter of this group is in flight (issued, not waited for)."""
+        return self._reduction is not None
+
+    def drop_reduce(self) -> None:
+        """Forget a reduction in flight (``reset_iter_state`` after an aborted step): its
+        gradients are lost with the step. The collective itself still completes in the background."""
+        self._reduction = None
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter in flight (bounded, [Note: collective integrity]), free its
+        input, all-reduce across replicas (HSDP) and point the sharded ``.grad`` at the result."""
+        red, self._reduction = self._reduction, None
+        if red is None:
+            return
+        for work in red.works:
             wait(work, f"the reduce-scatter of group {self.described}", self.process_group)
+        self.streams.current_waits("reduce_scatter")
+        out, buf, direct, has_grad = red.out, red.buf, red.direct, red.has_grad
+        del red  # the reduce-scatter input is freed here
         if self.replicate_group is not None and not self._all_reduce(out):
             return  # set_requires_all_reduce(False): kept for the next all-reduce, no .grad yet
         if self.divide_factor is not None:
@@ -379,11 +419,12 @@ class ShardGroup:
                 if not direct:
                     if buf is None:
                         buf = self._new_grad_buffer()
-                    buf[lo:hi].copy_(out[lo:hi])
+                    buf[lo:hi].copy_(out[lo:hi], non_blocking=self.streams.pinned)  # offload: to the host
                 assert buf is not None
                 sp.sharded.grad = buf[lo:hi].view(sp.sharded.shape)
             else:
-                sp.sharded.grad += out[lo:hi].view(sp.sharded.shape).to(self.orig_dtype)
+                sp.sharded.grad += out[lo:hi].view(sp.sharded.shape).to(sp.sharded.grad.device, self.orig_dtype)
+        self.streams.host_copies_done()
 
     def _all_reduce(self, out: torch.Tensor) -> bool:
         """[Note: HSDP] Average (sum, with a divide factor) ``out`` over the replicate axis, adding
@@ -401,6 +442,18 @@ class ShardGroup:
             self.tally.record(self.tally_index, 2)
         wait(dist.all_reduce(out, op=op, group=pg, async_op=True), f"the all-reduce of group {self.described}", pg)
         return True
+
+
+@dataclass(eq=False)
+class _Reduction:
+    """A group's reduce-scatter in flight: its works, and its input kept alive until the wait."""
+
+    works: list
+    rs_in: torch.Tensor  # [W*S], reduce dtype
+    out: torch.Tensor  # [S], reduce dtype: the local gradient itself when ``direct``
+    buf: torch.Tensor | None  # the local gradient to point .grad at (None: allocated when needed)
+    direct: bool
+    has_grad: set[int]
 
 
 def _holes(layout: GroupLayout) -> list[tuple[int, int]]:
