@@ -147,6 +147,14 @@ class ShardGroup:
         ``model.to_empty(device=...)`` asks) and new parameter objects over them; the meta ones
         are tagged as replaced, so an optimizer built over them raises. See [Note: meta init]."""
         expect(f"materialize group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
+        if self.offload and device.type != "cpu":
+            from blockshard.runtime._api import ShardingError
+
+            raise ShardingError(
+                f"group {self.name!r} has offload_policy=CPUOffloadPolicy(): materializing it on {device} is not "
+                "enabled yet (see fully_shard's error for parameters off the CPU). Fix: model.to_empty(device='cpu'), "
+                "or drop offload_policy"
+            )
         S = self.local.numel()
         for sp in self.params:
             tag_managed(sp.sharded, self.name, original=True)
