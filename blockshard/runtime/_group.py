@@ -4,7 +4,8 @@
 Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
   * ``local``  [S], original dtype: the persistent shard. Sharded parameters are views into it
     with their block shapes, so the optimizer updates it in place. Never reallocated.
-  * ``send``   [S], param dtype: only under mixed precision, the cast of ``local`` that is sent.
+  * ``send``   [S], param dtype: only under mixed precision (the cast of ``local`` that is sent)
+    or CPU offload (the copy on the device); else ``local`` itself.
   * ``gathered`` [W * S], param dtype: bucket ``b`` is ``[W * off_b, W * (off_b + S_b))``.
     Unsharded parameters are views into it; its storage is resized to 0 on reshard and back
     before the next all-gather, so the views (and autograd's saved references) stay valid.
@@ -16,24 +17,25 @@ Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
     into them.
   * the reduce-scatter input [W * S], reduce dtype: allocated when the group's gradients are all
     in, filled from the unsharded ``.grad`` (autograd's own tensors, accumulated across
-    micro-batches without sync) and freed after the reduce-scatter.
+    micro-batches without sync) and freed when the reduce-scatter is waited for, at the next
+    group's post-backward or the end of backward ([Note: async reduce-scatter] in _grad_sync.py).
 Holes are padding: zeros that never reach a parameter.
 
-[Note: HSDP]
-With a 2-D mesh ``(replicate, shard)``, as FSDP2's HSDP, the layout is planned over the shard
-axis (each replica holds the whole model, sharded over its ``W_shard`` ranks), and a group's
-gradients are reduce-scattered over the shard axis, then all-reduced over the replicate axis
-(one all-reduce of the rank's segment per group): the average over all ranks (the sum, divided
-by the divide factor, when one is set). ``set_requires_all_reduce(False)`` keeps the
-reduce-scattered segment (summed across such backwards) without a ``.grad``; the next backward
-that all-reduces adds it in, as FSDP2's partial reduce output.
+[Note: CPU offload]
+``offload_policy=CPUOffloadPolicy()``: ``local`` and the local gradient live on the host (pinned
+when the device is CUDA); ``send`` [S] is then always a device buffer of its own, filled from
+``local`` before each all-gather (cast included), and the reduce-scatter lands in a device
+buffer [S] that ``finish_reduce`` copies into the host gradient. The optimizer steps the host
+pieces, so its state is on the host. On a CPU-only machine the device is the CPU: the same copies
+run, exactly (tests/runtime/test_fast_offload.py: bitwise equal to no offload). Parameters on a
+GPU are refused for now: the collectives outside the step (state dicts, export, owner shifts) read
+``local`` directly and are not staged through the device for NCCL, and no GPU has run it.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,8 +44,9 @@ from torch import nn
 
 from blockshard.planner import GroupLayout
 from blockshard.planner._units import block_shape
-from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg, shift_ranks, wait
+from blockshard.runtime._collectives import all_gather_into, shift_ranks, wait
 from blockshard.runtime._common import CollectiveTally, DeviceStreams, ShardedState, expect
+from blockshard.runtime._grad_sync import GradientSync, _Reduction
 from blockshard.runtime._param import ShardedParam, tag_managed
 
 if TYPE_CHECKING:  # [quantized]
@@ -52,7 +55,7 @@ if TYPE_CHECKING:  # [quantized]
 __all__ = ["ShardGroup"]
 
 
-class ShardGroup:
+class ShardGroup(GradientSync):
     """The buffers and collectives of one group; its :class:`ShardedState` is ``sharded_state``."""
 
     def __init__(
@@ -305,163 +308,6 @@ class ShardGroup:
 
     def _free_gathered(self) -> None:
         self.gathered.untyped_storage().resize_(0)
-
-    # -- gradients --------------------------------------------------------------------------------
-    def grad_buffer(self) -> torch.Tensor | None:
-        """The local gradient [S] while some sharded ``.grad`` views it, else None ([Note: buffers])."""
-        return None if self._grad is None else self._grad()
-
-    def _new_grad_buffer(self) -> torch.Tensor:
-        # not zeroed: only the pieces the reduce-scatter wrote are ever viewed
-        buf = torch.empty(self.local.numel(), dtype=self.orig_dtype, device=self.host, pin_memory=self.streams.pinned)
-        self._grad = weakref.ref(buf)
-        return buf
-
-    def accumulate_grads(self) -> None:
-        """Backward without gradient sync: keep the unsharded gradients for the next backward, in
-        the reduce dtype when it differs from the parameters' (as FSDP2 does: bf16 micro-batch
-        gradients summed in fp32)."""
-        if self._layout is None or self.reduce_dtype == self.param_dtype:
-            return  # autograd accumulates into the unsharded .grad by itself
-        for sp in self.params:
-            grad = sp.unsharded.grad
-            if grad is None:
-                continue
-            if sp.accumulated is None:
-                sp.accumulated = grad.to(self.reduce_dtype)
-            else:
-                sp.accumulated += grad
-            sp.unsharded.grad = None
-
-    def reduce_grads(self) -> None:
-        """Pack the unsharded gradients and issue their reduce-scatter (average) into the local
-        gradient, asynchronously: :meth:`finish_reduce` waits and sets the sharded ``.grad``
-        ([Note: async reduce-scatter]).
-
-        Gradients are packed into the reduce-scatter input in the gathered layout (one copy, cast
-        to the reduce dtype, as FSDP2's ``chunk_cat``), each freed right after; holes and
-        parameters without a gradient are zero-filled.
-        """
-        if self._layout is None:
-            return
-        self.finish_reduce()  # one reduction in flight per group
-        layout, W = self._layout, self.world_size
-        streams = self.streams
-        rs_in = torch.empty(self.gathered.numel(), dtype=self.reduce_dtype, device=self.device)  # [W*S]
-        for lo, hi in self._holes:
-            rs_in[lo:hi].zero_()
-        # A parameter without a gradient here is taken to have none on any rank (as FSDP2 assumes):
-        # it still takes part in the reduce-scatter (as zeros) but keeps ``.grad = None``, so the
-        # optimizer skips it as it would on one process.
-        has_grad = set()
-        for sp in self.params:
-            dst = rs_in[sp.gathered_offset : sp.gathered_offset + sp.numel]
-            grad, acc = sp.unsharded.grad, sp.accumulated
-            if acc is not None:  # micro-batches accumulated without sync, in the reduce dtype
-                if grad is not None:
-                    acc += grad
-                grad, sp.accumulated = acc, None
-            if grad is None:
-                dst.zero_()
-            else:
-                dst.copy_(grad.reshape(-1))
-                sp.unsharded.grad = None
-                has_grad.add(sp.index)
-        # Straight into a new gradient buffer unless a sharded grad must be accumulated into (the
-        # user kept .grad across steps), the reduce dtype differs from the parameters' or the
-        # local gradient lives elsewhere (offload). Never into a buffer still alive without our
-        # pieces: the user may hold an old .grad.
-        accumulate = any(sp.sharded.grad is not None for sp in self.params)
-        direct = not accumulate and self.reduce_dtype == self.orig_dtype and not self.offload
-        S = self.local.numel()
-        buf = self._new_grad_buffer() if direct else self.grad_buffer() if accumulate else None
-        out = buf if direct else torch.empty(S, dtype=self.reduce_dtype, device=self.device)
-        assert out is not None
-        if self.tally is not None:
-            self.tally.record(self.tally_index, 1)
-        works = []
-        with streams.on("reduce_scatter"):  # [Note: streams]
-            for b, S_b in enumerate(layout.buckets):
-                off = layout.bucket_local_offset(b)
-                works.append(
-                    reduce_scatter_avg(
-                        out[off : off + S_b],
-                        rs_in[W * off : W * (off + S_b)],
-                        self.process_group,
-                        async_op=True,
-                        summed=self.divide_factor is not None,
-                    )
-                )
-        self._reduction = _Reduction(works, rs_in, out, buf, direct, has_grad)
-
-    @property
-    def reducing(self) -> bool:
-        """A reduce-scatter of this group is in flight (issued, not waited for)."""
-        return self._reduction is not None
-
-    def drop_reduce(self) -> None:
-        """Forget a reduction in flight (``reset_iter_state`` after an aborted step): its
-        gradients are lost with the step. The collective itself still completes in the background."""
-        self._reduction = None
-
-    def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter in flight (bounded, [Note: collective integrity]), free its
-        input, all-reduce across replicas (HSDP) and point the sharded ``.grad`` at the result."""
-        red, self._reduction = self._reduction, None
-        if red is None:
-            return
-        for work in red.works:
-            wait(work, f"the reduce-scatter of group {self.described}", self.process_group)
-        self.streams.current_waits("reduce_scatter")
-        out, buf, direct, has_grad = red.out, red.buf, red.direct, red.has_grad
-        del red  # the reduce-scatter input is freed here
-        if self.replicate_group is not None and not self._all_reduce(out):
-            return  # set_requires_all_reduce(False): kept for the next all-reduce, no .grad yet
-        if self.divide_factor is not None:
-            out.div_(self.divide_factor)
-        for sp in self.params:
-            if not sp.sharded.requires_grad or sp.index not in has_grad:
-                continue
-            lo, hi = sp.local_offset, sp.local_offset + sp.local_numel
-            if sp.sharded.grad is None:
-                if not direct:
-                    if buf is None:
-                        buf = self._new_grad_buffer()
-                    buf[lo:hi].copy_(out[lo:hi], non_blocking=self.streams.pinned)  # offload: to the host
-                assert buf is not None
-                sp.sharded.grad = buf[lo:hi].view(sp.sharded.shape)
-            else:
-                sp.sharded.grad += out[lo:hi].view(sp.sharded.shape).to(sp.sharded.grad.device, self.orig_dtype)
-        self.streams.host_copies_done()
-
-    def _all_reduce(self, out: torch.Tensor) -> bool:
-        """[Note: HSDP] Average (sum, with a divide factor) ``out`` over the replicate axis, adding
-        the outputs kept while ``requires_all_reduce`` was off; False while it is off."""
-        if self._partial is not None:
-            out += self._partial
-        if not self.requires_all_reduce:
-            self._partial = out  # no .grad views it: the next reduce-scatter adds it in
-            return False
-        self._partial = None
-        pg = self.replicate_group
-        assert pg is not None
-        op = dist.ReduceOp.SUM if self.divide_factor is not None else dist.ReduceOp.AVG
-        if self.tally is not None:
-            self.tally.record(self.tally_index, 2)
-        wait(dist.all_reduce(out, op=op, group=pg, async_op=True), f"the all-reduce of group {self.described}", pg)
-        return True
-
-
-@dataclass(eq=False)
-class _Reduction:
-    """A group's reduce-scatter in flight: its works, and its input kept alive until the wait."""
-
-    works: list
-    rs_in: torch.Tensor  # [W*S], reduce dtype
-    out: torch.Tensor  # [S], reduce dtype: the local gradient itself when ``direct``
-    buf: torch.Tensor | None  # the local gradient to point .grad at (None: allocated when needed)
-    direct: bool
-    has_grad: set[int]
 
 
 def _holes(layout: GroupLayout) -> list[tuple[int, int]]:

@@ -107,7 +107,7 @@ class ShardedModule(nn.Module):
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP (a 2-D mesh): off, backward reduce-scatters but does not all-reduce across the
         replicate axis; the segments are kept and added into the next all-reduce ([Note: HSDP]
-        in _group.py). Without a replicate axis there is nothing to skip."""
+        in _grad_sync.py). Without a replicate axis there is nothing to skip."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         for st in self._states(recurse):
             st.group.requires_all_reduce = requires_all_reduce
