@@ -1,4 +1,4 @@
-"""The reduce-scatter is asynchronous ([Note: async reduce-scatter] in _group.py), in-process.
+"""The reduce-scatter is asynchronous ([Note: async reduce-scatter] in _grad_sync.py), in-process.
 
 A group's reduce-scatter is issued when its backward is over and waited for at the next group's
 post-backward (so it overlaps that group's backward compute, and at most one reduce-scatter input
@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import blockshard
 from blockshard._tiny import OddMLP
-from blockshard.runtime import _collectives, _group
+from blockshard.runtime import _collectives, _grad_sync
 from blockshard.runtime._collectives import engine_group, reduce_scatter_avg
 from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._state import RootContext
@@ -47,7 +47,7 @@ def _spy(monkeypatch) -> dict[int, list[tuple[str, object]]]:
 
     wrap("reduce_grads")
     wrap("finish_reduce")
-    issue, wait = _group.reduce_scatter_avg, _group.wait
+    issue, wait = _grad_sync.reduce_scatter_avg, _grad_sync.wait
 
     def spy_issue(*a, **k):
         log("rs_issue", current[dist.get_rank()])
@@ -58,8 +58,8 @@ def _spy(monkeypatch) -> dict[int, list[tuple[str, object]]]:
             log("rs_wait", current[dist.get_rank()])
         return wait(work, what, pg)
 
-    monkeypatch.setattr(_group, "reduce_scatter_avg", spy_issue)
-    monkeypatch.setattr(_group, "wait", spy_wait)
+    monkeypatch.setattr(_grad_sync, "reduce_scatter_avg", spy_issue)
+    monkeypatch.setattr(_grad_sync, "wait", spy_wait)
     final = RootContext.final_callback
 
     def spy_final(self):
