@@ -189,6 +189,7 @@ def _build_group(
     alignment_bytes: int,
     mp_policy: Any,
     replicate_group: dist.ProcessGroup | None,
+    offload: bool = False,
 ) -> tuple[ShardGroup, list[PlanItem], frozenset[str]]:
     """Plan ``params`` (one dtype) and make their group: its layout checked equal on every rank."""
     layout: GroupLayout | None = None
@@ -220,6 +221,7 @@ def _build_group(
         param_dtype=getattr(mp_policy, "param_dtype", None),
         reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
         replicate_group=replicate_group,
+        offload=offload,
     )
     return group, items, owned
 
@@ -251,10 +253,11 @@ def fully_shard(
     ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``, ``output_dtype``,
     ``cast_forward_inputs``). ``reshard_after_forward``: as FSDP2's (``None``: free the
     gathered parameters after forward, but the root's). ``ignored_params``: parameters left as
-    they are (not sharded, their gradients not reduced), as FSDP2's. ``offload_policy``: only
-    FSDP2's default ``OffloadPolicy()`` (or ``CPUOffloadPolicy`` when the parameters are on the CPU
-    already). ``shard_placement_fn`` is FSDP2's per-parameter ``Shard(dim)`` choice: blockshard
-    chooses layouts by ``semantics`` instead, so it must be None.
+    they are (not sharded, their gradients not reduced), as FSDP2's. ``offload_policy``: FSDP2's
+    ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy()``: local shards and gradients on the host,
+    copied to the device to be gathered (parameters on the CPU or meta device only, so far).
+    ``shard_placement_fn`` is FSDP2's per-parameter ``Shard(dim)`` choice: blockshard chooses
+    layouts by ``semantics`` instead, so it must be None.
     ``policy`` places tensors whose compute units are coarser than their placement units (Muon
     matrices, experts; ``planner/_policy.py``): ``"whole"`` (each compute unit on one rank),
     ``"owner"`` (storage cut at placement units; cut compute units get an owner rank, see
@@ -288,11 +291,13 @@ def fully_shard(
     quantized = [f for m in modules for f in collect_quantized(m, ignored, is_sharded)]  # [Note: quantized groups]
     names, params, refs = collect_all(modules, ignored | {i for f in quantized for i in f.ids})
     _check_params(names, params)
-    if type(offload_policy).__name__ == "CPUOffloadPolicy" and any(p.device.type != "cpu" for p in params):
+    offload = type(offload_policy).__name__ == "CPUOffloadPolicy"  # [Note: CPU offload] in _group.py
+    if offload and (dev := next((p.device for p in params if p.device.type not in ("cpu", "meta")), None)):
         raise ShardingError(
-            "offload_policy=CPUOffloadPolicy(): offloading parameters from "
-            f"{next(p.device for p in params if p.device.type != 'cpu')} to the CPU is not implemented in "
-            "blockshard's engine yet (on the CPU it is a no-op and accepted). Fix: drop offload_policy"
+            f"offload_policy=CPUOffloadPolicy(): offloading parameters from {dev} to the CPU is not enabled in "
+            "blockshard's engine yet: the training step's data flow is built (tested on the CPU), but the "
+            "checkpoint, export and layout-shift collectives over the CPU shard are not staged through the "
+            "device for NCCL, and no GPU run has checked it. Fix: drop offload_policy"
         )
     name = type(module).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
     groups, items, owned = [], [], frozenset[str]()
@@ -300,7 +305,7 @@ def fully_shard(
         g_name = name if k == 0 else f"{name}[{str(d_params[0].dtype).removeprefix('torch.')}]"
         group, d_items, d_owned = _build_group(
             g_name, d_names, d_params, d_refs, semantics, process_group, policy, alignment_bytes,
-            mp_policy if k == 0 or d_params[0].is_floating_point() else None, replicate_group,
+            mp_policy if k == 0 or d_params[0].is_floating_point() else None, replicate_group, offload,
         )  # fmt: skip
         if d_owned and (len(modules) > 1 or k > 0):
             raise ShardingError(

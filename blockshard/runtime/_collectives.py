@@ -16,8 +16,9 @@ a module unused, or has other requires_grad flags) either hang or pair the wrong
 guards make every such case an error on every rank, in bounded time, at next to no cost:
   1. **Bounded waits.** Every engine collective waits at most ``BLOCKSHARD_COLLECTIVE_TIMEOUT_S``
      seconds (default 30; gloo's own default is 30 minutes). ``Work.wait(timeout)`` alone does
-     not bound gloo: gloo runs some collectives (reduce-scatter) inside the issuing call, where
-     only the process group's own timeout applies. So on gloo the engine issues its collectives
+     not bound gloo: only the process group's own timeout applies (measured on torch 2.13: an
+     async reduce-scatter whose peer issued 4 s late was waited for 4 s under ``wait(timeout=1 s)``;
+     the issuing call itself returns at once). So on gloo the engine issues its collectives
      on a process group of its own over the same ranks, created once per user group with that
      timeout (:func:`engine_group`; ``new_group(..., use_local_synchronization=True)``, about 1 ms).
      On other backends (NCCL) the user's group is used as it is and its timeout applies (set it

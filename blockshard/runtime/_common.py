@@ -19,9 +19,10 @@ order torch did not promise, never a user error, so it raises :class:`EngineStat
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "CollectiveTally",
+    "DeviceStreams",
     "EngineStateError",
     "ShardedState",
     "TrainingState",
@@ -120,3 +122,51 @@ class CollectiveTally:
 
     def reset(self) -> None:
         self.count, self.hash = 0, 0
+
+
+class DeviceStreams:
+    """[Note: streams] Where a group's collectives run, as FSDP2's (``_fsdp_param_group.py``).
+
+    On CUDA the all-gathers (with the copy of the local shard into the send buffer) run on an
+    all-gather stream and the reduce-scatters (and HSDP's all-reduce) on a reduce-scatter stream,
+    each after waiting for the current stream (the optimizer step wrote the shard, backward the
+    gradients); an event recorded after issuing makes the current stream wait before the gathered
+    parameters or the reduced gradient are used. Every buffer is allocated on the current stream
+    and freed only after it waited, so the caching allocator never hands out memory a collective
+    still writes. With ``pinned`` (CPU offload), gradient copies to the host are non-blocking and
+    synchronized at the end of the reduction, before backward returns.
+    Anywhere but CUDA (the CPU, on gloo) every method is a no-op: the collectives run where they
+    are issued, and ``Work.wait`` orders them. The CUDA branch has not run yet (no GPU here).
+    """
+
+    def __init__(self, device: torch.device, *, pinned: bool = False) -> None:
+        self.cuda = device.type == "cuda"
+        self.pinned = pinned and self.cuda
+        self._streams: dict[str, Any] = {}
+        self._events: dict[str, Any] = {}
+        self._device = device
+
+    @contextlib.contextmanager
+    def on(self, kind: str) -> Iterator[None]:
+        """Run the collectives issued inside on ``kind``'s stream ("all_gather", "reduce_scatter")."""
+        if not self.cuda:
+            yield
+            return
+        stream = self._streams.get(kind)
+        if stream is None:
+            stream = self._streams[kind] = torch.cuda.Stream(self._device)
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(stream):
+            yield
+            self._events[kind] = torch.cuda.current_stream(self._device).record_event()
+
+    def current_waits(self, kind: str) -> None:
+        """The current stream waits for what :meth:`on` issued last on ``kind``'s stream."""
+        event = self._events.pop(kind, None)
+        if event is not None:
+            torch.cuda.current_stream(self._device).wait_event(event)
+
+    def host_copies_done(self) -> None:
+        """Non-blocking copies to pinned host memory have landed (the CPU reads them next)."""
+        if self.pinned:
+            torch.cuda.current_stream(self._device).synchronize()

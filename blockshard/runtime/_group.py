@@ -4,7 +4,8 @@
 Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
   * ``local``  [S], original dtype: the persistent shard. Sharded parameters are views into it
     with their block shapes, so the optimizer updates it in place. Never reallocated.
-  * ``send``   [S], param dtype: only under mixed precision, the cast of ``local`` that is sent.
+  * ``send``   [S], param dtype: only under mixed precision (the cast of ``local`` that is sent)
+    or CPU offload (the copy on the device); else ``local`` itself.
   * ``gathered`` [W * S], param dtype: bucket ``b`` is ``[W * off_b, W * (off_b + S_b))``.
     Unsharded parameters are views into it; its storage is resized to 0 on reshard and back
     before the next all-gather, so the views (and autograd's saved references) stay valid.
@@ -16,17 +17,19 @@ Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
     into them.
   * the reduce-scatter input [W * S], reduce dtype: allocated when the group's gradients are all
     in, filled from the unsharded ``.grad`` (autograd's own tensors, accumulated across
-    micro-batches without sync) and freed after the reduce-scatter.
+    micro-batches without sync) and freed when the reduce-scatter is waited for, at the next
+    group's post-backward or the end of backward ([Note: async reduce-scatter] in _grad_sync.py).
 Holes are padding: zeros that never reach a parameter.
 
-[Note: HSDP]
-With a 2-D mesh ``(replicate, shard)``, as FSDP2's HSDP, the layout is planned over the shard
-axis (each replica holds the whole model, sharded over its ``W_shard`` ranks), and a group's
-gradients are reduce-scattered over the shard axis, then all-reduced over the replicate axis
-(one all-reduce of the rank's segment per group): the average over all ranks (the sum, divided
-by the divide factor, when one is set). ``set_requires_all_reduce(False)`` keeps the
-reduce-scattered segment (summed across such backwards) without a ``.grad``; the next backward
-that all-reduces adds it in, as FSDP2's partial reduce output.
+[Note: CPU offload]
+``offload_policy=CPUOffloadPolicy()``: ``local`` and the local gradient live on the host (pinned
+when the device is CUDA); ``send`` [S] is then always a device buffer of its own, filled from
+``local`` before each all-gather (cast included), and the reduce-scatter lands in a device
+buffer [S] that ``finish_reduce`` copies into the host gradient. The optimizer steps the host
+pieces, so its state is on the host. On a CPU-only machine the device is the CPU: the same copies
+run, exactly (tests/runtime/test_fast_offload.py: bitwise equal to no offload). Parameters on a
+GPU are refused for now: the collectives outside the step (state dicts, export, owner shifts) read
+``local`` directly and are not staged through the device for NCCL, and no GPU has run it.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ from torch import nn
 
 from blockshard.planner import GroupLayout
 from blockshard.planner._units import block_shape
-from blockshard.runtime._collectives import all_gather_into, reduce_scatter_avg, shift_ranks, wait
-from blockshard.runtime._common import CollectiveTally, ShardedState, expect
+from blockshard.runtime._collectives import all_gather_into, shift_ranks, wait
+from blockshard.runtime._common import CollectiveTally, DeviceStreams, ShardedState, expect
+from blockshard.runtime._grad_sync import GradientSync, _Reduction
 from blockshard.runtime._param import ShardedParam, tag_managed
 
 if TYPE_CHECKING:  # [quantized]
@@ -51,7 +55,7 @@ if TYPE_CHECKING:  # [quantized]
 __all__ = ["ShardGroup"]
 
 
-class ShardGroup:
+class ShardGroup(GradientSync):
     """The buffers and collectives of one group; its :class:`ShardedState` is ``sharded_state``."""
 
     def __init__(
@@ -66,6 +70,7 @@ class ShardGroup:
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
         replicate_group: dist.ProcessGroup | None = None,
+        offload: bool = False,
     ) -> None:
         self.name, self.params, self.process_group = name, list(params), process_group
         self.path: str | None = None  # the module's path under its root, known at the root's first forward
@@ -81,6 +86,8 @@ class ShardGroup:
         self.tally: CollectiveTally | None = None  # set by the root context ([Note: collective integrity])
         self.tally_index = 0  # this group's position in its root context
         self._pending: list = []  # async all-gather works, while UNSHARDING
+        self._reduction: _Reduction | None = None  # the reduce-scatter in flight ([Note: async reduce-scatter])
+        self.offload = offload  # CPUOffloadPolicy: local shard and gradient on the host ([Note: CPU offload])
         self._version_guard: torch.autograd._unsafe_preserve_version_counter | None = None
         self.sharded_state = ShardedState.SHARDED
         self.quantized: QuantizedGroup | None = None  # [quantized] frozen byte-group, set by fully_shard
@@ -90,18 +97,11 @@ class ShardGroup:
                 raise AssertionError(f"group {name!r} has parameters but no layout")
             return
         first = originals[0]
-        self.device, self.orig_dtype = first.device, first.dtype
+        self.orig_dtype = first.dtype
         self.param_dtype = param_dtype or self.orig_dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
-        S, W = layout.segment_numel, self.world_size
-        self.local = torch.zeros(S, dtype=self.orig_dtype, device=self.device)  # [S]
         self._grad: weakref.ref[torch.Tensor] | None = None  # the local gradient [S] while a .grad views it
-        self.send = (
-            self.local
-            if self.param_dtype == self.orig_dtype
-            else torch.empty(S, dtype=self.param_dtype, device=self.device)
-        )
-        self.gathered = torch.empty(W * S, dtype=self.param_dtype, device=self.device)  # [W*S]
+        self._alloc_buffers(first.device, layout.segment_numel, zeros=True)
         self._place(layout)
         with torch.no_grad():
             for sp, orig in zip(self.params, originals, strict=True):
@@ -150,21 +150,37 @@ class ShardGroup:
         ``model.to_empty(device=...)`` asks) and new parameter objects over them; the meta ones
         are tagged as replaced, so an optimizer built over them raises. See [Note: meta init]."""
         expect(f"materialize group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
-        S, W = self.local.numel(), self.world_size
+        if self.offload and device.type != "cpu":
+            from blockshard.runtime._api import ShardingError
+
+            raise ShardingError(
+                f"group {self.name!r} has offload_policy=CPUOffloadPolicy(): materializing it on {device} is not "
+                "enabled yet (see fully_shard's error for parameters off the CPU). Fix: model.to_empty(device='cpu'), "
+                "or drop offload_policy"
+            )
+        S = self.local.numel()
         for sp in self.params:
             tag_managed(sp.sharded, self.name, original=True)
-        self.device = device
-        self.local = torch.empty(S, dtype=self.orig_dtype, device=device)
-        self.send = (
-            self.local if self.param_dtype == self.orig_dtype else torch.empty(S, dtype=self.param_dtype, device=device)
-        )
-        self.gathered = torch.empty(W * S, dtype=self.param_dtype, device=device)
+        self._alloc_buffers(device, S, zeros=False)
         self._grad = None
         for sp in self.params:
             sp.requires_grad = sp.sharded.requires_grad
         self._make_views()
         self._free_gathered()
         self.tag_views()
+
+    def _alloc_buffers(self, device: torch.device, S: int, *, zeros: bool) -> None:
+        """``local`` [S] (on the host under offload, pinned when the device is CUDA), ``send`` [S]
+        and ``gathered`` [W * S] on ``device``. [Note: CPU offload]"""
+        self.device, W = device, self.world_size
+        self.host = torch.device("cpu") if self.offload and device.type != "meta" else device
+        self.streams = DeviceStreams(device, pinned=self.offload)
+        pin = self.streams.pinned
+        alloc = torch.zeros if zeros else torch.empty
+        self.local = alloc(S, dtype=self.orig_dtype, device=self.host, pin_memory=pin)  # [S]
+        separate = self.param_dtype != self.orig_dtype or self.offload
+        self.send = torch.empty(S, dtype=self.param_dtype, device=device) if separate else self.local
+        self.gathered = torch.empty(W * S, dtype=self.param_dtype, device=device)  # [W*S]
 
     def _make_views(self) -> None:
         """New parameter objects over the buffers: sharded (block-shaped) and unsharded (full)."""
@@ -185,7 +201,8 @@ class ShardGroup:
         made anew. Only before training (no gradients, no optimizer state)."""
         expect(f"relayout of group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
         if k % self.world_size and self.local.device.type != "meta":  # meta: no values to move
-            self.local.copy_(shift_ranks(self.local, k, self.process_group))
+            staged = self.local.to(self.device)  # offload: the collective runs on the device
+            self.local.copy_(shift_ranks(staged, k, self.process_group))
         for sp in self.params:
             sp.requires_grad = sp.sharded.requires_grad  # frozen since fully_shard, maybe
             # the old pieces are replaced: an optimizer built over them raises (_optim_guard.py)
@@ -214,16 +231,17 @@ class ShardGroup:
             return
         layout, W = self._layout, self.world_size
         self._alloc_gathered()
-        if self.send is not self.local:
-            self.send.copy_(self.local)  # mixed precision: the one cast of the step
         # Refilling the buffer with the same values must not look like an in-place change to the
         # tensors autograd saved in forward (they are views of it). The all-gathers bump the
         # version counter when they finish, so the counter seen here is put back in wait_unshard.
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.gathered)
-        for b, S_b in enumerate(layout.buckets):
-            off = layout.bucket_local_offset(b)
-            gathered, local = self.gathered[W * off : W * (off + S_b)], self.send[off : off + S_b]
-            self._pending.append(all_gather_into(gathered, local, self.process_group, async_op=True))
+        with self.streams.on("all_gather"):  # [Note: streams]
+            if self.send is not self.local:  # mixed precision: the one cast of the step; offload: to the device
+                self.send.copy_(self.local, non_blocking=self.streams.pinned)
+            for b, S_b in enumerate(layout.buckets):
+                off = layout.bucket_local_offset(b)
+                gathered, local = self.gathered[W * off : W * (off + S_b)], self.send[off : off + S_b]
+                self._pending.append(all_gather_into(gathered, local, self.process_group, async_op=True))
         self.sharded_state = ShardedState.UNSHARDING
         if self.tally is not None:
             self.tally.record(self.tally_index, 0)
@@ -240,6 +258,8 @@ class ShardGroup:
         for work in self._pending:
             wait(work, f"the all-gather of group {self.described}", self.process_group)
         self._pending.clear()
+        if self._layout is not None:
+            self.streams.current_waits("all_gather")
         if self._version_guard is not None:
             self._version_guard.__exit__(None, None, None)  # the version before the all-gathers
             self._version_guard = None
@@ -290,119 +310,6 @@ class ShardGroup:
 
     def _free_gathered(self) -> None:
         self.gathered.untyped_storage().resize_(0)
-
-    # -- gradients --------------------------------------------------------------------------------
-    def grad_buffer(self) -> torch.Tensor | None:
-        """The local gradient [S] while some sharded ``.grad`` views it, else None ([Note: buffers])."""
-        return None if self._grad is None else self._grad()
-
-    def _new_grad_buffer(self) -> torch.Tensor:
-        # not zeroed: only the pieces the reduce-scatter wrote are ever viewed
-        buf = torch.empty(self.local.numel(), dtype=self.orig_dtype, device=self.device)
-        self._grad = weakref.ref(buf)
-        return buf
-
-    def accumulate_grads(self) -> None:
-        """Backward without gradient sync: keep the unsharded gradients for the next backward, in
-        the reduce dtype when it differs from the parameters' (as FSDP2 does: bf16 micro-batch
-        gradients summed in fp32)."""
-        if self._layout is None or self.reduce_dtype == self.param_dtype:
-            return  # autograd accumulates into the unsharded .grad by itself
-        for sp in self.params:
-            grad = sp.unsharded.grad
-            if grad is None:
-                continue
-            if sp.accumulated is None:
-                sp.accumulated = grad.to(self.reduce_dtype)
-            else:
-                sp.accumulated += grad
-            sp.unsharded.grad = None
-
-    def reduce_grads(self) -> None:
-        """Reduce-scatter (average) the unsharded gradients into ``grad``; set sharded ``.grad``.
-
-        Gradients are packed into the reduce-scatter input in the gathered layout (one copy, cast
-        to the reduce dtype, as FSDP2's ``chunk_cat``), each freed right after; holes and
-        parameters without a gradient are zero-filled.
-        """
-        if self._layout is None:
-            return
-        layout, W = self._layout, self.world_size
-        rs_in = torch.empty(self.gathered.numel(), dtype=self.reduce_dtype, device=self.device)  # [W*S]
-        for lo, hi in self._holes:
-            rs_in[lo:hi].zero_()
-        # A parameter without a gradient here is taken to have none on any rank (as FSDP2 assumes):
-        # it still takes part in the reduce-scatter (as zeros) but keeps ``.grad = None``, so the
-        # optimizer skips it as it would on one process.
-        has_grad = set()
-        for sp in self.params:
-            dst = rs_in[sp.gathered_offset : sp.gathered_offset + sp.numel]
-            grad, acc = sp.unsharded.grad, sp.accumulated
-            if acc is not None:  # micro-batches accumulated without sync, in the reduce dtype
-                if grad is not None:
-                    acc += grad
-                grad, sp.accumulated = acc, None
-            if grad is None:
-                dst.zero_()
-            else:
-                dst.copy_(grad.reshape(-1))
-                sp.unsharded.grad = None
-                has_grad.add(sp.index)
-        # Straight into a new gradient buffer unless a sharded grad must be accumulated into (the
-        # user kept .grad across steps) or the reduce dtype differs from the parameters'. Never
-        # into a buffer still alive without our pieces: the user may hold an old .grad.
-        accumulate = any(sp.sharded.grad is not None for sp in self.params)
-        direct = not accumulate and self.reduce_dtype == self.orig_dtype
-        S = self.local.numel()
-        buf = self._new_grad_buffer() if direct else self.grad_buffer() if accumulate else None
-        out = buf if direct else torch.empty(S, dtype=self.reduce_dtype, device=self.device)
-        assert out is not None
-        if self.tally is not None:
-            self.tally.record(self.tally_index, 1)
-        for b, S_b in enumerate(layout.buckets):
-            off = layout.bucket_local_offset(b)
-            work = reduce_scatter_avg(
-                out[off : off + S_b],
-                rs_in[W * off : W * (off + S_b)],
-                self.process_group,
-                async_op=True,
-                summed=self.divide_factor is not None,
-            )
-            wait(work, f"the reduce-scatter of group {self.described}", self.process_group)
-        if self.replicate_group is not None and not self._all_reduce(out):
-            return  # set_requires_all_reduce(False): kept for the next all-reduce, no .grad yet
-        if self.divide_factor is not None:
-            out.div_(self.divide_factor)
-        for sp in self.params:
-            if not sp.sharded.requires_grad or sp.index not in has_grad:
-                continue
-            lo, hi = sp.local_offset, sp.local_offset + sp.local_numel
-            if sp.sharded.grad is None:
-                if not direct:
-                    if buf is None:
-                        buf = self._new_grad_buffer()
-                    buf[lo:hi].copy_(out[lo:hi])
-                assert buf is not None
-                sp.sharded.grad = buf[lo:hi].view(sp.sharded.shape)
-            else:
-                sp.sharded.grad += out[lo:hi].view(sp.sharded.shape).to(self.orig_dtype)
-
-    def _all_reduce(self, out: torch.Tensor) -> bool:
-        """[Note: HSDP] Average (sum, with a divide factor) ``out`` over the replicate axis, adding
-        the outputs kept while ``requires_all_reduce`` was off; False while it is off."""
-        if self._partial is not None:
-            out += self._partial
-        if not self.requires_all_reduce:
-            self._partial = out  # no .grad views it: the next reduce-scatter adds it in
-            return False
-        self._partial = None
-        pg = self.replicate_group
-        assert pg is not None
-        op = dist.ReduceOp.SUM if self.divide_factor is not None else dist.ReduceOp.AVG
-        if self.tally is not None:
-            self.tally.record(self.tally_index, 2)
-        wait(dist.all_reduce(out, op=op, group=pg, async_op=True), f"the all-reduce of group {self.described}", pg)
-        return True
 
 
 def _holes(layout: GroupLayout) -> list[tuple[int, int]]:

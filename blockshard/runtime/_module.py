@@ -99,15 +99,16 @@ class ShardedModule(nn.Module):
         self._bs_state().backward_prefetch = _prefetch_states("set_modules_to_backward_prefetch", modules)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """FSDP2 waits for pending reduce-scatters on the last backward; blockshard's complete
-        inside backward, so every backward is already "last": accepted, nothing to change."""
+        """FSDP2 waits for pending reduce-scatters on the last backward only; blockshard waits for
+        them at the end of every backward ([Note: async reduce-scatter] in _grad_sync.py), so
+        every backward is already "last": accepted, nothing to change."""
         _check_bool("is_last_backward", is_last_backward)
         self._bs_state().is_last_backward = is_last_backward
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP (a 2-D mesh): off, backward reduce-scatters but does not all-reduce across the
         replicate axis; the segments are kept and added into the next all-reduce ([Note: HSDP]
-        in _group.py). Without a replicate axis there is nothing to skip."""
+        in _grad_sync.py). Without a replicate axis there is nothing to skip."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         for st in self._states(recurse):
             st.group.requires_all_reduce = requires_all_reduce
@@ -132,7 +133,8 @@ class ShardedModule(nn.Module):
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """FSDP2 makes the next all-gathers wait for ``event`` on their own stream; the engine's
-        collectives run on the current stream, after the optimizer step already: accepted."""
+        all-gather stream waits for the current stream, where the optimizer stepped, anyway
+        ([Note: streams] in _common.py): accepted."""
         if not hasattr(event, "wait") or not hasattr(event, "record"):
             raise ShardingError(
                 f"set_post_optim_event(event={event!r}): pass a torch.Event (or torch.cuda.Event) recorded "

@@ -83,6 +83,12 @@ class RootContext:
     last_index: dict[int, int] = field(default_factory=dict)  # id(state) -> position in last_order
     callback_queued: bool = False
     tally: CollectiveTally = field(default_factory=CollectiveTally)
+    reducing: list[ShardGroup] = field(default_factory=list)  # reduce-scatters in flight, oldest first
+
+    def finish_reductions(self) -> None:
+        """Wait for the reduce-scatters in flight and set their gradients ([Note: async reduce-scatter])."""
+        while self.reducing:
+            self.reducing.pop(0).finish_reduce()
 
     def remember_order(self) -> None:
         """The forward order just recorded becomes the prefetch order of the next step."""
@@ -108,6 +114,7 @@ class RootContext:
                 st.reshard()
             st.training_state = TrainingState.IDLE
             st._inputs_pending, st._finish_at_end = 0, False
+        self.finish_reductions()  # every sharded .grad is final when backward returns
         self.remember_order()
         self.check_step()
 
@@ -361,11 +368,13 @@ class ModuleState:
                 for sp in g.params:
                     sp.unsharded.grad, sp.accumulated = None, None
                 g._partial = None  # HSDP outputs not all-reduced yet: lost with the step
+                g.drop_reduce()  # a reduce-scatter in flight: its gradients are lost too
             st.reshard()
             st.training_state = TrainingState.IDLE
             st._inputs_pending, st._finish_at_end = 0, False
             st._to_run, st._backward_follows = set(), False
         ctx.callback_queued = False
+        ctx.reducing.clear()
         ctx.tally.reset()
 
     def post_forward(self, module: nn.Module, _args: Any, output: Any) -> Any:
@@ -417,12 +426,17 @@ class ModuleState:
             prev.unshard(async_op=True)
 
     def finish_backward(self) -> None:
-        """All gradients are in: reshard, then reduce-scatter unless accumulating without sync."""
+        """All gradients are in: reshard, then issue the reduce-scatter unless accumulating
+        without sync ([Note: async reduce-scatter])."""
         expect(f"post-backward of group {self.group.name!r}", self.training_state, TrainingState.PRE_BACKWARD)
         self.training_state = TrainingState.POST_BACKWARD
         if self.group.reshard_after_backward:
             self.reshard()  # free the gathered parameters before the reduce-scatter needs its output
-        if self.group.requires_gradient_sync:
-            self.group.reduce_grads()
-        else:
+        if not self.group.requires_gradient_sync:
             self.group.accumulate_grads()
+            return
+        ctx = self._context()
+        ctx.finish_reductions()  # the previous group's, which overlapped this group's backward
+        self.group.reduce_grads()
+        if self.group.reducing:
+            ctx.reducing.append(self.group)

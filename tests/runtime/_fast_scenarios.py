@@ -41,22 +41,25 @@ def train(
     micro: int = 1,
     sync_last_only: bool = True,
     wrap=None,
+    shard_kwargs: dict | None = None,
 ) -> dict:
     """``STEPS`` AdamW steps of ``micro`` accumulated micro-batches (every rank the whole batch).
 
     Sharded: gradient sync off for the first ``micro - 1`` micro-batches and on for the last
     (``sync_last_only=False`` turns it on for the first only: a control). ``wrap(model)`` runs
     after the layers are sharded and before the root is (e.g. activation checkpointing).
-    Returns the losses, the full parameters by name and the parameter shapes this rank holds.
+    ``shard_kwargs`` go to every ``fully_shard`` (e.g. ``offload_policy``).
+    Returns the losses, the full parameters by name, the parameter shapes this rank holds and the
+    devices its parameters, gradients and optimizer state were on before the last ``zero_grad``.
     """
     with _inproc.serial():  # the constructors seed torch's process-wide generator
         model = _model(kind)
     if sharded:
         for block in _blocks(model, kind):
-            blockshard.fully_shard(block)
+            blockshard.fully_shard(block, **(shard_kwargs or {}))
         if wrap is not None:
             wrap(model)
-        blockshard.fully_shard(model)
+        blockshard.fully_shard(model, **(shard_kwargs or {}))
     loss_fn = _loss_fn(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     data = batches(kind, micro)
@@ -69,11 +72,17 @@ def train(
             loss.backward()
             losses.append(loss.detach().clone())
         opt.step()
+        devices = {
+            "params": {p.device.type for p in model.parameters()},
+            "grads": {p.grad.device.type for p in model.parameters() if p.grad is not None},
+            "optimizer": {v.device.type for s in opt.state.values() for v in s.values() if torch.is_tensor(v)},
+        }
         opt.zero_grad()
     full = (
         blockshard.full_state_dict(model) if sharded else {n: p.detach().clone() for n, p in model.named_parameters()}
     )
-    return {"losses": losses, "params": full, "shapes": [tuple(p.shape) for p in model.parameters()]}
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    return {"losses": losses, "params": full, "shapes": shapes, "devices": devices}
 
 
 def bitwise_diffs(got: dict, want: dict) -> dict[str, float]:

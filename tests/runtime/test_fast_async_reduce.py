@@ -1,0 +1,145 @@
+"""The reduce-scatter is asynchronous ([Note: async reduce-scatter] in _grad_sync.py), in-process.
+
+A group's reduce-scatter is issued when its backward is over and waited for at the next group's
+post-backward (so it overlaps that group's backward compute, and at most one reduce-scatter input
+is alive, as FSDP2's default ``reduce_scatter_max_input_buffers=1``), or in the final callback for
+the last one; every sharded ``.grad`` is set when ``backward()`` returns. The values are
+unchanged: the bitwise tests of test_fast_engine.py / test_engine.py cover that.
+"""
+
+from __future__ import annotations
+
+import time
+
+import _inproc
+import pytest
+import torch
+import torch.distributed as dist
+
+import blockshard
+from blockshard._tiny import OddMLP
+from blockshard.runtime import _collectives, _grad_sync
+from blockshard.runtime._collectives import engine_group, reduce_scatter_avg
+from blockshard.runtime._group import ShardGroup
+from blockshard.runtime._state import RootContext
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _spy(monkeypatch) -> dict[int, list[tuple[str, object]]]:
+    """Log, per rank, the reduce-scatters issued and waited for (by group path), the final
+    callback's start and the backward compute of each block (the gradient of its first Linear's
+    output)."""
+    logs: dict[int, list[tuple[str, object]]] = {}
+    current: dict[int, str | None] = {}
+
+    def log(kind: str, what: object) -> None:
+        logs.setdefault(dist.get_rank(), []).append((kind, what))
+
+    def wrap(name: str):
+        orig = getattr(ShardGroup, name)
+
+        def method(self, *a, **k):
+            current[dist.get_rank()] = self.path
+            return orig(self, *a, **k)
+
+        monkeypatch.setattr(ShardGroup, name, method)
+
+    wrap("reduce_grads")
+    wrap("finish_reduce")
+    issue, wait = _grad_sync.reduce_scatter_avg, _grad_sync.wait
+
+    def spy_issue(*a, **k):
+        log("rs_issue", current[dist.get_rank()])
+        return issue(*a, **k)
+
+    def spy_wait(work, what, pg):
+        if "reduce-scatter" in what:
+            log("rs_wait", current[dist.get_rank()])
+        return wait(work, what, pg)
+
+    monkeypatch.setattr(_grad_sync, "reduce_scatter_avg", spy_issue)
+    monkeypatch.setattr(_grad_sync, "wait", spy_wait)
+    final = RootContext.final_callback
+
+    def spy_final(self):
+        log("final_callback", None)
+        return final(self)
+
+    monkeypatch.setattr(RootContext, "final_callback", spy_final)
+    return logs
+
+
+def _run(rank: int, world: int, logs: dict) -> dict:
+    with _inproc.serial():
+        model = OddMLP()
+    for block in model.blocks:
+        blockshard.fully_shard(block)
+    blockshard.fully_shard(model)
+    for i, block in enumerate(model.blocks):
+
+        def hook(_m, _inp, out, i=i):
+            out.register_hook(lambda g: logs.setdefault(dist.get_rank(), []).append(("compute", i)))
+
+        block[0].register_forward_hook(hook)
+    x = torch.randn(6, 13, generator=torch.Generator().manual_seed(0))
+    for _step in range(2):
+        logs.pop(rank, None)
+        model(x).square().mean().backward()
+        logs.setdefault(rank, []).append(("backward_returned", None))
+        in_flight = [st.group.reducing for st in model._blockshard_state.ctx.states]
+        grads = [p.grad is not None for p in model.parameters() if p.numel()]
+        model.zero_grad()
+    return {"events": logs[rank], "in_flight": in_flight, "grads": grads}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_reduce_scatter_overlaps_the_next_blocks_backward(gloo_w1, monkeypatch, world):
+    logs = _spy(monkeypatch)
+    if world == 1:
+        with _inproc.single_thread():
+            results = [_run(0, 1, logs)]
+    else:
+        results = _inproc.run_ranks(_run, world, args=(logs,))
+    for rank, got in enumerate(results):
+        ev = got["events"]  # step 2: the prefetch order is known
+        at = {e: i for i, e in enumerate(ev)}
+        rs = [e for e in ev if e[0].startswith("rs_")]
+        assert rs == [
+            ("rs_issue", "blocks.2"),
+            ("rs_wait", "blocks.2"),
+            ("rs_issue", "blocks.1"),
+            ("rs_wait", "blocks.1"),
+            ("rs_issue", "blocks.0"),
+            ("rs_wait", "blocks.0"),
+        ], f"rank {rank}: {ev}"
+        # block k's reduce-scatter is in flight while block k - 1 computes its backward
+        assert at[("rs_issue", "blocks.2")] < at[("compute", 1)] < at[("rs_wait", "blocks.2")], ev
+        assert at[("rs_issue", "blocks.1")] < at[("compute", 0)] < at[("rs_wait", "blocks.1")], ev
+        # the first block (its input needs no gradient) finishes in the final callback, where
+        # every reduce-scatter left is waited for, before backward returns
+        assert at[("final_callback", None)] < at[("rs_wait", "blocks.1")], ev
+        assert at[("rs_wait", "blocks.0")] < at[("backward_returned", None)], ev
+        assert not any(got["in_flight"]) and all(got["grads"]), got
+
+
+def test_gloo_reduce_scatter_is_issued_without_waiting_for_the_peer(gloo_w1):
+    """Measured on torch 2.13's gloo: ``reduce_scatter_single(async_op=True)`` on the engine's
+    group returns before the peer has issued its half, so the engine's backward goes on while the
+    collective waits (on NCCL it runs on its own stream)."""
+
+    def rank_fn(rank: int, world: int) -> tuple[float, bool]:
+        pg = engine_group(dist.group.WORLD)
+        out, inp = torch.empty(4), torch.ones(4 * world)
+        dist.barrier(pg)
+        if rank == 1:
+            time.sleep(0.5)
+        t0 = time.perf_counter()
+        work = reduce_scatter_avg(out, inp, pg, async_op=True)
+        issued_s, done = time.perf_counter() - t0, work.is_completed()
+        _collectives.wait(work, "the test's reduce-scatter", pg)
+        assert torch.equal(out, torch.ones(4))
+        return issued_s, done
+
+    (issued_s, done), _ = _inproc.run_ranks(rank_fn, 2)
+    assert issued_s < 0.25 and not done, (issued_s, done)
