@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from blockshard.planner._balance import best_rotation, rank_costs, rotate
+from blockshard.planner._balance import best_rotation, rank_costs, rotate, rotation_peak, rotations_to_try
 from blockshard.planner._layout import GroupLayout
+from blockshard.planner._moves import tensor_moves
 from blockshard.planner._owner import _assign, unit_rows
 from blockshard.planner._units import layout_hash, rank_overlap
 from blockshard.semantics import UnitGrid
@@ -264,22 +265,73 @@ class OwnerBuilder:
         return sum(costs.get(t.name, float(t.numel)) for t in layout.tensors)
 
     def _best_shift(self, layout, compute, costs, running, current):
-        """Among ``layout`` and its tensor shifts (see [Note: shifts]), the one whose fixed cost, at its
-        best rotation, leaves the lowest peak on ``running`` (the first on ties)."""
+        """Among ``layout``, its tensor shifts (see [Note: shifts]) and its tensor moves ([Note: tensor
+        moves]), the one whose fixed cost, at its best rotation, leaves the lowest peak on ``running``
+        (the first on ties: ``layout`` itself, then the shifts, then the moves)."""
         base, loads, k = current
-
-        def peak(b: np.ndarray, k: int) -> float:
-            nz = np.flatnonzero(b)
-            return float(np.max(running[(nz + k) % self.world_size] + b[nz], initial=running.max()))
-
-        best = (peak(base, k), layout, base, loads, k)
-        for cand in tensor_shifts(layout, self.memo):
-            _, b, ld, _ = self._geometry(cand, compute, costs)
-            kk = best_rotation(cand, b, running)
-            p = peak(b, kk)
-            if p < best[0]:
-                best = (p, cand, b, ld, kk)
+        nz = np.flatnonzero(base)
+        best = (rotation_peak(nz, base[nz], None if k == 0 else np.asarray([k]), running)[1], layout, base, loads, k)
+        table, fixed_nz, fixed_vals = self._table(layout, compute, costs)
+        if table:
+            top = running.max(initial=0.0)
+            peaks = np.maximum((running[fixed_nz] + fixed_vals).max(axis=1, initial=top), top)  # rotation 0
+            ks = np.zeros(len(table), dtype=np.int64)
+            for i, (_, b, _, cnz, rots) in enumerate(table):
+                if rots is not None:
+                    ks[i], peaks[i] = rotation_peak(cnz, b[cnz], rots, running)
+            i = int(np.argmin(peaks))  # the first on ties
+            if peaks[i] < best[0]:
+                offs, b, ld, _, _ = table[i]
+                best = (peaks[i], _with_offsets(layout, offs), b, ld, int(ks[i]))
         return best[1:]
+
+    def _table(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> list:
+        """``(offsets, fixed cost, loads, loaded ranks, rotations to try)`` of every candidate (offsets
+        per tensor of ``layout``), and the loaded ranks and their costs of all, padded to one array;
+        identical groups share one table."""
+        key = (
+            "table",
+            layout.buckets,
+            tuple((t.offset, t.grid, costs.get(t.name), compute.get(t.name)) for t in layout.tensors),
+        )
+        hit = self.memo.get(key)
+        if hit is None:
+            hit = []
+            for offs in self._candidates(layout, compute, costs):
+                _, b, ld, _ = self._geometry(_with_offsets(layout, offs), compute, costs)
+                nz = np.flatnonzero(b)
+                hit.append((offs, b, ld, nz, rotations_to_try(_with_offsets(layout, offs), b, nz)))
+            m = max((len(e[3]) for e in hit), default=0)
+            fixed_nz = np.zeros((len(hit), m), dtype=np.int64)  # padding: rank 0, cost 0 (never a peak)
+            fixed_vals = np.zeros((len(hit), m))
+            for i, e in enumerate(hit):
+                fixed_nz[i, : len(e[3])] = e[3]
+                fixed_vals[i, : len(e[3])] = e[1][e[3]]
+            hit = self.memo[key] = (hit, fixed_nz, fixed_vals)
+        return hit
+
+    def _candidates(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]):
+        """Offsets (per tensor of ``layout``) of its tensor shifts, then of its tensor moves ([Note:
+        tensor moves]) and their shifts."""
+        index = {t.name: i for i, t in enumerate(layout.tensors)}
+
+        def offsets(moved: GroupLayout) -> tuple[int, ...]:
+            out = [0] * len(index)
+            for t in moved.tensors:
+                out[index[t.name]] = t.offset
+            return tuple(out)
+
+        for shifted in tensor_shifts(layout, self.memo):
+            yield offsets(shifted)
+        worth = SHIFT_WORTH * self._total(layout, costs) / self.world_size
+        movable = [t.name not in compute and costs.get(t.name, 0.0) > worth for t in layout.tensors]
+        for offs in tensor_moves(layout, movable, self._uncut):
+            yield offs
+            for shifted in tensor_shifts(_with_offsets(layout, offs), self.memo):
+                yield offsets(shifted)
+
+    def _uncut(self, t, offset: int, S: int) -> bool:
+        return straddling_units(t.grid, offset, S, self.memo)[0].size == 0
 
     @staticmethod
     def _largest(layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> float:
