@@ -223,7 +223,9 @@ def moved_values(local: torch.Tensor, old: GroupLayout, new: GroupLayout, rank: 
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=local.device)
 
     out = local.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(out, local[index(sends)], output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=pg)
+    dist.all_to_all_single(
+        out, local[index(sends)], output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=pg
+    )
     result = torch.zeros_like(local)
     result[index(recvs)] = out
     return result

@@ -94,7 +94,9 @@ def test_the_layout_limited_cases_meet_the_cost_target(model, W, semantics):
     assert a2a <= 1.05 * 2 * owned / W
     cost = plan.compute.modeled_cost_bytes
     for policy in ("whole", "owner"):
-        assert cost <= plan_model(tensors, W, semantics=semantics, policy=policy).compute.modeled_cost_bytes * (1 + 1e-12)
+        assert cost <= plan_model(tensors, W, semantics=semantics, policy=policy).compute.modeled_cost_bytes * (
+            1 + 1e-12
+        )
 
 
 @pytest.mark.parametrize("seed", range(20))
