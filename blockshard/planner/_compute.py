@@ -26,6 +26,7 @@ from blockshard.planner._balance import best_rotation, rank_costs, rotate, rotat
 from blockshard.planner._layout import GroupLayout
 from blockshard.planner._moves import tensor_moves
 from blockshard.planner._owner import _assign, unit_rows
+from blockshard.planner._refine import refine_owners
 from blockshard.planner._units import layout_hash, rank_overlap
 from blockshard.semantics import UnitGrid
 
@@ -37,8 +38,6 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 SHIFT_WORTH = 0.05
 #: At most this many shifts are tried per distinct group layout.
 MAX_SHIFTS = 16
-#: At most this many moves or swaps refine the owners' greedy ([Note: owner refinement]).
-MAX_REFINE = 256
 
 
 def tensor_shifts(layout: GroupLayout, memo: dict | None = None) -> list[GroupLayout]:
@@ -408,52 +407,3 @@ class OwnerBuilder:
             np.add.at(t.cost, owner[m], uc[m])
             t.state += recv - (held - kept)
         return ComputeTally(t.cost, t.state, a2a, t.largest, t.modeled, t.owner_tensors)
-
-
-def refine_owners(cost: np.ndarray, owner: np.ndarray, uc: np.ndarray) -> bool:
-    """[Note: owner refinement] After the greedy, lower the busiest rank while that helps: move one
-    of its cut units to the least-loaded rank, or swap one for a cheaper unit of another rank, taking
-    the change that leaves the lowest peak of the two ranks; stop when neither lowers it, when the
-    peak is at ``max(mean, costliest unit)`` or after ``MAX_REFINE`` changes. Updates ``cost`` and
-    ``owner`` in place; deterministic (first index on ties). Returns whether anything moved."""
-    if owner.size == 0:
-        return False
-    floor = max(float(cost.mean()), float(uc.max())) * (1 + 1e-12)
-    changed = False
-    for _ in range(MAX_REFINE):
-        r = int(np.argmax(cost))
-        top = float(cost[r])
-        mine = np.flatnonzero(owner == r)
-        if top <= floor or not mine.size:
-            break
-        gap = top - cost  # what another rank may take on before it reaches the peak
-        s = int(np.argmin(cost))
-        best = (top, -1, -1)  # (new peak of the two ranks, unit of r, unit to swap in or -1)
-        fits = mine[uc[mine] < gap[s]]
-        if fits.size:
-            u = int(fits[np.argmax(uc[fits])])
-            best = (max(top - uc[u], cost[s] + uc[u]), u, -1)
-        others = np.flatnonzero(owner != r)
-        if others.size:
-            delta = uc[mine][:, None] - uc[others][None, :]  # what r gives away in each swap
-            ok = (delta > 0) & (delta < gap[owner[others]][None, :])
-            if ok.any():
-                peak = np.maximum(top - delta, cost[owner[others]][None, :] + delta)
-                peak[~ok] = np.inf
-                i, j = np.unravel_index(int(np.argmin(peak)), peak.shape)
-                if peak[i, j] < best[0]:
-                    best = (float(peak[i, j]), int(mine[i]), int(others[j]))
-        if best[1] < 0:
-            break
-        u, v = best[1], best[2]
-        if v < 0:
-            cost[r] -= uc[u]
-            cost[s] += uc[u]
-            owner[u] = s
-        else:
-            t = int(owner[v])
-            cost[r] += uc[v] - uc[u]
-            cost[t] += uc[u] - uc[v]
-            owner[u], owner[v] = t, r
-        changed = True
-    return changed
