@@ -5,10 +5,12 @@ Under the ``owner`` policy a rank boundary may fall inside a compute unit (a Muo
 expert). A compute unit that lies inside one rank's segment is computed there; a **cut** one
 gets one owner rank. Groups are taken in ``fully_shard`` order; each is rotated by whole
 segments (see [Note: rotation] in ``_balance.py``; a group with owner-computed tensors may also be
-re-based at another tensor, see [Note: shifts]) against the cost fixed so far: what its ranks
+re-based at another tensor, see [Note: shifts], or have a costly whole-placed tensor moved in its
+order, see [Note: tensor moves] in ``_moves.py``) against the cost fixed so far: what its ranks
 compute themselves. Then every cut unit of the model, largest cost first, goes to the
 least-loaded rank (ties: the holder with the largest piece, then the lowest rank) — the greedy
-of ``_owner.py``'s :func:`_assign`, run once over all groups. Costs are the semantics' (Newton-Schulz
+of ``_owner.py``'s :func:`_assign`, run once over all groups, then refined by moves and swaps off
+the busiest rank ([Note: owner refinement] in ``_refine.py``). Costs are the semantics' (Newton-Schulz
 FLOPs for matrices, elements otherwise) split over a tensor's units in proportion to their
 elements. The result is a pure function of the inputs: every rank computes the same owners,
 and :meth:`OwnerAssignment.owner_hash` is checked like a layout hash.
@@ -286,7 +288,7 @@ class OwnerBuilder:
                 best = (peaks[i], _with_offsets(layout, offs), b, ld, int(ks[i]))
         return best[1:]
 
-    def _table(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> list:
+    def _table(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> tuple:
         """``(offsets, fixed cost, loads, loaded ranks, rotations to try)`` of every candidate (offsets
         per tensor of ``layout``), and the loaded ranks and their costs of all, padded to one array;
         identical groups share one table."""

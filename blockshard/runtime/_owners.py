@@ -9,9 +9,10 @@ Muon matrix, an expert) may straddle rank boundaries. Every call that balances g
 owner-computed tensors, then one greedy over every cut unit of the subtree (longest first,
 [Note: owners across groups]) — and checks its hash across ranks like a layout hash, so a rank with
 another plan raises on every rank. The builder may re-base a group at another tensor
-([Note: shifts] in ``planner/_compute.py``); a rotation by whole segments is moved by the balancing
-call itself, a shift here (:func:`apply_shifts`: two ``all_to_all_single`` that move each rank's
-segment across the shift, before training), so the engine runs the layouts and owners that
+([Note: shifts] in ``planner/_compute.py``) or move one of its tensors elsewhere in its order
+([Note: tensor moves] in ``planner/_moves.py``); a rotation by whole segments is moved by the
+balancing call itself, a shift or a move here (:func:`apply_shifts`: one ``all_to_all_single`` that
+sends every element to its new rank and place, before training), so the engine runs the layouts and owners that
 ``plan_model`` (``blockshard plan``) shows for the same model. The plan is kept per group in a weak registry
 (nothing outlives the group); the last balancing call of a model (its root) writes the final one.
 An optimizer finds it from a sharded piece (:func:`tensor_owners`) or for a whole model
