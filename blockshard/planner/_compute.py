@@ -216,6 +216,7 @@ class OwnerBuilder:
     memo: dict
     kinds: dict[str, _Kind] = field(default_factory=dict)
     units: list[tuple] = field(default_factory=list)  # (kind, tensor, starts, ends, offset, S, density, itemsize)
+    total: float = 0.0  # cost of the groups added so far, whole and cut units alike
 
     def add_group(
         self,
@@ -233,6 +234,7 @@ class OwnerBuilder:
         W = self.world_size
         proportional, base, loads, largest = self._geometry(layout, compute, costs)
         unrotated += proportional
+        self.total += self._total(layout, costs)
         k = best_rotation(layout, base, running)
         if compute and base.max() > SHIFT_WORTH * self._total(layout, costs) / W:
             layout, base, loads, k = self._best_shift(layout, compute, costs, running, (base, loads, k))
@@ -270,11 +272,14 @@ class OwnerBuilder:
     def _best_shift(self, layout, compute, costs, running, current):
         """Among ``layout``, its tensor shifts (see [Note: shifts]) and its tensor moves ([Note: tensor
         moves]), the one whose fixed cost, at its best rotation, leaves the lowest peak on ``running``
-        (the first on ties: ``layout`` itself, then the shifts, then the moves)."""
+        (the first on ties: ``layout`` itself, then the shifts, then the moves). Moves are compared
+        only when the best of the others leaves a peak above the mean cost per rank of the groups so
+        far (whole and cut units): below it, the owners of cut units level the ranks around the
+        fixed costs, and a move would only change which units are cut."""
         base, loads, k = current
         nz = np.flatnonzero(base)
         best = (rotation_peak(nz, base[nz], None if k == 0 else np.asarray([k]), running)[1], layout, base, loads, k)
-        table, fixed_nz, fixed_vals = self._table(layout, compute, costs)
+        table, shifts, fixed_nz, fixed_vals = self._table(layout, compute, costs)
         if table:
             top = running.max(initial=0.0)
             peaks = np.maximum((running[fixed_nz] + fixed_vals).max(axis=1, initial=top), top)  # rotation 0
@@ -282,16 +287,24 @@ class OwnerBuilder:
             for i, (_, b, _, cnz, rots) in enumerate(table):
                 if rots is not None:
                     ks[i], peaks[i] = rotation_peak(cnz, b[cnz], rots, running)
-            i = int(np.argmin(peaks))  # the first on ties
-            if peaks[i] < best[0]:
-                offs, b, ld, _, _ = table[i]
-                best = (peaks[i], _with_offsets(layout, offs), b, ld, int(ks[i]))
+            pick, low = -1, best[0]
+            i = int(np.argmin(peaks[:shifts])) if shifts else 0  # the first on ties
+            if shifts and peaks[i] < low:
+                pick, low = i, float(peaks[i])
+            # a move only where the peak would pass the mean so far: below it, the owners level around it
+            if len(table) > shifts and low > self.total / self.world_size:
+                i = shifts + int(np.argmin(peaks[shifts:]))
+                if peaks[i] < low:
+                    pick, low = i, float(peaks[i])
+            if pick >= 0:
+                offs, b, ld, _, _ = table[pick]
+                best = (low, _with_offsets(layout, offs), b, ld, int(ks[pick]))
         return best[1:]
 
     def _table(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> tuple:
         """``(offsets, fixed cost, loads, loaded ranks, rotations to try)`` of every candidate (offsets
-        per tensor of ``layout``), and the loaded ranks and their costs of all, padded to one array;
-        identical groups share one table."""
+        per tensor of ``layout``; the shifts first), how many are shifts, and the loaded ranks and
+        their costs of all, padded to one array; identical groups share one table."""
         key = (
             "table",
             layout.buckets,
@@ -300,17 +313,19 @@ class OwnerBuilder:
         hit = self.memo.get(key)
         if hit is None:
             hit = []
-            for offs in self._candidates(layout, compute, costs):
+            shifts = 0
+            for offs, moved in self._candidates(layout, compute, costs):
                 _, b, ld, _ = self._geometry(_with_offsets(layout, offs), compute, costs)
                 nz = np.flatnonzero(b)
                 hit.append((offs, b, ld, nz, rotations_to_try(_with_offsets(layout, offs), b, nz)))
+                shifts += not moved
             m = max((len(e[3]) for e in hit), default=0)
             fixed_nz = np.zeros((len(hit), m), dtype=np.int64)  # padding: rank 0, cost 0 (never a peak)
             fixed_vals = np.zeros((len(hit), m))
             for i, e in enumerate(hit):
                 fixed_nz[i, : len(e[3])] = e[3]
                 fixed_vals[i, : len(e[3])] = e[1][e[3]]
-            hit = self.memo[key] = (hit, fixed_nz, fixed_vals)
+            hit = self.memo[key] = (hit, shifts, fixed_nz, fixed_vals)
         return hit
 
     def _candidates(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]):
@@ -325,13 +340,13 @@ class OwnerBuilder:
             return tuple(out)
 
         for shifted in tensor_shifts(layout, self.memo):
-            yield offsets(shifted)
+            yield offsets(shifted), False
         worth = SHIFT_WORTH * self._total(layout, costs) / self.world_size
         movable = [t.name not in compute and costs.get(t.name, 0.0) > worth for t in layout.tensors]
         for offs in tensor_moves(layout, movable, self._uncut):
-            yield offs
+            yield offs, True
             for shifted in tensor_shifts(_with_offsets(layout, offs), self.memo):
-                yield offsets(shifted)
+                yield offsets(shifted), True
 
     def _uncut(self, t, offset: int, S: int) -> bool:
         return straddling_units(t.grid, offset, S, self.memo)[0].size == 0

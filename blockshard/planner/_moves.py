@@ -8,9 +8,11 @@ layer's two norms) always land on one rank, and a unit that nearly fills a segme
 the hole after it, if any -- out of the order and puts it back before another block; every offset
 is the sum of the blocks before it, so offsets stay aligned, holes stay between tensors and the
 segment size and padding are unchanged. A move is kept when every rank boundary still falls on an
-allowed cut of every tensor's grid, and its layout is then also tried with its tensor shifts. Only
-tensors whose cost exceeds ``worth`` are moved (the ones that set a rank's fixed cost), at most
-``MAX_MOVES`` positions each (evenly spaced). The result depends only on the layout: every rank
+allowed cut of every tensor's grid, and its layout is then also tried with its tensor shifts. The
+owner builder moves only whole-placed tensors costlier than ``SHIFT_WORTH`` x the group's mean cost
+per rank (the ones that set a rank's fixed cost), at most ``MAX_MOVES`` positions each (evenly
+spaced), and compares moves only where its rotations and shifts would leave a fixed cost above the
+mean cost per rank so far (``OwnerBuilder._best_shift`` in ``_compute.py``). The result depends only on the layout: every rank
 builds the same candidates, and the engine moves a group's values once, before training
 (``apply_moves`` in ``runtime/_owners.py``).
 """

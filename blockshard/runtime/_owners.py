@@ -128,6 +128,7 @@ class EngineOwnerBuilder(OwnerBuilder):
         """A group balanced by an earlier call: its own cost and cut units, not rotated again."""
         _, base, _, _ = self._geometry(layout, compute, costs)
         running += base
+        self.total += self._total(layout, costs)
         self._collect(layout, compute, costs, kind)
 
 
