@@ -22,7 +22,7 @@ import numpy as np
 
 from blockshard.planner._layout import GroupLayout
 
-__all__ = ["balance", "best_rotation", "clean_rotations", "rank_costs", "rotate"]
+__all__ = ["balance", "best_rotation", "clean_rotations", "rank_costs", "rotate", "rotation_peak", "rotations_to_try"]
 
 MIN_CANDIDATES = 32
 #: Rotations tried per group are capped so that candidates x loaded ranks stays under this.
@@ -84,15 +84,29 @@ def balance(layout: GroupLayout, costs: Mapping[str, float], running: np.ndarray
 
 def best_rotation(layout: GroupLayout, base: np.ndarray, running: np.ndarray) -> int:
     """The rotation (in segments) that minimizes ``max(running + base rolled by it)``; 0 when balanced."""
-    W = layout.world_size
     nz = np.flatnonzero(base)  # ranks that carry cost: few when units are coarse
-    best_k = 0
-    if W > 1 and base.max() > base.mean() * (1 + IMBALANCE_TOLERANCE):
-        cands = clean_rotations(layout)  # ascending; 0 first when it is clean
-        limit = max(MIN_CANDIDATES, WORK_BUDGET // max(len(nz), 1))
-        if len(cands) > limit:
-            cands = cands[np.linspace(0, len(cands) - 1, limit).astype(np.int64)]
-        # peak of running + base rolled by k, for every candidate k at once, on the loaded ranks only
-        peaks = np.maximum((running[(nz[None, :] + cands[:, None]) % W] + base[nz]).max(axis=1), running.max())
-        best_k = int(cands[int(np.argmin(peaks))])  # the first (smallest) k on ties
-    return best_k
+    return rotation_peak(nz, base[nz], rotations_to_try(layout, base, nz), running)[0]
+
+
+def rotations_to_try(layout: GroupLayout, base: np.ndarray, nz: np.ndarray) -> np.ndarray | None:
+    """The clean rotations :func:`best_rotation` compares (``None``: balanced, 0 only)."""
+    if layout.world_size == 1 or not base.max() > base.mean() * (1 + IMBALANCE_TOLERANCE):
+        return None
+    cands = clean_rotations(layout)  # ascending; 0 first when it is clean
+    limit = max(MIN_CANDIDATES, WORK_BUDGET // max(len(nz), 1))
+    if len(cands) > limit:
+        cands = cands[np.linspace(0, len(cands) - 1, limit).astype(np.int64)]
+    return cands
+
+
+def rotation_peak(nz: np.ndarray, vals: np.ndarray, cands: np.ndarray | None, running: np.ndarray) -> tuple[int, float]:
+    """``(k, peak)``: the first rotation of ``cands`` minimizing ``max(running + vals at nz + k)``
+    (``cands`` ``None``: ``k = 0``), and that peak (never below ``running.max()``)."""
+    W = running.size
+    top = running.max(initial=0.0)
+    if cands is None or not len(cands):
+        return 0, float(np.max(running[nz] + vals, initial=top))
+    # peak of running + base rolled by k, for every candidate k at once, on the loaded ranks only
+    peaks = np.maximum((running[(nz[None, :] + cands[:, None]) % W] + vals).max(axis=1, initial=top), top)
+    j = int(np.argmin(peaks))  # the first (smallest) k on ties
+    return int(cands[j]), float(peaks[j])

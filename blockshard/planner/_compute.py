@@ -5,10 +5,12 @@ Under the ``owner`` policy a rank boundary may fall inside a compute unit (a Muo
 expert). A compute unit that lies inside one rank's segment is computed there; a **cut** one
 gets one owner rank. Groups are taken in ``fully_shard`` order; each is rotated by whole
 segments (see [Note: rotation] in ``_balance.py``; a group with owner-computed tensors may also be
-re-based at another tensor, see [Note: shifts]) against the cost fixed so far: what its ranks
+re-based at another tensor, see [Note: shifts], or have a costly whole-placed tensor moved in its
+order, see [Note: tensor moves] in ``_moves.py``) against the cost fixed so far: what its ranks
 compute themselves. Then every cut unit of the model, largest cost first, goes to the
 least-loaded rank (ties: the holder with the largest piece, then the lowest rank) — the greedy
-of ``_owner.py``'s :func:`_assign`, run once over all groups. Costs are the semantics' (Newton-Schulz
+of ``_owner.py``'s :func:`_assign`, run once over all groups, then refined by moves and swaps off
+the busiest rank ([Note: owner refinement] in ``_refine.py``). Costs are the semantics' (Newton-Schulz
 FLOPs for matrices, elements otherwise) split over a tensor's units in proportion to their
 elements. The result is a pure function of the inputs: every rank computes the same owners,
 and :meth:`OwnerAssignment.owner_hash` is checked like a layout hash.
@@ -22,9 +24,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from blockshard.planner._balance import best_rotation, rank_costs, rotate
+from blockshard.planner._balance import best_rotation, rank_costs, rotate, rotation_peak, rotations_to_try
 from blockshard.planner._layout import GroupLayout
+from blockshard.planner._moves import tensor_moves
 from blockshard.planner._owner import _assign, unit_rows
+from blockshard.planner._refine import refine_owners
 from blockshard.planner._units import layout_hash, rank_overlap
 from blockshard.semantics import UnitGrid
 
@@ -212,6 +216,7 @@ class OwnerBuilder:
     memo: dict
     kinds: dict[str, _Kind] = field(default_factory=dict)
     units: list[tuple] = field(default_factory=list)  # (kind, tensor, starts, ends, offset, S, density, itemsize)
+    total: float = 0.0  # cost of the groups added so far, whole and cut units alike
 
     def add_group(
         self,
@@ -229,6 +234,7 @@ class OwnerBuilder:
         W = self.world_size
         proportional, base, loads, largest = self._geometry(layout, compute, costs)
         unrotated += proportional
+        self.total += self._total(layout, costs)
         k = best_rotation(layout, base, running)
         if compute and base.max() > SHIFT_WORTH * self._total(layout, costs) / W:
             layout, base, loads, k = self._best_shift(layout, compute, costs, running, (base, loads, k))
@@ -264,22 +270,86 @@ class OwnerBuilder:
         return sum(costs.get(t.name, float(t.numel)) for t in layout.tensors)
 
     def _best_shift(self, layout, compute, costs, running, current):
-        """Among ``layout`` and its tensor shifts (see [Note: shifts]), the one whose fixed cost, at its
-        best rotation, leaves the lowest peak on ``running`` (the first on ties)."""
+        """Among ``layout``, its tensor shifts (see [Note: shifts]) and its tensor moves ([Note: tensor
+        moves]), the one whose fixed cost, at its best rotation, leaves the lowest peak on ``running``
+        (the first on ties: ``layout`` itself, then the shifts, then the moves). Moves are compared
+        only when the best of the others leaves a peak above the mean cost per rank of the groups so
+        far (whole and cut units): below it, the owners of cut units level the ranks around the
+        fixed costs, and a move would only change which units are cut."""
         base, loads, k = current
-
-        def peak(b: np.ndarray, k: int) -> float:
-            nz = np.flatnonzero(b)
-            return float(np.max(running[(nz + k) % self.world_size] + b[nz], initial=running.max()))
-
-        best = (peak(base, k), layout, base, loads, k)
-        for cand in tensor_shifts(layout, self.memo):
-            _, b, ld, _ = self._geometry(cand, compute, costs)
-            kk = best_rotation(cand, b, running)
-            p = peak(b, kk)
-            if p < best[0]:
-                best = (p, cand, b, ld, kk)
+        nz = np.flatnonzero(base)
+        best = (rotation_peak(nz, base[nz], None if k == 0 else np.asarray([k]), running)[1], layout, base, loads, k)
+        table, shifts, fixed_nz, fixed_vals = self._table(layout, compute, costs)
+        if table:
+            top = running.max(initial=0.0)
+            peaks = np.maximum((running[fixed_nz] + fixed_vals).max(axis=1, initial=top), top)  # rotation 0
+            ks = np.zeros(len(table), dtype=np.int64)
+            for i, (_, b, _, cnz, rots) in enumerate(table):
+                if rots is not None:
+                    ks[i], peaks[i] = rotation_peak(cnz, b[cnz], rots, running)
+            pick, low = -1, best[0]
+            i = int(np.argmin(peaks[:shifts])) if shifts else 0  # the first on ties
+            if shifts and peaks[i] < low:
+                pick, low = i, float(peaks[i])
+            # a move only where the peak would pass the mean so far: below it, the owners level around it
+            if len(table) > shifts and low > self.total / self.world_size:
+                i = shifts + int(np.argmin(peaks[shifts:]))
+                if peaks[i] < low:
+                    pick, low = i, float(peaks[i])
+            if pick >= 0:
+                offs, b, ld, _, _ = table[pick]
+                best = (low, _with_offsets(layout, offs), b, ld, int(ks[pick]))
         return best[1:]
+
+    def _table(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> tuple:
+        """``(offsets, fixed cost, loads, loaded ranks, rotations to try)`` of every candidate (offsets
+        per tensor of ``layout``; the shifts first), how many are shifts, and the loaded ranks and
+        their costs of all, padded to one array; identical groups share one table."""
+        key = (
+            "table",
+            layout.buckets,
+            tuple((t.offset, t.grid, costs.get(t.name), compute.get(t.name)) for t in layout.tensors),
+        )
+        hit = self.memo.get(key)
+        if hit is None:
+            hit = []
+            shifts = 0
+            for offs, moved in self._candidates(layout, compute, costs):
+                _, b, ld, _ = self._geometry(_with_offsets(layout, offs), compute, costs)
+                nz = np.flatnonzero(b)
+                hit.append((offs, b, ld, nz, rotations_to_try(_with_offsets(layout, offs), b, nz)))
+                shifts += not moved
+            m = max((len(e[3]) for e in hit), default=0)
+            fixed_nz = np.zeros((len(hit), m), dtype=np.int64)  # padding: rank 0, cost 0 (never a peak)
+            fixed_vals = np.zeros((len(hit), m))
+            for i, e in enumerate(hit):
+                fixed_nz[i, : len(e[3])] = e[3]
+                fixed_vals[i, : len(e[3])] = e[1][e[3]]
+            hit = self.memo[key] = (hit, shifts, fixed_nz, fixed_vals)
+        return hit
+
+    def _candidates(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]):
+        """Offsets (per tensor of ``layout``) of its tensor shifts, then of its tensor moves ([Note:
+        tensor moves]) and their shifts."""
+        index = {t.name: i for i, t in enumerate(layout.tensors)}
+
+        def offsets(moved: GroupLayout) -> tuple[int, ...]:
+            out = [0] * len(index)
+            for t in moved.tensors:
+                out[index[t.name]] = t.offset
+            return tuple(out)
+
+        for shifted in tensor_shifts(layout, self.memo):
+            yield offsets(shifted), False
+        worth = SHIFT_WORTH * self._total(layout, costs) / self.world_size
+        movable = [t.name not in compute and costs.get(t.name, 0.0) > worth for t in layout.tensors]
+        for offs in tensor_moves(layout, movable, self._uncut):
+            yield offs, True
+            for shifted in tensor_shifts(_with_offsets(layout, offs), self.memo):
+                yield offsets(shifted), True
+
+    def _uncut(self, t, offset: int, S: int) -> bool:
+        return straddling_units(t.grid, offset, S, self.memo)[0].size == 0
 
     @staticmethod
     def _largest(layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> float:
@@ -330,6 +400,8 @@ class OwnerBuilder:
         names = tuple(dict.fromkeys(u[1] for u in self.units))
         (ut, us, ue, ua, ub, steps, uc, item), kind_of = self._columns(self.units)
         owner, own_piece = _assign(running, np.arange(ut.size), ua, ub, uc.astype(np.float64), steps)
+        if refine_owners(running, owner, uc.astype(np.float64)):
+            own_piece = np.maximum(0, np.minimum(ub, (owner + 1) * steps) - np.maximum(ua, owner * steps))
         kinds = {kd: self._tally(kd, kind_of, owner, own_piece, ua, ub, steps, uc, item) for kd in self.kinds}
         return OwnerAssignment(W, names, ut, us, ue - us, owner), kinds
 

@@ -355,7 +355,7 @@ def fully_shard(
 # (its subtree: the model, when it is the root) and then its own group, starting from the cost of
 # the submodules balanced before; a group whose rotation changes moves its local buffer once, by
 # whole segments across ranks, and a group the owner builder re-bases at another tensor
-# ([Note: shifts], ``apply_shifts`` in _owners.py) by two shifts, before any training. A leaf's group waits for an enclosing call.
+# ([Note: shifts], ``apply_shifts`` in _owners.py) by one all_to_all_single, before any training. A leaf's group waits for an enclosing call.
 # The tally thus belongs to the model's tree: two models built in one process never influence
 # each other, whatever the order of their calls. ``_ORDER`` only numbers the calls.
 _ORDER = itertools.count()

@@ -9,9 +9,10 @@ Muon matrix, an expert) may straddle rank boundaries. Every call that balances g
 owner-computed tensors, then one greedy over every cut unit of the subtree (longest first,
 [Note: owners across groups]) — and checks its hash across ranks like a layout hash, so a rank with
 another plan raises on every rank. The builder may re-base a group at another tensor
-([Note: shifts] in ``planner/_compute.py``); a rotation by whole segments is moved by the balancing
-call itself, a shift here (:func:`apply_shifts`: two ``all_to_all_single`` that move each rank's
-segment across the shift, before training), so the engine runs the layouts and owners that
+([Note: shifts] in ``planner/_compute.py``) or move one of its tensors elsewhere in its order
+([Note: tensor moves] in ``planner/_moves.py``); a rotation by whole segments is moved by the
+balancing call itself, a shift or a move here (:func:`apply_shifts`: one ``all_to_all_single`` that
+sends every element to its new rank and place, before training), so the engine runs the layouts and owners that
 ``plan_model`` (``blockshard plan``) shows for the same model. The plan is kept per group in a weak registry
 (nothing outlives the group); the last balancing call of a model (its root) writes the final one.
 An optimizer finds it from a sharded piece (:func:`tensor_owners`) or for a whole model
@@ -28,12 +29,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from blockshard.planner._compute import OwnerAssignment, OwnerBuilder
 from blockshard.planner._layout import GroupLayout
 from blockshard.planner._owner import unit_rows
 from blockshard.planner._plan import group_kind
-from blockshard.runtime._collectives import check_same_layout, shift_ranks
+from blockshard.runtime._collectives import check_same_layout
 from blockshard.semantics import UnitGrid
 
 __all__ = [
@@ -126,6 +128,7 @@ class EngineOwnerBuilder(OwnerBuilder):
         """A group balanced by an earlier call: its own cost and cut units, not rotated again."""
         _, base, _, _ = self._geometry(layout, compute, costs)
         running += base
+        self.total += self._total(layout, costs)
         self._collect(layout, compute, costs, kind)
 
 
@@ -151,13 +154,10 @@ def _key(layout: GroupLayout) -> str:
 
 
 def apply_shifts(what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerBuilder) -> None:
-    """Move every group ``builder`` re-based ([Note: shifts]) to its new layout, before training.
-
-    The shift moves every element of the gathered buffer by ``d`` (modulo ``W * S``, one bucket):
-    rank ``r``'s new segment is elements ``[r * S - d, (r + 1) * S - d)`` of the old buffer, the
-    tail of rank ``r + q``'s old segment and the head of rank ``r + q + 1``'s
-    (``q, rem = divmod(-d mod W * S, S)``): one ``shift_ranks`` each.
-    """
+    """Move every group ``builder`` re-based ([Note: shifts]) or re-laid ([Note: tensor moves] in
+    ``planner/_moves.py``) to its new layout, before training: one ``all_to_all_single`` per group
+    (:func:`moved_values`) that sends every element of each rank's segment to the rank and position
+    the new layout gives it."""
     moved = []
     for prefix, st in named:
         layout = st.group.layout
@@ -167,23 +167,70 @@ def apply_shifts(what: str, named: Sequence[tuple[str, Any]], builder: EngineOwn
         new = dataclasses.replace(
             target, tensors=tuple(dataclasses.replace(t, name=t.name[len(prefix) :]) for t in target.tensors)
         )
-        W, S = layout.world_size, layout.buckets[0]
-        old_at = {t.name: t.offset for t in layout.tensors}
-        shifts = {(t.offset - old_at[t.name]) % (W * S) for t in new.tensors}
-        assert len(layout.buckets) == 1 and len(shifts) == 1, (what, shifts)  # one bucket, one shift
-        q, rem = divmod(-shifts.pop() % (W * S), S)
+        assert len(layout.buckets) == 1 and new.buckets == layout.buckets, what  # one bucket, same segment
         local = st.group.local
         if local.device.type != "meta":
             pg = st.group.process_group
-            tail = shift_ranks(local[rem:], -q, pg)
-            head = shift_ranks(local[:rem], -q - 1, pg) if rem else local[:0]
-            local.copy_(torch.cat([tail, head]))
+            local.copy_(moved_values(local, layout, new, pg.rank(), pg))
         st.group.relayout(new, 0)  # the values moved above; new parameter objects over them
         st.group.tag_views()
         moved.append(new.layout_hash())
     assert not builder.shifted, sorted(builder.shifted)  # every shifted group was among ``named``
     if moved:
         check_same_layout(f"{what} (shifted)", ",".join(moved), named[-1][1].group.process_group)
+
+
+def move_lists(old: GroupLayout, new: GroupLayout, rank: int) -> tuple[list, list, list, list]:
+    """Pure: ``(send pieces, send sizes, receive pieces, receive sizes)`` of ``rank`` for moving a
+    one-bucket group from ``old`` to ``new`` (same tensors and segment ``S``). A piece is
+    ``(local offset, numel)``; sends are ordered by destination rank, then by position there, and
+    receives by source rank, then by position here, so both sides agree on the order. Holes of
+    ``new`` are left to the caller (zeros)."""
+    W, S = old.world_size, old.buckets[0]
+    at = {t.name: t.offset for t in new.tensors}
+    sends: list[tuple[int, int, int, int]] = []  # (dest, new position, local offset, numel)
+    recvs: list[tuple[int, int, int]] = []  # (source, new position, numel)
+    lo, hi = rank * S, (rank + 1) * S
+    for t in old.tensors:
+        if not t.numel:
+            continue
+        d = at[t.name] - t.offset  # old position x goes to x + d
+        for a, b, other in ((max(t.offset, lo), min(t.end, hi), 0), (max(t.offset + d, lo), min(t.end + d, hi), 1)):
+            y = a + (d if other == 0 else 0)  # new position of the piece's first element
+            x = a - (0 if other == 0 else d)  # its old position
+            n = b - a
+            while n > 0:  # split where the other side's segment ends
+                cut = min(n, S - ((y if other == 0 else x) % S))
+                if other == 0:
+                    sends.append((y // S, y, x - lo, cut))
+                else:
+                    recvs.append((x // S, y, cut))
+                x, y, n = x + cut, y + cut, n - cut
+    sends.sort()
+    recvs.sort()
+    send_sizes, recv_sizes = [0] * W, [0] * W
+    for dst, _, _, n in sends:
+        send_sizes[dst] += n
+    for src, _, n in recvs:
+        recv_sizes[src] += n
+    return [(o, n) for _, _, o, n in sends], send_sizes, [(y - lo, n) for _, y, n in recvs], recv_sizes
+
+
+def moved_values(local: torch.Tensor, old: GroupLayout, new: GroupLayout, rank: int, pg: Any) -> torch.Tensor:
+    """This rank's segment of ``new``, from every rank's segment of ``old`` (one ``all_to_all_single``)."""
+    sends, send_sizes, recvs, recv_sizes = move_lists(old, new, rank)
+
+    def index(pieces: list[tuple[int, int]]) -> torch.Tensor:
+        parts = [torch.arange(o, o + n, device=local.device) for o, n in pieces]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=local.device)
+
+    out = local.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(
+        out, local[index(sends)], output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=pg
+    )
+    result = torch.zeros_like(local)
+    result[index(recvs)] = out
+    return result
 
 
 def plan_owners(

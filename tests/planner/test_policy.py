@@ -221,8 +221,9 @@ def test_shifts_spread_whole_units_of_identical_blocks():
 @pytest.mark.parametrize(("model", "W", "semantics"), [("mixtral-8x7b", 64, "muon"), ("llama3-8b", 8, "muon")])
 def test_the_fixed_cost_floor_bounds_every_owner_plan(model, W, semantics):
     """``optimizer_cost_fixed_max_over_lower_bound``: what the busiest rank computes of its own whole
-    units, which the owners of cut units only add to. Mixtral at W = 64 sits on that floor (its
-    1.056 is the layout's, not the owner packer's: docs/planner.md); Llama-3-8B at W = 8 well above it."""
+    units, which the owners of cut units only add to. Mixtral at W = 64 keeps its attention whole on
+    two ranks (1.033: no shift or move of its layouts spreads them, docs/planner.md) and the refined
+    owners stay under 1.05 above that floor (1.056 before, on the floor); Llama-3-8B at W = 8 well above it."""
     plan = plan_model(model_tensors(model), W, semantics=semantics)
     data = plan.to_json()
     fixed, got = data["optimizer_cost_fixed_max_over_lower_bound"], data["optimizer_cost_max_over_lower_bound"]
@@ -230,6 +231,6 @@ def test_the_fixed_cost_floor_bounds_every_owner_plan(model, W, semantics):
     assert plan.cost_per_rank_fixed and len(plan.cost_per_rank_fixed) == W
     assert all(f <= c + 1e-6 * c for f, c in zip(plan.cost_per_rank_fixed, plan.cost_per_rank, strict=True))
     if model == "mixtral-8x7b":
-        assert fixed == pytest.approx(got, rel=1e-9) and got > 1.05
+        assert 1.0 < fixed < got <= 1.05
     else:
         assert fixed < 0.5 < 1.0 < got < 1.05
