@@ -11,19 +11,19 @@ and the hook aligns ZeRO's partitions to bitsandbytes' 256-element blocks. The T
 ``optim="adamw_bnb_8bit"`` keeps 32-bit state for ``nn.Embedding`` weights through bitsandbytes'
 ``GlobalOptimManager``; the hook carries that override onto its per-parameter views. Every rank sees
 the whole batch (each batch appears once per rank in a row of the dataset, sampled in order), so
-the final parameters equal one process's bitwise. On rank 0, ``--out`` writes the losses, a
-checksum and whether the hook was active (JSON), ``--save`` the parameters.
+the final parameters equal one process's bitwise.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import tempfile
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
+from _common import write_result  # examples/_common.py: the --out files the tests compare
 
 from blockshard._tiny import text_batches, tiny_llama
 
@@ -52,8 +52,7 @@ def deepspeed_config(stage: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, choices=(0, 1, 2), default=2, help="ZeRO stage; 0: no DeepSpeed")
-    parser.add_argument("--out", help="write {losses, checksum, world_size} as JSON (rank 0)")
-    parser.add_argument("--save", help="torch.save the final parameters (rank 0)")
+    parser.add_argument("--out", help="write losses and parameters (rank 0) for a comparison")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -65,7 +64,7 @@ def main() -> None:
     bs_deepspeed.install()  # the one added line: engines whose config has a "blockshard" section get the hook
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     training_args = TrainingArguments(
-        output_dir=os.environ.get("TMPDIR", "/tmp") + "/blockshard-hf-trainer",
+        output_dir=os.path.join(tempfile.gettempdir(), "blockshard-hf-trainer"),  # nothing is saved
         per_device_train_batch_size=BATCH,
         max_steps=STEPS,
         learning_rate=1e-2,
@@ -83,17 +82,13 @@ def main() -> None:
     model = tiny_llama()
     trainer = Trainer(model=model, args=training_args, train_dataset=dataset(world_size))
     trainer.train()
-    if trainer.is_world_process_zero():
+    if trainer.is_world_process_zero():  # ZeRO-1/2 keep whole parameters on every rank
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        checksum = sum(p.double().sum().item() for p in params.values())
         hooked = bs_deepspeed.is_hooked(trainer.model_wrapped)  # False without DeepSpeed (--stage 0)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"world_size": world_size, "hooked": hooked, "losses": losses, "checksum": checksum}, f)
-        if args.save:
-            torch.save(params, args.save)
-        print(f"world_size={world_size} losses={losses} checksum={checksum!r}")
+        print(f"world_size={world_size} hooked={hooked} losses={losses}")
+        write_result(
+            args.out, world_size=world_size, losses=losses, params=dict(model.named_parameters()), hooked=hooked
+        )
 
 
 if __name__ == "__main__":

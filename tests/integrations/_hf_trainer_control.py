@@ -7,10 +7,12 @@ Launched like the example: ``deepspeed --num_gpus 2 tests/integrations/_hf_train
 import contextlib
 import pathlib
 import runpy
+import sys
 
 from blockshard.integrations.deepspeed import _hook
 
 _hook.resolve_module_overrides = lambda optimizer, params: None
 _hook.follow_overrides = lambda optimizer, params, views: contextlib.nullcontext()
-example = pathlib.Path(__file__).resolve().parents[2] / "examples" / "hf_trainer_deepspeed.py"
-runpy.run_path(str(example), run_name="__main__")
+examples = pathlib.Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(examples))  # what running the example as a script does (its _common import)
+runpy.run_path(str(examples / "hf_trainer_deepspeed.py"), run_name="__main__")

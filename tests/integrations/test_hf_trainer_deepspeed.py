@@ -92,10 +92,10 @@ def _port() -> int:
 
 
 def _run(launch: list[str], script: pathlib.Path, stage: int, out: pathlib.Path) -> tuple[dict, dict]:
-    cmd = [*launch, str(script), "--stage", str(stage), "--out", str(out) + ".json", "--save", str(out) + ".pt"]
+    cmd = [*launch, str(script), "--stage", str(stage), "--out", str(out)]
     res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=420, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return json.loads(pathlib.Path(str(out) + ".json").read_text()), torch.load(str(out) + ".pt")
+    return json.loads(out.read_text()), torch.load(f"{out}.pt")
 
 
 def _torchrun() -> list[str]:
@@ -108,7 +108,7 @@ def _deepspeed() -> list[str]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return _run([sys.executable], EXAMPLE, 0, tmp_path_factory.mktemp("single") / "single")
+    return _run([sys.executable], EXAMPLE, 0, tmp_path_factory.mktemp("single") / "single.json")
 
 
 def _max_diff(a: dict, b: dict) -> dict[str, float]:
@@ -122,7 +122,7 @@ def _max_diff(a: dict, b: dict) -> dict[str, float]:
 )
 def test_trainer_zero_equals_one_process_bitwise(single, tmp_path, stage, launcher):
     ref_info, ref = single
-    info, params = _run(launcher(), EXAMPLE, stage, tmp_path / f"z{stage}")
+    info, params = _run(launcher(), EXAMPLE, stage, tmp_path / f"z{stage}.json")
     assert info["world_size"] == 2 and info["hooked"] and not ref_info["hooked"]
     assert _max_diff(params, ref) == {}
     assert info["losses"] == ref_info["losses"]
@@ -131,6 +131,6 @@ def test_trainer_zero_equals_one_process_bitwise(single, tmp_path, stage, launch
 @pytest.mark.slow
 def test_control_without_following_overrides_differs(single, tmp_path):
     _, ref = single
-    info, params = _run(_deepspeed(), CONTROL, 2, tmp_path / "control")
+    info, params = _run(_torchrun(), CONTROL, 2, tmp_path / "control.json")
     diff = _max_diff(params, ref)
     assert info["hooked"] and diff.get("model.embed_tokens.weight", 0.0) > CONTROL_MIN, diff
