@@ -42,6 +42,7 @@ def test_overrides_follow_the_parameter_onto_views():
     flat = torch.zeros(sum(p.numel() for p in params))
     views = [flat[: lin.weight.numel()].view(90, 80), flat[lin.weight.numel() :].view(70, 80)]
     mng = bnb.optim.GlobalOptimManager.get_instance()
+    saved = (dict(mng.pid2config), dict(mng.index2config), list(mng.module_weight_config_triple))
     mng.register_module_override(emb, "weight", {"optim_bits": 32})
     stale = {"optim_bits": 32, "lr": 9.0}
     mng.index2config[(0, 0)] = stale  # another optimizer's position 0: must not reach view 0
@@ -58,8 +59,8 @@ def test_overrides_follow_the_parameter_onto_views():
         with follow_overrides(opt, params, [(views[0], 0), (views[1], 1)]):
             assert opt.get_config(0, 1, group)["lr"] == 5e-4
         assert opt.get_config(0, 0, group)["lr"] == 9.0  # outside: the table is as it was
-    finally:
-        mng.initialize()
+    finally:  # the manager is process-wide
+        mng.pid2config, mng.index2config, mng.module_weight_config_triple = saved
 
 
 def test_other_optimizers_are_untouched():
