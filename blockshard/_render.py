@@ -20,6 +20,7 @@ __all__ = [
     "layout_table",
     "plot_rank_loads",
     "policy_table",
+    "quantized_table",
 ]
 
 
@@ -116,6 +117,43 @@ def policy_table(plan: ModelPlan) -> Table:
     for kind, counts in plan.policy_by_tensor_kind().items():
         table.add_row(kind, f"{counts['whole']:,}", f"{counts['owner']:,}")
     return table
+
+
+def quantized_table(plan: ModelPlan) -> Table:
+    """Per group kind and in total: the quantized weights' bytes per rank and all-gathered per step,
+    beside a bf16 gather of the same weights ([Note: planned quantized bytes])."""
+    title = "quantized weights per rank · payload and scales: the model's, the rest per rank"
+    table = Table(title=title, title_justify="left", header_style="bold")
+    cols = ("group kind", "groups", "tensors", "payload", "scales", "held max", "held mean", "S",
+            "gather/step", "bf16/step", "ratio")  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="right" if col != "group kind" else "left", no_wrap=True)
+    for kind, row in plan.quantized_by_kind().items():
+        table.add_row(kind, str(row["num_groups"]), *_quantized_cells(row))
+    table.add_section()
+    table.add_row("[bold]total[/]", str(len(plan.quantized_groups)), *_quantized_cells(plan.quantized_totals()))
+    table.caption = (
+        "Bytes of the quantized weights as fully_shard stores them: payload and scales (absmax, scalers, "
+        "factors) of every group of the kind. held: what a rank holds (max and mean over ranks); S: its segment (held + padding: "
+        "quantized_stats' local_bytes). gather/step: all-gather output per rank, forward and backward (the root "
+        "once); bf16/step: the same weights gathered in bf16; ratio: gather over bf16. Code tables (replicated) "
+        "are left out."
+    )
+    return table
+
+
+def _quantized_cells(row: dict) -> list[str]:
+    return [
+        f"{row['num_tensors']:,}",
+        human(row["payload_bytes"]) + "B",
+        human(row["scale_bytes"]) + "B",
+        human(row["rank_bytes_max"]) + "B",
+        human(row["rank_bytes_mean"]) + "B",
+        human(row["segment_bytes_per_rank"]) + "B",
+        human(row["gathered_bytes_per_step_per_rank"]) + "B",
+        human(row["bf16_gathered_bytes_per_step_per_rank"]) + "B",
+        f"{row['gathered_over_bf16']:.4f}",
+    ]
 
 
 def _base_cell(b) -> str:

@@ -1,4 +1,4 @@
-"""``blockshard`` command line: ``plan``, ``inspect`` and ``demo``."""
+"""``blockshard`` command line: ``plan``, ``inspect``, ``demo`` and ``accelerate-config``."""
 
 from __future__ import annotations
 
@@ -67,7 +67,39 @@ def _parser() -> argparse.ArgumentParser:
         default="muon",
         help="muon (default: torch Muon on the whole hidden matrices each rank owns, AdamW on the rest) or adamw",
     )
+    _add_accelerate_config(sub)
     return parser
+
+
+def _add_accelerate_config(sub) -> None:
+    acc = sub.add_parser(
+        "accelerate-config",
+        help="write the Accelerate config files that make `accelerate launch` train with blockshard",
+    )
+    acc.add_argument("--engine", default="ragged", help="ragged (default: blockshard.fully_shard), fsdp2 or deepspeed")
+    acc.add_argument("--num-processes", type=int, default=2, help="processes per machine (default 2)")
+    acc.add_argument("--cpu", action="store_true", help="train on CPU over gloo")
+    acc.add_argument("--semantics", default="elementwise", help="block semantics, as for `plan` (default elementwise)")
+    acc.add_argument("--policy", default="auto", help="auto (default), whole or owner (ragged engine)")
+    acc.add_argument("--layers", default="LlamaDecoderLayer", help="layer classes, one group each (comma-separated)")
+    acc.add_argument("--out", default=".", help="directory to write accelerate.yaml (and deepspeed.json) into")
+
+
+def _cmd_accelerate_config(args: argparse.Namespace) -> int:
+    from blockshard.integrations.accelerate._files import write_configs
+
+    argv = (
+        f"--engine {args.engine} --num-processes {args.num_processes}{' --cpu' if args.cpu else ''} --semantics "
+        f"'{args.semantics}' --policy {args.policy} --layers {args.layers} --out {args.out}"
+    )
+    options = dict(num_processes=args.num_processes, cpu=args.cpu, semantics=args.semantics, policy=args.policy)
+    paths = write_configs(args.out, engine=args.engine, layers=args.layers, argv=argv, **options)
+    for path in paths:
+        print(f"wrote {path}")
+    print(
+        f"launch: {'DS_ACCELERATOR=cpu ' if args.cpu and args.engine == 'deepspeed' else ''}accelerate launch --config_file {paths[0]} your_script.py"
+    )
+    return 0
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -112,7 +144,14 @@ def _source(args: argparse.Namespace) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from blockshard._render import comparison_table, compute_table, console, plot_rank_loads, policy_table
+    from blockshard._render import (
+        comparison_table,
+        compute_table,
+        console,
+        plot_rank_loads,
+        policy_table,
+        quantized_table,
+    )
     from blockshard.planner import compare
 
     _check_args(args)
@@ -131,6 +170,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         data.update(model=_source(args), semantics=args.semantics, policy=args.policy)
         if args.layouts:
             data["layouts"] = [g.to_json() for g in cmp.plan.groups]
+            if cmp.plan.quantized_groups:
+                data["quantized_groups"] = [q.to_json() for q in cmp.plan.quantized_groups]
         json.dump(data, sys.stdout, indent=2)
         print()
     else:
@@ -138,6 +179,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         console().print(compute_table(cmp))
         if cmp.plan.policy_by_tensor_kind():
             console().print(policy_table(cmp.plan))
+        if cmp.plan.quantized_groups:
+            console().print(quantized_table(cmp.plan))
         if args.plot:
             console().print(f"per-rank loads drawn to {args.plot}")
     return 0
@@ -205,7 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "list_models", False):
             return _cmd_list(args)
-        return {"plan": _cmd_plan, "inspect": _cmd_inspect, "demo": _cmd_demo}[args.command](args)
+        commands = {"plan": _cmd_plan, "inspect": _cmd_inspect, "demo": _cmd_demo}
+        return {**commands, "accelerate-config": _cmd_accelerate_config}[args.command](args)
     except BlockshardError as exc:  # bad input: one clear line, exit 2 (like argparse)
         print(f"blockshard {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -269,3 +269,49 @@ def test_plan_policy_table(capsys):
 def test_bad_policy_is_one_error_line(bad, capsys):
     err = _one_error_line(["plan", "--model", "llama3-8b", "--policy", bad], capsys)
     assert f"--policy={bad!r} is not a placement policy; pass one of auto, whole, owner" in err
+
+
+# -- quantized bytes (issue 14, item 5) ---------------------------------------------------------------
+@pytest.mark.parametrize("sem", ["nf4", "fp4", "nf4_nested", "ao_nf4", "mx", "fp8_block:128"])
+def test_plan_table_reports_quantized_bytes(sem, capsys):
+    assert main(["plan", "--model", "llama3-8b", "-W", "64", "--semantics", sem]) == 0
+    out = capsys.readouterr().out
+    for word in ("quantized weights per rank", "held max", "held mean", "gather/step", "bf16/step", "ratio"):
+        assert word in out, word
+    assert re.search(r"model\.layers\.\*\s+│\s+32\s+│\s+224\b", out), out  # 32 groups, 7 linears each
+
+
+def test_plan_without_a_quantizer_prints_no_quantized_table(capsys):
+    assert main(["plan", "--model", "llama3-8b", "-W", "8", "--semantics", "muon"]) == 0
+    assert "quantized weights per rank" not in capsys.readouterr().out
+
+
+def test_plan_json_quantized_bytes_under_rules(tmp_path, capsys):
+    shapes = tmp_path / "shapes.json"
+    tensors = [{"name": f"l{i}.q.base.weight", "shape": [512, 512], "group": f"l{i}"} for i in range(2)]
+    tensors += [{"name": f"l{i}.q.lora_A.weight", "shape": [8, 512], "group": f"l{i}"} for i in range(2)]
+    shapes.write_text(json.dumps({"tensors": tensors}))
+    sem = "*.base.weight=nf4_nested,*lora*=elementwise"
+    assert main(["plan", "--shapes", str(shapes), "-W", "4", "--semantics", sem, "--json", "--layouts"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    q = data["quantized"]
+    assert q["num_tensors"] == 2 and q["numel"] == 2 * 512 * 512
+    assert q["total_bytes"] == 2 * 16 * (8192 + 256 + 4)  # 16 nested blocks per weight
+    assert q["rank_bytes_mean"] == q["total_bytes"] / 4 and q["gathered_over_bf16"] < 0.27
+    assert [g["tensors"] for g in data["quantized_groups"]] == [["l0.q.base.weight"], ["l1.q.base.weight"]]
+
+
+@pytest.mark.parametrize(
+    ("sem", "fragments"),
+    [
+        ("w=nf4", ("tensor 'w' of shape (3, 5)", "numel 15 is not a multiple of the 64-value NF4", "Fix:")),
+        ("w=ao_nf4", ("tensor 'w' of shape (3, 5)", "torchao NF4 block of 64", "Fix:")),
+        ("w=mx:6", ("mx:6", "write 'mx' or 'mx:4'")),
+    ],
+)
+def test_plan_bad_quantized_shape_is_one_error_line(tmp_path, capsys, sem, fragments):
+    shapes = tmp_path / "shapes.json"
+    shapes.write_text('{"tensors": [{"name": "w", "shape": [3, 5]}]}')
+    err = _one_error_line(["plan", "--shapes", str(shapes), "--semantics", sem], capsys)
+    for f in fragments:
+        assert f in err, f

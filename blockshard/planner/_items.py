@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from blockshard.semantics import ResolvedSemantics, SemanticsRules, TensorSpec, UnitGrid
+from blockshard.semantics._storage import QuantizedStorage
 
 __all__ = ["PlanItem", "resolve_items"]
 
@@ -13,13 +14,15 @@ __all__ = ["PlanItem", "resolve_items"]
 @dataclass(frozen=True)
 class PlanItem:
     """``grid``: the compute units (what ``whole`` placement keeps on one rank); ``placement_grid``:
-    the placement units (where ``owner`` placement cuts the storage), ``None`` when they are the same."""
+    the placement units (where ``owner`` placement cuts the storage), ``None`` when they are the same;
+    ``storage``: the quantizer's byte streams (``None``: the tensor is stored in its dtype)."""
 
     spec: TensorSpec
     grid: UnitGrid
     cost: float
     label: str = "elementwise"
     placement_grid: UnitGrid | None = None
+    storage: QuantizedStorage | None = None
 
     @property
     def placement(self) -> UnitGrid:
@@ -52,7 +55,7 @@ def resolve_items(specs: Iterable[TensorSpec], rules: object = None) -> list[Pla
         if res is None:
             res = r.resolve(spec, sems)
             cache[key] = res
-        out.append(PlanItem(spec, res.grid, res.cost, res.label, res.placement_grid))
+        out.append(PlanItem(spec, res.grid, res.cost, res.label, res.placement_grid, res.storage))
     return out
 
 

@@ -17,6 +17,7 @@ from blockshard.planner._compute import ComputeTally, OwnerAssignment, OwnerBuil
 from blockshard.planner._items import PlanItem, group_items, resolve_items
 from blockshard.planner._layout import GroupLayout, TensorPlacement
 from blockshard.planner._policy import check_policy, choose_layout
+from blockshard.planner._quantized import QuantizedGroupBytes, plan_quantized_group, quantized_totals
 from blockshard.planner._units import check_alignment_bytes, check_model_tensors, check_world_size
 from blockshard.semantics import TensorSpec
 
@@ -108,6 +109,8 @@ class ModelPlan:
     # what each rank computes itself (its whole compute units), before owners are chosen: no owner
     # plan gets the busiest rank below max(this), see [Note: owners across groups]
     cost_per_rank_fixed: tuple[float, ...] = ()
+    # the quantized weights of every group that has some ([Note: planned quantized bytes])
+    quantized_groups: tuple[QuantizedGroupBytes, ...] = ()
 
     def policy_of(self, name: str) -> str:
         """``"owner"`` or ``"whole"``: how tensor ``name``'s compute units are placed."""
@@ -177,6 +180,17 @@ class ModelPlan:
     def allgather_bytes_per_rank(self) -> int:
         return sum(g.allgather_bytes_per_rank for g in self.groups)
 
+    def quantized_by_kind(self) -> dict[str, dict[str, int | float]]:
+        """Quantized bytes per group kind (``model.layers.*``), as :meth:`quantized_totals`."""
+        kinds: dict[str, list[QuantizedGroupBytes]] = {}
+        for q in self.quantized_groups:
+            kinds.setdefault(group_kind(q.group), []).append(q)
+        return {k: {"num_groups": len(qs), **quantized_totals(qs, self.world_size)} for k, qs in kinds.items()}
+
+    def quantized_totals(self) -> dict[str, int | float]:
+        """Payload and scales of the quantized weights: per rank (max, mean), gathered per step, bf16's."""
+        return quantized_totals(self.quantized_groups, self.world_size)
+
     def group(self, name: str) -> GroupLayout:
         for g in self.groups:
             if g.name == name:
@@ -224,9 +238,16 @@ class ModelPlan:
             "owner_units": self.owners.num_units if self.owners else 0,
             "owner_hash": self.owners.owner_hash() if self.owners else None,
         }
+        if self.quantized_groups:
+            data["quantized"] = {
+                **self.quantized_totals(),
+                "groups_by_kind": [{"kind": k, **v} for k, v in self.quantized_by_kind().items()],
+            }
         if layouts:
             data["layout_hashes"] = {g.name: g.layout_hash() for g in self.groups}
             data["layouts"] = [g.to_json() for g in self.groups]
+            if self.quantized_groups:
+                data["quantized_groups"] = [q.to_json() for q in self.quantized_groups]
         return data
 
 
@@ -277,6 +298,7 @@ def plan_model(
     unrotated = np.zeros(world_size)  # the same without rotation, for the report
     builder = OwnerBuilder(world_size, memo)
     owner_tensors: set[str] = set()
+    quantized: list[QuantizedGroupBytes] = []
     for i, (gname, gitems) in enumerate(grouped.items()):
         layout, owned, modeled = choose_layout(
             gitems, world_size, policy, name=gname, alignment_bytes=alignment_bytes, memo=memo
@@ -284,6 +306,12 @@ def plan_model(
         owner_tensors |= owned
         compute = {it.name: it.grid for it in gitems if it.name in owned}
         layouts.append(builder.add_group(layout, group_kind(gname), compute, costs, running, modeled, unrotated))
+        stored = [(it.name, it.storage) for it in gitems if it.storage is not None]
+        if stored:  # the root is not resharded after forward (FSDP2's default): gathered once per step
+            gathers = 1 if gname == "" else 2
+            quantized.append(
+                plan_quantized_group(gname, stored, world_size, alignment_bytes, gathers_per_step=gathers, memo=memo)
+            )
         if progress is not None:
             progress(i + 1, len(grouped))
     fixed = tuple(running.tolist())  # before the owners of cut units add theirs
@@ -300,4 +328,5 @@ def plan_model(
         owners,
         by_kind,
         fixed,
+        tuple(quantized),
     )

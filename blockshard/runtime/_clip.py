@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Iterable
 from typing import cast
 
@@ -226,9 +227,17 @@ def clip_grad_norm_(
     return total
 
 
+_INSTALL_LOCK = threading.Lock()
+
+
 def install_torch_clip_route() -> None:
     """Route ``torch.nn.utils.clip_grad_norm_`` on sharded pieces to :func:`clip_grad_norm_`
     ([Note: clipping]); idempotent. Other parameters go to the function it replaces, unchanged."""
+    with _INSTALL_LOCK:  # ranks on threads may shard at once: wrap once
+        _install_torch_clip_route()
+
+
+def _install_torch_clip_route() -> None:
     import torch.nn.utils.clip_grad as torch_clip
 
     current = torch_clip.clip_grad_norm_

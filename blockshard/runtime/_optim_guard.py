@@ -31,6 +31,7 @@ keyed weakly by the optimizer, so it keeps nothing alive, and it never changes a
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, cast
@@ -50,11 +51,15 @@ _handle: RemovableHandle | None = None  # the registered hook: installed once pe
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
 
 
+_INSTALL_LOCK = threading.Lock()
+
+
 def install_optimizer_guard() -> None:
     """Register the global step pre-hook of [Note: optimizer guard] (idempotent)."""
     global _handle
-    if _handle is None:
-        _handle = register_optimizer_step_pre_hook(_pre_step)
+    with _INSTALL_LOCK:  # ranks on threads may shard at once: one hook
+        if _handle is None:
+            _handle = register_optimizer_step_pre_hook(_pre_step)
 
 
 _uncounted = 0  # > 0 inside uncounted_steps()

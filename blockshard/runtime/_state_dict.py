@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -227,21 +228,33 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
 # A torch without these three functions (another version) is left as it is.
 # Loading a model needs no wrapper: torch hands ``model.load_state_dict`` full tensors or the
 # PieceTensors, which the load pre-hook above turns into this rank's piece.
+# Installed once per process, under a lock: ranks on threads (one interpreter) call ``fully_shard``
+# at once, and a second wrapping would nest ours around ours (each rank's; torch's own function
+# then no longer one ``__wrapped__`` down).
 _TORCH_WRAPPED = False  # set once; what it changes is described above
+_TORCH_WRAP_LOCK = threading.Lock()
 
 
 def install_torch_state_dict_support() -> None:
-    """Wrap torch's state-dict helpers once per process (see [Note: torch's state-dict helpers])."""
+    """Wrap torch's state-dict helpers once per process, thread-safe (see [Note: torch's
+    state-dict helpers])."""
     global _TORCH_WRAPPED
     if _TORCH_WRAPPED:
         return
+    with _TORCH_WRAP_LOCK:
+        if not _TORCH_WRAPPED:
+            _wrap_torch_state_dict_helpers()
+            _TORCH_WRAPPED = True
+
+
+def _wrap_torch_state_dict_helpers() -> None:
     import torch.distributed.checkpoint.state_dict as dsd
 
     from blockshard.runtime import _optim_state
 
-    _TORCH_WRAPPED = True
-    if not all(hasattr(dsd, f) for f in ("_get_model_state_dict", "_get_optim_state_dict", "_load_optim_state_dict")):
-        return
+    names = ("_get_model_state_dict", "_get_optim_state_dict", "_load_optim_state_dict")
+    if not all(hasattr(dsd, f) for f in names) or any(getattr(getattr(dsd, f), "_blockshard", False) for f in names):
+        return  # another torch, or already ours
     get_model, get_optim, load_optim = dsd._get_model_state_dict, dsd._get_optim_state_dict, dsd._load_optim_state_dict
 
     @functools.wraps(get_model)
@@ -263,9 +276,10 @@ def install_torch_state_dict_support() -> None:
             return load_optim(model, optimizers, state_dict, info)
         return _optim_state.torch_load_optimizer_state_dict(model, optimizers, state_dict, info)
 
-    dsd._get_model_state_dict = _get_model_state_dict
-    dsd._get_optim_state_dict = _get_optim_state_dict
-    dsd._load_optim_state_dict = _load_optim_state_dict
+    wrappers: tuple[Any, ...] = (_get_model_state_dict, _get_optim_state_dict, _load_optim_state_dict)
+    for wrapper in wrappers:
+        wrapper._blockshard = True  # what a second install (e.g. of a reloaded module) looks for
+        setattr(dsd, wrapper.__name__, wrapper)
 
 
 def _keeps(info: Any) -> bool:

@@ -1,6 +1,6 @@
 """Block semantics: the indivisible units optimizers and quantizers compute on."""
 
-from blockshard.semantics import _builtins  # noqa: F401  (registers the built-ins)
+from blockshard.semantics import _builtins, _quantizers  # noqa: F401  (register the built-ins)
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
 from blockshard.semantics._builtins import newton_schulz_flops
 from blockshard.semantics._grid import UnitGrid
@@ -16,6 +16,7 @@ from blockshard.semantics._registry import (
 )
 from blockshard.semantics._rules import ResolvedSemantics, Rule, SemanticsRules
 from blockshard.semantics._spec import DTYPE_ITEMSIZE, DTypeLike, TensorSpec, itemsize_of, normalize_dtype
+from blockshard.semantics._storage import ByteStream, QuantizedStorage
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -23,8 +24,10 @@ __all__ = [
     "NO_ENTRY_POINTS_ENV",
     "PRESETS",
     "BlockSemantics",
+    "ByteStream",
     "Companion",
     "DTypeLike",
+    "QuantizedStorage",
     "ResolvedSemantics",
     "Rule",
     "SemanticsKind",

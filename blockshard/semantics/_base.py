@@ -6,10 +6,13 @@ import enum
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from blockshard._errors import SemanticsError
 from blockshard.semantics._grid import UnitGrid
+
+if TYPE_CHECKING:
+    from blockshard.semantics._storage import QuantizedStorage
 
 __all__ = ["BlockSemantics", "Companion", "SemanticsKind"]
 
@@ -87,6 +90,12 @@ class BlockSemantics(ABC):
     def companions(self, shape: tuple[int, ...], dtype: str) -> tuple[Companion, ...]:
         """Tensors that travel with this one's units (none by default)."""
         return ()
+
+    def storage(self, shape: tuple[int, ...], dtype: str) -> QuantizedStorage | None:
+        """The byte streams a quantizer stores for the tensor ([Note: quantized storage] in
+        ``_storage.py``), what ``blockshard plan`` counts as quantized bytes; ``None``: not a
+        quantized storage format (the tensor is stored in its dtype). Called after :meth:`grid`."""
+        return None
 
     def cost(self, shape: tuple[int, ...], dtype: str) -> float:
         """Compute cost of the whole tensor (for balancing owners); default: its element count."""

@@ -16,8 +16,12 @@ flat:n          n elements                                 n elements
 bnb8bit, ao*    256 / 128-element state blocks             the same (the storage keeps them whole)
 nf4, ao_nf4, mx quantization groups                        the same
 fp8_block:B     B-row stripes of B x B tiles (per expert)  the same (weights are quantized in place)
+fp4, *_nested   quantization groups                        the same
 expert          one expert of a stacked (E, ...) tensor    1 element
 ==============  =========================================  ==========================================
+
+The quantizers but ``nf4`` (``fp4``, ``nf4_nested``, ``fp4_nested``, ``ao_nf4``, ``mx``, ``fp8_block``)
+live in ``_quantizers.py``, with the bytes each stores per unit.
 
 Combined with an 8-bit or quantization semantics, ``matrix``'s placement unit becomes theirs.
 """
@@ -26,21 +30,19 @@ from __future__ import annotations
 
 import math
 
-from blockshard._arith import ceil_div, rows_cols
+from blockshard._arith import rows_cols
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
 from blockshard.semantics._grid import UnitGrid
 from blockshard.semantics._registry import register_semantics
+from blockshard.semantics._storage import storage_with_companions
 
 __all__ = [
-    "MX",
     "NF4",
     "Ao4bit",
     "Ao8bit",
-    "AoNF4",
     "Bnb8bit",
     "Elementwise",
     "Expert",
-    "FP8Block",
     "Flat",
     "Matrix",
     "Rows",
@@ -234,131 +236,49 @@ class Ao4bit(_QuantizedState):
 
 @register_semantics("nf4")
 class NF4(BlockSemantics):
-    """bitsandbytes NF4/FP4 (``Params4bit``, QLoRA): quantization blocks of 64 values share one absmax.
+    """bitsandbytes NF4 (``Params4bit``, QLoRA): quantization blocks of 64 values share one absmax.
 
     The tensor must hold a whole number of blocks; each block carries one fp32 absmax (a
-    companion that travels with its block).
+    companion that travels with its block). Stored (bitsandbytes 0.50, ``compress_statistics=False``):
+    32 payload bytes and a 4-byte absmax per block, the 16-value fp32 code once per group. With
+    nested statistics (``compress_statistics=True``, QLoRA's double quantization) see ``nf4_nested``.
     """
 
     kind = SemanticsKind.QUANTIZER
     min_ndim = 2  # blanket rules quantize weights (Linear), not norms or biases
     group = 64
+    quant_type = "nf4"
 
     def grid(self, shape, dtype, *, tensor="<tensor>"):
+        return UnitGrid.units(self._blocks(shape, tensor) * self.group, self.group)
+
+    def _blocks(self, shape: tuple[int, ...], tensor: str) -> int:
         numel = math.prod(shape)
         if numel % self.group:
             raise self.error(
                 tensor,
                 shape,
-                f"numel {numel} is not a multiple of the {self.group}-value NF4 quantization block",
-                "quantize only tensors whose size is a multiple of 64 (leave this one in bf16 with "
+                f"numel {numel} is not a multiple of the {self.group}-value {self.quant_type.upper()} quantization "
+                "block",
+                f"quantize only tensors whose size is a multiple of {self.group} (leave this one in bf16 with "
                 "an 'elementwise' rule for it)",
             )
-        return UnitGrid.units(numel, self.group)
+        return numel // self.group
 
     def companions(self, shape, dtype):
         numel = math.prod(shape)
         return (Companion(suffix="absmax", numel=numel // self.group, dtype="float32", per_unit=1),)
 
-
-@register_semantics("ao_nf4")
-class AoNF4(BlockSemantics):
-    """torchao ``NF4Tensor``: 64-value blocks whose scales are quantized again in blocks of 256.
-
-    One super-block is 64 x 256 = 16384 values (its 256 int8 scales share one fp32 factor), so
-    the tensor must be a multiple of 16384 and is cut only between super-blocks.
-    """
-
-    kind = SemanticsKind.QUANTIZER
-    min_ndim = 2  # blanket rules quantize weights (Linear), not norms or biases
-    block = 64
-    scaler_block = 256
-
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
-        numel = math.prod(shape)
-        sb = self.block * self.scaler_block
-        if numel % sb:
-            raise self.error(
-                tensor,
-                shape,
-                f"numel {numel} is not a multiple of the torchao NF4 super-block {self.block} x "
-                f"{self.scaler_block} = {sb}",
-                "use 'nf4' (bitsandbytes, 64-value blocks) for this tensor or leave it unquantized",
-            )
-        return UnitGrid.units(numel, sb)
-
-    def companions(self, shape, dtype):
-        numel = math.prod(shape)
-        sb = self.block * self.scaler_block
-        return (
-            Companion(suffix="quantized_scalers", numel=numel // self.block, dtype="int8", per_unit=self.scaler_block),
-            Companion(suffix="quantization_factor", numel=numel // sb, dtype="float32", per_unit=1),
+    def storage(self, shape, dtype):
+        code = (f"bitsandbytes {self.quant_type} code", 16 * 4)
+        return storage_with_companions(
+            f"bitsandbytes {self.quant_type} (fp32 absmax)",
+            math.prod(shape),
+            self.group,
+            4,
+            self.companions(shape, dtype),
+            shared_constants=(code,),
         )
-
-
-@register_semantics("mx")
-class MX(BlockSemantics):
-    """OCP Microscaling (MXFP8/MXFP6/MXFP4): 1 x 32 blocks along the last dim, one E8M0 scale each."""
-
-    kind = SemanticsKind.QUANTIZER
-    min_ndim = 2  # blanket rules quantize weights (Linear), not norms or biases
-    block = 32
-
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
-        last = shape[-1] if shape else 1
-        if last % self.block:
-            raise self.error(
-                tensor,
-                shape,
-                f"the last dim {last} is not a multiple of the MX block of {self.block}",
-                "MX-quantize only tensors whose last dim is a multiple of 32",
-            )
-        return UnitGrid.units(math.prod(shape), self.block)
-
-    def companions(self, shape, dtype):
-        numel = math.prod(shape)
-        return (Companion(suffix="scale", numel=numel // self.block, dtype="uint8", per_unit=1),)
-
-
-@register_semantics("fp8_block")
-class FP8Block(BlockSemantics):
-    """Blockwise FP8 (DeepSeek-V3 style): ``B x B`` tiles with one fp32 scale each -> ``B``-row stripes.
-
-    Edge tiles may be partial (the last stripe may be shorter). A stacked ``(E, rows, cols)``
-    expert weight is tiled per expert: ``B``-row stripes when ``rows % B == 0``, else one expert.
-    Compute and placement unit: a stripe (weights are quantized where they are stored).
-    """
-
-    kind = SemanticsKind.QUANTIZER
-    min_ndim = 2
-    per_expert = True
-
-    def __init__(self, tile: int = 128) -> None:
-        super().__init__()
-        self.tile = _positive("fp8_block", tile)
-        self.spec = f"fp8_block:{self.tile}"
-
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
-        if len(shape) not in (2, 3):
-            raise self.error(
-                tensor,
-                shape,
-                f"blockwise FP8 tiles 2-D weights (or stacked (E, rows, cols) experts), this tensor has {len(shape)} dims",
-                "apply fp8_block to 2-D weights only (e.g. rule '*_proj.weight=fp8_block:128')",
-            )
-        *lead, rows, cols = shape
-        if lead and rows % self.tile:
-            # each expert is tiled on its own; its last stripe is partial, so an expert is the unit
-            return UnitGrid.units(math.prod(shape), rows * cols)
-        return UnitGrid.units(math.prod(shape), self.tile * cols)
-
-    def companions(self, shape, dtype):
-        *lead, rows, cols = shape
-        t, experts = self.tile, math.prod(lead)
-        per_stripe = ceil_div(cols, t)  # each stripe of t rows carries one scale per tile
-        n_scales = experts * ceil_div(rows, t) * per_stripe
-        per_unit = per_stripe if not lead or rows % t == 0 else ceil_div(rows, t) * per_stripe
-        return (Companion(suffix="scale_inv", numel=n_scales, dtype="float32", per_unit=per_unit),)
 
 
 @register_semantics("expert")

@@ -27,6 +27,7 @@ from blockshard.semantics._experts import is_stacked_experts, repeat_grid
 from blockshard.semantics._grid import GridError, UnitGrid
 from blockshard.semantics._registry import get_semantics
 from blockshard.semantics._spec import TensorSpec
+from blockshard.semantics._storage import QuantizedStorage
 
 __all__ = [
     "ResolvedSemantics",
@@ -164,6 +165,23 @@ def _grid_of(sem: BlockSemantics, spec: TensorSpec, method: str = "grid") -> Uni
     return grid
 
 
+def _storage_of(sem: BlockSemantics, spec: TensorSpec) -> QuantizedStorage | None:
+    """``sem``'s storage of ``spec``, checked like :func:`_grid_of`."""
+    where = f"semantics {sem.spec!r} ({type(sem).__qualname__}) on tensor {spec.name!r} of shape {spec.shape}"
+    try:
+        out = sem.storage(spec.shape, spec.dtype)
+    except SemanticsError as exc:
+        raise SemanticsError(f"{where}: {exc}") from None
+    except Exception as exc:
+        raise SemanticsError(f"{where}: storage() raised {type(exc).__name__}: {exc}; fix the semantics") from exc
+    if out is not None and (not isinstance(out, QuantizedStorage) or out.numel != spec.numel):
+        raise SemanticsError(
+            f"{where}: storage() returned {out!r}, not None or a QuantizedStorage of the tensor's {spec.numel} "
+            "values; fix its storage()"
+        )
+    return out
+
+
 def _type_name(t: str | type) -> str:
     return t if isinstance(t, str) else t.__name__
 
@@ -181,6 +199,7 @@ class ResolvedSemantics:
     cost: float
     companions: tuple[Companion, ...]
     placement_grid: UnitGrid | None = None  # None: the same as ``grid``
+    storage: QuantizedStorage | None = None  # the quantizer's bytes (None: stored in its dtype)
 
     @property
     def placement(self) -> UnitGrid:
@@ -304,7 +323,9 @@ class SemanticsRules:
             cost = spec.shape[0] * costly.cost(spec.shape[1:], spec.dtype)
         else:
             cost = costly.cost(spec.shape, spec.dtype)
-        return ResolvedSemantics(tuple(sems), grid, cost, tuple(companions), placement)
+        quantizer = by_kind.get(SemanticsKind.QUANTIZER)
+        storage = _storage_of(quantizer, spec) if quantizer is not None else None
+        return ResolvedSemantics(tuple(sems), grid, cost, tuple(companions), placement, storage)
 
     def __repr__(self) -> str:
         return f"SemanticsRules({list(self.rules)!r})"

@@ -174,7 +174,61 @@ def test_set_model_state_dict_with_full_tensors_loads_and_get_model_state_dict_g
         assert all(torch.equal(got[k], v) for k, v in full.items())
         # the control: torch's own helper gathers DTensors only, the entries stayed pieces
         info = dsd._verify_options(model, (), optim_only=False, options=options)
-        assert {type(v) for v in dsd._get_model_state_dict.__wrapped__(model, info).values()} == {PieceTensor}
+        torch_own = dsd._get_model_state_dict.__wrapped__
+        assert _blockshard_layers(torch_own) == 0  # blockshard wrapped it once (ranks on threads too)
+        assert {type(v) for v in torch_own(model, info).values()} == {PieceTensor}
+
+
+def _blockshard_layers(fn) -> int:
+    """How many of blockshard's wrappers ``fn`` is, down its ``__wrapped__`` chain."""
+    from blockshard.runtime import _state_dict
+
+    layers = 0
+    while fn is not None:
+        layers += fn.__code__.co_filename == _state_dict.__file__
+        fn = getattr(fn, "__wrapped__", None)
+    return layers
+
+
+def test_torch_state_dict_helpers_are_wrapped_once_when_rank_threads_shard_at_once(monkeypatch):
+    # Ranks on threads reach their first fully_shard together (_inproc.run_ranks); a second
+    # wrapping nested ours around ours, so torch's own helper was no longer one __wrapped__ down.
+    import builtins
+    import threading
+    import time
+
+    import torch.distributed.checkpoint.state_dict as dsd
+
+    from blockshard.runtime import _state_dict
+
+    names = ("_get_model_state_dict", "_get_optim_state_dict", "_load_optim_state_dict")
+    _state_dict.install_torch_state_dict_support()
+    for name in names:  # back to torch's own functions, as before the process's first fully_shard
+        torch_fn = getattr(dsd, name).__wrapped__
+        assert _blockshard_layers(torch_fn) == 0  # the control: one layer came off
+        monkeypatch.setattr(dsd, name, torch_fn)
+    monkeypatch.setattr(_state_dict, "_TORCH_WRAPPED", False)
+    start, real_import = threading.Barrier(8), builtins.__import__
+
+    def slow_first_import(name, *args, **kwargs):  # as in a fresh process, where it takes a while
+        if name == dsd.__name__:
+            time.sleep(0.01)
+        return real_import(name, *args, **kwargs)
+
+    def install() -> None:
+        start.wait()
+        _state_dict.install_torch_state_dict_support()
+
+    monkeypatch.setattr(builtins, "__import__", slow_first_import)
+    threads = [threading.Thread(target=install) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    assert {name: _blockshard_layers(getattr(dsd, name)) for name in names} == dict.fromkeys(names, 1)
+    _state_dict.install_torch_state_dict_support()  # and once more: still one layer
+    assert {name: _blockshard_layers(getattr(dsd, name)) for name in names} == dict.fromkeys(names, 1)
 
 
 class _PerBlockState(torch.optim.Optimizer):

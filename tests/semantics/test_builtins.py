@@ -9,7 +9,7 @@ from blockshard.semantics import newton_schulz_flops
 
 BUILTINS = {
     "elementwise", "matrix", "rows", "shampoo", "flat", "bnb8bit", "ao8bit", "ao4bit",
-    "nf4", "ao_nf4", "mx", "fp8_block", "expert",
+    "nf4", "ao_nf4", "mx", "fp8_block", "expert", "fp4", "nf4_nested", "fp4_nested",
 }  # fmt: skip
 
 
@@ -27,6 +27,9 @@ def test_every_builtin_is_registered():
         ("shampoo:4", (10,), UnitGrid.units(10, 4)),  # 1-D: runs of 4
         ("flat:64", (100,), UnitGrid.units(100, 64)),
         ("nf4", (3, 64), UnitGrid.units(192, 64)),
+        ("fp4", (3, 64), UnitGrid.units(192, 64)),
+        ("nf4_nested", (300, 128), UnitGrid.units(38400, 16384)),  # 2 nested blocks + one of 88 blocks
+        ("nf4_nested", (2, 64), UnitGrid.whole(128)),  # fewer than 256 blocks: one nested block
         ("ao_nf4", (4, 4096), UnitGrid.units(16384, 16384)),
         ("mx", (5, 96), UnitGrid.units(480, 32)),
         ("fp8_block:128", (300, 7), UnitGrid.units(2100, 896)),  # 128-row stripes, partial last
@@ -70,6 +73,10 @@ def test_unit_grid_cuts():
         ),
         ("ao_nf4", (64, 64), r"not a multiple of the torchao NF4 super-block 64 x 256 = 16384"),
         ("mx", (4, 33), r"last dim 33 is not a multiple of the MX block of 32"),
+        ("fp4", (3, 5), r"numel 15 is not a multiple of the 64-value FP4 quantization block"),
+        ("nf4_nested", (3, 5), r"numel 15 is not a multiple of the 64-value NF4 quantization block"),
+        ("ao_nf4", (3, 64), r"its 3 blocks do not fill whole nested blocks of 256 scalers.*'nf4_nested'"),
+        ("ao_nf4", (3, 5), r"numel 15 is not a multiple of the torchao NF4 block of 64 values"),
         ("fp8_block:128", (256,), r"blockwise FP8 tiles 2-D weights.*Fix: apply fp8_block to 2-D weights only"),
         ("fp8_block:128", (2, 2, 256, 256), r"this tensor has 4 dims"),
         ("expert", (8,), r"stacked expert weight has shape \(num_experts, \.\.\.\)"),
@@ -95,6 +102,41 @@ def test_companions_follow_units():
     assert absmax.numel == 128 and absmax.per_unit == 1
     (scale,) = get_semantics("fp8_block:128").companions((300, 200), "bfloat16")
     assert scale.numel == 3 * 2 and scale.per_unit == 2
+
+
+def test_nested_companions_and_the_ao_factor_dtype():
+    absmax, state2 = get_semantics("nf4_nested").companions((300, 128), "bfloat16")
+    assert (absmax.numel, absmax.dtype, absmax.per_unit) == (600, "uint8", 256)
+    assert (state2.numel, state2.dtype, state2.per_unit) == (3, "float32", 1)
+    # torchao stores the quantization factor in the weight's dtype (to_nf4 of a bf16 / fp32 weight)
+    for dtype in ("bfloat16", "float32"):
+        _, factor = get_semantics("ao_nf4").companions((4, 4096), dtype)
+        assert factor.dtype == dtype and factor.numel == 1
+
+
+@pytest.mark.parametrize(
+    ("spec", "shape", "unit_numel", "streams", "constants"),
+    [
+        ("nf4", (3, 64), 64, [(96, 32), (12, 4)], 64),
+        ("fp4", (3, 64), 64, [(96, 32), (12, 4)], 64),
+        ("nf4_nested", (300, 128), 16384, [(19200, 8192), (600, 256), (12, 4)], 64 + 1024 + 4),
+        ("ao_nf4", (4, 4096), 16384, [(8192, 8192), (256, 256), (2, 2)], 32 + 2),  # bf16 table, scaler_mean
+        ("mx", (5, 96), 32, [(480, 32), (15, 1)], 0),
+        ("mx:4", (5, 96), 32, [(240, 16), (15, 1)], 0),
+        ("fp8_block:128", (300, 200), 128 * 200, [(60000, 25600), (24, 8)], 0),
+        ("fp8_block:4", (3, 6, 5), 30, [(90, 30), (3 * 2 * 2 * 4, 16)], 0),  # per expert: one expert a unit
+    ],
+)
+def test_quantizers_state_their_storage(spec, shape, unit_numel, streams, constants):
+    st = get_semantics(spec).storage(shape, "bfloat16")
+    assert st.unit_numel == unit_numel and [(s.nbytes, s.unit_bytes) for s in st.streams] == streams
+    assert sum(b for _, b in st.shared_constants) + st.tensor_constant_bytes == constants
+    assert st.bytes_before(st.n_units) == st.nbytes and st.bytes_before(1) == min(st.unit_bytes, st.nbytes)
+
+
+def test_non_quantizers_have_no_storage():
+    for spec in ("elementwise", "matrix", "bnb8bit", "shampoo:4", "flat:64", "expert"):
+        assert get_semantics(spec).storage((8, 64), "bfloat16") is None
 
 
 def test_newton_schulz_cost():

@@ -25,8 +25,12 @@ FINE = UnitGrid.units
         ("ao8bit", (64, 128), FINE(8192, 256, min_piece=4096), FINE(8192, 256, min_piece=4096)),
         ("ao4bit", (64, 192), FINE(12288, 128, min_piece=4096), FINE(12288, 128, min_piece=4096)),
         ("nf4", (3, 64), FINE(192, 64), FINE(192, 64)),
+        ("fp4", (3, 64), FINE(192, 64), FINE(192, 64)),
+        ("nf4_nested", (300, 128), FINE(38400, 16384), FINE(38400, 16384)),  # the last nested block shorter
+        ("fp4_nested", (300, 128), FINE(38400, 16384), FINE(38400, 16384)),
         ("ao_nf4", (4, 4096), FINE(16384, 16384), FINE(16384, 16384)),
         ("mx", (5, 96), FINE(480, 32), FINE(480, 32)),
+        ("mx:4", (5, 96), FINE(480, 32), FINE(480, 32)),
         ("fp8_block:128", (300, 7), FINE(2100, 896), FINE(2100, 896)),
         ("expert", (3, 5, 7), FINE(105, 35), FINE(105, 1)),
     ],
@@ -45,6 +49,11 @@ def test_every_registered_builtin_is_covered():
     covered = {"elementwise", "matrix", "rows", "shampoo", "flat", "bnb8bit", "ao8bit", "ao4bit", "nf4", "ao_nf4"}
     covered |= {"mx", "fp8_block", "expert"}
     classes = [c for c in vars(_builtins).values() if isinstance(c, type) and issubclass(c, BlockSemantics)]
+    assert {c._registered_name for c in classes if c._registered_name} <= covered
+    from blockshard.semantics import _quantizers
+
+    covered |= {"fp4", "nf4_nested", "fp4_nested"}
+    classes = [c for c in vars(_quantizers).values() if isinstance(c, type) and issubclass(c, BlockSemantics)]
     assert {c._registered_name for c in classes if c._registered_name} <= covered
 
 

@@ -13,7 +13,15 @@ import pytest
 
 from blockshard import BlockSemantics, Rule, SemanticsError, SemanticsRules, TensorSpec, UnitGrid
 from blockshard._errors import ShapesError
-from blockshard.semantics import NO_ENTRY_POINTS_ENV, _registry, get_semantics, registered_semantics
+from blockshard.semantics import (
+    NO_ENTRY_POINTS_ENV,
+    ByteStream,
+    QuantizedStorage,
+    SemanticsKind,
+    _registry,
+    get_semantics,
+    registered_semantics,
+)
 from blockshard.semantics._registry import entry_points_disabled
 
 W = TensorSpec(name="model.layers.0.mlp.up_proj.weight", shape=(96, 64))
@@ -84,6 +92,40 @@ def test_grid_that_raises_names_the_semantics_and_the_tensor():
     msg = str(info.value)
     assert "semantics 'Crashes' (Crashes) on tensor 'model.layers.0.mlp.up_proj.weight'" in msg
     assert "grid() raised ZeroDivisionError: integer division or modulo by zero; fix the semantics" in msg
+
+
+class _Quantizer(BlockSemantics):
+    kind = SemanticsKind.QUANTIZER
+
+    def grid(self, shape, dtype, *, tensor="<tensor>"):
+        return UnitGrid.units(math.prod(shape), 64)
+
+
+class StorageTooShort(_Quantizer):
+    """Its payload stream holds fewer bytes than its units need (a 4-bit format stated at 2 bits)."""
+
+    def storage(self, shape, dtype):
+        n = math.prod(shape)
+        return QuantizedStorage("short", n, 64, (ByteStream("payload", n // 4, 32),))
+
+
+class StorageNotAStorage(_Quantizer):
+    def storage(self, shape, dtype):
+        return {"payload": math.prod(shape) // 2}
+
+
+def test_storage_whose_streams_do_not_fill_the_units_names_the_stream_and_the_fix():
+    with pytest.raises(SemanticsError) as info:
+        SemanticsRules.coerce(StorageTooShort()).resolve(W)
+    msg = str(info.value)
+    assert "semantics 'StorageTooShort' (StorageTooShort) on tensor 'model.layers.0.mlp.up_proj.weight'" in msg
+    assert "stream 'payload' of 1536 bytes at 32 bytes per unit does not fill 96 units of 64 values" in msg
+    assert "Fix the semantics' storage()" in msg
+
+
+def test_storage_of_the_wrong_type_names_the_semantics_and_the_fix():
+    with pytest.raises(SemanticsError, match=r"storage\(\) returned \{'payload': 3072\}, not None or a Quantiz"):
+        SemanticsRules.coerce(StorageNotAStorage()).resolve(W)
 
 
 def test_unit_grid_units_refuses_a_zero_unit():

@@ -1,0 +1,120 @@
+"""An ordinary Accelerate training script that trains with blockshard under `accelerate launch`.
+
+    accelerate launch --config_file examples/accelerate/ragged.yaml examples/accelerate/train.py
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate/train.py
+    DS_ACCELERATOR=cpu accelerate launch --config_file examples/accelerate/deepspeed.yaml examples/accelerate/train.py
+
+Run without a launcher (`python examples/accelerate/train.py`) it trains on one process: the reference.
+Every rank trains on the whole batch (the data is not split), so W processes compute exactly what one
+process computes (docs/design.md). `--out FILE` writes what the tests check (JSON + a .pt file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from blockshard.integrations.accelerate import Accelerator  # noqa: F811  the one added line
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int = 37, hidden: int = 75, layers: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(13, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(layers))
+        self.head = nn.Linear(dim, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(16, 13, generator=g), torch.randn(16, 5, generator=g)) for _ in range(steps)]
+
+
+def optimizer_chain(optimizer) -> list:
+    """The optimizer and what it wraps (accelerate's, DeepSpeed's wrappers), outermost first."""
+    chain = [optimizer]
+    while hasattr(chain[-1], "optimizer"):
+        chain.append(chain[-1].optimizer)
+    return chain
+
+
+def state_numel(optimizer) -> int:
+    """Elements of optimizer state this rank holds (AdamW's exp_avg)."""
+    inner = optimizer_chain(optimizer)[-1]
+    return sum(s["exp_avg"].numel() for s in inner.state.values() if "exp_avg" in s)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--save-at", type=int, help="accelerator.save_state(--ckpt) after this step")
+    p.add_argument("--resume-at", type=int, help="accelerator.load_state(--ckpt), then train from this step on")
+    p.add_argument("--ckpt", default="ckpt")
+    p.add_argument("--out", help="write the results here (FILE.json, FILE.pt)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    local_numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+    first = 0
+    if args.resume_at is not None:
+        accelerator.load_state(args.ckpt)
+        first = args.resume_at
+    norms = []
+    for step, (x, y) in enumerate(batches(args.steps)):
+        if step < first:
+            continue
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)))
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.print(f"step {step}: loss {loss.item():.6f}")
+        if args.save_at is not None and step + 1 == args.save_at:
+            accelerator.save_state(args.ckpt)
+    state = accelerator.get_state_dict(model)
+    if args.out:
+        info = dict(
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            distributed_type=str(accelerator.distributed_type),
+            local_numel=local_numel,
+            total_numel=sum(t.numel() for t in state.values()),
+            state_numel=state_numel(optimizer),
+            optimizers=[type(o).__module__ + "." + type(o).__name__ for o in optimizer_chain(optimizer)],
+            norms=norms,
+        )
+        with open(f"{args.out}.rank{os.environ.get('RANK', '0')}.json", "w") as f:  # RANK: stock runs say 0 on all
+            json.dump(info, f)
+        if accelerator.is_main_process:
+            torch.save({k: v.detach().cpu() for k, v in state.items()}, f"{args.out}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""``blockshard.integrations.accelerate``: ``accelerate launch --config_file ...`` trains with blockshard.
+
+The script stays an ordinary Accelerate script; the one added line takes blockshard's
+``Accelerator`` (a subclass of accelerate's, identical without a blockshard config)::
+
+    from accelerate import Accelerator
+    from blockshard.integrations.accelerate import Accelerator  # the one added line
+
+    accelerator = Accelerator()
+    model, optimizer = accelerator.prepare(model, optimizer)   # shards with blockshard here
+    ...
+    accelerator.backward(loss)
+    accelerator.clip_grad_norm_(model.parameters(), 1.0)      # the global norm over all ranks
+    accelerator.save_state("ckpt")                            # sharded, atomic (DCP); reshards on load
+    accelerator.load_state("ckpt")
+    full = accelerator.get_state_dict(model)                  # full tensors (collective)
+
+Everything else comes from the config file (``blockshard accelerate-config`` writes one)::
+
+    distributed_type: FSDP           # starts num_processes processes, on CPU too (with use_cpu: true)
+    fsdp_config:
+      fsdp_version: 2
+      fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+      fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer   # one blockshard group per layer, then the root
+      fsdp_reshard_after_forward: true
+      blockshard:                    # read by blockshard, ignored by accelerate
+        engine: ragged               # ragged (blockshard.fully_shard) | fsdp2 (stock FSDP2, block-aware)
+        semantics: {"*proj.weight": bnb8bit}   # a name, a preset (muon, adamw) or rules {glob: name}
+        policy: auto                 # auto | whole | owner (ragged engine)
+        alignment_bytes: 16
+    mixed_precision: "no"            # or bf16 (bf16 parameters, fp32 gradient reduction)
+    num_processes: 2
+    use_cpu: true
+
+The processes find the file through ``BLOCKSHARD_ACCELERATE_CONFIG`` or, by default, the
+``--config_file`` of the ``accelerate launch`` that started them ([Note: where the settings live] in
+``_settings.py``). Settings blockshard would ignore or that conflict raise
+:class:`AccelerateConfigError` naming the key, the value and the fix. The DeepSpeed engine:
+``distributed_type: DEEPSPEED`` with a ``deepspeed_config_file`` whose JSON has a ``"blockshard"``
+section; this ``Accelerator`` then installs blockshard's DeepSpeed hook (block-aligned ZeRO-1/2).
+
+For code that builds accelerate's ``Accelerator`` itself (the HF ``Trainer``), pass this class
+where it is built; ``AccelerateSettings(...)`` as ``Accelerator(blockshard_settings=...)`` replaces
+the config file (a test or a notebook).
+See docs/accelerate.md for what each method does (and [Note: what the subclass changes]).
+"""
+
+from blockshard.integrations.accelerate._settings import (
+    CONFIG_ENV,
+    ENGINES,
+    AccelerateConfigError,
+    AccelerateSettings,
+    find_config_file,
+    load_settings,
+)
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "CONFIG_ENV",
+    "ENGINES",
+    "AccelerateConfigError",
+    "AccelerateSettings",
+    "Accelerator",
+    "find_config_file",
+    "load_settings",
+]
+
+
+def __getattr__(name: str):
+    if name in ("Accelerator", "CHECKPOINT_DIR"):  # imports accelerate and torch: only when used
+        from blockshard.integrations.accelerate import _accelerator
+
+        return getattr(_accelerator, name)
+    raise AttributeError(f"module 'blockshard.integrations.accelerate' has no attribute {name!r}")

@@ -1,0 +1,232 @@
+"""``Accelerator``: accelerate's, with blockshard sharding at ``prepare()`` when the config asks for it.
+
+[Note: what the subclass changes] Only what the config's ``fsdp_config.blockshard`` mapping turns on
+(without it every method is accelerate's own):
+
+* ``__init__``: on a machine without an accelerator, ``accelerate launch`` of an FSDP config starts
+  the processes but accelerate reports ``DistributedType.NO`` and one process on each (it sets up
+  CPU training only with ``ACCELERATE_USE_CPU``, which the multi-process launcher does not export).
+  So accelerate is started with ``cpu=True`` there (``MULTI_CPU`` over gloo), and with its own FSDP
+  off for both engines (``ACCELERATE_USE_FSDP`` hidden during ``__init__``): blockshard shards.
+* ``prepare``: shards the model (each ``fsdp_transformer_layer_cls_to_wrap`` module bottom-up, then
+  the root) with ``blockshard.fully_shard`` or ``blockshard.integrations.fsdp2.fully_shard``, and
+  points the optimizers passed with it at the sharded parameters (by name; they must not have stepped).
+* ``prepare_model``: returns a model sharded by blockshard as it is (accelerate would wrap it in
+  DDP, which fails on ragged pieces).
+* ``clip_grad_norm_``: the global norm over every rank's pieces (``blockshard.clip_grad_norm_``).
+* ``save_state`` / ``load_state``: the model and optimizer states as one atomic DCP checkpoint
+  (``blockshard.save_checkpoint``, in ``<output_dir>/blockshard``; the rest as accelerate saves it);
+  DCP reshards it, so it loads at another world size.
+* ``get_state_dict``: full tensors (``blockshard.full_state_dict``; collective, call on every rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import accelerate
+import torch
+from torch import nn
+
+from blockshard.integrations.accelerate._settings import AccelerateConfigError, AccelerateSettings, load_settings
+
+__all__ = ["CHECKPOINT_DIR", "Accelerator"]
+
+CHECKPOINT_DIR = "blockshard"  # the DCP checkpoint inside accelerate's save_state directory
+
+
+def _no_device() -> bool:
+    return not torch.cuda.is_available() and not (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def deepspeed_section() -> float | None:
+    """When accelerate runs DeepSpeed with a JSON config that has a ``"blockshard"`` section: install
+    blockshard's DeepSpeed hook and return the config's ``gradient_clipping`` (None otherwise)."""
+    import json
+
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or not path or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if "blockshard" not in config:
+        return None
+    from blockshard.integrations import deepspeed as bs_deepspeed
+
+    bs_deepspeed.install()
+    return float(config.get("gradient_clipping", 1.0))
+
+
+def _deepspeed_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """On a machine without an accelerator accelerate starts DeepSpeed without a backend and then
+    reports one process per rank; gloo makes it a real world (DS_ACCELERATOR=cpu)."""
+    if not _no_device() or "LOCAL_RANK" not in os.environ:
+        return kwargs
+    from accelerate.utils import InitProcessGroupKwargs
+
+    handlers = list(kwargs.get("kwargs_handlers") or [])
+    if any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+        return kwargs
+    return {**kwargs, "kwargs_handlers": [*handlers, InitProcessGroupKwargs(backend="gloo")]}
+
+
+class Accelerator(accelerate.Accelerator):
+    """``accelerate.Accelerator`` that shards with blockshard when the launch config has an
+    ``fsdp_config.blockshard`` mapping (see the module docstring); ``blockshard_settings`` overrides it."""
+
+    _models: list[Any]  # accelerate's prepared models and optimizers
+    _optimizers: list[Any]
+
+    def __init__(self, *args: Any, blockshard_settings: AccelerateSettings | None = None, **kwargs: Any) -> None:
+        settings = blockshard_settings if blockshard_settings is not None else load_settings()
+        self.blockshard_settings = settings
+        self._blockshard_models: list[nn.Module] = []
+        self._deepspeed_clipping: float | None = None
+        if settings is None:
+            section = deepspeed_section()
+            if section is not None:
+                self._deepspeed_clipping = section
+                kwargs = _deepspeed_kwargs(kwargs)
+            super().__init__(*args, **kwargs)
+            return
+        if kwargs.get("fsdp_plugin") is not None:
+            raise AccelerateConfigError(
+                f"Accelerator(fsdp_plugin=...) conflicts with blockshard's {settings.engine} engine from "
+                f"{settings.source}; drop the fsdp_plugin argument (blockshard shards at prepare())"
+            )
+        if _no_device() and "LOCAL_RANK" in os.environ:
+            kwargs["cpu"] = True
+        with _env(ACCELERATE_USE_FSDP="false"):  # blockshard shards; accelerate's FSDP path stays off
+            super().__init__(*args, **kwargs)
+
+    # -- prepare ----------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        if self.blockshard_settings is not None:
+            models = [a for a in args if isinstance(a, nn.Module) and not self._is_blockshard(a)]
+            if len(models) > 1:
+                raise AccelerateConfigError(
+                    f"prepare() got {len(models)} models; blockshard's accelerate plugin shards one model per "
+                    "Accelerator: prepare the others with another Accelerator, or combine them in one nn.Module"
+                )
+            if models:
+                optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+                self._shard(models[0], optimizers)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def _is_blockshard(self, model: nn.Module) -> bool:
+        return any(model is m for m in self._blockshard_models)
+
+    def _shard(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        settings = self.blockshard_settings
+        assert settings is not None
+        if self.num_processes < 2:
+            raise AccelerateConfigError(
+                f"blockshard's {settings.engine} engine from {settings.source} found {self.num_processes} process "
+                f"(distributed_type {self.distributed_type}); launch with accelerate launch and num_processes >= 2"
+            )
+        names = {id(p): n for n, p in model.named_parameters()}
+        for opt in optimizers:
+            if opt.state:
+                raise AccelerateConfigError(
+                    "an optimizer passed to prepare() has already stepped; blockshard moves its parameters onto the "
+                    "sharded pieces and cannot move state: build and prepare it before the first step"
+                )
+            unknown = [p for g in opt.param_groups for p in g["params"] if id(p) not in names]
+            if unknown:
+                raise AccelerateConfigError(
+                    f"an optimizer passed to prepare() holds {len(unknown)} tensors that are not parameters of the "
+                    "prepared model; build it over model.parameters() (or named subsets of them)"
+                )
+        from blockshard.integrations.accelerate._shard import shard_model
+
+        if self.device_placement:
+            model.to(self.device)  # shard where it trains (a no-op on CPU)
+        shard_model(model, settings)
+        self._blockshard_models.append(model)
+        new = dict(model.named_parameters())
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["params"] = [new[names[id(p)]] for p in group["params"]]
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        if not self._is_blockshard(model):
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if not any(model is m for m in self._models):
+            self._models.append(model)
+        return model
+
+    # -- training -----------------------------------------------------------------------------------
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        if self._deepspeed_clipping is not None and float(max_norm) != self._deepspeed_clipping:
+            raise AccelerateConfigError(
+                f"accelerator.clip_grad_norm_(max_norm={max_norm}) would be ignored: DeepSpeed clips at its config's "
+                f'"gradient_clipping" ({self._deepspeed_clipping}); set that value in the DeepSpeed JSON or pass it here'
+            )
+        if not self._blockshard_models or self.blockshard_settings is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        if self.blockshard_settings.engine == "fsdp2":  # DTensor gradients: accelerate reduces the norm
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        import blockshard
+
+        self.unscale_gradients()
+        return blockshard.clip_grad_norm_(list(parameters), max_norm, norm_type)
+
+    # -- state ----------------------------------------------------------------------------------------
+    def get_state_dict(self, model, unwrap=True):
+        if not self._is_blockshard(model):
+            return super().get_state_dict(model, unwrap=unwrap)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+    @contextlib.contextmanager
+    def _without_blockshard(self):
+        """accelerate's save/load of everything but the sharded model and its optimizers."""
+        models: list[Any] = self._models
+        optimizers: list[Any] = self._optimizers
+        self._models = [m for m in models if not self._is_blockshard(m)]
+        self._optimizers = [] if self._blockshard_models else optimizers
+        try:
+            yield [m for m in models if self._is_blockshard(m)], [o.optimizer for o in optimizers]
+        finally:
+            self._models, self._optimizers = models, optimizers
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any):
+        if not self._blockshard_models:
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        from blockshard.integrations.accelerate._shard import save_model
+
+        with self._without_blockshard() as (models, optimizers):
+            location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        save_model(models[0], os.path.join(location, CHECKPOINT_DIR), optimizers, self.blockshard_settings)
+        return location
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any):
+        if not self._blockshard_models:
+            return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        from blockshard.integrations.accelerate._shard import load_model
+
+        found: list[str] = []
+        handle = self.register_load_state_pre_hook(lambda _models, where: found.append(where))
+        try:
+            with self._without_blockshard() as (models, optimizers):
+                super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        finally:
+            handle.remove()
+        load_model(models[0], os.path.join(found[0], CHECKPOINT_DIR), optimizers, self.blockshard_settings)

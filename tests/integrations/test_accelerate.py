@@ -1,0 +1,299 @@
+"""blockshard.integrations.accelerate and ``blockshard accelerate-config``.
+
+Fast tests: the settings blockshard reads from an Accelerate YAML (and every setting it would
+ignore or that conflicts: a one-line ``AccelerateConfigError``), the CLI's files and its errors.
+
+Slow tests: real ``accelerate launch --config_file examples/accelerate/<engine>.yaml
+examples/accelerate/train.py`` runs with 2 CPU processes over gloo, against the same script run as one
+process (``python examples/accelerate/train.py``: stock Accelerate, ``DistributedType.NO``). Every
+rank trains on the whole batch, so (docs/design.md, "Sharding invariance"):
+
+* ragged engine: **bitwise** equal to one process after 4 steps with ``clip_grad_norm_`` at 1.0
+  (clipping active: the global norms agree across ranks and with one process within 1e-6, measured
+  one ulp at one step); ``save_state`` after step 2 and ``load_state`` in a new launch continue
+  **bitwise** like the uninterrupted run at W = 2; loaded at W = 4 (DCP reshards the checkpoint)
+  within ``W4_RESUME_ATOL = 1e-6`` (measured 1.5e-8: the global norm sums four pieces in another
+  order and clipping is active, so the clip factor differs by an ulp).
+* fsdp2 engine (stock FSDP2 reduce-scatter): within ``FSDP2_ATOL = 1e-6`` (measured 7.5e-8);
+  ``save_state`` / ``load_state`` (DCP of torch's ``get_state_dict``) continue bitwise at W = 2.
+* deepspeed engine (ZeRO-2 hooked by blockshard, DeepSpeed clipping at 1.0 as the script does):
+  within ``DEEPSPEED_ATOL = 1e-6`` (DESIGN: the hook matches a clipping process within 4.5e-8).
+* Control: the same script without the added line, under the same launch, reports
+  ``DistributedType.NO`` and one process on each rank and holds every parameter whole (no sharding).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from blockshard.cli import main as cli_main
+from blockshard.integrations.accelerate import AccelerateConfigError, AccelerateSettings, load_settings
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "accelerate"
+BIN = pathlib.Path(sys.executable).parent
+FSDP2_ATOL = 1e-6
+DEEPSPEED_ATOL = 1e-6
+W4_RESUME_ATOL = 1e-6
+
+
+# -- settings -----------------------------------------------------------------------------------------
+def _write(tmp_path, config: dict) -> str:
+    path = tmp_path / "acc.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def _config(**blockshard) -> dict:
+    return {
+        "distributed_type": "FSDP",
+        "num_processes": 2,
+        "use_cpu": True,
+        "fsdp_config": {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": "Block, Head",
+            "fsdp_reshard_after_forward": False,
+            "blockshard": {"engine": "ragged", **blockshard},
+        },
+    }
+
+
+def test_settings_from_the_examples():
+    ragged = load_settings(str(EXAMPLES / "ragged.yaml"))
+    assert ragged is not None and (ragged.engine, ragged.layers, ragged.policy) == ("ragged", ("Block",), "auto")
+    fsdp2 = load_settings(str(EXAMPLES / "fsdp2.yaml"))
+    assert fsdp2 is not None and fsdp2.engine == "fsdp2"
+    assert json.loads((EXAMPLES / "deepspeed.json").read_text())["blockshard"]
+
+
+def test_settings_read_layers_reshard_and_mixed_precision(tmp_path):
+    config = _config(semantics={"*weight": "bnb8bit"}, policy="whole", alignment_bytes=32)
+    config["mixed_precision"] = "bf16"
+    s = load_settings(_write(tmp_path, config))
+    assert s is not None
+    assert (s.layers, s.reshard_after_forward, s.mixed_precision, s.alignment_bytes) == (
+        ("Block", "Head"),
+        False,
+        "bf16",
+        32,
+    )
+    assert "mp_policy" in s.fully_shard_kwargs() and s.fully_shard_kwargs()["policy"] == "whole"
+
+
+def test_no_blockshard_section_is_stock_accelerate(tmp_path):
+    config = _config()
+    del config["fsdp_config"]["blockshard"]
+    assert load_settings(_write(tmp_path, config)) is None
+
+
+def test_settings_from_the_environment(tmp_path, monkeypatch):
+    path = _write(tmp_path, _config())
+    monkeypatch.setenv("BLOCKSHARD_ACCELERATE_CONFIG", path)
+    assert load_settings().source == path
+    monkeypatch.setenv("BLOCKSHARD_ACCELERATE_CONFIG", str(tmp_path / "missing.yaml"))
+    with pytest.raises(AccelerateConfigError, match=r"BLOCKSHARD_ACCELERATE_CONFIG=.*is not a file"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            lambda c: c["fsdp_config"]["blockshard"].update(engine="zero"),
+            "engine='zero'.*not one of ragged, fsdp2, deepspeed",
+        ),
+        (lambda c: c["fsdp_config"]["blockshard"].update(engine="deepspeed"), "DeepSpeed JSON config"),
+        (lambda c: c["fsdp_config"]["blockshard"].update(typo=1), r"unknown keys \['typo'\]"),
+        (lambda c: c["fsdp_config"]["blockshard"].update(layers="Block"), "fsdp_transformer_layer_cls_to_wrap"),
+        (lambda c: c["fsdp_config"]["blockshard"].update(semantics="bogus"), "unknown semantics 'bogus'"),
+        (lambda c: c["fsdp_config"]["blockshard"].update(policy="best"), "blockshard policy='best'"),
+        (lambda c: c["fsdp_config"]["blockshard"].update(alignment_bytes=0), "alignment_bytes=0"),
+        (lambda c: c["fsdp_config"]["blockshard"].update(engine="fsdp2", policy="owner"), "needs the ragged engine"),
+        (lambda c: c.update(mixed_precision="fp16"), "mixed_precision='fp16'"),
+        (lambda c: c.update(distributed_type="MULTI_CPU"), "distributed_type='MULTI_CPU'.*set distributed_type: FSDP"),
+        (lambda c: c.update(num_processes=1), "num_processes=1"),
+        (lambda c: c["fsdp_config"].update(fsdp_auto_wrap_policy="SIZE_BASED_WRAP"), "SIZE_BASED_WRAP"),
+        (lambda c: c["fsdp_config"].update(fsdp_offload_params=True), "fsdp_offload_params=True .*would be ignored"),
+        (lambda c: c["fsdp_config"].update(fsdp_activation_checkpointing=True), "fsdp_activation_checkpointing"),
+        (lambda c: c["fsdp_config"].update(fsdp_reshard_after_forward="HYBRID_SHARD"), "fsdp_reshard_after_forward"),
+    ],
+)
+def test_ignored_or_conflicting_settings_are_refused(tmp_path, change, match):
+    config = _config()
+    change(config)
+    with pytest.raises(AccelerateConfigError, match=match):
+        load_settings(_write(tmp_path, config))
+
+
+def test_settings_are_a_value_error():
+    with pytest.raises(ValueError, match="engine='x'"):
+        AccelerateSettings(engine="x")
+
+
+# -- blockshard accelerate-config ------------------------------------------------------------------------
+def test_cli_writes_configs_blockshard_reads(tmp_path, capsys):
+    assert cli_main(["accelerate-config", "--engine", "fsdp2", "--cpu", "--out", str(tmp_path / "f")]) == 0
+    s = load_settings(str(tmp_path / "f" / "accelerate.yaml"))
+    assert s is not None and (s.engine, s.layers) == ("fsdp2", ("LlamaDecoderLayer",))
+    text = (tmp_path / "f" / "accelerate.yaml").read_text()
+    assert "# Launch:     accelerate launch --config_file" in text and "use_cpu: true" in text
+    args = [
+        "accelerate-config",
+        "--engine",
+        "deepspeed",
+        "--cpu",
+        "--semantics",
+        "bnb8bit",
+        "--out",
+        str(tmp_path / "d"),
+    ]
+    assert cli_main(args) == 0
+    ds = json.loads((tmp_path / "d" / "deepspeed.json").read_text())
+    assert ds["blockshard"] == {"semantics": "bnb8bit"}
+    acc = yaml.safe_load((tmp_path / "d" / "accelerate.yaml").read_text())
+    assert acc["distributed_type"] == "DEEPSPEED" and acc["use_cpu"] is False
+    assert "DS_ACCELERATOR=cpu accelerate launch" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--engine", "zero3"], "--engine='zero3' is not one of"),
+        (["--num-processes", "1"], "--num-processes=1"),
+        (["--semantics", "bogus"], "unknown semantics 'bogus'"),
+        (["--policy", "x"], "--policy='x' is not a placement policy"),
+        (["--engine", "fsdp2", "--policy", "owner"], "--policy='owner' needs --engine ragged"),
+    ],
+)
+def test_cli_bad_args_are_one_line_exit_2(tmp_path, capsys, args, match):
+    assert cli_main(["accelerate-config", *args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockshard accelerate-config: error: ") and err.count("\n") == 1, err
+    assert re.search(match, err), err
+    assert not (tmp_path / "accelerate.yaml").exists()
+
+
+# -- real launches ----------------------------------------------------------------------------------------
+def _env() -> dict:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    env.pop("BLOCKSHARD_ACCELERATE_CONFIG", None)
+    return env
+
+
+def _results(out: pathlib.Path, ranks: int) -> tuple[list[dict], dict]:
+    import torch
+
+    infos = [json.loads(pathlib.Path(f"{out}.rank{r}.json").read_text()) for r in range(ranks)]
+    return infos, torch.load(f"{out}.pt")
+
+
+def _launch(
+    config: pathlib.Path | str,
+    out: pathlib.Path,
+    *args: str,
+    script: pathlib.Path = EXAMPLES / "train.py",
+    ranks: int = 2,
+):
+    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(config), "--num_processes", str(ranks)]
+    cmd = [*launch, str(script), "--out", str(out), *args]
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return _results(out, ranks)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref") / "ref"
+    cmd = [sys.executable, str(EXAMPLES / "train.py"), "--out", str(out)]
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    infos, state = _results(out, 1)
+    assert infos[0]["world_size"] == 1 and infos[0]["distributed_type"] == "DistributedType.NO"
+    return infos[0], state
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _check_sharded(infos: list[dict], distributed_type: str = "DistributedType.MULTI_CPU") -> None:
+    assert [i["world_size"] for i in infos] == [2, 2] and {i["distributed_type"] for i in infos} == {distributed_type}
+    total = infos[0]["total_numel"]
+    assert all(0 < i["local_numel"] < total for i in infos), infos  # each rank holds part of the parameters
+    assert sum(i["local_numel"] for i in infos) >= total
+    assert infos[0]["norms"] == infos[1]["norms"]  # the same global norm on every rank
+
+
+@pytest.mark.slow
+def test_ragged_engine_equals_one_process_and_resumes_bitwise(tmp_path, reference):
+    ref_info, ref_state = reference
+    infos, state = _launch(EXAMPLES / "ragged.yaml", tmp_path / "run", "--save-at", "2", "--ckpt", str(tmp_path / "ck"))
+    _check_sharded(infos)
+    total = infos[0]["total_numel"]
+    assert infos[0]["norms"] == pytest.approx(ref_info["norms"], rel=1e-6)
+    assert _max_diff(state, ref_state) == 0.0
+    assert (tmp_path / "ck" / "blockshard" / "blockshard.json").is_file()  # blockshard.save_checkpoint's record
+    resumed_infos, resumed = _launch(
+        EXAMPLES / "ragged.yaml", tmp_path / "resumed", "--resume-at", "2", "--ckpt", str(tmp_path / "ck")
+    )
+    assert resumed_infos[0]["norms"] == infos[0]["norms"][2:]
+    assert _max_diff(resumed, state) == 0.0
+    # saved at W = 2, loaded at W = 4: DCP reshards the pieces (and AdamW's state) onto the new layout
+    ckpt = ["--resume-at", "2", "--ckpt", str(tmp_path / "ck")]
+    w4_infos, w4 = _launch(EXAMPLES / "ragged.yaml", tmp_path / "w4", *ckpt, ranks=4)
+    assert [i["world_size"] for i in w4_infos] == [4] * 4 and all(i["local_numel"] < total for i in w4_infos)
+    assert w4_infos[0]["norms"] == pytest.approx(infos[0]["norms"][2:], rel=1e-6)
+    assert _max_diff(w4, state) <= W4_RESUME_ATOL
+
+
+@pytest.mark.slow
+def test_cli_written_ragged_config_launches(tmp_path, reference):
+    assert cli_main(["accelerate-config", "--cpu", "--layers", "Block", "--out", str(tmp_path / "cfg")]) == 0
+    infos, state = _launch(tmp_path / "cfg" / "accelerate.yaml", tmp_path / "run")
+    _check_sharded(infos)
+    assert _max_diff(state, reference[1]) == 0.0
+
+
+@pytest.mark.slow
+def test_fsdp2_engine_equals_one_process_and_resumes_bitwise(tmp_path, reference):
+    ckpt = ["--ckpt", str(tmp_path / "ck")]
+    infos, state = _launch(EXAMPLES / "fsdp2.yaml", tmp_path / "run", "--save-at", "2", *ckpt)
+    _check_sharded(infos)
+    assert _max_diff(state, reference[1]) <= FSDP2_ATOL
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")) == []  # no .partial left
+    _, resumed = _launch(EXAMPLES / "fsdp2.yaml", tmp_path / "resumed", "--resume-at", "2", *ckpt)
+    assert _max_diff(resumed, state) == 0.0
+
+
+@pytest.mark.slow
+def test_deepspeed_engine_is_hooked_and_equals_one_process(tmp_path, reference):
+    infos, state = _launch(EXAMPLES / "deepspeed.yaml", tmp_path / "run")
+    assert [i["world_size"] for i in infos] == [2, 2] and infos[0]["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert any(name.startswith("blockshard.integrations.deepspeed") for name in infos[0]["optimizers"]), infos[0]
+    total = infos[0]["total_numel"]
+    assert all(0 < i["state_numel"] < total for i in infos)  # ZeRO-2: each rank holds part of the optimizer state
+    assert sum(i["state_numel"] for i in infos) == total
+    assert _max_diff(state, reference[1]) <= DEEPSPEED_ATOL
+
+
+@pytest.mark.slow
+def test_control_stock_accelerate_does_not_shard(tmp_path):
+    script = tmp_path / "stock_train.py"
+    lines = (EXAMPLES / "train.py").read_text().splitlines(keepends=True)
+    script.write_text("".join(line for line in lines if "blockshard.integrations.accelerate import" not in line))
+    infos, _ = _launch(EXAMPLES / "ragged.yaml", tmp_path / "run", script=script)
+    # accelerate reports one process on each of the two, and each holds every parameter
+    assert [i["world_size"] for i in infos] == [1, 1] and {i["distributed_type"] for i in infos} == {
+        "DistributedType.NO"
+    }
+    assert all(i["local_numel"] == i["total_numel"] for i in infos)
