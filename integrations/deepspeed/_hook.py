@@ -27,7 +27,8 @@ The hook (:class:`BlockshardZeroOptimizer`):
    the one flat tensor, one view of that tensor per parameter piece in this rank's partition: a
    whole parameter with its shape (a matrix stays 2-D for Muon), a piece of a split parameter as
    1-D. ``_optimizer_step`` points each view's ``.grad`` at the matching slice of the flat
-   gradient partition. So an unmodified optimizer computes on each parameter what it computes on
+   gradient partition, and bitsandbytes ``GlobalOptimManager`` overrides of a parameter (the HF
+   Trainer's 32-bit state for embeddings) follow it onto its views (``_bnb_overrides``). So an unmodified optimizer computes on each parameter what it computes on
    one process: bitsandbytes' 8-bit state starts its 256-blocks at each parameter's start and keeps
    fp32 state for parameters below 4096 elements exactly as on one process (over one flat tensor it
    would quantize every parameter, small ones included, in blocks straddling parameters), and Muon
@@ -54,6 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blockshard.integrations.deepspeed._bnb_overrides import follow_overrides, resolve_module_overrides
 from blockshard.integrations.deepspeed._config import DeepSpeedHookError, HookConfig
 from blockshard.planner import OrderedLayout, alignment_numel, ordered_layout
 from blockshard.planner._units import layout_hash
@@ -194,6 +196,7 @@ def _make_zero12():
             self._bs_module_types = p.module_types
             self._bs_groups: list[_GroupState] = []
             self._bs_building = True
+            self._bs_overrides_resolved = False
             super().__init__(init_optimizer, *args, **kwargs)
             self._bs_building = False
             self._bs_finish()
@@ -283,10 +286,15 @@ def _make_zero12():
             self._bs_refresh_views(group_no)
             grad = self.single_partition_of_fp32_groups[group_no].grad
             views = self._bs_groups[group_no].views
+            params = self.round_robin_bit16_groups[group_no]
+            if not self._bs_overrides_resolved:  # bitsandbytes' check_overrides, first step
+                resolve_module_overrides(self.optimizer, [p for g in self.round_robin_bit16_groups for p in g])
+                self._bs_overrides_resolved = True
             try:
                 for v in views:
                     v.tensor.grad = None if grad is None else grad.narrow(0, v.seg_offset, v.numel).view(v.tensor.shape)
-                return super()._optimizer_step(group_no)
+                with follow_overrides(self.optimizer, params, [(v.tensor, v.param_index) for v in views]):
+                    return super()._optimizer_step(group_no)
             finally:
                 for v in views:
                     v.tensor.grad = None

@@ -1,0 +1,137 @@
+"""The Hugging Face Trainer on DeepSpeed ZeRO-1/2 with blockshard's ``install()`` and ``optim="adamw_bnb_8bit"``.
+
+Runs ``examples/hf_trainer_deepspeed.py`` through the real launchers (``torchrun`` for ZeRO-1, ``deepspeed``
+for ZeRO-2) with 2 CPU ranks (gloo, ``DS_ACCELERATOR=cpu``), every rank the whole batch, and compares the
+final parameters with the same Trainer script on one process without DeepSpeed (``--stage 0``: the same
+tiny Llama, data order, learning-rate schedule, AdamW8bit with the Trainer's 32-bit override for
+``nn.Embedding``, no clipping on either side). Expected: **bitwise** equal (gradient averaging of identical
+gradients is exact at W = 2; docs/design.md, "Sharding invariance").
+
+Control: the same ZeRO-2 run with the hook's ``GlobalOptimManager`` follow-up switched off
+(``_hf_trainer_control.py``): the embedding's 32-bit override stays on the parameter, its views get 8-bit
+state, and the parameters differ (measured 3.4e-3 on ``embed_tokens.weight`` after 4 steps at lr 1e-2).
+
+The fast tests check :mod:`blockshard.integrations.deepspeed._bnb_overrides` on bitsandbytes directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "hf_trainer_deepspeed.py"
+CONTROL = ROOT / "tests" / "integrations" / "_hf_trainer_control.py"
+CONTROL_MIN = 1e-4
+BIN = pathlib.Path(sys.executable).parent
+
+
+# -- the override follows the parameter (fast, bitsandbytes only) --------------------------------------
+def test_overrides_follow_the_parameter_onto_views():
+    bnb = pytest.importorskip("bitsandbytes")
+    from blockshard.integrations.deepspeed._bnb_overrides import follow_overrides, resolve_module_overrides
+
+    emb, lin = torch.nn.Embedding(70, 80), torch.nn.Linear(80, 90)
+    params = [lin.weight, emb.weight]
+    flat = torch.zeros(sum(p.numel() for p in params))
+    views = [flat[: lin.weight.numel()].view(90, 80), flat[lin.weight.numel() :].view(70, 80)]
+    mng = bnb.optim.GlobalOptimManager.get_instance()
+    saved = (dict(mng.pid2config), dict(mng.index2config), list(mng.module_weight_config_triple))
+    mng.register_module_override(emb, "weight", {"optim_bits": 32})
+    stale = {"optim_bits": 32, "lr": 9.0}
+    mng.index2config[(0, 0)] = stale  # another optimizer's position 0: must not reach view 0
+    try:
+        opt = bnb.optim.AdamW8bit(views, lr=1e-3)
+        group = opt.param_groups[0]
+        resolve_module_overrides(opt, params)
+        assert mng.pid2config[id(emb.weight)] == {"optim_bits": 32}
+        with follow_overrides(opt, params, [(views[0], 0), (views[1], 1)]):
+            assert opt.get_config(0, 0, group)["optim_bits"] == 8
+            assert opt.get_config(0, 1, group)["optim_bits"] == 32
+        assert mng.index2config[(0, 0)] is stale and (0, 1) not in mng.index2config  # restored
+        mng.override_config(emb.weight, "lr", 5e-4)  # a later override on the parameter reaches its view
+        with follow_overrides(opt, params, [(views[0], 0), (views[1], 1)]):
+            assert opt.get_config(0, 1, group)["lr"] == 5e-4
+        assert opt.get_config(0, 0, group)["lr"] == 9.0  # outside: the table is as it was
+    finally:  # the manager is process-wide
+        mng.pid2config, mng.index2config, mng.module_weight_config_triple = saved
+
+
+def test_other_optimizers_are_untouched():
+    from blockshard.integrations.deepspeed._bnb_overrides import follow_overrides, resolve_module_overrides
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.AdamW([p])
+    resolve_module_overrides(opt, [p])
+    with follow_overrides(opt, [p], [(p, 0)]):
+        pass
+
+
+# -- real launchers (slow) ---------------------------------------------------------------------------
+def _env() -> dict:
+    return dict(
+        os.environ,
+        DS_ACCELERATOR="cpu",
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(launch: list[str], script: pathlib.Path, stage: int, out: pathlib.Path) -> tuple[dict, dict]:
+    cmd = [*launch, str(script), "--stage", str(stage), "--out", str(out)]
+    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=420, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(out.read_text()), torch.load(f"{out}.pt")
+
+
+def _torchrun() -> list[str]:
+    return [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_port())]
+
+
+def _deepspeed() -> list[str]:
+    return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(_port())]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return _run([sys.executable], EXAMPLE, 0, tmp_path_factory.mktemp("single") / "single.json")
+
+
+def _max_diff(a: dict, b: dict) -> dict[str, float]:
+    assert a.keys() == b.keys()
+    return {k: (a[k] - b[k]).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("stage", "launcher"), [(1, _torchrun), (2, _deepspeed)], ids=["zero1-torchrun", "zero2-deepspeed"]
+)
+def test_trainer_zero_equals_one_process_bitwise(single, tmp_path, stage, launcher):
+    ref_info, ref = single
+    info, params = _run(launcher(), EXAMPLE, stage, tmp_path / f"z{stage}.json")
+    assert info["world_size"] == 2 and info["hooked"] and not ref_info["hooked"]
+    assert _max_diff(params, ref) == {}
+    assert info["losses"] == ref_info["losses"]
+
+
+@pytest.mark.slow
+def test_control_without_following_overrides_differs(single, tmp_path):
+    _, ref = single
+    info, params = _run(_torchrun(), CONTROL, 2, tmp_path / "control.json")
+    diff = _max_diff(params, ref)
+    assert info["hooked"] and diff.get("model.embed_tokens.weight", 0.0) > CONTROL_MIN, diff
