@@ -61,7 +61,9 @@ __all__ = [
     "AccelerateConfigError",
     "AccelerateSettings",
     "Accelerator",
+    "Trainer",
     "find_config_file",
+    "follow_overrides",
     "load_settings",
 ]
 
@@ -71,4 +73,8 @@ def __getattr__(name: str):
         from blockshard.integrations.accelerate import _accelerator
 
         return getattr(_accelerator, name)
+    if name in ("Trainer", "follow_overrides"):  # imports transformers: only when used
+        from blockshard.integrations.accelerate import _trainer
+
+        return getattr(_trainer, name)
     raise AttributeError(f"module 'blockshard.integrations.accelerate' has no attribute {name!r}")
