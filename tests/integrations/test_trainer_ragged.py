@@ -1,0 +1,154 @@
+"""The Hugging Face ``Trainer`` with blockshard's ragged engine: ``blockshard.integrations.accelerate.Trainer``.
+
+Slow tests: ``examples/hf_trainer_ragged.py`` under a real ``accelerate launch`` (2 CPU processes over
+gloo, the config ``blockshard accelerate-config --cpu --semantics bnb8bit`` writes: one group per
+``LlamaDecoderLayer``, then the root) against the stock ``transformers.Trainer`` in one process
+(``--stock``, no blockshard), both run at once. A tiny Llama built in code (tied embeddings), an
+in-memory dataset, ``report_to=[]``, 3 steps. Every rank trains on the whole batch: the example's
+``RankReplicated`` dataset repeats each batch W times in a row under the Trainer's sequential sampler
+(``train_sampling_strategy="sequential"``), and accelerate gives rank r batches r, r + W, ...; so each
+step every rank sees the batch one process sees (docs/design.md, "Sharding invariance").
+
+* ``adamw_torch`` and ``adamw_bnb_8bit``: **bitwise** equal to one process (losses and the
+  ``trainer.save_model`` output loaded with ``from_pretrained``). ``max_grad_norm=10`` here: the
+  gradient norm is ~1.9, so the clip factor clamps to 1.0 and multiplies exactly.
+* bitsandbytes: the Trainer's 32-bit override for ``nn.Embedding`` holds on each rank's piece of the
+  (tied) embedding: fp32 state on both ranks, as on one process. The control (the override dropped)
+  keeps 8-bit state and differs from one process (measured 6.9e-4).
+* ``max_grad_norm=1.0`` (clipping active): the Trainer's logged norm is the global one, the same on
+  both ranks and within ``CLIP_RTOL = 1e-6`` of one process (torch sums per tensor, blockshard per
+  piece: an ulp apart), the model within ``CLIP_ATOL = 1e-6`` (measured 1.2e-7).
+* Sharding happened: each rank holds part of the parameters and of the embedding.
+* The checkpoint the Trainer writes (``save_steps``) holds the full model (``from_pretrained`` equals
+  ``save_model``'s), blockshard's DCP state of model and optimizer, and the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from blockshard.cli import main as cli_main
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "hf_trainer_ragged.py"
+BIN = pathlib.Path(sys.executable).parent
+CLIP_RTOL = 1e-6
+CLIP_ATOL = 1e-6
+RUNS = "adamw,bnb,adamw_clip"
+
+
+def test_follow_overrides_moves_pid2config_onto_the_new_parameter():
+    bnb = pytest.importorskip("bitsandbytes")
+    import torch
+
+    from blockshard.integrations.accelerate import follow_overrides
+
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.initialize()
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4))
+    before = {id(p): n for n, p in model.named_parameters()}
+    old = model[0].weight
+    manager.override_config(old, "optim_bits", 32)
+    model[0].weight = torch.nn.Parameter(old.detach()[:4].clone())  # a piece: a new Parameter object
+    assert follow_overrides(before, model) == 1
+    assert manager.pid2config == {id(model[0].weight): {"optim_bits": 32}}
+    manager.initialize()
+
+
+def _env() -> dict:
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env.pop("BLOCKSHARD_ACCELERATE_CONFIG", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(reference dir, sharded dir): the stock one-process runs and the launched ones, run at once."""
+    tmp = tmp_path_factory.mktemp("trainer")
+    assert cli_main(["accelerate-config", "--cpu", "--semantics", "bnb8bit", "--out", str(tmp / "cfg")]) == 0
+    ref = [sys.executable, str(EXAMPLE), "--stock", "--runs", RUNS, "--out", str(tmp / "ref")]
+    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(tmp / "cfg" / "accelerate.yaml")]
+    sharded = [*launch, str(EXAMPLE), "--runs", f"{RUNS},bnb_no_override", "--out", str(tmp / "run")]
+    procs = [subprocess.Popen(c, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in (ref, sharded)]  # fmt: skip
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-6000:]
+    return tmp / "ref", tmp / "run"
+
+
+def _infos(out: pathlib.Path, run: str, ranks: int) -> list[dict]:
+    return [json.loads((out / run / f"rank{r}.json").read_text()) for r in range(ranks)]
+
+
+def _model(path: pathlib.Path) -> dict:
+    import transformers
+
+    return transformers.LlamaForCausalLM.from_pretrained(path).state_dict()
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _check_sharded(infos: list[dict]) -> None:
+    assert [i["world_size"] for i in infos] == [2, 2]
+    total = infos[0]["total_numel"]
+    assert all(0 < i["local_numel"] < total for i in infos), infos  # each rank holds part of the parameters
+    assert sum(i["local_numel"] for i in infos) >= total
+    assert all(0 < i["embedding_numel"] < 512 * 64 for i in infos), infos  # the embedding is cut across both
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["adamw", "bnb"])
+def test_trainer_equals_one_process_bitwise(runs, run):
+    ref, sharded = runs
+    (ref_info,) = _infos(ref, run, 1)
+    infos = _infos(sharded, run, 2)
+    _check_sharded(infos)
+    assert ref_info["world_size"] == 1
+    assert infos[0]["losses"] == infos[1]["losses"] == ref_info["losses"]
+    assert infos[0]["grad_norms"] == infos[1]["grad_norms"]  # the global norm, on every rank
+    assert infos[0]["grad_norms"] == pytest.approx(ref_info["grad_norms"], rel=CLIP_RTOL)
+    assert _max_diff(_model(sharded / run / "final"), _model(ref / run / "final")) == 0.0
+
+
+@pytest.mark.slow
+def test_bnb_embedding_override_follows_the_piece(runs):
+    ref, sharded = runs
+    assert _infos(ref, "bnb", 1)[0]["embedding_state"] == "torch.float32"  # the Trainer's override, one process
+    assert [i["embedding_state"] for i in _infos(sharded, "bnb", 2)] == ["torch.float32"] * 2
+    # the control: without the override the embedding's pieces keep 8-bit state, and the model differs
+    control = _infos(sharded, "bnb_no_override", 2)
+    _check_sharded(control)
+    assert [i["embedding_state"] for i in control] == ["torch.uint8"] * 2
+    assert _max_diff(_model(sharded / "bnb_no_override" / "final"), _model(ref / "bnb" / "final")) > 1e-5
+
+
+@pytest.mark.slow
+def test_clipping_uses_the_global_norm(runs):
+    ref, sharded = runs
+    (ref_info,) = _infos(ref, "adamw_clip", 1)
+    infos = _infos(sharded, "adamw_clip", 2)
+    _check_sharded(infos)
+    assert min(ref_info["grad_norms"]) > 1.0  # clipping is active at max_grad_norm=1.0
+    assert infos[0]["grad_norms"] == infos[1]["grad_norms"]
+    assert infos[0]["grad_norms"] == pytest.approx(ref_info["grad_norms"], rel=CLIP_RTOL)
+    assert _max_diff(_model(sharded / "adamw_clip" / "final"), _model(ref / "adamw_clip" / "final")) <= CLIP_ATOL
+
+
+@pytest.mark.slow
+def test_checkpoint_holds_the_full_model_and_blockshard_state(runs):
+    _, sharded = runs
+    ckpt = sharded / "adamw" / "checkpoint-3"
+    assert (ckpt / "blockshard" / "blockshard.json").is_file()  # blockshard.save_checkpoint's record (DCP)
+    assert (ckpt / "scheduler.pt").is_file() and (ckpt / "trainer_state.json").is_file()
+    assert not (ckpt / "optimizer.pt").exists()  # never rank 0's pieces under the full names
+    assert _max_diff(_model(ckpt), _model(sharded / "adamw" / "final")) == 0.0
