@@ -7,12 +7,12 @@ The one changed line: ``from blockshard.integrations.accelerate import Trainer``
 transformers' (a subclass that builds blockshard's ``Accelerator``; docs/accelerate.md, "The
 Hugging Face Trainer"). Run without a launcher (``python examples/hf_trainer_ragged.py --stock``) it
 is the stock Trainer in one process: the reference the tests compare with. Each run (``RUNS``)
-trains 3 steps, writes one checkpoint and then ``trainer.save_model``.
+trains 3 steps, writes a checkpoint after step 2 and then ``trainer.save_model``.
 
 A tiny Llama built in code (no downloads), an in-memory dataset. Every rank trains on the whole
 batch (``RankReplicated`` below), so W processes compute exactly what one process computes
 (docs/design.md, "Sharding invariance"); in real training each rank reads its own data as usual.
-``--out DIR`` writes what the tests check (DIR/<run>/rank<r>.json, DIR/<run>/final, DIR/<run>/checkpoint-3).
+``--out DIR`` writes what the tests check (DIR/<run>/rank<r>.json, DIR/<run>/final, DIR/<run>/checkpoint-2).
 """
 
 from __future__ import annotations
@@ -96,14 +96,20 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--runs", default="adamw,bnb", help=f"comma-separated, of {', '.join(RUNS)}")
     p.add_argument("--stock", action="store_true", help="transformers.Trainer (the one-process reference)")
+    p.add_argument(
+        "--resume-from", help="resume each run from DIR/<run>/checkpoint-2 (written by an earlier --out DIR)"
+    )
     p.add_argument("--out", default="hf_trainer_ragged_out")
     args = p.parse_args()
     torch.set_num_threads(1)
     for name in args.runs.split(","):
-        train(name, *RUNS[name], stock=args.stock, out=os.path.join(args.out, name))
+        resume = os.path.join(args.resume_from, name, "checkpoint-2") if args.resume_from else None
+        train(name, *RUNS[name], stock=args.stock, out=os.path.join(args.out, name), resume=resume)
 
 
-def train(name: str, optim: str, max_grad_norm: float, keep_override: bool, *, stock: bool, out: str) -> None:
+def train(
+    name: str, optim: str, max_grad_norm: float, keep_override: bool, *, stock: bool, out: str, resume: str | None
+) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     training_args = transformers.TrainingArguments(
         output_dir=out,
@@ -114,8 +120,8 @@ def train(name: str, optim: str, max_grad_norm: float, keep_override: bool, *, s
         max_grad_norm=max_grad_norm,
         optim=optim,
         train_sampling_strategy="sequential",
-        save_strategy="steps",  # one checkpoint, at the end: the full model + blockshard's DCP state
-        save_steps=STEPS,
+        save_strategy="steps",  # one checkpoint, after step 2: the full model + blockshard's DCP state
+        save_steps=2,
         logging_steps=1,
         report_to=[],
         use_cpu=not torch.cuda.is_available(),
@@ -134,7 +140,7 @@ def train(name: str, optim: str, max_grad_norm: float, keep_override: bool, *, s
         from bitsandbytes.optim import GlobalOptimManager
 
         GlobalOptimManager.get_instance().module_weight_config_triple.clear()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(os.path.join(out, "final"))  # the full model (collective: every rank calls it)
     info = dict(
         run=name,

@@ -22,6 +22,13 @@ takes its plain data-parallel path, where everything it does to the model goes t
 * checkpoints (``_save_checkpoint``): the model and optimizer state as one DCP checkpoint in
   ``<checkpoint>/blockshard`` (as ``accelerator.save_state``), the scheduler as the Trainer saves it;
   ``resume_from_checkpoint`` loads both (the full weights first, as the Trainer does, then the DCP state).
+
+[Note: empty pieces leave the optimizer] The Trainer builds its optimizer over the whole model, so
+after sharding it holds this rank's empty pieces too (a tensor another rank holds whole). bitsandbytes
+gives a 0-element tensor fp32 state (below ``min_8bit_size``) while the rank holding the tensor keeps
+8-bit state, and a DCP checkpoint then disagrees on the dtype at load. An empty piece trains
+nothing, so before the first step it leaves the optimizer's ``param_groups`` (as the runtime tests
+build their optimizers over the non-empty pieces only).
 """
 
 from __future__ import annotations
@@ -107,10 +114,22 @@ class Trainer(transformers.Trainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         out = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        before = getattr(self, "_names_before_sharding", None)
-        if self._blockshard() is not None and before is not None:
-            follow_overrides(before, self.model)
+        if self._blockshard() is not None:
+            self._after_sharding()
         return out
+
+    def _after_sharding(self) -> None:
+        """Before the first step (and before a resume loads state): overrides follow the pieces, and
+        empty pieces leave the optimizer (see [Note: empty pieces leave the optimizer])."""
+        if getattr(self, "_sharding_followed", False):
+            return
+        self._sharding_followed = True
+        before = getattr(self, "_names_before_sharding", None)
+        if before is not None:
+            follow_overrides(before, self.model)
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if p.numel() > 0]
 
     # -- saving -----------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -155,6 +174,7 @@ class Trainer(transformers.Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         from blockshard.integrations.accelerate._shard import load_model
 
+        self._after_sharding()
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         load_model(self.model, os.path.join(checkpoint, CHECKPOINT_DIR), [optimizer], acc.blockshard_settings)
         state = torch.load(os.path.join(checkpoint, hf_trainer.SCHEDULER_NAME), weights_only=True)

@@ -19,8 +19,10 @@ step every rank sees the batch one process sees (docs/design.md, "Sharding invar
   both ranks and within ``CLIP_RTOL = 1e-6`` of one process (torch sums per tensor, blockshard per
   piece: an ulp apart), the model within ``CLIP_ATOL = 1e-6`` (measured 1.2e-7).
 * Sharding happened: each rank holds part of the parameters and of the embedding.
-* The checkpoint the Trainer writes (``save_steps``) holds the full model (``from_pretrained`` equals
-  ``save_model``'s), blockshard's DCP state of model and optimizer, and the scheduler.
+* The checkpoint the Trainer writes after step 2 (``save_steps``) holds the full model
+  (``from_pretrained`` equals the stock Trainer's checkpoint bitwise), blockshard's DCP state of
+  model and optimizer, and the scheduler; ``resume_from_checkpoint`` in a new launch ends
+  **bitwise** like the uninterrupted run (adamw_torch and adamw_bnb_8bit).
 """
 
 from __future__ import annotations
@@ -145,10 +147,20 @@ def test_clipping_uses_the_global_norm(runs):
 
 
 @pytest.mark.slow
-def test_checkpoint_holds_the_full_model_and_blockshard_state(runs):
-    _, sharded = runs
-    ckpt = sharded / "adamw" / "checkpoint-3"
-    assert (ckpt / "blockshard" / "blockshard.json").is_file()  # blockshard.save_checkpoint's record (DCP)
-    assert (ckpt / "scheduler.pt").is_file() and (ckpt / "trainer_state.json").is_file()
-    assert not (ckpt / "optimizer.pt").exists()  # never rank 0's pieces under the full names
-    assert _max_diff(_model(ckpt), _model(sharded / "adamw" / "final")) == 0.0
+def test_checkpoints_hold_the_full_model_and_resume_bitwise(runs, tmp_path):
+    ref, sharded = runs
+    for run in ("adamw", "bnb"):
+        ckpt = sharded / run / "checkpoint-2"
+        assert (ckpt / "blockshard" / "blockshard.json").is_file()  # blockshard.save_checkpoint's record (DCP)
+        assert (ckpt / "scheduler.pt").is_file() and (ckpt / "trainer_state.json").is_file()
+        assert not (ckpt / "optimizer.pt").exists()  # never rank 0's pieces under the full names
+        assert _max_diff(_model(ckpt), _model(ref / run / "checkpoint-2")) == 0.0  # the stock Trainer's, after step 2
+    # a new launch resumes from checkpoint-2 (full weights, then blockshard's DCP state) and ends bitwise
+    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(sharded.parent / "cfg" / "accelerate.yaml")]
+    cmd = [*launch, str(EXAMPLE), "--runs", "adamw,bnb", "--resume-from", str(sharded), "--out", str(tmp_path)]
+    res = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    for run in ("adamw", "bnb"):
+        infos = _infos(tmp_path, run, 2)
+        assert infos[0]["losses"] == _infos(sharded, run, 2)[0]["losses"]  # steps 1-2 from trainer_state.json
+        assert _max_diff(_model(tmp_path / run / "final"), _model(sharded / run / "final")) == 0.0
