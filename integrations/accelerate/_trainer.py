@@ -96,7 +96,14 @@ class Trainer(transformers.Trainer):
             super().create_accelerator_and_postprocess()
         acc = self.accelerator
         assert isinstance(acc, Accelerator)
-        if acc.blockshard_settings is not None and acc.num_processes < 2 and _no_device() and not self.args.use_cpu:
+        launched = "LOCAL_RANK" in os.environ
+        if (
+            acc.blockshard_settings is not None
+            and acc.num_processes < 2
+            and launched
+            and _no_device()
+            and not self.args.use_cpu
+        ):
             raise AccelerateConfigError(
                 f"blockshard's {acc.blockshard_settings.engine} engine found {acc.num_processes} process on a machine "
                 "without an accelerator: TrainingArguments set up accelerate before the Trainer could (as "
@@ -107,9 +114,14 @@ class Trainer(transformers.Trainer):
         acc = getattr(self, "accelerator", None)
         return acc if isinstance(acc, Accelerator) and acc._blockshard_models else None
 
+    def _inner_optimizer(self) -> Any:
+        """The optimizer accelerate's ``AcceleratedOptimizer`` wraps."""
+        return getattr(self.optimizer, "optimizer", self.optimizer)
+
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
-        self._names_before_sharding = _names_of(self.model if model is None else model)
+        target: Any = self.model if model is None else model
+        self._names_before_sharding = _names_of(target)
         return optimizer
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
@@ -125,10 +137,10 @@ class Trainer(transformers.Trainer):
             return
         self._sharding_followed = True
         before = getattr(self, "_names_before_sharding", None)
+        model: Any = self.model
         if before is not None:
-            follow_overrides(before, self.model)
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        for group in optimizer.param_groups:
+            follow_overrides(before, model)
+        for group in self._inner_optimizer().param_groups:
             group["params"] = [p for p in group["params"] if p.numel() > 0]
 
     # -- saving -----------------------------------------------------------------------------------
@@ -136,7 +148,7 @@ class Trainer(transformers.Trainer):
         acc = self._blockshard()
         if acc is None:
             return super().save_model(output_dir, _internal_call=_internal_call)
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        output_dir = output_dir if output_dir is not None else str(self.args.output_dir)
         settings = acc.blockshard_settings
         assert settings is not None
         if settings.engine == "ragged":
@@ -163,10 +175,11 @@ class Trainer(transformers.Trainer):
             return super()._save_optimizer_and_scheduler(output_dir)
         from blockshard.integrations.accelerate._shard import save_model
 
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        save_model(self.model, os.path.join(output_dir, CHECKPOINT_DIR), [optimizer], acc.blockshard_settings)
+        model: Any = self.model
+        save_model(model, os.path.join(output_dir, CHECKPOINT_DIR), [self._inner_optimizer()], acc.blockshard_settings)
+        scheduler: Any = self.lr_scheduler
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, hf_trainer.SCHEDULER_NAME))
+            torch.save(scheduler.state_dict(), os.path.join(output_dir, hf_trainer.SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         acc = self._blockshard()
@@ -175,10 +188,10 @@ class Trainer(transformers.Trainer):
         from blockshard.integrations.accelerate._shard import load_model
 
         self._after_sharding()
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-        load_model(self.model, os.path.join(checkpoint, CHECKPOINT_DIR), [optimizer], acc.blockshard_settings)
-        state = torch.load(os.path.join(checkpoint, hf_trainer.SCHEDULER_NAME), weights_only=True)
-        self.lr_scheduler.load_state_dict(state)
+        model: Any = self.model
+        load_model(model, os.path.join(checkpoint, CHECKPOINT_DIR), [self._inner_optimizer()], acc.blockshard_settings)
+        scheduler: Any = self.lr_scheduler
+        scheduler.load_state_dict(torch.load(os.path.join(checkpoint, hf_trainer.SCHEDULER_NAME), weights_only=True))
 
 
 @contextlib.contextmanager

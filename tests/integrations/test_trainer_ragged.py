@@ -164,3 +164,19 @@ def test_checkpoints_hold_the_full_model_and_resume_bitwise(runs, tmp_path):
         infos = _infos(tmp_path, run, 2)
         assert infos[0]["losses"] == _infos(sharded, run, 2)[0]["losses"]  # steps 1-2 from trainer_state.json
         assert _max_diff(_model(tmp_path / run / "final"), _model(sharded / run / "final")) == 0.0
+
+
+@pytest.mark.slow
+def test_cpu_launch_without_use_cpu_says_so(tmp_path):
+    """``TrainingArguments`` sets up accelerate before the Trainer: without ``use_cpu=True`` on a CPU
+    machine accelerate reports one process; blockshard's Trainer says what to pass."""
+    script = tmp_path / "no_use_cpu.py"
+    text = EXAMPLE.read_text()
+    assert "use_cpu=not torch.cuda.is_available()," in text
+    script.write_text(text.replace("use_cpu=not torch.cuda.is_available(),", "use_cpu=False,"))
+    assert cli_main(["accelerate-config", "--cpu", "--out", str(tmp_path / "cfg")]) == 0
+    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(tmp_path / "cfg" / "accelerate.yaml")]
+    cmd = [*launch, str(script), "--runs", "adamw", "--out", str(tmp_path / "out")]
+    res = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert "AccelerateConfigError" in res.stderr and "pass TrainingArguments(use_cpu=True" in res.stderr
