@@ -63,6 +63,30 @@ def test_follow_overrides_moves_pid2config_onto_the_new_parameter():
     manager.initialize()
 
 
+@pytest.mark.slow  # in this process, but two Trainers (about 15 s)
+def test_without_a_blockshard_config_it_is_the_stock_trainer(tmp_path, monkeypatch):
+    """One process, no config: blockshard's Trainer builds its Accelerator with no settings and trains
+    exactly as ``transformers.Trainer`` (the example's ``adamw`` run, in this process)."""
+    import importlib.util
+
+    import torch
+
+    monkeypatch.delenv("BLOCKSHARD_ACCELERATE_CONFIG", raising=False)
+    spec = importlib.util.spec_from_file_location("hf_trainer_ragged", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    threads = torch.get_num_threads()
+    try:
+        for stock in (True, False):
+            example.train("adamw", *example.RUNS["adamw"], stock=stock, out=str(tmp_path / str(stock)), resume=None)
+    finally:
+        torch.set_num_threads(threads)
+    assert _max_diff(_model(tmp_path / "False" / "final"), _model(tmp_path / "True" / "final")) == 0.0
+    info = json.loads((tmp_path / "False" / "rank0.json").read_text())
+    assert info["world_size"] == 1 and info["local_numel"] == info["total_numel"]
+
+
 def _env() -> dict:
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     env.pop("BLOCKSHARD_ACCELERATE_CONFIG", None)
