@@ -82,13 +82,15 @@ def embedding_numel(model: torch.nn.Module) -> int:
     return model.get_input_embeddings().weight.numel()
 
 
-# name: (optim, max_grad_norm, keep bitsandbytes' embedding override). The gradient norm is ~1.9
-# here: max_grad_norm=10 leaves clipping inactive (the factor clamps to 1.0, exact), 1.0 clips.
+# name: (optim, max_grad_norm, keep bitsandbytes' embedding override, gradient_accumulation_steps).
+# The gradient norm is ~1.9 here: max_grad_norm=10 leaves clipping inactive (the factor clamps to
+# 1.0, exact), 1.0 clips.
 RUNS = {
-    "adamw": ("adamw_torch", 10.0, True),
-    "bnb": ("adamw_bnb_8bit", 10.0, True),
-    "bnb_no_override": ("adamw_bnb_8bit", 10.0, False),  # a control: the embedding loses its fp32 state
-    "adamw_clip": ("adamw_torch", 1.0, True),
+    "adamw": ("adamw_torch", 10.0, True, 1),
+    "bnb": ("adamw_bnb_8bit", 10.0, True, 1),
+    "bnb_no_override": ("adamw_bnb_8bit", 10.0, False, 1),  # a control: the embedding loses its fp32 state
+    "adamw_clip": ("adamw_torch", 1.0, True, 1),
+    "adamw_accum": ("adamw_torch", 10.0, True, 2),  # the same batches as 2 micro-batches of 2
 }
 
 
@@ -108,12 +110,22 @@ def main() -> None:
 
 
 def train(
-    name: str, optim: str, max_grad_norm: float, keep_override: bool, *, stock: bool, out: str, resume: str | None
+    name: str,
+    optim: str,
+    max_grad_norm: float,
+    keep_override: bool,
+    accumulation: int,
+    *,
+    stock: bool,
+    out: str,
+    resume: str | None,
 ) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    batch = BATCH // accumulation
     training_args = transformers.TrainingArguments(
         output_dir=out,
-        per_device_train_batch_size=BATCH,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
         max_steps=STEPS,
         learning_rate=1e-3,
         weight_decay=0.01,
@@ -134,7 +146,7 @@ def train(
     model = tiny_llama()
     total = local_numel(model)
     cls = transformers.Trainer if stock else Trainer
-    trainer = cls(model=model, args=training_args, train_dataset=RankReplicated(Tokens(), world_size, BATCH))
+    trainer = cls(model=model, args=training_args, train_dataset=RankReplicated(Tokens(), world_size, batch))
     if not keep_override:
         trainer.create_optimizer()  # registers the override; the control forgets it
         from bitsandbytes.optim import GlobalOptimManager

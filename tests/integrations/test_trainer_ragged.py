@@ -12,6 +12,8 @@ step every rank sees the batch one process sees (docs/design.md, "Sharding invar
 * ``adamw_torch`` and ``adamw_bnb_8bit``: **bitwise** equal to one process (losses and the
   ``trainer.save_model`` output loaded with ``from_pretrained``). ``max_grad_norm=10`` here: the
   gradient norm is ~1.9, so the clip factor clamps to 1.0 and multiplies exactly.
+* ``gradient_accumulation_steps=2`` (the same batches as two micro-batches of 2, ``adamw_accum``):
+  bitwise equal to the stock Trainer accumulating the same way in one process.
 * bitsandbytes: the Trainer's 32-bit override for ``nn.Embedding`` holds on each rank's piece of the
   (tied) embedding: fp32 state on both ranks, as on one process. The control (the override dropped)
   keeps 8-bit state and differs from one process (measured 6.9e-4).
@@ -42,7 +44,7 @@ EXAMPLE = ROOT / "examples" / "hf_trainer_ragged.py"
 BIN = pathlib.Path(sys.executable).parent
 CLIP_RTOL = 1e-6
 CLIP_ATOL = 1e-6
-RUNS = "adamw,bnb,adamw_clip"
+RUNS = "adamw,bnb,adamw_clip,adamw_accum"
 
 
 def test_follow_overrides_moves_pid2config_onto_the_new_parameter():
@@ -133,7 +135,7 @@ def _check_sharded(infos: list[dict]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("run", ["adamw", "bnb"])
+@pytest.mark.parametrize("run", ["adamw", "bnb", "adamw_accum"])
 def test_trainer_equals_one_process_bitwise(runs, run):
     ref, sharded = runs
     (ref_info,) = _infos(ref, run, 1)
