@@ -1,4 +1,4 @@
-"""``Trainer``: the Hugging Face ``Trainer`` with blockshard's ``Accelerator`` (ragged or fsdp2 engine).
+"""``Trainer``: the Hugging Face ``Trainer`` with blockshard's ``Accelerator`` (tested with the ragged engine).
 
 [Note: what the Trainer subclass changes] ``transformers.Trainer`` builds accelerate's
 ``Accelerator`` itself (``create_accelerator_and_postprocess``). This subclass builds blockshard's
@@ -28,7 +28,8 @@ after sharding it holds this rank's empty pieces too (a tensor another rank hold
 gives a 0-element tensor fp32 state (below ``min_8bit_size``) while the rank holding the tensor keeps
 8-bit state, and a DCP checkpoint then disagrees on the dtype at load. An empty piece trains
 nothing, so before the first step it leaves the optimizer's ``param_groups`` (as the runtime tests
-build their optimizers over the non-empty pieces only).
+build their optimizers over the non-empty pieces only); bitsandbytes' positional ``index2config`` is
+then rebuilt from ``pid2config`` for the positions as they are.
 """
 
 from __future__ import annotations
@@ -74,6 +75,24 @@ def follow_overrides(before: dict[int, str], model: nn.Module) -> int:
             manager.pid2config[id(now[name])] = config
             moved += 1
     return moved
+
+
+def _reindex_overrides(optimizer: torch.optim.Optimizer) -> None:
+    """bitsandbytes' ``index2config`` is keyed by ``(param_group, position)``: rebuild it from
+    ``pid2config`` for this optimizer's parameters now (positions shift when empty pieces leave)."""
+    import sys
+
+    if "bitsandbytes" not in sys.modules:
+        return
+    from bitsandbytes.optim import GlobalOptimManager
+
+    manager = GlobalOptimManager.get_instance()
+    manager.index2config = {
+        (gi, pi): manager.pid2config[id(p)]
+        for gi, group in enumerate(optimizer.param_groups)
+        for pi, p in enumerate(group["params"])
+        if id(p) in manager.pid2config
+    }
 
 
 class Trainer(transformers.Trainer):
@@ -140,8 +159,10 @@ class Trainer(transformers.Trainer):
         model: Any = self.model
         if before is not None:
             follow_overrides(before, model)
-        for group in self._inner_optimizer().param_groups:
+        optimizer = self._inner_optimizer()
+        for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if p.numel() > 0]
+        _reindex_overrides(optimizer)  # module overrides are resolved at the first step, by attribute
 
     # -- saving -----------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
