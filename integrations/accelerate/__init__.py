@@ -39,8 +39,9 @@ The processes find the file through ``BLOCKSHARD_ACCELERATE_CONFIG`` or, by defa
 ``distributed_type: DEEPSPEED`` with a ``deepspeed_config_file`` whose JSON has a ``"blockshard"``
 section; this ``Accelerator`` then installs blockshard's DeepSpeed hook (block-aligned ZeRO-1/2).
 
-For code that builds accelerate's ``Accelerator`` itself (the HF ``Trainer``), pass this class
-where it is built; ``AccelerateSettings(...)`` as ``Accelerator(blockshard_settings=...)`` replaces
+The Hugging Face ``Trainer`` builds its ``Accelerator`` itself: ``from
+blockshard.integrations.accelerate import Trainer`` (a ``transformers.Trainer`` that builds this one;
+``_trainer.py``). Other code that builds accelerate's ``Accelerator`` passes this class where it is built; ``AccelerateSettings(...)`` as ``Accelerator(blockshard_settings=...)`` replaces
 the config file (a test or a notebook).
 See docs/accelerate.md for what each method does (and [Note: what the subclass changes]).
 """
@@ -61,7 +62,9 @@ __all__ = [
     "AccelerateConfigError",
     "AccelerateSettings",
     "Accelerator",
+    "Trainer",
     "find_config_file",
+    "follow_overrides",
     "load_settings",
 ]
 
@@ -71,4 +74,8 @@ def __getattr__(name: str):
         from blockshard.integrations.accelerate import _accelerator
 
         return getattr(_accelerator, name)
+    if name in ("Trainer", "follow_overrides"):  # imports transformers: only when used
+        from blockshard.integrations.accelerate import _trainer
+
+        return getattr(_trainer, name)
     raise AttributeError(f"module 'blockshard.integrations.accelerate' has no attribute {name!r}")
