@@ -240,7 +240,9 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
 #   reshards; gathered likewise under ``full_state_dict=True``) and its loader, which also takes
 #   full tensors (each rank copies its piece out), torch's flattened form and rank 0's broadcast.
 #   See ``_optim_state.py``.
-# A torch without these three functions (another version) is left as it is.
+# A torch without these three functions (another version) is left as it is. A fourth, ``_get_fqns``,
+# is wrapped for quantized weights' entries (``weight.absmax`` names no attribute of the piece;
+# ``wrap_get_fqns`` in _quantized_state.py, [Note: quantized state dicts]).
 # Loading a model needs no wrapper: torch hands ``model.load_state_dict`` full tensors or the
 # PieceTensors, which the load pre-hook above turns into this rank's piece.
 # Installed once per process, under a lock: ranks on threads (one interpreter) call ``fully_shard``
