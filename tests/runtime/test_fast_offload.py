@@ -46,9 +46,14 @@ def _no_offload(world: int, kind: str, micro: int = 1, mp: bool = False) -> list
     return _on(world, kind, sharded=True, micro=micro, shard_kwargs=kw)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+_SLOW = pytest.mark.slow  # the rest of the matrix runs in the slow tier (the fast tier stays under a minute)
+
+
+@pytest.mark.parametrize("world", [pytest.param(1, marks=_SLOW), 2])
 @pytest.mark.parametrize(
-    ("kind", "micro", "mp"), [("mlp", 1, False), ("llama", 1, False), ("mlp", 2, False), ("mlp", 1, True)]
+    ("kind", "micro", "mp"),
+    [("mlp", 1, False), pytest.param("llama", 1, False, marks=_SLOW), ("mlp", 2, True)]
+    + [pytest.param("mlp", 2, False, marks=_SLOW), pytest.param("mlp", 1, True, marks=_SLOW)],
 )
 def test_offload_equals_no_offload_bitwise(world, kind, micro, mp):
     kw = dict(OFFLOAD)
