@@ -72,6 +72,8 @@ def _mixed_message(examples: list[tuple[torch.dtype, str]]) -> str:
 def check_trainable_dtypes(primary: ShardGroup, extra_groups: list[ShardGroup]) -> None:
     """Raise if a parameter of a non-primary dtype was unfrozen after ``fully_shard``."""
     for g in extra_groups:
+        if g.trainable_extra:  # [Note: quantized gather]: trains and reduces on its own
+            continue
         for sp in g.params:
             if sp.sharded.requires_grad:
                 first = next((q.fqn for q in primary.params if q.sharded.requires_grad), None)
