@@ -29,6 +29,7 @@ The pre-backward unshard finds the payload current and gathers the same bytes ag
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,7 +102,7 @@ class PayloadPiece:
 
 
 def plan_payload(
-    name: str, layout: GroupLayout, params: list[ShardedParam], quantizers: dict[str, TileQuantizer]
+    name: str, layout: GroupLayout, params: list[ShardedParam], quantizer: Callable[[ShardedParam], TileQuantizer]
 ) -> tuple[list[list[PayloadPiece]], int]:
     """Every rank's quantized pieces and the segment size ``Sq`` (bytes); raises unless every
     piece of the float layout is whole tiles."""
@@ -111,7 +112,8 @@ def plan_payload(
         pos, out = 0, []
         for piece in layout.pieces(r):
             k = by_index[piece.index]
-            sp, q = params[k], quantizers[params[k].fqn]
+            sp = params[k]
+            q = quantizer(sp)
             end = piece.start + piece.numel
             unit = q.unit_numel
             if piece.start % unit or (end % unit and end != sp.numel):
@@ -134,19 +136,25 @@ class QuantizedGatherGroup(ShardGroup):
 
     trainable_extra = True  # an extra buffer set that trains and reduces ([Note: mixed dtypes])
 
-    def __init__(self, *args: Any, quantizers: dict[str, TileQuantizer], **kwargs: Any) -> None:
-        self.quantizers = quantizers
+    def __init__(
+        self, name: str, params: list[ShardedParam], *args: Any, quantizers: dict[str, TileQuantizer], **kwargs: Any
+    ) -> None:
+        # by parameter, not name: a list group's names change when its root binds them (_grouped.py)
+        self.quantizers = {id(sp): quantizers[sp.fqn] for sp in params}
         self.plan: list[list[PayloadPiece]] = []
         self.segment_bytes = 0
         self._quantized_version: int | None = None  # local's version at the last quantization
         self._gathered_bytes: torch.Tensor | None = None  # [W * Sq] while the all-gather is in flight
         self.quantizations = 0  # how often this rank quantized its pieces (tests, stats)
-        super().__init__(*args, **kwargs)
+        super().__init__(name, params, *args, **kwargs)
+
+    def quantizer(self, sp: ShardedParam) -> TileQuantizer:
+        return self.quantizers[id(sp)]
 
     # -- buffers ----------------------------------------------------------------------------------
     def _place(self, layout: GroupLayout) -> None:
         super()._place(layout)
-        self.plan, self.segment_bytes = plan_payload(self.name, layout, self.params, self.quantizers)
+        self.plan, self.segment_bytes = plan_payload(self.name, layout, self.params, self.quantizer)
         self._alloc_payload()
 
     def _alloc_buffers(self, device: torch.device, S: int, *, zeros: bool) -> None:
@@ -172,7 +180,7 @@ class QuantizedGatherGroup(ShardGroup):
         for p in self.plan[self.rank]:
             sp = self.params[p.param]
             lo = sp.local_offset + p.start - sp.local_start
-            payload, scales = self.quantizers[sp.fqn].quantize(self.local[lo : lo + p.numel], p.start)
+            payload, scales = self.quantizer(sp).quantize(self.local[lo : lo + p.numel], p.start)
             self.payload[p.offset : p.offset + p.payload_bytes].copy_(payload)
             self.payload[p.scale_offset : p.scale_offset + p.scale_bytes].copy_(scales)
         self._quantized_version = self.local._version
@@ -220,7 +228,7 @@ class QuantizedGatherGroup(ShardGroup):
                 payload = buf[r * Sq + p.offset : r * Sq + p.offset + p.payload_bytes]
                 scales = buf[r * Sq + p.scale_offset : r * Sq + p.scale_offset + p.scale_bytes]
                 at = sp.gathered_offset + p.start
-                values = self.quantizers[sp.fqn].dequantize(payload, scales, p.start, p.numel, self.param_dtype)
+                values = self.quantizer(sp).dequantize(payload, scales, p.start, p.numel, self.param_dtype)
                 self.gathered[at : at + p.numel].copy_(values)
 
     @torch.no_grad()
@@ -242,7 +250,7 @@ class QuantizedGatherGroup(ShardGroup):
             got.sort(key=lambda x: x[0])
             sp = self.params[k]
             payload, scales = torch.cat([g[1] for g in got]), torch.cat([g[2] for g in got])
-            out[sp.fqn] = self.quantizers[sp.fqn].full(payload, scales)
+            out[sp.fqn] = self.quantizer(sp).full(payload, scales)
         return out
 
     def stats(self) -> QuantizedStats:
@@ -252,16 +260,14 @@ class QuantizedGatherGroup(ShardGroup):
 
 
 def _groups(model: nn.Module) -> list[tuple[str, QuantizedGatherGroup]]:
-    from blockshard.runtime._state import state_of
+    """Every quantized-gather buffer set under ``model``, with the path its names are relative to."""
+    from blockshard.runtime._inspect import GroupView, _states_under
 
-    out, seen = [], set()
-    for prefix, m in model.named_modules():
-        st = state_of(m)
-        if st is None or id(st) in seen:
-            continue
-        seen.add(id(st))
-        out += [(prefix, g) for g in st.extra_groups if isinstance(g, QuantizedGatherGroup)]
-    return out
+    return [
+        (prefix, st.group)
+        for prefix, st in _states_under(model)
+        if isinstance(st, GroupView) and isinstance(st.group, QuantizedGatherGroup)
+    ]
 
 
 def precompute_quantized_gather(model: nn.Module) -> int:

@@ -204,3 +204,46 @@ def _qgroup(module: nn.Module):
 
     st = state_of(module)
     return next(g for g in st.extra_groups if isinstance(g, QuantizedGatherGroup))
+
+
+def accumulate_clip_checkpoint(rank: int, world: int, path: str = "") -> dict:
+    """Two micro-batches (the first without gradient sync), ``clip_grad_norm_``'s norm, one AdamW step;
+    then a checkpoint saved and loaded into a model whose middle layers are one list group.
+    ``world == 0``: one process with the reference fake quantization (no checkpoint)."""
+    import blockshard
+
+    with _serial():
+        model = Stack()
+    if world:
+        _shard(model)
+    else:
+        for layer, (_, _, spec) in zip(model.layers, LAYERS, strict=True):
+            parametrize.register_parametrization(layer, "weight", FakeQuant(spec))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for micro in range(2):
+        if world:
+            model.set_requires_gradient_sync(micro == 1)
+        x = torch.randn(6, LAYERS[0][0], generator=torch.Generator().manual_seed(micro))
+        model(x).square().mean().backward()
+    # the global norm (no clipping at this bound: a clip coefficient off by an ulp from the norm's
+    # summation order would move the masters by an ulp, which a quantizer may round to another code)
+    out: dict = {"norm": torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)}
+    opt.step()
+    opt.zero_grad()
+    x = torch.randn(4, LAYERS[0][0], generator=torch.Generator().manual_seed(9))
+    out["logits"] = model(x).detach()
+    if not world:
+        return out
+    blockshard.save_checkpoint(model, path, optimizer=opt)
+    with _serial():
+        other = Stack()
+    listed = {"0.weight": LAYERS[1][2], "1.weight": LAYERS[2][2]}  # a list group's names: "<position>.<name>"
+    blockshard.fully_shard([other.layers[1], other.layers[2]], semantics=listed, quantized_gather=True)
+    for k in (0, 3):
+        blockshard.fully_shard(other.layers[k], semantics={"weight": LAYERS[k][2]}, quantized_gather=True)
+    blockshard.fully_shard(other, semantics={"experts.*": "fp8_block:64"}, quantized_gather=True)
+    other_opt = torch.optim.AdamW([p for p in other.parameters() if p.requires_grad], lr=1e-2)
+    blockshard.load_checkpoint(other, path, optimizer=other_opt)
+    out["loaded"] = other(x).detach()
+    out["names"] = sorted(blockshard.runtime.full_quantized(other))
+    return out
