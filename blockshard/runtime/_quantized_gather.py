@@ -197,8 +197,9 @@ class QuantizedGatherGroup(ShardGroup):
         self._alloc_gathered()
         self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.gathered)
         W, Sq = self.world_size, self.segment_bytes
-        with self.streams.on("all_gather"):  # [Note: streams]
-            self._gathered_bytes = torch.empty(W * Sq, dtype=torch.uint8, device=self.device)
+        # allocated on the current stream, freed after it waited ([Note: streams])
+        self._gathered_bytes = torch.empty(W * Sq, dtype=torch.uint8, device=self.device)
+        with self.streams.on("all_gather"):
             self._pending.append(all_gather_into(self._gathered_bytes, self.payload, self.process_group, async_op=True))
         self.sharded_state = ShardedState.UNSHARDING
         if self.tally is not None:
