@@ -61,14 +61,14 @@ def _aligned(n: int) -> int:
 def split_quantized_gather(
     names: list[str], params: list[nn.Parameter], refs: list[list[ParamRef]], rules: object
 ) -> tuple[_Part, _Part, dict[str, TileQuantizer]]:
-    """(gathered quantized, the rest, the quantizers by name): the floating-point parameters whose
-    semantics is ``mx``, ``mx:4`` or ``fp8_block:B`` are gathered quantized, in one dtype."""
+    """(gathered quantized, the rest, the quantizers by name): the parameters whose semantics is
+    ``mx``, ``mx:4`` or ``fp8_block:B`` are gathered quantized (floating-point, in one dtype)."""
     r = SemanticsRules.coerce(rules)
     chosen: dict[str, TileQuantizer] = {}
     for n, p, ref in zip(names, params, refs, strict=True):
         spec = TensorSpec(name=n, shape=tuple(p.shape), dtype=p.dtype, module_type=type(ref[0].module).__name__)
         sems = r.matching(spec)
-        if any(isinstance(s, (MX, FP8Block)) for s in sems) and p.is_floating_point() and p.element_size() > 1:
+        if any(isinstance(s, (MX, FP8Block)) for s in sems):  # raises unless a float master of whole tiles
             chosen[n] = tile_quantizer(n, tuple(p.shape), p.dtype, sems)
     keep = [i for i, n in enumerate(names) if n in chosen]
     rest = [i for i, n in enumerate(names) if n not in chosen]

@@ -319,8 +319,7 @@ class ModuleState:
 
     @property
     def reducing_groups(self) -> list[ShardGroup]:
-        """The buffer sets that reduce gradients: the primary one, and those of weights gathered
-        quantized that hold a trainable parameter ([Note: quantized gather])."""
+        """The primary buffer set and the trainable quantized-gather ones ([Note: quantized gather])."""
         extra = [g for g in self.extra_groups if g.trainable_extra and any(sp.sharded.requires_grad for sp in g.params)]
         return [self.group, *extra]
 

@@ -186,10 +186,10 @@ def tile_quantizer(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, sems: l
     if not dtype.is_floating_point or dtype.itemsize == 1:
         raise _error(
             fqn,
-            f"it is a {str(dtype).removeprefix('torch.')} tensor; quantized gather quantizes floating-point master "
+            f"its dtype is {str(dtype).removeprefix('torch.')}; quantized gather quantizes floating-point master "
             "weights (fp32, bf16, fp16)",
-            "leave it out of the quantized-gather semantics (frozen float8 weights are sharded as bytes "
-            "without quantized_gather)",
+            "leave it out of the quantized-gather semantics (a frozen float8 weight with its "
+            "weight_scale_inv is sharded as bytes on its own)",
         )
     if not found:
         shown = [s.spec for s in sems] or ["elementwise"]

@@ -194,6 +194,10 @@ def test_bad_input(gloo_w1):
     two[1].to(torch.bfloat16)
     msg = _shard_error(two, semantics={"*.weight": "mx"}, quantized_gather=True)
     assert "several dtypes ('0.weight' (float32), '1.weight' (bfloat16))" in msg and "Fix: cast them" in msg
+    table = torch.nn.Module()
+    table.weight = torch.nn.Parameter(torch.zeros(4, 64, dtype=torch.int8), requires_grad=False)
+    msg = _shard_error(table, semantics={"weight": "mx"}, quantized_gather=True)
+    assert "'weight': its dtype is int8; quantized gather quantizes floating-point master weights" in msg
     msg = _shard_error(torch.nn.Linear(64, 64), semantics={"weight": "mx"}, quantized_gather="yes")
     assert "quantized_gather='yes' must be True or False" in msg
 
