@@ -7,7 +7,9 @@ buffer set of their own in the group (one more ``state.extra_groups`` entry, pla
 layout by those semantics, so every rank's piece of each is whole tiles: 1 x 32 blocks along the
 last dim, ``B``-row stripes of ``B x B`` tiles). Its parameters train as any other:
   * ``local`` [S] holds the master pieces (fp32 or bf16): what the optimizer steps; gradients are
-    reduce-scattered into them as in the primary buffer set (its own reduce-scatter);
+    reduce-scattered into them as in the primary buffer set (its own reduce-scatter, issued right
+    after the primary one's and waited for with it: ``ModuleState.reducing_groups``, so such a
+    group has two reduce-scatter inputs alive where others have one);
   * ``payload`` uint8 [Sq]: this rank's pieces quantized, each as its payload (1 byte per value,
     MXFP4 half) then its scales (1 E8M0 byte per 32 values; 4 bytes per FP8 tile), 16-byte aligned;
     ``Sq`` is the largest rank's, so the all-gather is of equal segments;
