@@ -45,6 +45,8 @@ _RUNTIME = (
     "check_finished",
     "save_pretrained",
     "quantized_stats",
+    "precompute_quantized_gather",
+    "quantized_gather_stats",
     "load_safetensors",
 )
 

@@ -21,6 +21,7 @@ from blockshard.runtime._optim_state import load_optimizer_state_dict, optimizer
 from blockshard.runtime._owners import TensorOwners, owner_plan
 from blockshard.runtime._piece_tensor import PieceTensor, PieceTensorError
 from blockshard.runtime._quantized import QuantizedStats, quantized_stats
+from blockshard.runtime._quantized_gather import full_quantized, precompute_quantized_gather, quantized_gather_stats
 from blockshard.runtime._safetensors import LoadReport, load_safetensors
 from blockshard.runtime._state_dict import (
     LocalShard,
@@ -50,6 +51,7 @@ __all__ = [
     "check_finished",
     "clip_grad_norm_",
     "describe_checkpoint",
+    "full_quantized",
     "full_state_dict",
     "fully_shard",
     "global_shapes",
@@ -64,6 +66,8 @@ __all__ = [
     "local_buffers",
     "optimizer_state_dict",
     "owner_plan",
+    "precompute_quantized_gather",
+    "quantized_gather_stats",
     "quantized_stats",
     "register_forward_method",
     "save_checkpoint",

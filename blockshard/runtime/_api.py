@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -27,6 +28,7 @@ from blockshard.runtime._optim_guard import install_optimizer_guard
 from blockshard.runtime._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
 from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
 from blockshard.runtime._quantized import QuantizedGroup, collect_quantized
+from blockshard.runtime._quantized_gather import QuantizedGatherGroup, split_quantized_gather
 from blockshard.runtime._state import STATE_ATTR, ModuleState, state_of
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
 from blockshard.semantics._rules import call_user_semantics
@@ -190,6 +192,7 @@ def _build_group(
     mp_policy: Any,
     replicate_group: dist.ProcessGroup | None,
     offload: bool = False,
+    make: Callable[..., ShardGroup] = ShardGroup,
 ) -> tuple[ShardGroup, list[PlanItem], frozenset[str]]:
     """Plan ``params`` (one dtype) and make their group: its layout checked equal on every rank."""
     layout: GroupLayout | None = None
@@ -211,7 +214,7 @@ def _build_group(
         ShardedParam(fqn=n, refs=r, shape=tuple(p.shape), requires_grad=p.requires_grad, index=index[n])
         for n, p, r in zip(names, params, refs, strict=True)
     ]
-    group = ShardGroup(
+    group = make(
         name,
         sps,
         params,
@@ -242,6 +245,7 @@ def fully_shard(
     semantics: object = None,
     alignment_bytes: int = 16,
     policy: str = "auto",
+    quantized_gather: bool = False,
 ) -> Any:
     """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
 
@@ -268,6 +272,11 @@ def fully_shard(
     A list ``[norm, head]`` makes one group over all their parameters, gathered before the first
     of them runs and resharded after the last (FSDP2's; see [Note: a list of modules] in
     _grouped.py); the list is returned.
+    ``quantized_gather=True``: floating-point parameters whose semantics is ``mx``, ``mx:4`` or
+    ``fp8_block:B`` are all-gathered as their quantized tiles (payload and scales) and computed on
+    dequantized (fake quantization; the master pieces train as floats). Call
+    :func:`blockshard.precompute_quantized_gather` after ``optimizer.step()`` to quantize outside
+    the hooks. See [Note: quantized gather] in _quantized_gather.py.
     """
     arg = module
     modules = listed_modules(module) if isinstance(module, (list, tuple)) else (module,)
@@ -275,6 +284,11 @@ def fully_shard(
         raise ShardingError(f"module={module!r} must be a torch.nn.Module or a list of them")
     module = modules[0]
     _check_fsdp_arguments(reshard_after_forward, shard_placement_fn, offload_policy)
+    if not isinstance(quantized_gather, bool):
+        raise ShardingError(
+            f"quantized_gather={quantized_gather!r} must be True or False (True: gather the weights with 'mx', "
+            "'mx:4' or 'fp8_block:B' semantics as their quantized tiles)"
+        )
     for m in modules:
         if (done := state_of(m)) is not None:
             raise ShardingError(
@@ -300,12 +314,21 @@ def fully_shard(
             "device for NCCL, and no GPU run has checked it. Fix: drop offload_policy"
         )
     name = type(module).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
+    parts: list[tuple[str | None, tuple, Callable[..., ShardGroup]]] = []
+    if quantized_gather:  # [Note: quantized gather]: a buffer set of its own, after the dtypes' ones
+        by_name = dict(zip(names, params, strict=True))
+        q_part, (names, params, refs), quantizers = split_quantized_gather(
+            names, params, refs, _rules(semantics, by_name)
+        )
+        if q_part[0]:
+            parts.append(("quantized gather", q_part, functools.partial(QuantizedGatherGroup, quantizers=quantizers)))
+    parts[:0] = [(None, part, ShardGroup) for part in split_by_dtype(names, params, refs)]  # [Note: mixed dtypes]
     groups, items, owned = [], [], frozenset[str]()
-    for k, (d_names, d_params, d_refs) in enumerate(split_by_dtype(names, params, refs)):  # [Note: mixed dtypes]
-        g_name = name if k == 0 else f"{name}[{str(d_params[0].dtype).removeprefix('torch.')}]"
+    for k, (label, (d_names, d_params, d_refs), make) in enumerate(parts):
+        g_name = name if k == 0 else f"{name}[{label or str(d_params[0].dtype).removeprefix('torch.')}]"
         group, d_items, d_owned = _build_group(
             g_name, d_names, d_params, d_refs, semantics, process_group, policy, alignment_bytes,
-            mp_policy if k == 0 or d_params[0].is_floating_point() else None, replicate_group, offload,
+            mp_policy if k == 0 or d_params[0].is_floating_point() else None, replicate_group, offload, make,
         )  # fmt: skip
         if d_owned and (len(modules) > 1 or k > 0):
             raise ShardingError(

@@ -96,15 +96,15 @@ def _pieces_of(model: nn.Module) -> dict[int, dist.ProcessGroup]:
         st = state_of(m)
         if st is None:
             continue
-        group = st.group
-        if group.sharded_state is not ShardedState.SHARDED:
-            raise ClipError(
-                f"group {group.name!r} is {group.sharded_state.name} (it holds its full parameters), so its "
-                "gradients are not reduced yet. Fix: clip after loss.backward() has finished, before "
-                "optimizer.step()"
-            )
-        for sp in group.params:
-            out[id(sp.sharded)] = group.process_group
+        for group in st.groups:  # every buffer set ([Note: mixed dtypes], [Note: quantized gather])
+            if group.sharded_state is not ShardedState.SHARDED:
+                raise ClipError(
+                    f"group {group.name!r} is {group.sharded_state.name} (it holds its full parameters), so its "
+                    "gradients are not reduced yet. Fix: clip after loss.backward() has finished, before "
+                    "optimizer.step()"
+                )
+            for sp in group.params:
+                out[id(sp.sharded)] = group.process_group
     return out
 
 

@@ -14,7 +14,10 @@ as FSDP2 casts every floating-point parameter; integer ones are gathered as they
 trainable parameters of two dtypes in one group are refused, at ``fully_shard`` and whenever a
 forward finds one unfrozen since (FSDP2 checks at its first forward): put them in different groups,
 or cast them to one dtype. State dicts, ``full_state_dict``, checkpoints and exports see every
-buffer set as a group of its own under the module's prefix.
+buffer set as a group of its own under the module's prefix. One kind of extra buffer set does
+train: the weights gathered quantized ([Note: quantized gather] in _quantized_gather.py,
+``trainable_extra``), which reduces its gradients beside the primary one
+(``ModuleState.reducing_groups``) and may hold a dtype of its own.
 """
 
 from __future__ import annotations
@@ -72,6 +75,8 @@ def _mixed_message(examples: list[tuple[torch.dtype, str]]) -> str:
 def check_trainable_dtypes(primary: ShardGroup, extra_groups: list[ShardGroup]) -> None:
     """Raise if a parameter of a non-primary dtype was unfrozen after ``fully_shard``."""
     for g in extra_groups:
+        if g.trainable_extra:  # [Note: quantized gather]: trains and reduces on its own
+            continue
         for sp in g.params:
             if sp.sharded.requires_grad:
                 first = next((q.fqn for q in primary.params if q.sharded.requires_grad), None)

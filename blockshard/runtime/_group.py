@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,9 @@ __all__ = ["ShardGroup"]
 
 class ShardGroup(GradientSync):
     """The buffers and collectives of one group; its :class:`ShardedState` is ``sharded_state``."""
+
+    #: an extra buffer set whose parameters train, so it reduces gradients too ([Note: quantized gather])
+    trainable_extra: ClassVar[bool] = False
 
     def __init__(
         self,

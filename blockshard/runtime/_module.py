@@ -65,7 +65,8 @@ class ShardedModule(nn.Module):
         if not isinstance(requires_gradient_sync, bool):
             raise ShardingError(f"requires_gradient_sync={requires_gradient_sync!r} must be True or False")
         for st in self._states(recurse):
-            st.group.requires_gradient_sync = requires_gradient_sync
+            for g in st.groups:  # a quantized-gather buffer set reduces too ([Note: quantized gather])
+                g.requires_gradient_sync = requires_gradient_sync
 
     # -- FSDP2's controls -------------------------------------------------------------------------
     def _states(self, recurse: bool) -> list[ModuleState]:
@@ -111,7 +112,8 @@ class ShardedModule(nn.Module):
         in _grad_sync.py). Without a replicate axis there is nothing to skip."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         for st in self._states(recurse):
-            st.group.requires_all_reduce = requires_all_reduce
+            for g in st.groups:
+                g.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of averaging over the ranks (this
@@ -125,7 +127,8 @@ class ShardedModule(nn.Module):
                 f"set_gradient_divide_factor(factor={factor!r}): factor must be a finite number > 0 (the gradients "
                 "are summed over the ranks, then divided by it; the default divides by the world size)"
             )
-        self._bs_state().group.divide_factor = float(factor)
+        for g in self._bs_state().groups:
+            g.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of :meth:`set_gradient_divide_factor`."""

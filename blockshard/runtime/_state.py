@@ -126,7 +126,7 @@ class RootContext:
         tally, group = self.tally, self.states[0].group
         trainable = 0
         for st in self.states:
-            for sp in st.group.params:
+            for sp in (sp for g in st.groups for sp in g.params):  # every buffer set's flags
                 trainable = (trainable * 3 + 1 + sp.sharded.requires_grad) % CollectiveTally._MOD
         pg, W = group.process_group, group.world_size
         tally.steps += 1
@@ -317,6 +317,12 @@ class ModuleState:
         for g in self.groups:
             g.wait_unshard()
 
+    @property
+    def reducing_groups(self) -> list[ShardGroup]:
+        """The primary buffer set and the trainable quantized-gather ones ([Note: quantized gather])."""
+        extra = [g for g in self.extra_groups if g.trainable_extra and any(sp.sharded.requires_grad for sp in g.params)]
+        return [self.group, *extra]
+
     def reshard(self) -> None:
         for g in self.groups:
             g.reshard()
@@ -433,10 +439,12 @@ class ModuleState:
         if self.group.reshard_after_backward:
             self.reshard()  # free the gathered parameters before the reduce-scatter needs its output
         if not self.group.requires_gradient_sync:
-            self.group.accumulate_grads()
+            for g in self.reducing_groups:
+                g.accumulate_grads()
             return
         ctx = self._context()
         ctx.finish_reductions()  # the previous group's, which overlapped this group's backward
-        self.group.reduce_grads()
-        if self.group.reducing:
-            ctx.reducing.append(self.group)
+        for g in self.reducing_groups:
+            g.reduce_grads()
+            if g.reducing:
+                ctx.reducing.append(g)
