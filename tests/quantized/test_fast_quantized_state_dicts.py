@@ -175,3 +175,21 @@ def test_save_pretrained_writes_what_hugging_face_writes_for_the_unsharded_model
     )
     assert sorted(hf) == sorted(ours) and any(k.endswith(".weight.quant_state.bitsandbytes__nf4") for k in hf)
     assert [k for k in hf if not _state_runs.same(hf[k], ours[k])] == []
+
+
+@pytest.mark.parametrize("world", [2, 1])
+@pytest.mark.parametrize("kind", ["bnb", "ao_nf4"])
+def test_blockshard_sharded_and_full_state_dicts_carry_quantized_weights(kind, world):
+    """``sharded_state_dict`` holds every quantized stream (before: none of them, and both loads left
+    the overwritten segments as they were)."""
+    outs = _inproc.run_ranks(_state_runs.blockshard_state_dicts, world, args=(kind,))
+    for out in outs:
+        assert out["missing"] == [] and out["same_pieces"]
+        assert out["corrupted_differs"]  # the control
+        assert out["after_sharded_load"] == [] and out["after_full_load"] == []
+        partial = out["errors"][1]
+        assert f"'{out['payload']}" in partial and "has no such entry" in partial and "Fix:" in partial, partial
+    wrong = [out["errors"][0] for out in outs if out["errors"][0]]  # a whole stream where a rank holds less
+    assert bool(wrong) == (world > 1), wrong  # at W = 1 the whole stream is the rank's piece
+    for msg in wrong:
+        assert f"{outs[0]['payload']!r}" in msg and "this rank holds piece" in msg and "Fix:" in msg, msg
