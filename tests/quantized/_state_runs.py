@@ -290,3 +290,24 @@ def blockshard_state_dicts(rank: int, world: int, kind: str, **quant) -> dict:
         except ValueError as e:
             errors.append(str(e))
     return out | {"payload": payload, "errors": errors}
+
+
+def record(rank: int, world: int, kind: str, path: str) -> dict:
+    """``blockshard.save_checkpoint``'s record of the quantized groups against the groups' layouts."""
+    import blockshard
+
+    model = shard(build(kind), kind)
+    blockshard.save_checkpoint(model, path)
+    return {
+        "layouts": [
+            (
+                q.layout.layout_hash(),
+                q.layout.segment_bytes,
+                [[(p.unit_start, p.unit_stop) for p in ps] for ps in q.layout.pieces],
+            )
+            for q in _quantized_groups(model)
+        ],
+        "pieces": {
+            k: (v.local_start, v.to_local().numel()) for k, v in model.state_dict().items() if hasattr(v, "local_start")
+        },
+    }

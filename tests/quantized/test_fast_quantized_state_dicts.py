@@ -193,3 +193,30 @@ def test_blockshard_sharded_and_full_state_dicts_carry_quantized_weights(kind, w
     assert bool(wrong) == (world > 1), wrong  # at W = 1 the whole stream is the rank's piece
     for msg in wrong:
         assert f"{outs[0]['payload']!r}" in msg and "this rank holds piece" in msg and "Fix:" in msg, msg
+
+
+def test_the_checkpoint_record_holds_the_quantized_layouts(tmp_path, capsys):
+    """``blockshard.json`` records each quantized group's layout (format, units, every rank's units and
+    pieces of every entry) for ``blockshard inspect``; before, a group of quantized weights only was left
+    out and a mixed one recorded its float parameters alone."""
+    from blockshard.cli import main
+    from blockshard.runtime import describe_checkpoint
+
+    path = str(tmp_path / "ckpt")
+    outs = _inproc.run_ranks(_state_runs.record, 2, args=("ao_nf4", path))
+    groups = describe_checkpoint(path)["quantized_groups"]
+    assert [g["module"] for g in groups] == ["layers.0", "layers.1", "layers.2"]
+    assert [(g["layout_hash"], g["segment_bytes"]) for g in groups] == [(h, s) for h, s, _ in outs[0]["layouts"]]
+    for g, (_, _, units) in zip(groups, outs[0]["layouts"], strict=True):
+        (t,) = g["tensors"]
+        assert t["format"] == "torchao NF4Tensor" and g["world_size"] == 2 and g["class"] == "NF4LoRALinear"
+        assert t["pieces"] == [[r, a, b - a] for r, held in enumerate(units) for a, b in held]
+        assert sum(n for _, _, n in t["pieces"]) == t["units"]
+        for name, pieces in t["entries"].items():  # every rank's piece of every stream, as DCP saved it
+            assert {r: (a, n) for r, a, n in pieces} == {
+                r: out["pieces"][name] for r, out in enumerate(outs) if out["pieces"][name][1]
+            }, name
+    assert {"layers.0.weight", "layers.0.weight.quantized_scalers"} <= set(groups[0]["tensors"][0]["entries"])
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "quantized group layers.0 (NF4LoRALinear): world size 2" in out and "torchao NF4Tensor x1" in out
