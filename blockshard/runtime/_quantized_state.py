@@ -259,17 +259,22 @@ def _check_constants(t: QuantizedTensor, values: dict[str, Any], p: str) -> None
             )
 
 
+def _placed(module: nn.Module, qg: Any, state: Mapping[str, Any], prefix: str):
+    """``(tensor, its state-dict prefixes, the one its entries are found under in state)`` for every
+    quantized tensor of ``module``'s group."""
+    names = _module_names(module)
+    for t in qg.tensors:
+        prefixes = _prefixes(t, names, prefix)
+        if prefixes:
+            yield t, prefixes, next((q for q in prefixes if q + t.entries[0].name in state), prefixes[0])
+
+
 @torch.no_grad()
 def load_quantized(module: nn.Module, qg: Any, state_dict: dict, prefix: str, missing_keys: list[str]) -> None:
     """Load pre hook: copy every quantized tensor's bytes from ``state_dict`` into this rank's
     segment, then leave the module's own parameters their current values (so ``nn.Module`` copies
     nothing) and drop the other entries. The group must be sharded."""
-    names = _module_names(module)
-    for t in qg.tensors:
-        prefixes = _prefixes(t, names, prefix)
-        if not prefixes:
-            continue
-        p = next((q for q in prefixes if q + t.entries[0].name in state_dict), prefixes[0])
+    for t, prefixes, p in _placed(module, qg, state_dict, prefix):
         weight = state_dict.get(p + t.entries[0].name)
         pieces = isinstance(weight, PieceTensor)
         wanted = [e.name for e in t.entries] if pieces or not t.full_names else list(t.full_names)
@@ -321,12 +326,7 @@ def load_quantized_pieces(module: nn.Module, qg: Any, state: Mapping[str, Any], 
     """Copy this rank's bytes of every quantized tensor of ``module``'s group from ``state``: pieces
     of the same layout (:data:`Piece` values, as :func:`quantized_pieces` gives them) or, with
     ``full``, the unsharded model's entries (any world size). The group must be sharded."""
-    names = _module_names(module)
-    for t in qg.tensors:
-        prefixes = _prefixes(t, names, prefix)
-        if not prefixes:
-            continue
-        p = next((q for q in prefixes if q + t.entries[0].name in state), prefixes[0])
+    for t, _, p in _placed(module, qg, state, prefix):
         wanted = list(t.full_names) if full and t.full_names else [e.name for e in t.entries]
         absent = [p + n for n in wanted if p + n not in state]
         if absent:
