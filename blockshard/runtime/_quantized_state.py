@@ -24,6 +24,10 @@ model; sharded, their inner tensors become entries of their own (``weight`` the 
   entries (an unsharded model's, ``full_state_dict``'s); their bytes go into the segment, each
   constant must equal the model's (a quant state of another quantization raises), a missing
   entry is reported as missing.
+* ``blockshard.sharded_state_dict``: the entries of ``model.state_dict()`` as ``LocalShard`` s
+  (this rank's piece of each stream, constants whole); ``load_sharded_state_dict`` takes them back
+  at the same layout, ``load_full_state_dict`` the unsharded model's entries at any world size; a
+  missing entry or a piece that is not this rank's raises, naming the entry.
 """
 
 from __future__ import annotations
