@@ -208,8 +208,6 @@ def _quantized_entries(model: nn.Module, states: list) -> list[tuple[str, Any, A
 def _stream_quantized(path: str, entries: list[tuple[str, Any, Any, StateEntry]], rank: int) -> int:
     """Write quantized weights' ``entries`` as a safetensors file from rank 0, streamed (collective
     over their groups' ranks; see [Note: streamed export]); returns the bytes of tensor data."""
-    import torch.distributed as dist
-
     header, total = _header({name: (e.dtype, e.shape) for name, _, _, e in entries})
     bufs: dict[int, torch.Tensor] = {}  # rank 0's receive buffer of each group
     with open(path, "wb") if rank == 0 else contextlib.nullcontext() as f:
@@ -224,22 +222,29 @@ def _stream_quantized(path: str, entries: list[tuple[str, Any, Any, StateEntry]]
             index = qg.tensors.index(t)
             for r, pieces in enumerate(qg.layout.pieces):
                 for lo, hi, off in (p.ranges[e.stream] for p in pieces if p.tensor == index):
-                    for c in range(off, off + hi - lo, _CHUNK_BYTES):
-                        local = qg.local[c : min(c + _CHUNK_BYTES, off + hi - lo)]  # rank r's bytes
-                        if rank == 0 and r == 0:
-                            _write_bytes(f, local)
-                        elif rank == 0:
-                            buf = bufs.setdefault(
-                                id(qg),
-                                torch.empty(
-                                    min(_CHUNK_BYTES, qg.layout.segment_bytes), dtype=torch.uint8, device=qg.device
-                                ),
-                            )
-                            dist.recv(buf[: local.numel()], group=qg.process_group, group_src=r)
-                            _write_bytes(f, buf[: local.numel()])
-                        elif rank == r:
-                            dist.send(local, group=qg.process_group, group_dst=0)
+                    _stream_bytes(f, qg, off, off + hi - lo, r, rank, bufs)
     return total
+
+
+def _stream_bytes(f: Any, qg: Any, start: int, stop: int, r: int, rank: int, bufs: dict[int, torch.Tensor]) -> None:
+    """Bytes ``[start, stop)`` of rank ``r``'s segment of ``qg`` into ``f`` on rank 0, in chunks of at
+    most ``_CHUNK_BYTES`` (received into one buffer per group, ``bufs``); rank ``r`` sends them."""
+    import torch.distributed as dist
+
+    for c in range(start, stop, _CHUNK_BYTES):
+        local = qg.local[c : min(c + _CHUNK_BYTES, stop)]  # this rank's bytes at rank r's place
+        if rank == 0 and r == 0:
+            _write_bytes(f, local)
+        elif rank == 0:
+            if id(qg) not in bufs:
+                bufs[id(qg)] = torch.empty(
+                    min(_CHUNK_BYTES, qg.layout.segment_bytes), dtype=torch.uint8, device=qg.device
+                )
+            buf = bufs[id(qg)][: local.numel()]
+            dist.recv(buf, group=qg.process_group, group_src=r)
+            _write_bytes(f, buf)
+        elif rank == r:
+            dist.send(local, group=qg.process_group, group_dst=0)
 
 
 def _span(runs: list[tuple[int, int]], lo: int, hi: int) -> tuple[int, int]:
