@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 from rich.console import Console
 from rich.table import Table
@@ -213,6 +214,12 @@ def checkpoint_table(info: dict) -> Table:
     for col in ("tensor", "global shape", "dtype", "bytes", "chunks", "semantics", "pieces (rank: start+numel)"):
         table.add_column(col, justify="left" if col in ("tensor", "dtype", "semantics") or "pieces" in col else "right")
     placed = {t["name"]: t for g in info.get("groups", []) for t in g["tensors"]}
+    placed |= {  # quantized weights: every entry that holds a stream, with the tensor's format
+        name: {"semantics": t["format"], "pieces": pieces}
+        for g in info.get("quantized_groups", [])
+        for t in g["tensors"]
+        for name, pieces in t["entries"].items()
+    }
     for t in info["tensors"]:
         where = placed.get(t["name"].removeprefix("model."))
         pieces = _pieces_text(where["pieces"]) if where else ""
@@ -223,6 +230,12 @@ def checkpoint_table(info: dict) -> Table:
         f"{g['segment_numel']:,} elements in {len(g['buckets'])} buckets, layout {g['layout_hash'][:12]}, semantics "
         + ", ".join(f"{k} x{v}" for k, v in g["semantics"].items())
         for g in info.get("groups", [])
+    ]
+    lines += [
+        f"quantized group {g['module'] or '(root)'} ({g['class']}): world size {g['world_size']}, segment "
+        f"{g['segment_bytes']:,} bytes, layout {g['layout_hash'][:12]}, "
+        + ", ".join(f"{f} x{n}" for f, n in Counter(t["format"] for t in g["tensors"]).items())
+        for g in info.get("quantized_groups", [])
     ]
     if info.get("optimizers"):
         lines.append(f"optimizers: {', '.join(info['optimizers'])}")

@@ -227,7 +227,7 @@ def describe_checkpoint(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
     """What a DCP checkpoint directory holds (no process group needed): the ranks that wrote
     data, every tensor's global shape, dtype, bytes and number of chunks, completeness, and for a
     checkpoint of :func:`save_checkpoint` its record: world size, groups with their layouts and
-    semantics, optimizers, versions (``None`` for plain ``dcp.save`` checkpoints)."""
+    semantics, quantized groups with theirs, optimizers, versions (``None`` for plain ``dcp.save`` checkpoints)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from blockshard.runtime._checkpoint_files import read_record
@@ -262,6 +262,7 @@ def describe_checkpoint(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
         "complete": not problems,
         "problems": problems,
         "groups": _group_summaries(record),
+        "quantized_groups": (record or {}).get("quantized_groups", []),  # [Note: quantized layout]
         "optimizers": record["optimizers"] if record else [],
     }
 

@@ -117,7 +117,8 @@ def read_record(path: str) -> dict | None:
 
 def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict:
     """What ``blockshard.json`` records: world size, groups (layouts, semantics, every rank's
-    pieces), optimizers, versions. The same on every rank (layouts are checked equal)."""
+    pieces), quantized groups (formats, units, every rank's units and pieces of every entry),
+    optimizers, versions. The same on every rank (layouts are checked equal)."""
     import torch.distributed as dist
 
     import blockshard
@@ -157,5 +158,48 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
         "torch_version": torch.__version__,
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "groups": groups,
+        "quantized_groups": [
+            _quantized_record(prefix, st) for prefix, st in _states_under(model) if st.group.quantized is not None
+        ],
         "optimizers": [f"{type(o).__module__}.{type(o).__qualname__}" for o in optimizers],
+    }
+
+
+def _quantized_record(prefix: str, st: Any) -> dict:
+    """A quantized group's layout ([Note: quantized layout]): segment, every tensor's format, unit
+    grid, streams, every rank's units, and every state-dict entry that holds a stream with every
+    rank's piece of it (elements of the entry's dtype, as DCP saved them)."""
+    from blockshard.runtime._api import _join
+    from blockshard.runtime._quantized_state import _module_names, _prefixes
+
+    qg, names = st.group.quantized, _module_names(st.module)
+    tensors = []
+    for i, t in enumerate(qg.tensors):
+        held = [(r, p) for r, ps in enumerate(qg.layout.pieces) for p in ps if p.tensor == i]
+        entries = {}
+        for q in _prefixes(t, names, _join(prefix, "")):
+            for e in t.entries:
+                if e.stream is not None:
+                    size = e.dtype.itemsize
+                    ranges = [(r, p.ranges[e.stream]) for r, p in held]
+                    entries[q + e.name] = [[r, lo // size, (hi - lo) // size] for r, (lo, hi, _) in ranges if hi > lo]
+        tensors.append(
+            {
+                "name": _join(prefix, t.fqn),
+                "format": t.format,
+                "numel": t.numel,
+                "units": t.n_units,
+                "streams": [{"name": s.name, "bytes": s.nbytes, "unit_bytes": s.unit_bytes} for s in t.streams],
+                "pieces": [[r, p.unit_start, p.unit_stop - p.unit_start] for r, p in held],  # in units
+                "entries": entries,
+            }
+        )
+    return {
+        "module": prefix,
+        "class": "+".join(type(m).__mro__[2].__name__ for m in st.modules),
+        "world_size": qg.world_size,
+        "segment_bytes": qg.layout.segment_bytes,
+        "total_bytes": qg.layout.total_bytes,
+        "layout_hash": qg.layout.layout_hash(),
+        "tensors": tensors,
     }

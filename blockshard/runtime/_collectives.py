@@ -29,7 +29,9 @@ guards make every such case an error on every rank, in bounded time, at next to 
      ``_REPORT_WAIT_S``, so the message says which peers failed (and how) and which never
      reported (exited, were killed, or are stuck outside blockshard).
   3. **The end-of-step check.** Each rank's root context counts the collectives it issues in a
-     step (a count and an order-sensitive hash of (group, kind)), hashes the requires_grad flags
+     step (a count and an order-sensitive hash of (group, kind); a group's all-gather or
+     reduce-scatter counts once whatever its number of buckets, its quantized weights' all-gather
+     once more), hashes the requires_grad flags
      and counts the backwards after which an optimizer had stepped its parameters (ranks that
      never step one, holding nothing to step, are left out); at the end of backward one
      all-reduce (MAX of the five int64 and of their negatives: every field's max and min)

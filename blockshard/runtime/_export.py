@@ -16,8 +16,10 @@ parameters) go into a last shard. Rank 0 also writes ``model.safetensors.index.j
 parameters are written once, under their first name (``from_pretrained`` ties the others again,
 as for Hugging Face's own ``save_pretrained``). Quantized weights (bitsandbytes 4-bit, blockwise
 FP8) go into a shard of their own under the unsharded model's state-dict names (bitsandbytes'
-serialization keys, [Note: quantized state dicts]), all-gathered whole on every rank (not
-streamed; a quarter of bf16 or less); torchao's tensor subclasses raise before anything is written.
+serialization keys, [Note: quantized state dicts]), streamed the same way: entry by entry, each
+stream's bytes rank after rank (its units are in rank order), rank 0 receiving every other rank's
+piece in chunks of at most ``_CHUNK_BYTES``; replicated constants (code tables, the packed quant
+state) come from rank 0's own. torchao's tensor subclasses raise before anything is written.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from blockshard._errors import QuantizedWeightError
 from blockshard.runtime._api import _join, _states_under
 from blockshard.runtime._param import ShardedParam
 from blockshard.runtime._piece_tensor import PieceTensor
-from blockshard.runtime._quantized_state import full_quantized
+from blockshard.runtime._quantized_state import StateEntry, _module_names, _prefixes
 from blockshard.runtime._state_dict import _names
 
 __all__ = ["save_pretrained"]
@@ -99,8 +101,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
     _check_exportable(states)  # before any collective or file
     groups = [(prefix, st) for prefix, st in states if st.group.layout is not None]
     state = model.state_dict()
-    quantized, owned = full_quantized(model, states)  # [Note: quantized state dicts]; collective
-    quantized = {k: v for k, v in quantized.items() if k in state}
+    quantized = _quantized_entries(model, states)  # [Note: quantized state dicts]
+    owned = {name for name, *_ in quantized}
+    quantized = [q for q in quantized if q[0] in state]
     rest = {
         k: v
         for k, v in state.items()
@@ -116,9 +119,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
         tensors = _chosen(prefix, st, set(state), written)
         total += _stream_group(os.path.join(path, file), st.group, tensors, rank)
         weight_map |= dict.fromkeys(tensors, file)
-    if rank == 0 and quantized:  # bitsandbytes' serialization keys, as the unsharded model's state_dict()
-        total += _write_safetensors(os.path.join(path, files[len(groups)]), quantized)
-        weight_map |= dict.fromkeys(quantized, files[len(groups)])
+    if quantized:  # bitsandbytes' serialization keys, as the unsharded model's state_dict()
+        total += _stream_quantized(os.path.join(path, files[len(groups)]), quantized, rank)
+        weight_map |= dict.fromkeys((name for name, *_ in quantized), files[len(groups)])
     if rank == 0 and rest:
         unique = _unique(rest)
         total += _write_safetensors(os.path.join(path, files[-1]), unique)
@@ -187,6 +190,61 @@ def _stream_group(path: str, g: Any, tensors: dict[str, ShardedParam], rank: int
                     elif rank == r:
                         dist.send(local.contiguous(), group=g.process_group, group_dst=0)
     return total
+
+
+def _quantized_entries(model: nn.Module, states: list) -> list[tuple[str, Any, Any, StateEntry]]:
+    """``(full name, quantized group, tensor, entry)`` of every quantized weight's entry under
+    ``model``, in ``full_state_dict``'s order (a tensor's entries under each of its names)."""
+    names = _module_names(model)
+    out: dict[str, tuple[str, Any, Any, StateEntry]] = {}
+    for _, st in states:
+        qg = st.group.quantized
+        for t in qg.tensors if qg is not None else ():
+            for p in _prefixes(t, names, ""):
+                out |= {p + e.name: (p + e.name, qg, t, e) for e in t.entries}
+    return list(out.values())
+
+
+def _stream_quantized(path: str, entries: list[tuple[str, Any, Any, StateEntry]], rank: int) -> int:
+    """Write quantized weights' ``entries`` as a safetensors file from rank 0, streamed (collective
+    over their groups' ranks; see [Note: streamed export]); returns the bytes of tensor data."""
+    header, total = _header({name: (e.dtype, e.shape) for name, _, _, e in entries})
+    bufs: dict[int, torch.Tensor] = {}  # rank 0's receive buffer of each group
+    with open(path, "wb") if rank == 0 else contextlib.nullcontext() as f:
+        if f is not None:
+            f.write(header)
+        for _, qg, t, e in entries:
+            if e.stream is None:
+                assert e.constant is not None
+                if f is not None:
+                    _write_bytes(f, e.constant)
+                continue
+            index = qg.tensors.index(t)
+            for r, pieces in enumerate(qg.layout.pieces):
+                for lo, hi, off in (p.ranges[e.stream] for p in pieces if p.tensor == index):
+                    _stream_bytes(f, qg, off, off + hi - lo, r, rank, bufs)
+    return total
+
+
+def _stream_bytes(f: Any, qg: Any, start: int, stop: int, r: int, rank: int, bufs: dict[int, torch.Tensor]) -> None:
+    """Bytes ``[start, stop)`` of rank ``r``'s segment of ``qg`` into ``f`` on rank 0, in chunks of at
+    most ``_CHUNK_BYTES`` (received into one buffer per group, ``bufs``); rank ``r`` sends them."""
+    import torch.distributed as dist
+
+    for c in range(start, stop, _CHUNK_BYTES):
+        local = qg.local[c : min(c + _CHUNK_BYTES, stop)]  # this rank's bytes at rank r's place
+        if rank == 0 and r == 0:
+            _write_bytes(f, local)
+        elif rank == 0:
+            if id(qg) not in bufs:
+                bufs[id(qg)] = torch.empty(
+                    min(_CHUNK_BYTES, qg.layout.segment_bytes), dtype=torch.uint8, device=qg.device
+                )
+            buf = bufs[id(qg)][: local.numel()]
+            dist.recv(buf, group=qg.process_group, group_src=r)
+            _write_bytes(f, buf)
+        elif rank == r:
+            dist.send(local, group=qg.process_group, group_dst=0)
 
 
 def _span(runs: list[tuple[int, int]], lo: int, hi: int) -> tuple[int, int]:

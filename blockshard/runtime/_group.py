@@ -225,11 +225,11 @@ class ShardGroup(GradientSync):
             return
         if self.quantized is not None:  # [quantized] its all-gather, finished in wait_unshard
             self.quantized.unshard()
+            if self.tally is not None:  # a collective of its own, beside the float one's: counted (AG)
+                self.tally.record(self.tally_index, 0)
         if self._layout is None:
             self.sharded_state = ShardedState.UNSHARDED
-            if self.quantized is not None:  # [quantized] its all-gather is the group's: counted (AG)
-                if self.tally is not None:
-                    self.tally.record(self.tally_index, 0)
+            if self.quantized is not None:  # [quantized]
                 self.quantized.wait_unshard()
             return
         layout, W = self._layout, self.world_size

@@ -24,11 +24,16 @@ model; sharded, their inner tensors become entries of their own (``weight`` the 
   entries (an unsharded model's, ``full_state_dict``'s); their bytes go into the segment, each
   constant must equal the model's (a quant state of another quantization raises), a missing
   entry is reported as missing.
+* ``blockshard.sharded_state_dict``: the entries of ``model.state_dict()`` as ``LocalShard`` s
+  (this rank's piece of each stream, constants whole); ``load_sharded_state_dict`` takes them back
+  at the same layout, ``load_full_state_dict`` the unsharded model's entries at any world size; a
+  missing entry or a piece that is not this rank's raises, naming the entry.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
@@ -44,7 +49,9 @@ __all__ = [
     "full_entries_of",
     "full_quantized",
     "load_quantized",
+    "load_quantized_pieces",
     "quantized_entries",
+    "quantized_pieces",
     "wrap_get_fqns",
 ]
 
@@ -164,35 +171,53 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _from_pieces(qg: Any, t: QuantizedTensor, values: dict[str, Any], p: str) -> list[torch.Tensor]:
-    """This rank's bytes of every stream from PieceTensors of the same pieces."""
+Piece = tuple[torch.Tensor, int, tuple[int, ...]]  # one rank's values, their first element, the global shape
+
+
+def _as_piece(v: Any) -> Piece | None:
+    return (v.to_local(), v.local_start, tuple(v.shape)) if isinstance(v, PieceTensor) else None
+
+
+_PIECES_FIX = (
+    "load entries of this model: model.state_dict() through torch.distributed.checkpoint (dcp.load moves pieces "
+    "between world sizes), or full entries (blockshard.full_state_dict, an unsharded model's state_dict())"
+)
+
+
+def _from_pieces(
+    qg: Any, t: QuantizedTensor, values: dict[str, Any], p: str, pieces: dict[str, Piece | None], fix: str
+) -> list[torch.Tensor]:
+    """This rank's bytes of every stream from pieces (``pieces``: each entry of ``values`` as a
+    :data:`Piece`, ``None`` if it is none) that must be this rank's own."""
     piece = qg.piece_of(t)
     out: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * len(t.streams)
     for e in t.entries:
         if e.stream is None:
             continue
-        v = values[e.name]
+        got = pieces[e.name]
         lo, hi, _ = piece.ranges[e.stream] if piece is not None else (0, 0, 0)
         want = (e.dtype, e.shape, lo // e.dtype.itemsize, (hi - lo) // e.dtype.itemsize)
-        got = (v.dtype, tuple(v.shape), v.local_start, v.to_local().numel()) if isinstance(v, PieceTensor) else None
-        if got != want:
+        if got is None or (got[0].dtype, got[2], got[1], got[0].numel()) != want:
+            held = _describe(values[e.name]) if got is None else _describe_piece(got)
             raise _error(
                 t,
                 p + e.name,
-                f"it holds {_describe(v)}, this rank holds piece [{want[2]}, {want[2] + want[3]}) of a {e.dtype} "
-                f"tensor of shape {e.shape}",
-                "load entries of this model: model.state_dict() through torch.distributed.checkpoint (dcp.load "
-                "moves pieces between world sizes), or full entries (blockshard.full_state_dict, an unsharded "
-                "model's state_dict())",
+                f"it holds {held}, this rank holds piece [{want[2]}, {want[2] + want[3]}) of a {e.dtype} tensor "
+                f"of shape {e.shape}",
+                fix,
             )
-        out[e.stream] = byte_view(v.to_local())
+        out[e.stream] = byte_view(got[0].detach().contiguous())
     return out
 
 
+def _describe_piece(piece: Piece) -> str:
+    local, start, shape = piece
+    return f"piece [{start}, {start + local.numel()}) of a {local.dtype} tensor of shape {shape}"
+
+
 def _describe(v: Any) -> str:
-    if isinstance(v, PieceTensor):
-        end = v.local_start + v.to_local().numel()
-        return f"piece [{v.local_start}, {end}) of a {v.dtype} tensor of shape {tuple(v.shape)}"
+    if (piece := _as_piece(v)) is not None:
+        return _describe_piece(piece)
     if isinstance(v, torch.Tensor):
         return f"a {type(v).__name__} of dtype {v.dtype} and shape {tuple(v.shape)}"
     return f"a {type(v).__name__}"
@@ -238,17 +263,22 @@ def _check_constants(t: QuantizedTensor, values: dict[str, Any], p: str) -> None
             )
 
 
+def _placed(module: nn.Module, qg: Any, state: Mapping[str, Any], prefix: str):
+    """``(tensor, its state-dict prefixes, the one its entries are found under in state)`` for every
+    quantized tensor of ``module``'s group."""
+    names = _module_names(module)
+    for t in qg.tensors:
+        prefixes = _prefixes(t, names, prefix)
+        if prefixes:
+            yield t, prefixes, next((q for q in prefixes if q + t.entries[0].name in state), prefixes[0])
+
+
 @torch.no_grad()
 def load_quantized(module: nn.Module, qg: Any, state_dict: dict, prefix: str, missing_keys: list[str]) -> None:
     """Load pre hook: copy every quantized tensor's bytes from ``state_dict`` into this rank's
     segment, then leave the module's own parameters their current values (so ``nn.Module`` copies
     nothing) and drop the other entries. The group must be sharded."""
-    names = _module_names(module)
-    for t in qg.tensors:
-        prefixes = _prefixes(t, names, prefix)
-        if not prefixes:
-            continue
-        p = next((q for q in prefixes if q + t.entries[0].name in state_dict), prefixes[0])
+    for t, prefixes, p in _placed(module, qg, state_dict, prefix):
         weight = state_dict.get(p + t.entries[0].name)
         pieces = isinstance(weight, PieceTensor)
         wanted = [e.name for e in t.entries] if pieces or not t.full_names else list(t.full_names)
@@ -258,7 +288,10 @@ def load_quantized(module: nn.Module, qg: Any, state_dict: dict, prefix: str, mi
         else:
             values = {n: state_dict[p + n] for n in {e.name for e in t.entries} | set(wanted) if p + n in state_dict}
             _check_constants(t, values, p)
-            incoming = _from_pieces(qg, t, values, p) if pieces else _from_full(qg, t, values, p)
+            if pieces:
+                incoming = _from_pieces(qg, t, values, p, {n: _as_piece(v) for n, v in values.items()}, _PIECES_FIX)
+            else:
+                incoming = _from_full(qg, t, values, p)
             qg.write_piece(t, incoming)
         for q in prefixes:
             _settle(t, state_dict, q)
@@ -276,6 +309,51 @@ def _settle(t: QuantizedTensor, state_dict: dict, p: str) -> None:
             state_dict[p + name] = param.detach()
         else:
             del state_dict[p + name]
+
+
+# -- blockshard.sharded_state_dict / load_sharded_state_dict / load_full_state_dict ----------------
+def quantized_pieces(module: nn.Module, qg: Any, prefix: str) -> dict[str, Piece]:
+    """This rank's entries of every quantized tensor of ``module``'s group by the names of
+    ``module.state_dict(prefix=prefix)``: streams as this rank's :data:`Piece`, constants whole
+    (their piece is the whole tensor)."""
+    names = _module_names(module)
+    out: dict[str, Piece] = {}
+    for t in qg.tensors:
+        for p in _prefixes(t, names, prefix):
+            for name, v in _pieces(qg, t, p).items():
+                out[p + name] = _as_piece(v) or (v, 0, tuple(v.shape))
+    return out
+
+
+@torch.no_grad()
+def load_quantized_pieces(module: nn.Module, qg: Any, state: Mapping[str, Any], prefix: str, *, full: bool) -> None:
+    """Copy this rank's bytes of every quantized tensor of ``module``'s group from ``state``: pieces
+    of the same layout (:data:`Piece` values, as :func:`quantized_pieces` gives them) or, with
+    ``full``, the unsharded model's entries (any world size). The group must be sharded."""
+    for t, _, p in _placed(module, qg, state, prefix):
+        wanted = list(t.full_names) if full and t.full_names else [e.name for e in t.entries]
+        absent = [p + n for n in wanted if p + n not in state]
+        if absent:
+            what = "full entries" if full else "this rank's pieces (blockshard.sharded_state_dict)"
+            raise _error(t, absent[0], f"the state has no such entry (it holds {what} of another model)", _LOAD_FIX)
+        if full:
+            values = {n: state[p + n] for n in {e.name for e in t.entries} | set(wanted) if p + n in state}
+            _check_constants(t, values, p)
+            qg.write_piece(t, _from_full(qg, t, values, p))
+            continue
+        values = {e.name: state[p + e.name][0] for e in t.entries}
+        _check_constants(t, values, p)
+        pieces = {e.name: state[p + e.name] for e in t.entries}
+        fix = (
+            "load the pieces at the world size and layout they were saved at, or full entries with load_full_state_dict"
+        )
+        qg.write_piece(t, _from_pieces(qg, t, values, p, pieces, fix))
+
+
+_LOAD_FIX = (
+    "load what blockshard.sharded_state_dict (same world size) or blockshard.full_state_dict (any world size) "
+    "gave for this model"
+)
 
 
 # -- torch's get_state_dict / set_state_dict ([Note: torch's state-dict helpers] in _state_dict.py) --

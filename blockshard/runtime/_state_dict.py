@@ -23,7 +23,9 @@ from blockshard.runtime._quantized_state import (
     full_entries_of,
     full_quantized,
     load_quantized,
+    load_quantized_pieces,
     quantized_entries,
+    quantized_pieces,
     wrap_get_fqns,
 )
 from blockshard.runtime._state import state_of
@@ -49,11 +51,16 @@ class LocalShard:
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, LocalShard]:
-    """Every sharded parameter's local piece with its global offset (no communication)."""
+    """Every sharded parameter's local piece with its global offset (no communication); quantized
+    weights under the entries ``model.state_dict()`` gives them, each stream this rank's piece
+    ([Note: quantized state dicts])."""
     out: dict[str, LocalShard] = {}
     for prefix, st in _states_under(model):
         for sp in st.group.params:
             out[_join(prefix, sp.fqn)] = LocalShard(sp.sharded.detach(), sp.local_start, sp.shape)
+        if st.group.quantized is not None:
+            pieces = quantized_pieces(st.module, st.group.quantized, _join(prefix, ""))
+            out |= {name: LocalShard(*piece) for name, piece in pieces.items()}
     return out
 
 
@@ -195,6 +202,22 @@ def _entries(model: nn.Module, state: Mapping[str, object]):
             yield name, sp, state[name]
 
 
+def _load_quantized(model: nn.Module, state: Mapping[str, Any], *, full: bool) -> None:
+    """Every quantized group's bytes from ``state`` ([Note: quantized state dicts]); groups are
+    resharded first, so no gathered copy outlives the bytes it was gathered from."""
+    if not full:  # LocalShards as (values, start, global shape)
+        state = {
+            k: (v.tensor, v.start, tuple(v.global_shape)) if isinstance(v, LocalShard) else v for k, v in state.items()
+        }
+    for prefix, st in _states_under(model):
+        qg = st.group.quantized
+        if qg is None:
+            continue
+        if st.group.sharded_state is not ShardedState.SHARDED:
+            st.group.reshard()
+        load_quantized_pieces(st.module, qg, state, _join(prefix, ""), full=full)
+
+
 @torch.no_grad()
 def load_sharded_state_dict(model: nn.Module, state: Mapping[str, LocalShard]) -> None:
     """Copy local pieces saved by :func:`sharded_state_dict` back (same world size and layout)."""
@@ -207,17 +230,19 @@ def load_sharded_state_dict(model: nn.Module, state: Mapping[str, LocalShard]) -
                 "or semantics). Fix: load a full state dict with load_full_state_dict instead"
             )
         sp.sharded.copy_(shard.tensor.view(sp.sharded.shape))
+    _load_quantized(model, state, full=False)
 
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Copy full tensors (by name, as :func:`full_state_dict` gives them) into the local pieces,
-    at any world size."""
+    at any world size; quantized weights from the unsharded model's entries."""
     for name, sp, full in _entries(model, state):
         if tuple(full.shape) != sp.shape:
             raise ShardingError(f"parameter {name!r}: saved shape {tuple(full.shape)} != model shape {sp.shape}")
         flat = full.reshape(-1)[sp.local_start : sp.local_start + sp.local_numel]
         sp.sharded.copy_(flat.view(sp.sharded.shape))
+    _load_quantized(model, state, full=True)
 
 
 # -- torch.distributed.checkpoint.state_dict: get_state_dict / set_state_dict --------------------

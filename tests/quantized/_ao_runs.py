@@ -51,13 +51,15 @@ def _serial():
 
 
 def _batch(step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(step)
-    return torch.randn(8, SHAPES[0][0], generator=g).to(torch.bfloat16)
+    from _adapters import batch
+
+    return batch(step, SHAPES[0][0])
 
 
 def train(rank: int, world: int, steps: int = 2, stock_fsdp2: bool = False) -> dict:
-    """Logits and LoRA gradients of the first step, LoRA weights after ``steps`` AdamW steps."""
-    import blockshard
+    """Logits and LoRA gradients of the first step, LoRA weights after ``steps`` AdamW steps
+    (``_adapters.train``); ``stock_fsdp2``: the error of stock FSDP2 over these weights."""
+    from _adapters import train as train_adapters
 
     with _serial():
         model = NF4Stack()
@@ -72,35 +74,7 @@ def train(rank: int, world: int, steps: int = 2, stock_fsdp2: bool = False) -> d
         except Exception as e:  # torchao's hooks: whole super-blocks per rank, dim 0 only
             return {"error": f"{type(e).__name__}: {e}"}
         return {"error": ""}
-    if world:
-        for layer in model.layers:
-            blockshard.fully_shard(layer)
-        blockshard.fully_shard(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    out: dict = {}
-    for step in range(steps):
-        y = model(_batch(step))
-        y.float().square().mean().backward()
-        if step == 0:
-            out["logits"] = y.detach().clone()
-            out["grads"] = _grads(model, world)
-        opt.step()
-        opt.zero_grad()
-    full = blockshard.full_state_dict(model) if world else dict(model.named_parameters())
-    out["params"] = {n: full[n].detach().clone() for n in full if "lora" in n}
-    if world:
-        from blockshard.runtime._state import state_of
-
-        qs = [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
-        out["held"] = sum(q.layout.rank_bytes(rank) for q in qs)
-        out["total"] = sum(q.layout.total_bytes for q in qs)
-    return out
-
-
-def _grads(model: nn.Module, world: int) -> dict[str, torch.Tensor]:
-    from _qlora import _lora_grads
-
-    return _lora_grads(model, world)
+    return train_adapters(model, rank, world, _batch, steps)
 
 
 def run(rank: int, world: int, sharded: bool) -> dict:

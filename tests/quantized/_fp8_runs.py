@@ -64,35 +64,12 @@ class FP8Stack(nn.Module):
 
 
 def train(rank: int, world: int, steps: int = 2) -> dict:
-    """Logits and adapter gradients of the first step, adapters after ``steps`` AdamW steps."""
-    from _qlora import _lora_grads, _serial
-
-    import blockshard
+    """Logits and adapter gradients of the first step, adapters after ``steps`` AdamW steps
+    (``_adapters.train``)."""
+    from _adapters import batch
+    from _adapters import train as train_adapters
+    from _qlora import _serial
 
     with _serial():
         model = FP8Stack()
-    if world:
-        for layer in model.layers:
-            blockshard.fully_shard(layer)
-        blockshard.fully_shard(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    out: dict = {}
-    for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        y = model(torch.randn(8, SHAPES[0][0], generator=g).to(torch.bfloat16))
-        y.float().square().mean().backward()
-        if step == 0:
-            out["logits"] = y.detach().clone()
-            out["grads"] = _lora_grads(model, world)
-        opt.step()
-        opt.zero_grad()
-    full = blockshard.full_state_dict(model) if world else dict(model.named_parameters())
-    out["params"] = {n: full[n].detach().clone() for n in full if "lora" in n}
-    if world:
-        from blockshard.runtime._state import state_of
-
-        qs = [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
-        out["held"] = sum(q.layout.rank_bytes(rank) for q in qs)
-        out["total"] = sum(q.layout.total_bytes for q in qs)
-        out["pieces"] = [list(q.layout.pieces[rank]) for q in qs]
-    return out
+    return train_adapters(model, rank, world, lambda step: batch(step, SHAPES[0][0]), steps)

@@ -44,9 +44,14 @@ class MXStack(nn.Module):
         return x
 
 
+def _inputs(step: int) -> torch.Tensor:
+    from _adapters import batch
+
+    return batch(step, 256)[:, : SHAPES[0][0]]  # the first 160 columns of the NF4 runs' batch
+
+
 def stock_fsdp2(rank: int, world: int, elem: str = "float8_e4m3fn") -> dict:
     """Stock FSDP2 over the MXTensor weights: the error of sharding them or of the first step."""
-    from _ao_runs import _batch as _ao_batch
     from _qlora import _serial
     from torch.distributed.fsdp import fully_shard
 
@@ -56,42 +61,18 @@ def stock_fsdp2(rank: int, world: int, elem: str = "float8_e4m3fn") -> dict:
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
-        model(_ao_batch(0)[:, : SHAPES[0][0]]).float().square().mean().backward()
+        model(_inputs(0)).float().square().mean().backward()
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"}
     return {"error": ""}
 
 
 def train(rank: int, world: int, elem: str = "float8_e4m3fn", steps: int = 2) -> dict:
-    """Logits and adapter gradients of the first step, adapters after ``steps`` AdamW steps."""
-    from _ao_runs import _batch as _ao_batch
-    from _qlora import _lora_grads, _serial
-
-    import blockshard
+    """Logits and adapter gradients of the first step, adapters after ``steps`` AdamW steps
+    (``_adapters.train``)."""
+    from _adapters import train as train_adapters
+    from _qlora import _serial
 
     with _serial():
         model = MXStack(elem)
-    if world:
-        for layer in model.layers:
-            blockshard.fully_shard(layer)
-        blockshard.fully_shard(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    out: dict = {}
-    for step in range(steps):
-        x = _ao_batch(step)[:, : SHAPES[0][0]]
-        y = model(x)
-        y.float().square().mean().backward()
-        if step == 0:
-            out["logits"] = y.detach().clone()
-            out["grads"] = _lora_grads(model, world)
-        opt.step()
-        opt.zero_grad()
-    full = blockshard.full_state_dict(model) if world else dict(model.named_parameters())
-    out["params"] = {n: full[n].detach().clone() for n in full if "lora" in n}
-    if world:
-        from blockshard.runtime._state import state_of
-
-        qs = [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
-        out["held"] = sum(q.layout.rank_bytes(rank) for q in qs)
-        out["total"] = sum(q.layout.total_bytes for q in qs)
-    return out
+    return train_adapters(model, rank, world, _inputs, steps)

@@ -245,3 +245,69 @@ def after_forward(rank: int, world: int) -> dict:
         "keys_equal": list(before) == list(after),
         "full_differs": differences(blockshard.full_state_dict(model), want),
     }
+
+
+def blockshard_state_dicts(rank: int, world: int, kind: str, **quant) -> dict:
+    """``blockshard.sharded_state_dict`` holds the quantized entries ``model.state_dict()`` has (this
+    rank's piece of every stream); ``load_sharded_state_dict`` of it and ``load_full_state_dict`` of the
+    unsharded model's state dict (what ``full_state_dict`` gives at any world size) restore overwritten
+    segments bitwise. Loading a whole stream as this rank's piece, or a state without an entry, raises."""
+    import blockshard
+    from blockshard.runtime import PieceTensor
+    from blockshard.runtime._state_dict import LocalShard
+
+    want = reference(kind, **quant)
+    model = shard(build(kind, **quant), kind)
+    pieces = {k: v for k, v in model.state_dict().items() if isinstance(v, PieceTensor)}
+    sharded = copy.deepcopy(blockshard.sharded_state_dict(model))
+    out: dict = {
+        "missing": sorted(k for k in pieces if k not in sharded),
+        "same_pieces": all(
+            (sharded[k].start, sharded[k].global_shape) == (v.local_start, tuple(v.shape))
+            and same(sharded[k].tensor.reshape(-1), v.to_local().reshape(-1))  # floats: their block shape
+            for k, v in pieces.items()
+            if k in sharded
+        ),
+    }
+    corrupt(model)
+    out["corrupted_differs"] = bool(differences(blockshard.full_state_dict(model), want))  # the control
+    blockshard.runtime.load_sharded_state_dict(model, sharded)
+    out["after_sharded_load"] = differences(blockshard.full_state_dict(model), want)
+    corrupt(model)
+    blockshard.runtime.load_full_state_dict(model, want)
+    out["after_full_load"] = differences(blockshard.full_state_dict(model), want)
+    payload = "model.layers.0.self_attn.q_proj.weight" if kind == "bnb" else "layers.0.weight"  # a quantized one
+    whole = dict(sharded) | {payload: LocalShard(pieces[payload].full_tensor(), 0, sharded[payload].global_shape)}
+    partial = {k: v for k, v in want.items() if k != payload}
+    errors = []
+    for call, state in (
+        (blockshard.runtime.load_sharded_state_dict, whole),
+        (blockshard.runtime.load_full_state_dict, partial),
+    ):
+        try:
+            call(model, state)
+            errors.append("")
+        except ValueError as e:
+            errors.append(str(e))
+    return out | {"payload": payload, "errors": errors}
+
+
+def record(rank: int, world: int, kind: str, path: str) -> dict:
+    """``blockshard.save_checkpoint``'s record of the quantized groups against the groups' layouts."""
+    import blockshard
+
+    model = shard(build(kind), kind)
+    blockshard.save_checkpoint(model, path)
+    return {
+        "layouts": [
+            (
+                q.layout.layout_hash(),
+                q.layout.segment_bytes,
+                [[(p.unit_start, p.unit_stop) for p in ps] for ps in q.layout.pieces],
+            )
+            for q in _quantized_groups(model)
+        ],
+        "pieces": {
+            k: (v.local_start, v.to_local().numel()) for k, v in model.state_dict().items() if hasattr(v, "local_start")
+        },
+    }

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "runtime"))
 
@@ -17,15 +16,8 @@ def gloo_w1():
     tests/runtime/conftest.py's), with one intra-op thread; destroyed at the module's end."""
     import _inproc
 
-    if dist.is_initialized():
-        raise RuntimeError("a default process group is already initialized: a test leaked one")
-    with _inproc.single_thread():
-        tmp = _inproc.init_world1()
-        try:
-            yield dist.group.WORLD
-        finally:
-            dist.destroy_process_group()
-            tmp.cleanup()
+    with _inproc.world1() as group:
+        yield group
 
 
 def pytest_collection_modifyitems(config, items):

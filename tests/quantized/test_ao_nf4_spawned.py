@@ -7,7 +7,7 @@ import functools
 
 import _ao_runs
 import pytest
-import torch
+from _adapters import check_equal_one_process
 
 from blockshard._launch import run_single, spawn_gloo
 
@@ -23,12 +23,4 @@ def reference() -> dict:
 def test_nf4tensor_equals_one_process(world):
     want = reference()
     results = spawn_gloo(_ao_runs.run, world, args=(True,), timeout=300)
-    for rank, got in enumerate(results):
-        assert torch.equal(got["logits"], want["logits"]), rank
-        for key in ("grads", "params") if world != 3 else ("grads",):
-            for n, w in want[key].items():
-                if world == 3:
-                    torch.testing.assert_close(got[key][n], w, rtol=2**-7, atol=1e-6)
-                else:
-                    assert torch.equal(got[key][n], w), (rank, key, n)
-    assert sum(r["held"] for r in results) == results[0]["total"]
+    check_equal_one_process(results, want, world)

@@ -16,7 +16,7 @@ import functools
 import _ao_runs
 import _inproc
 import pytest
-import torch
+from _adapters import check_equal_one_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,16 +31,7 @@ def reference() -> dict:
 def test_nf4tensor_weights_equal_one_process(world):
     want = reference()
     results = _inproc.run_ranks(_ao_runs.train, world)
-    for rank, got in enumerate(results):
-        assert torch.equal(got["logits"], want["logits"]), rank
-        for n, g in want["grads"].items():
-            if world == 3:
-                torch.testing.assert_close(got["grads"][n], g, rtol=2**-7, atol=1e-6)  # one bf16 ulp
-            else:
-                assert torch.equal(got["grads"][n], g), (rank, n)
-        if world != 3:
-            assert all(torch.equal(got["params"][n], p) for n, p in want["params"].items()), rank
-    assert sum(r["held"] for r in results) == results[0]["total"]  # payload and scalers: one rank each
+    check_equal_one_process(results, want, world)  # payload and scalers: one rank each
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -98,3 +98,23 @@ def test_quantized_all_gathers_out_of_order_raise_on_every_rank():
         assert out["outcome"].startswith("CollectiveIntegrityError"), (rank, out["outcome"])
         assert "did not line up" in out["outcome"] and "Fix:" in out["outcome"], out["outcome"]
         assert len(out["losses"]) == 2, out["losses"]  # raised in step 1, before its optimizer step
+
+
+def _mixed(rank: int, world: int) -> dict:
+    import blockshard
+    from blockshard.runtime._state import state_of
+
+    with _inproc.serial():
+        model = QuantizedStack()
+    blockshard.fully_shard(model)  # one group: the float adapter and the three quantized weights
+    group = state_of(model).group
+    model(torch.ones(4, 128))
+    return {"mixed": group.layout is not None and group.quantized is not None, "count": group.tally.count}
+
+
+def test_a_group_of_float_and_quantized_weights_counts_both_all_gathers():
+    """Its unshard issues two all-gathers (the float buffer's, the quantized segment's); both are
+    counted (before: one, as for a float group)."""
+    for out in _inproc.run_ranks(_mixed, 2):
+        assert out["mixed"]
+        assert out["count"] == 2, out["count"]

@@ -128,7 +128,12 @@ def test_save_pretrained_writes_the_unsharded_4bit_models_entries(quant, tmp_pat
     assert (f"{q}nested_absmax" in got["quantized_keys"]) == quant["compress_statistics"]
 
 
-def test_save_pretrained_of_blockwise_fp8_writes_the_unsharded_models_entries(tmp_path):
+def test_save_pretrained_of_blockwise_fp8_writes_the_unsharded_models_entries(tmp_path, monkeypatch):
+    """Streamed in chunks of an odd byte count that end inside a rank's payload piece (the 4-bit
+    exports above stream whole pieces)."""
+    from blockshard.runtime import _export
+
+    monkeypatch.setattr(_export, "_CHUNK_BYTES", 8191)
     got = _inproc.run_ranks(_state_runs.export, 2, args=("fp8", str(tmp_path)))[0]
     assert got["differs"] == [] and got["not_written"] == []
 
@@ -175,3 +180,48 @@ def test_save_pretrained_writes_what_hugging_face_writes_for_the_unsharded_model
     )
     assert sorted(hf) == sorted(ours) and any(k.endswith(".weight.quant_state.bitsandbytes__nf4") for k in hf)
     assert [k for k in hf if not _state_runs.same(hf[k], ours[k])] == []
+
+
+@pytest.mark.parametrize("world", [2, 1])
+@pytest.mark.parametrize("kind", ["bnb", "ao_nf4"])
+def test_blockshard_sharded_and_full_state_dicts_carry_quantized_weights(kind, world):
+    """``sharded_state_dict`` holds every quantized stream (before: none of them, and both loads left
+    the overwritten segments as they were)."""
+    outs = _inproc.run_ranks(_state_runs.blockshard_state_dicts, world, args=(kind,))
+    for out in outs:
+        assert out["missing"] == [] and out["same_pieces"]
+        assert out["corrupted_differs"]  # the control
+        assert out["after_sharded_load"] == [] and out["after_full_load"] == []
+        partial = out["errors"][1]
+        assert f"'{out['payload']}" in partial and "has no such entry" in partial and "Fix:" in partial, partial
+    wrong = [out["errors"][0] for out in outs if out["errors"][0]]  # a whole stream where a rank holds less
+    assert bool(wrong) == (world > 1), wrong  # at W = 1 the whole stream is the rank's piece
+    for msg in wrong:
+        assert f"{outs[0]['payload']!r}" in msg and "this rank holds piece" in msg and "Fix:" in msg, msg
+
+
+def test_the_checkpoint_record_holds_the_quantized_layouts(tmp_path, capsys):
+    """``blockshard.json`` records each quantized group's layout (format, units, every rank's units and
+    pieces of every entry) for ``blockshard inspect``; before, a group of quantized weights only was left
+    out and a mixed one recorded its float parameters alone."""
+    from blockshard.cli import main
+    from blockshard.runtime import describe_checkpoint
+
+    path = str(tmp_path / "ckpt")
+    outs = _inproc.run_ranks(_state_runs.record, 2, args=("ao_nf4", path))
+    groups = describe_checkpoint(path)["quantized_groups"]
+    assert [g["module"] for g in groups] == ["layers.0", "layers.1", "layers.2"]
+    assert [(g["layout_hash"], g["segment_bytes"]) for g in groups] == [(h, s) for h, s, _ in outs[0]["layouts"]]
+    for g, (_, _, units) in zip(groups, outs[0]["layouts"], strict=True):
+        (t,) = g["tensors"]
+        assert t["format"] == "torchao NF4Tensor" and g["world_size"] == 2 and g["class"] == "NF4LoRALinear"
+        assert t["pieces"] == [[r, a, b - a] for r, held in enumerate(units) for a, b in held]
+        assert sum(n for _, _, n in t["pieces"]) == t["units"]
+        for name, pieces in t["entries"].items():  # every rank's piece of every stream, as DCP saved it
+            assert {r: (a, n) for r, a, n in pieces} == {
+                r: out["pieces"][name] for r, out in enumerate(outs) if out["pieces"][name][1]
+            }, name
+    assert {"layers.0.weight", "layers.0.weight.quantized_scalers"} <= set(groups[0]["tensors"][0]["entries"])
+    assert main(["inspect", path]) == 0
+    out = capsys.readouterr().out
+    assert "quantized group layers.0 (NF4LoRALinear): world size 2" in out and "torchao NF4Tensor x1" in out

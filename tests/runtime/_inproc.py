@@ -134,6 +134,21 @@ def init_world1() -> tempfile.TemporaryDirectory:
 
 
 @contextmanager
+def world1() -> Iterator[dist.ProcessGroup]:
+    """A real gloo default group of one rank in this thread, with one intra-op thread, destroyed on
+    leaving (the conftests' ``gloo_w1`` fixtures)."""
+    if dist.is_initialized():
+        raise RuntimeError("a default process group is already initialized: a test leaked one")
+    with single_thread():
+        tmp = init_world1()
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+            tmp.cleanup()
+
+
+@contextmanager
 def _thread_local_world() -> Iterator[None]:
     """c10d's world (default group, group maps) per thread while inside; restored afterwards."""
     with _RUN_LOCK:

@@ -9,6 +9,7 @@ import _inproc
 import pytest
 import torch
 from _scenarios import _batches, _loss_fn, _model
+from _torch_state_dict_runs import Tied
 from torch import nn
 
 import blockshard
@@ -17,23 +18,9 @@ from blockshard.runtime import ShardingError, load_full_state_dict, load_sharded
 pytestmark = pytest.mark.timeout(60)  # in-process ranks: a hang fails the test, never the run
 
 
-class _Tied(nn.Module):
-    """Embedding and head share one weight (sharded together at the root), a layer between."""
-
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.embed, self.mid, self.head = nn.Embedding(19, 6), nn.Linear(6, 6), nn.Linear(6, 19, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids):
-        return self.head(torch.tanh(self.mid(self.embed(ids))))
-
-
 def _build(kind: str, seed: int) -> nn.Module:
     with _inproc.serial():  # construction only: never hold it across a collective
-        model = _Tied(seed) if kind == "tied" else _model(kind) if seed == 0 else _seeded(kind, seed)
+        model = Tied(seed) if kind == "tied" else _model(kind) if seed == 0 else _seeded(kind, seed)
     if kind == "tied":
         blockshard.fully_shard(model.mid)
         return blockshard.fully_shard(model)
