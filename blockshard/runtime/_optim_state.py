@@ -16,6 +16,24 @@ The layout is FQN-keyed, as ``torch.distributed.checkpoint.state_dict.get_optimi
 Ranks may build their optimizers over different parameters (a rank leaves out the tensors it
 holds no element of): each ``param_group``'s ``params`` lists the names of every rank's
 (gathered, in the model's order), and a rank loads the state of the names it holds.
+
+[Note: empty pieces hold no state]
+A rank may hold a 0-element piece of a parameter (another rank holds it whole, or the cut falls
+past it), and the README's recipe builds the optimizer over every piece, empty ones too. An
+optimizer gives such a piece state of its own kind, which need not be the kind the other pieces
+have: bitsandbytes keeps 32-bit state below ``min_8bit_size`` (an fp32 ``state1`` of 0 elements
+beside the holder's uint8 ``state1`` and its ``absmax1``), torchao keeps plain fp32 tensors where
+the holder has ``OptimState8bit`` (entries ``exp_avg`` against ``exp_avg.codes`` /
+``exp_avg.scale``). Such an entry has nothing to save or load, yet its dtype and keys are checked
+against the checkpoint. So an empty piece holds no state in the state dict: its parameter stays in
+its ``param_group``'s ``params``, its entries are left out (as for a rank that left the piece out
+of its optimizer), loading leaves its live state (0 elements) alone, and torch's full state dict
+gets its empty entries from the ranks that hold elements (:func:`_with_every_rank_state`). Saving
+and loading work the same whether the optimizer holds the empty pieces or not. The ranks that do
+hold elements of a parameter must hold state of one kind (the same keys and dtypes): the gather of
+the names compares them, so mixed state (e.g. a piece below ``min_8bit_size`` beside 8-bit pieces,
+whose bytes DCP would reshard as one dtype) raises :class:`~blockshard.runtime.CheckpointError`
+on every rank, naming the parameter and the ranks.
 """
 
 from __future__ import annotations
@@ -107,15 +125,53 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     for g, members in zip(optimizer.param_groups, _by_group(params, optimizer), strict=True):
         for name, p, sp in members:
             try:
-                if entries := optimizer.state.get(p):
+                if (entries := optimizer.state.get(p)) and not _empty(sp):  # [Note: empty pieces hold no state]
                     state[name] = {k: encode_state(name, k, v, p, sp, (optimizer, g)) for k, v in entries.items()}
             except CheckpointError as e:  # raised on every rank below
                 error = error or str(e)
         groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [n for n, _, _ in members]})
-    names = _every_rank_names(model, [g["params"] for g in groups], error)
+    names = _every_rank_names(model, [g["params"] for g in groups], error, _kinds(state))
     for group, every in zip(groups, names, strict=True):
         group["params"] = every
     return {"state": state, "param_groups": groups}
+
+
+def _empty(sp: ShardedParam | None) -> bool:
+    """A 0-element piece of a sharded parameter ([Note: empty pieces hold no state])."""
+    return sp is not None and sp.local_numel == 0
+
+
+def _kinds(state: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """Per parameter, the dtype of each of its PieceTensor entries by dotted key."""
+
+    def walk(entries: Any, prefix: str, out: dict[str, str]) -> dict[str, str]:
+        for key, value in entries.items():
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.", out)
+            elif isinstance(value, PieceTensor):
+                out[f"{prefix}{key}"] = str(value.dtype).removeprefix("torch.")
+        return out
+
+    return {name: walk(entries, "", {}) for name, entries in state.items()}
+
+
+def _check_one_kind(gathered: list[dict[str, dict[str, str]]]) -> None:
+    """Raise :class:`CheckpointError` if two ranks hold state of one parameter with other keys or
+    dtypes (``gathered``: every rank's :func:`_kinds`)."""
+    from blockshard.runtime._checkpoint import CheckpointError
+
+    first: dict[str, tuple[int, dict[str, str]]] = {}
+    for rank, kinds in enumerate(gathered):
+        for name, kind in kinds.items():
+            r0, k0 = first.setdefault(name, (rank, kind))
+            if kind != k0:
+                raise CheckpointError(
+                    f"the optimizer state of parameter {name!r} differs between the ranks that hold its elements: "
+                    f"rank {r0} holds {k0}, rank {rank} holds {kind} (e.g. bitsandbytes keeps 32-bit state for a "
+                    "piece below min_8bit_size, 8-bit state for the others): a checkpoint would mix them. Fix: shard "
+                    "it with the optimizer's block semantics (e.g. semantics='bnb8bit' or 'ao8bit'), or give the "
+                    "optimizer a min_8bit_size below every rank's piece of it"
+                )
 
 
 def _by_group(params: list, optimizer: torch.optim.Optimizer) -> list[list]:
@@ -123,9 +179,12 @@ def _by_group(params: list, optimizer: torch.optim.Optimizer) -> list[list]:
     return [[next(it) for _ in g["params"]] for g in optimizer.param_groups]
 
 
-def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | None) -> list[list[str]]:
+def _every_rank_names(
+    model: nn.Module, names: list[list[str]], error: str | None, kinds: dict[str, dict[str, str]]
+) -> list[list[str]]:
     """Per ``param_group``, the names every rank's optimizer holds, in the model's order; raises
-    :class:`CheckpointError` on every rank if one rank's state could not be placed (``error``)."""
+    :class:`CheckpointError` on every rank if one rank's state could not be placed (``error``)
+    or the ranks' state of one parameter is not of one kind (``kinds``, see :func:`_kinds`)."""
     import torch.distributed as dist
 
     from blockshard.runtime._checkpoint import CheckpointError
@@ -137,17 +196,18 @@ def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | Non
             raise CheckpointError(error)
         return names
     gathered: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(gathered, (names, error), group=pg)
-    errors = [(r, e) for r, (_, e) in enumerate(gathered) if e]
+    dist.all_gather_object(gathered, (names, error, kinds), group=pg)
+    errors = [(r, e) for r, (_, e, _) in enumerate(gathered) if e]
     if errors:
         raise CheckpointError(f"{errors[0][1]} (on rank {errors[0][0]}; {len(errors)} of {len(gathered)} ranks)")
-    if len({len(n) for n, _ in gathered}) != 1:
+    if len({len(n) for n, _, _ in gathered}) != 1:
         raise CheckpointError(
-            f"the ranks' optimizers have different numbers of param_groups ({[len(n) for n, _ in gathered]}). "
+            f"the ranks' optimizers have different numbers of param_groups ({[len(n) for n, _, _ in gathered]}). "
             "Fix: build the same param_groups on every rank (a group may be empty)"
         )
+    _check_one_kind([k for _, _, k in gathered])
     order = {n: i for i, n in enumerate(n for n, _ in model.named_parameters())}
-    return [sorted(set().union(*(n[i] for n, _ in gathered)), key=order.__getitem__) for i in range(len(names))]
+    return [sorted(set().union(*(n[i] for n, _, _ in gathered)), key=order.__getitem__) for i in range(len(names))]
 
 
 @torch.no_grad()
@@ -170,6 +230,8 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     init_optimizer_state(optimizer)
     for g, members in zip(optimizer.param_groups, mine, strict=True):
         for name, p, sp in members:
+            if _empty(sp):  # nothing to load into ([Note: empty pieces hold no state])
+                continue
             live = optimizer.state[p]
             for key, value in state["state"].get(name, {}).items():
                 live[key] = decode_state(name, key, value, live.get(key), sp, (optimizer, g))
@@ -211,8 +273,9 @@ def torch_optimizer_state_dict(model: nn.Module, optimizers: tuple, info: Any, *
 
 def _with_every_rank_state(model: nn.Module, osd: dict[str, Any]) -> dict[str, Any]:
     """``osd`` holding the state of every parameter any rank's optimizer holds, in the model's
-    order, so that every rank gathers the same tensors: a rank that left a parameter out of its
-    optimizer (it holds no element of it) gets its entries as empty pieces (collective)."""
+    order, so that every rank gathers the same tensors: a rank that holds no element of a
+    parameter (its optimizer left it out or holds its empty piece, which holds no state: [Note:
+    empty pieces hold no state]) gets its entries as empty pieces (collective)."""
     import torch.distributed as dist
 
     state, pg = osd["state"], _process_group(model)
