@@ -4,7 +4,8 @@ the README's recipe builds the optimizer over every piece, empty ones too. Under
 empty piece of the other; bitsandbytes AdamW8bit (and torchao AdamW8bit) give the empty piece fp32
 state beside the holder's 8-bit state. ``blockshard.save_checkpoint`` at W = 2 (threads) then
 loads at W = 2 (and bitsandbytes' at W = 1), restoring the 8-bit state exactly; ranks whose state of one parameter
-is of two kinds raise on every rank instead of writing a checkpoint that mixes them.
+is of two kinds raise on every rank instead of writing a checkpoint that mixes them, and a
+checkpoint that does not fit one rank's state raises on every rank, not only there.
 Tolerance: bitwise (copies). Controls: the loading optimizer's state before the load differs from
 the saved one; the empty piece's live state really is fp32 where the holder's is uint8 (what made
 ``load_checkpoint`` raise a dtype ``CheckpointError`` before)."""
@@ -92,9 +93,14 @@ def _bnb_load(rank: int, world: int, path: str) -> dict:
     return out
 
 
-def test_bnb_8bit_state_with_empty_pieces_saved_at_w2_loads_at_w2_and_w1(tmp_path):
-    path = str(tmp_path / "bnb")
-    saved = _inproc.run_ranks(_bnb_save, 2, args=(path,))
+@pytest.fixture(scope="module")
+def bnb_saved(tmp_path_factory) -> tuple[str, list[dict]]:
+    path = str(tmp_path_factory.mktemp("empty") / "bnb")
+    return path, _inproc.run_ranks(_bnb_save, 2, args=(path,))
+
+
+def test_bnb_8bit_state_with_empty_pieces_saved_at_w2_loads_at_w2_and_w1(bnb_saved):
+    path, saved = bnb_saved
     assert [r["kinds"] for r in saved] == [  # each rank: one weight with 8-bit state, an empty fp32 piece
         {"0.weight": (8192, torch.uint8), "2.weight": (0, torch.float32)},
         {"0.weight": (0, torch.float32), "2.weight": (8192, torch.uint8)},
@@ -107,6 +113,23 @@ def test_bnb_8bit_state_with_empty_pieces_saved_at_w2_loads_at_w2_and_w1(tmp_pat
     for loaded in (w2, w1):
         assert _equal(_assemble([r["pieces"] for r in loaded]), want)
         assert not _equal(_assemble([r["before"] for r in loaded]), want)  # control: the fresh state
+
+
+def _bnb_load_32bit_on_rank_1(rank: int, world: int, path: str) -> str:
+    model = _model(1, "bnb8bit")
+    opt = _bnb(model, min_8bit_size=4096 if rank == 0 else 1 << 20)  # rank 1: fp32 state for 2.weight
+    try:
+        load_checkpoint(model, path, opt)
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_checkpoint_that_does_not_fit_one_rank_raises_on_every_rank(bnb_saved):
+    # rank 0's state fits the checkpoint; rank 1's does not: rank 0 must not wait in dcp.load
+    errors = _inproc.run_ranks(_bnb_load_32bit_on_rank_1, 2, args=(bnb_saved[0],))
+    assert "'optimizer.state.2.weight.state1': saved torch.uint8, model torch.float32" in errors[1], errors
+    assert errors[0] == f"{errors[1]} (on rank 1; 1 of 2 ranks)", errors
 
 
 def _mixed(rank: int, world: int) -> str:
