@@ -129,7 +129,8 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
             except CheckpointError as e:  # raised on every rank below
                 error = error or str(e)
         groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [n for n, _, _ in members]})
-    names = _every_rank_names(model, [g["params"] for g in groups], error, _kinds(state))
+    held = [g["params"] for g in groups]
+    names = _every_rank_names(model, held, error, _kinds(state, held))
     for group, every in zip(groups, names, strict=True):
         group["params"] = every
     return {"state": state, "param_groups": groups}
@@ -140,8 +141,13 @@ def _empty(sp: ShardedParam | None) -> bool:
     return sp is not None and sp.local_numel == 0
 
 
-def _kinds(state: Mapping[str, Any]) -> dict[str, dict[str, str]]:
-    """Per parameter, the dtype of each of its PieceTensor entries by dotted key."""
+Kinds = tuple[list[str], list[int]]  # distinct kinds of state, and each held name's (-1: no state)
+
+
+def _kinds(state: Mapping[str, Any], names: list[list[str]]) -> Kinds:
+    """What :func:`_check_one_kind` compares, compactly (every rank sends it to every rank): the
+    distinct kinds of this rank's state (the dtype of each PieceTensor entry by dotted key), and
+    for each of ``names`` (flattened) the index of its kind, -1 where it has no state."""
 
     def walk(entries: Any, prefix: str, out: dict[str, str]) -> dict[str, str]:
         for key, value in entries.items():
@@ -151,25 +157,35 @@ def _kinds(state: Mapping[str, Any]) -> dict[str, dict[str, str]]:
                 out[f"{prefix}{key}"] = str(value.dtype).removeprefix("torch.")
         return out
 
-    return {name: walk(entries, "", {}) for name, entries in state.items()}
+    table: dict[str, int] = {}
+    ids = []
+    for name in (n for group in names for n in group):
+        if name not in state:
+            ids.append(-1)
+            continue
+        kind = repr(dict(sorted(walk(state[name], "", {}).items())))
+        ids.append(table.setdefault(kind, len(table)))
+    return list(table), ids
 
 
-def _check_one_kind(gathered: list[dict[str, dict[str, str]]]) -> None:
+def _check_one_kind(gathered: list[tuple[list[list[str]], Kinds]]) -> None:
     """Raise :class:`CheckpointError` if two ranks hold state of one parameter with other keys or
-    dtypes (``gathered``: every rank's :func:`_kinds`)."""
+    dtypes (``gathered``: every rank's names and :func:`_kinds`)."""
     from blockshard.runtime._checkpoint import CheckpointError
 
-    first: dict[str, tuple[int, dict[str, str]]] = {}
-    for rank, kinds in enumerate(gathered):
-        for name, kind in kinds.items():
-            r0, k0 = first.setdefault(name, (rank, kind))
-            if kind != k0:
+    first: dict[str, tuple[int, str]] = {}
+    for rank, (names, (table, ids)) in enumerate(gathered):
+        for name, i in zip((n for group in names for n in group), ids, strict=True):
+            if i < 0:
+                continue
+            r0, k0 = first.setdefault(name, (rank, table[i]))
+            if table[i] != k0:
                 raise CheckpointError(
                     f"the optimizer state of parameter {name!r} differs between the ranks that hold its elements: "
-                    f"rank {r0} holds {k0}, rank {rank} holds {kind} (e.g. bitsandbytes keeps 32-bit state for a "
-                    "piece below min_8bit_size, 8-bit state for the others): a checkpoint would mix them. Fix: shard "
-                    "it with the optimizer's block semantics (e.g. semantics='bnb8bit' or 'ao8bit'), or give the "
-                    "optimizer a min_8bit_size below every rank's piece of it"
+                    f"rank {r0} holds {k0}, rank {rank} holds {table[i]} (e.g. bitsandbytes keeps 32-bit state for "
+                    "a piece below min_8bit_size, 8-bit state for the others): a checkpoint would mix them. Fix: "
+                    "shard it with the optimizer's block semantics (e.g. semantics='bnb8bit' or 'ao8bit'), or give "
+                    "the optimizer a min_8bit_size below every rank's piece of it"
                 )
 
 
@@ -178,9 +194,7 @@ def _by_group(params: list, optimizer: torch.optim.Optimizer) -> list[list]:
     return [[next(it) for _ in g["params"]] for g in optimizer.param_groups]
 
 
-def _every_rank_names(
-    model: nn.Module, names: list[list[str]], error: str | None, kinds: dict[str, dict[str, str]]
-) -> list[list[str]]:
+def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | None, kinds: Kinds) -> list[list[str]]:
     """Per ``param_group``, the names every rank's optimizer holds, in the model's order; raises
     :class:`CheckpointError` on every rank if one rank's state could not be placed (``error``)
     or the ranks' state of one parameter is not of one kind (``kinds``, see :func:`_kinds`)."""
@@ -204,7 +218,7 @@ def _every_rank_names(
             f"the ranks' optimizers have different numbers of param_groups ({[len(n) for n, _, _ in gathered]}). "
             "Fix: build the same param_groups on every rank (a group may be empty)"
         )
-    _check_one_kind([k for _, _, k in gathered])
+    _check_one_kind([(n, k) for n, _, k in gathered])
     order = {n: i for i, n in enumerate(n for n, _ in model.named_parameters())}
     return [sorted(set().union(*(n[i] for n, _, _ in gathered)), key=order.__getitem__) for i in range(len(names))]
 
