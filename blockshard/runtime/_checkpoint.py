@@ -3,10 +3,12 @@
 ``model.state_dict()`` already speaks DCP ([Note: state dict entries] in ``_piece_tensor.py``), so
 ``dcp.save(model.state_dict(), checkpoint_id=path)`` is a checkpoint that loads at any world size.
 :func:`load_checkpoint` adds what ``dcp.load`` leaves to the caller: it compares the checkpoint's
-metadata with the model first, on every rank and without a collective (every rank reads the
-``.metadata`` file itself), so a checkpoint of another model, of other shapes, incomplete or with a
-missing shard file raises the same :class:`CheckpointError` on every rank, naming what differs,
-before any value is read. (``dcp.load`` itself reports such cases as a ``CheckpointException``,
+metadata with the model first (every rank reads the ``.metadata`` file itself and compares its own
+entries), then the ranks share the outcome (one ``all_gather_object``), so a checkpoint of another
+model, of other shapes, incomplete or with a missing shard file raises :class:`CheckpointError` on
+every rank, naming what differs, before any value is read — also where only some ranks' entries
+differ (optimizer state of the parameters a rank holds), which would otherwise leave the other
+ranks waiting in ``dcp.load``. (``dcp.load`` itself reports such cases as a ``CheckpointException``,
 a ``BaseException``, that ``except Exception`` does not catch.)
 """
 
@@ -90,11 +92,11 @@ def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimize
     path = resolve(os.fspath(checkpoint_id))
     state = _state(model, optimizer)
     if optimizer is None and _saved_with_optimizer(path):  # the model alone, e.g. to fine-tune from it
-        check_checkpoint(state, path, under="model.")
+        _check_on_every_rank(state, path, under="model.")
         dcp.load({"model": state}, checkpoint_id=path)
         model.load_state_dict(state)
         return
-    check_checkpoint(state, path)
+    _check_on_every_rank(state, path)
     dcp.load(state, checkpoint_id=path)
     if optimizer is None:
         model.load_state_dict(state)
@@ -105,6 +107,26 @@ def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimize
     saved = [state["optimizer"]] if isinstance(optimizer, torch.optim.Optimizer) else state["optimizer"]
     for o, osd in zip(_optimizers(optimizer), saved, strict=True):
         load_optimizer_state_dict(model, o, osd)
+
+
+def _check_on_every_rank(state: Mapping[str, object], path: str, *, under: str = "") -> None:
+    """:func:`check_checkpoint`, its error raised on every rank if it failed on any (collective
+    over the default process group, as ``dcp.load``, when that spans more than one rank)."""
+    import torch.distributed as dist
+
+    error = None
+    try:
+        check_checkpoint(state, path, under=under)
+    except CheckpointError as e:
+        error = e
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, None if error is None else str(error))
+        failed = [(rank, e) for rank, e in enumerate(errors) if e]
+        if error is None and failed:
+            raise CheckpointError(f"{failed[0][1]} (on rank {failed[0][0]}; {len(failed)} of {len(errors)} ranks)")
+    if error is not None:
+        raise error
 
 
 def _flatten(state: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -16,19 +16,36 @@ The layout is FQN-keyed, as ``torch.distributed.checkpoint.state_dict.get_optimi
 Ranks may build their optimizers over different parameters (a rank leaves out the tensors it
 holds no element of): each ``param_group``'s ``params`` lists the names of every rank's
 (gathered, in the model's order), and a rank loads the state of the names it holds.
+
+[Note: empty pieces hold no state]
+A rank may hold a 0-element piece of a parameter (another rank holds it whole, or the cut falls
+past it), and the README's recipe builds the optimizer over every piece, empty ones too. An
+optimizer gives such a piece state of its own kind, which need not be the kind the other pieces
+have: bitsandbytes keeps 32-bit state below ``min_8bit_size`` (an fp32 ``state1`` of 0 elements
+beside the holder's uint8 ``state1`` and its ``absmax1``), torchao keeps plain fp32 tensors where
+the holder has ``OptimState8bit`` (entries ``exp_avg`` against ``exp_avg.codes`` /
+``exp_avg.scale``). Such an entry has nothing to save or load, yet its dtype and keys are checked
+against the checkpoint. So an empty piece holds no state in the state dict: its parameter stays in
+its ``param_group``'s ``params``, its entries are left out (as for a rank that left the piece out
+of its optimizer), loading leaves its live state (0 elements) alone, and torch's full state dict
+gets its empty entries from the ranks that hold elements (:func:`_with_every_rank_state`). Saving
+and loading work the same whether the optimizer holds the empty pieces or not. The ranks that do
+hold elements of a parameter must hold state of one kind (the same keys and dtypes): the gather of
+the names compares them, so mixed state (e.g. a piece below ``min_8bit_size`` beside 8-bit pieces,
+whose bytes DCP would reshard as one dtype) raises :class:`~blockshard.runtime.CheckpointError`
+on every rank, naming the parameter and the ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from blockshard.runtime._api import _join, _states_under
-from blockshard.runtime._optim_codecs import _pg, decode_state, encode_state
+from blockshard.runtime._optim_codecs import decode_state, encode_state
 from blockshard.runtime._optim_guard import uncounted_steps
 from blockshard.runtime._param import ShardedParam
 from blockshard.runtime._piece_tensor import PieceTensor
@@ -107,15 +124,69 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     for g, members in zip(optimizer.param_groups, _by_group(params, optimizer), strict=True):
         for name, p, sp in members:
             try:
-                if entries := optimizer.state.get(p):
+                if (entries := optimizer.state.get(p)) and not _empty(sp):  # [Note: empty pieces hold no state]
                     state[name] = {k: encode_state(name, k, v, p, sp, (optimizer, g)) for k, v in entries.items()}
             except CheckpointError as e:  # raised on every rank below
                 error = error or str(e)
         groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [n for n, _, _ in members]})
-    names = _every_rank_names(model, [g["params"] for g in groups], error)
+    held = [g["params"] for g in groups]
+    names = _every_rank_names(model, held, error, _kinds(state, held))
     for group, every in zip(groups, names, strict=True):
         group["params"] = every
     return {"state": state, "param_groups": groups}
+
+
+def _empty(sp: ShardedParam | None) -> bool:
+    """A 0-element piece of a sharded parameter ([Note: empty pieces hold no state])."""
+    return sp is not None and sp.local_numel == 0
+
+
+Kinds = tuple[list[str], list[int]]  # distinct kinds of state, and each held name's (-1: no state)
+
+
+def _kinds(state: Mapping[str, Any], names: list[list[str]]) -> Kinds:
+    """What :func:`_check_one_kind` compares, compactly (every rank sends it to every rank): the
+    distinct kinds of this rank's state (the dtype of each PieceTensor entry by dotted key), and
+    for each of ``names`` (flattened) the index of its kind, -1 where it has no state."""
+
+    def walk(entries: Any, prefix: str, out: dict[str, str]) -> dict[str, str]:
+        for key, value in entries.items():
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.", out)
+            elif isinstance(value, PieceTensor):
+                out[f"{prefix}{key}"] = str(value.dtype).removeprefix("torch.")
+        return out
+
+    table: dict[str, int] = {}
+    ids = []
+    for name in (n for group in names for n in group):
+        if name not in state:
+            ids.append(-1)
+            continue
+        kind = repr(dict(sorted(walk(state[name], "", {}).items())))
+        ids.append(table.setdefault(kind, len(table)))
+    return list(table), ids
+
+
+def _check_one_kind(gathered: list[tuple[list[list[str]], Kinds]]) -> None:
+    """Raise :class:`CheckpointError` if two ranks hold state of one parameter with other keys or
+    dtypes (``gathered``: every rank's names and :func:`_kinds`)."""
+    from blockshard.runtime._checkpoint import CheckpointError
+
+    first: dict[str, tuple[int, str]] = {}
+    for rank, (names, (table, ids)) in enumerate(gathered):
+        for name, i in zip((n for group in names for n in group), ids, strict=True):
+            if i < 0:
+                continue
+            r0, k0 = first.setdefault(name, (rank, table[i]))
+            if table[i] != k0:
+                raise CheckpointError(
+                    f"the optimizer state of parameter {name!r} differs between the ranks that hold its elements: "
+                    f"rank {r0} holds {k0}, rank {rank} holds {table[i]} (e.g. bitsandbytes keeps 32-bit state for "
+                    "a piece below min_8bit_size, 8-bit state for the others): a checkpoint would mix them. Fix: "
+                    "shard it with the optimizer's block semantics (e.g. semantics='bnb8bit' or 'ao8bit'), or give "
+                    "the optimizer a min_8bit_size below every rank's piece of it"
+                )
 
 
 def _by_group(params: list, optimizer: torch.optim.Optimizer) -> list[list]:
@@ -123,9 +194,10 @@ def _by_group(params: list, optimizer: torch.optim.Optimizer) -> list[list]:
     return [[next(it) for _ in g["params"]] for g in optimizer.param_groups]
 
 
-def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | None) -> list[list[str]]:
+def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | None, kinds: Kinds) -> list[list[str]]:
     """Per ``param_group``, the names every rank's optimizer holds, in the model's order; raises
-    :class:`CheckpointError` on every rank if one rank's state could not be placed (``error``)."""
+    :class:`CheckpointError` on every rank if one rank's state could not be placed (``error``)
+    or the ranks' state of one parameter is not of one kind (``kinds``, see :func:`_kinds`)."""
     import torch.distributed as dist
 
     from blockshard.runtime._checkpoint import CheckpointError
@@ -137,17 +209,18 @@ def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | Non
             raise CheckpointError(error)
         return names
     gathered: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(gathered, (names, error), group=pg)
-    errors = [(r, e) for r, (_, e) in enumerate(gathered) if e]
+    dist.all_gather_object(gathered, (names, error, kinds), group=pg)
+    errors = [(r, e) for r, (_, e, _) in enumerate(gathered) if e]
     if errors:
         raise CheckpointError(f"{errors[0][1]} (on rank {errors[0][0]}; {len(errors)} of {len(gathered)} ranks)")
-    if len({len(n) for n, _ in gathered}) != 1:
+    if len({len(n) for n, _, _ in gathered}) != 1:
         raise CheckpointError(
-            f"the ranks' optimizers have different numbers of param_groups ({[len(n) for n, _ in gathered]}). "
+            f"the ranks' optimizers have different numbers of param_groups ({[len(n) for n, _, _ in gathered]}). "
             "Fix: build the same param_groups on every rank (a group may be empty)"
         )
+    _check_one_kind([(n, k) for n, _, k in gathered])
     order = {n: i for i, n in enumerate(n for n, _ in model.named_parameters())}
-    return [sorted(set().union(*(n[i] for n, _ in gathered)), key=order.__getitem__) for i in range(len(names))]
+    return [sorted(set().union(*(n[i] for n, _, _ in gathered)), key=order.__getitem__) for i in range(len(names))]
 
 
 @torch.no_grad()
@@ -170,6 +243,8 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     init_optimizer_state(optimizer)
     for g, members in zip(optimizer.param_groups, mine, strict=True):
         for name, p, sp in members:
+            if _empty(sp):  # nothing to load into ([Note: empty pieces hold no state])
+                continue
             live = optimizer.state[p]
             for key, value in state["state"].get(name, {}).items():
                 live[key] = decode_state(name, key, value, live.get(key), sp, (optimizer, g))
@@ -177,217 +252,9 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         g.update({k: v for k, v in saved.items() if k != "params"})
 
 
-# -- torch.distributed.checkpoint.state_dict ([Note: torch's state-dict helpers] in _state_dict.py) --
-@dataclass(frozen=True)
-class _PieceSpec:
-    """A PieceTensor entry as another rank describes it (global shape and dtype)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def torch_optimizer_state_dict(model: nn.Module, optimizers: tuple, info: Any, *, keep: bool) -> dict[str, Any]:
-    """What ``get_optimizer_state_dict`` returns for a blockshard model: every optimizer's
-    :func:`optimizer_state_dict` (state by name, ``param_groups`` in order), under
-    ``full_state_dict=True`` with every PieceTensor gathered (only rank 0 keeps the values with
-    ``cpu_offload``; the others return ``{}``, as torch), then torch's own flattening and offload."""
-    import torch.distributed.checkpoint.state_dict as dsd
-
-    from blockshard.runtime._state_dict import gather_pieces
-
-    osd: dict[str, Any] = {"state": {}, "param_groups": []}
-    for o in optimizers:
-        one = optimizer_state_dict(model, o)
-        osd["state"].update({n: _bnb_nested(o, entries) for n, entries in one["state"].items()})
-        osd["param_groups"] += one["param_groups"]
-    if info.full_state_dict:
-        osd = gather_pieces(_with_every_rank_state(model, osd), keep=keep)
-        if not keep:
-            return {}
-    if info.flatten_optimizer_state_dict:
-        osd = dsd._flatten_optim_state_dict(osd)
-    return dsd._maybe_full_or_cpu_state_dict(osd, info)
-
-
-def _with_every_rank_state(model: nn.Module, osd: dict[str, Any]) -> dict[str, Any]:
-    """``osd`` holding the state of every parameter any rank's optimizer holds, in the model's
-    order, so that every rank gathers the same tensors: a rank that left a parameter out of its
-    optimizer (it holds no element of it) gets its entries as empty pieces (collective)."""
-    import torch.distributed as dist
-
-    state, pg = osd["state"], _process_group(model)
-    if pg is not None and dist.get_world_size(pg) > 1:
-        names: list[Any] = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(names, sorted(state), group=pg)
-        held = [set(n) for n in names]
-        union = set().union(*held)
-        if any(h != union for h in held):
-            shared: list[Any] = [None] * len(held)
-            specs = {n: _spec(state[n]) for n in state if any(n not in h for h in held)}
-            dist.all_gather_object(shared, specs, group=pg)
-            sps = dict(_by_param(model).values())
-            for n in union - set(state):
-                state[n] = _empty_pieces(next(s[n] for s in shared if n in s), n, sps[n])
-    order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
-    osd["state"] = {n: state[n] for n in sorted(state, key=lambda n: (order.get(n, len(order)), n))}
-    return osd
-
-
-def _process_group(model: nn.Module) -> Any:
-    import torch.distributed as dist
-
-    states = _states_under(model)
-    return states[0][1].group.process_group if states and dist.is_initialized() else None
-
-
-def _spec(entries: Any) -> Any:
-    if isinstance(entries, PieceTensor):
-        return _PieceSpec(tuple(entries.shape), entries.dtype)
-    if isinstance(entries, Mapping):
-        return {k: _spec(v) for k, v in entries.items()}
-    return entries
-
-
-def _empty_pieces(spec: Any, name: str, sp: ShardedParam | None) -> Any:
-    if isinstance(spec, _PieceSpec):
-        assert sp is not None, f"{name}: a piece of a parameter outside any group"
-        empty = torch.empty(0, dtype=spec.dtype, device=sp.sharded.device)
-        return PieceTensor(empty, 0, spec.shape, name=name, process_group=_pg(sp))
-    if isinstance(spec, Mapping):
-        return {k: _empty_pieces(v, name, sp) for k, v in spec.items()}
-    return spec
-
-
-def torch_load_optimizer_state_dict(model: nn.Module, optimizers: tuple, state_dict: dict, info: Any) -> None:
-    """What ``set_optimizer_state_dict`` does for a blockshard model: each optimizer takes its
-    ``param_groups`` (in order) and its parameters' state by name, from a sharded state dict
-    (PieceTensors, e.g. filled by ``dcp.load``), a full one (each rank copies its piece out of
-    the full tensors) or torch's flattened form, through :func:`load_optimizer_state_dict`."""
-    from blockshard.runtime._checkpoint import CheckpointError
-
-    if info.broadcast_from_rank0:
-        state_dict = _from_rank0(model, optimizers, state_dict)
-    total, offset = sum(len(o.param_groups) for o in optimizers), 0
-    for o in optimizers:
-        template = optimizer_state_dict(model, o)  # collective; creates missing state
-        if "state" in state_dict:
-            groups = state_dict["param_groups"]
-            if len(groups) != total:
-                raise CheckpointError(
-                    f"the optimizer state dict has {len(groups)} param_groups, the optimizers passed have {total}. "
-                    "Fix: load the state dict of the same optimizers, passed in the same order"
-                )
-            mine = {"state": state_dict["state"], "param_groups": groups[offset : offset + len(o.param_groups)]}
-        else:
-            mine = _unflatten(state_dict, template)
-        offset += len(o.param_groups)
-        missing = [n for n in template["state"] if n not in mine["state"]]
-        if missing and info.strict:
-            raise CheckpointError(
-                f"the optimizer state dict has no state for parameters {missing[:5]} ({len(missing)} in all) that "
-                "this optimizer holds state for. Fix: load the state dict of this model's optimizer, or pass "
-                "StateDictOptions(strict=False)"
-            )
-        state = {
-            n: _as_pieces(n, template["state"][n], _bnb_flat(v))
-            for n, v in mine["state"].items()
-            if n in template["state"]
-        }
-        load_optimizer_state_dict(model, o, {"state": state, "param_groups": mine["param_groups"]})
-
-
-# bitsandbytes (>= 0.49) ``Optimizer8bit.state_dict`` nests a parameter's quantization state
-# (``state1``, ``absmax1``, ``qmap1``, ...) under this key; torch's helpers give an unsharded model's
-# state in that layout, so they give a blockshard model's in it too.
-_BNB_NESTED = "__bnb_optimizer_quant_state__"
-
-
-def _bnb_nested(optimizer: torch.optim.Optimizer, entries: dict[str, Any]) -> dict[str, Any]:
-    if getattr(type(optimizer), "_FSDP_WRAPPED_QUANT_STATE_KEY", None) != _BNB_NESTED:
-        return entries  # not bitsandbytes, or a version that does not nest
-    keys = optimizer.non_castable_tensor_keys  # type: ignore[attr-defined]
-    quant = {k: v for k, v in entries.items() if k in keys}
-    return {k: v for k, v in entries.items() if k not in keys} | ({_BNB_NESTED: quant} if quant else {})
-
-
-def _bnb_flat(entries: Any) -> Any:
-    """A parameter's state with bitsandbytes' nested quantization state (either layout) flat."""
-    if not isinstance(entries, Mapping) or not isinstance(entries.get(_BNB_NESTED), Mapping):
-        return entries
-    return {k: v for k, v in entries.items() if k != _BNB_NESTED} | dict(entries[_BNB_NESTED])
-
-
-def _from_rank0(model: nn.Module, optimizers: tuple, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0's full optimizer state dict on every rank, as far as each rank's optimizers hold it:
-    torch's broadcast (one tensor at a time) into this rank's entries, the names every rank's
-    ``param_groups`` list kept (collective)."""
-    import torch.distributed as dist
-    from torch.distributed._state_dict_utils import _broadcast_state_dict, _flatten_state_dict, _unflatten_state_dict
-
-    local: dict[str, Any] = {"state": {}, "param_groups": []}
-    for o in optimizers:
-        one = optimizer_state_dict(model, o)
-        local["state"].update({n: _bnb_nested(o, entries) for n, entries in one["state"].items()})
-        local["param_groups"] += one["param_groups"]
-    names = [g["params"] for g in local["param_groups"]]
-    flat, mapping = _flatten_state_dict(local)
-    full = _flatten_state_dict(state_dict)[0] if dist.get_rank() == 0 else {}
-    device = _states_under(model)[0][1].group.local.device
-    _broadcast_state_dict(full, flat, device=device)
-    out = _unflatten_state_dict(flat, mapping)
-    for g, params in zip(out["param_groups"], names, strict=True):
-        g["params"] = params
-    return out
-
-
-def _unflatten(flat: dict[str, Any], template: dict[str, Any]) -> dict[str, Any]:
-    """torch's flattened optimizer state dict (``state.NAME.KEY``, ``param_groups.NAME.KEY``) as
-    ``{"state": ..., "param_groups": ...}`` for the optimizer ``template`` describes."""
-    from blockshard.runtime._checkpoint import CheckpointError
-
-    state: dict[str, Any] = {}
-    for name in template["state"]:
-        prefix = f"state.{name}."
-        for key, value in flat.items():
-            if key.startswith(prefix):
-                *outer, last = key[len(prefix) :].split(".")
-                node = state.setdefault(name, {})
-                for part in outer:
-                    node = node.setdefault(part, {})
-                node[last] = value
-    groups = []
-    for g in template["param_groups"]:
-        first = next((n for n in g["params"] if f"param_groups.{n}.lr" in flat), None)
-        if first is None and g["params"]:
-            raise CheckpointError(
-                f"the flattened optimizer state dict has no param_groups entries for {g['params'][:3]}. Fix: load "
-                "the state dict of this model's optimizer"
-            )
-        saved = {k: flat[f"param_groups.{first}.{k}"] for k in g if k != "params" and first is not None}
-        groups.append({k: v for k, v in g.items() if k != "params"} | saved | {"params": g["params"]})
-    return {"state": state, "param_groups": groups}
-
-
-def _as_pieces(name: str, template: Any, value: Any) -> Any:
-    """``value`` with each full tensor where ``template`` holds a PieceTensor replaced by this
-    rank's piece of it (a PieceTensor of the template's place); everything else as it is."""
-    from blockshard.runtime._checkpoint import CheckpointError
-
-    if isinstance(template, Mapping) and isinstance(value, Mapping):
-        return {k: _as_pieces(name, template.get(k), v) for k, v in value.items()}
-    if not isinstance(template, PieceTensor) or not isinstance(value, torch.Tensor) or isinstance(value, PieceTensor):
-        return value
-    if tuple(value.shape) != tuple(template.shape):
-        raise CheckpointError(
-            f"optimizer state of parameter {name!r}: the state dict holds shape {tuple(value.shape)}, the optimizer's "
-            f"state has shape {tuple(template.shape)}. Fix: load the state dict of this model's optimizer"
-        )
-    if value.dtype != template.dtype and not (value.is_floating_point() and template.is_floating_point()):
-        raise CheckpointError(
-            f"optimizer state of parameter {name!r}: the state dict holds {value.dtype}, the optimizer's state is "
-            f"{template.dtype} (e.g. 8-bit state saved, 32-bit state here). Fix: load the state dict of this "
-            "optimizer"
-        )
-    lo, n = template.local_start, template.to_local().numel()
-    piece = value.detach().reshape(-1)[lo : lo + n].to(device=template.device, dtype=template.dtype)
-    return template._like(piece)
+# torch's helpers live in _torch_optim_state.py; _state_dict.py reaches them through this module
+# (imported last: that module imports this one's functions above)
+from blockshard.runtime._torch_optim_state import (  # noqa: E402, F401
+    torch_load_optimizer_state_dict,
+    torch_optimizer_state_dict,
+)

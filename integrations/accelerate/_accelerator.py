@@ -160,11 +160,9 @@ class Accelerator(accelerate.Accelerator):
         shard_model(model, settings)
         self._blockshard_models.append(model)
         new = dict(model.named_parameters())
-        ragged = settings.engine == "ragged"  # empty pieces leave the optimizer ([Note: empty pieces leave the
-        for opt in optimizers:  # optimizer] in _trainer.py: bnb's fp32 state of a 0-element piece breaks loading)
+        for opt in optimizers:  # every piece, empty ones too ([Note: empty pieces hold no state] in _optim_state.py)
             for group in opt.param_groups:
-                pieces = [new[names[id(p)]] for p in group["params"]]
-                group["params"] = [p for p in pieces if p.numel() > 0 or not ragged]
+                group["params"] = [new[names[id(p)]] for p in group["params"]]
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if not self._is_blockshard(model):

@@ -23,13 +23,11 @@ takes its plain data-parallel path, where everything it does to the model goes t
   ``<checkpoint>/blockshard`` (as ``accelerator.save_state``), the scheduler as the Trainer saves it;
   ``resume_from_checkpoint`` loads both (the full weights first, as the Trainer does, then the DCP state).
 
-[Note: empty pieces leave the optimizer] The Trainer builds its optimizer over the whole model, so
-after sharding it holds this rank's empty pieces too (a tensor another rank holds whole). bitsandbytes
-gives a 0-element tensor fp32 state (below ``min_8bit_size``) while the rank holding the tensor keeps
-8-bit state, and a DCP checkpoint then disagrees on the dtype at load. An empty piece trains
-nothing, so before the first step it leaves the optimizer's ``param_groups`` (as the runtime tests
-build their optimizers over the non-empty pieces only); bitsandbytes' positional ``index2config`` is
-then rebuilt from ``pid2config`` for the positions as they are.
+The optimizer keeps every piece, empty ones too (a tensor another rank holds whole), as the README's
+recipe builds it: an empty piece holds no state in blockshard's checkpoints, so bitsandbytes' fp32
+state of a 0-element piece beside the holder's 8-bit state saves and loads ([Note: empty pieces hold
+no state] in ``blockshard/runtime/_optim_state.py``), and bitsandbytes' positional ``index2config``
+keeps its positions.
 """
 
 from __future__ import annotations
@@ -75,24 +73,6 @@ def follow_overrides(before: dict[int, str], model: nn.Module) -> int:
             manager.pid2config[id(now[name])] = config
             moved += 1
     return moved
-
-
-def _reindex_overrides(optimizer: torch.optim.Optimizer) -> None:
-    """bitsandbytes' ``index2config`` is keyed by ``(param_group, position)``: rebuild it from
-    ``pid2config`` for this optimizer's parameters now (positions shift when empty pieces leave)."""
-    import sys
-
-    if "bitsandbytes" not in sys.modules:
-        return
-    from bitsandbytes.optim import GlobalOptimManager
-
-    manager = GlobalOptimManager.get_instance()
-    manager.index2config = {
-        (gi, pi): manager.pid2config[id(p)]
-        for gi, group in enumerate(optimizer.param_groups)
-        for pi, p in enumerate(group["params"])
-        if id(p) in manager.pid2config
-    }
 
 
 class Trainer(transformers.Trainer):
@@ -150,8 +130,8 @@ class Trainer(transformers.Trainer):
         return out
 
     def _after_sharding(self) -> None:
-        """Before the first step (and before a resume loads state): overrides follow the pieces, and
-        empty pieces leave the optimizer (see [Note: empty pieces leave the optimizer])."""
+        """Before the first step (and before a resume loads state): overrides keyed on parameter
+        objects follow the pieces (module overrides are resolved at the first step, by attribute)."""
         if getattr(self, "_sharding_followed", False):
             return
         self._sharding_followed = True
@@ -159,10 +139,6 @@ class Trainer(transformers.Trainer):
         model: Any = self.model
         if before is not None:
             follow_overrides(before, model)
-        optimizer = self._inner_optimizer()
-        for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if p.numel() > 0]
-        _reindex_overrides(optimizer)  # module overrides are resolved at the first step, by attribute
 
     # -- saving -----------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -62,13 +62,6 @@ def test_follow_overrides_moves_pid2config_onto_the_new_parameter():
     model[0].weight = torch.nn.Parameter(old.detach()[:4].clone())  # a piece: a new Parameter object
     assert follow_overrides(before, model) == 1
     assert manager.pid2config == {id(model[0].weight): {"optim_bits": 32}}
-    # positions (index2config) are rebuilt for the optimizer as it is once empty pieces left it
-    from blockshard.integrations.accelerate._trainer import _reindex_overrides
-
-    manager.index2config = {(0, 0): {"optim_bits": 32}}  # registered before: the embedding was first
-    optimizer = torch.optim.SGD([model[1].weight, model[0].weight], lr=0.1)
-    _reindex_overrides(optimizer)
-    assert manager.index2config == {(0, 1): {"optim_bits": 32}}
     manager.initialize()
 
 

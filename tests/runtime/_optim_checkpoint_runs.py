@@ -3,6 +3,9 @@ optimizer's block semantics, load at W = 2 and W = 1, continue training. Every f
 ``(rank, world, ...)``; every rank sees the whole batch. Weights have more than 4096 elements, so
 bitsandbytes keeps 8-bit state for them (its pieces are >= 4096 elements under ``bnb8bit``);
 biases keep fp32 state. Muon runs on the matrices with AdamW on the biases (two optimizers).
+``bnb8bit_every``: the README's recipe, bitsandbytes AdamW8bit over every piece, empty ones too,
+with each tensor whole on one rank (``matrix`` semantics): the other ranks' optimizers hold its
+empty piece with fp32 state beside the holder's 8-bit state ([Note: empty pieces hold no state]).
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from torch import nn
 import blockshard
 from blockshard.runtime import PieceTensor, load_checkpoint, optimizer_state_dict, save_checkpoint
 
-NAMES = ("adamw", "bnb8bit", "muon", "shampoo")
-SEMANTICS = {"adamw": None, "bnb8bit": "bnb8bit", "muon": "matrix", "shampoo": "shampoo:32"}
+NAMES = ("adamw", "bnb8bit", "muon", "shampoo", "bnb8bit_every")
+SEMANTICS = {"adamw": None, "bnb8bit": "bnb8bit", "muon": "matrix", "shampoo": "shampoo:32", "bnb8bit_every": "matrix"}
 STEPS_BEFORE, STEPS_AFTER = 2, 2
 
 
@@ -38,7 +41,11 @@ def batches() -> list:
 
 def optimizers(name: str, m: nn.Module) -> list[torch.optim.Optimizer]:
     """The same optimizers on every rank; ranks leave out their empty pieces (a ``param_group``
-    may be empty: at W = 4 a rank holds none of Muon's three matrices)."""
+    may be empty: at W = 4 a rank holds none of Muon's three matrices), except ``bnb8bit_every``."""
+    if name == "bnb8bit_every":
+        import bitsandbytes as bnb
+
+        return [bnb.optim.AdamW8bit(m.parameters(), lr=1e-3)]
     params = [{"params": [p for p in m.parameters() if p.numel() > 0]}]
     if name == "adamw":
         return [torch.optim.AdamW(params, lr=0.01)]
@@ -113,9 +120,18 @@ def save(rank: int, world: int, path: str) -> dict:
         train(m, opts, batches()[:STEPS_BEFORE])
         save_checkpoint(m, os.path.join(path, name), opts)
         state = pieces(m, opts)
+        held = live_state1(m, opts)
         train(m, opts, batches()[STEPS_BEFORE:])
-        out[name] = {"state": state, "final": blockshard.full_state_dict(m)}
+        out[name] = {"state": state, "final": blockshard.full_state_dict(m), "state1": held}
     return out
+
+
+def live_state1(m: nn.Module, opts: list) -> dict[str, tuple[int, str]]:
+    """``name -> (piece numel, dtype of the live state1)`` for the pieces a bitsandbytes optimizer holds."""
+    names = {id(p): n for n, p in m.named_parameters()}
+    return {
+        names[id(p)]: (p.numel(), str(s["state1"].dtype)) for o in opts for p, s in o.state.items() if "state1" in s
+    }
 
 
 def _error(fn) -> str:

@@ -2,8 +2,9 @@
 a blockshard model, as for FSDP2 (issue 11). Every function takes ``(rank, world, ...)``;
 ``world == 1`` without a process group is the unsharded one-process reference; every rank sees
 the whole batch. Optimizers: AdamW and bitsandbytes AdamW8bit (8-bit state, ranks leave their
-empty pieces out of the optimizer) on _optim_checkpoint_runs' model, AdamW on a model whose
-embedding and head share one weight ("tied").
+empty pieces out of the optimizer) on _optim_checkpoint_runs' model, AdamW8bit over every piece,
+empty ones too, of whole tensors ("bnb8bit_every", see there), AdamW on a model whose embedding and
+head share one weight ("tied").
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 import blockshard
 from blockshard.runtime import PieceTensor
 
-NAMES = ("adamw", "bnb8bit", "tied")
+NAMES = ("adamw", "bnb8bit", "bnb8bit_every", "tied")
 FULL = StateDictOptions(full_state_dict=True)
 OFFLOAD = StateDictOptions(full_state_dict=True, cpu_offload=True)
 FLAT = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)

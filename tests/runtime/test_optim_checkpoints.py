@@ -1,7 +1,8 @@
 """8-bit and per-block optimizer state across world sizes on spawned gloo ranks (issue 11):
 ``blockshard.save_checkpoint`` at W = 4 with AdamW, bitsandbytes AdamW8bit, torch Muon (+ AdamW on
-the biases) and BlockedShampoo under their block semantics, loaded at W = 2, 1 and 3, training
-continued (every rank the whole batch; see _optim_checkpoint_runs.py).
+the biases) and BlockedShampoo under their block semantics, and AdamW8bit over every piece, empty
+ones too (``bnb8bit_every``), loaded at W = 2, 1 and 3, training continued (every rank the whole
+batch; see _optim_checkpoint_runs.py).
 
 Tolerances: the state is restored by copies, so the whole optimizer state (bitsandbytes' uint8
 ``state1`` / ``state2`` and their ``absmax``, Shampoo's factors and inverse roots, Muon's
@@ -78,7 +79,7 @@ def test_optimizer_state_reshards_exactly(name, world):
     want = _assemble([r[name]["state"] for r in saved()])
     got = _assemble([r[name]["state"] for r in loaded(world)])
     assert not _diff(got, want)
-    if name == "bnb8bit":  # the 8-bit path ran: quantized state and one absmax per 256-block
+    if name.startswith("bnb8bit"):  # the 8-bit path ran: quantized state and one absmax per 256-block
         assert {v.dtype for k, v in want.items() if k.endswith(".state1")} == {torch.uint8, torch.float32}
         assert want["0.0.0.weight.absmax1"].numel() == -(-256 * 97 // 256)
     split = {"bnb8bit": "0.0.0.weight.absmax1", "shampoo": "0.0.0.weight.blocks.factor_1"}.get(name)
@@ -89,7 +90,7 @@ def test_optimizer_state_reshards_exactly(name, world):
 # W = 3: the average of three identical gradients is off by an ulp in places, which 8-bit
 # quantization, Newton-Schulz and Shampoo's inverse roots amplify (tests/optim/test_invariance.py
 # measured 1.1e-8 for bnb8bit and muon, 1.6e-4 for shampoo after 3 steps): held to its tolerances.
-W3_TOLERANCE = {"adamw": 1e-6, "bnb8bit": 1e-6, "muon": 1e-6, "shampoo": 1e-3}
+W3_TOLERANCE = {"adamw": 1e-6, "bnb8bit": 1e-6, "muon": 1e-6, "shampoo": 1e-3, "bnb8bit_every": 1e-6}
 
 
 @pytest.mark.parametrize("world", [2, 1, 3])
@@ -100,6 +101,15 @@ def test_training_continues_as_if_uninterrupted(name, world):
         diff = _diff(r[name]["final"], reference()[name])
         assert max(diff.values(), default=0.0) <= tol, diff
         assert max(_diff(r[name]["fresh"], reference()[name]).values()) > max(tol, 1e-6)  # control: fresh state
+
+
+def test_the_optimizer_over_every_piece_holds_empty_pieces_with_fp32_state_beside_8bit_state():
+    # what made loading raise a dtype CheckpointError ([Note: empty pieces hold no state])
+    held = [r["bnb8bit_every"]["state1"] for r in saved()]
+    for name in ("0.0.weight", "1.0.weight", "2.weight"):
+        kinds = sorted(h[name] for h in held)
+        assert kinds[-1][1] == "torch.uint8" and kinds[-1][0] > 4096, kinds  # one rank holds it whole
+        assert set(kinds[:-1]) == {(0, "torch.float32")}, kinds  # the others: an empty piece, fp32 state
 
 
 def test_8bit_state_into_pieces_that_cut_its_blocks_raises():
