@@ -250,11 +250,3 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
                 live[key] = decode_state(name, key, value, live.get(key), sp, (optimizer, g))
     for g, saved in zip(optimizer.param_groups, saved_groups, strict=True):
         g.update({k: v for k, v in saved.items() if k != "params"})
-
-
-# torch's helpers live in _torch_optim_state.py; _state_dict.py reaches them through this module
-# (imported last: that module imports this one's functions above)
-from blockshard.runtime._torch_optim_state import (  # noqa: E402, F401
-    torch_load_optimizer_state_dict,
-    torch_optimizer_state_dict,
-)

@@ -264,7 +264,7 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
 #   :func:`~blockshard.runtime.optimizer_state_dict` (FQN-keyed, PieceTensor entries that DCP
 #   reshards; gathered likewise under ``full_state_dict=True``) and its loader, which also takes
 #   full tensors (each rank copies its piece out), torch's flattened form and rank 0's broadcast.
-#   See ``_optim_state.py``.
+#   See ``_optim_state.py`` and ``_torch_optim_state.py``.
 # A torch without these three functions (another version) is left as it is. A fourth, ``_get_fqns``,
 # is wrapped for quantized weights' entries (``weight.absmax`` names no attribute of the piece;
 # ``wrap_get_fqns`` in _quantized_state.py, [Note: quantized state dicts]).
@@ -292,7 +292,7 @@ def install_torch_state_dict_support() -> None:
 def _wrap_torch_state_dict_helpers() -> None:
     import torch.distributed.checkpoint.state_dict as dsd
 
-    from blockshard.runtime import _optim_state
+    from blockshard.runtime import _torch_optim_state
 
     names = ("_get_model_state_dict", "_get_optim_state_dict", "_load_optim_state_dict")
     if not all(hasattr(dsd, f) for f in names) or any(getattr(getattr(dsd, f), "_blockshard", False) for f in names):
@@ -311,13 +311,13 @@ def _wrap_torch_state_dict_helpers() -> None:
     def _get_optim_state_dict(model: nn.Module, optimizers: tuple, info: Any) -> dict[str, Any]:
         if not _states_under(model) or not info.handle_optim:
             return get_optim(model, optimizers, info)
-        return _optim_state.torch_optimizer_state_dict(model, optimizers, info, keep=_keeps(info))
+        return _torch_optim_state.torch_optimizer_state_dict(model, optimizers, info, keep=_keeps(info))
 
     @functools.wraps(load_optim)
     def _load_optim_state_dict(model: nn.Module, optimizers: tuple, state_dict: dict, info: Any) -> None:
         if not _states_under(model) or not info.handle_optim:
             return load_optim(model, optimizers, state_dict, info)
-        return _optim_state.torch_load_optimizer_state_dict(model, optimizers, state_dict, info)
+        return _torch_optim_state.torch_load_optimizer_state_dict(model, optimizers, state_dict, info)
 
     wrappers: tuple[Any, ...] = (_get_model_state_dict, _get_optim_state_dict, _load_optim_state_dict)
     for wrapper in wrappers:
