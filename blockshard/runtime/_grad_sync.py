@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from blockshard.runtime._collectives import reduce_scatter_avg, wait
+from blockshard.runtime._collectives import holds_copies, reduce_scatter_avg, wait
 
 if TYPE_CHECKING:
     from blockshard.planner import GroupLayout
@@ -161,7 +161,11 @@ class GradientSync:
                         summed=self.divide_factor is not None,
                     )
                 )
-        self._reduction = _Reduction(works, rs_in, out, buf, direct, has_grad)
+        # gloo reduce-scatters a copy of its input that the work owns: ours is not read again,
+        # so it is freed now, not while the next group's backward runs ([Note: gloo's copies])
+        keep = None if holds_copies(self.process_group, rs_in.device) else rs_in
+        del rs_in
+        self._reduction = _Reduction(works, keep, out, buf, direct, has_grad)
 
     @property
     def reducing(self) -> bool:
@@ -183,7 +187,7 @@ class GradientSync:
             wait(work, f"the reduce-scatter of group {self.described}", self.process_group)
         self.streams.current_waits("reduce_scatter")
         out, buf, direct, has_grad = red.out, red.buf, red.direct, red.has_grad
-        del red  # the reduce-scatter input is freed here
+        del red  # the works (gloo: with their copy of the input) and the input, if kept, are freed here
         if self.replicate_group is not None and not self._all_reduce(out):
             return  # set_requires_all_reduce(False): kept for the next all-reduce, no .grad yet
         if self.divide_factor is not None:
@@ -223,10 +227,11 @@ class GradientSync:
 
 @dataclass(eq=False)
 class _Reduction:
-    """A group's reduce-scatter in flight: its works, and its input kept alive until the wait."""
+    """A group's reduce-scatter in flight: its works, and its input kept alive until the wait
+    (but on gloo, whose works own a copy of it: [Note: gloo's copies])."""
 
     works: list
-    rs_in: torch.Tensor  # [W*S], reduce dtype
+    rs_in: torch.Tensor | None  # [W*S], reduce dtype; None where the backend copied it (gloo)
     out: torch.Tensor  # [S], reduce dtype: the local gradient itself when ``direct``
     buf: torch.Tensor | None  # the local gradient to point .grad at (None: allocated when needed)
     direct: bool
