@@ -13,10 +13,12 @@ that all-reduces adds it in, as FSDP2's partial reduce output.
 [Note: async reduce-scatter]
 As FSDP2's ``post_backward`` (``reduce_scatter_max_input_buffers=1``): when a group's backward is
 over, ``reduce_grads`` packs its gradients and issues the reduce-scatter with ``async_op=True``;
-the group's ``_Reduction`` keeps the input and output alive. The next group's post-backward first
-waits for it (``RootContext.finish_reductions``: so it ran during that group's backward compute,
-and at most one reduce-scatter input is alive), and the final callback waits for the last one:
-every sharded ``.grad`` is set, HSDP's all-reduce done, when ``backward()`` returns. Waits are
+the group's ``_Reduction`` keeps the input and output alive (on gloo only the output: the work
+owns a copy of the input, [Note: gloo's copies] in _collectives.py). The next group's
+post-backward first waits for it (``RootContext.finish_reductions``: so it ran during that
+group's backward compute, and at most one reduce-scatter input is alive), and the final callback
+waits for the last one: every sharded ``.grad`` is set, HSDP's all-reduce done, when
+``backward()`` returns. Waits are
 bounded ([Note: collective integrity]); the tally records the reduce-scatter when issued, the
 all-reduce when done, the same on every rank. Measured on torch 2.13's gloo (the engine's own
 group, ``test_fast_async_reduce.py``): ``reduce_scatter_single(async_op=True)`` returns before
