@@ -22,6 +22,9 @@ precedes every timed step; a step's time is the slowest rank's forward + backwar
 ranks of ``time.process_time()`` (all threads of a rank, gloo's included): less sensitive than wall
 time to other load on the machine. Medians are over all timed steps of all rounds.
 
+``--memory-only``: no timed rounds (no times in the report, ``rounds`` is 0); the instrumented
+pass below runs as it does after them, and the loss difference is taken over its steps.
+
 After the timed rounds, one instrumented pass per engine (never timed), on every rank:
   * **memory**: bytes held by torch's CPU allocator, sampled at every allocation event of the
     profiler (``profile_memory=True``), relative to the total just before the model is built. The
@@ -286,17 +289,16 @@ def _measure(engine: str, cfg: dict, batches: list, warmup: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.empty(1)  # an allocation event that fixes the baseline total
         model, opt = _setup(engine, cfg)
-        for i in range(max(1, warmup)):  # lazy init, prefetch order, optimizer state
-            _step(model, opt, pick(i))
+        losses = [_step(model, opt, pick(i))[0] for i in range(max(1, warmup))]  # lazy init, prefetch order, state
         dist.barrier()
         with record_function(_MARK):
-            _step(model, opt, pick(max(1, warmup)), marks=True)
+            losses.append(_step(model, opt, pick(max(1, warmup)), marks=True)[0])
     memory = _memory(prof)
     del prof
     counter = OpCounter(model)
     with counter:
-        _step(model, opt, pick(max(1, warmup) + 1))
-    return {"memory": memory, **counter.summary()}
+        losses.append(_step(model, opt, pick(max(1, warmup) + 1))[0])
+    return {"memory": memory, "losses": losses, **counter.summary()}
 
 
 def _rank_main(rank: int, world_size: int, opts: dict) -> dict:
@@ -330,21 +332,28 @@ def _rank_main(rank: int, world_size: int, opts: dict) -> dict:
 
 
 # -- report -----------------------------------------------------------------------------------------
+def _times(per_rank: list[dict], e: str, n_rounds: int) -> dict:
+    """The step times of engine ``e`` (slowest rank per step), medians over all timed steps."""
+    rounds = [list(zip(*(rk[e]["times"][r] for rk in per_rank), strict=True)) for r in range(n_rounds)]
+    slowest = [[[max(x[k] for x in step) for k in range(4)] for step in rnd] for rnd in rounds]
+    flat = [s for rnd in slowest for s in rnd]
+    cpu = [sum(x[4] for x in step) for rnd in rounds for step in rnd]  # all ranks' processes
+    return {
+        "step_time_s": {"median": statistics.median(s[0] for s in flat), "min": min(s[0] for s in flat),
+                        "per_round_median": [statistics.median(s[0] for s in rnd) for rnd in slowest]},
+        "cpu_s_all_ranks": {"median": statistics.median(cpu), "min": min(cpu)},
+        "phase_median_s": {k: statistics.median(s[i] for s in flat)
+                           for i, k in ((1, "forward"), (2, "backward"), (3, "optimizer"))},
+    }  # fmt: skip
+
+
 def _aggregate(per_rank: list[dict], opts: dict) -> dict:
-    engines = {}
+    engines, timed = {}, opts["rounds"] > 0  # --memory-only: no timed rounds
     for e in ENGINES:
-        rounds = [list(zip(*(rk[e]["times"][r] for rk in per_rank), strict=True)) for r in range(opts["rounds"])]
-        slowest = [[[max(x[k] for x in step) for k in range(4)] for step in rnd] for rnd in rounds]
-        flat = [s for rnd in slowest for s in rnd]
-        cpu = [sum(x[4] for x in step) for rnd in rounds for step in rnd]  # all ranks' processes
         meas = [rk[e]["measured"] for rk in per_rank]
         copies = {cat: max(m["copies"][cat]["bytes"] for m in meas) for cat in meas[0]["copies"]}
         engines[e] = {
-            "step_time_s": {"median": statistics.median(s[0] for s in flat), "min": min(s[0] for s in flat),
-                            "per_round_median": [statistics.median(s[0] for s in rnd) for rnd in slowest]},
-            "cpu_s_all_ranks": {"median": statistics.median(cpu), "min": min(cpu)},
-            "phase_median_s": {k: statistics.median(s[i] for s in flat)
-                               for i, k in ((1, "forward"), (2, "backward"), (3, "optimizer"))},
+            **(_times(per_rank, e, opts["rounds"]) if timed else {}),
             "memory_bytes": {k: max(m["memory"][k] for m in meas) for k in ("peak", "at_step_start", "transient")},
             "memory_peak_by_phase_bytes": {k: max(m["memory"]["peak_by_phase"][k] for m in meas)
                                            for k in meas[0]["memory"]["peak_by_phase"]},
@@ -359,16 +368,19 @@ def _aggregate(per_rank: list[dict], opts: dict) -> dict:
             "collectives_rank0": meas[0]["collectives"],
         }  # fmt: skip
     f, b = engines["fsdp2"], engines["blockshard"]
-    diffs = [abs(x - y) for rk in per_rank for lf, lb in zip(rk["fsdp2"]["losses"], rk["blockshard"]["losses"], strict=True)
+    losses = (lambda rk, e: rk[e]["losses"]) if timed else (lambda rk, e: [rk[e]["measured"]["losses"]])
+    diffs = [abs(x - y) for rk in per_rank for lf, lb in zip(losses(rk, "fsdp2"), losses(rk, "blockshard"), strict=True)
              for x, y in zip(lf, lb, strict=True)]  # fmt: skip
     engine_copies = lambda e: e["copy_bytes"]["all_gather_path"] + e["copy_bytes"]["reduce_scatter_path"]  # noqa: E731
-    ratios = {"step_time": b["step_time_s"]["median"] / f["step_time_s"]["median"],
-              "cpu_time": b["cpu_s_all_ranks"]["median"] / f["cpu_s_all_ranks"]["median"],
-              "peak_memory": b["memory_bytes"]["peak"] / f["memory_bytes"]["peak"],
+    ratios = {"peak_memory": b["memory_bytes"]["peak"] / f["memory_bytes"]["peak"],
               "transient_memory": b["memory_bytes"]["transient"] / max(1, f["memory_bytes"]["transient"])}  # fmt: skip
+    if timed:
+        ratios = {"step_time": b["step_time_s"]["median"] / f["step_time_s"]["median"],
+                  "cpu_time": b["cpu_s_all_ranks"]["median"] / f["cpu_s_all_ranks"]["median"], **ratios}  # fmt: skip
+    targets = {"step_time_ratio_le_1": ratios["step_time"] <= 1.0} if timed else {}
     return {
         "engines": engines, "ratios": ratios, "loss_max_abs_diff": max(diffs),
-        "targets": {"step_time_ratio_le_1": ratios["step_time"] <= 1.0,
+        "targets": {**targets, "peak_memory_ratio_le_1": ratios["peak_memory"] <= 1.0,
                     "blockshard_engine_copy_bytes": engine_copies(b), "fsdp2_engine_copy_bytes": engine_copies(f)},
     }  # fmt: skip
 
@@ -388,12 +400,14 @@ def render(report: dict) -> None:
     for col in ("metric", "FSDP2", "blockshard", "blockshard / FSDP2"):
         t.add_column(col, justify="left" if col == "metric" else "right")
     ratio = lambda x, y: f"{x / y:.3f}" if y else ("—" if x == 0 else "∞")  # noqa: E731
-    rows = [("step time, median (s)", f["step_time_s"]["median"], b["step_time_s"]["median"], "{:.4f}")]
-    rows += [("step time, min (s)", f["step_time_s"]["min"], b["step_time_s"]["min"], "{:.4f}")]
-    rows += [(f"  {k} (s, median)", f["phase_median_s"][k], b["phase_median_s"][k], "{:.4f}")
-             for k in f["phase_median_s"]]  # fmt: skip
-    rows += [("CPU time, all ranks (s, median)", f["cpu_s_all_ranks"]["median"], b["cpu_s_all_ranks"]["median"],
-              "{:.4f}")]  # fmt: skip
+    rows = []
+    if "step_time_s" in f:  # not under --memory-only
+        rows += [("step time, median (s)", f["step_time_s"]["median"], b["step_time_s"]["median"], "{:.4f}")]
+        rows += [("step time, min (s)", f["step_time_s"]["min"], b["step_time_s"]["min"], "{:.4f}")]
+        rows += [(f"  {k} (s, median)", f["phase_median_s"][k], b["phase_median_s"][k], "{:.4f}")
+                 for k in f["phase_median_s"]]  # fmt: skip
+        rows += [("CPU time, all ranks (s, median)", f["cpu_s_all_ranks"]["median"], b["cpu_s_all_ranks"]["median"],
+                  "{:.4f}")]  # fmt: skip
     rows += [("peak memory / rank", f["memory_bytes"]["peak"], b["memory_bytes"]["peak"], None),
              ("  live at step start", f["memory_bytes"]["at_step_start"], b["memory_bytes"]["at_step_start"], None),
              ("  transient in step", f["memory_bytes"]["transient"], b["memory_bytes"]["transient"], None)]  # fmt: skip
@@ -413,7 +427,8 @@ def render(report: dict) -> None:
             f"{cy['count']} / {_mib(cy['bytes_sent'])}",
             ratio(cy["bytes_sent"], cx["bytes_sent"]),
         )
-    t.caption = (f"step-time ratio {r['step_time']:.3f}, peak-memory ratio {r['peak_memory']:.3f}; "
+    timing = f"step-time ratio {r['step_time']:.3f}, " if "step_time" in r else ""
+    t.caption = (f"{timing}peak-memory ratio {r['peak_memory']:.3f}; "
                  f"max |loss FSDP2 - loss blockshard| = {report['loss_max_abs_diff']:.2e}")  # fmt: skip
     Console(stderr=True, width=120).print(t)
 
@@ -500,6 +515,8 @@ def _parser():
     p.add_argument("--rounds", type=int, default=3, help="rounds; each trains both engines afresh")
     p.add_argument("--model", choices=sorted(PRESETS), default="small-llama")
     p.add_argument("--persistent", action="store_true", help="only the persistent bytes per rank (no training)")
+    p.add_argument("--memory-only", action="store_true",
+                   help="no timed rounds: only the instrumented pass (memory, copies, collectives)")  # fmt: skip
     p.add_argument("--catalog", nargs="+", default=list(PERSISTENT_MODELS), help="catalog models for --persistent")
     for flag, key in SIZE_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None, help=f"override the preset's {key}")
@@ -519,13 +536,13 @@ def main(argv: list[str] | None = None) -> dict:
     if a.world_size < 2 or a.rounds < 1 or a.steps < 1 or a.warmup < 0:
         raise SystemExit("need --world-size >= 2, --rounds >= 1, --steps >= 1, --warmup >= 0")
     cfg = dict(PRESETS[a.model], **{k: getattr(a, f) for f, k in SIZE_FLAGS.items() if getattr(a, f) is not None})
-    opts = {"model": cfg, "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup}
+    opts = {"model": cfg, "rounds": 0 if a.memory_only else a.rounds, "steps": a.steps, "warmup": a.warmup}
     t0, load_before = time.perf_counter(), os.getloadavg()
     per_rank = spawn_gloo(_rank_main, a.world_size, args=(opts,), timeout=a.timeout, threads=1)
     report = {
         "benchmark": "engine_vs_fsdp2",
         "command": command("engine_vs_fsdp2.py", argv),
-        "world_size": a.world_size, "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup,
+        "world_size": a.world_size, "rounds": opts["rounds"], "steps": a.steps, "warmup": a.warmup,
         "model": {"preset": a.model, **cfg, "num_params": _num_params(cfg),
                   "architecture": "transformers LlamaForCausalLM (eager attention, fp32, untied head)"},
         "optimizer": "torch.optim.AdamW(lr=1e-3), zero_grad(set_to_none=True)",

@@ -10,6 +10,22 @@ Phase by phase (one group, bucket ``b`` with segment ``S_b``; ``W`` ranks):
     layout differs raises before any tensor collective could hang on mismatched sizes.
   * **end-of-step check** (once per backward, in the final callback): see below.
 
+[Note: gloo's copies]
+Measured on torch 2.13 (``ProcessGroupGloo.cpp``, and the allocator's events in
+docs/engine_benchmark.md): gloo on the CPU runs a collective on buffers of its own, so an
+asynchronous collective holds a second copy of its largest operand while in flight.
+  * **reduce-scatter**: ``c10d::_reduce_scatter_base_`` clones the ``W * S`` input, all-reduces
+    the clone on a gloo thread and copies this rank's segment into the output inside
+    ``Work.wait()`` (so ``is_completed()`` stays False until then). The engine's input is never
+    read after the call returns: it is freed right away, and the clone (owned by the work) is
+    what stays alive until the wait ([Note: async reduce-scatter] in _grad_sync.py).
+  * **all-gather**: a gloo thread gathers into a flat ``W * S`` temporary and then copies it into
+    the output, so a prefetch in flight holds the gathered buffer twice. Where this happens in
+    the backward (a prefetch issued at a group's pre-backward runs during its backward compute,
+    beside the reduce-scatter in flight), it is waited for at once, as FSDP2 does on the CPU
+    (``unshard_async_op=False``): :func:`holds_copies` is the switch.
+On NCCL neither copy exists (collectives run in place on their own stream).
+
 [Note: collective integrity]
 Collectives that do not line up across ranks (a rank skips a step, runs an extra forward, leaves
 a module unused, or has other requires_grad flags) either hang or pair the wrong buffers. Three
@@ -73,6 +89,7 @@ __all__ = [
     "check_same_layout",
     "collective_timeout_s",
     "engine_group",
+    "holds_copies",
     "note_step",
     "reduce_scatter_avg",
     "shift_ranks",
@@ -259,6 +276,12 @@ def _wait_for_peers(store: dist.Store, gen: int, rank: int, W: int, mine: int, b
 
 class LayoutMismatchError(BlockshardError):
     """Ranks computed different layouts for the same group (different models, semantics or W)."""
+
+
+def holds_copies(process_group: dist.ProcessGroup, device: torch.device) -> bool:
+    """[Note: gloo's copies] Whether asynchronous collectives on ``process_group`` work on copies
+    of their own: gloo on the CPU, with W > 1."""
+    return device.type == "cpu" and process_group.size() > 1 and dist.get_backend(process_group) == "gloo"
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):

@@ -13,10 +13,12 @@ that all-reduces adds it in, as FSDP2's partial reduce output.
 [Note: async reduce-scatter]
 As FSDP2's ``post_backward`` (``reduce_scatter_max_input_buffers=1``): when a group's backward is
 over, ``reduce_grads`` packs its gradients and issues the reduce-scatter with ``async_op=True``;
-the group's ``_Reduction`` keeps the input and output alive. The next group's post-backward first
-waits for it (``RootContext.finish_reductions``: so it ran during that group's backward compute,
-and at most one reduce-scatter input is alive), and the final callback waits for the last one:
-every sharded ``.grad`` is set, HSDP's all-reduce done, when ``backward()`` returns. Waits are
+the group's ``_Reduction`` keeps the input and output alive (on gloo only the output: the work
+owns a copy of the input, [Note: gloo's copies] in _collectives.py). The next group's
+post-backward first waits for it (``RootContext.finish_reductions``: so it ran during that
+group's backward compute, and at most one reduce-scatter input is alive), and the final callback
+waits for the last one: every sharded ``.grad`` is set, HSDP's all-reduce done, when
+``backward()`` returns. Waits are
 bounded ([Note: collective integrity]); the tally records the reduce-scatter when issued, the
 all-reduce when done, the same on every rank. Measured on torch 2.13's gloo (the engine's own
 group, ``test_fast_async_reduce.py``): ``reduce_scatter_single(async_op=True)`` returns before
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from blockshard.runtime._collectives import reduce_scatter_avg, wait
+from blockshard.runtime._collectives import holds_copies, reduce_scatter_avg, wait
 
 if TYPE_CHECKING:
     from blockshard.planner import GroupLayout
@@ -161,7 +163,11 @@ class GradientSync:
                         summed=self.divide_factor is not None,
                     )
                 )
-        self._reduction = _Reduction(works, rs_in, out, buf, direct, has_grad)
+        # gloo reduce-scatters a copy of its input that the work owns: ours is not read again,
+        # so it is freed now, not while the next group's backward runs ([Note: gloo's copies])
+        keep = None if holds_copies(self.process_group, rs_in.device) else rs_in
+        del rs_in
+        self._reduction = _Reduction(works, keep, out, buf, direct, has_grad)
 
     @property
     def reducing(self) -> bool:
@@ -183,7 +189,7 @@ class GradientSync:
             wait(work, f"the reduce-scatter of group {self.described}", self.process_group)
         self.streams.current_waits("reduce_scatter")
         out, buf, direct, has_grad = red.out, red.buf, red.direct, red.has_grad
-        del red  # the reduce-scatter input is freed here
+        del red  # the works (gloo: with their copy of the input) and the input, if kept, are freed here
         if self.replicate_group is not None and not self._all_reduce(out):
             return  # set_requires_all_reduce(False): kept for the next all-reduce, no .grad yet
         if self.divide_factor is not None:
@@ -223,10 +229,11 @@ class GradientSync:
 
 @dataclass(eq=False)
 class _Reduction:
-    """A group's reduce-scatter in flight: its works, and its input kept alive until the wait."""
+    """A group's reduce-scatter in flight: its works, and its input kept alive until the wait
+    (but on gloo, whose works own a copy of it: [Note: gloo's copies])."""
 
     works: list
-    rs_in: torch.Tensor  # [W*S], reduce dtype
+    rs_in: torch.Tensor | None  # [W*S], reduce dtype; None where the backend copied it (gloo)
     out: torch.Tensor  # [S], reduce dtype: the local gradient itself when ``direct``
     buf: torch.Tensor | None  # the local gradient to point .grad at (None: allocated when needed)
     direct: bool

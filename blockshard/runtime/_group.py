@@ -18,7 +18,8 @@ Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
   * the reduce-scatter input [W * S], reduce dtype: allocated when the group's gradients are all
     in, filled from the unsharded ``.grad`` (autograd's own tensors, accumulated across
     micro-batches without sync) and freed when the reduce-scatter is waited for, at the next
-    group's post-backward or the end of backward ([Note: async reduce-scatter] in _grad_sync.py).
+    group's post-backward or the end of backward ([Note: async reduce-scatter] in _grad_sync.py);
+    on gloo as soon as it is issued (gloo's work owns a copy: [Note: gloo's copies]).
 Holes are padding: zeros that never reach a parameter.
 
 [Note: CPU offload]

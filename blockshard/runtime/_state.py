@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from blockshard.runtime._collectives import CollectiveIntegrityError, all_gather_into, note_step, wait
+from blockshard.runtime._collectives import CollectiveIntegrityError, all_gather_into, holds_copies, note_step, wait
 from blockshard.runtime._common import CollectiveTally, TrainingState, eager, expect, in_backward, tensors_in
 from blockshard.runtime._dtypes import check_trainable_dtypes
 from blockshard.runtime._group import ShardGroup
@@ -428,8 +428,12 @@ class ModuleState:
             torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard()
-        for prev in self._prefetch(ctx, self.backward_prefetch, -1):
+        earlier = self._prefetch(ctx, self.backward_prefetch, -1)
+        for prev in earlier:
             prev.unshard(async_op=True)
+        for prev in earlier:  # gloo: not in flight during this backward ([Note: gloo's copies])
+            if any(holds_copies(g.process_group, g.device) for g in prev.groups if g.layout is not None):
+                prev.wait_unshard()
 
     def finish_backward(self) -> None:
         """All gradients are in: reshard, then issue the reduce-scatter unless accumulating

@@ -5,6 +5,11 @@ post-backward (so it overlaps that group's backward compute, and at most one red
 is alive, as FSDP2's default ``reduce_scatter_max_input_buffers=1``), or in the final callback for
 the last one; every sharded ``.grad`` is set when ``backward()`` returns. The values are
 unchanged: the bitwise tests of test_fast_engine.py / test_engine.py cover that.
+
+Memory ([Note: gloo's copies] in _collectives.py): on gloo (W = 2) the engine's reduce-scatter
+input is freed as soon as the collective is issued (gloo works on a copy of its own), and a
+backward prefetch is complete before the backward it precedes computes; at W = 1 (no copies)
+the input stays alive until the wait and the prefetch stays in flight: the control.
 """
 
 from __future__ import annotations
@@ -15,21 +20,24 @@ import _inproc
 import pytest
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import blockshard
 from blockshard._tiny import OddMLP
 from blockshard.runtime import _collectives, _grad_sync
 from blockshard.runtime._collectives import engine_group, reduce_scatter_avg
+from blockshard.runtime._common import ShardedState
 from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._state import RootContext
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _spy(monkeypatch) -> dict[int, list[tuple[str, object]]]:
+def _spy(monkeypatch, inputs: dict) -> dict[int, list[tuple[str, object]]]:
     """Log, per rank, the reduce-scatters issued and waited for (by group path), the final
     callback's start and the backward compute of each block (the gradient of its first Linear's
-    output)."""
+    output); ``inputs[rank][path]``: a weak reference to the storage of the group's last
+    reduce-scatter input."""
     logs: dict[int, list[tuple[str, object]]] = {}
     current: dict[int, str | None] = {}
 
@@ -51,6 +59,7 @@ def _spy(monkeypatch) -> dict[int, list[tuple[str, object]]]:
 
     def spy_issue(*a, **k):
         log("rs_issue", current[dist.get_rank()])
+        inputs.setdefault(dist.get_rank(), {})[current[dist.get_rank()]] = StorageWeakRef(a[1].untyped_storage())
         return issue(*a, **k)
 
     def spy_wait(work, what, pg):
@@ -70,37 +79,47 @@ def _spy(monkeypatch) -> dict[int, list[tuple[str, object]]]:
     return logs
 
 
-def _run(rank: int, world: int, logs: dict) -> dict:
+def _run(rank: int, world: int, logs: dict, inputs: dict) -> dict:
     with _inproc.serial():
         model = OddMLP()
     for block in model.blocks:
         blockshard.fully_shard(block)
     blockshard.fully_shard(model)
+    memory: list[tuple[int, bool | None, ShardedState | None]] = []  # at block i's backward compute
+
+    def computing(i: int) -> None:
+        logs.setdefault(dist.get_rank(), []).append(("compute", i))
+        later = inputs.get(rank, {}).get(f"blocks.{i + 1}")  # its reduce-scatter is in flight now
+        earlier = model.blocks[i - 1]._blockshard_state.group.sharded_state if i else None  # prefetched
+        memory.append((i, None if later is None else later.expired(), earlier))
+
     for i, block in enumerate(model.blocks):
 
         def hook(_m, _inp, out, i=i):
-            out.register_hook(lambda g: logs.setdefault(dist.get_rank(), []).append(("compute", i)))
+            out.register_hook(lambda g: computing(i))
 
         block[0].register_forward_hook(hook)
     x = torch.randn(6, 13, generator=torch.Generator().manual_seed(0))
     for _step in range(2):
         logs.pop(rank, None)
+        memory.clear()
         model(x).square().mean().backward()
         logs.setdefault(rank, []).append(("backward_returned", None))
         in_flight = [st.group.reducing for st in model._blockshard_state.ctx.states]
         grads = [p.grad is not None for p in model.parameters() if p.numel()]
         model.zero_grad()
-    return {"events": logs[rank], "in_flight": in_flight, "grads": grads}
+    return {"events": logs[rank], "in_flight": in_flight, "grads": grads, "memory": memory}
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_reduce_scatter_overlaps_the_next_blocks_backward(gloo_w1, monkeypatch, world):
-    logs = _spy(monkeypatch)
+    inputs: dict = {}
+    logs = _spy(monkeypatch, inputs)
     if world == 1:
         with _inproc.single_thread():
-            results = [_run(0, 1, logs)]
+            results = [_run(0, 1, logs, inputs)]
     else:
-        results = _inproc.run_ranks(_run, world, args=(logs,))
+        results = _inproc.run_ranks(_run, world, args=(logs, inputs))
     for rank, got in enumerate(results):
         ev = got["events"]  # step 2: the prefetch order is known
         at = {e: i for i, e in enumerate(ev)}
@@ -121,12 +140,21 @@ def test_reduce_scatter_overlaps_the_next_blocks_backward(gloo_w1, monkeypatch, 
         assert at[("final_callback", None)] < at[("rs_wait", "blocks.1")], ev
         assert at[("rs_wait", "blocks.0")] < at[("backward_returned", None)], ev
         assert not any(got["in_flight"]) and all(got["grads"]), got
+        # [Note: gloo's copies] while block i computes its backward: block i + 1's reduce-scatter
+        # input is freed (gloo, W = 2: the work owns a copy) or alive until the wait (W = 1), and
+        # block i - 1, prefetched when block i's backward began, is gathered (W = 2) or in flight
+        # (block 2's mark comes before its pre-backward: its Linear's output is the block's output)
+        copies = world > 1
+        assert [m[:2] for m in got["memory"]] == [(2, None), (1, copies), (0, copies)], got["memory"]
+        assert got["memory"][1][2] is (ShardedState.UNSHARDED if copies else ShardedState.UNSHARDING), got["memory"]
 
 
 def test_gloo_reduce_scatter_is_issued_without_waiting_for_the_peer(gloo_w1):
     """Measured on torch 2.13's gloo: ``reduce_scatter_single(async_op=True)`` on the engine's
     group returns before the peer has issued its half, so the engine's backward goes on while the
-    collective waits (on NCCL it runs on its own stream)."""
+    collective waits (on NCCL it runs on its own stream). It never reads the input again after
+    returning (it works on a copy: [Note: gloo's copies]), so the engine frees the input then: here
+    the input is overwritten right after the call, and the result is still the average."""
 
     def rank_fn(rank: int, world: int) -> tuple[float, bool]:
         pg = engine_group(dist.group.WORLD)
@@ -137,6 +165,7 @@ def test_gloo_reduce_scatter_is_issued_without_waiting_for_the_peer(gloo_w1):
         t0 = time.perf_counter()
         work = reduce_scatter_avg(out, inp, pg, async_op=True)
         issued_s, done = time.perf_counter() - t0, work.is_completed()
+        inp.fill_(float("nan"))
         _collectives.wait(work, "the test's reduce-scatter", pg)
         assert torch.equal(out, torch.ones(4))
         return issued_s, done
