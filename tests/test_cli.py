@@ -31,6 +31,7 @@ def test_plan_json_has_the_promised_fields():
     assert data["padding_fraction"] < 0.01 and data["max_segment_over_lower_bound"] < 1.02
 
 
+@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
 def test_plan_table_and_plot(tmp_path):
     png = tmp_path / "loads.png"
     out = run("plan", "--model", "mixtral-8x7b", "-W", "64", "--semantics", "muon", "--plot", str(png))

@@ -65,6 +65,7 @@ def test_torchao_mx_and_fp8_state_dicts_at_w2_are_the_unsharded_models(kind, str
     _check_entries(_inproc.run_ranks(_state_runs.entries, 2, args=(kind,)), streams)
 
 
+@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
 def test_bnb_state_dicts_at_w3():
     _check_entries(_inproc.run_ranks(_state_runs.entries, 3, args=("bnb",)), (".absmax",))
 
@@ -78,6 +79,7 @@ KINDS = [
 ]
 
 
+@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["dcp", "save_checkpoint"])
 @pytest.mark.parametrize(("kind", "quant"), KINDS, ids=lambda x: _id(x) if isinstance(x, dict) else x)
 def test_checkpoints_of_quantized_weights_reshard(kind, quant, checkpoint, tmp_path):
@@ -154,6 +156,7 @@ def test_torch_get_and_set_model_state_dict(kind):
         assert out["full_differs"] == [] and out["after_set"] == []
 
 
+@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
 def test_a_forward_that_keeps_layers_gathered_changes_no_entry():
     for out in _inproc.run_ranks(_state_runs.after_forward, 2):
         assert out["gathered"] == "Params4bit"  # the layer holds the format's parameter now
