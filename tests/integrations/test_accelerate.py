@@ -125,6 +125,25 @@ def test_settings_from_the_environment(tmp_path, monkeypatch):
         (lambda c: c["fsdp_config"].update(fsdp_offload_params=True), "fsdp_offload_params=True .*would be ignored"),
         (lambda c: c["fsdp_config"].update(fsdp_activation_checkpointing=True), "fsdp_activation_checkpointing"),
         (lambda c: c["fsdp_config"].update(fsdp_reshard_after_forward="HYBRID_SHARD"), "fsdp_reshard_after_forward"),
+        (lambda c: c["fsdp_config"].update(fsdp_auto_wrap_policy="BY_SIZE"), "fsdp_auto_wrap_policy=BY_SIZE"),
+        (lambda c: c["fsdp_config"].update(fsdp_version=1), "fsdp_version=1 .*set fsdp_version: 2"),
+        (lambda c: c.update(dynamo_config={"dynamo_backend": "INDUCTOR"}), "dynamo_backend='INDUCTOR'.*torch.compile"),
+        *[
+            (lambda c, k=key, v=value: c["fsdp_config"].update({k: v}), f"{key}={value!r} .*would be ignored")
+            for key, value in [
+                ("fsdp_activation_checkpointing_offload", True),
+                ("fsdp_ignored_modules", "head"),
+                ("fsdp_sharding_strategy", "SHARD_GRAD_OP"),
+                ("fsdp_state_dict_type", "FULL_STATE_DICT"),
+                ("fsdp_cpu_ram_efficient_loading", True),
+                ("fsdp_sync_module_states", True),
+                ("fsdp_float8_all_gather", True),
+                ("fsdp_forward_prefetch", True),
+                ("fsdp_backward_prefetch", "BACKWARD_PRE"),
+                ("fsdp_use_orig_params", False),
+                ("fsdp_min_num_params", 100000),
+            ]
+        ],
     ],
 )
 def test_ignored_or_conflicting_settings_are_refused(tmp_path, change, match):
@@ -134,9 +153,95 @@ def test_ignored_or_conflicting_settings_are_refused(tmp_path, change, match):
         load_settings(_write(tmp_path, config))
 
 
+def test_neutral_values_of_ignored_keys_are_accepted(tmp_path):
+    config = _config()
+    config["fsdp_config"].update(
+        fsdp_state_dict_type="SHARDED_STATE_DICT",
+        fsdp_cpu_ram_efficient_loading=False,
+        fsdp_sync_module_states=False,
+        fsdp_use_orig_params=True,
+        fsdp_offload_params=False,
+        fsdp_sharding_strategy="FULL_SHARD",
+    )
+    config["dynamo_config"] = {"dynamo_backend": "NO"}
+    assert load_settings(_write(tmp_path, config)) is not None
+
+
 def test_settings_are_a_value_error():
     with pytest.raises(ValueError, match="engine='x'"):
         AccelerateSettings(engine="x")
+
+
+# -- what the Accelerator refuses at run time (checked before any collective: no processes needed) ----
+def _accelerator(num_processes: int = 2, **attrs):
+    """blockshard's Accelerator without accelerate's __init__ (no process group, no global state)."""
+    import types
+
+    from blockshard.integrations.accelerate import Accelerator
+
+    acc = Accelerator.__new__(Accelerator)
+    acc.state = types.SimpleNamespace(num_processes=num_processes, distributed_type="DistributedType.MULTI_CPU")
+    vars(acc).update(blockshard_settings=AccelerateSettings(source="cfg.yaml"), _blockshard_models=[])
+    vars(acc).update({"device_placement": False, "_deepspeed_clipping": None, **attrs})
+    return acc
+
+
+@pytest.mark.parametrize("plugin", ["fsdp_plugin", "deepspeed_plugin"])
+def test_accelerator_plugin_arguments_conflict(plugin):
+    from blockshard.integrations.accelerate import Accelerator
+
+    with pytest.raises(
+        AccelerateConfigError, match=f"Accelerator\\({plugin}=...\\) conflicts with blockshard's ragged"
+    ):
+        Accelerator(blockshard_settings=AccelerateSettings(), **{plugin: object()})
+
+
+def test_accelerator_settings_beside_the_config_conflict():
+    from blockshard.integrations.accelerate._accelerator import check_accelerator
+
+    settings = AccelerateSettings(source="cfg.yaml")
+    check_accelerator(settings, "no", "NO")
+    with pytest.raises(AccelerateConfigError, match=r"mixed_precision='bf16' .* say 'no'.*TrainingArguments\(bf16"):
+        check_accelerator(settings, "bf16", "NO")
+    with pytest.raises(AccelerateConfigError, match=r"mixed_precision='no' .* say 'bf16'"):
+        check_accelerator(AccelerateSettings(mixed_precision="bf16"), "no", "NO")
+    with pytest.raises(AccelerateConfigError, match=r"dynamo_backend='INDUCTOR' would be ignored"):
+        check_accelerator(settings, "no", "INDUCTOR")
+
+
+def test_prepare_refuses_what_it_cannot_shard():
+    import torch
+
+    model, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    with pytest.raises(AccelerateConfigError, match=r"prepare\(\) got 2 models"):
+        _accelerator().prepare(model, other)
+    with pytest.raises(AccelerateConfigError, match=r"found 1 process .*num_processes >= 2"):
+        _accelerator(num_processes=1)._shard(model, [])
+    foreign = torch.optim.SGD([*model.parameters(), torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    with pytest.raises(AccelerateConfigError, match="holds 1 tensors that are not parameters of the prepared model"):
+        _accelerator()._shard(model, [foreign])
+    stepped = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    stepped.step()
+    with pytest.raises(AccelerateConfigError, match="has already stepped"):
+        _accelerator()._shard(model, [stepped])
+
+
+def test_missing_layer_class_and_missing_checkpoint(tmp_path):
+    import torch
+
+    from blockshard.integrations.accelerate._shard import load_model, shard_model
+
+    settings = AccelerateSettings(layers=("LlamaDecoderLayer",), source="cfg.yaml")
+    with pytest.raises(AccelerateConfigError, match=r"names \['LlamaDecoderLayer'\] in cfg.yaml.*Sequential"):
+        shard_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), settings)
+    with pytest.raises(AccelerateConfigError, match=r"found no blockshard checkpoint at .*save_state"):
+        load_model(torch.nn.Linear(2, 2), str(tmp_path / "nothing"), [], settings)
+
+
+def test_clip_grad_norm_other_than_deepspeeds_would_be_ignored():
+    with pytest.raises(AccelerateConfigError, match=r"max_norm=0.5\) would be ignored.*\(1.0\)"):
+        _accelerator(_deepspeed_clipping=1.0).clip_grad_norm_([], 0.5)
 
 
 # -- blockshard accelerate-config ------------------------------------------------------------------------
