@@ -24,19 +24,24 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 BIN = pathlib.Path(sys.executable).parent
+CONTROL_MIN = 1e-3  # stock ZeRO + AdamW8bit vs one process (measured 1.6e-2, ZeRO-1 at W = 2)
 SCRIPTS = [
     "torchrun_ragged_muon.py",
     "fsdp2_owner_compute.py",
     "deepspeed_bnb.py",
     "hf_trainer_deepspeed.py",
     "custom_block_type/train.py",
+    "accelerate/train.py",  # run by tests/integrations/test_accelerate.py
+    "hf_trainer_ragged.py",  # run by tests/integrations/test_trainer_ragged.py
 ]
 
 
 def _launch_lines(script: str) -> list[str]:
     doc = (EXAMPLES / script).read_text().split('"""')[1]
     return [
-        line.strip() for line in doc.splitlines() if re.match(r"\s+(\S+=\S+ )*(torchrun|deepspeed|python|pip) ", line)
+        line.strip()
+        for line in doc.splitlines()
+        if re.match(r"\s+(\S+=\S+ )*(torchrun|deepspeed|accelerate|blockshard|python|pip) ", line)
     ]
 
 
@@ -98,12 +103,28 @@ def test_torchrun_example_equals_one_process(tmp_path, script):
     _assert_bitwise(two, one)
 
 
+@pytest.fixture(scope="module")
+def deepspeed_reference(tmp_path_factory):
+    """``deepspeed_bnb.py --reference``: one process without DeepSpeed, shared by both stages."""
+    return _run(
+        [sys.executable, str(EXAMPLES / "deepspeed_bnb.py"), "--reference"], tmp_path_factory.mktemp("ds") / "w1.json"
+    )
+
+
 @pytest.mark.slow
-def test_deepspeed_bnb_example_equals_one_process(tmp_path):
+@pytest.mark.parametrize(
+    ("launcher", "stage"), [(_deepspeed, 2), (lambda: _torchrun(2), 1)], ids=["zero2-deepspeed", "zero1-torchrun"]
+)
+def test_deepspeed_bnb_example_equals_one_process(tmp_path, deepspeed_reference, launcher, stage):
+    """Hooked ZeRO equals one process bitwise under either launcher; with ``--compare`` the same launch
+    also trains stock ZeRO (the control: it differs by more than ``CONTROL_MIN``) and one process on
+    every rank, and checks that every rank holds the same parameters."""
     path = str(EXAMPLES / "deepspeed_bnb.py")
-    two = _run([*_deepspeed(), path], tmp_path / "w2.json")
-    one = _run([sys.executable, path, "--reference"], tmp_path / "w1.json")
-    _assert_bitwise(two, one)
+    two = _run([*launcher(), path, "--stage", str(stage), "--compare"], tmp_path / "w2.json")
+    _assert_bitwise(two, deepspeed_reference)
+    info = two[0]
+    assert info["ranks_agree"] is True and info["hooked_vs_single_max_abs_diff"] == 0.0, info
+    assert info["stock_vs_single_max_abs_diff"] > CONTROL_MIN, info
 
 
 @pytest.mark.slow
