@@ -77,12 +77,22 @@ def _deepspeed() -> list[str]:
     return [str(BIN / "deepspeed"), "--num_gpus", "2", *_torchrun(2)[-2:]]
 
 
+def _runs(*jobs: tuple[list[str], pathlib.Path], env: dict | None = None) -> list[tuple[dict, dict]]:
+    """Run the commands at once (a one-process reference beside a 2-process launch fills the idle
+    core), each with ``--out OUT``; return each one's (JSON, parameters)."""
+    procs = [
+        subprocess.Popen([*cmd, "--out", str(out)], env=env or _env(), cwd=ROOT, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for cmd, out in jobs
+    ]  # fmt: skip
+    logs = [proc.communicate(timeout=300)[0] for proc in procs]
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.returncode == 0, log[-6000:]
+    return [(json.loads(out.read_text()), torch.load(f"{out}.pt")) for _, out in jobs]
+
+
 def _run(cmd: list[str], out: pathlib.Path, env: dict | None = None) -> tuple[dict, dict]:
-    res = subprocess.run(
-        [*cmd, "--out", str(out)], env=env or _env(), capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return json.loads(out.read_text()), torch.load(f"{out}.pt")
+    return _runs((cmd, out), env=env)[0]
 
 
 def _assert_bitwise(two: tuple[dict, dict], one: tuple[dict, dict]) -> None:
@@ -98,17 +108,30 @@ def _assert_bitwise(two: tuple[dict, dict], one: tuple[dict, dict]) -> None:
 @pytest.mark.parametrize("script", ["torchrun_ragged_muon.py", "fsdp2_owner_compute.py"])
 def test_torchrun_example_equals_one_process(tmp_path, script):
     path = str(EXAMPLES / script)
-    two = _run([*_torchrun(2), path], tmp_path / "w2.json")
-    one = _run([*_torchrun(1), path], tmp_path / "w1.json")
+    two, one = _runs(([*_torchrun(2), path], tmp_path / "w2.json"), ([*_torchrun(1), path], tmp_path / "w1.json"))
     _assert_bitwise(two, one)
 
 
 @pytest.fixture(scope="module")
 def deepspeed_reference(tmp_path_factory):
-    """``deepspeed_bnb.py --reference``: one process without DeepSpeed, shared by both stages."""
-    return _run(
-        [sys.executable, str(EXAMPLES / "deepspeed_bnb.py"), "--reference"], tmp_path_factory.mktemp("ds") / "w1.json"
-    )
+    """``deepspeed_bnb.py --reference`` (one process without DeepSpeed), shared by both stages. It
+    starts when the first test that needs it does and runs beside that test's launch; calling the
+    fixture's value waits for it."""
+    out = tmp_path_factory.mktemp("ds") / "w1.json"
+    cmd = [sys.executable, str(EXAMPLES / "deepspeed_bnb.py"), "--reference", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    done: list[tuple[dict, dict]] = []
+
+    def result() -> tuple[dict, dict]:
+        if not done:
+            log = proc.communicate(timeout=300)[0]
+            assert proc.returncode == 0, log[-6000:]
+            done.append((json.loads(out.read_text()), torch.load(f"{out}.pt")))
+        return done[0]
+
+    yield result
+    if proc.poll() is None:
+        proc.kill()
 
 
 @pytest.mark.slow
@@ -121,7 +144,7 @@ def test_deepspeed_bnb_example_equals_one_process(tmp_path, deepspeed_reference,
     every rank, and checks that every rank holds the same parameters."""
     path = str(EXAMPLES / "deepspeed_bnb.py")
     two = _run([*launcher(), path, "--stage", str(stage), "--compare"], tmp_path / "w2.json")
-    _assert_bitwise(two, deepspeed_reference)
+    _assert_bitwise(two, deepspeed_reference())
     info = two[0]
     assert info["ranks_agree"] is True and info["hooked_vs_single_max_abs_diff"] == 0.0, info
     assert info["stock_vs_single_max_abs_diff"] > CONTROL_MIN, info
@@ -140,7 +163,8 @@ def test_custom_block_type_package(tmp_path):
     assert missing.returncode != 0 and "tile96" in missing.stderr
     env = _env(PYTHONPATH=str(target) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     path = str(EXAMPLES / "custom_block_type" / "train.py")
-    two = _run([*_torchrun(2), path], tmp_path / "w2.json", env)
-    one = _run([*_torchrun(1), path], tmp_path / "w1.json", env)
+    two, one = _runs(
+        ([*_torchrun(2), path], tmp_path / "w2.json"), ([*_torchrun(1), path], tmp_path / "w1.json"), env=env
+    )
     assert two[0]["pieces_start_on_tiles"] and one[0]["pieces_start_on_tiles"]
     _assert_bitwise(two, one)

@@ -5,7 +5,8 @@ ignore or that conflicts: a one-line ``AccelerateConfigError``), the CLI's files
 
 Slow tests: real ``accelerate launch --config_file examples/accelerate/<engine>.yaml
 examples/accelerate/train.py`` runs with 2 CPU processes over gloo, against the same script run as one
-process (``python examples/accelerate/train.py``: stock Accelerate, ``DistributedType.NO``). Every
+process (``python examples/accelerate/train.py``: stock Accelerate, ``DistributedType.NO``; run once,
+beside the first launch). Every
 rank trains on the whole batch, so (docs/design.md, "Sharding invariance"):
 
 * ragged engine: **bitwise** equal to one process after 4 steps with ``clip_grad_norm_`` at 1.0
@@ -13,7 +14,9 @@ rank trains on the whole batch, so (docs/design.md, "Sharding invariance"):
   one ulp at one step); ``save_state`` after step 2 and ``load_state`` in a new launch continue
   **bitwise** like the uninterrupted run at W = 2; loaded at W = 4 (DCP reshards the checkpoint)
   within ``W4_RESUME_ATOL = 1e-6`` (measured 1.5e-8: the global norm sums four pieces in another
-  order and clipping is active, so the clip factor differs by an ulp).
+  order and clipping is active, so the clip factor differs by an ulp). The W = 2 resume launches
+  with the config ``blockshard accelerate-config --cpu --layers Block`` writes (the settings of
+  ragged.yaml): it shards and ends bitwise equal to one process too.
 * fsdp2 engine (stock FSDP2 reduce-scatter): within ``FSDP2_ATOL = 1e-6`` (measured 7.5e-8);
   ``save_state`` / ``load_state`` (DCP of torch's ``get_state_dict``) continue bitwise at W = 2.
 * deepspeed engine (ZeRO-2 hooked by blockshard, DeepSpeed clipping at 1.0 as the script does):
@@ -317,13 +320,26 @@ def _launch(
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The script as one process (stock Accelerate). It starts with the first test that needs it and
+    runs beside that test's first launch (it fills the core a 2-process launch leaves idle while it
+    starts); calling the fixture's value waits for it."""
     out = tmp_path_factory.mktemp("ref") / "ref"
     cmd = [sys.executable, str(EXAMPLES / "train.py"), "--out", str(out)]
-    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    infos, state = _results(out, 1)
-    assert infos[0]["world_size"] == 1 and infos[0]["distributed_type"] == "DistributedType.NO"
-    return infos[0], state
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    done: list[tuple[dict, dict]] = []
+
+    def result() -> tuple[dict, dict]:
+        if not done:
+            log = proc.communicate(timeout=300)[0]
+            assert proc.returncode == 0, log[-3000:]
+            infos, state = _results(out, 1)
+            assert infos[0]["world_size"] == 1 and infos[0]["distributed_type"] == "DistributedType.NO"
+            done.append((infos[0], state))
+        return done[0]
+
+    yield result
+    if proc.poll() is None:
+        proc.kill()
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -341,20 +357,22 @@ def _check_sharded(infos: list[dict], distributed_type: str = "DistributedType.M
 
 @pytest.mark.slow
 def test_ragged_engine_equals_one_process_and_resumes_bitwise(tmp_path, reference):
-    ref_info, ref_state = reference
+    """Also: the config ``blockshard accelerate-config --cpu --layers Block`` writes launches (the
+    W = 2 resume runs with it; the same settings as ragged.yaml)."""
     infos, state = _launch(EXAMPLES / "ragged.yaml", tmp_path / "run", "--save-at", "2", "--ckpt", str(tmp_path / "ck"))
+    ref_info, ref_state = reference()
     _check_sharded(infos)
     total = infos[0]["total_numel"]
     assert infos[0]["norms"] == pytest.approx(ref_info["norms"], rel=1e-6)
     assert _max_diff(state, ref_state) == 0.0
     assert (tmp_path / "ck" / "blockshard" / "blockshard.json").is_file()  # blockshard.save_checkpoint's record
-    resumed_infos, resumed = _launch(
-        EXAMPLES / "ragged.yaml", tmp_path / "resumed", "--resume-at", "2", "--ckpt", str(tmp_path / "ck")
-    )
-    assert resumed_infos[0]["norms"] == infos[0]["norms"][2:]
-    assert _max_diff(resumed, state) == 0.0
-    # saved at W = 2, loaded at W = 4: DCP reshards the pieces (and AdamW's state) onto the new layout
+    assert cli_main(["accelerate-config", "--cpu", "--layers", "Block", "--out", str(tmp_path / "cfg")]) == 0
     ckpt = ["--resume-at", "2", "--ckpt", str(tmp_path / "ck")]
+    resumed_infos, resumed = _launch(tmp_path / "cfg" / "accelerate.yaml", tmp_path / "resumed", *ckpt)
+    _check_sharded(resumed_infos)
+    assert resumed_infos[0]["norms"] == infos[0]["norms"][2:]
+    assert _max_diff(resumed, state) == 0.0 and _max_diff(resumed, ref_state) == 0.0
+    # saved at W = 2, loaded at W = 4: DCP reshards the pieces (and AdamW's state) onto the new layout
     w4_infos, w4 = _launch(EXAMPLES / "ragged.yaml", tmp_path / "w4", *ckpt, ranks=4)
     assert [i["world_size"] for i in w4_infos] == [4] * 4 and all(i["local_numel"] < total for i in w4_infos)
     assert w4_infos[0]["norms"] == pytest.approx(infos[0]["norms"][2:], rel=1e-6)
@@ -362,19 +380,11 @@ def test_ragged_engine_equals_one_process_and_resumes_bitwise(tmp_path, referenc
 
 
 @pytest.mark.slow
-def test_cli_written_ragged_config_launches(tmp_path, reference):
-    assert cli_main(["accelerate-config", "--cpu", "--layers", "Block", "--out", str(tmp_path / "cfg")]) == 0
-    infos, state = _launch(tmp_path / "cfg" / "accelerate.yaml", tmp_path / "run")
-    _check_sharded(infos)
-    assert _max_diff(state, reference[1]) == 0.0
-
-
-@pytest.mark.slow
 def test_fsdp2_engine_equals_one_process_and_resumes_bitwise(tmp_path, reference):
     ckpt = ["--ckpt", str(tmp_path / "ck")]
     infos, state = _launch(EXAMPLES / "fsdp2.yaml", tmp_path / "run", "--save-at", "2", *ckpt)
     _check_sharded(infos)
-    assert _max_diff(state, reference[1]) <= FSDP2_ATOL
+    assert _max_diff(state, reference()[1]) <= FSDP2_ATOL
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")) == []  # no .partial left
     _, resumed = _launch(EXAMPLES / "fsdp2.yaml", tmp_path / "resumed", "--resume-at", "2", *ckpt)
     assert _max_diff(resumed, state) == 0.0
@@ -388,7 +398,7 @@ def test_deepspeed_engine_is_hooked_and_equals_one_process(tmp_path, reference):
     total = infos[0]["total_numel"]
     assert all(0 < i["state_numel"] < total for i in infos)  # ZeRO-2: each rank holds part of the optimizer state
     assert sum(i["state_numel"] for i in infos) == total
-    assert _max_diff(state, reference[1]) <= DEEPSPEED_ATOL
+    assert _max_diff(state, reference()[1]) <= DEEPSPEED_ATOL
 
 
 @pytest.mark.slow
