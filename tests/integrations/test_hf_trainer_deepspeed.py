@@ -109,7 +109,23 @@ def _deepspeed() -> list[str]:
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
-    return _run([sys.executable], EXAMPLE, 0, tmp_path_factory.mktemp("single") / "single.json")
+    """The Trainer on one process without DeepSpeed (``--stage 0``). It starts with the first test that
+    needs it and runs beside that test's launch; calling the fixture's value waits for it."""
+    out = tmp_path_factory.mktemp("single") / "single.json"
+    cmd = [sys.executable, str(EXAMPLE), "--stage", "0", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    done: list[tuple[dict, dict]] = []
+
+    def result() -> tuple[dict, dict]:
+        if not done:
+            log = proc.communicate(timeout=420)[0]
+            assert proc.returncode == 0, log[-6000:]
+            done.append((json.loads(out.read_text()), torch.load(f"{out}.pt")))
+        return done[0]
+
+    yield result
+    if proc.poll() is None:
+        proc.kill()
 
 
 def _max_diff(a: dict, b: dict) -> dict[str, float]:
@@ -122,8 +138,8 @@ def _max_diff(a: dict, b: dict) -> dict[str, float]:
     ("stage", "launcher"), [(1, _torchrun), (2, _deepspeed)], ids=["zero1-torchrun", "zero2-deepspeed"]
 )
 def test_trainer_zero_equals_one_process_bitwise(single, tmp_path, stage, launcher):
-    ref_info, ref = single
     info, params = _run(launcher(), EXAMPLE, stage, tmp_path / f"z{stage}.json")
+    ref_info, ref = single()
     assert info["world_size"] == 2 and info["hooked"] and not ref_info["hooked"]
     assert _max_diff(params, ref) == {}
     assert info["losses"] == ref_info["losses"]
@@ -131,7 +147,7 @@ def test_trainer_zero_equals_one_process_bitwise(single, tmp_path, stage, launch
 
 @pytest.mark.slow
 def test_control_without_following_overrides_differs(single, tmp_path):
-    _, ref = single
     info, params = _run(_torchrun(), CONTROL, 2, tmp_path / "control.json")
+    _, ref = single()
     diff = _max_diff(params, ref)
     assert info["hooked"] and diff.get("model.embed_tokens.weight", 0.0) > CONTROL_MIN, diff
