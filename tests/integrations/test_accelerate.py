@@ -17,8 +17,10 @@ rank trains on the whole batch, so (docs/design.md, "Sharding invariance"):
   order and clipping is active, so the clip factor differs by an ulp). The W = 2 resume launches
   with the config ``blockshard accelerate-config --cpu --layers Block`` writes (the settings of
   ragged.yaml): it shards and ends bitwise equal to one process too.
-* fsdp2 engine (stock FSDP2 reduce-scatter): within ``FSDP2_ATOL = 1e-6`` (measured 7.5e-8);
-  ``save_state`` / ``load_state`` (DCP of torch's ``get_state_dict``) continue bitwise at W = 2.
+* fsdp2 engine (stock FSDP2 reduce-scatter), each batch as 2 micro-batches (``--accumulate 2``:
+  ``accelerator.accumulate``) against one process accumulating the same way: within ``FSDP2_ATOL =
+  1e-6`` (measured 7.5e-8 without accumulation); ``save_state`` / ``load_state`` (DCP of torch's
+  ``get_state_dict``) continue bitwise at W = 2.
 * deepspeed engine (ZeRO-2 hooked by blockshard, DeepSpeed clipping at 1.0 as the script does):
   within ``DEEPSPEED_ATOL = 1e-6`` (DESIGN: the hook matches a clipping process within 4.5e-8).
 * Control: the same script without the added line, under the same launch, reports
@@ -318,13 +320,12 @@ def _launch(
     return _results(out, ranks)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def _reference(tmp_path_factory, *args: str):
     """The script as one process (stock Accelerate). It starts with the first test that needs it and
     runs beside that test's first launch (it fills the core a 2-process launch leaves idle while it
     starts); calling the fixture's value waits for it."""
     out = tmp_path_factory.mktemp("ref") / "ref"
-    cmd = [sys.executable, str(EXAMPLES / "train.py"), "--out", str(out)]
+    cmd = [sys.executable, str(EXAMPLES / "train.py"), "--out", str(out), *args]
     proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     done: list[tuple[dict, dict]] = []
 
@@ -340,6 +341,17 @@ def reference(tmp_path_factory):
     yield result
     if proc.poll() is None:
         proc.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    yield from _reference(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference_accumulating(tmp_path_factory):
+    """One process, each batch as 2 micro-batches (``--accumulate 2``)."""
+    yield from _reference(tmp_path_factory, "--accumulate", "2")
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -380,11 +392,15 @@ def test_ragged_engine_equals_one_process_and_resumes_bitwise(tmp_path, referenc
 
 
 @pytest.mark.slow
-def test_fsdp2_engine_equals_one_process_and_resumes_bitwise(tmp_path, reference):
-    ckpt = ["--ckpt", str(tmp_path / "ck")]
+def test_fsdp2_engine_accumulates_equals_one_process_and_resumes_bitwise(tmp_path, reference_accumulating):
+    """With ``gradient_accumulation_steps=2`` (``accelerator.accumulate``: FSDP2 reduce-scatters each
+    micro-batch, the optimizer steps on the second) against one process accumulating the same way."""
+    ckpt = ["--ckpt", str(tmp_path / "ck"), "--accumulate", "2"]
     infos, state = _launch(EXAMPLES / "fsdp2.yaml", tmp_path / "run", "--save-at", "2", *ckpt)
+    ref_info, ref_state = reference_accumulating()
     _check_sharded(infos)
-    assert _max_diff(state, reference()[1]) <= FSDP2_ATOL
+    assert len(infos[0]["norms"]) == 4 and infos[0]["norms"] == pytest.approx(ref_info["norms"], rel=1e-6)
+    assert _max_diff(state, ref_state) <= FSDP2_ATOL
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")) == []  # no .partial left
     _, resumed = _launch(EXAMPLES / "fsdp2.yaml", tmp_path / "resumed", "--resume-at", "2", *ckpt)
     assert _max_diff(resumed, state) == 0.0
