@@ -119,6 +119,7 @@ def main() -> None:
             json.dump(info, f)
         if accelerator.is_main_process:
             torch.save({k: v.detach().cpu() for k, v in state.items()}, f"{args.out}.pt")
+    accelerator.end_training()  # destroys the process group before exit
 
 
 if __name__ == "__main__":
