@@ -274,6 +274,24 @@ def test_cli_writes_configs_blockshard_reads(tmp_path, capsys):
     assert "DS_ACCELERATOR=cpu accelerate launch" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("engine", ["ragged", "fsdp2", "deepspeed"])
+def test_example_configs_are_what_the_cli_writes(tmp_path, engine):
+    """examples/accelerate/<engine>.yaml (launched by the slow tests) is ``blockshard accelerate-config
+    --engine <engine> --cpu --layers Block``'s output, up to comments and the JSON's path."""
+    assert (
+        cli_main(["accelerate-config", "--engine", engine, "--cpu", "--layers", "Block", "--out", str(tmp_path)]) == 0
+    )
+    written = yaml.safe_load((tmp_path / "accelerate.yaml").read_text())
+    example = yaml.safe_load((EXAMPLES / f"{engine}.yaml").read_text())
+    if engine == "deepspeed":
+        assert json.loads((tmp_path / "deepspeed.json").read_text()) == json.loads(
+            (EXAMPLES / "deepspeed.json").read_text()
+        )
+        for config in (written, example):
+            config["deepspeed_config"].pop("deepspeed_config_file")
+    assert written == example
+
+
 @pytest.mark.parametrize(
     ("args", "match"),
     [
