@@ -8,6 +8,9 @@
   CPU training only with ``ACCELERATE_USE_CPU``, which the multi-process launcher does not export).
   So accelerate is started with ``cpu=True`` there (``MULTI_CPU`` over gloo), and with its own FSDP
   off for both engines (``ACCELERATE_USE_FSDP`` hidden during ``__init__``): blockshard shards.
+  What accelerate would then apply in ``prepare_model`` and blockshard skips is refused there
+  (:func:`check_accelerator`: a mixed precision other than the config's, a dynamo backend), as are
+  ``fsdp_plugin`` / ``deepspeed_plugin`` arguments.
 * ``prepare``: shards the model (each ``fsdp_transformer_layer_cls_to_wrap`` module bottom-up, then
   the root) with ``blockshard.fully_shard`` or ``blockshard.integrations.fsdp2.fully_shard``, and
   points the optimizers passed with it at the sharded parameters (by name; they must not have stepped).
