@@ -58,10 +58,22 @@ def _env(**extra: str) -> dict:
     return dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **extra)
 
 
+_PORTS: set[int] = set()
+
+
+def _port() -> int:
+    """A free port not handed out before in this session (launches run at once)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS:
+            _PORTS.add(port)
+            return port
+
+
 def _torchrun(nproc: int) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _port()
     return [
         str(BIN / "torchrun"),
         "--nproc_per_node",
@@ -77,18 +89,30 @@ def _deepspeed() -> list[str]:
     return [str(BIN / "deepspeed"), "--num_gpus", "2", *_torchrun(2)[-2:]]
 
 
+def _start(cmd: list[str], out: pathlib.Path, env: dict | None = None) -> subprocess.Popen:
+    """Start ``cmd --out OUT``; its output goes to ``OUT.log`` (no pipe fills while another is waited for)."""
+    with open(f"{out}.log", "w") as log:
+        return subprocess.Popen(
+            [*cmd, "--out", str(out)], env=env or _env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+def _finish(proc: subprocess.Popen, out: pathlib.Path) -> tuple[dict, dict]:
+    proc.wait(timeout=300)
+    assert proc.returncode == 0, pathlib.Path(f"{out}.log").read_text(errors="replace")[-6000:]
+    return json.loads(out.read_text()), torch.load(f"{out}.pt")
+
+
 def _runs(*jobs: tuple[list[str], pathlib.Path], env: dict | None = None) -> list[tuple[dict, dict]]:
     """Run the commands at once (a one-process reference beside a 2-process launch fills the idle
     core), each with ``--out OUT``; return each one's (JSON, parameters)."""
-    procs = [
-        subprocess.Popen([*cmd, "--out", str(out)], env=env or _env(), cwd=ROOT, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for cmd, out in jobs
-    ]  # fmt: skip
-    logs = [proc.communicate(timeout=300)[0] for proc in procs]
-    for proc, log in zip(procs, logs, strict=True):
-        assert proc.returncode == 0, log[-6000:]
-    return [(json.loads(out.read_text()), torch.load(f"{out}.pt")) for _, out in jobs]
+    procs = [(_start(cmd, out, env), out) for cmd, out in jobs]
+    try:
+        return [_finish(proc, out) for proc, out in procs]
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def _run(cmd: list[str], out: pathlib.Path, env: dict | None = None) -> tuple[dict, dict]:
@@ -113,38 +137,32 @@ def test_torchrun_example_equals_one_process(tmp_path, script):
 
 
 @pytest.fixture(scope="module")
-def deepspeed_reference(tmp_path_factory):
-    """``deepspeed_bnb.py --reference`` (one process without DeepSpeed), shared by both stages. It
-    starts when the first test that needs it does and runs beside that test's launch; calling the
-    fixture's value waits for it."""
-    out = tmp_path_factory.mktemp("ds") / "w1.json"
-    cmd = [sys.executable, str(EXAMPLES / "deepspeed_bnb.py"), "--reference", "--out", str(out)]
-    proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    done: list[tuple[dict, dict]] = []
-
-    def result() -> tuple[dict, dict]:
-        if not done:
-            log = proc.communicate(timeout=300)[0]
-            assert proc.returncode == 0, log[-6000:]
-            done.append((json.loads(out.read_text()), torch.load(f"{out}.pt")))
-        return done[0]
-
-    yield result
-    if proc.poll() is None:
-        proc.kill()
+def deepspeed_runs(tmp_path_factory):
+    """``deepspeed_bnb.py``: ZeRO-2 under ``deepspeed``, ZeRO-1 under ``torchrun`` (both ``--compare``)
+    and ``--reference`` (one process without DeepSpeed), started at once; ``deepspeed_runs[name]()``
+    waits for one and returns its (JSON, parameters)."""
+    tmp = tmp_path_factory.mktemp("ds")
+    path = str(EXAMPLES / "deepspeed_bnb.py")
+    jobs = {
+        "reference": [sys.executable, path, "--reference"],
+        "zero2-deepspeed": [*_deepspeed(), path, "--stage", "2", "--compare"],
+        "zero1-torchrun": [*_torchrun(2), path, "--stage", "1", "--compare"],
+    }
+    procs = {name: _start(cmd, tmp / f"{name}.json") for name, cmd in jobs.items()}
+    yield lambda name: _finish(procs[name], tmp / f"{name}.json")
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("launcher", "stage"), [(_deepspeed, 2), (lambda: _torchrun(2), 1)], ids=["zero2-deepspeed", "zero1-torchrun"]
-)
-def test_deepspeed_bnb_example_equals_one_process(tmp_path, deepspeed_reference, launcher, stage):
+@pytest.mark.parametrize("run", ["zero2-deepspeed", "zero1-torchrun"])
+def test_deepspeed_bnb_example_equals_one_process(deepspeed_runs, run):
     """Hooked ZeRO equals one process bitwise under either launcher; with ``--compare`` the same launch
     also trains stock ZeRO (the control: it differs by more than ``CONTROL_MIN``) and one process on
     every rank, and checks that every rank holds the same parameters."""
-    path = str(EXAMPLES / "deepspeed_bnb.py")
-    two = _run([*launcher(), path, "--stage", str(stage), "--compare"], tmp_path / "w2.json")
-    _assert_bitwise(two, deepspeed_reference())
+    two = deepspeed_runs(run)
+    _assert_bitwise(two, deepspeed_runs("reference"))
     info = two[0]
     assert info["ranks_agree"] is True and info["hooked_vs_single_max_abs_diff"] == 0.0, info
     assert info["stock_vs_single_max_abs_diff"] > CONTROL_MIN, info

@@ -38,6 +38,7 @@ import sys
 
 import pytest
 import yaml
+from _background import Background
 
 from blockshard.cli import main as cli_main
 from blockshard.integrations.accelerate import AccelerateConfigError, AccelerateSettings, load_settings
@@ -324,17 +325,20 @@ def _results(out: pathlib.Path, ranks: int) -> tuple[list[dict], dict]:
     return infos, torch.load(f"{out}.pt")
 
 
-def _launch(
+def _start(
     config: pathlib.Path | str,
     out: pathlib.Path,
     *args: str,
     script: pathlib.Path = EXAMPLES / "train.py",
     ranks: int = 2,
-):
+) -> Background:
     launch = [str(BIN / "accelerate"), "launch", "--config_file", str(config), "--num_processes", str(ranks)]
     cmd = [*launch, str(script), "--out", str(out), *args]
-    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return Background(cmd, pathlib.Path(f"{out}.log"), env=_env(), cwd=ROOT, timeout=300)
+
+
+def _launch(config: pathlib.Path | str, out: pathlib.Path, *args: str, ranks: int = 2, **kwargs):
+    _start(config, out, *args, ranks=ranks, **kwargs).wait()
     return _results(out, ranks)
 
 
@@ -398,12 +402,19 @@ def test_ragged_engine_equals_one_process_and_resumes_bitwise(tmp_path, referenc
     assert (tmp_path / "ck" / "blockshard" / "blockshard.json").is_file()  # blockshard.save_checkpoint's record
     assert cli_main(["accelerate-config", "--cpu", "--layers", "Block", "--out", str(tmp_path / "cfg")]) == 0
     ckpt = ["--resume-at", "2", "--ckpt", str(tmp_path / "ck")]
-    resumed_infos, resumed = _launch(tmp_path / "cfg" / "accelerate.yaml", tmp_path / "resumed", *ckpt)
+    # both resumes at once (they only read the checkpoint); saved at W = 2, loaded at W = 4: DCP
+    # reshards the pieces (and AdamW's state) onto the new layout
+    jobs = [
+        _start(tmp_path / "cfg" / "accelerate.yaml", tmp_path / "resumed", *ckpt),
+        _start(EXAMPLES / "ragged.yaml", tmp_path / "w4", *ckpt, ranks=4),
+    ]
+    for job in jobs:
+        job.wait()
+    resumed_infos, resumed = _results(tmp_path / "resumed", 2)
     _check_sharded(resumed_infos)
     assert resumed_infos[0]["norms"] == infos[0]["norms"][2:]
     assert _max_diff(resumed, state) == 0.0 and _max_diff(resumed, ref_state) == 0.0
-    # saved at W = 2, loaded at W = 4: DCP reshards the pieces (and AdamW's state) onto the new layout
-    w4_infos, w4 = _launch(EXAMPLES / "ragged.yaml", tmp_path / "w4", *ckpt, ranks=4)
+    w4_infos, w4 = _results(tmp_path / "w4", 4)
     assert [i["world_size"] for i in w4_infos] == [4] * 4 and all(i["local_numel"] < total for i in w4_infos)
     assert w4_infos[0]["norms"] == pytest.approx(infos[0]["norms"][2:], rel=1e-6)
     assert _max_diff(w4, state) <= W4_RESUME_ATOL
