@@ -120,6 +120,11 @@ def main() -> None:
         for key, value in extra.items():
             print(f"{key}={value!r}")
         write_result(args.out, world_size=world_size, losses=losses, params=dict(model.named_parameters()), **extra)
+    if not args.reference:  # leave the process group before exit (gloo can abort at exit otherwise)
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
