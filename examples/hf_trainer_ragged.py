@@ -101,12 +101,20 @@ def main() -> None:
     p.add_argument(
         "--resume-from", help="resume each run from DIR/<run>/checkpoint-2 (written by an earlier --out DIR)"
     )
+    p.add_argument(
+        "--then-resume",
+        default="",
+        help="after the runs, train these again resumed from their own checkpoint-2 (into OUT/<run>_resumed)",
+    )
     p.add_argument("--out", default="hf_trainer_ragged_out")
     args = p.parse_args()
     torch.set_num_threads(1)
     for name in args.runs.split(","):
         resume = os.path.join(args.resume_from, name, "checkpoint-2") if args.resume_from else None
         train(name, *RUNS[name], stock=args.stock, out=os.path.join(args.out, name), resume=resume)
+    for name in filter(None, args.then_resume.split(",")):  # a new Trainer, model and optimizer each
+        resume = os.path.join(args.out, name, "checkpoint-2")
+        train(name, *RUNS[name], stock=args.stock, out=os.path.join(args.out, f"{name}_resumed"), resume=resume)
 
 
 def train(

@@ -24,19 +24,24 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 BIN = pathlib.Path(sys.executable).parent
+CONTROL_MIN = 1e-3  # stock ZeRO + AdamW8bit vs one process (measured 1.6e-2, ZeRO-1 at W = 2)
 SCRIPTS = [
     "torchrun_ragged_muon.py",
     "fsdp2_owner_compute.py",
     "deepspeed_bnb.py",
     "hf_trainer_deepspeed.py",
     "custom_block_type/train.py",
+    "accelerate/train.py",  # run by tests/integrations/test_accelerate.py
+    "hf_trainer_ragged.py",  # run by tests/integrations/test_trainer_ragged.py
 ]
 
 
 def _launch_lines(script: str) -> list[str]:
     doc = (EXAMPLES / script).read_text().split('"""')[1]
     return [
-        line.strip() for line in doc.splitlines() if re.match(r"\s+(\S+=\S+ )*(torchrun|deepspeed|python|pip) ", line)
+        line.strip()
+        for line in doc.splitlines()
+        if re.match(r"\s+(\S+=\S+ )*(torchrun|deepspeed|accelerate|blockshard|python|pip) ", line)
     ]
 
 
@@ -53,10 +58,22 @@ def _env(**extra: str) -> dict:
     return dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **extra)
 
 
+_PORTS: set[int] = set()
+
+
+def _port() -> int:
+    """A free port not handed out before in this session (launches run at once)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS:
+            _PORTS.add(port)
+            return port
+
+
 def _torchrun(nproc: int) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _port()
     return [
         str(BIN / "torchrun"),
         "--nproc_per_node",
@@ -72,12 +89,34 @@ def _deepspeed() -> list[str]:
     return [str(BIN / "deepspeed"), "--num_gpus", "2", *_torchrun(2)[-2:]]
 
 
-def _run(cmd: list[str], out: pathlib.Path, env: dict | None = None) -> tuple[dict, dict]:
-    res = subprocess.run(
-        [*cmd, "--out", str(out)], env=env or _env(), capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+def _start(cmd: list[str], out: pathlib.Path, env: dict | None = None) -> subprocess.Popen:
+    """Start ``cmd --out OUT``; its output goes to ``OUT.log`` (no pipe fills while another is waited for)."""
+    with open(f"{out}.log", "w") as log:
+        return subprocess.Popen(
+            [*cmd, "--out", str(out)], env=env or _env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+def _finish(proc: subprocess.Popen, out: pathlib.Path) -> tuple[dict, dict]:
+    proc.wait(timeout=300)
+    assert proc.returncode == 0, pathlib.Path(f"{out}.log").read_text(errors="replace")[-6000:]
     return json.loads(out.read_text()), torch.load(f"{out}.pt")
+
+
+def _runs(*jobs: tuple[list[str], pathlib.Path], env: dict | None = None) -> list[tuple[dict, dict]]:
+    """Run the commands at once (a one-process reference beside a 2-process launch fills the idle
+    core), each with ``--out OUT``; return each one's (JSON, parameters)."""
+    procs = [(_start(cmd, out, env), out) for cmd, out in jobs]
+    try:
+        return [_finish(proc, out) for proc, out in procs]
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def _run(cmd: list[str], out: pathlib.Path, env: dict | None = None) -> tuple[dict, dict]:
+    return _runs((cmd, out), env=env)[0]
 
 
 def _assert_bitwise(two: tuple[dict, dict], one: tuple[dict, dict]) -> None:
@@ -93,17 +132,40 @@ def _assert_bitwise(two: tuple[dict, dict], one: tuple[dict, dict]) -> None:
 @pytest.mark.parametrize("script", ["torchrun_ragged_muon.py", "fsdp2_owner_compute.py"])
 def test_torchrun_example_equals_one_process(tmp_path, script):
     path = str(EXAMPLES / script)
-    two = _run([*_torchrun(2), path], tmp_path / "w2.json")
-    one = _run([*_torchrun(1), path], tmp_path / "w1.json")
+    two, one = _runs(([*_torchrun(2), path], tmp_path / "w2.json"), ([*_torchrun(1), path], tmp_path / "w1.json"))
     _assert_bitwise(two, one)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_runs(tmp_path_factory):
+    """``deepspeed_bnb.py``: ZeRO-2 under ``deepspeed``, ZeRO-1 under ``torchrun`` (both ``--compare``)
+    and ``--reference`` (one process without DeepSpeed), started at once; ``deepspeed_runs[name]()``
+    waits for one and returns its (JSON, parameters)."""
+    tmp = tmp_path_factory.mktemp("ds")
+    path = str(EXAMPLES / "deepspeed_bnb.py")
+    jobs = {
+        "reference": [sys.executable, path, "--reference"],
+        "zero2-deepspeed": [*_deepspeed(), path, "--stage", "2", "--compare"],
+        "zero1-torchrun": [*_torchrun(2), path, "--stage", "1", "--compare"],
+    }
+    procs = {name: _start(cmd, tmp / f"{name}.json") for name, cmd in jobs.items()}
+    yield lambda name: _finish(procs[name], tmp / f"{name}.json")
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
 
 
 @pytest.mark.slow
-def test_deepspeed_bnb_example_equals_one_process(tmp_path):
-    path = str(EXAMPLES / "deepspeed_bnb.py")
-    two = _run([*_deepspeed(), path], tmp_path / "w2.json")
-    one = _run([sys.executable, path, "--reference"], tmp_path / "w1.json")
-    _assert_bitwise(two, one)
+@pytest.mark.parametrize("run", ["zero2-deepspeed", "zero1-torchrun"])
+def test_deepspeed_bnb_example_equals_one_process(deepspeed_runs, run):
+    """Hooked ZeRO equals one process bitwise under either launcher; with ``--compare`` the same launch
+    also trains stock ZeRO (the control: it differs by more than ``CONTROL_MIN``) and one process on
+    every rank, and checks that every rank holds the same parameters."""
+    two = deepspeed_runs(run)
+    _assert_bitwise(two, deepspeed_runs("reference"))
+    info = two[0]
+    assert info["ranks_agree"] is True and info["hooked_vs_single_max_abs_diff"] == 0.0, info
+    assert info["stock_vs_single_max_abs_diff"] > CONTROL_MIN, info
 
 
 @pytest.mark.slow
@@ -119,7 +181,8 @@ def test_custom_block_type_package(tmp_path):
     assert missing.returncode != 0 and "tile96" in missing.stderr
     env = _env(PYTHONPATH=str(target) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     path = str(EXAMPLES / "custom_block_type" / "train.py")
-    two = _run([*_torchrun(2), path], tmp_path / "w2.json", env)
-    one = _run([*_torchrun(1), path], tmp_path / "w1.json", env)
+    two, one = _runs(
+        ([*_torchrun(2), path], tmp_path / "w2.json"), ([*_torchrun(1), path], tmp_path / "w1.json"), env=env
+    )
     assert two[0]["pieces_start_on_tiles"] and one[0]["pieces_start_on_tiles"]
     _assert_bitwise(two, one)

@@ -5,6 +5,7 @@
     DS_ACCELERATOR=cpu accelerate launch --config_file examples/accelerate/deepspeed.yaml examples/accelerate/train.py
 
 Run without a launcher (`python examples/accelerate/train.py`) it trains on one process: the reference.
+`--accumulate N` splits each batch into N micro-batches (`accelerator.accumulate`).
 Every rank trains on the whole batch (the data is not split), so W processes compute exactly what one
 process computes (docs/design.md). `--out FILE` writes what the tests check (JSON + a .pt file).
 """
@@ -69,6 +70,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (accelerator.accumulate)")
     p.add_argument("--save-at", type=int, help="accelerator.save_state(--ckpt) after this step")
     p.add_argument("--resume-at", type=int, help="accelerator.load_state(--ckpt), then train from this step on")
     p.add_argument("--ckpt", default="ckpt")
@@ -76,7 +78,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    accelerator = Accelerator()
+    accelerator = Accelerator(gradient_accumulation_steps=args.accumulate)
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -90,11 +92,14 @@ def main() -> None:
     for step, (x, y) in enumerate(batches(args.steps)):
         if step < first:
             continue
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        accelerator.backward(loss)
-        norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)))
-        optimizer.step()
-        optimizer.zero_grad()
+        for xm, ym in zip(x.chunk(args.accumulate), y.chunk(args.accumulate), strict=True):
+            with accelerator.accumulate(model):  # steps (and clips) on the last micro-batch only
+                loss = torch.nn.functional.mse_loss(model(xm), ym)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)))
+                optimizer.step()
+                optimizer.zero_grad()
         accelerator.print(f"step {step}: loss {loss.item():.6f}")
         if args.save_at is not None and step + 1 == args.save_at:
             accelerator.save_state(args.ckpt)
@@ -114,6 +119,7 @@ def main() -> None:
             json.dump(info, f)
         if accelerator.is_main_process:
             torch.save({k: v.detach().cpu() for k, v in state.items()}, f"{args.out}.pt")
+    accelerator.end_training()  # destroys the process group before exit
 
 
 if __name__ == "__main__":

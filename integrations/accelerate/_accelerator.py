@@ -8,6 +8,9 @@
   CPU training only with ``ACCELERATE_USE_CPU``, which the multi-process launcher does not export).
   So accelerate is started with ``cpu=True`` there (``MULTI_CPU`` over gloo), and with its own FSDP
   off for both engines (``ACCELERATE_USE_FSDP`` hidden during ``__init__``): blockshard shards.
+  What accelerate would then apply in ``prepare_model`` and blockshard skips is refused there
+  (:func:`check_accelerator`: a mixed precision other than the config's, a dynamo backend), as are
+  ``fsdp_plugin`` / ``deepspeed_plugin`` arguments.
 * ``prepare``: shards the model (each ``fsdp_transformer_layer_cls_to_wrap`` module bottom-up, then
   the root) with ``blockshard.fully_shard`` or ``blockshard.integrations.fsdp2.fully_shard``, and
   points the optimizers passed with it at the sharded parameters (by name; they must not have stepped).
@@ -86,6 +89,24 @@ def _deepspeed_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "kwargs_handlers": [*handlers, InitProcessGroupKwargs(backend="gloo")]}
 
 
+def check_accelerator(settings: AccelerateSettings, mixed_precision: str, dynamo_backend: str) -> None:
+    """What accelerate set up beside the config (``Accelerator(...)`` arguments, ``TrainingArguments``)
+    that blockshard's ``prepare()`` would ignore: its autocast and ``torch.compile`` (prepare_model)."""
+    if mixed_precision != settings.mixed_precision:
+        raise AccelerateConfigError(
+            f"accelerate runs mixed_precision={mixed_precision!r} (an Accelerator or TrainingArguments argument) but "
+            f"blockshard's settings from {settings.source or 'blockshard_settings'} say {settings.mixed_precision!r}: "
+            "blockshard's mixed precision is its own (bf16 parameters, fp32 gradient reduction) and accelerate's "
+            "autocast would be ignored; make them agree (the Trainer: TrainingArguments(bf16=True) with "
+            "mixed_precision: bf16 in the config, bf16=False with 'no')"
+        )
+    if dynamo_backend.upper() != "NO":
+        raise AccelerateConfigError(
+            f"accelerate's dynamo_backend={dynamo_backend!r} would be ignored: blockshard's prepare() returns the "
+            "sharded model uncompiled; drop dynamo_backend (or torch_compile) and call torch.compile yourself"
+        )
+
+
 class Accelerator(accelerate.Accelerator):
     """``accelerate.Accelerator`` that shards with blockshard when the launch config has an
     ``fsdp_config.blockshard`` mapping (see the module docstring); ``blockshard_settings`` overrides it."""
@@ -105,15 +126,17 @@ class Accelerator(accelerate.Accelerator):
                 kwargs = _deepspeed_kwargs(kwargs)
             super().__init__(*args, **kwargs)
             return
-        if kwargs.get("fsdp_plugin") is not None:
-            raise AccelerateConfigError(
-                f"Accelerator(fsdp_plugin=...) conflicts with blockshard's {settings.engine} engine from "
-                f"{settings.source}; drop the fsdp_plugin argument (blockshard shards at prepare())"
-            )
+        for plugin in ("fsdp_plugin", "deepspeed_plugin"):
+            if kwargs.get(plugin) is not None:
+                raise AccelerateConfigError(
+                    f"Accelerator({plugin}=...) conflicts with blockshard's {settings.engine} engine from "
+                    f"{settings.source}; drop the {plugin} argument (blockshard shards at prepare())"
+                )
         if _no_device() and "LOCAL_RANK" in os.environ:
             kwargs["cpu"] = True
         with _env(ACCELERATE_USE_FSDP="false"):  # blockshard shards; accelerate's FSDP path stays off
             super().__init__(*args, **kwargs)
+        check_accelerator(settings, str(self.mixed_precision), str(self.state.dynamo_plugin.backend))
 
     # -- prepare ----------------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: Any = None) -> Any:

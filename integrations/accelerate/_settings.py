@@ -156,7 +156,7 @@ def load_settings(path: str | None = None) -> AccelerateSettings | None:
             f"fsdp_config.blockshard in {path} has unknown keys {unknown}; the known ones are {list(_KEYS)}"
         )
     _check_distributed(config, path)
-    _check_unsupported(fsdp, path)
+    _check_unsupported(config, fsdp, path)
     return AccelerateSettings(
         **{k: section[k] for k in ("engine", "semantics", "policy", "alignment_bytes") if k in section},
         layers=_layers(section, fsdp, path),
@@ -183,9 +183,9 @@ def _layers(section: dict, fsdp: dict, path: str) -> tuple[str, ...]:
         "fsdp_auto_wrap_policy",
         "TRANSFORMER_BASED_WRAP" if fsdp.get("fsdp_transformer_layer_cls_to_wrap") else "NO_WRAP",
     )
-    if wrap == "SIZE_BASED_WRAP":
+    if wrap not in _WRAP_POLICIES:
         raise AccelerateConfigError(
-            f"fsdp_auto_wrap_policy=SIZE_BASED_WRAP in {path} is not supported by blockshard (groups follow the layer "
+            f"fsdp_auto_wrap_policy={wrap} in {path} is not supported by blockshard (groups follow the layer "
             "classes); set TRANSFORMER_BASED_WRAP with fsdp_transformer_layer_cls_to_wrap, or NO_WRAP for one group"
         )
     classes = fsdp.get("fsdp_transformer_layer_cls_to_wrap") or ""
@@ -211,18 +211,48 @@ def _reshard(fsdp: dict, path: str) -> bool:
     return bool(value)
 
 
-# fsdp_config keys blockshard does not honour, with the value under which ignoring them changes nothing.
-_UNSUPPORTED = {
-    "fsdp_offload_params": False,
-    "fsdp_activation_checkpointing": False,
-    "fsdp_ignored_modules": None,
-    "fsdp_sharding_strategy": "FULL_SHARD",
+# fsdp_config keys blockshard does not honour: the values under which ignoring them changes nothing
+# (the first one is the one the message suggests), and what the key would have asked for.
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "fsdp_offload_params": ((False,), "CPU offload of parameters"),
+    "fsdp_activation_checkpointing": ((False,), "activation checkpointing (apply it to the model yourself)"),
+    "fsdp_activation_checkpointing_offload": ((False,), "offloaded activation checkpointing"),
+    "fsdp_ignored_modules": ((None,), "modules left unsharded"),
+    "fsdp_sharding_strategy": (("FULL_SHARD", 1), "FSDP1's strategy; use fsdp_reshard_after_forward"),
+    "fsdp_state_dict_type": (
+        ("SHARDED_STATE_DICT", None),
+        "the save_state format: blockshard always writes one sharded DCP checkpoint "
+        "(accelerator.get_state_dict gives full tensors)",
+    ),
+    "fsdp_cpu_ram_efficient_loading": (
+        (False,),
+        "rank 0 loading the weights for the others: blockshard broadcasts nothing, each rank shards the model it built",
+    ),
+    "fsdp_sync_module_states": ((False,), "a broadcast of rank 0's weights: build the same model on every rank"),
+    "fsdp_float8_all_gather": ((False,), "float8 all-gathers"),
+    "fsdp_forward_prefetch": ((False,), "FSDP1's forward prefetch"),
+    "fsdp_backward_prefetch": ((None, "NO_PREFETCH"), "FSDP1's backward prefetch"),
+    "fsdp_use_orig_params": ((True, None), "FSDP1's flat parameters (blockshard keeps the parameters' names)"),
+    "fsdp_min_num_params": ((None, 0), "SIZE_BASED_WRAP's size"),
 }
+_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "NO_WRAP")
 
 
-def _check_unsupported(fsdp: dict, path: str) -> None:
-    for key, neutral in _UNSUPPORTED.items():
-        if key in fsdp and fsdp[key] != neutral:
+def _check_unsupported(config: dict, fsdp: dict, path: str) -> None:
+    for key, (neutral, what) in _UNSUPPORTED.items():
+        if key in fsdp and fsdp[key] not in neutral:
             raise AccelerateConfigError(
-                f"{key}={fsdp[key]!r} in {path} would be ignored by blockshard; remove it or set {neutral!r}"
+                f"{key}={fsdp[key]!r} in {path} would be ignored by blockshard ({what}); remove it or set {neutral[0]!r}"
             )
+    version = fsdp.get("fsdp_version", 2)
+    if str(version) != "2":
+        raise AccelerateConfigError(
+            f"fsdp_version={version!r} in {path}: blockshard's settings follow FSDP2's keys (its groups are FSDP2-like); "
+            "set fsdp_version: 2"
+        )
+    dynamo = (config.get("dynamo_config") or {}).get("dynamo_backend", "NO")
+    if str(dynamo).upper() != "NO":
+        raise AccelerateConfigError(
+            f"dynamo_config.dynamo_backend={dynamo!r} in {path} would be ignored: blockshard's prepare() returns the "
+            "sharded model uncompiled; remove dynamo_config (or set dynamo_backend: 'NO') and call torch.compile yourself"
+        )

@@ -1,4 +1,4 @@
-"""Control for tests/integrations/test_hf_trainer.py: examples/hf_trainer_deepspeed.py with the hook's
+"""Control for tests/integrations/test_hf_trainer_deepspeed.py: examples/hf_trainer_deepspeed.py with the hook's
 ``GlobalOptimManager`` follow-up switched off (the parameter's override stays off its views).
 
 Launched like the example: ``deepspeed --num_gpus 2 tests/integrations/_hf_trainer_control.py --stage 2 ...``.

@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 import torch
+from _background import Background, free_ports
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer_deepspeed.py"
@@ -84,32 +84,40 @@ def _env() -> dict:
     )
 
 
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _torchrun(port: int) -> list[str]:
+    return [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port)]
 
 
-def _run(launch: list[str], script: pathlib.Path, stage: int, out: pathlib.Path) -> tuple[dict, dict]:
-    cmd = [*launch, str(script), "--stage", str(stage), "--out", str(out)]
-    res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=420, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return json.loads(out.read_text()), torch.load(f"{out}.pt")
-
-
-def _torchrun() -> list[str]:
-    return [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(_port())]
-
-
-def _deepspeed() -> list[str]:
-    return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(_port())]
+def _deepspeed(port: int) -> list[str]:
+    return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return _run([sys.executable], EXAMPLE, 0, tmp_path_factory.mktemp("single") / "single.json")
+def launched(tmp_path_factory):
+    """Every run of this file, started at once (they are independent): the Trainer on one process
+    without DeepSpeed (``--stage 0``), ZeRO-1 under ``torchrun``, ZeRO-2 under ``deepspeed`` and the
+    control. ``launched[name]()`` waits for one and returns its (JSON, parameters)."""
+    tmp = tmp_path_factory.mktemp("hf_ds")
+    ports = free_ports(3)
+    jobs = {
+        "single": ([sys.executable], EXAMPLE, 0),
+        "zero1-torchrun": (_torchrun(ports[0]), EXAMPLE, 1),
+        "zero2-deepspeed": (_deepspeed(ports[1]), EXAMPLE, 2),
+        "control": (_torchrun(ports[2]), CONTROL, 2),
+    }
+    started = {}
+    for name, (launch, script, stage) in jobs.items():
+        cmd = [*launch, str(script), "--stage", str(stage), "--out", str(tmp / f"{name}.json")]
+        started[name] = Background(cmd, tmp / f"{name}.log", env=_env(), cwd=ROOT)
+
+    def result(name: str) -> tuple[dict, dict]:
+        started[name].wait()
+        out = tmp / f"{name}.json"
+        return json.loads(out.read_text()), torch.load(f"{out}.pt")
+
+    yield result
+    for job in started.values():
+        job.kill()
 
 
 def _max_diff(a: dict, b: dict) -> dict[str, float]:
@@ -118,20 +126,18 @@ def _max_diff(a: dict, b: dict) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("stage", "launcher"), [(1, _torchrun), (2, _deepspeed)], ids=["zero1-torchrun", "zero2-deepspeed"]
-)
-def test_trainer_zero_equals_one_process_bitwise(single, tmp_path, stage, launcher):
-    ref_info, ref = single
-    info, params = _run(launcher(), EXAMPLE, stage, tmp_path / f"z{stage}.json")
+@pytest.mark.parametrize("run", ["zero1-torchrun", "zero2-deepspeed"])
+def test_trainer_zero_equals_one_process_bitwise(launched, run):
+    info, params = launched(run)
+    ref_info, ref = launched("single")
     assert info["world_size"] == 2 and info["hooked"] and not ref_info["hooked"]
     assert _max_diff(params, ref) == {}
     assert info["losses"] == ref_info["losses"]
 
 
 @pytest.mark.slow
-def test_control_without_following_overrides_differs(single, tmp_path):
-    _, ref = single
-    info, params = _run(_torchrun(), CONTROL, 2, tmp_path / "control.json")
+def test_control_without_following_overrides_differs(launched):
+    info, params = launched("control")
+    _, ref = launched("single")
     diff = _max_diff(params, ref)
     assert info["hooked"] and diff.get("model.embed_tokens.weight", 0.0) > CONTROL_MIN, diff

@@ -23,8 +23,11 @@ step every rank sees the batch one process sees (docs/design.md, "Sharding invar
 * Sharding happened: each rank holds part of the parameters and of the embedding.
 * The checkpoint the Trainer writes after step 2 (``save_steps``) holds the full model
   (``from_pretrained`` equals the stock Trainer's checkpoint bitwise), blockshard's DCP state of
-  model and optimizer, and the scheduler; ``resume_from_checkpoint`` in a new launch ends
-  **bitwise** like the uninterrupted run (adamw_torch and adamw_bnb_8bit).
+  model and optimizer, and the scheduler; ``resume_from_checkpoint`` into a new Trainer (new model,
+  optimizer and blockshard ``Accelerator``, in the same launch: ``--then-resume``) ends **bitwise**
+  like the uninterrupted run (adamw_torch and adamw_bnb_8bit).
+* Without a blockshard config (one process, in the test process) blockshard's Trainer is the stock
+  one: bitwise equal to the reference's ``adamw`` run.
 """
 
 from __future__ import annotations
@@ -65,10 +68,11 @@ def test_follow_overrides_moves_pid2config_onto_the_new_parameter():
     manager.initialize()
 
 
-@pytest.mark.slow  # in this process, but two Trainers (about 15 s)
-def test_without_a_blockshard_config_it_is_the_stock_trainer(tmp_path, monkeypatch):
+@pytest.mark.slow  # in this process (about 8 s), against the stock Trainer's run of the `runs` fixture
+def test_without_a_blockshard_config_it_is_the_stock_trainer(tmp_path, monkeypatch, runs):
     """One process, no config: blockshard's Trainer builds its Accelerator with no settings and trains
-    exactly as ``transformers.Trainer`` (the example's ``adamw`` run, in this process)."""
+    exactly as ``transformers.Trainer`` (the example's ``adamw`` run, here in this process, against the
+    same run of the stock Trainer in the reference process)."""
     import importlib.util
 
     import torch
@@ -79,13 +83,13 @@ def test_without_a_blockshard_config_it_is_the_stock_trainer(tmp_path, monkeypat
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reference process (the example's main)
     try:
-        for stock in (True, False):
-            example.train("adamw", *example.RUNS["adamw"], stock=stock, out=str(tmp_path / str(stock)), resume=None)
+        example.train("adamw", *example.RUNS["adamw"], stock=False, out=str(tmp_path), resume=None)
     finally:
         torch.set_num_threads(threads)
-    assert _max_diff(_model(tmp_path / "False" / "final"), _model(tmp_path / "True" / "final")) == 0.0
-    info = json.loads((tmp_path / "False" / "rank0.json").read_text())
+    assert _max_diff(_model(tmp_path / "final"), _model(runs[0] / "adamw" / "final")) == 0.0
+    info = json.loads((tmp_path / "rank0.json").read_text())
     assert info["world_size"] == 1 and info["local_numel"] == info["total_numel"]
 
 
@@ -102,7 +106,8 @@ def runs(tmp_path_factory):
     assert cli_main(["accelerate-config", "--cpu", "--semantics", "bnb8bit", "--out", str(tmp / "cfg")]) == 0
     ref = [sys.executable, str(EXAMPLE), "--stock", "--runs", RUNS, "--out", str(tmp / "ref")]
     launch = [str(BIN / "accelerate"), "launch", "--config_file", str(tmp / "cfg" / "accelerate.yaml")]
-    sharded = [*launch, str(EXAMPLE), "--runs", f"{RUNS},bnb_no_override", "--out", str(tmp / "run")]
+    runs = ["--runs", f"{RUNS},bnb_no_override", "--then-resume", "adamw,bnb"]
+    sharded = [*launch, str(EXAMPLE), *runs, "--out", str(tmp / "run")]
     procs = [subprocess.Popen(c, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for c in (ref, sharded)]  # fmt: skip
     for proc in procs:
@@ -173,7 +178,7 @@ def test_clipping_uses_the_global_norm(runs):
 
 
 @pytest.mark.slow
-def test_checkpoints_hold_the_full_model_and_resume_bitwise(runs, tmp_path):
+def test_checkpoints_hold_the_full_model_and_resume_bitwise(runs):
     ref, sharded = runs
     for run in ("adamw", "bnb"):
         ckpt = sharded / run / "checkpoint-2"
@@ -181,15 +186,13 @@ def test_checkpoints_hold_the_full_model_and_resume_bitwise(runs, tmp_path):
         assert (ckpt / "scheduler.pt").is_file() and (ckpt / "trainer_state.json").is_file()
         assert not (ckpt / "optimizer.pt").exists()  # never rank 0's pieces under the full names
         assert _max_diff(_model(ckpt), _model(ref / run / "checkpoint-2")) == 0.0  # the stock Trainer's, after step 2
-    # a new launch resumes from checkpoint-2 (full weights, then blockshard's DCP state) and ends bitwise
-    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(sharded.parent / "cfg" / "accelerate.yaml")]
-    cmd = [*launch, str(EXAMPLE), "--runs", "adamw,bnb", "--resume-from", str(sharded), "--out", str(tmp_path)]
-    res = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    # a new Trainer (model, optimizer, blockshard's Accelerator) in the same launch resumes from
+    # checkpoint-2 (full weights, then blockshard's DCP state) and ends bitwise
     for run in ("adamw", "bnb"):
-        infos = _infos(tmp_path, run, 2)
+        infos = _infos(sharded, f"{run}_resumed", 2)
+        _check_sharded(infos)
         assert infos[0]["losses"] == _infos(sharded, run, 2)[0]["losses"]  # steps 1-2 from trainer_state.json
-        assert _max_diff(_model(tmp_path / run / "final"), _model(sharded / run / "final")) == 0.0
+        assert _max_diff(_model(sharded / f"{run}_resumed" / "final"), _model(sharded / run / "final")) == 0.0
 
 
 @pytest.mark.slow
