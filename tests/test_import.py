@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
 def test_import_touches_no_cuda_and_no_process_group():
     code = (
         "import sys, blockshard, blockshard.planner, blockshard.semantics, blockshard.integrations\n"

@@ -140,6 +140,7 @@ def test_save_pretrained_of_blockwise_fp8_writes_the_unsharded_models_entries(tm
     assert got["differs"] == [] and got["not_written"] == []
 
 
+@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
 def test_save_pretrained_of_torchao_nf4_raises_before_writing(tmp_path):
     for out in _inproc.run_ranks(_state_runs.export, 2, args=("ao_nf4", str(tmp_path / "out"))):
         assert "quantized weight 'layers.0.weight'" in out["error"] and "torchao NF4Tensor" in out["error"], out[

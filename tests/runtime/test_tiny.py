@@ -95,6 +95,7 @@ def test_text_batches_bad_arguments(kwargs):
         text_batches(**call)
 
 
+@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
 def test_import_tiny_is_cheap():
     code = "import sys, blockshard._tiny; print('transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
