@@ -75,6 +75,10 @@ def _worker(
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=gloo_timeout_s),
             )
+            # Every rank has joined before any runs fn: a rank whose fn returns at once would
+            # otherwise tear the group down under a peer still connecting its mesh (that peer's
+            # init then fails with gloo's "Connection closed by peer", hiding the real outcome).
+            dist.barrier()
             try:
                 result = fn(rank, world_size, *args)
                 _check_finished()

@@ -89,6 +89,8 @@ def main() -> None:
         write_result(
             args.out, world_size=world_size, losses=losses, params=dict(model.named_parameters()), hooked=hooked
         )
+    if torch.distributed.is_initialized():  # gloo can abort a rank that exits with its group alive
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -115,6 +115,8 @@ def main() -> None:
     for name in filter(None, args.then_resume.split(",")):  # a new Trainer, model and optimizer each
         resume = os.path.join(args.out, name, "checkpoint-2")
         train(name, *RUNS[name], stock=args.stock, out=os.path.join(args.out, f"{name}_resumed"), resume=resume)
+    if torch.distributed.is_initialized():  # gloo can abort a rank that exits with its group alive
+        torch.distributed.destroy_process_group()
 
 
 def train(
