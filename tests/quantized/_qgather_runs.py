@@ -164,12 +164,9 @@ def gathered(rank: int, world: int, counter: ByteCount | None = None, dtype: tor
     return out
 
 
-def train(rank: int, world: int, steps: int = 3) -> dict:
-    """Logits per step and the full parameters after ``steps`` AdamW steps; ``world == 0``: one
-    process with the reference fake quantization. Precompute after even steps only, so odd steps
-    quantize lazily at the next unshard."""
-    import blockshard
-
+def _model(world: int) -> nn.Module:
+    """The stack sharded with ``quantized_gather`` (``world`` > 0), else with the reference fake
+    quantization as a parametrization (one process)."""
     with _serial():
         model = Stack()
     if world:
@@ -177,6 +174,16 @@ def train(rank: int, world: int, steps: int = 3) -> dict:
     else:
         for layer, (_, _, spec) in zip(model.layers, LAYERS, strict=True):
             parametrize.register_parametrization(layer, "weight", FakeQuant(spec))
+    return model
+
+
+def train(rank: int, world: int, steps: int = 3) -> dict:
+    """Logits per step and the full parameters after ``steps`` AdamW steps; ``world == 0``: one
+    process with the reference fake quantization. Precompute after even steps only, so odd steps
+    quantize lazily at the next unshard."""
+    import blockshard
+
+    model = _model(world)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     out: dict = {"logits": [], "quantizations": []}
     for step in range(steps):
@@ -212,13 +219,7 @@ def accumulate_clip_checkpoint(rank: int, world: int, path: str = "") -> dict:
     ``world == 0``: one process with the reference fake quantization (no checkpoint)."""
     import blockshard
 
-    with _serial():
-        model = Stack()
-    if world:
-        _shard(model)
-    else:
-        for layer, (_, _, spec) in zip(model.layers, LAYERS, strict=True):
-            parametrize.register_parametrization(layer, "weight", FakeQuant(spec))
+    model = _model(world)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for micro in range(2):
         if world:
