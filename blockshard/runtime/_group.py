@@ -234,11 +234,7 @@ class ShardGroup(GradientSync):
                 self.quantized.wait_unshard()
             return
         layout, W = self._layout, self.world_size
-        self._alloc_gathered()
-        # Refilling the buffer with the same values must not look like an in-place change to the
-        # tensors autograd saved in forward (they are views of it). The all-gathers bump the
-        # version counter when they finish, so the counter seen here is put back in wait_unshard.
-        self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.gathered)
+        self._start_gather()
         with self.streams.on("all_gather"):  # [Note: streams]
             if self.send is not self.local:  # mixed precision: the one cast of the step; offload: to the device
                 self.send.copy_(self.local, non_blocking=self.streams.pinned)
@@ -246,6 +242,18 @@ class ShardGroup(GradientSync):
                 off = layout.bucket_local_offset(b)
                 gathered, local = self.gathered[W * off : W * (off + S_b)], self.send[off : off + S_b]
                 self._pending.append(all_gather_into(gathered, local, self.process_group, async_op=True))
+        self._issued(async_op)
+
+    def _start_gather(self) -> None:
+        """Allocate the gathered buffer for an all-gather about to be issued."""
+        self._alloc_gathered()
+        # Refilling the buffer with the same values must not look like an in-place change to the
+        # tensors autograd saved in forward (they are views of it). The all-gathers bump the
+        # version counter when they finish, so the counter seen here is put back in wait_unshard.
+        self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.gathered)
+
+    def _issued(self, async_op: bool) -> None:
+        """The all-gathers are issued: count them, and wait for them unless ``async_op``."""
         self.sharded_state = ShardedState.UNSHARDING
         if self.tally is not None:
             self.tally.record(self.tally_index, 0)

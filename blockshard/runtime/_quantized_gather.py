@@ -196,18 +196,13 @@ class QuantizedGatherGroup(ShardGroup):
             super().unshard(async_op=async_op)
             return
         self.quantize_pieces()
-        self._alloc_gathered()
-        self._version_guard = torch.autograd._unsafe_preserve_version_counter(self.gathered)
+        self._start_gather()
         W, Sq = self.world_size, self.segment_bytes
         # allocated on the current stream, freed after it waited ([Note: streams])
         self._gathered_bytes = torch.empty(W * Sq, dtype=torch.uint8, device=self.device)
         with self.streams.on("all_gather"):
             self._pending.append(all_gather_into(self._gathered_bytes, self.payload, self.process_group, async_op=True))
-        self.sharded_state = ShardedState.UNSHARDING
-        if self.tally is not None:
-            self.tally.record(self.tally_index, 0)
-        if not async_op:
-            self.wait_unshard()
+        self._issued(async_op)
 
     def wait_unshard(self) -> None:
         if self.sharded_state is ShardedState.UNSHARDING and self._gathered_bytes is not None:
