@@ -170,8 +170,12 @@ def test_load_state_dict_takes_full_tensors_and_refuses_wrong_ones():
         bad = dict(full, **{"blocks.0.0.weight": torch.zeros(3, 13)})
         with pytest.raises(ShardingError, match=r"'blocks.0.0.weight': the state dict holds shape \(3, 13\)"):
             model.load_state_dict(bad)
-        with pytest.raises(ShardingError, match="assign=True"):
-            model.load_state_dict(full, assign=True)
+        # assign=True (FSDP2 code loading a meta-device model) copies into the engine's own
+        # parameters, which stay registered (tests/runtime/test_fsdp2_init_scenarios.py: on meta)
+        before = list(model.parameters())
+        model.load_state_dict({k: v + 1 for k, v in full.items()}, assign=True)
+        assert all(p is q for p, q in zip(model.parameters(), before, strict=True))
+        assert all(torch.equal(blockshard.full_state_dict(model)[k], v + 1) for k, v in full.items())
         other = PieceTensor(torch.zeros(5), 2, (37, 13))
         with pytest.raises(ShardingError, match=r"holds piece \[2, 7\) of it, this rank holds \[0, 481\)"):
             model.load_state_dict(dict(full, **{"blocks.0.0.weight": other}))
