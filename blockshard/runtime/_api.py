@@ -26,7 +26,7 @@ from blockshard.runtime._inspect import _states_under as _states_under
 from blockshard.runtime._inspect import global_shapes, group_layouts, local_buffers
 from blockshard.runtime._optim_guard import install_optimizer_guard
 from blockshard.runtime._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
-from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
+from blockshard.runtime._param import ParamRef, ShardedParam, check_plain, managed_tag, tag_managed
 from blockshard.runtime._placement import check_shard_placements
 from blockshard.runtime._quantized import QuantizedGroup, collect_quantized
 from blockshard.runtime._quantized_gather import QuantizedGatherGroup, split_quantized_gather
@@ -149,6 +149,7 @@ def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
                 f"parameter {n!r} already belongs to a sharded group (of a {hit.owner}): fully_shard "
                 "was applied top-down. Fix: apply it bottom-up — layers first, then the root"
             )
+        check_plain(n, p)  # a tensor subclass would lose what it holds besides its values
         if not p.is_contiguous():
             raise ShardingError(
                 f"parameter {n!r} of shape {tuple(p.shape)} is not contiguous (strides {p.stride()}); the "
