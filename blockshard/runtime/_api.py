@@ -26,7 +26,8 @@ from blockshard.runtime._inspect import _states_under as _states_under
 from blockshard.runtime._inspect import global_shapes, group_layouts, local_buffers
 from blockshard.runtime._optim_guard import install_optimizer_guard
 from blockshard.runtime._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
-from blockshard.runtime._param import ParamRef, ShardedParam, managed_tag, tag_managed
+from blockshard.runtime._param import ParamRef, ShardedParam, check_plain, managed_tag, tag_managed
+from blockshard.runtime._placement import check_shard_placements
 from blockshard.runtime._quantized import QuantizedGroup, collect_quantized
 from blockshard.runtime._quantized_gather import QuantizedGatherGroup, split_quantized_gather
 from blockshard.runtime._state import STATE_ATTR, ModuleState, state_of
@@ -97,18 +98,12 @@ def _process_group(mesh: object) -> dist.ProcessGroup:
     raise ShardingError(f"mesh={mesh!r} must be None, a 1-D DeviceMesh or a ProcessGroup")
 
 
-def _check_fsdp_arguments(reshard_after_forward: object, shard_placement_fn: object, offload_policy: object) -> None:
+def _check_fsdp_arguments(reshard_after_forward: object, offload_policy: object) -> None:
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
         raise ShardingError(
             f"reshard_after_forward={reshard_after_forward!r} must be True, False or None (FSDP2's int, "
             "resharding to a smaller world after forward, is not supported). Fix: pass True to free the "
             "gathered parameters after forward, False to keep them, None for FSDP2's default"
-        )
-    if shard_placement_fn is not None:
-        raise ShardingError(
-            "shard_placement_fn chooses FSDP2's Shard(dim) per parameter; blockshard lays parameters out by "
-            "their block semantics instead. Fix: drop shard_placement_fn and pass semantics= (e.g. "
-            "semantics={'*.weight': 'rows:1'} to keep rows whole)"
         )
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         if type(offload_policy).__name__ != "CPUOffloadPolicy":
@@ -154,6 +149,7 @@ def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
                 f"parameter {n!r} already belongs to a sharded group (of a {hit.owner}): fully_shard "
                 "was applied top-down. Fix: apply it bottom-up — layers first, then the root"
             )
+        check_plain(n, p)  # a tensor subclass would lose what it holds besides its values
         if not p.is_contiguous():
             raise ShardingError(
                 f"parameter {n!r} of shape {tuple(p.shape)} is not contiguous (strides {p.stride()}); the "
@@ -260,8 +256,9 @@ def fully_shard(
     they are (not sharded, their gradients not reduced), as FSDP2's. ``offload_policy``: FSDP2's
     ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy()``: local shards and gradients on the host,
     copied to the device to be gathered (parameters on the CPU or meta device only, so far).
-    ``shard_placement_fn`` is FSDP2's per-parameter ``Shard(dim)`` choice: blockshard chooses
-    layouts by ``semantics`` instead, so it must be None.
+    ``shard_placement_fn`` is FSDP2's per-parameter ``Shard(dim)`` choice: called and checked as
+    FSDP2 does (a dim out of range raises), while the layout follows ``semantics`` (a storage cut
+    changes no result; see [Note: shard placements] in _placement.py).
     ``policy`` places tensors whose compute units are coarser than their placement units (Muon
     matrices, experts; ``planner/_policy.py``): ``"whole"`` (each compute unit on one rank),
     ``"owner"`` (storage cut at placement units; cut compute units get an owner rank, see
@@ -283,7 +280,7 @@ def fully_shard(
     if not isinstance(modules[0], nn.Module):
         raise ShardingError(f"module={module!r} must be a torch.nn.Module or a list of them")
     module = modules[0]
-    _check_fsdp_arguments(reshard_after_forward, shard_placement_fn, offload_policy)
+    _check_fsdp_arguments(reshard_after_forward, offload_policy)
     if not isinstance(quantized_gather, bool):
         raise ShardingError(
             f"quantized_gather={quantized_gather!r} must be True or False (True: gather the weights with 'mx', "
@@ -305,6 +302,8 @@ def fully_shard(
     quantized = [f for m in modules for f in collect_quantized(m, ignored, is_sharded)]  # [Note: quantized groups]
     names, params, refs = collect_all(modules, ignored | {i for f in quantized for i in f.ids})
     _check_params(names, params)
+    if shard_placement_fn is not None:  # checked as FSDP2 does; the layout follows semantics ([Note: shard placements])
+        check_shard_placements(cast(Callable, shard_placement_fn), names, params)
     offload = type(offload_policy).__name__ == "CPUOffloadPolicy"  # [Note: CPU offload] in _group.py
     if offload and (dev := next((p.device for p in params if p.device.type not in ("cpu", "meta")), None)):
         raise ShardingError(

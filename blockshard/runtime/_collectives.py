@@ -284,9 +284,14 @@ def holds_copies(process_group: dist.ProcessGroup, device: torch.device) -> bool
     return device.type == "cpu" and process_group.size() > 1 and dist.get_backend(process_group) == "gloo"
 
 
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """float8 as its bytes: gloo has no float8 ("Invalid scalar type"); moving bytes is exact."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
+
+
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
     assert out.numel() == inp.numel() * group.size() and out.dtype == inp.dtype, (out.shape, inp.shape)
-    return _all_gather(out, inp, group=group, async_op=async_op)
+    return _all_gather(_wire(out), _wire(inp), group=group, async_op=async_op)
 
 
 def reduce_scatter_avg(
@@ -322,5 +327,5 @@ def shift_ranks(local: torch.Tensor, k: int, group: dist.ProcessGroup) -> torch.
     send, recv = [0] * W, [0] * W
     send[(r + k) % W], recv[(r - k) % W] = n, n
     out = torch.empty_like(local)
-    dist.all_to_all_single(out, local, output_split_sizes=recv, input_split_sizes=send, group=group)
+    dist.all_to_all_single(_wire(out), _wire(local), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out

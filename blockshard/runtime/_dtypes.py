@@ -123,13 +123,10 @@ def _post_hook(module: nn.Module, state_dict: dict, prefix: str, _local_metadata
                 state_dict[key] = made[id(sp)]
 
 
-def _pre_hook(module: nn.Module, state_dict: dict, prefix: str, _local_metadata: dict, *_args: object) -> None:
-    from blockshard.runtime._state_dict import _local_piece, _names
+def _pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *_args: object) -> None:
+    from blockshard.runtime._state_dict import load_pieces
 
     for g in _extra_groups(module):
         if g.sharded_state is not ShardedState.SHARDED:
             g.reshard()
-        for name, sp in _names(module, g.params):
-            key = prefix + name
-            if key in state_dict:
-                state_dict[key] = _local_piece(key, sp, state_dict[key])
+        load_pieces(module, g, state_dict, prefix, assign=bool(local_metadata.get("assign_to_params_buffers")))

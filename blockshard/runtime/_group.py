@@ -314,6 +314,19 @@ class ShardGroup(GradientSync):
                         "with blockshard.load_full_state_dict"
                     )
 
+    def check_materialized(self) -> None:
+        """Raise if the group is still on the meta device at a forward (FSDP2 checks at lazy init)."""
+        if self._layout is not None and self.device.type == "meta":
+            from blockshard.runtime._api import ShardingError
+
+            names = [sp.fqn if not self.path else f"{self.path}.{sp.fqn}" for sp in self.params]
+            raise ShardingError(
+                f"group {self.name!r} runs forward with its parameters still on the meta device ({names[:4]}"
+                f"{' ...' if len(names) > 4 else ''}): they have no values. Fix: materialize the model before "
+                "training: model.to_empty(device=...) then initialize (blockshard.init_parameters(model), or "
+                "module.reset_parameters()), or load values with model.load_state_dict(sd, assign=True)"
+            )
+
     def _alloc_gathered(self) -> None:
         storage = self.gathered.untyped_storage()
         nbytes = self.gathered.numel() * self.gathered.element_size()

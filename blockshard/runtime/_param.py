@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["ManagedTag", "ParamRef", "ShardedParam", "managed_tag", "tag_managed"]
+__all__ = ["ManagedTag", "ParamRef", "ShardedParam", "check_plain", "managed_tag", "tag_managed"]
 
 
 @dataclass(frozen=True)
@@ -83,3 +83,29 @@ class ShardedParam:
     def set_module_params(self, param: nn.Parameter) -> None:
         for ref in self.refs:
             ref.set(param)
+
+
+def check_plain(name: str, p: nn.Parameter) -> None:
+    """The engine shards plain tensors: a tensor subclass (TwoTensor, a DTensor of tensor
+    parallelism, a tensor with FSDP2's ``fsdp_pre_all_gather`` extension) would be flattened into
+    the local buffer and lose what it holds besides its values. The quantized ones blockshard knows
+    (bitsandbytes ``Params4bit``, torchao ``NF4Tensor``) were collected before and never get here."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    extension = hasattr(p, "fsdp_pre_all_gather")  # FSDP2's own test of the extension (_fsdp_param.py)
+    subclass = is_traceable_wrapper_subclass(p)
+    if not (subclass or extension):
+        return
+    what = (", a tensor subclass" if subclass else "") + (
+        " with FSDP2's all-gather extension (fsdp_pre_all_gather / fsdp_post_all_gather)" if extension else ""
+    )
+    from blockshard.runtime._module import ShardingError
+
+    raise ShardingError(
+        f"parameter {name!r} is a {type(p).__name__}{what}; blockshard's engine shards "
+        "plain tensors (and the quantized weights of bitsandbytes Params4bit and torchao NF4Tensor) and would "
+        "silently drop what the subclass holds besides its values. Fix: convert it to a plain tensor before "
+        "fully_shard, or leave it out with ignored_params={...} (replicated); for low-precision all-gathers "
+        "pass semantics='mx' or 'fp8_block:128' with quantized_gather=True; torch's fully_shard runs the "
+        "extensions"
+    )

@@ -18,8 +18,11 @@ because every rank asks for the boxes of *its* piece and DCP reads the overlaps.
 It is not a general tensor: arithmetic on it raises :class:`PieceTensorError` naming the ways to
 get values (``to_local()``, ``blockshard.full_state_dict(model)``). Only what state-dict tools do
 to entries works: ``detach``, ``clone`` / ``copy.deepcopy``, ``.to(device or dtype)`` /
-``.cpu()`` (DCP's ``cpu_offload``), pickling (``torch.save`` keeps the piece and its place), and
-``full_tensor()`` (collective: gathers the whole tensor, as ``DTensor.full_tensor()``).
+``.cpu()`` (DCP's ``cpu_offload``), pickling (``torch.save`` keeps the piece and its place), the
+in-place writes FSDP2 code does to DTensor entries (``fill_``, ``zero_``, ``copy_`` from the same
+piece, a whole tensor of the global shape or a scalar: each writes this rank's piece, so on an
+entry of ``model.state_dict()`` it writes the parameter, as on FSDP2's) and ``full_tensor()``
+(collective: gathers the whole tensor, as ``DTensor.full_tensor()``).
 Parameters outside any group stay plain tensors.
 """
 
@@ -131,12 +134,43 @@ class PieceTensor(torch.Tensor):
             return x._like(x._local)
         if func in (aten.clone.default, aten._to_copy.default):
             return x._like(func(x._local, *args[1:], **kwargs))
+        if func in (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default):  # the piece's elements
+            func(x._local, *args[1:], **kwargs)
+            return x
+        if func is aten.copy_.default:
+            x._local.copy_(x._piece_of(args[1]))
+            return x
         raise PieceTensorError(
             f"{func} on the state-dict entry {x._name or 'of a sharded parameter'} (global shape "
             f"{tuple(x.shape)}): it is a blockshard PieceTensor that holds only this rank's piece "
             f"[{x._start}, {x._start + x._local.numel()}) of the row-major flattening. Save and load it with "
             "torch.distributed.checkpoint (dcp.save / dcp.load), take the piece with .to_local(), or get full "
             "tensors with blockshard.full_state_dict(model)"
+        )
+
+    def _piece_of(self, src: object) -> torch.Tensor:
+        """What ``copy_(src)`` writes into this piece: the same piece of another entry, this
+        piece's elements of a whole tensor of the global shape, or a scalar."""
+        if isinstance(src, PieceTensor):
+            if (src._start, src._local.numel(), tuple(src.shape)) == (
+                self._start,
+                self._local.numel(),
+                tuple(self.shape),
+            ):
+                return src._local
+        elif isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(self.shape):
+            return src.detach().reshape(-1)[self._start : self._start + self._local.numel()]
+        elif isinstance(src, torch.Tensor) and src.numel() == 1:
+            return src.detach().reshape(())
+        described = (
+            repr(src) if isinstance(src, PieceTensor) else f"a tensor of shape {tuple(getattr(src, 'shape', ()))}"
+        )
+        raise PieceTensorError(
+            f"copy_ into the state-dict entry {self._name or 'of a sharded parameter'} (global shape "
+            f"{tuple(self.shape)}, piece [{self._start}, {self._start + self._local.numel()})) from {described}: "
+            "the source must be the same piece of the same tensor, a whole tensor of the global shape or a "
+            "scalar. Fix: copy from an entry of the same model's state_dict(), or from full tensors "
+            "(blockshard.full_state_dict(model)); load other layouts with torch.distributed.checkpoint"
         )
 
     def _like(self, local: torch.Tensor) -> PieceTensor:

@@ -294,6 +294,7 @@ class ModuleState:
         expect(f"pre-forward of group {self.group.name!r}", self.training_state, TrainingState.IDLE)
         for g in self.groups:
             g.check_registered()
+            g.check_materialized()  # FSDP2: "should be materialized from meta device before training"
         check_trainable_dtypes(self.group, self.extra_groups)  # [Note: mixed dtypes]
         self.training_state = TrainingState.FORWARD
         self._to_run = {id(m) for m in self.modules}

@@ -17,6 +17,7 @@ from torch import nn
 from blockshard.runtime._api import ShardingError, _join, _states_under
 from blockshard.runtime._collectives import all_gather_into
 from blockshard.runtime._common import ShardedState
+from blockshard.runtime._group import ShardGroup
 from blockshard.runtime._param import ShardedParam
 from blockshard.runtime._piece_tensor import PieceTensor
 from blockshard.runtime._quantized_state import (
@@ -150,19 +151,37 @@ def _load_state_dict_pre_hook(
     st = state_of(module)
     if st is None or (st.group.layout is None and st.group.quantized is None):
         return
-    if local_metadata.get("assign_to_params_buffers"):
+    assign = bool(local_metadata.get("assign_to_params_buffers"))
+    if assign and st.group.quantized is not None:
         raise ShardingError(
-            f"load_state_dict(..., assign=True) on the sharded {st.group.name} would replace the engine's "
-            "parameters with new tensors it does not own. Fix: load with assign=False (the default)"
+            f"load_state_dict(..., assign=True) on the sharded {st.group.name}, which holds quantized weights: "
+            "assigning them is not supported. Fix: load with assign=False (the default)"
         )
     if st.group.sharded_state is not ShardedState.SHARDED:
         st.group.reshard()
     if st.group.quantized is not None:  # [Note: quantized state dicts]; args: strict, missing_keys, ...
         load_quantized(module, st.group.quantized, state_dict, prefix, args[1])
-    for name, sp in _names(module, st.group.params):
-        key = prefix + name
-        if key in state_dict:
-            state_dict[key] = _local_piece(key, sp, state_dict[key])
+    load_pieces(module, st.group, state_dict, prefix, assign=assign)
+
+
+def load_pieces(module: nn.Module, group: ShardGroup, state_dict: dict, prefix: str, *, assign: bool) -> None:
+    """Turn the entries of ``group``'s parameters into this rank's pieces, which ``nn.Module``
+    then copies into the sharded parameters. ``assign=True`` (FSDP2 code loading a meta-device
+    model, [Note: meta init]): a group still on the meta device is materialized on the entries'
+    device, the pieces are copied in here and each entry becomes the engine's own sharded
+    parameter, so ``nn.Module``'s assignment keeps the parameters the engine gathers."""
+    entries = [(prefix + name, sp) for name, sp in _names(module, group.params) if prefix + name in state_dict]
+    if assign and entries and group.device.type == "meta":
+        value = next((v for k, _ in entries if isinstance(v := state_dict[k], torch.Tensor)), None)
+        if value is not None and value.device.type != "meta":
+            group.materialize(value.device)
+    for key, sp in entries:
+        piece = _local_piece(key, sp, state_dict[key])
+        if assign and isinstance(piece, torch.Tensor):
+            with torch.no_grad():
+                sp.sharded.copy_(piece)
+            piece = sp.sharded
+        state_dict[key] = piece
 
 
 def _local_piece(name: str, sp: ShardedParam, value: object) -> object:

@@ -29,3 +29,24 @@ def test_fully_shard_wraps_a_semantics_callable_that_raises(gloo_w1):
     assert "semantics callable test_fully_shard_wraps_a_semantics_callable_that_raises.<locals>.pick" in msg
     assert "raised on parameter 'weight' (shape (3, 4)): KeyError: 'weight'; fix the callable" in msg
     blockshard.fully_shard(nn.Linear(4, 3), semantics=lambda name, param: "elementwise")  # control
+
+
+def test_fully_shard_refuses_tensor_subclass_parameters_naming_the_fix(gloo_w1):
+    # torch's test_fully_shard_extensions.py shards TwoTensor weights and weights with FSDP2's
+    # fsdp_pre_all_gather extension; blockshard's flat buffers would keep only the values (a
+    # TwoTensor trained as its .a, a bf16 all-gather run in fp32): it refuses them by name
+    import torch
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4))
+    model[0].weight = nn.Parameter(TwoTensor(model[0].weight.detach(), model[0].weight.detach().clone()))
+    with pytest.raises(ShardingError, match=r"parameter '0.weight' is a TwoTensor, a tensor subclass; .*Fix: convert"):
+        blockshard.fully_shard(model)
+    blockshard.fully_shard(model, ignored_params={model[0].weight})  # the control: left out, it is accepted
+    assert type(model[0].weight) is TwoTensor
+
+    plain = nn.Linear(4, 4)
+    plain.weight.fsdp_pre_all_gather = lambda *args: None  # FSDP2's extension on the instance
+    with pytest.raises(ShardingError, match=r"'weight' is a Parameter with FSDP2's all-gather extension"):
+        blockshard.fully_shard(plain)
+    assert blockshard.fully_shard(nn.Linear(4, 4))(torch.ones(1, 4)).shape == (1, 4)  # plain parameters shard

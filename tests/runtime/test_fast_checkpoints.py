@@ -67,6 +67,24 @@ def test_piece_tensor_keeps_its_piece_through_what_state_dict_tools_do():
     assert "piece=[3, 8)" in repr(p)
 
 
+def test_piece_tensor_takes_the_in_place_writes_fsdp2_code_does_to_dtensor_entries():
+    # torch's _test_state_dict_save_load: sd[k].detach().clone().fill_(v), then load_state_dict
+    buf = torch.arange(12.0)
+    entry = PieceTensor(buf[3:8], 3, (4, 3), "w")  # as model.state_dict() gives it: a view of the buffer
+    new = entry.detach().clone().fill_(42.0)
+    assert torch.equal(new.to_local(), torch.full((5,), 42.0)) and torch.equal(buf[3:8], torch.arange(3.0, 8.0))
+    entry.zero_()  # on the entry itself: writes the parameter's piece, as on FSDP2's entries
+    assert torch.equal(buf, torch.cat([torch.arange(3.0), torch.zeros(5), torch.arange(8.0, 12.0)]))
+    entry.copy_(new)  # the same piece of the same tensor
+    assert torch.equal(buf[3:8], torch.full((5,), 42.0))
+    entry.copy_(torch.arange(12.0).view(4, 3) * 10)  # a whole tensor: this piece's elements
+    assert torch.equal(buf[3:8], torch.arange(3.0, 8.0) * 10)
+    with pytest.raises(PieceTensorError, match=r"copy_ into the state-dict entry w .*piece \[3, 8\)\) from a tensor"):
+        entry.copy_(torch.ones(5))  # the local piece alone (the control: a shape that is neither)
+    with pytest.raises(PieceTensorError, match=r"the source must be the same piece"):
+        entry.copy_(PieceTensor(torch.ones(4), 4, (4, 3)))
+
+
 def test_an_empty_tensor_is_one_empty_box_on_every_rank():
     # every rank writes the same empty box (DCP keeps one), so the name is in the checkpoint
     boxes = PieceTensor(torch.empty(0), 0, (0, 3)).__create_chunk_list__()
@@ -152,8 +170,12 @@ def test_load_state_dict_takes_full_tensors_and_refuses_wrong_ones():
         bad = dict(full, **{"blocks.0.0.weight": torch.zeros(3, 13)})
         with pytest.raises(ShardingError, match=r"'blocks.0.0.weight': the state dict holds shape \(3, 13\)"):
             model.load_state_dict(bad)
-        with pytest.raises(ShardingError, match="assign=True"):
-            model.load_state_dict(full, assign=True)
+        # assign=True (FSDP2 code loading a meta-device model) copies into the engine's own
+        # parameters, which stay registered (tests/runtime/test_fsdp2_init_scenarios.py: on meta)
+        before = list(model.parameters())
+        model.load_state_dict({k: v + 1 for k, v in full.items()}, assign=True)
+        assert all(p is q for p, q in zip(model.parameters(), before, strict=True))
+        assert all(torch.equal(blockshard.full_state_dict(model)[k], v + 1) for k, v in full.items())
         other = PieceTensor(torch.zeros(5), 2, (37, 13))
         with pytest.raises(ShardingError, match=r"holds piece \[2, 7\) of it, this rank holds \[0, 481\)"):
             model.load_state_dict(dict(full, **{"blocks.0.0.weight": other}))

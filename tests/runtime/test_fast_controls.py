@@ -10,6 +10,7 @@ import _inproc
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 
 import blockshard
 from blockshard.runtime import ShardingError
@@ -227,7 +228,10 @@ def test_controls_that_have_nothing_to_change_accept_fsdp2_s_arguments(gloo_w1):
     ("kwargs", "match"),
     [
         ({"reshard_after_forward": 2}, "FSDP2's int, resharding to a smaller world"),
-        ({"shard_placement_fn": lambda p: None}, "Fix: drop shard_placement_fn and pass semantics="),
+        # shard_placement_fn is accepted since FSDP2 parity (tests/runtime/test_fsdp2_init_scenarios.py);
+        # what FSDP2 refuses still raises, naming the fix
+        ({"shard_placement_fn": lambda p: Shard(1)}, r"Shard dim 1 is invalid for a 1D tensor\. Fix: return a dim"),
+        ({"shard_placement_fn": lambda p: "rows"}, r"returned 'rows' for parameter 'weight'.*Fix: return"),
         ({"offload_policy": "cpu"}, "must be torch's OffloadPolicy"),
         ({"ignored_params": [1]}, "ignored_params holds a int"),
     ],

@@ -68,3 +68,28 @@ def test_an_init_that_replaces_a_parameter_raises_and_leaves_the_model_sharded(g
         blockshard.init_parameters(model, init=replace)
     with pytest.raises(ShardingError, match="order='random' must be"):
         blockshard.init_parameters(model, order="random")
+
+
+def test_a_forward_before_to_empty_raises_naming_the_parameters_and_the_fix(gloo_w1):
+    # FSDP2 raises "should be materialized from meta device before training"; blockshard used to
+    # fail inside torch ("Tensor on device meta is not on the expected device cpu!")
+    with torch.device("meta"):
+        model = _meta_runs.Net()
+    for block in model.blocks:
+        blockshard.fully_shard(block)
+    blockshard.fully_shard(model)
+    x = torch.randint(0, 37, (2, 5))
+    with pytest.raises(
+        ShardingError, match=r"group 'Net' runs forward with its parameters still on the meta device \(\['embed"
+    ):
+        model(x)
+    model.to_empty(device="cpu")  # the control: once materialized, the same forward runs
+    blockshard.init_parameters(model)
+    assert model(x).shape[0] == 2
+    with torch.device("meta"):
+        other = nn.Linear(3, 3)
+    blockshard.fully_shard(other)
+    with pytest.raises(
+        ShardingError, match=r"Fix: materialize the model before training: model.to_empty\(device=...\)"
+    ):
+        other(torch.randn(1, 3))
