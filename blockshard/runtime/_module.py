@@ -19,7 +19,12 @@ from torch import nn
 from blockshard._errors import BlockshardError
 from blockshard.runtime._state import ModuleState, state_of
 
-__all__ = ["ShardedModule", "ShardingError", "UnshardHandle", "register_forward_method"]
+__all__ = [
+    "ShardedModule",
+    "ShardingError",
+    "UnshardHandle",
+    "register_forward_method",
+]
 
 
 class ShardingError(BlockshardError):
@@ -133,6 +138,19 @@ class ShardedModule(nn.Module):
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
         self.set_gradient_divide_factor(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Off: backward does not all-gather this module's group (nor prefetches it), for groups
+        whose parameters backward does not read (an embedding's); gradients are reduced as
+        usual. This module's group only, as FSDP2."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        self._bs_state().unshard_in_backward = unshard_in_backward
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """FSDP2 issues the hooks' all-gathers with ``async_op`` on the default stream; blockshard's
+        hooks issue every buffer set's all-gather asynchronously and wait before the module runs
+        anyway ([Note: streams] in _common.py): accepted, nothing to change."""
+        _check_bool("async_op", async_op)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """FSDP2 makes the next all-gathers wait for ``event`` on their own stream; the engine's
