@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 
-from blockshard.runtime._module import ShardedModule, ShardingError, UnshardHandle
+from blockshard.runtime._module import ShardedModule, ShardingError, UnshardHandle, install_torch_forward_method_route
 
 # One subclass per original class, as FSDP2's ``FSDP<Class>``: a cache, not state (same inputs
 # give the same class).
@@ -312,6 +312,7 @@ def fully_shard(
     replicate_group = _replicate_group(mesh)
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
+    install_torch_forward_method_route()  # torch's register_fsdp_forward_method ignores non-FSDPModules
     ignored = _ignored(ignored_params)
     quantized = [f for m in modules for f in collect_quantized(m, ignored, is_sharded)]  # [Note: quantized groups]
     names, params, refs = collect_all(modules, ignored | {i for f in quantized for i in f.ids})

@@ -9,6 +9,7 @@ docstring, so FSDP2 code runs unchanged and never silently means something else.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
@@ -23,6 +24,7 @@ __all__ = [
     "ShardedModule",
     "ShardingError",
     "UnshardHandle",
+    "install_torch_forward_method_route",
     "register_forward_method",
 ]
 
@@ -276,3 +278,29 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
     wrapped._blockshard_forward_method = True  # type: ignore[attr-defined]
     setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def install_torch_forward_method_route() -> None:
+    """Route torch's ``register_fsdp_forward_method`` on a blockshard module to
+    :func:`register_forward_method` (torch's returns without doing anything for a module that is
+    not an ``FSDPModule``, so the method would run on the local pieces); idempotent. Other modules
+    go to torch's, unchanged. A name bound by ``from torch.distributed.fsdp import
+    register_fsdp_forward_method`` before the first ``fully_shard`` call still holds torch's."""
+    import torch.distributed.fsdp as fsdp
+    import torch.distributed.fsdp._fully_shard as fsdp_pkg
+    import torch.distributed.fsdp._fully_shard._fully_shard as fsdp_impl
+
+    current = fsdp_impl.register_fsdp_forward_method
+    if getattr(current, "_blockshard_route", False):
+        return
+
+    @functools.wraps(current)
+    def register_fsdp_forward_method_routed(module: nn.Module, method_name: str) -> None:
+        if state_of(module) is not None:
+            return register_forward_method(module, method_name)
+        return current(module, method_name)
+
+    register_fsdp_forward_method_routed._blockshard_route = True  # type: ignore[attr-defined]
+    for mod in (fsdp_impl, fsdp_pkg, fsdp):
+        if getattr(mod, "register_fsdp_forward_method", None) is current:
+            mod.register_fsdp_forward_method = register_fsdp_forward_method_routed  # type: ignore[attr-defined]
