@@ -111,7 +111,13 @@ def _names(module: nn.Module, params: list[ShardedParam]) -> list[tuple[str, Sha
     """``(name relative to module, param)`` for every name a group's parameter is registered
     under (tied parameters have several), sharded or unsharded as the group is now."""
     by_id = {id(t): sp for sp in params for t in (sp.sharded, sp.unsharded)}
-    return [(n, by_id[id(p)]) for n, p in module.named_parameters(remove_duplicate=False) if id(p) in by_id]
+    named = module.named_parameters(remove_duplicate=False)
+    # a checkpoint_wrapper under ``module`` drops its prefix from state-dict keys (as its own
+    # named_parameters does); a list group's ancestor module would keep it
+    return [(n.replace(_CHECKPOINT_PREFIX, ""), by_id[id(p)]) for n, p in named if id(p) in by_id]
+
+
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper._CHECKPOINT_PREFIX
 
 
 # -- model.state_dict() and model.load_state_dict() -------------------------------------------
