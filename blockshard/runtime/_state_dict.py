@@ -102,8 +102,8 @@ def _gather_groups(model: nn.Module) -> dict[str, torch.Tensor]:
         values = {
             id(sp): full[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape).clone() for sp in g.params
         }
-        for name, sp in _names(st.module, g.params):
-            out[_join(prefix, name)] = values[id(sp)]
+        for name, sp in _names(st.module, g.params):  # a wrapper above st.module: its prefix dropped too
+            out[_join(prefix, name).replace(_CHECKPOINT_PREFIX, "")] = values[id(sp)]
     return out
 
 
