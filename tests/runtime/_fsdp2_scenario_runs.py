@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import traceback
 
 import _inproc
@@ -229,6 +230,31 @@ def unshard_in_backward_off(E) -> None:
     _train(E, model, ref, lambda s, r: _ids(r), _sum)
 
 
+def backward_prefetch_inside_ac(E) -> None:
+    """test_set_modules_to_backward_prefetch_inside_ac: a group nested in a checkpoint-wrapped
+    module inside a checkpoint-wrapped block, explicit backward prefetching across them."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    torch.manual_seed(42)
+    model = Transformer(n_layers=2)
+    ref = copy.deepcopy(model)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, MLP))
+    E.fully_shard([model.tok_embeddings, model.pos_embeddings])
+    for layer in model.layers:
+        E.fully_shard(layer.feed_forward.in_proj)
+        E.fully_shard(layer)
+    E.fully_shard([model.norm, model.output])
+    E.fully_shard(model)
+    blocks = list(reversed(model.layers))
+    for m in (model, model.output):
+        m.set_modules_to_backward_prefetch([blocks[0], blocks[0].feed_forward.in_proj])
+    for block, before in itertools.pairwise(blocks):
+        block.feed_forward.in_proj.set_modules_to_backward_prefetch([before, before.feed_forward.in_proj])
+    blocks[-1].feed_forward.in_proj.set_modules_to_backward_prefetch([model.tok_embeddings])
+    _train(E, model, ref, lambda s, r: _ids(10 * s + r), _sum)
+
+
 def unshard_async_op(E) -> None:
     """test_train_parity_multi_group_unshard_async_op: ``model._set_unshard_async_op(True)``."""
     torch.manual_seed(42)
@@ -432,6 +458,7 @@ SCENARIOS = {
     "reshard_after_forward=3 refused": reshard_after_forward_bad_int,
     "set_unshard_in_backward(False), AC wrapper, list groups": unshard_in_backward_off,
     "_set_unshard_async_op(True)": unshard_async_op,
+    "backward prefetch inside nested AC wrappers": backward_prefetch_inside_ac,
     "torch's register_fsdp_forward_method": torch_register_fsdp_forward_method,
     "unused forward module": unused_forward_module,
     "nontensor activations (dict, namedtuple)": nontensor_activations,

@@ -3,10 +3,11 @@ FSDP2 and blockshard, the same code with only ``fully_shard`` swapped, each equa
 (float32 tolerance of ``torch.testing.assert_close``, as FSDP2's tests; see _fsdp2_scenario_runs.py).
 
 Stock FSDP2 passes every scenario here on gloo / CPU too, so each row is a parity check: blockshard
-failed the first six before (an int ``reshard_after_forward`` raised, ``set_unshard_in_backward``
-and ``_set_unshard_async_op`` did not exist, a checkpoint-wrapped list group's
-``full_state_dict`` raised, and torch's ``register_fsdp_forward_method`` left a blockshard module
-unregistered, so its method ran on the local pieces).
+failed the first seven before (an int ``reshard_after_forward`` raised, ``set_unshard_in_backward``
+and ``_set_unshard_async_op`` did not exist, ``full_state_dict`` raised for a checkpoint-wrapped
+list group and for a group nested in checkpoint wrappers, and torch's
+``register_fsdp_forward_method`` left a blockshard module unregistered, so its method ran on the
+local pieces).
 """
 
 from __future__ import annotations
