@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 
-from blockshard.runtime._module import ShardedModule, ShardingError, UnshardHandle
+from blockshard.runtime._module import ShardedModule, ShardingError, UnshardHandle, install_torch_forward_method_route
 
 # One subclass per original class, as FSDP2's ``FSDP<Class>``: a cache, not state (same inputs
 # give the same class).
@@ -98,13 +98,22 @@ def _process_group(mesh: object) -> dist.ProcessGroup:
     raise ShardingError(f"mesh={mesh!r} must be None, a 1-D DeviceMesh or a ProcessGroup")
 
 
-def _check_fsdp_arguments(reshard_after_forward: object, offload_policy: object) -> None:
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ShardingError(
-            f"reshard_after_forward={reshard_after_forward!r} must be True, False or None (FSDP2's int, "
-            "resharding to a smaller world after forward, is not supported). Fix: pass True to free the "
-            "gathered parameters after forward, False to keep them, None for FSDP2's default"
-        )
+def _reshard_after_forward(value: object, world_size: int) -> bool | None:
+    """FSDP2's ``reshard_after_forward``; an int as FSDP2 reads it: 1 is ``False`` (reshard to a
+    world of one: keep the gathered parameters), the shard group's size is ``True``."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (1, world_size):
+        return value != 1  # 1 first, as FSDP2: a group of one rank keeps its parameters
+    raise ShardingError(
+        f"reshard_after_forward={value!r} must be True, False, None, or an int equal to 1 (as False) or to "
+        f"the shard group's size {world_size} (as True), as FSDP2 reads them (FSDP2's int, resharding to a "
+        "smaller world after forward, is not supported for other values). Fix: pass True to free the "
+        "gathered parameters after forward, False to keep them, None for FSDP2's default"
+    )
+
+
+def _check_fsdp_arguments(offload_policy: object) -> None:
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         if type(offload_policy).__name__ != "CPUOffloadPolicy":
             raise ShardingError(
@@ -252,7 +261,8 @@ def fully_shard(
     multiple of it (16 suits vectorized kernels and NCCL). ``mp_policy`` is torch's
     ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``, ``output_dtype``,
     ``cast_forward_inputs``). ``reshard_after_forward``: as FSDP2's (``None``: free the
-    gathered parameters after forward, but the root's). ``ignored_params``: parameters left as
+    gathered parameters after forward, but the root's; an int: ``1`` is False, the shard group's
+    size is True). ``ignored_params``: parameters left as
     they are (not sharded, their gradients not reduced), as FSDP2's. ``offload_policy``: FSDP2's
     ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy()``: local shards and gradients on the host,
     copied to the device to be gathered (parameters on the CPU or meta device only, so far).
@@ -280,7 +290,7 @@ def fully_shard(
     if not isinstance(modules[0], nn.Module):
         raise ShardingError(f"module={module!r} must be a torch.nn.Module or a list of them")
     module = modules[0]
-    _check_fsdp_arguments(reshard_after_forward, offload_policy)
+    _check_fsdp_arguments(offload_policy)
     if not isinstance(quantized_gather, bool):
         raise ShardingError(
             f"quantized_gather={quantized_gather!r} must be True or False (True: gather the weights with 'mx', "
@@ -295,9 +305,11 @@ def fully_shard(
     alignment_bytes = _check_alignment(alignment_bytes)
     policy = check_policy(policy)
     process_group = engine_group(_process_group(mesh))  # [Note: collective integrity], point 1
+    reshard_after_forward = _reshard_after_forward(reshard_after_forward, process_group.size())
     replicate_group = _replicate_group(mesh)
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
+    install_torch_forward_method_route()  # torch's register_fsdp_forward_method ignores non-FSDPModules
     ignored = _ignored(ignored_params)
     quantized = [f for m in modules for f in collect_quantized(m, ignored, is_sharded)]  # [Note: quantized groups]
     names, params, refs = collect_all(modules, ignored | {i for f in quantized for i in f.ids})
@@ -344,7 +356,7 @@ def fully_shard(
     state = ModuleState(
         module,
         group,
-        reshard_after_forward=cast("bool | None", reshard_after_forward),  # checked above
+        reshard_after_forward=reshard_after_forward,
         param_dtype=getattr(mp_policy, "param_dtype", None),
         output_dtype=getattr(mp_policy, "output_dtype", None),
         cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),

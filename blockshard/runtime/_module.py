@@ -9,6 +9,7 @@ docstring, so FSDP2 code runs unchanged and never silently means something else.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
@@ -19,7 +20,13 @@ from torch import nn
 from blockshard._errors import BlockshardError
 from blockshard.runtime._state import ModuleState, state_of
 
-__all__ = ["ShardedModule", "ShardingError", "UnshardHandle", "register_forward_method"]
+__all__ = [
+    "ShardedModule",
+    "ShardingError",
+    "UnshardHandle",
+    "install_torch_forward_method_route",
+    "register_forward_method",
+]
 
 
 class ShardingError(BlockshardError):
@@ -133,6 +140,19 @@ class ShardedModule(nn.Module):
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
         self.set_gradient_divide_factor(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Off: backward does not all-gather this module's group (nor prefetches it), for groups
+        whose parameters backward does not read (an embedding's); gradients are reduced as
+        usual. This module's group only, as FSDP2."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        self._bs_state().unshard_in_backward = unshard_in_backward
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """FSDP2 issues the hooks' all-gathers with ``async_op`` on the default stream; blockshard's
+        hooks issue every buffer set's all-gather asynchronously and wait before the module runs
+        anyway ([Note: streams] in _common.py): accepted, nothing to change."""
+        _check_bool("async_op", async_op)
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """FSDP2 makes the next all-gathers wait for ``event`` on their own stream; the engine's
@@ -258,3 +278,29 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
 
     wrapped._blockshard_forward_method = True  # type: ignore[attr-defined]
     setattr(module, method_name, wrapped.__get__(module, type(module)))
+
+
+def install_torch_forward_method_route() -> None:
+    """Route torch's ``register_fsdp_forward_method`` on a blockshard module to
+    :func:`register_forward_method` (torch's returns without doing anything for a module that is
+    not an ``FSDPModule``, so the method would run on the local pieces); idempotent. Other modules
+    go to torch's, unchanged. A name bound by ``from torch.distributed.fsdp import
+    register_fsdp_forward_method`` before the first ``fully_shard`` call still holds torch's."""
+    import torch.distributed.fsdp as fsdp
+    import torch.distributed.fsdp._fully_shard as fsdp_pkg
+    import torch.distributed.fsdp._fully_shard._fully_shard as fsdp_impl
+
+    current = fsdp_impl.register_fsdp_forward_method
+    if getattr(current, "_blockshard_route", False):
+        return
+
+    @functools.wraps(current)
+    def register_fsdp_forward_method_routed(module: nn.Module, method_name: str) -> None:
+        if state_of(module) is not None:
+            return register_forward_method(module, method_name)
+        return current(module, method_name)
+
+    register_fsdp_forward_method_routed._blockshard_route = True  # type: ignore[attr-defined]
+    for mod in (fsdp_impl, fsdp_pkg, fsdp):
+        if getattr(mod, "register_fsdp_forward_method", None) is current:
+            mod.register_fsdp_forward_method = register_fsdp_forward_method_routed  # type: ignore[attr-defined]

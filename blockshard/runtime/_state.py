@@ -227,6 +227,7 @@ class ModuleState:
         self.forward_prefetch: list[ModuleState] | None = None
         self.backward_prefetch: list[ModuleState] | None = None
         self.is_last_backward = True  # FSDP2's flag: nothing waits past backward here (_module.py)
+        self.unshard_in_backward = True  # False (FSDP2's, e.g. an embedding): backward gathers nothing
         self.param_dtype, self.output_dtype = param_dtype, output_dtype
         self.cast_forward_inputs = cast_forward_inputs
         self.training_state = TrainingState.IDLE
@@ -428,8 +429,9 @@ class ModuleState:
             ctx.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard()
-        earlier = self._prefetch(ctx, self.backward_prefetch, -1)
+        if self.unshard_in_backward:
+            self.unshard()
+        earlier = [st for st in self._prefetch(ctx, self.backward_prefetch, -1) if st.unshard_in_backward]
         for prev in earlier:
             prev.unshard(async_op=True)
         for prev in earlier:  # gloo: not in flight during this backward ([Note: gloo's copies])

@@ -103,8 +103,8 @@ def _gather_groups(model: nn.Module) -> dict[str, torch.Tensor]:
         values = {
             id(sp): full[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape).clone() for sp in g.params
         }
-        for name, sp in _names(st.module, g.params):
-            out[_join(prefix, name)] = values[id(sp)]
+        for name, sp in _names(st.module, g.params):  # a wrapper above st.module: its prefix dropped too
+            out[_join(prefix, name).replace(_CHECKPOINT_PREFIX, "")] = values[id(sp)]
     return out
 
 
@@ -112,7 +112,13 @@ def _names(module: nn.Module, params: list[ShardedParam]) -> list[tuple[str, Sha
     """``(name relative to module, param)`` for every name a group's parameter is registered
     under (tied parameters have several), sharded or unsharded as the group is now."""
     by_id = {id(t): sp for sp in params for t in (sp.sharded, sp.unsharded)}
-    return [(n, by_id[id(p)]) for n, p in module.named_parameters(remove_duplicate=False) if id(p) in by_id]
+    named = module.named_parameters(remove_duplicate=False)
+    # a checkpoint_wrapper under ``module`` drops its prefix from state-dict keys (as its own
+    # named_parameters does); a list group's ancestor module would keep it
+    return [(n.replace(_CHECKPOINT_PREFIX, ""), by_id[id(p)]) for n, p in named if id(p) in by_id]
+
+
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper._CHECKPOINT_PREFIX
 
 
 # -- model.state_dict() and model.load_state_dict() -------------------------------------------
