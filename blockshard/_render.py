@@ -6,6 +6,7 @@ import os
 from collections import Counter
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from blockshard._errors import BlockshardError
@@ -21,6 +22,7 @@ __all__ = [
     "layout_table",
     "plot_rank_loads",
     "policy_table",
+    "quantized_gather_table",
     "quantized_table",
 ]
 
@@ -46,7 +48,7 @@ def comparison_table(cmp: Comparison, title: str) -> Table:
         table.add_column(b, justify="right", no_wrap=True)
     for row in cmp.kinds:
         table.add_row(
-            row.kind,
+            escape(row.kind),  # '[quantized gather]' is text, not markup
             str(row.num_groups),
             str(row.num_tensors),
             str(row.num_collectives),
@@ -84,7 +86,7 @@ def compute_table(cmp: Comparison) -> Table:
         table.add_column(col, justify="right" if col != "group kind" else "left", no_wrap=True)
     for row in cmp.kinds:
         if row.compute is not None:
-            table.add_row(row.kind, *_compute_cells(row.compute, row.padding_fraction))
+            table.add_row(escape(row.kind), *_compute_cells(row.compute, row.padding_fraction))
     table.add_section()
     table.add_row("[bold]total[/]", *_compute_cells(plan.compute, plan.padding_fraction))
     table.caption = (
@@ -130,7 +132,7 @@ def quantized_table(plan: ModelPlan) -> Table:
     for col in cols:
         table.add_column(col, justify="right" if col != "group kind" else "left", no_wrap=True)
     for kind, row in plan.quantized_by_kind().items():
-        table.add_row(kind, str(row["num_groups"]), *_quantized_cells(row))
+        table.add_row(escape(kind), str(row["num_groups"]), *_quantized_cells(row))
     table.add_section()
     table.add_row("[bold]total[/]", str(len(plan.quantized_groups)), *_quantized_cells(plan.quantized_totals()))
     table.caption = (
@@ -157,6 +159,47 @@ def _quantized_cells(row: dict) -> list[str]:
     ]
 
 
+def quantized_gather_table(plan: ModelPlan) -> Table:
+    """Per group kind and in total: the weights gathered quantized, their float masters per rank and
+    the quantized bytes all-gathered per step, beside a float gather of the masters
+    ([Note: planned quantized gather])."""
+    title = "weights gathered quantized · float masters per rank, quantized tiles all-gathered"
+    table = Table(title=title, title_justify="left", header_style="bold")
+    cols = ("group kind", "groups", "tensors", "masters", "payload", "scales", "held max", "S_q",
+            "gather/step", "float/step", "ratio")  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="right" if col != "group kind" else "left", no_wrap=True)
+    for kind, row in plan.quantized_gather_by_kind().items():
+        table.add_row(escape(kind), str(row["num_groups"]), *_gather_cells(row))
+    table.add_section()
+    table.add_row(
+        "[bold]total[/]", str(len(plan.quantized_gather_groups)), *_gather_cells(plan.quantized_gather_totals())
+    )
+    table.caption = (
+        "fully_shard(..., quantized_gather=True): masters: the float master pieces a rank keeps (its segment of "
+        "the '\\[quantized gather]' layout, whole tiles on every rank; the optimizer table leaves them out, as "
+        "the engine's cost balance does). payload and scales: of every weight of the "
+        "kind. held: payload and scales a rank quantizes (max over ranks); S_q: its quantized segment "
+        "(quantized_gather_stats' local_bytes). gather/step: all-gather output per rank, forward and backward "
+        "(the root once); float/step: the masters gathered as floats; ratio: gather over float."
+    )
+    return table
+
+
+def _gather_cells(row: dict) -> list[str]:
+    return [
+        f"{row['num_tensors']:,}",
+        human(row["master_bytes_per_rank"]) + "B",
+        human(row["payload_bytes"]) + "B",
+        human(row["scale_bytes"]) + "B",
+        human(row["rank_bytes_max"]) + "B",
+        human(row["segment_bytes_per_rank"]) + "B",
+        human(row["gathered_bytes_per_step_per_rank"]) + "B",
+        human(row["float_gathered_bytes_per_step_per_rank"]) + "B",
+        f"{row['gathered_over_float']:.4f}",
+    ]
+
+
 def _base_cell(b) -> str:
     split = f" ({b.splits_units:,})" if not b.block_respecting else ""
     style = "red" if b.splits_units else ""
@@ -167,7 +210,7 @@ def layout_table(layout: GroupLayout, rank: int | None = None) -> Table:
     S = layout.segment_numel
     buckets = " + ".join(f"{b:,}" for b in layout.buckets)
     title = (
-        f"group {layout.name or '(root)'}: S = {buckets} elements per rank on W = {layout.world_size} "
+        f"group {escape(layout.name) or '(root)'}: S = {buckets} elements per rank on W = {layout.world_size} "
         f"({len(layout.buckets)} collective{'s' if len(layout.buckets) > 1 else ''}), "
         f"padding {_pct(layout.padding_fraction)}, hash {layout.layout_hash()}"
     )

@@ -33,6 +33,13 @@ def _add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> Non
         "experts): auto (default: per tensor, by bytes moved), whole (on one rank: what fully_shard builds "
         "today) or owner (storage cut finely, each cut unit computed at an owner rank)",
     )
+    p.add_argument(
+        "--quantized-gather",
+        action="store_true",
+        help="plan as fully_shard(..., quantized_gather=True): the float weights with mx, mx:4 or fp8_block:B "
+        "semantics keep float masters in a layout of their own per group and are all-gathered as their "
+        "quantized tiles (payload + scales)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -136,6 +143,7 @@ def _load(args: argparse.Namespace):
             alignment_bytes=args.alignment_bytes,
             progress=progress,
             policy=args.policy,
+            quantized_gather=args.quantized_gather,
         )
 
 
@@ -150,6 +158,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         console,
         plot_rank_loads,
         policy_table,
+        quantized_gather_table,
         quantized_table,
     )
     from blockshard.planner import compare
@@ -163,6 +172,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     with console(stderr=True).status(f"comparing with FSDP2 and ZeRO on {args.world_size:,} ranks ..."):
         cmp = compare(plan)
     title = f"{_source(args)} · W = {args.world_size} · semantics {args.semantics} · policy {args.policy}"
+    if args.quantized_gather:
+        title += " · quantized gather"
     if args.plot:
         plot_rank_loads(cmp, args.plot, title)
     if args.json:
@@ -170,8 +181,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         data.update(model=_source(args), semantics=args.semantics, policy=args.policy)
         if args.layouts:
             data["layouts"] = [g.to_json() for g in cmp.plan.groups]
-            if cmp.plan.quantized_groups:
-                data["quantized_groups"] = [q.to_json() for q in cmp.plan.quantized_groups]
+            data |= cmp.plan.quantized_groups_json()
         json.dump(data, sys.stdout, indent=2)
         print()
     else:
@@ -181,6 +191,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             console().print(policy_table(cmp.plan))
         if cmp.plan.quantized_groups:
             console().print(quantized_table(cmp.plan))
+        if cmp.plan.quantized_gather_groups:
+            console().print(quantized_gather_table(cmp.plan))
         if args.plot:
             console().print(f"per-rank loads drawn to {args.plot}")
     return 0

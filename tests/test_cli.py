@@ -316,3 +316,62 @@ def test_plan_bad_quantized_shape_is_one_error_line(tmp_path, capsys, sem, fragm
     err = _one_error_line(["plan", "--shapes", str(shapes), "--semantics", sem], capsys)
     for f in fragments:
         assert f in err, f
+
+
+# -- quantized gather (plan --quantized-gather; the bytes equal the engine's: tests/quantized/test_fast_plan_bytes.py)
+def _two_fp8_layers(tmp_path) -> str:
+    shapes = tmp_path / "shapes.json"
+    tensors = [
+        {"name": f"layers.{i}.proj.weight", "shape": [320, 192], "dtype": "float32", "group": f"layers.{i}"}
+        for i in range(2)
+    ]
+    tensors += [
+        {"name": f"layers.{i}.proj.bias", "shape": [320], "dtype": "float32", "group": f"layers.{i}"} for i in range(2)
+    ]
+    shapes.write_text(json.dumps({"tensors": tensors}))
+    return str(shapes)
+
+
+def test_plan_quantized_gather_table_and_json(tmp_path, capsys):
+    args = ["plan", "--shapes", _two_fp8_layers(tmp_path), "-W", "3", "--semantics", "*.weight=fp8_block:128"]
+    assert main([*args, "--quantized-gather"]) == 0
+    out = capsys.readouterr().out
+    for word in ("weights gathered quantized", "masters", "S_q", "gather/step", "float/step", "quantized gather"):
+        assert word in out, word
+    assert re.search(r"layers\.\*\[quantized gather\]\s+│\s+2\s+│", out), out  # the layouts of the masters, by kind
+    assert main([*args, "--quantized-gather", "--json", "--layouts"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    q = data["quantized_gather"]
+    assert q["num_tensors"] == 2 and q["payload_bytes"] == 2 * 320 * 192
+    assert q["scale_bytes"] == 2 * 4 * 3 * 2  # 3 x 2 tiles of 128 x 128 per weight, 4 bytes each
+    assert q["gathered_bytes_per_step_per_rank"] == 2 * 2 * 3 * data["quantized_gather_groups"][0]["segment_bytes"]
+    assert q["gathered_over_float"] < 0.26
+    assert [g["layout"] for g in data["quantized_gather_groups"]] == [
+        "layers.0[quantized gather]",
+        "layers.1[quantized gather]",
+    ]
+    assert {g["name"] for g in data["layouts"]} == {
+        "layers.0",
+        "layers.1",
+        "layers.0[quantized gather]",
+        "layers.1[quantized gather]",
+    }
+    # the control: without the option the weights are frozen quantized weights of the byte planner
+    assert main([*args, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert "quantized_gather" not in plain and plain["quantized"]["num_tensors"] == 2
+
+
+@pytest.mark.parametrize(
+    ("sem", "fragments"),
+    [
+        ("muon", ("--quantized-gather", "semantics='muon' gives none of the model's 4 tensors one", "Fix:")),
+        ("*.weight=matrix,*.weight=fp8_block:128", ("owner-computed tensors", "Fix: pass policy='whole'")),
+    ],
+)
+def test_plan_quantized_gather_bad_input_is_one_error_line(tmp_path, capsys, sem, fragments):
+    err = _one_error_line(
+        ["plan", "--shapes", _two_fp8_layers(tmp_path), "-W", "3", "--semantics", sem, "--quantized-gather"], capsys
+    )
+    for f in fragments:
+        assert f in err, f

@@ -17,6 +17,14 @@ from blockshard.planner._compute import ComputeTally, OwnerAssignment, OwnerBuil
 from blockshard.planner._items import PlanItem, group_items, resolve_items
 from blockshard.planner._layout import GroupLayout, TensorPlacement
 from blockshard.planner._policy import check_policy, choose_layout
+from blockshard.planner._qgather import (
+    QuantizedGatherBytes,
+    Tile,
+    gather_group_name,
+    plan_gather_group,
+    quantized_gather_totals,
+    tile_semantics,
+)
 from blockshard.planner._quantized import QuantizedGroupBytes, plan_quantized_group, quantized_totals
 from blockshard.planner._units import check_alignment_bytes, check_model_tensors, check_world_size
 from blockshard.semantics import TensorSpec
@@ -86,11 +94,12 @@ def _peak_over_mean(values: Sequence[float]) -> float:
     return max(values) / mean if mean else 1.0
 
 
-_DIGITS = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+_DIGITS = re.compile(r"(?<=\.)\d+(?=[.\[]|$)|^\d+(?=[.\[]|$)")
 
 
 def group_kind(group_name: str) -> str:
-    """``model.layers.7`` -> ``model.layers.*``; the root group ``""`` -> ``(root)``."""
+    """``model.layers.7`` -> ``model.layers.*`` (``model.layers.7[quantized gather]`` ->
+    ``model.layers.*[quantized gather]``); the root group ``""`` -> ``(root)``."""
     return _DIGITS.sub("*", group_name) if group_name else "(root)"
 
 
@@ -111,6 +120,9 @@ class ModelPlan:
     cost_per_rank_fixed: tuple[float, ...] = ()
     # the quantized weights of every group that has some ([Note: planned quantized bytes])
     quantized_groups: tuple[QuantizedGroupBytes, ...] = ()
+    # the weights gathered quantized, one per group that has some ([Note: planned quantized gather]);
+    # their float layouts are in ``groups`` too
+    quantized_gather_groups: tuple[QuantizedGatherBytes, ...] = ()
 
     def policy_of(self, name: str) -> str:
         """``"owner"`` or ``"whole"``: how tensor ``name``'s compute units are placed."""
@@ -178,7 +190,25 @@ class ModelPlan:
 
     @property
     def allgather_bytes_per_rank(self) -> int:
-        return sum(g.allgather_bytes_per_rank for g in self.groups)
+        """Bytes each rank receives in one all-gather of every group (a quantized-gather layout's
+        all-gather moves its quantized segments, ``(W - 1) * S_q``)."""
+        gathered = {q.layout.name: (self.world_size - 1) * q.segment_bytes for q in self.quantized_gather_groups}
+        return sum(gathered.get(g.name, g.allgather_bytes_per_rank) for g in self.groups)
+
+    def items_by_group(self) -> dict[str, list[PlanItem]]:
+        """The items of every layout in ``groups``, by its name (a group's weights gathered
+        quantized under ``<group>[quantized gather]``)."""
+        grouped = group_items(self.items)
+        if not self.quantized_gather_groups:
+            return grouped
+        moved = {name for q in self.quantized_gather_groups for name in q.tensors}
+        out: dict[str, list[PlanItem]] = {}
+        for name, items in grouped.items():
+            if rest := [it for it in items if it.name not in moved]:
+                out[name] = rest
+            if gathered := [it for it in items if it.name in moved]:
+                out[gather_group_name(name)] = gathered
+        return out
 
     def quantized_by_kind(self) -> dict[str, dict[str, int | float]]:
         """Quantized bytes per group kind (``model.layers.*``), as :meth:`quantized_totals`."""
@@ -190,6 +220,18 @@ class ModelPlan:
     def quantized_totals(self) -> dict[str, int | float]:
         """Payload and scales of the quantized weights: per rank (max, mean), gathered per step, bf16's."""
         return quantized_totals(self.quantized_groups, self.world_size)
+
+    def quantized_gather_by_kind(self) -> dict[str, dict[str, int | float]]:
+        """The weights gathered quantized per group kind, as :meth:`quantized_gather_totals`."""
+        kinds: dict[str, list[QuantizedGatherBytes]] = {}
+        for q in self.quantized_gather_groups:
+            kinds.setdefault(group_kind(q.group), []).append(q)
+        W = self.world_size
+        return {k: {"num_groups": len(qs), **quantized_gather_totals(qs, W)} for k, qs in kinds.items()}
+
+    def quantized_gather_totals(self) -> dict[str, int | float]:
+        """The weights gathered quantized: masters and quantized segments per rank, gathered per step."""
+        return quantized_gather_totals(self.quantized_gather_groups, self.world_size)
 
     def group(self, name: str) -> GroupLayout:
         for g in self.groups:
@@ -243,11 +285,24 @@ class ModelPlan:
                 **self.quantized_totals(),
                 "groups_by_kind": [{"kind": k, **v} for k, v in self.quantized_by_kind().items()],
             }
+        if self.quantized_gather_groups:
+            data["quantized_gather"] = {
+                **self.quantized_gather_totals(),
+                "groups_by_kind": [{"kind": k, **v} for k, v in self.quantized_gather_by_kind().items()],
+            }
         if layouts:
             data["layout_hashes"] = {g.name: g.layout_hash() for g in self.groups}
             data["layouts"] = [g.to_json() for g in self.groups]
-            if self.quantized_groups:
-                data["quantized_groups"] = [q.to_json() for q in self.quantized_groups]
+            data |= self.quantized_groups_json()
+        return data
+
+    def quantized_groups_json(self) -> dict[str, list[dict]]:
+        """Every group's quantized bytes (``quantized_groups``, ``quantized_gather_groups``), where any."""
+        data: dict[str, list[dict]] = {}
+        if self.quantized_groups:
+            data["quantized_groups"] = [q.to_json() for q in self.quantized_groups]
+        if self.quantized_gather_groups:
+            data["quantized_gather_groups"] = [q.to_json() for q in self.quantized_gather_groups]
         return data
 
 
@@ -259,6 +314,7 @@ def plan_model(
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
     progress: Callable[[int, int], None] | None = None,
     policy: str = "auto",
+    quantized_gather: bool = False,
 ) -> ModelPlan:
     """Plan every group of a model. Tensors are grouped by ``TensorSpec.group`` (``None`` -> root).
 
@@ -271,9 +327,19 @@ def plan_model(
     units (see ``planner/_policy.py``): ``"whole"`` (one rank each: what ``fully_shard`` builds
     today), ``"owner"`` (storage cut at placement units, each cut compute unit computed at an
     owner) or ``"auto"`` (per tensor, by a cost in bytes; the default).
+
+    ``quantized_gather=True`` plans as ``fully_shard(..., quantized_gather=True)``: the float
+    tensors whose semantics is ``mx``, ``mx:4`` or ``fp8_block:B`` get a layout of their own per
+    group (``<group>[quantized gather]``, in ``groups``) and their quantized segments are in
+    ``quantized_gather_groups`` ([Note: planned quantized gather] in ``planner/_qgather.py``).
     """
     world_size = check_world_size(world_size)
     policy = check_policy(policy)
+    if not isinstance(quantized_gather, bool):
+        raise PlanError(
+            f"quantized_gather={quantized_gather!r} must be True or False (True: plan the weights with 'mx', "
+            "'mx:4' or 'fp8_block:B' semantics as fully_shard(..., quantized_gather=True) gathers them)"
+        )
     t0 = time.perf_counter()
     raw = list(tensors)
     if not raw:
@@ -290,6 +356,20 @@ def plan_model(
         if it.name in seen:
             raise PlanError(f"tensor name {it.name!r} appears twice; every parameter needs a unique name")
         seen.add(it.name)
+    tiles = tile_semantics(raw, semantics) if quantized_gather else {}
+    return _plan_groups(items, world_size, policy, alignment_bytes, tiles, progress, t0)
+
+
+def _plan_groups(
+    items: list[PlanItem],
+    world_size: int,
+    policy: str,
+    alignment_bytes: int,
+    tiles: dict[str, Tile],
+    progress: Callable[[int, int], None] | None,
+    t0: float,
+) -> ModelPlan:
+    """Lay out every group of ``items`` (the tensors in ``tiles`` gathered quantized) and balance them."""
     grouped = group_items(items)
     memo: dict = {}
     layouts = []
@@ -299,19 +379,26 @@ def plan_model(
     builder = OwnerBuilder(world_size, memo)
     owner_tensors: set[str] = set()
     quantized: list[QuantizedGroupBytes] = []
-    for i, (gname, gitems) in enumerate(grouped.items()):
-        layout, owned, modeled = choose_layout(
-            gitems, world_size, policy, name=gname, alignment_bytes=alignment_bytes, memo=memo
-        )
-        owner_tensors |= owned
-        compute = {it.name: it.grid for it in gitems if it.name in owned}
-        layouts.append(builder.add_group(layout, group_kind(gname), compute, costs, running, modeled, unrotated))
+    gathered: list[QuantizedGatherBytes] = []
+    for i, (gname, all_items) in enumerate(grouped.items()):
+        gathers = 1 if gname == "" else 2  # the root is not resharded after forward (FSDP2's default)
+        gitems = [it for it in all_items if it.name not in tiles]
+        if gitems:
+            layout, owned, modeled = choose_layout(
+                gitems, world_size, policy, name=gname, alignment_bytes=alignment_bytes, memo=memo
+            )
+            owner_tensors |= owned
+            compute = {it.name: it.grid for it in gitems if it.name in owned}
+            layouts.append(builder.add_group(layout, group_kind(gname), compute, costs, running, modeled, unrotated))
         stored = [(it.name, it.storage) for it in gitems if it.storage is not None]
-        if stored:  # the root is not resharded after forward (FSDP2's default): gathered once per step
-            gathers = 1 if gname == "" else 2
+        if stored:
             quantized.append(
                 plan_quantized_group(gname, stored, world_size, alignment_bytes, gathers_per_step=gathers, memo=memo)
             )
+        if qitems := [it for it in all_items if it.name in tiles]:  # [Note: planned quantized gather]
+            q = plan_gather_group(gname, qitems, tiles, world_size, policy, alignment_bytes, gathers, memo)
+            layouts.append(q.layout)
+            gathered.append(q)
         if progress is not None:
             progress(i + 1, len(grouped))
     fixed = tuple(running.tolist())  # before the owners of cut units add theirs
@@ -329,4 +416,5 @@ def plan_model(
         by_kind,
         fixed,
         tuple(quantized),
+        tuple(gathered),
     )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from blockshard.planner._baselines import BASELINES, BaselineResult, baseline, combine
 from blockshard.planner._compute import ComputeTally
-from blockshard.planner._items import PlanItem, group_items
+from blockshard.planner._items import PlanItem
 from blockshard.planner._plan import ModelPlan
 
 __all__ = ["Comparison", "KindRow", "compare"]
@@ -68,7 +68,7 @@ class Comparison:
 def compare(plan: ModelPlan, baselines: Sequence[str] = BASELINES) -> Comparison:
     """Compute every baseline for every group of ``plan`` (identical groups computed once)."""
     W = plan.world_size
-    items_by_group = group_items(plan.items)
+    items_by_group = plan.items_by_group()
     memo: dict[tuple, BaselineResult] = {}
 
     def base(name: str, items: list[PlanItem]) -> BaselineResult:

@@ -97,3 +97,55 @@ def test_pack_refuses_bad_world_size_and_alignment():
         pack([UnitGrid.units(4, 1)], 0, 1)
     with pytest.raises(PlanError, match="alignment_numel=0 must be an integer >= 1"):
         pack([UnitGrid.units(4, 1)], 2, 0)
+
+
+# -- quantized gather (plan_model(..., quantized_gather=True), [Note: planned quantized gather]) ---------
+W_FP8 = TensorSpec(name="l0.w", shape=(640, 256), dtype="float32", group="l0")
+V_FP8 = TensorSpec(name="l0.v", shape=(64, 256), dtype="float32", group="l0")
+
+
+@pytest.mark.parametrize("flag", ["yes", 1, None])
+def test_quantized_gather_not_a_bool_is_refused(flag):
+    with pytest.raises(PlanError, match=rf"quantized_gather={flag!r} must be True or False"):
+        plan_model([W_FP8], 2, semantics="fp8_block:128", quantized_gather=flag)
+
+
+def test_quantized_gather_without_tile_semantics_names_the_fix():
+    with pytest.raises(PlanError) as info:
+        plan_model([W_FP8, V_FP8], 2, semantics="shampoo:64", quantized_gather=True)
+    msg = str(info.value)
+    assert "semantics='shampoo:64' gives none of the model's 2 tensors one" in msg
+    assert "Fix: add a rule such as '*_proj.weight=fp8_block:128'" in msg
+    plan_model([W_FP8, V_FP8], 2, semantics="shampoo:64")  # the control: planned without quantized gather
+
+
+def test_quantized_gather_of_plan_items_is_refused():
+    with pytest.raises(PlanError, match="quantized_gather=True needs the tensors as TensorSpec"):
+        plan_model([ITEM], 2, quantized_gather=True)
+
+
+def test_quantized_gather_of_a_non_float_master_is_refused():
+    from blockshard._errors import QuantizedWeightError
+
+    w = TensorSpec(name="w", shape=(128, 128), dtype="uint8")
+    with pytest.raises(QuantizedWeightError, match="quantized gather of 'w': its dtype is uint8"):
+        plan_model([w], 2, semantics="fp8_block:128", quantized_gather=True)
+    assert plan_model([w], 2, semantics="fp8_block:128").quantized_groups  # a frozen quantized weight: planned
+
+
+def test_quantized_gather_of_two_dtypes_in_one_group_is_refused():
+    v = TensorSpec(name="l0.v", shape=(64, 256), dtype="bfloat16", group="l0")
+    with pytest.raises(PlanError, match=r"group 'l0\[quantized gather\]' mixes dtypes"):
+        plan_model([W_FP8, v], 2, semantics="fp8_block:128", quantized_gather=True)
+
+
+@pytest.mark.parametrize("policy", ["owner", "auto"])
+def test_quantized_gather_of_owner_computed_tiles_is_refused(policy):
+    with pytest.raises(PlanError) as info:
+        plan_model([W_FP8, V_FP8], 3, semantics="matrix,fp8_block:128", policy=policy, quantized_gather=True)
+    assert f"owner-computed tensors (['l0.w'], policy={policy!r}) among the weights gathered quantized" in str(
+        info.value
+    )
+    assert "Fix: pass policy='whole'" in str(info.value)
+    plan = plan_model([W_FP8, V_FP8], 3, semantics="matrix,fp8_block:128", policy="whole", quantized_gather=True)
+    assert [g.name for g in plan.groups] == ["l0[quantized gather]"]

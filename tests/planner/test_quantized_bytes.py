@@ -137,3 +137,52 @@ def test_bad_shapes_name_the_tensor_and_the_fix(sem, shape, pattern):
 def test_bad_mx_argument():
     with pytest.raises(SemanticsError, match=r"mx:6: the argument is the payload's bits per value, 8 .* or 4"):
         get_semantics("mx:6")
+
+
+# -- weights gathered quantized ([Note: planned quantized gather]) ------------------------------------
+TILE_FORMATS = ["mx", "mx:4", "fp8_block:128", "fp8_block:4", "fp8_block:8"]
+
+
+def _tile_shape(fmt: str, e: int, a: int, b: int) -> tuple[int, ...]:
+    if fmt.startswith("mx"):
+        return (a, 32 * b)
+    return (a, b) if e == 1 else (e, a, b)  # stacked experts: per expert stripes, or one expert a unit
+
+
+tile_tensors = st.lists(
+    st.tuples(st.sampled_from(TILE_FORMATS), st.integers(1, 3), st.integers(1, 40), st.integers(1, 24)),
+    min_size=1,
+    max_size=5,
+)
+
+
+@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@settings(max_examples=40, deadline=None)
+@given(tile_tensors, st.integers(1, 9), st.sampled_from(["float32", "bfloat16"]))
+def test_gather_segments_equal_the_engines_payload_plan(specs, world, dtype):
+    """The planner's quantized segments against the engine's ``plan_payload`` and tile quantizers
+    (``runtime/_quantized_gather.py``, ``runtime/_tile_quant.py``) on the same float layout."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from blockshard.runtime._quantized_gather import plan_payload
+    from blockshard.runtime._tile_quant import tile_quantizer
+
+    shapes = {f"t{i}": _tile_shape(f, e, a, b) for i, (f, e, a, b) in enumerate(specs)}
+    sem = {f"t{i}": f for i, (f, *_) in enumerate(specs)}
+    tensors = [TensorSpec(name=n, shape=s, dtype=dtype, group="g") for n, s in shapes.items()]
+    plan = plan_model(tensors, world, semantics=sem, quantized_gather=True, policy="whole")
+    (q,) = plan.quantized_gather_groups
+    index = {t.name: i for i, t in enumerate(q.layout.tensors)}
+    params = [
+        SimpleNamespace(fqn=n, shape=s, numel=q.layout.tensors[index[n]].numel, index=index[n])
+        for n, s in shapes.items()
+    ]
+    tdtype = getattr(torch, dtype)
+    quantizers = {p.fqn: tile_quantizer(p.fqn, p.shape, tdtype, [get_semantics(sem[p.fqn])]) for p in params}
+    pieces, segment_bytes = plan_payload("g", q.layout, params, lambda sp: quantizers[sp.fqn])  # type: ignore[arg-type]
+    assert q.segment_bytes == segment_bytes
+    assert q.rank_bytes == tuple(sum(x.payload_bytes + x.scale_bytes for x in ps) for ps in pieces)
+    whole = sum(quantizers[n].payload_bytes(p.numel) for n, p in zip(shapes, params, strict=True))
+    assert q.payload_bytes == whole and q.total_bytes == sum(q.rank_bytes)

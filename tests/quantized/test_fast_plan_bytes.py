@@ -9,25 +9,37 @@ torchao ``NF4Tensor``, ``MXTensor`` and blockwise FP8 linears, one group per lay
 the root's group (one mixed group of all three formats too). Control: the planner's cuts are not
 trivially equal — at W = 3 the ranks of one group hold different bytes, and a planner that ignored
 the scales (payload only) would disagree with the engine.
+
+Weights gathered quantized (``quantized_gather=True``, [Note: planned quantized gather] in
+``planner/_qgather.py``): the stack of ``_qgather_runs`` (fp8_block:128, mx, mx:4 linears, fp8_block:64
+experts in the root) at W = 1, 2, 3 — the float masters' layouts and the primary layouts equal the
+engine's, and ``quantized_gather_stats``, each rank's held bytes and its master bytes equal
+``blockshard plan --quantized-gather --json --layouts``. Control: the plan without quantized gather
+keeps the weights in the primary layouts and (W > 1) cuts them by the byte planner into other segments.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import _ao_runs
 import _fp8_runs
 import _inproc
 import _mx_runs
+import _qgather_runs
 import _qlora
 import pytest
 import torch
 from torch import nn
 
 import blockshard
+from blockshard.cli import main
 from blockshard.planner import plan_model
+from blockshard.planner._qgather import gather_group_name
 from blockshard.planner._quantized import plan_quantized_group
-from blockshard.runtime import quantized_stats
+from blockshard.runtime import group_layouts, quantized_stats
+from blockshard.runtime._quantized_gather import _groups as gather_groups
 from blockshard.runtime._state import state_of
 from blockshard.semantics import TensorSpec
 
@@ -156,3 +168,102 @@ def test_one_group_of_three_formats_equals_the_plan(world):
     _check(ranks, plan)
     (q,) = plan.quantized_groups
     assert q.tensors == ("nf4.weight", "mx.weight", "fp8.weight")
+
+
+# -- weights gathered quantized (quantized_gather=True) --------------------------------------------
+GATHER_SEM = {f"layers.{k}.weight": spec for k, (*_, spec) in enumerate(_qgather_runs.LAYERS)} | {
+    f"experts.{k}": spec for k, (*_, spec) in enumerate(_qgather_runs.EXPERTS)
+}
+
+
+def _where(layout, prefix: str = "") -> tuple:
+    """Where a layout's tensors lie (names relative to the sharded module, as the engine's)."""
+    tensors = tuple((t.name.removeprefix(prefix), t.offset, t.bucket, t.grid) for t in layout.tensors)
+    return layout.buckets, layout.segment_numel, tensors
+
+
+def _gather_engine(rank: int, world: int) -> dict:
+    """Per quantized-gather buffer set: stats, the bytes this rank holds, its master bytes, its layout."""
+    with _qgather_runs._serial():
+        model = _qgather_runs.Stack()
+    _qgather_runs._shard(model)  # each linear with semantics {"weight": spec}, the experts in the root
+    sets = gather_groups(model)
+    return {
+        "stats": blockshard.quantized_gather_stats(model),
+        "held": {p: sum(x.payload_bytes + x.scale_bytes for x in g.plan[rank]) for p, g in sets},
+        "masters": {p: g.local.numel() * g.local.element_size() for p, g in sets},
+        "layouts": {p: _where(g.layout) for p, g in sets},
+        "primary": {p: _where(layout) for p, layout in group_layouts(model).items()},
+    }
+
+
+def _prefix(group: str) -> str:
+    return f"{group}." if group else ""
+
+
+def _gather_ranks(world: int) -> list[dict]:
+    if world == 1:  # the fast tier's case: the test thread's own gloo group (threads cost 0.3 s to start)
+        with _inproc.world1():
+            return [_gather_engine(0, 1)]
+    return _inproc.run_ranks(_gather_engine, world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])  # W = 2 and 3 run in the slow tier (conftest.py)
+def test_quantized_gather_plan_equals_the_engine(world, tmp_path, capsys):
+    ranks = _gather_ranks(world)
+    specs = _specs(_qgather_runs.Stack(), "layers", torch.float32)
+    plan = plan_model(specs, world, semantics=GATHER_SEM, quantized_gather=True)
+    shapes = tmp_path / "stack.json"
+    shapes.write_text(
+        json.dumps(
+            {
+                "tensors": [
+                    {"name": s.name, "shape": list(s.shape), "dtype": "float32", "group": s.group or ""} for s in specs
+                ]
+            }
+        )
+    )
+    rules = ",".join(f"{k}={v}" for k, v in GATHER_SEM.items())
+    argv = ["plan", "--shapes", str(shapes), "-W", str(world), "--semantics", rules, "--quantized-gather"]
+    assert main([*argv, "--json", "--layouts"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    cli = {q["group"]: q for q in data["quantized_gather_groups"]}
+    groups = {q.group: q for q in plan.quantized_gather_groups}
+    assert set(groups) == set(cli) == {"layers.0", "layers.1", "layers.2", "layers.3", ""}
+    for rank, got in enumerate(ranks):
+        assert set(got["stats"]) == set(groups), rank
+        for group, stats in got["stats"].items():
+            q, j = groups[group], cli[group]
+            assert stats.constant_bytes == 0
+            assert (stats.local_bytes, stats.gathered_bytes, stats.total_bytes, stats.numel) == (
+                q.segment_bytes, q.gathered_bytes, q.total_bytes, q.numel
+            ) == (j["segment_bytes"], j["gathered_bytes"], j["total_bytes"], j["numel"]), (rank, group)  # fmt: skip
+            assert got["held"][group] == q.rank_bytes[rank] == j["rank_bytes"][rank], (rank, group)
+            assert got["masters"][group] == q.master_bytes == j["master_bytes"], (rank, group)
+            assert got["layouts"][group] == _where(q.layout, _prefix(group)), (rank, group)
+        # every layout by name: each group's biases alone, and its "[quantized gather]" set (the root
+        # has no primary layout: it keeps nothing but the experts)
+        assert set(got["primary"]) == {g.name for g in plan.groups}, rank
+        assert {gather_group_name(g) for g in groups} <= set(got["primary"]) and "" not in got["primary"]
+        for name, where in got["primary"].items():
+            assert where == _where(plan.group(name), _prefix(name.removesuffix("[quantized gather]"))), (rank, name)
+    stats = ranks[0]["stats"]
+    per_step = sum((1 if g == "" else 2) * s.gathered_bytes for g, s in stats.items())
+    assert data["quantized_gather"]["gathered_bytes_per_step_per_rank"] == per_step
+    assert data["quantized_gather"]["segment_bytes_per_rank"] == sum(s.local_bytes for s in stats.values())
+    assert data["quantized_gather"]["total_bytes"] == sum(s.total_bytes for s in stats.values())
+    # the control: without quantized gather the plan keeps each weight in its group's float layout and
+    # cuts its bytes by the frozen quantized weights' byte planner, unlike the engine
+    plain = plan_model(specs, world, semantics=GATHER_SEM)
+    assert not plain.quantized_gather_groups and "quantized_gather" not in plain.to_json()
+    assert _where(plain.group("layers.0"), "layers.0.") != ranks[0]["primary"]["layers.0"]
+    if world > 1:  # at W = 2 the root's segment differs, at W = 3 what ranks hold of layers.3 and the root
+        assert any(
+            q.segment_bytes != stats[q.group].local_bytes or q.rank_bytes[r] != got["held"][q.group]
+            for q in plain.quantized_groups
+            for r, got in enumerate(ranks)
+        )
+    # one all-gather of every group: the primary layouts' floats, the quantized segments of the rest
+    floats = sum((world - 1) * 4 * where[1] for name, where in ranks[0]["primary"].items() if "[" not in name)
+    assert plan.allgather_bytes_per_rank == floats + sum((world - 1) * s.local_bytes for s in stats.values())
+    assert plain.allgather_bytes_per_rank > plan.allgather_bytes_per_rank or world == 1

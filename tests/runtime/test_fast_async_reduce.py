@@ -14,6 +14,7 @@ the input stays alive until the wait and the prefetch stays in flight: the contr
 
 from __future__ import annotations
 
+import threading
 import time
 
 import _inproc
@@ -149,26 +150,36 @@ def test_reduce_scatter_overlaps_the_next_blocks_backward(gloo_w1, monkeypatch, 
         assert got["memory"][1][2] is (ShardedState.UNSHARDED if copies else ShardedState.UNSHARDING), got["memory"]
 
 
+PEER_WAIT_S = 10.0  # how long the peer holds back its half for rank 0's call to return
+
+
 def test_gloo_reduce_scatter_is_issued_without_waiting_for_the_peer(gloo_w1):
     """Measured on torch 2.13's gloo: ``reduce_scatter_single(async_op=True)`` on the engine's
     group returns before the peer has issued its half, so the engine's backward goes on while the
     collective waits (on NCCL it runs on its own stream). It never reads the input again after
     returning (it works on a copy: [Note: gloo's copies]), so the engine frees the input then: here
-    the input is overwritten right after the call, and the result is still the average."""
+    the input is overwritten right after the call, and the result is still the average.
 
-    def rank_fn(rank: int, world: int) -> tuple[float, bool]:
+    The peer (a thread of this process) issues its half only once rank 0's call has returned (an
+    event, not a sleep: no margin for a loaded machine to eat, and no time added). Had the call
+    waited for the peer, it would return only after the peer gave up waiting (``PEER_WAIT_S``)."""
+    returned = threading.Event()  # set by rank 0 once its call returned
+
+    def rank_fn(rank: int, world: int) -> tuple[float, bool, bool | None]:
         pg = engine_group(dist.group.WORLD)
         out, inp = torch.empty(4), torch.ones(4 * world)
         dist.barrier(pg)
-        if rank == 1:
-            time.sleep(0.5)
+        released = returned.wait(timeout=PEER_WAIT_S) if rank == 1 else None
         t0 = time.perf_counter()
         work = reduce_scatter_avg(out, inp, pg, async_op=True)
         issued_s, done = time.perf_counter() - t0, work.is_completed()
+        if rank == 0:
+            returned.set()
         inp.fill_(float("nan"))
         _collectives.wait(work, "the test's reduce-scatter", pg)
         assert torch.equal(out, torch.ones(4))
-        return issued_s, done
+        return issued_s, done, released
 
-    (issued_s, done), _ = _inproc.run_ranks(rank_fn, 2)
-    assert issued_s < 0.25 and not done, (issued_s, done)
+    (issued_s, done, _), (_, _, released) = _inproc.run_ranks(rank_fn, 2, timeout=3 * PEER_WAIT_S)
+    # rank 0's call returned (and was not complete) before the peer issued its half
+    assert released and not done and issued_s < PEER_WAIT_S, (issued_s, done, released)
