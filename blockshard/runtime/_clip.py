@@ -18,17 +18,18 @@ DTensor gradient reduces its norm. This function computes the norm of the *whole
 The total is the same tensor value on every rank. It equals the one-process norm up to the
 summation order of step 1-2 (a few float32 ulps; bitwise for p = inf, where max is exact).
 
-How torch's own call is made right: the first ``fully_shard`` of a process routes
-``torch.nn.utils.clip_grad_norm_`` (the attribute, in ``torch.nn.utils`` and
-``torch.nn.utils.clip_grad``, so ``clip_grad_norm`` too) through :func:`install_torch_clip_route`:
-a wrapper that looks at the parameters' tags and, when any is a sharded piece, calls this
-function (same arguments, same result on every rank); otherwise it calls the function it
-replaced, unchanged. The cost is one attribute read per parameter per call (well under 1 us per
-parameter: about 30 us for a 300-parameter model against the norm's own ms). What it cannot
-reach: a reference taken before that first ``fully_shard`` (``from torch.nn.utils import
-clip_grad_norm_`` at the top of a script) is torch's function itself, which sees only the local
-pieces: call it by attribute (``torch.nn.utils.clip_grad_norm_``), as Accelerate and the HF
-Trainer do, or call this function.
+How torch's own call is made right: the first ``fully_shard`` of a process routes torch's
+``clip_grad_norm_`` through :func:`install_torch_clip_route`: a function that looks at the
+parameters' tags and, when any is a sharded piece, calls this function (same arguments, same
+result on every rank); otherwise it calls torch's implementation, unchanged. torch's
+``clip_grad_norm_`` is a ``no_grad`` wrapper around its implementation (``_no_grad`` in
+``clip_grad.py``): the route replaces the implementation in that wrapper's closure cell, so the
+function object every reference holds is routed, including ``from torch.nn.utils import
+clip_grad_norm_`` bound before the first ``fully_shard`` (and ``clip_grad_norm``, which calls
+it). Should a torch release drop the wrapper, the attributes ``torch.nn.utils.clip_grad_norm_``
+and ``torch.nn.utils.clip_grad.clip_grad_norm_`` are replaced instead, and only references
+taken by attribute are routed. The cost is one attribute read per parameter per call (well
+under 1 us per parameter: about 30 us for a 300-parameter model against the norm's own ms).
 
 Why not a ``.grad`` tensor subclass whose ``__torch_function__`` turns the norm of local pieces
 into a global one: it works (every optimizer test stays bitwise), but every operation any
@@ -41,8 +42,8 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Iterable
-from typing import cast
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -240,7 +241,9 @@ def install_torch_clip_route() -> None:
 def _install_torch_clip_route() -> None:
     import torch.nn.utils.clip_grad as torch_clip
 
-    current = torch_clip.clip_grad_norm_
+    exposed = torch_clip.clip_grad_norm_  # torch's no_grad wrapper: the object every reference holds
+    cell = _implementation_cell(exposed)
+    current = cell.cell_contents if cell is not None else exposed
     if getattr(current, "_blockshard_route", False):
         return
 
@@ -259,6 +262,19 @@ def _install_torch_clip_route() -> None:
 
     clip_grad_norm_routed._blockshard_route = True  # type: ignore[attr-defined]
     clip_grad_norm_routed._blockshard_torch = current  # type: ignore[attr-defined]
+    if cell is not None:  # every reference to torch's function, however early bound
+        cell.cell_contents = clip_grad_norm_routed
+        exposed._blockshard_route = True  # type: ignore[attr-defined]
+        exposed._blockshard_torch = current  # type: ignore[attr-defined]
+        return
     torch_clip.clip_grad_norm_ = clip_grad_norm_routed
     if torch.nn.utils.clip_grad_norm_ is current:
         torch.nn.utils.clip_grad_norm_ = clip_grad_norm_routed
+
+
+def _implementation_cell(fn: Callable) -> Any:
+    """The closure cell of torch's ``_no_grad`` wrapper that holds the implementation, or None."""
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    if names != ("func",) or not fn.__closure__ or not callable(fn.__closure__[0].cell_contents):
+        return None
+    return fn.__closure__[0]

@@ -9,8 +9,9 @@ docstring, so FSDP2 code runs unchanged and never silently means something else.
 
 from __future__ import annotations
 
-import functools
 import math
+import threading
+import types
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
@@ -284,23 +285,33 @@ def install_torch_forward_method_route() -> None:
     """Route torch's ``register_fsdp_forward_method`` on a blockshard module to
     :func:`register_forward_method` (torch's returns without doing anything for a module that is
     not an ``FSDPModule``, so the method would run on the local pieces); idempotent. Other modules
-    go to torch's, unchanged. A name bound by ``from torch.distributed.fsdp import
-    register_fsdp_forward_method`` before the first ``fully_shard`` call still holds torch's."""
-    import torch.distributed.fsdp as fsdp
-    import torch.distributed.fsdp._fully_shard as fsdp_pkg
+    go to torch's code, unchanged. torch's function object itself is rerouted (its code replaced
+    by a call to the route, which torch's module namespace holds), so a name bound by ``from
+    torch.distributed.fsdp import register_fsdp_forward_method`` before the first ``fully_shard``
+    is routed too."""
     import torch.distributed.fsdp._fully_shard._fully_shard as fsdp_impl
 
-    current = fsdp_impl.register_fsdp_forward_method
-    if getattr(current, "_blockshard_route", False):
-        return
+    with _ROUTE_LOCK:  # ranks on threads may shard at once: reroute once
+        fn = fsdp_impl.register_fsdp_forward_method
+        if getattr(fn, "_blockshard_route", False):
+            return
+        torch_code = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
-    @functools.wraps(current)
-    def register_fsdp_forward_method_routed(module: nn.Module, method_name: str) -> None:
-        if state_of(module) is not None:
-            return register_forward_method(module, method_name)
-        return current(module, method_name)
+        def route(module: nn.Module, method_name: str) -> None:
+            if state_of(module) is not None:
+                return register_forward_method(module, method_name)
+            return torch_code(module, method_name)
 
-    register_fsdp_forward_method_routed._blockshard_route = True  # type: ignore[attr-defined]
-    for mod in (fsdp_impl, fsdp_pkg, fsdp):
-        if getattr(mod, "register_fsdp_forward_method", None) is current:
-            mod.register_fsdp_forward_method = register_fsdp_forward_method_routed  # type: ignore[attr-defined]
+        fsdp_impl.__dict__[_ROUTE_NAME] = route
+        fn.__code__ = _torch_forward_method_code.__code__
+        fn._blockshard_route = True  # type: ignore[attr-defined]
+
+
+_ROUTE_LOCK = threading.Lock()
+_ROUTE_NAME = "_blockshard_forward_method_route"
+
+
+def _torch_forward_method_code(module: nn.Module, method_name: str) -> None:
+    """The code torch's ``register_fsdp_forward_method`` runs once routed: the name resolves in
+    torch's module namespace, where :func:`install_torch_forward_method_route` put the route."""
+    return _blockshard_forward_method_route(module, method_name)  # type: ignore[name-defined] # noqa: F821

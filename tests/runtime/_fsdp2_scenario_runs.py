@@ -20,6 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+# Bound at import, before any fully_shard of the spawned rank, as scripts and torch's tests do:
+# blockshard routes torch's function objects themselves, not only the attributes.
+from torch.distributed.fsdp import register_fsdp_forward_method
+from torch.nn.utils import clip_grad_norm_
+
 DIM = 8
 W = 2
 
@@ -88,8 +93,9 @@ def _mean_loss(loss_fn, ref: nn.Module, inputs: list) -> torch.Tensor:
     return sum(loss_fn(ref, x) for x in inputs) / len(inputs)
 
 
-def _train(E, model, ref, inputs, loss_fn, steps=3, opt=torch.optim.Adam) -> None:
-    """``inputs(step, rank)``; the sharded model trains on its rank's, ``ref`` on all of them."""
+def _train(E, model, ref, inputs, loss_fn, steps=3, opt=torch.optim.Adam, max_norm=None) -> None:
+    """``inputs(step, rank)``; the sharded model trains on its rank's, ``ref`` on all of them;
+    with ``max_norm``, both clip their gradients with torch's ``clip_grad_norm_`` (bound early)."""
     o, ro = opt(model.parameters(), lr=1e-2), opt(ref.parameters(), lr=1e-2)
     rank = dist.get_rank()
     for step in range(steps):
@@ -97,6 +103,10 @@ def _train(E, model, ref, inputs, loss_fn, steps=3, opt=torch.optim.Adam) -> Non
         loss.backward()
         want = _mean_loss(loss_fn, ref, [inputs(step, r) for r in range(W)])
         want.backward()
+        if max_norm is not None:
+            norm, ref_norm = clip_grad_norm_(model.parameters(), max_norm), clip_grad_norm_(ref.parameters(), max_norm)
+            assert ref_norm > max_norm  # the clip acts
+            torch.testing.assert_close(norm.full_tensor() if E.name == "fsdp2" else norm, ref_norm)
         got = loss.detach().clone()
         dist.all_reduce(got)
         torch.testing.assert_close(got / W, want.detach(), msg=lambda m, s=step: f"loss step {s}: {m}")
@@ -290,16 +300,14 @@ class _ForwardMethodModel(nn.Module):
 
 def torch_register_fsdp_forward_method(E) -> None:
     """test_fully_shard_training's forward-method case: the root calls ``vit.encode``, registered
-    with *torch's* ``register_fsdp_forward_method`` (looked up after ``fully_shard``)."""
-    import torch.distributed.fsdp as fsdp
-
+    with *torch's* ``register_fsdp_forward_method`` (the name imported before any ``fully_shard``)."""
     torch.manual_seed(42)
     model = _ForwardMethodModel()
     ref = copy.deepcopy(model)
     E.fully_shard(model.vit)
     E.fully_shard(model.proj)
     E.fully_shard(model)
-    fsdp.register_fsdp_forward_method(model.vit, "encode")
+    register_fsdp_forward_method(model.vit, "encode")
     _train(E, model, ref, lambda s, r: _randn(10 * s + r, 2, DIM), _sum)
 
 
@@ -438,6 +446,18 @@ def partial_group_tied_chunks(E) -> None:
     _check(E.full(model), {n: p.detach() for n, p in ref.named_parameters()}, "params")
 
 
+def clipped(E) -> None:
+    """test_fully_shard_clip_grad_norm_'s loop, with ``clip_grad_norm_`` imported before any
+    ``fully_shard``: the norm of the whole gradients on every rank."""
+    torch.manual_seed(42)
+    model = nn.Sequential(MLP(), MLP())
+    ref = copy.deepcopy(model)
+    for m in model:
+        E.fully_shard(m)
+    E.fully_shard(model)
+    _train(E, model, ref, lambda s, r: _randn(10 * s + r, 4, DIM), _sum, max_norm=0.05)
+
+
 def frozen_mixed_per_group(E) -> None:
     """test_fully_shard_frozen: biases frozen in every group, one whole group frozen."""
     torch.manual_seed(42)
@@ -467,6 +487,7 @@ SCENARIOS = {
     "1F1B microbatching": microbatching_1f1b,
     "partial list group, tied, chunked head": partial_group_tied_chunks,
     "frozen parameters mixed per group": frozen_mixed_per_group,
+    "clip_grad_norm_ bound before fully_shard": clipped,
 }
 
 

@@ -7,7 +7,10 @@ failed the first seven before (an int ``reshard_after_forward`` raised, ``set_un
 and ``_set_unshard_async_op`` did not exist, ``full_state_dict`` raised for a checkpoint-wrapped
 list group and for a group nested in checkpoint wrappers, and torch's
 ``register_fsdp_forward_method`` left a blockshard module unregistered, so its method ran on the
-local pieces).
+local pieces); the last two of them import torch's ``register_fsdp_forward_method`` and
+``clip_grad_norm_`` before any ``fully_shard``, as scripts do (before blockshard rerouted torch's
+function objects themselves, those names kept torch's: the method ran on local pieces and the norm
+was the local one).
 """
 
 from __future__ import annotations
