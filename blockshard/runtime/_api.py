@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from blockshard._errors import QuantizedWeightError
 from blockshard.planner import GroupLayout, PlanItem, resolve_items
 from blockshard.planner._balance import rotate
 from blockshard.planner._policy import check_policy, choose_layout
@@ -119,6 +120,20 @@ def _check_fsdp_arguments(offload_policy: object) -> None:
             raise ShardingError(
                 f"offload_policy={offload_policy!r} must be torch's OffloadPolicy() or CPUOffloadPolicy()"
             )
+
+
+def _check_quantized_below(modules: list[nn.Module], semantics: object) -> None:
+    """``quantized_gather=True`` on a group with no tile-quantizer weight: fine for a root over
+    groups that have some (the same arguments passed to every call), else it would do nothing."""
+    below = (st for m in modules for sub in m.modules() if (st := state_of(sub)) is not None)
+    if any(isinstance(g, QuantizedGatherGroup) for st in below for g in st.groups):
+        return
+    raise QuantizedWeightError(
+        f"quantized_gather=True on {', '.join(type(m).__name__ for m in modules)}: semantics={semantics!r} gives "
+        "none of its parameters (nor of the groups sharded below it) a tile quantizer ('mx', 'mx:4' or "
+        "'fp8_block:B'), so nothing would be gathered quantized. Fix: pass semantics={'*_proj.weight': "
+        "'fp8_block:128'} (or 'mx'), or drop quantized_gather"
+    )
 
 
 def _ignored(ignored_params: object) -> set[int]:
@@ -333,6 +348,8 @@ def fully_shard(
         )
         if q_part[0]:
             parts.append(("quantized gather", q_part, functools.partial(QuantizedGatherGroup, quantizers=quantizers)))
+        else:
+            _check_quantized_below(modules, semantics)
     parts[:0] = [(None, part, ShardGroup) for part in split_by_dtype(names, params, refs)]  # [Note: mixed dtypes]
     groups, items, owned = [], [], frozenset[str]()
     for k, (label, (d_names, d_params, d_refs), make) in enumerate(parts):

@@ -200,6 +200,11 @@ def test_bad_input(gloo_w1):
     assert "'weight': its dtype is int8; quantized gather quantizes floating-point master weights" in msg
     msg = _shard_error(torch.nn.Linear(64, 64), semantics={"weight": "mx"}, quantized_gather="yes")
     assert "quantized_gather='yes' must be True or False" in msg
+    msg = _shard_error(torch.nn.Linear(64, 64), semantics="muon", quantized_gather=True)  # it would do nothing
+    assert "gives none of its parameters (nor of the groups sharded below it) a tile quantizer" in msg
+    root = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.LayerNorm(64))
+    blockshard.fully_shard(root[0], semantics={"weight": "fp8_block:128"}, quantized_gather=True)
+    blockshard.fully_shard(root, semantics={"0.weight": "fp8_block:128"}, quantized_gather=True)  # a root: fine
 
 
 @pytest.mark.slow
