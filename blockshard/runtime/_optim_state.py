@@ -53,15 +53,24 @@ from blockshard.runtime._piece_tensor import PieceTensor
 __all__ = ["load_optimizer_state_dict", "optimizer_state_dict"]
 
 
+def _name(fqn: str) -> str:
+    """A parameter's name in the state: without torch's ``checkpoint_wrapper`` level, as in
+    ``model.state_dict()`` (the wrapper's hooks drop it) and DCP's ``get_state_dict``, so state saved
+    with activation checkpointing loads without it and back."""
+    return fqn.replace("_checkpoint_wrapped_module.", "")
+
+
 def _by_param(model: nn.Module) -> dict[int, tuple[str, ShardedParam | None]]:
     """``id(param) -> (name, sharded param or None)`` for what ``model.parameters()`` yields."""
     out: dict[int, tuple[str, ShardedParam | None]] = {
-        id(sp.sharded): (_join(prefix, sp.fqn), sp) for prefix, st in _states_under(model) for sp in st.group.params
+        id(sp.sharded): (_name(_join(prefix, sp.fqn)), sp)
+        for prefix, st in _states_under(model)
+        for sp in st.group.params
     }
     gathered = {id(sp.unsharded) for _, st in _states_under(model) for sp in st.group.params}
     for name, p in model.named_parameters():  # parameters outside any group
         if id(p) not in out and id(p) not in gathered:
-            out[id(p)] = (name, None)
+            out[id(p)] = (_name(name), None)
     return out
 
 
@@ -219,7 +228,7 @@ def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | Non
             "Fix: build the same param_groups on every rank (a group may be empty)"
         )
     _check_one_kind([(n, k) for n, _, k in gathered])
-    order = {n: i for i, n in enumerate(n for n, _ in model.named_parameters())}
+    order = {_name(n): i for i, n in enumerate(n for n, _ in model.named_parameters())}
     return [sorted(set().union(*(n[i] for n, _, _ in gathered)), key=order.__getitem__) for i in range(len(names))]
 
 
