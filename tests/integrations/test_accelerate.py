@@ -126,10 +126,24 @@ def test_settings_from_the_environment(tmp_path, monkeypatch):
         (lambda c: c["fsdp_config"]["blockshard"].update(engine="fsdp2", policy="owner"), "needs the ragged engine"),
         (lambda c: c.update(mixed_precision="fp16"), "mixed_precision='fp16'"),
         (lambda c: c.update(distributed_type="MULTI_CPU"), "distributed_type='MULTI_CPU'.*set distributed_type: FSDP"),
-        (lambda c: c.update(num_processes=1), "num_processes=1"),
+        (lambda c: c.update(num_processes=0), "num_processes=0 .*at least one process"),
+        (
+            lambda c: (
+                c["fsdp_config"]["blockshard"].update(engine="fsdp2")
+                or c["fsdp_config"].update(fsdp_cpu_ram_efficient_loading=True)
+            ),
+            "fsdp_cpu_ram_efficient_loading=True .*needs the ragged engine",
+        ),
+        (
+            lambda c: c["fsdp_config"].update(fsdp_auto_wrap_policy="NO_WRAP", fsdp_activation_checkpointing=True),
+            "fsdp_activation_checkpointing=True .*no layer class is named",
+        ),
+        (
+            lambda c: c["fsdp_config"].update(fsdp_sync_module_states="yes"),
+            "fsdp_sync_module_states='yes' .*true or false",
+        ),
         (lambda c: c["fsdp_config"].update(fsdp_auto_wrap_policy="SIZE_BASED_WRAP"), "SIZE_BASED_WRAP"),
         (lambda c: c["fsdp_config"].update(fsdp_offload_params=True), "fsdp_offload_params=True .*would be ignored"),
-        (lambda c: c["fsdp_config"].update(fsdp_activation_checkpointing=True), "fsdp_activation_checkpointing"),
         (lambda c: c["fsdp_config"].update(fsdp_reshard_after_forward="HYBRID_SHARD"), "fsdp_reshard_after_forward"),
         (lambda c: c["fsdp_config"].update(fsdp_auto_wrap_policy="BY_SIZE"), "fsdp_auto_wrap_policy=BY_SIZE"),
         (lambda c: c["fsdp_config"].update(fsdp_version=1), "fsdp_version=1 .*set fsdp_version: 2"),
@@ -141,8 +155,6 @@ def test_settings_from_the_environment(tmp_path, monkeypatch):
                 ("fsdp_ignored_modules", "head"),
                 ("fsdp_sharding_strategy", "SHARD_GRAD_OP"),
                 ("fsdp_state_dict_type", "FULL_STATE_DICT"),
-                ("fsdp_cpu_ram_efficient_loading", True),
-                ("fsdp_sync_module_states", True),
                 ("fsdp_float8_all_gather", True),
                 ("fsdp_forward_prefetch", True),
                 ("fsdp_backward_prefetch", "BACKWARD_PRE"),
@@ -171,6 +183,24 @@ def test_neutral_values_of_ignored_keys_are_accepted(tmp_path):
     )
     config["dynamo_config"] = {"dynamo_backend": "NO"}
     assert load_settings(_write(tmp_path, config)) is not None
+
+
+def test_settings_honour_accelerates_fsdp_defaults_and_one_process(tmp_path):
+    """What ``accelerate config`` writes for FSDP users (cpu-RAM-efficient loading, which turns on
+    sync_module_states; activation checkpointing when asked), accepted and read, at one process too."""
+    config = _config()
+    config["num_processes"] = 1
+    config["fsdp_config"].update(
+        fsdp_cpu_ram_efficient_loading=True, fsdp_sync_module_states="true", fsdp_activation_checkpointing=True
+    )
+    s = load_settings(_write(tmp_path, config))
+    assert s is not None and (s.cpu_ram_efficient_loading, s.sync_module_states, s.activation_checkpointing) == (
+        True,
+        True,
+        True,
+    )
+    s = load_settings(_write(tmp_path, _config()))
+    assert s is not None and not (s.cpu_ram_efficient_loading or s.sync_module_states or s.activation_checkpointing)
 
 
 def test_settings_are_a_value_error():
@@ -221,8 +251,9 @@ def test_prepare_refuses_what_it_cannot_shard():
     model, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     with pytest.raises(AccelerateConfigError, match=r"prepare\(\) got 2 models"):
         _accelerator().prepare(model, other)
-    with pytest.raises(AccelerateConfigError, match=r"found 1 process .*num_processes >= 2"):
-        _accelerator(num_processes=1)._shard(model, [])
+    # one process is a world of 1 (blockshard starts its process group); more need the launcher's
+    with pytest.raises(AccelerateConfigError, match=r"found 2 processes but no torch.distributed process group"):
+        _accelerator(num_processes=2)._shard(model, [])
     foreign = torch.optim.SGD([*model.parameters(), torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(AccelerateConfigError, match="holds 1 tensors that are not parameters of the prepared model"):
         _accelerator()._shard(model, [foreign])
@@ -297,7 +328,8 @@ def test_example_configs_are_what_the_cli_writes(tmp_path, engine):
     ("args", "match"),
     [
         (["--engine", "zero3"], "--engine='zero3' is not one of"),
-        (["--num-processes", "1"], "--num-processes=1"),
+        (["--num-processes", "0"], "--num-processes=0: pass 1 or more"),
+        (["--engine", "deepspeed", "--num-processes", "1"], "--num-processes=1 with --engine deepspeed"),
         (["--semantics", "bogus"], "unknown semantics 'bogus'"),
         (["--policy", "x"], "--policy='x' is not a placement policy"),
         (["--engine", "fsdp2", "--policy", "owner"], "--policy='owner' needs --engine ragged"),
