@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from blockshard.runtime._api import _join, _states_under
+from blockshard.runtime._inspect import state_name as _name
 from blockshard.runtime._optim_codecs import decode_state, encode_state
 from blockshard.runtime._optim_guard import uncounted_steps
 from blockshard.runtime._param import ShardedParam
@@ -53,19 +54,10 @@ from blockshard.runtime._piece_tensor import PieceTensor
 __all__ = ["load_optimizer_state_dict", "optimizer_state_dict"]
 
 
-def _name(fqn: str) -> str:
-    """A parameter's name in the state: without torch's ``checkpoint_wrapper`` level, as in
-    ``model.state_dict()`` (the wrapper's hooks drop it) and DCP's ``get_state_dict``, so state saved
-    with activation checkpointing loads without it and back."""
-    return fqn.replace("_checkpoint_wrapped_module.", "")
-
-
 def _by_param(model: nn.Module) -> dict[int, tuple[str, ShardedParam | None]]:
     """``id(param) -> (name, sharded param or None)`` for what ``model.parameters()`` yields."""
     out: dict[int, tuple[str, ShardedParam | None]] = {
-        id(sp.sharded): (_name(_join(prefix, sp.fqn)), sp)
-        for prefix, st in _states_under(model)
-        for sp in st.group.params
+        id(sp.sharded): (_join(prefix, sp.fqn), sp) for prefix, st in _states_under(model) for sp in st.group.params
     }
     gathered = {id(sp.unsharded) for _, st in _states_under(model) for sp in st.group.params}
     for name, p in model.named_parameters():  # parameters outside any group
