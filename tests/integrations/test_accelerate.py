@@ -421,11 +421,28 @@ def _check_sharded(infos: list[dict], distributed_type: str = "DistributedType.M
     assert infos[0]["norms"] == infos[1]["norms"]  # the same global norm on every rank
 
 
+def _honouring(example: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    """``example`` with what ``accelerate config`` writes for FSDP users that blockshard honours:
+    rank 0's weights broadcast before sharding, activation checkpointing of the layer modules.
+    Launched with ``--seed-per-rank`` (rank r seeds its model with r), it still equals one process
+    seeded with 0, so rank 0's weights were trained; the checkpoint recompute re-gathers."""
+    config = yaml.safe_load(example.read_text())
+    config["fsdp_config"].update(fsdp_sync_module_states=True, fsdp_activation_checkpointing=True)
+    path = tmp_path / f"{example.stem}-honouring.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 @pytest.mark.slow
 def test_ragged_engine_equals_one_process_and_resumes_bitwise(tmp_path, reference):
-    """Also: the config ``blockshard accelerate-config --cpu --layers Block`` writes launches (the
-    W = 2 resume runs with it; the same settings as ragged.yaml)."""
-    infos, state = _launch(EXAMPLES / "ragged.yaml", tmp_path / "run", "--save-at", "2", "--ckpt", str(tmp_path / "ck"))
+    """Launched with ragged.yaml plus ``fsdp_sync_module_states`` and ``fsdp_activation_checkpointing``
+    (see :func:`_honouring`); each rank seeds its model with its rank. Also: the config ``blockshard
+    accelerate-config --cpu --layers Block`` writes launches (the W = 2 resume runs with it, the
+    W = 4 one with ragged.yaml: a checkpoint saved with activation checkpointing loads without it)."""
+    config = _honouring(EXAMPLES / "ragged.yaml", tmp_path)
+    infos, state = _launch(
+        config, tmp_path / "run", "--seed-per-rank", "--save-at", "2", "--ckpt", str(tmp_path / "ck")
+    )
     ref_info, ref_state = reference()
     _check_sharded(infos)
     total = infos[0]["total_numel"]
@@ -455,9 +472,12 @@ def test_ragged_engine_equals_one_process_and_resumes_bitwise(tmp_path, referenc
 @pytest.mark.slow
 def test_fsdp2_engine_accumulates_equals_one_process_and_resumes_bitwise(tmp_path, reference_accumulating):
     """With ``gradient_accumulation_steps=2`` (``accelerator.accumulate``: FSDP2 reduce-scatters each
-    micro-batch, the optimizer steps on the second) against one process accumulating the same way."""
+    micro-batch, the optimizer steps on the second) against one process accumulating the same way;
+    fsdp2.yaml plus ``fsdp_sync_module_states`` and ``fsdp_activation_checkpointing``, each rank
+    seeding its model with its rank; the resume runs with fsdp2.yaml (no checkpointing)."""
     ckpt = ["--ckpt", str(tmp_path / "ck"), "--accumulate", "2"]
-    infos, state = _launch(EXAMPLES / "fsdp2.yaml", tmp_path / "run", "--save-at", "2", *ckpt)
+    config = _honouring(EXAMPLES / "fsdp2.yaml", tmp_path)
+    infos, state = _launch(config, tmp_path / "run", "--seed-per-rank", "--save-at", "2", *ckpt)
     ref_info, ref_state = reference_accumulating()
     _check_sharded(infos)
     assert len(infos[0]["norms"]) == 4 and infos[0]["norms"] == pytest.approx(ref_info["norms"], rel=1e-6)
@@ -489,3 +509,131 @@ def test_control_stock_accelerate_does_not_shard(tmp_path):
         "DistributedType.NO"
     }
     assert all(i["local_numel"] == i["total_numel"] for i in infos)
+
+
+# -- rank 0's weights and activation checkpointing, in process (2 gloo threads) -------------------------
+def _inproc():
+    sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+    try:
+        import _inproc
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "runtime"))
+    return _inproc
+
+
+def _run_ranks(fn):
+    return _inproc().run_ranks(fn, 2)
+
+
+def _net(seed: int, meta: bool = False):
+    import torch
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from train import Net
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    torch.manual_seed(seed)
+    if not meta:
+        return Net(dim=7, hidden=9, layers=2)
+    with torch.device("meta"):
+        return Net(dim=7, hidden=9, layers=2)
+
+
+def _full(model) -> dict:
+    import blockshard
+
+    return {k: v.clone() for k, v in blockshard.full_state_dict(model).items()}
+
+
+def test_rank0s_weights_reach_every_rank():
+    """Ranks that build other weights (another seed; on meta off rank 0 for cpu-RAM-efficient loading)
+    shard rank 0's, bitwise; control: without either setting each rank shards its own, and the
+    gathered model is a mix of both ranks' pieces (rank 0's on neither). One run of 2 gloo threads."""
+    import torch
+
+    from blockshard.integrations.accelerate._shard import shard_model
+
+    cases = {"sync_module_states": True, "cpu_ram_efficient_loading": True, "none": False}
+    # built here, not in the threads: they share torch's default generator
+    models = {c: [_net(seed=r, meta=(r > 0 and c == "cpu_ram_efficient_loading")) for r in range(2)] for c in cases}
+
+    def rank(r: int, w: int):
+        out = {}
+        for case in cases:
+            settings = AccelerateSettings(layers=("Block",), **({case: True} if cases[case] else {}))
+            shard_model(models[case][r], settings)
+            out[case] = _full(models[case][r])
+        return out
+
+    full = _run_ranks(rank)
+    rank0 = _net(seed=0).state_dict()
+    for case, expected in cases.items():
+        assert sorted(full[0][case]) == sorted(rank0)
+        equal = [all(torch.equal(f[case][k], rank0[k]) for k in rank0) for f in full]
+        assert equal == [expected, expected], case
+
+
+@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+def test_cpu_ram_efficient_loading_fills_the_shards_from_rank0_and_resumes_on_one_process(tmp_path):
+    """``fsdp_cpu_ram_efficient_loading: true`` (with ``fsdp_sync_module_states: true``, as
+    ``accelerate config`` writes them) on a tiny Llama (``tests/integrations/_acc_hf_load.py``): rank 0
+    loads it with ``from_pretrained``, rank 1 builds it on meta; 4 steps equal one process that
+    loaded the same weights **bitwise**. The checkpoint saved after step 2 resumes on one process
+    (``blockshard accelerate-config --num-processes 1``, a world of 1) **bitwise** like the W = 2 run."""
+    script = ROOT / "tests" / "integrations" / "_acc_hf_load.py"
+    assert cli_main(["accelerate-config", "--cpu", "--layers", "LlamaDecoderLayer", "--out", str(tmp_path / "w2")]) == 0
+    config = yaml.safe_load((tmp_path / "w2" / "accelerate.yaml").read_text())
+    config["fsdp_config"].update(fsdp_cpu_ram_efficient_loading=True, fsdp_sync_module_states=True)
+    (tmp_path / "w2" / "accelerate.yaml").write_text(yaml.safe_dump(config))
+    ckpt = ["--ckpt", str(tmp_path / "ck")]
+    run = _start(
+        tmp_path / "w2" / "accelerate.yaml",
+        tmp_path / "run",
+        "--pretrained",
+        str(tmp_path / "llama"),
+        "--save-at",
+        "2",
+        *ckpt,
+        script=script,
+    )
+    ref_cmd = [sys.executable, str(script), "--out", str(tmp_path / "ref"), "--pretrained", str(tmp_path / "ref-llama")]
+    ref = Background(ref_cmd, tmp_path / "ref.log", env=_env(), cwd=ROOT, timeout=300)  # beside the launch
+    run.wait()
+    ref.wait()
+    infos, state = _results(tmp_path / "run", 2)
+    (ref_info,), ref_state = _results(tmp_path / "ref", 1)
+    assert [i["world_size"] for i in infos] == [2, 2] and all(i["sharded"] for i in infos)
+    assert [i["params_on_meta_before_prepare"] for i in infos] == [0, infos[1]["params"]]  # rank 1: all on meta
+    assert ref_info["world_size"] == 1 and not ref_info["sharded"]  # stock Accelerate, one process
+    assert infos[0]["norms"] == ref_info["norms"]
+    assert _max_diff(state, ref_state) == 0.0
+    assert (
+        cli_main(
+            [
+                "accelerate-config",
+                "--cpu",
+                "--num-processes",
+                "1",
+                "--layers",
+                "LlamaDecoderLayer",
+                "--out",
+                str(tmp_path / "w1"),
+            ]
+        )
+        == 0
+    )
+    resumed_infos, resumed = _launch(
+        tmp_path / "w1" / "accelerate.yaml",
+        tmp_path / "w1run",
+        "--pretrained",
+        str(tmp_path / "llama"),
+        "--resume-at",
+        "2",
+        *ckpt,
+        script=script,
+        ranks=1,
+    )
+    assert resumed_infos[0]["world_size"] == 1 and resumed_infos[0]["sharded"]
+    assert resumed_infos[0]["norms"] == infos[0]["norms"][2:]
+    assert _max_diff(resumed, state) == 0.0
