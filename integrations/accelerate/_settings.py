@@ -177,7 +177,9 @@ def load_settings(path: str | None = None) -> AccelerateSettings | None:
         layers=_layers(section, fsdp, path),
         reshard_after_forward=_reshard(fsdp, path),
         mixed_precision=str(config.get("mixed_precision") or "no"),
-        **{field: _flag(fsdp, f"fsdp_{field}", path) for field in _HONOURED},
+        sync_module_states=_flag(fsdp, "fsdp_sync_module_states", path),
+        cpu_ram_efficient_loading=_flag(fsdp, "fsdp_cpu_ram_efficient_loading", path),
+        activation_checkpointing=_flag(fsdp, "fsdp_activation_checkpointing", path),
         source=path,
     )
 
@@ -213,10 +215,6 @@ def _layers(section: dict, fsdp: dict, path: str) -> tuple[str, ...]:
         )
     names = [c.strip() for c in (classes if isinstance(classes, str) else ",".join(classes)).split(",") if c.strip()]
     return tuple(names) if wrap == "TRANSFORMER_BASED_WRAP" else ()
-
-
-# fsdp_config flags blockshard honours (AccelerateSettings fields without the fsdp_ prefix)
-_HONOURED = ("sync_module_states", "cpu_ram_efficient_loading", "activation_checkpointing")
 
 
 def _flag(fsdp: dict, key: str, path: str) -> bool:

@@ -38,30 +38,27 @@ def on_meta(model: nn.Module) -> list[str]:
 
 
 def _meta_anywhere(model: nn.Module, key: str) -> bool:
-    """Whether any rank's model has meta tensors (collective); rank 0's may not."""
+    """Whether any rank's model has meta tensors (collective; every rank raises if rank 0's has)."""
     mine = on_meta(model)
-    if dist.get_rank() == 0 and mine:
+    flags = torch.tensor([1 if mine and dist.get_rank() == 0 else 0, 1 if mine else 0])
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if flags[0]:
         raise AccelerateConfigError(
-            f"{key}=True: rank 0 holds the weights every rank receives, but its model has {len(mine)} parameters "
-            f"or buffers on the meta device (first: {mine[0]!r}); load the weights on rank 0 (from_pretrained "
-            "under accelerate launch does), or build the model for real there"
+            f"{key}=True: rank 0 holds the weights every rank receives, but its model has parameters or buffers "
+            "on the meta device; load the weights on rank 0 (from_pretrained), or build the model for real there"
         )
-    flag = torch.tensor([1 if mine else 0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return bool(flags[1])
 
 
 @torch.no_grad()
 def broadcast_module_states(model: nn.Module) -> None:
     """Every parameter and buffer of the (unsharded) model from rank 0, in ``named_parameters`` then
-    ``named_buffers`` order (the same on every rank: the same model class)."""
+    ``named_buffers`` order (the same on every rank: the same model class). Collective."""
     if _meta_anywhere(model, "fsdp_sync_module_states"):
         raise AccelerateConfigError(
-            f"fsdp_sync_module_states=True: {len(on_meta(model))} parameters or buffers of this rank's model are on "
-            "the meta device (first: "
-            f"{(on_meta(model) or ['another rank'])[0]!r}), so there is nothing to broadcast into before sharding; "
-            "set fsdp_cpu_ram_efficient_loading: true as well (rank 0's weights then fill the shards), or build "
-            "the model for real on every rank"
+            "fsdp_sync_module_states=True: a rank's model has parameters or buffers on the meta device, so there "
+            "is nothing to broadcast into before sharding; set fsdp_cpu_ram_efficient_loading: true as well "
+            "(rank 0's weights then fill the shards), or build the model for real on every rank"
         )
     for _, t in [*model.named_parameters(), *model.named_buffers()]:
         dist.broadcast(t.data, src=0)

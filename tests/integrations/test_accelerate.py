@@ -568,20 +568,31 @@ def test_rank0s_weights_reach_every_rank():
     # built here, not in the threads: they share torch's default generator
     models = {c: [_net(seed=r, meta=(r > 0 and c == "cpu_ram_efficient_loading")) for r in range(2)] for c in cases}
 
+    # refused on every rank (no rank left waiting in a collective): rank 0 on meta; meta without a fill
+    refused = {"cpu_ram_efficient_loading": 0, "sync_module_states": 1}
+    meta_models = {c: [_net(seed=0, meta=r == on) for r in range(2)] for c, on in refused.items()}
+
     def rank(r: int, w: int):
-        out = {}
+        out, errors = {}, []
         for case in cases:
             settings = AccelerateSettings(layers=("Block",), **({case: True} if cases[case] else {}))
             shard_model(models[case][r], settings)
             out[case] = _full(models[case][r])
-        return out
+        for case in refused:
+            with pytest.raises(AccelerateConfigError) as err:
+                shard_model(meta_models[case][r], AccelerateSettings(layers=("Block",), **{case: True}))
+            errors.append(str(err.value))
+        return out, errors
 
-    full = _run_ranks(rank)
+    results = _run_ranks(rank)
     rank0 = _net(seed=0).state_dict()
     for case, expected in cases.items():
-        assert sorted(full[0][case]) == sorted(rank0)
-        equal = [all(torch.equal(f[case][k], rank0[k]) for k in rank0) for f in full]
+        assert sorted(results[0][0][case]) == sorted(rank0)
+        equal = [all(torch.equal(f[case][k], rank0[k]) for k in rank0) for f, _ in results]
         assert equal == [expected, expected], case
+    for _, (ram, sync) in results:
+        assert re.search(r"fsdp_cpu_ram_efficient_loading=True: rank 0 .* on the meta device", ram), ram
+        assert re.search(r"fsdp_sync_module_states=True: .*set fsdp_cpu_ram_efficient_loading: true", sync), sync
 
 
 @pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
