@@ -14,6 +14,10 @@
 * ``prepare``: shards the model (each ``fsdp_transformer_layer_cls_to_wrap`` module bottom-up, then
   the root) with ``blockshard.fully_shard`` or ``blockshard.integrations.fsdp2.fully_shard``, and
   points the optimizers passed with it at the sharded parameters (by name; they must not have stepped).
+  Before sharding it wraps the layers for ``fsdp_activation_checkpointing`` and broadcasts rank 0's
+  weights for ``fsdp_sync_module_states``; with ``fsdp_cpu_ram_efficient_loading`` it fills the shards
+  from rank 0 after sharding ([Note: weights from rank 0] in ``_weights.py``). One process
+  (``num_processes: 1``): accelerate starts no process group, so blockshard starts one of one rank.
 * ``prepare_model``: returns a model sharded by blockshard as it is (accelerate would wrap it in
   DDP, which fails on ragged pieces).
 * ``clip_grad_norm_``: the global norm over every rank's pieces (``blockshard.clip_grad_norm_``).
