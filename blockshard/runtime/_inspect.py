@@ -89,5 +89,12 @@ def local_buffers(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def state_name(fqn: str) -> str:
+    """A name as ``state_dict()`` gives it: without torch's ``checkpoint_wrapper`` level (its
+    hooks drop ``_checkpoint_wrapped_module.``, as DCP's ``get_state_dict`` does), so state saved
+    with activation checkpointing loads without it and back."""
+    return fqn.replace("_checkpoint_wrapped_module.", "")
+
+
 def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
+    return state_name(f"{prefix}.{name}" if prefix else name)

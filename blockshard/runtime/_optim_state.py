@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from blockshard.runtime._api import _join, _states_under
+from blockshard.runtime._inspect import state_name as _name
 from blockshard.runtime._optim_codecs import decode_state, encode_state
 from blockshard.runtime._optim_guard import uncounted_steps
 from blockshard.runtime._param import ShardedParam
@@ -61,7 +62,7 @@ def _by_param(model: nn.Module) -> dict[int, tuple[str, ShardedParam | None]]:
     gathered = {id(sp.unsharded) for _, st in _states_under(model) for sp in st.group.params}
     for name, p in model.named_parameters():  # parameters outside any group
         if id(p) not in out and id(p) not in gathered:
-            out[id(p)] = (name, None)
+            out[id(p)] = (_name(name), None)
     return out
 
 
@@ -219,7 +220,7 @@ def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | Non
             "Fix: build the same param_groups on every rank (a group may be empty)"
         )
     _check_one_kind([(n, k) for n, _, k in gathered])
-    order = {n: i for i, n in enumerate(n for n, _ in model.named_parameters())}
+    order = {_name(n): i for i, n in enumerate(n for n, _ in model.named_parameters())}
     return [sorted(set().union(*(n[i] for n, _, _ in gathered)), key=order.__getitem__) for i in range(len(names))]
 
 

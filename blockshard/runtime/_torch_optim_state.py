@@ -15,7 +15,7 @@ from torch import nn
 
 from blockshard.runtime._api import _states_under
 from blockshard.runtime._optim_codecs import _pg
-from blockshard.runtime._optim_state import _by_param, load_optimizer_state_dict, optimizer_state_dict
+from blockshard.runtime._optim_state import _by_param, _name, load_optimizer_state_dict, optimizer_state_dict
 from blockshard.runtime._param import ShardedParam
 from blockshard.runtime._piece_tensor import PieceTensor
 
@@ -73,7 +73,7 @@ def _with_every_rank_state(model: nn.Module, osd: dict[str, Any]) -> dict[str, A
             sps = dict(_by_param(model).values())
             for n in union - set(state):
                 state[n] = _empty_pieces(next(s[n] for s in shared if n in s), n, sps[n])
-    order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+    order = {_name(n): i for i, (n, _) in enumerate(model.named_parameters())}
     osd["state"] = {n: state[n] for n in sorted(state, key=lambda n: (order.get(n, len(order)), n))}
     return osd
 

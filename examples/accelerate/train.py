@@ -75,11 +75,16 @@ def main() -> None:
     p.add_argument("--resume-at", type=int, help="accelerator.load_state(--ckpt), then train from this step on")
     p.add_argument("--ckpt", default="ckpt")
     p.add_argument("--out", help="write the results here (FILE.json, FILE.pt)")
+    p.add_argument(
+        "--seed-per-rank",
+        action="store_true",
+        help="seed each rank's model with its rank (fsdp_sync_module_states makes them all rank 0's)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
 
     accelerator = Accelerator(gradient_accumulation_steps=args.accumulate)
-    torch.manual_seed(0)
+    torch.manual_seed(int(os.environ.get("RANK", "0")) if args.seed_per_rank else 0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)

@@ -32,6 +32,11 @@ Everything else comes from the config file (``blockshard accelerate-config`` wri
     num_processes: 2
     use_cpu: true
 
+Of accelerate's own FSDP keys blockshard also honours ``fsdp_sync_module_states`` (rank 0's weights
+broadcast before sharding), ``fsdp_cpu_ram_efficient_loading`` (ragged engine: the shards filled from
+rank 0, the other ranks may build on meta) and ``fsdp_activation_checkpointing`` (``checkpoint_wrapper``
+around each layer module); ``num_processes: 1`` runs as a world of one rank.
+
 The processes find the file through ``BLOCKSHARD_ACCELERATE_CONFIG`` or, by default, the
 ``--config_file`` of the ``accelerate launch`` that started them ([Note: where the settings live] in
 ``_settings.py``). Settings blockshard would ignore or that conflict raise

@@ -14,6 +14,10 @@
 * ``prepare``: shards the model (each ``fsdp_transformer_layer_cls_to_wrap`` module bottom-up, then
   the root) with ``blockshard.fully_shard`` or ``blockshard.integrations.fsdp2.fully_shard``, and
   points the optimizers passed with it at the sharded parameters (by name; they must not have stepped).
+  Before sharding it wraps the layers for ``fsdp_activation_checkpointing`` and broadcasts rank 0's
+  weights for ``fsdp_sync_module_states``; with ``fsdp_cpu_ram_efficient_loading`` it fills the shards
+  from rank 0 after sharding ([Note: weights from rank 0] in ``_weights.py``). One process
+  (``num_processes: 1``): accelerate starts no process group, so blockshard starts one of one rank.
 * ``prepare_model``: returns a model sharded by blockshard as it is (accelerate would wrap it in
   DDP, which fails on ragged pieces).
 * ``clip_grad_norm_``: the global norm over every rank's pieces (``blockshard.clip_grad_norm_``).
@@ -107,6 +111,20 @@ def check_accelerator(settings: AccelerateSettings, mixed_precision: str, dynamo
         )
 
 
+def _init_world1(num_processes: int, settings: AccelerateSettings) -> None:
+    """A gloo process group of one rank for a run of one process (accelerate starts none for
+    ``DistributedType.NO``): blockshard's engines issue their collectives on it (a world of 1:
+    each rank's shard is the whole model, checkpoints reshard to and from it)."""
+    if num_processes != 1:
+        raise AccelerateConfigError(
+            f"blockshard's {settings.engine} engine from {settings.source} found {num_processes} processes but no "
+            "torch.distributed process group; launch with accelerate launch (or torchrun)"
+        )
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # end_training destroys it
+
+
 class Accelerator(accelerate.Accelerator):
     """``accelerate.Accelerator`` that shards with blockshard when the launch config has an
     ``fsdp_config.blockshard`` mapping (see the module docstring); ``blockshard_settings`` overrides it."""
@@ -158,11 +176,6 @@ class Accelerator(accelerate.Accelerator):
     def _shard(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
         settings = self.blockshard_settings
         assert settings is not None
-        if self.num_processes < 2:
-            raise AccelerateConfigError(
-                f"blockshard's {settings.engine} engine from {settings.source} found {self.num_processes} process "
-                f"(distributed_type {self.distributed_type}); launch with accelerate launch and num_processes >= 2"
-            )
         names = {id(p): n for n, p in model.named_parameters()}
         for opt in optimizers:
             if opt.state:
@@ -176,11 +189,16 @@ class Accelerator(accelerate.Accelerator):
                     f"an optimizer passed to prepare() holds {len(unknown)} tensors that are not parameters of the "
                     "prepared model; build it over model.parameters() (or named subsets of them)"
                 )
-        from blockshard.integrations.accelerate._shard import shard_model
+        if not torch.distributed.is_initialized():  # one process: accelerate starts no process group
+            _init_world1(self.num_processes, settings)
+        from blockshard.integrations.accelerate._shard import checkpoint_layers, shard_model
+        from blockshard.integrations.accelerate._weights import on_meta
 
-        if self.device_placement:
-            model.to(self.device)  # shard where it trains (a no-op on CPU)
-        shard_model(model, settings)
+        checkpoint_layers(model, settings)  # the same parameter objects under longer names
+        names = {id(p): n for n, p in model.named_parameters()}
+        if self.device_placement and not on_meta(model):
+            model.to(self.device)  # shard where it trains (a no-op on CPU); meta ranks materialize their shards there
+        shard_model(model, settings, self.device)
         self._blockshard_models.append(model)
         new = dict(model.named_parameters())
         for opt in optimizers:  # every piece, empty ones too ([Note: empty pieces hold no state] in _optim_state.py)

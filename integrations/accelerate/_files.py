@@ -76,9 +76,12 @@ def write_configs(
 
     if engine not in ENGINES:
         raise AccelerateConfigError(f"--engine={engine!r} is not one of {', '.join(ENGINES)}")
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 2:
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise AccelerateConfigError(f"--num-processes={num_processes!r}: pass 1 or more")
+    if engine == "deepspeed" and num_processes < 2:
         raise AccelerateConfigError(
-            f"--num-processes={num_processes!r}: blockshard shards across processes; pass 2 or more"
+            "--num-processes=1 with --engine deepspeed: ZeRO partitions nothing on one process, so blockshard's hook "
+            "has nothing to align; pass 2 or more, or --engine ragged (one process resumes its checkpoints)"
         )
     check_policy(policy, "--policy")
     SemanticsRules.coerce(semantics)

@@ -45,6 +45,9 @@ class AccelerateSettings:
     layers: tuple[str, ...] = ()  # class names sharded bottom-up before the root
     reshard_after_forward: bool = True
     mixed_precision: str = "no"
+    sync_module_states: bool = False  # broadcast rank 0's weights before sharding ([Note: weights from rank 0])
+    cpu_ram_efficient_loading: bool = False  # rank 0 holds the weights, the others may be on meta
+    activation_checkpointing: bool = False  # checkpoint_wrapper on every layer module before sharding
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -71,6 +74,18 @@ class AccelerateSettings:
             raise AccelerateConfigError(
                 f"mixed_precision={self.mixed_precision!r}{where} is not supported by blockshard's {self.engine} engine "
                 "(it runs 'no' or 'bf16': bf16 parameters, fp32 gradient reduction); set mixed_precision to one of them"
+            )
+        if self.engine == "fsdp2" and self.cpu_ram_efficient_loading:
+            raise AccelerateConfigError(
+                f"fsdp_cpu_ram_efficient_loading=True{where} needs the ragged engine (it fills the shards from rank 0 "
+                "one group at a time); set engine: ragged, or fsdp_cpu_ram_efficient_loading: false (every rank then "
+                "loads the weights; fsdp_sync_module_states: true makes them rank 0's)"
+            )
+        if self.activation_checkpointing and not self.layers:
+            raise AccelerateConfigError(
+                f"fsdp_activation_checkpointing=True{where} checkpoints the layer modules, but no layer class is named; "
+                "set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP with fsdp_transformer_layer_cls_to_wrap, "
+                "or fsdp_activation_checkpointing: false"
             )
         if self.engine == "fsdp2" and self.policy == "owner":
             raise AccelerateConfigError(
@@ -162,6 +177,9 @@ def load_settings(path: str | None = None) -> AccelerateSettings | None:
         layers=_layers(section, fsdp, path),
         reshard_after_forward=_reshard(fsdp, path),
         mixed_precision=str(config.get("mixed_precision") or "no"),
+        sync_module_states=_flag(fsdp, "fsdp_sync_module_states", path),
+        cpu_ram_efficient_loading=_flag(fsdp, "fsdp_cpu_ram_efficient_loading", path),
+        activation_checkpointing=_flag(fsdp, "fsdp_activation_checkpointing", path),
         source=path,
     )
 
@@ -172,9 +190,10 @@ def _check_distributed(config: dict, path: str) -> None:
             f"distributed_type={config.get('distributed_type')!r} in {path} ignores fsdp_config (accelerate launch "
             "then starts one process on CPU or exports no FSDP settings); set distributed_type: FSDP"
         )
-    if int(config.get("num_processes", 1)) < 2:
+    if int(config.get("num_processes", 1)) < 1:
         raise AccelerateConfigError(
-            f"num_processes={config.get('num_processes')!r} in {path}: blockshard shards across processes; set 2 or more"
+            f"num_processes={config.get('num_processes')!r} in {path}: blockshard needs at least one process; set 1 "
+            "or more"
         )
 
 
@@ -198,6 +217,15 @@ def _layers(section: dict, fsdp: dict, path: str) -> tuple[str, ...]:
     return tuple(names) if wrap == "TRANSFORMER_BASED_WRAP" else ()
 
 
+def _flag(fsdp: dict, key: str, path: str) -> bool:
+    value = fsdp.get(key, False)
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise AccelerateConfigError(f"{key}={value!r} in {path} must be true or false")
+
+
 def _reshard(fsdp: dict, path: str) -> bool:
     value = fsdp.get("fsdp_reshard_after_forward", True)
     if isinstance(value, str):
@@ -215,7 +243,6 @@ def _reshard(fsdp: dict, path: str) -> bool:
 # (the first one is the one the message suggests), and what the key would have asked for.
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "fsdp_offload_params": ((False,), "CPU offload of parameters"),
-    "fsdp_activation_checkpointing": ((False,), "activation checkpointing (apply it to the model yourself)"),
     "fsdp_activation_checkpointing_offload": ((False,), "offloaded activation checkpointing"),
     "fsdp_ignored_modules": ((None,), "modules left unsharded"),
     "fsdp_sharding_strategy": (("FULL_SHARD", 1), "FSDP1's strategy; use fsdp_reshard_after_forward"),
@@ -224,11 +251,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
         "the save_state format: blockshard always writes one sharded DCP checkpoint "
         "(accelerator.get_state_dict gives full tensors)",
     ),
-    "fsdp_cpu_ram_efficient_loading": (
-        (False,),
-        "rank 0 loading the weights for the others: blockshard broadcasts nothing, each rank shards the model it built",
-    ),
-    "fsdp_sync_module_states": ((False,), "a broadcast of rank 0's weights: build the same model on every rank"),
     "fsdp_float8_all_gather": ((False,), "float8 all-gathers"),
     "fsdp_forward_prefetch": ((False,), "FSDP1's forward prefetch"),
     "fsdp_backward_prefetch": ((None, "NO_PREFETCH"), "FSDP1's backward prefetch"),

@@ -13,7 +13,7 @@ from torch import nn
 
 from blockshard.integrations.accelerate._settings import AccelerateConfigError, AccelerateSettings
 
-__all__ = ["load_model", "save_model", "shard_model"]
+__all__ = ["checkpoint_layers", "load_model", "save_model", "shard_model"]
 
 
 def _layers(model: nn.Module, settings: AccelerateSettings) -> list[nn.Module]:
@@ -28,12 +28,37 @@ def _layers(model: nn.Module, settings: AccelerateSettings) -> list[nn.Module]:
     return found
 
 
-def shard_model(model: nn.Module, settings: AccelerateSettings) -> None:
-    """Shard every layer module bottom-up (deepest first), then the root, as one group each."""
+def checkpoint_layers(model: nn.Module, settings: AccelerateSettings) -> None:
+    """``fsdp_activation_checkpointing``: wrap every layer module in torch's ``checkpoint_wrapper``
+    (non-reentrant) before sharding, as accelerate's FSDP2 path does (``fsdp2_apply_ac``). The
+    wrapped layer is sharded inside the wrapper, so the recompute in backward runs its forward under
+    blockshard's hooks again ([Note: recompute] in ``blockshard/runtime/_state.py``). Parameter
+    names gain ``_checkpoint_wrapped_module.``; ``state_dict()`` keys do not (the wrapper's hooks)."""
+    if not settings.activation_checkpointing:
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    depth = {id(m): n.count(".") for n, m in model.named_modules()}
+    names = {id(m): n for n, m in model.named_modules()}
+    for layer in sorted(_layers(model, settings), key=lambda m: -depth[id(m)]):  # deepest first: names stay valid
+        model.set_submodule(names[id(layer)], checkpoint_wrapper(layer))
+
+
+def shard_model(model: nn.Module, settings: AccelerateSettings, device: torch.device | None = None) -> None:
+    """Shard every layer module bottom-up (deepest first), then the root, as one group each; with
+    ``fsdp_sync_module_states`` / ``fsdp_cpu_ram_efficient_loading`` every rank's shards then hold rank
+    0's weights ([Note: weights from rank 0] in ``_weights.py``)."""
+    from blockshard.integrations.accelerate import _weights
+
     kwargs = settings.fully_shard_kwargs()
     layers = _layers(model, settings)
     depth = {id(m): n.count(".") for n, m in model.named_modules()}
     layers.sort(key=lambda m: -depth[id(m)])
+    full: dict[str, torch.Tensor] = {}
+    if settings.cpu_ram_efficient_loading:
+        full = _weights.full_tensors(model)
+    elif settings.sync_module_states:
+        _weights.broadcast_module_states(model)
     if settings.engine == "ragged":
         import blockshard
 
@@ -46,6 +71,9 @@ def shard_model(model: nn.Module, settings: AccelerateSettings) -> None:
         for layer in layers:
             fsdp2.fully_shard(layer, root=model, **kwargs)
         fsdp2.fully_shard(model, **kwargs)
+    if settings.cpu_ram_efficient_loading:
+        _weights.fill_from_rank0(model, full, device or torch.device("cpu"))
+        full.clear()
 
 
 def _optimizer_arg(optimizers: list[torch.optim.Optimizer]):

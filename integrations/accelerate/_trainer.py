@@ -95,17 +95,16 @@ class Trainer(transformers.Trainer):
             super().create_accelerator_and_postprocess()
         acc = self.accelerator
         assert isinstance(acc, Accelerator)
-        launched = "LOCAL_RANK" in os.environ
+        launched = int(os.environ.get("WORLD_SIZE", "1"))  # processes the launcher started
         if (
             acc.blockshard_settings is not None
-            and acc.num_processes < 2
-            and launched
+            and acc.num_processes < launched
             and _no_device()
             and not self.args.use_cpu
         ):
             raise AccelerateConfigError(
-                f"blockshard's {acc.blockshard_settings.engine} engine found {acc.num_processes} process on a machine "
-                "without an accelerator: TrainingArguments set up accelerate before the Trainer could (as "
+                f"blockshard's {acc.blockshard_settings.engine} engine found {acc.num_processes} process of the {launched} "
+                "the launcher started, on a machine without an accelerator: TrainingArguments set up accelerate before the Trainer could (as "
                 "DistributedType.NO); pass TrainingArguments(use_cpu=True, ...) to train on CPU processes"
             )
 

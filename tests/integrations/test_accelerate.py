@@ -25,6 +25,16 @@ rank trains on the whole batch, so (docs/design.md, "Sharding invariance"):
   within ``DEEPSPEED_ATOL = 1e-6`` (DESIGN: the hook matches a clipping process within 4.5e-8).
 * Control: the same script without the added line, under the same launch, reports
   ``DistributedType.NO`` and one process on each rank and holds every parameter whole (no sharding).
+* The ragged and fsdp2 launches honour ``fsdp_sync_module_states`` and ``fsdp_activation_checkpointing``
+  with each rank seeding its model with its rank (``--seed-per-rank``): equal to the reference seeded
+  with 0, so rank 0's weights were trained and the recompute re-gathered.
+* ``fsdp_cpu_ram_efficient_loading`` (``_acc_hf_load.py``: a tiny Llama through ``save_pretrained`` /
+  ``from_pretrained``, rank 1 on meta): **bitwise** equal to one process that loaded it; its checkpoint
+  resumes on one process (``num_processes: 1``, a world of 1) **bitwise** like the W = 2 run.
+
+Fast, in process: rank 0's weights reach both ranks of 2 gloo threads under either setting (control:
+without them the gathered model mixes both ranks' pieces); the fsdp2 engine at W = 1 trains bitwise
+like the unsharded model.
 """
 
 from __future__ import annotations
@@ -126,10 +136,24 @@ def test_settings_from_the_environment(tmp_path, monkeypatch):
         (lambda c: c["fsdp_config"]["blockshard"].update(engine="fsdp2", policy="owner"), "needs the ragged engine"),
         (lambda c: c.update(mixed_precision="fp16"), "mixed_precision='fp16'"),
         (lambda c: c.update(distributed_type="MULTI_CPU"), "distributed_type='MULTI_CPU'.*set distributed_type: FSDP"),
-        (lambda c: c.update(num_processes=1), "num_processes=1"),
+        (lambda c: c.update(num_processes=0), "num_processes=0 .*at least one process"),
+        (
+            lambda c: (
+                c["fsdp_config"]["blockshard"].update(engine="fsdp2")
+                or c["fsdp_config"].update(fsdp_cpu_ram_efficient_loading=True)
+            ),
+            "fsdp_cpu_ram_efficient_loading=True .*needs the ragged engine",
+        ),
+        (
+            lambda c: c["fsdp_config"].update(fsdp_auto_wrap_policy="NO_WRAP", fsdp_activation_checkpointing=True),
+            "fsdp_activation_checkpointing=True .*no layer class is named",
+        ),
+        (
+            lambda c: c["fsdp_config"].update(fsdp_sync_module_states="yes"),
+            "fsdp_sync_module_states='yes' .*true or false",
+        ),
         (lambda c: c["fsdp_config"].update(fsdp_auto_wrap_policy="SIZE_BASED_WRAP"), "SIZE_BASED_WRAP"),
         (lambda c: c["fsdp_config"].update(fsdp_offload_params=True), "fsdp_offload_params=True .*would be ignored"),
-        (lambda c: c["fsdp_config"].update(fsdp_activation_checkpointing=True), "fsdp_activation_checkpointing"),
         (lambda c: c["fsdp_config"].update(fsdp_reshard_after_forward="HYBRID_SHARD"), "fsdp_reshard_after_forward"),
         (lambda c: c["fsdp_config"].update(fsdp_auto_wrap_policy="BY_SIZE"), "fsdp_auto_wrap_policy=BY_SIZE"),
         (lambda c: c["fsdp_config"].update(fsdp_version=1), "fsdp_version=1 .*set fsdp_version: 2"),
@@ -141,8 +165,6 @@ def test_settings_from_the_environment(tmp_path, monkeypatch):
                 ("fsdp_ignored_modules", "head"),
                 ("fsdp_sharding_strategy", "SHARD_GRAD_OP"),
                 ("fsdp_state_dict_type", "FULL_STATE_DICT"),
-                ("fsdp_cpu_ram_efficient_loading", True),
-                ("fsdp_sync_module_states", True),
                 ("fsdp_float8_all_gather", True),
                 ("fsdp_forward_prefetch", True),
                 ("fsdp_backward_prefetch", "BACKWARD_PRE"),
@@ -171,6 +193,24 @@ def test_neutral_values_of_ignored_keys_are_accepted(tmp_path):
     )
     config["dynamo_config"] = {"dynamo_backend": "NO"}
     assert load_settings(_write(tmp_path, config)) is not None
+
+
+def test_settings_honour_accelerates_fsdp_defaults_and_one_process(tmp_path):
+    """What ``accelerate config`` writes for FSDP users (cpu-RAM-efficient loading, which turns on
+    sync_module_states; activation checkpointing when asked), accepted and read, at one process too."""
+    config = _config()
+    config["num_processes"] = 1
+    config["fsdp_config"].update(
+        fsdp_cpu_ram_efficient_loading=True, fsdp_sync_module_states="true", fsdp_activation_checkpointing=True
+    )
+    s = load_settings(_write(tmp_path, config))
+    assert s is not None and (s.cpu_ram_efficient_loading, s.sync_module_states, s.activation_checkpointing) == (
+        True,
+        True,
+        True,
+    )
+    s = load_settings(_write(tmp_path, _config()))
+    assert s is not None and not (s.cpu_ram_efficient_loading or s.sync_module_states or s.activation_checkpointing)
 
 
 def test_settings_are_a_value_error():
@@ -221,8 +261,9 @@ def test_prepare_refuses_what_it_cannot_shard():
     model, other = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     with pytest.raises(AccelerateConfigError, match=r"prepare\(\) got 2 models"):
         _accelerator().prepare(model, other)
-    with pytest.raises(AccelerateConfigError, match=r"found 1 process .*num_processes >= 2"):
-        _accelerator(num_processes=1)._shard(model, [])
+    # one process is a world of 1 (blockshard starts its process group); more need the launcher's
+    with pytest.raises(AccelerateConfigError, match=r"found 2 processes but no torch.distributed process group"):
+        _accelerator(num_processes=2)._shard(model, [])
     foreign = torch.optim.SGD([*model.parameters(), torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     with pytest.raises(AccelerateConfigError, match="holds 1 tensors that are not parameters of the prepared model"):
         _accelerator()._shard(model, [foreign])
@@ -297,7 +338,8 @@ def test_example_configs_are_what_the_cli_writes(tmp_path, engine):
     ("args", "match"),
     [
         (["--engine", "zero3"], "--engine='zero3' is not one of"),
-        (["--num-processes", "1"], "--num-processes=1"),
+        (["--num-processes", "0"], "--num-processes=0: pass 1 or more"),
+        (["--engine", "deepspeed", "--num-processes", "1"], "--num-processes=1 with --engine deepspeed"),
         (["--semantics", "bogus"], "unknown semantics 'bogus'"),
         (["--policy", "x"], "--policy='x' is not a placement policy"),
         (["--engine", "fsdp2", "--policy", "owner"], "--policy='owner' needs --engine ragged"),
@@ -389,11 +431,28 @@ def _check_sharded(infos: list[dict], distributed_type: str = "DistributedType.M
     assert infos[0]["norms"] == infos[1]["norms"]  # the same global norm on every rank
 
 
+def _honouring(example: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    """``example`` with what ``accelerate config`` writes for FSDP users that blockshard honours:
+    rank 0's weights broadcast before sharding, activation checkpointing of the layer modules.
+    Launched with ``--seed-per-rank`` (rank r seeds its model with r), it still equals one process
+    seeded with 0, so rank 0's weights were trained; the checkpoint recompute re-gathers."""
+    config = yaml.safe_load(example.read_text())
+    config["fsdp_config"].update(fsdp_sync_module_states=True, fsdp_activation_checkpointing=True)
+    path = tmp_path / f"{example.stem}-honouring.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 @pytest.mark.slow
 def test_ragged_engine_equals_one_process_and_resumes_bitwise(tmp_path, reference):
-    """Also: the config ``blockshard accelerate-config --cpu --layers Block`` writes launches (the
-    W = 2 resume runs with it; the same settings as ragged.yaml)."""
-    infos, state = _launch(EXAMPLES / "ragged.yaml", tmp_path / "run", "--save-at", "2", "--ckpt", str(tmp_path / "ck"))
+    """Launched with ragged.yaml plus ``fsdp_sync_module_states`` and ``fsdp_activation_checkpointing``
+    (see :func:`_honouring`); each rank seeds its model with its rank. Also: the config ``blockshard
+    accelerate-config --cpu --layers Block`` writes launches (the W = 2 resume runs with it, the
+    W = 4 one with ragged.yaml: a checkpoint saved with activation checkpointing loads without it)."""
+    config = _honouring(EXAMPLES / "ragged.yaml", tmp_path)
+    infos, state = _launch(
+        config, tmp_path / "run", "--seed-per-rank", "--save-at", "2", "--ckpt", str(tmp_path / "ck")
+    )
     ref_info, ref_state = reference()
     _check_sharded(infos)
     total = infos[0]["total_numel"]
@@ -423,9 +482,12 @@ def test_ragged_engine_equals_one_process_and_resumes_bitwise(tmp_path, referenc
 @pytest.mark.slow
 def test_fsdp2_engine_accumulates_equals_one_process_and_resumes_bitwise(tmp_path, reference_accumulating):
     """With ``gradient_accumulation_steps=2`` (``accelerator.accumulate``: FSDP2 reduce-scatters each
-    micro-batch, the optimizer steps on the second) against one process accumulating the same way."""
+    micro-batch, the optimizer steps on the second) against one process accumulating the same way;
+    fsdp2.yaml plus ``fsdp_sync_module_states`` and ``fsdp_activation_checkpointing``, each rank
+    seeding its model with its rank; the resume runs with fsdp2.yaml (no checkpointing)."""
     ckpt = ["--ckpt", str(tmp_path / "ck"), "--accumulate", "2"]
-    infos, state = _launch(EXAMPLES / "fsdp2.yaml", tmp_path / "run", "--save-at", "2", *ckpt)
+    config = _honouring(EXAMPLES / "fsdp2.yaml", tmp_path)
+    infos, state = _launch(config, tmp_path / "run", "--seed-per-rank", "--save-at", "2", *ckpt)
     ref_info, ref_state = reference_accumulating()
     _check_sharded(infos)
     assert len(infos[0]["norms"]) == 4 and infos[0]["norms"] == pytest.approx(ref_info["norms"], rel=1e-6)
@@ -457,3 +519,171 @@ def test_control_stock_accelerate_does_not_shard(tmp_path):
         "DistributedType.NO"
     }
     assert all(i["local_numel"] == i["total_numel"] for i in infos)
+
+
+# -- rank 0's weights and activation checkpointing, in process (2 gloo threads) -------------------------
+def _inproc():
+    sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+    try:
+        import _inproc
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "runtime"))
+    return _inproc
+
+
+def _run_ranks(fn):
+    return _inproc().run_ranks(fn, 2)
+
+
+def _net(seed: int, meta: bool = False):
+    import torch
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from train import Net
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    torch.manual_seed(seed)
+    if not meta:
+        return Net(dim=7, hidden=9, layers=2)
+    with torch.device("meta"):
+        return Net(dim=7, hidden=9, layers=2)
+
+
+def _full(model) -> dict:
+    import blockshard
+
+    return {k: v.clone() for k, v in blockshard.full_state_dict(model).items()}
+
+
+def test_rank0s_weights_reach_every_rank():
+    """Ranks that build other weights (another seed; on meta off rank 0 for cpu-RAM-efficient loading)
+    shard rank 0's, bitwise; control: without either setting each rank shards its own, and the
+    gathered model is a mix of both ranks' pieces (rank 0's on neither). One run of 2 gloo threads."""
+    import torch
+
+    from blockshard.integrations.accelerate._shard import shard_model
+
+    cases = {"sync_module_states": True, "cpu_ram_efficient_loading": True, "none": False}
+    # built here, not in the threads: they share torch's default generator
+    models = {c: [_net(seed=r, meta=(r > 0 and c == "cpu_ram_efficient_loading")) for r in range(2)] for c in cases}
+
+    # refused on every rank (no rank left waiting in a collective): rank 0 on meta; meta without a fill
+    refused = {"cpu_ram_efficient_loading": 0, "sync_module_states": 1}
+    meta_models = {c: [_net(seed=0, meta=r == on) for r in range(2)] for c, on in refused.items()}
+
+    def rank(r: int, w: int):
+        out, errors = {}, []
+        for case in cases:
+            settings = AccelerateSettings(layers=("Block",), **({case: True} if cases[case] else {}))
+            shard_model(models[case][r], settings)
+            out[case] = _full(models[case][r])
+        for case in refused:
+            with pytest.raises(AccelerateConfigError) as err:
+                shard_model(meta_models[case][r], AccelerateSettings(layers=("Block",), **{case: True}))
+            errors.append(str(err.value))
+        return out, errors
+
+    results = _run_ranks(rank)
+    rank0 = _net(seed=0).state_dict()
+    for case, expected in cases.items():
+        assert sorted(results[0][0][case]) == sorted(rank0)
+        equal = [all(torch.equal(f[case][k], rank0[k]) for k in rank0) for f, _ in results]
+        assert equal == [expected, expected], case
+    for _, (ram, sync) in results:
+        assert re.search(r"fsdp_cpu_ram_efficient_loading=True: rank 0 .* on the meta device", ram), ram
+        assert re.search(r"fsdp_sync_module_states=True: .*set fsdp_cpu_ram_efficient_loading: true", sync), sync
+
+
+@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+def test_cpu_ram_efficient_loading_fills_the_shards_from_rank0_and_resumes_on_one_process(tmp_path):
+    """``fsdp_cpu_ram_efficient_loading: true`` (with ``fsdp_sync_module_states: true``, as
+    ``accelerate config`` writes them) on a tiny Llama (``tests/integrations/_acc_hf_load.py``): rank 0
+    loads it with ``from_pretrained``, rank 1 builds it on meta; 4 steps equal one process that
+    loaded the same weights **bitwise**. The checkpoint saved after step 2 resumes on one process
+    (``blockshard accelerate-config --num-processes 1``, a world of 1) **bitwise** like the W = 2 run."""
+    script = ROOT / "tests" / "integrations" / "_acc_hf_load.py"
+    assert cli_main(["accelerate-config", "--cpu", "--layers", "LlamaDecoderLayer", "--out", str(tmp_path / "w2")]) == 0
+    config = yaml.safe_load((tmp_path / "w2" / "accelerate.yaml").read_text())
+    config["fsdp_config"].update(fsdp_cpu_ram_efficient_loading=True, fsdp_sync_module_states=True)
+    (tmp_path / "w2" / "accelerate.yaml").write_text(yaml.safe_dump(config))
+    ckpt = ["--ckpt", str(tmp_path / "ck")]
+    run = _start(
+        tmp_path / "w2" / "accelerate.yaml",
+        tmp_path / "run",
+        "--pretrained",
+        str(tmp_path / "llama"),
+        "--save-at",
+        "2",
+        *ckpt,
+        script=script,
+    )
+    ref_cmd = [sys.executable, str(script), "--out", str(tmp_path / "ref"), "--pretrained", str(tmp_path / "ref-llama")]
+    ref = Background(ref_cmd, tmp_path / "ref.log", env=_env(), cwd=ROOT, timeout=300)  # beside the launch
+    run.wait()
+    ref.wait()
+    infos, state = _results(tmp_path / "run", 2)
+    (ref_info,), ref_state = _results(tmp_path / "ref", 1)
+    assert [i["world_size"] for i in infos] == [2, 2] and all(i["sharded"] for i in infos)
+    assert [i["params_on_meta_before_prepare"] for i in infos] == [0, infos[1]["params"]]  # rank 1: all on meta
+    assert ref_info["world_size"] == 1 and not ref_info["sharded"]  # stock Accelerate, one process
+    # the global norm sums per piece (an ulp from one process's, measured at step 1; clipping is inactive)
+    assert infos[0]["norms"] == pytest.approx(ref_info["norms"], rel=1e-6)
+    assert _max_diff(state, ref_state) == 0.0
+    assert (
+        cli_main(
+            [
+                "accelerate-config",
+                "--cpu",
+                "--num-processes",
+                "1",
+                "--layers",
+                "LlamaDecoderLayer",
+                "--out",
+                str(tmp_path / "w1"),
+            ]
+        )
+        == 0
+    )
+    resumed_infos, resumed = _launch(
+        tmp_path / "w1" / "accelerate.yaml",
+        tmp_path / "w1run",
+        "--pretrained",
+        str(tmp_path / "llama"),
+        "--resume-at",
+        "2",
+        *ckpt,
+        script=script,
+        ranks=1,
+    )
+    assert resumed_infos[0]["world_size"] == 1 and resumed_infos[0]["sharded"]
+    assert resumed_infos[0]["norms"] == infos[0]["norms"][2:]
+    assert _max_diff(resumed, state) == 0.0
+
+
+def test_fsdp2_engine_on_one_process_equals_unsharded():
+    """``num_processes: 1`` with the fsdp2 engine: stock FSDP2 over a gloo world of 1 (what blockshard's
+    Accelerator starts for one process), 2 AdamW steps, bitwise the unsharded model's."""
+    import torch
+
+    from blockshard.integrations.accelerate._shard import shard_model
+
+    x, y = torch.randn(6, 13, generator=torch.Generator().manual_seed(1)), torch.randn(6, 5)
+
+    def train(model) -> dict:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+
+    inproc = _inproc()
+    with inproc.world1():
+        model = _net(seed=0)
+        shard_model(model, AccelerateSettings(engine="fsdp2", layers=("Block",)))
+        assert all(hasattr(p, "full_tensor") for p in model.parameters())  # FSDP2's DTensors
+        sharded = train(model)
+    with inproc.single_thread():
+        reference = train(_net(seed=0))
+    assert sorted(sharded) == sorted(reference) and all(torch.equal(sharded[k], reference[k]) for k in reference)
