@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -122,7 +122,7 @@ def _check_fsdp_arguments(offload_policy: object) -> None:
             )
 
 
-def _check_quantized_below(modules: list[nn.Module], semantics: object) -> None:
+def _check_quantized_below(modules: Sequence[nn.Module], semantics: object) -> None:
     """``quantized_gather=True`` on a group with no tile-quantizer weight: fine for a root over
     groups that have some (the same arguments passed to every call), else it would do nothing."""
     below = (st for m in modules for sub in m.modules() if (st := state_of(sub)) is not None)

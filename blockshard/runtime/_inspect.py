@@ -93,7 +93,10 @@ def state_name(fqn: str) -> str:
     """A name as ``state_dict()`` gives it: without torch's ``checkpoint_wrapper`` level (its
     hooks drop ``_checkpoint_wrapped_module.``, as DCP's ``get_state_dict`` does), so state saved
     with activation checkpointing loads without it and back."""
-    return fqn.replace("_checkpoint_wrapped_module.", "")
+    return fqn.replace(_CHECKPOINT_PREFIX, "")
+
+
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper._CHECKPOINT_PREFIX
 
 
 def _join(prefix: str, name: str) -> str:

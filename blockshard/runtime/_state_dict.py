@@ -18,6 +18,7 @@ from blockshard.runtime._api import ShardingError, _join, _states_under
 from blockshard.runtime._collectives import all_gather_into
 from blockshard.runtime._common import ShardedState
 from blockshard.runtime._group import ShardGroup
+from blockshard.runtime._inspect import state_name
 from blockshard.runtime._param import ShardedParam
 from blockshard.runtime._piece_tensor import PieceTensor
 from blockshard.runtime._quantized_state import (
@@ -104,7 +105,7 @@ def _gather_groups(model: nn.Module) -> dict[str, torch.Tensor]:
             id(sp): full[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape).clone() for sp in g.params
         }
         for name, sp in _names(st.module, g.params):  # a wrapper above st.module: its prefix dropped too
-            out[_join(prefix, name).replace(_CHECKPOINT_PREFIX, "")] = values[id(sp)]
+            out[_join(prefix, name)] = values[id(sp)]
     return out
 
 
@@ -115,10 +116,7 @@ def _names(module: nn.Module, params: list[ShardedParam]) -> list[tuple[str, Sha
     named = module.named_parameters(remove_duplicate=False)
     # a checkpoint_wrapper under ``module`` drops its prefix from state-dict keys (as its own
     # named_parameters does); a list group's ancestor module would keep it
-    return [(n.replace(_CHECKPOINT_PREFIX, ""), by_id[id(p)]) for n, p in named if id(p) in by_id]
-
-
-_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper._CHECKPOINT_PREFIX
+    return [(state_name(n), by_id[id(p)]) for n, p in named if id(p) in by_id]
 
 
 # -- model.state_dict() and model.load_state_dict() -------------------------------------------
