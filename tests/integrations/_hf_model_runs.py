@@ -92,7 +92,7 @@ def _optimizers(model: torch.nn.Module, muon: bool, sharded: bool) -> list[torch
 def train(arch: str, engine: str, *, semantics: object = None, mp: bool = False, muon: bool = False,
           checkpointing: bool = False, export: bool = False) -> dict:  # fmt: skip
     """``engine``: "single" (one process, no sharding), "blockshard" or "fsdp2" (stock); ``export``:
-    also save and generate (:func:`_export_and_generate`)."""
+    also save (:func:`_export`)."""
     model = build(arch)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -127,7 +127,9 @@ def train(arch: str, engine: str, *, semantics: object = None, mp: bool = False,
         losses.append(loss.item())
     out = {"losses": losses, "state": _full(model, engine), "muon_held": held}
     if export and engine == "blockshard":
-        out |= _export_and_generate(model)
+        out |= _export(model)
+    if engine == "blockshard":
+        out["generated"] = _generate(model, arch)
     return out
 
 
@@ -143,16 +145,26 @@ def _full(model: torch.nn.Module, engine: str) -> dict:
     return {k: v.detach().clone() for k, v in state.items()}
 
 
-def _export_and_generate(model: torch.nn.Module) -> dict:
-    """``blockshard.save_pretrained`` (loaded back by the test with ``from_pretrained``) and greedy
-    ``generate`` with the KV cache on the sharded model (forward only, no backward)."""
-    path = os.environ["BLOCKSHARD_HF_EXPORT"]
-    blockshard.save_pretrained(model, path)
+def _export(model: torch.nn.Module) -> dict:
+    """``blockshard.save_pretrained``, loaded back by the test with ``from_pretrained``."""
+    blockshard.save_pretrained(model, os.environ["BLOCKSHARD_HF_EXPORT"])
+    return {}
+
+
+def _generate(model: torch.nn.Module, arch: str) -> torch.Tensor | None:
+    """Greedy ``generate`` with the KV cache on the sharded model (forward only). T5's calls its
+    encoder directly, outside the root's forward: ``register_forward_method`` gathers the root's
+    shared embedding for the whole call (as FSDP2's ``register_fsdp_forward_method``)."""
+    if arch not in ("gpt2", "t5"):
+        return None
+    if arch == "t5":
+        blockshard.register_forward_method(model, "generate")
     model.eval()
     with torch.no_grad():
-        tokens = model.generate(batch("gpt2", 9)["input_ids"][:, :4], max_new_tokens=4, do_sample=False, use_cache=True)
+        prompt = batch(arch, 9)["input_ids"][:, :4]
+        tokens = model.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=True)
     model.train()
-    return {"generated": tokens}
+    return tokens
 
 
 # (name, arch, engine, options): the W = 2 cases; "ref" names the one-process reference to compare with
