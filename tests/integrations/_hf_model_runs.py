@@ -153,11 +153,12 @@ def _export(model: torch.nn.Module) -> dict:
 
 def _generate(model: torch.nn.Module, arch: str) -> torch.Tensor | None:
     """Greedy ``generate`` with the KV cache on the sharded model (forward only). T5's calls its
-    encoder directly, outside the root's forward: ``register_forward_method`` gathers the root's
-    shared embedding for the whole call (as FSDP2's ``register_fsdp_forward_method``)."""
-    if arch not in ("gpt2", "t5"):
+    encoder directly and peft's the base model's ``generate``, both outside the root's forward:
+    ``register_forward_method`` gathers the root's parameters (the embedding) for the whole call
+    (as FSDP2's ``register_fsdp_forward_method``)."""
+    if arch not in GENERATE:
         return None
-    if arch == "t5":
+    if arch != "gpt2":
         blockshard.register_forward_method(model, "generate")
     model.eval()
     with torch.no_grad():
@@ -180,6 +181,7 @@ CASES = [
     ("mixtral_checkpointing", "mixtral", {"checkpointing": True}),
     ("lora_llama", "lora_llama", {}),
 ]
+GENERATE = ["gpt2", "t5", "lora_llama"]
 FSDP2_CASES = ["gpt2_mp", "t5"]  # also run on stock FSDP2 (the reference under mp; T5: see the test)
 
 

@@ -22,10 +22,11 @@ correct means"):
   a tensor that several blocks consume (T5's position bias, the encoder output); one process with
   an identity ``autograd.Function`` on the block inputs shows the same difference.
 * GPT-2 after training: ``blockshard.save_pretrained`` loaded with ``from_pretrained`` equals the
-  trained weights bitwise. GPT-2 and T5: greedy ``generate`` with the KV cache on the sharded model
-  (forward only) returns the tokens one process generates from those weights; T5's ``generate``
-  calls its encoder directly, so it runs under ``blockshard.register_forward_method(model,
-  "generate")`` (the forward calls nested in it used to end its pass: ``EngineStateError``).
+  trained weights bitwise. GPT-2, T5 and LoRA: greedy ``generate`` with the KV cache on the sharded
+  model (forward only) returns the tokens one process generates from those weights. T5's
+  ``generate`` calls its encoder directly and peft's the base model's ``generate``, so they run
+  under ``blockshard.register_forward_method(model, "generate")`` (the forward calls nested in it
+  used to end its pass: ``EngineStateError``).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def test_save_pretrained_round_trip(runs):
     assert _equal({k: loaded[k] for k in trained}, trained) == []
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+@pytest.mark.parametrize("arch", ["gpt2", "t5", "lora_llama"])
 def test_generate_after_sharding_equals_one_process_from_the_trained_weights(runs, arch):
     ref = runs["module"].build(arch)
     ref.load_state_dict(runs["ranks"][0][arch]["state"])
