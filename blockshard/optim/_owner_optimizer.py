@@ -64,8 +64,12 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
                 "groups -> optimizer, e.g. lambda groups: torch.optim.Muon(groups, lr=0.02)"
             )
         self._params, self.process_group, self.world_size, self.rank = holdings, process_group, W, rank
-        self._device = holdings[0].local().device
-        if W > 1 and process_group is not None:
+        # A rank may hold none of the parameters (muon_param_groups leaves out the empty pieces of
+        # whole-placed matrices): it has no exchanges, so no device is needed for them.
+        self._device = holdings[0].local().device if holdings else torch.device("cpu")
+        # Only ranks with owner-computed tensors check: every rank passes those (their empty pieces
+        # too), while whole-placed ones, and so the ranks that find the process group, vary by rank.
+        if W > 1 and process_group is not None and any(q.planned for q in holdings):
             self._check_same_plan()
         self._build_pieces()
         self.inner = factory(self._inner_groups(groups))

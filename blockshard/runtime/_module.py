@@ -274,7 +274,11 @@ def register_forward_method(module: nn.Module, method_name: str) -> None:
         state = state_of(self)
         assert state is not None
         args, kwargs = state.pre_forward(self, args, kwargs)
-        out = orig(self, *args, **kwargs)
+        state.method_depth += 1  # forward calls inside the method nest in this pass
+        try:
+            out = orig(self, *args, **kwargs)
+        finally:
+            state.method_depth -= 1
         return state.post_forward(self, args, out)
 
     wrapped._blockshard_forward_method = True  # type: ignore[attr-defined]

@@ -222,6 +222,7 @@ class ModuleState:
         self.modules: tuple[nn.Module, ...] = modules or (module,)
         self._to_run: set[int] = set()  # ids of this pass's modules that have not run forward yet
         self._backward_follows = False  # some module of this pass hooked its outputs for backward
+        self.method_depth = 0  # inside a register_forward_method method (generate): forwards nest in it
         self.reshard_after_forward = reshard_after_forward  # None: True but for the root (FSDP2's default)
         # set_modules_to_forward_prefetch / _backward_prefetch: None = the recorded order's neighbour
         self.forward_prefetch: list[ModuleState] | None = None
@@ -280,8 +281,9 @@ class ModuleState:
             if self.training_state is TrainingState.IDLE and not self._inputs_pending:
                 args, kwargs = self._hook_inputs(args, kwargs)  # reentrant: the original forward had no grad
             return self._cast_inputs(args, kwargs)
-        if self.training_state is TrainingState.FORWARD and len(self.modules) > 1:
-            # [Note: a list of modules] a later module of this group's pass: gathered already
+        if self.training_state is TrainingState.FORWARD and (len(self.modules) > 1 or self.method_depth):
+            # [Note: a list of modules] a later module of this group's pass, or a forward inside a
+            # registered method (generate calls forward per token): gathered already
             self.unshard()
             if torch.is_grad_enabled():
                 args, kwargs = self._hook_inputs(args, kwargs)
@@ -392,7 +394,8 @@ class ModuleState:
         else:
             expect(f"post-forward of group {self.group.name!r}", self.training_state, TrainingState.FORWARD)
             self._backward_follows |= self._hook_outputs(output)
-            self._to_run.discard(id(module))
+            if not self.method_depth:  # a forward nested in a registered method: the method finishes
+                self._to_run.discard(id(module))
             if not self._to_run:  # the last of the group's modules to run in this pass
                 self._finish_forward()
                 if self.is_root:  # modules of a list group that did not run: done ([Note: a list of modules])

@@ -199,6 +199,24 @@ def test_register_forward_method_gathers_for_another_method(gloo_w1):
         blockshard.register_forward_method(model, "sample")
 
 
+class Looping(Tower):
+    def generate(self, x: torch.Tensor) -> torch.Tensor:  # as Hugging Face's: calls the module per step
+        return self(self(x) @ self.head.weight)  # and reads a root weight between calls (T5's encoder)
+
+
+def test_a_registered_method_may_call_the_module_itself(gloo_w1):
+    """Forward calls nest in the registered method's pass (FSDP2's register_fsdp_forward_method
+    does the same): they used to end it, and its post-forward raised EngineStateError."""
+    plain, model = Looping(), _shard(Looping())
+    blockshard.register_forward_method(model, "generate")
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model.generate(x), plain.generate(x))
+        assert torch.equal(model(x), plain(x))  # a plain forward after it
+    assert _state(model.layers[0]) is ShardedState.SHARDED
+    _loss(model).backward()  # and a training step's forward and backward
+
+
 def test_ignored_params_stay_as_they_are():
     def run(rank: int, world: int) -> dict:
         with _inproc.serial():

@@ -190,3 +190,33 @@ def test_torch_muon_on_a_stripe_of_an_owner_computed_matrix_raises_on_every_rank
         assert "Muon holds this rank's piece (3, 8) of 'weight' (global shape (6, 8))" in msg, msg
         assert "blockshard.optim.OwnerComputeOptimizer" in msg
     assert _inproc.run_ranks(_muon_on_owner_cut_stripes, 2, args=(True,)) == ["stepped (3, 8)"] * 2
+
+
+def _w2_owner_compute_over_muon_group(rank: int, world: int) -> dict:
+    from blockshard.optim import OwnerComputeOptimizer
+
+    out: dict = {}
+    for wrap in (True, False):
+        with _inproc.serial():
+            model = OddMLP()
+        _shard(model)
+        muon_group, rest = muon_param_groups(model)  # whole-placed: a rank may hold none of the matrices
+        if wrap:
+            muon = OwnerComputeOptimizer(lambda groups: torch.optim.Muon(groups, lr=0.02), [muon_group])
+        else:
+            muon = torch.optim.Muon([muon_group], lr=0.02)  # the control: torch's Muon on the whole matrices
+        _step(model, [muon, torch.optim.AdamW([rest], lr=1e-3)])
+        out[wrap] = {"held": len(muon_group["params"]), "state": blockshard.full_state_dict(model)}
+    return out
+
+
+def test_owner_compute_optimizer_on_a_rank_holding_none_of_its_parameters():
+    """muon_param_groups leaves a rank no matrix when all are whole-placed elsewhere: the wrapper
+    steps there (no collective: nothing is owner-computed) as torch's Muon does, bitwise. It used
+    to fail on that rank (``holdings[0]``) while the other waited in the owner-plan check until the
+    gloo timeout."""
+    outs = _inproc.run_ranks(_w2_owner_compute_over_muon_group, 2)
+    assert min(out[True]["held"] for out in outs) == 0  # the case: one rank holds none of Muon's matrices
+    want = outs[0][False]["state"]
+    for got in (outs[0][True], outs[1][True], outs[1][False]):
+        assert all(torch.equal(got["state"][n], want[n]) for n in want)
