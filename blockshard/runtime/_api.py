@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from blockshard._errors import QuantizedWeightError
 from blockshard.planner import GroupLayout, PlanItem, resolve_items
 from blockshard.planner._balance import rotate
 from blockshard.planner._policy import check_policy, choose_layout
 from blockshard.planner._units import check_alignment_bytes
+from blockshard.runtime._arguments import (
+    check_fsdp_arguments,
+    check_quantized_below,
+    ignored_ids,
+    process_group_of,
+    replicate_group_of,
+    reshard_after_forward_of,
+)
 from blockshard.runtime._clip import install_torch_clip_route
 from blockshard.runtime._collectives import check_same_layout, engine_group
 from blockshard.runtime._dtypes import install_extra_state_dict_hooks, split_by_dtype
@@ -69,94 +75,6 @@ def is_sharded(module: nn.Module) -> bool:
 
 def _state_of(module: nn.Module) -> ModuleState | None:
     return state_of(module)
-
-
-def _process_group(mesh: object) -> dist.ProcessGroup:
-    if not dist.is_initialized():
-        raise ShardingError(
-            "fully_shard needs an initialized process group: call torch.distributed.init_process_group "
-            "(backend 'gloo' on CPU, 'nccl' on GPUs) first, e.g. under torchrun"
-        )
-    if mesh is None:
-        world = dist.group.WORLD
-        if world is None:
-            raise ShardingError("the default process group is not initialized; call init_process_group first")
-        return world
-    if isinstance(mesh, dist.ProcessGroup):
-        return mesh
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(mesh, DeviceMesh):
-        if mesh.ndim == 2:  # HSDP: (replicate, shard), as FSDP2
-            return mesh.get_group(1)
-        if mesh.ndim != 1:
-            raise ShardingError(
-                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; blockshard shards over a 1-D mesh, or "
-                "replicates and shards over a 2-D (replicate, shard) mesh (HSDP). Pass one of those, e.g. "
-                "mesh['dp_replicate', 'dp_shard']"
-            )
-        return mesh.get_group()
-    raise ShardingError(f"mesh={mesh!r} must be None, a 1-D DeviceMesh or a ProcessGroup")
-
-
-def _reshard_after_forward(value: object, world_size: int) -> bool | None:
-    """FSDP2's ``reshard_after_forward``; an int as FSDP2 reads it: 1 is ``False`` (reshard to a
-    world of one: keep the gathered parameters), the shard group's size is ``True``."""
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (1, world_size):
-        return value != 1  # 1 first, as FSDP2: a group of one rank keeps its parameters
-    raise ShardingError(
-        f"reshard_after_forward={value!r} must be True, False, None, or an int equal to 1 (as False) or to "
-        f"the shard group's size {world_size} (as True), as FSDP2 reads them (FSDP2's int, resharding to a "
-        "smaller world after forward, is not supported for other values). Fix: pass True to free the "
-        "gathered parameters after forward, False to keep them, None for FSDP2's default"
-    )
-
-
-def _check_fsdp_arguments(offload_policy: object) -> None:
-    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
-        if type(offload_policy).__name__ != "CPUOffloadPolicy":
-            raise ShardingError(
-                f"offload_policy={offload_policy!r} must be torch's OffloadPolicy() or CPUOffloadPolicy()"
-            )
-
-
-def _check_quantized_below(modules: Sequence[nn.Module], semantics: object) -> None:
-    """``quantized_gather=True`` on a group with no tile-quantizer weight: fine for a root over
-    groups that have some (the same arguments passed to every call), else it would do nothing."""
-    below = (st for m in modules for sub in m.modules() if (st := state_of(sub)) is not None)
-    if any(isinstance(g, QuantizedGatherGroup) for st in below for g in st.groups):
-        return
-    raise QuantizedWeightError(
-        f"quantized_gather=True on {', '.join(type(m).__name__ for m in modules)}: semantics={semantics!r} gives "
-        "none of its parameters (nor of the groups sharded below it) a tile quantizer ('mx', 'mx:4' or "
-        "'fp8_block:B'), so nothing would be gathered quantized. Fix: pass semantics={'*_proj.weight': "
-        "'fp8_block:128'} (or 'mx'), or drop quantized_gather"
-    )
-
-
-def _ignored(ignored_params: object) -> set[int]:
-    if ignored_params is None:
-        return set()
-    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, (set, frozenset, list, tuple)):
-        raise ShardingError(
-            f"ignored_params={ignored_params!r} must be a set of the module's parameters (as FSDP2's), e.g. "
-            "{model.pos_embed}"
-        )
-    for i, p in enumerate(ignored_params):
-        if not isinstance(p, nn.Parameter):
-            raise ShardingError(f"ignored_params holds a {type(p).__name__} (item {i}); it must hold nn.Parameters")
-    return {id(p) for p in ignored_params}
-
-
-def _replicate_group(mesh: object) -> dist.ProcessGroup | None:
-    """HSDP's replicate axis (dim 0 of a 2-D mesh), or None: gradients are all-reduced over it."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or mesh.size(0) == 1:
-        return None
-    return engine_group(mesh.get_group(0))
 
 
 def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
@@ -305,7 +223,7 @@ def fully_shard(
     if not isinstance(modules[0], nn.Module):
         raise ShardingError(f"module={module!r} must be a torch.nn.Module or a list of them")
     module = modules[0]
-    _check_fsdp_arguments(offload_policy)
+    check_fsdp_arguments(offload_policy)
     if not isinstance(quantized_gather, bool):
         raise ShardingError(
             f"quantized_gather={quantized_gather!r} must be True or False (True: gather the weights with 'mx', "
@@ -319,13 +237,13 @@ def fully_shard(
             )
     alignment_bytes = _check_alignment(alignment_bytes)
     policy = check_policy(policy)
-    process_group = engine_group(_process_group(mesh))  # [Note: collective integrity], point 1
-    reshard_after_forward = _reshard_after_forward(reshard_after_forward, process_group.size())
-    replicate_group = _replicate_group(mesh)
+    process_group = engine_group(process_group_of(mesh))  # [Note: collective integrity], point 1
+    reshard_after_forward = reshard_after_forward_of(reshard_after_forward, process_group.size())
+    replicate_group = replicate_group_of(mesh)
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
     install_torch_forward_method_route()  # torch's register_fsdp_forward_method ignores non-FSDPModules
-    ignored = _ignored(ignored_params)
+    ignored = ignored_ids(ignored_params)
     quantized = [f for m in modules for f in collect_quantized(m, ignored, is_sharded)]  # [Note: quantized groups]
     names, params, refs = collect_all(modules, ignored | {i for f in quantized for i in f.ids})
     _check_params(names, params)
@@ -349,7 +267,7 @@ def fully_shard(
         if q_part[0]:
             parts.append(("quantized gather", q_part, functools.partial(QuantizedGatherGroup, quantizers=quantizers)))
         else:
-            _check_quantized_below(modules, semantics)
+            check_quantized_below(modules, semantics)
     parts[:0] = [(None, part, ShardGroup) for part in split_by_dtype(names, params, refs)]  # [Note: mixed dtypes]
     groups, items, owned = [], [], frozenset[str]()
     for k, (label, (d_names, d_params, d_refs), make) in enumerate(parts):

@@ -1,0 +1,113 @@
+"""``fully_shard``'s argument checks that stand alone: the mesh, FSDP2's arguments, ignored
+parameters, HSDP's replicate group, and ``quantized_gather`` with nothing to quantize."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from blockshard._errors import QuantizedWeightError
+from blockshard.runtime._collectives import engine_group
+from blockshard.runtime._module import ShardingError
+from blockshard.runtime._quantized_gather import QuantizedGatherGroup
+from blockshard.runtime._state import state_of
+
+__all__ = [
+    "check_fsdp_arguments",
+    "check_quantized_below",
+    "ignored_ids",
+    "process_group_of",
+    "replicate_group_of",
+    "reshard_after_forward_of",
+]
+
+
+def process_group_of(mesh: object) -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise ShardingError(
+            "fully_shard needs an initialized process group: call torch.distributed.init_process_group "
+            "(backend 'gloo' on CPU, 'nccl' on GPUs) first, e.g. under torchrun"
+        )
+    if mesh is None:
+        world = dist.group.WORLD
+        if world is None:
+            raise ShardingError("the default process group is not initialized; call init_process_group first")
+        return world
+    if isinstance(mesh, dist.ProcessGroup):
+        return mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim == 2:  # HSDP: (replicate, shard), as FSDP2
+            return mesh.get_group(1)
+        if mesh.ndim != 1:
+            raise ShardingError(
+                f"mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; blockshard shards over a 1-D mesh, or "
+                "replicates and shards over a 2-D (replicate, shard) mesh (HSDP). Pass one of those, e.g. "
+                "mesh['dp_replicate', 'dp_shard']"
+            )
+        return mesh.get_group()
+    raise ShardingError(f"mesh={mesh!r} must be None, a 1-D DeviceMesh or a ProcessGroup")
+
+
+def reshard_after_forward_of(value: object, world_size: int) -> bool | None:
+    """FSDP2's ``reshard_after_forward``; an int as FSDP2 reads it: 1 is ``False`` (reshard to a
+    world of one: keep the gathered parameters), the shard group's size is ``True``."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (1, world_size):
+        return value != 1  # 1 first, as FSDP2: a group of one rank keeps its parameters
+    raise ShardingError(
+        f"reshard_after_forward={value!r} must be True, False, None, or an int equal to 1 (as False) or to "
+        f"the shard group's size {world_size} (as True), as FSDP2 reads them (FSDP2's int, resharding to a "
+        "smaller world after forward, is not supported for other values). Fix: pass True to free the "
+        "gathered parameters after forward, False to keep them, None for FSDP2's default"
+    )
+
+
+def check_fsdp_arguments(offload_policy: object) -> None:
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        if type(offload_policy).__name__ != "CPUOffloadPolicy":
+            raise ShardingError(
+                f"offload_policy={offload_policy!r} must be torch's OffloadPolicy() or CPUOffloadPolicy()"
+            )
+
+
+def check_quantized_below(modules: Sequence[nn.Module], semantics: object) -> None:
+    """``quantized_gather=True`` on a group with no tile-quantizer weight: fine for a root over
+    groups that have some (the same arguments passed to every call), else it would do nothing."""
+    below = (st for m in modules for sub in m.modules() if (st := state_of(sub)) is not None)
+    if any(isinstance(g, QuantizedGatherGroup) for st in below for g in st.groups):
+        return
+    raise QuantizedWeightError(
+        f"quantized_gather=True on {', '.join(type(m).__name__ for m in modules)}: semantics={semantics!r} gives "
+        "none of its parameters (nor of the groups sharded below it) a tile quantizer ('mx', 'mx:4' or "
+        "'fp8_block:B'), so nothing would be gathered quantized. Fix: pass semantics={'*_proj.weight': "
+        "'fp8_block:128'} (or 'mx'), or drop quantized_gather"
+    )
+
+
+def ignored_ids(ignored_params: object) -> set[int]:
+    if ignored_params is None:
+        return set()
+    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, (set, frozenset, list, tuple)):
+        raise ShardingError(
+            f"ignored_params={ignored_params!r} must be a set of the module's parameters (as FSDP2's), e.g. "
+            "{model.pos_embed}"
+        )
+    for i, p in enumerate(ignored_params):
+        if not isinstance(p, nn.Parameter):
+            raise ShardingError(f"ignored_params holds a {type(p).__name__} (item {i}); it must hold nn.Parameters")
+    return {id(p) for p in ignored_params}
+
+
+def replicate_group_of(mesh: object) -> dist.ProcessGroup | None:
+    """HSDP's replicate axis (dim 0 of a 2-D mesh), or None: gradients are all-reduced over it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or mesh.size(0) == 1:
+        return None
+    return engine_group(mesh.get_group(0))
