@@ -271,3 +271,13 @@ class Accelerator(accelerate.Accelerator):
         finally:
             handle.remove()
         load_model(models[0], os.path.join(found[0], CHECKPOINT_DIR), optimizers, self.blockshard_settings)
+
+    def end_training(self) -> None:
+        """accelerate's, after a barrier when blockshard shards: the ranks tear their gloo groups
+        down together (a rank that destroyed its group while a peer was still saving aborted at
+        exit on a loaded CI: "terminate called without an active exception")."""
+        import torch.distributed as dist
+
+        if self.blockshard_settings is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        super().end_training()
