@@ -93,6 +93,7 @@ __all__ = [
     "note_step",
     "reduce_scatter_avg",
     "shift_ranks",
+    "step_mismatch",
     "wait",
 ]
 
@@ -329,3 +330,21 @@ def shift_ranks(local: torch.Tensor, k: int, group: dist.ProcessGroup) -> torch.
     out = torch.empty_like(local)
     dist.all_to_all_single(_wire(out), _wire(local), output_split_sizes=recv, input_split_sizes=send, group=group)
     return out
+
+
+def step_mismatch(name: str, rows: list[list[int]]) -> str:
+    """What differs between the ranks' end-of-step records (step, collectives, order, trainable)."""
+    what = []
+    labels = ("step", "collectives issued", "collective order", "requires_grad flags", "optimizer steps")
+    for col, label in enumerate(labels):
+        values = [row[col] for row in rows]
+        if len(set(values) - ({0} if col == 4 else set())) > 1:
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if col in (0, 1, 4) else "differ"
+            what.append(f"{label} ({shown})")
+    return (
+        f"blockshard: the ranks' collectives for the model rooted at group {name!r} did not line up in this "
+        f"step: {'; '.join(what)}. A rank skipped a step or ran an extra forward, left a module unused, or "
+        "has other requires_grad flags, or a rank skipped optimizer.step(); the gradients of "
+        "this step are not the average of the ranks' and must not be used. Fix: run the same forward, "
+        "backward and optimizer step on every rank, with the same modules and the same trainable parameters"
+    )

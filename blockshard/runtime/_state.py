@@ -56,7 +56,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from blockshard.runtime._collectives import CollectiveIntegrityError, all_gather_into, holds_copies, note_step, wait
+from blockshard.runtime._collectives import (
+    CollectiveIntegrityError,
+    all_gather_into,
+    holds_copies,
+    note_step,
+    step_mismatch,
+    wait,
+)
 from blockshard.runtime._common import CollectiveTally, TrainingState, eager, expect, in_backward, tensors_in
 from blockshard.runtime._dtypes import check_trainable_dtypes
 from blockshard.runtime._group import ShardGroup
@@ -151,7 +158,7 @@ class RootContext:
         everyone = torch.empty(W * n, dtype=torch.int64, device=device)  # every rank saw the mismatch: the details
         wait(all_gather_into(everyone, mine, pg, async_op=True), what, pg)
         rows = everyone.view(W, n).tolist()
-        raise CollectiveIntegrityError(_mismatch(group.name, rows))
+        raise CollectiveIntegrityError(step_mismatch(group.name, rows))
 
 
 _NEVER = 1 << 62  # "never stepped an optimizer", in the min of the end-of-step check
@@ -173,24 +180,6 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.state._inputs_done(grads)
         return (None, *grads)
-
-
-def _mismatch(name: str, rows: list[list[int]]) -> str:
-    """What differs between the ranks' end-of-step records (step, collectives, order, trainable)."""
-    what = []
-    labels = ("step", "collectives issued", "collective order", "requires_grad flags", "optimizer steps")
-    for col, label in enumerate(labels):
-        values = [row[col] for row in rows]
-        if len(set(values) - ({0} if col == 4 else set())) > 1:
-            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if col in (0, 1, 4) else "differ"
-            what.append(f"{label} ({shown})")
-    return (
-        f"blockshard: the ranks' collectives for the model rooted at group {name!r} did not line up in this "
-        f"step: {'; '.join(what)}. A rank skipped a step or ran an extra forward, left a module unused, or "
-        "has other requires_grad flags, or a rank skipped optimizer.step(); the gradients of "
-        "this step are not the average of the ranks' and must not be used. Fix: run the same forward, "
-        "backward and optimizer step on every rank, with the same modules and the same trainable parameters"
-    )
 
 
 def _cast(x: object, dtype: torch.dtype) -> object:

@@ -6,8 +6,8 @@ import pytest
 
 from blockshard import BlockshardError
 from blockshard.runtime._collectives import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, collective_timeout_s
+from blockshard.runtime._collectives import step_mismatch as _mismatch
 from blockshard.runtime._common import CollectiveTally
-from blockshard.runtime._state import _mismatch
 
 
 def test_the_timeout_comes_from_the_environment(monkeypatch):
