@@ -23,13 +23,15 @@
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from blockshard.integrations.accelerate._settings import AccelerateConfigError
 
-__all__ = ["broadcast_module_states", "fill_from_rank0", "full_tensors", "on_meta"]
+__all__ = ["broadcast_module_states", "check_same_model", "fill_from_rank0", "full_tensors", "on_meta"]
 
 
 def on_meta(model: nn.Module) -> list[str]:
@@ -50,6 +52,21 @@ def _meta_anywhere(model: nn.Module, key: str) -> bool:
     return bool(flags[1])
 
 
+def check_same_model(model: nn.Module, key: str) -> None:
+    """Every rank has the same parameter and buffer names and shapes (collective: one all-reduce),
+    else every rank raises: rank 0's broadcasts would be paired with other tensors, or wait forever."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    signature = zlib.crc32(repr([(n, tuple(t.shape)) for n, t in named]).encode())
+    both = torch.tensor([signature, -signature], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if both[0].item() != -both[1].item():
+        raise AccelerateConfigError(
+            f"{key}=True: the ranks' models differ (parameter and buffer names or shapes; this rank has "
+            f"{len(named)} tensors), so rank 0's weights cannot be sent tensor by tensor. Fix: build the same "
+            "model (same config and class) on every rank"
+        )
+
+
 @torch.no_grad()
 def broadcast_module_states(model: nn.Module) -> None:
     """Every parameter and buffer of the (unsharded) model from rank 0, in ``named_parameters`` then
@@ -60,6 +77,7 @@ def broadcast_module_states(model: nn.Module) -> None:
             "is nothing to broadcast into before sharding; set fsdp_cpu_ram_efficient_loading: true as well "
             "(rank 0's weights then fill the shards), or build the model for real on every rank"
         )
+    check_same_model(model, "fsdp_sync_module_states")
     for _, t in [*model.named_parameters(), *model.named_buffers()]:
         dist.broadcast(t.data, src=0)
 
@@ -68,6 +86,7 @@ def full_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """On rank 0, before sharding: the model's parameters and buffers by name (no copy: references
     kept until they are broadcast); an empty dict elsewhere. Collective (rank 0's model must be real)."""
     _meta_anywhere(model, "fsdp_cpu_ram_efficient_loading")
+    check_same_model(model, "fsdp_cpu_ram_efficient_loading")
     if dist.get_rank() != 0:
         return {}
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]

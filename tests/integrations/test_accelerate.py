@@ -535,7 +535,7 @@ def _run_ranks(fn):
     return _inproc().run_ranks(fn, 2)
 
 
-def _net(seed: int, meta: bool = False):
+def _net(seed: int, meta: bool = False, hidden: int = 9):
     import torch
 
     sys.path.insert(0, str(EXAMPLES))
@@ -545,9 +545,9 @@ def _net(seed: int, meta: bool = False):
         sys.path.remove(str(EXAMPLES))
     torch.manual_seed(seed)
     if not meta:
-        return Net(dim=7, hidden=9, layers=2)
+        return Net(dim=7, hidden=hidden, layers=2)
     with torch.device("meta"):
-        return Net(dim=7, hidden=9, layers=2)
+        return Net(dim=7, hidden=hidden, layers=2)
 
 
 def _full(model) -> dict:
@@ -582,6 +582,9 @@ def test_rank0s_weights_reach_every_rank():
             with pytest.raises(AccelerateConfigError) as err:
                 shard_model(meta_models[case][r], AccelerateSettings(layers=("Block",), **{case: True}))
             errors.append(str(err.value))
+        with pytest.raises(AccelerateConfigError) as err:  # other shapes on rank 1: no mispaired broadcast
+            shard_model(_net(seed=0, hidden=9 + r), AccelerateSettings(layers=("Block",), sync_module_states=True))
+        errors.append(str(err.value))
         return out, errors
 
     results = _run_ranks(rank)
@@ -590,9 +593,10 @@ def test_rank0s_weights_reach_every_rank():
         assert sorted(results[0][0][case]) == sorted(rank0)
         equal = [all(torch.equal(f[case][k], rank0[k]) for k in rank0) for f, _ in results]
         assert equal == [expected, expected], case
-    for _, (ram, sync) in results:
+    for _, (ram, sync, differ) in results:
         assert re.search(r"fsdp_cpu_ram_efficient_loading=True: rank 0 .* on the meta device", ram), ram
         assert re.search(r"fsdp_sync_module_states=True: .*set fsdp_cpu_ram_efficient_loading: true", sync), sync
+        assert re.search(r"fsdp_sync_module_states=True: the ranks' models differ .* Fix: build the same", differ)
 
 
 @pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
