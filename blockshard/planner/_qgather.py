@@ -25,14 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-import numpy as np
-
 from blockshard._arith import ceil_div, round_up
 from blockshard._errors import PlanError, QuantizedWeightError
 from blockshard.planner._items import PlanItem
 from blockshard.planner._layout import GroupLayout
 from blockshard.planner._policy import choose_layout
-from blockshard.planner._quantized import BF16_BYTES
+from blockshard.planner._quantized import BF16_BYTES, byte_totals
 from blockshard.semantics import SemanticsRules, TensorSpec
 from blockshard.semantics._quantizers import MX, FP8Block
 
@@ -269,27 +267,13 @@ def plan_gather_group(
 def quantized_gather_totals(groups: Sequence[QuantizedGatherBytes], world_size: int) -> dict[str, int | float]:
     """Bytes of ``groups`` together: masters and quantized segments per rank, gathered per step, and
     what a float (the masters' dtype) or bf16 all-gather of the same weights moves."""
-    held = np.zeros(world_size, dtype=np.int64)
-    for g in groups:
-        held += np.asarray(g.rank_bytes, dtype=np.int64)
-    gathered = sum(g.gathers_per_step * g.gathered_bytes for g in groups)
+    out = byte_totals(groups, world_size)
+    gathered = out["gathered_bytes_per_step_per_rank"]
     floats = sum(g.gathers_per_step * g.float_gathered_bytes for g in groups)
     bf16 = sum(g.gathers_per_step * BF16_BYTES * g.numel for g in groups)
-    total = sum(g.total_bytes for g in groups)
-    return {
-        "num_tensors": sum(len(g.tensors) for g in groups),
-        "numel": sum(g.numel for g in groups),
-        "payload_bytes": sum(g.payload_bytes for g in groups),
-        "scale_bytes": sum(g.scale_bytes for g in groups),
-        "total_bytes": total,
-        "master_bytes_per_rank": sum(g.master_bytes for g in groups),
-        "rank_bytes_max": int(held.max(initial=0)),
-        "rank_bytes_mean": total / world_size,
-        "segment_bytes_per_rank": sum(g.segment_bytes for g in groups),
-        "gathered_bytes_per_step_per_rank": gathered,
-        "gathered_bytes_per_step_total": world_size * gathered,
-        "float_gathered_bytes_per_step_per_rank": floats,
-        "gathered_over_float": gathered / floats if floats else 0.0,
-        "bf16_gathered_bytes_per_step_per_rank": bf16,
-        "gathered_over_bf16": gathered / bf16 if bf16 else 0.0,
-    }
+    out["master_bytes_per_rank"] = sum(g.master_bytes for g in groups)
+    out["float_gathered_bytes_per_step_per_rank"] = floats
+    out["gathered_over_float"] = gathered / floats if floats else 0.0
+    out["bf16_gathered_bytes_per_step_per_rank"] = bf16
+    out["gathered_over_bf16"] = gathered / bf16 if bf16 else 0.0
+    return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -143,13 +144,13 @@ def plan_quantized_group(
     )
 
 
-def quantized_totals(groups: Sequence[QuantizedGroupBytes], world_size: int) -> dict[str, int | float]:
-    """Bytes of ``groups`` together: per rank (max and mean over ranks), gathered per step, and bf16's."""
+def byte_totals(groups: Sequence[Any], world_size: int) -> dict[str, int | float]:
+    """What quantized groups (of frozen weights, or gathered quantized) have in common, summed:
+    tensors, payload and scales, per rank (max and mean over ranks), gathered per step."""
     held = np.zeros(world_size, dtype=np.int64)
     for g in groups:
         held += np.asarray(g.rank_bytes, dtype=np.int64)
     gathered = sum(g.gathers_per_step * g.gathered_bytes for g in groups)
-    bf16 = sum(g.gathers_per_step * g.bf16_bytes for g in groups)
     total = sum(g.total_bytes for g in groups)
     return {
         "num_tensors": sum(len(g.tensors) for g in groups),
@@ -160,9 +161,17 @@ def quantized_totals(groups: Sequence[QuantizedGroupBytes], world_size: int) -> 
         "rank_bytes_max": int(held.max(initial=0)),
         "rank_bytes_mean": total / world_size,
         "segment_bytes_per_rank": sum(g.segment_bytes for g in groups),
-        "constant_bytes_per_rank": sum(g.constant_bytes for g in groups),
         "gathered_bytes_per_step_per_rank": gathered,
         "gathered_bytes_per_step_total": world_size * gathered,
-        "bf16_gathered_bytes_per_step_per_rank": bf16,
-        "gathered_over_bf16": gathered / bf16 if bf16 else 0.0,
     }
+
+
+def quantized_totals(groups: Sequence[QuantizedGroupBytes], world_size: int) -> dict[str, int | float]:
+    """Bytes of ``groups`` together: per rank (max and mean over ranks), gathered per step, and bf16's."""
+    out = byte_totals(groups, world_size)
+    gathered = out["gathered_bytes_per_step_per_rank"]
+    bf16 = sum(g.gathers_per_step * g.bf16_bytes for g in groups)
+    out["constant_bytes_per_rank"] = sum(g.constant_bytes for g in groups)
+    out["bf16_gathered_bytes_per_step_per_rank"] = bf16
+    out["gathered_over_bf16"] = gathered / bf16 if bf16 else 0.0
+    return out

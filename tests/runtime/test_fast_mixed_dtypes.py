@@ -7,6 +7,7 @@ from __future__ import annotations
 import _inproc
 import pytest
 import torch
+from _fsdp2_init_scenario_runs import Fp8Frozen
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -168,17 +169,7 @@ def test_a_checkpoint_of_a_mixed_dtype_model_loads_every_set(tmp_path):
 def test_a_frozen_float8_parameter_gathers_on_gloo_and_trains_beside_fp32(gloo_w1):
     # torch's test_mixed_dtypes_no_grad_param: gloo has no float8 ("Invalid scalar type"), so the
     # engine moves float8 buffers as their bytes; the result equals one process bitwise
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            gen = torch.Generator().manual_seed(5)
-            self.w_fp8 = nn.Parameter(torch.randn(6, 6, generator=gen).to(torch.float8_e4m3fn), requires_grad=False)
-            self.w_fp32 = nn.Parameter(torch.randn(6, 6, generator=gen))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return (x @ self.w_fp8.float()) @ self.w_fp32
-
-    model, ref = Net(), Net()
+    model, ref = Fp8Frozen(), Fp8Frozen()  # the spawned scenario run's model
     blockshard.fully_shard(model)
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(6))
     for m in (model, ref):
