@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "BlockshardError",
+    "CheckpointError",
     "ComputeUnitError",
     "PlanError",
     "QuantizedWeightError",
@@ -45,3 +46,8 @@ class WorldSizeError(PlanError):
 class QuantizedWeightError(SemanticsError):
     """A quantized weight cannot be sharded by whole quantization groups (groups that do not divide its
     shape, nested statistics that do not fit its blocks, a quant state that contradicts its parameter)."""
+
+
+class CheckpointError(BlockshardError):
+    """A checkpoint that is incomplete or does not fit the model it is loaded into, or a path or file
+    system a checkpoint cannot be written to."""

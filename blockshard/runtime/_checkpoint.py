@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from blockshard._errors import BlockshardError
+from blockshard._errors import CheckpointError
 
 __all__ = ["CheckpointError", "describe_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -31,10 +31,6 @@ _METADATA = ".metadata"  # written by DCP's coordinator once every rank has writ
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 # optimizer state of parameters that other ranks hold: in the checkpoint, not in this rank's state
 _OTHER_RANKS_STATE = re.compile(r"^optimizer(\.\d+)?\.state\.")
-
-
-class CheckpointError(BlockshardError):
-    """A checkpoint that is incomplete or does not fit the model it is loaded into."""
 
 
 Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None
@@ -65,15 +61,22 @@ def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimize
     blockshard.optimizer_state_dict(model, optimizer)}``) with DCP, atomically (collective: call
     on every rank). The directory appears complete, with a ``blockshard.json`` record of the world
     size, groups, layouts and semantics, only once every rank finished; a save killed midway
-    leaves the previous checkpoint in place ([Note: atomic checkpoints] in ``_checkpoint_files.py``)."""
+    leaves the previous checkpoint in place ([Note: atomic checkpoints] in ``_checkpoint_files.py``).
+
+    ``checkpoint_id`` is a directory of the checkpoint's own: a save replaces it whole, so a path
+    that holds anything but a blockshard checkpoint (``outputs/`` with a log in it, the working
+    directory, ``/``) raises :class:`CheckpointError` on every rank before anything is written
+    ([Note: what a save may replace]); a save that raises removes what it wrote."""
     import torch.distributed.checkpoint as dcp
 
-    from blockshard.runtime._checkpoint_files import finish_save, model_record, start_save
+    from blockshard.runtime._checkpoint_files import atomic_save, model_record
 
-    path = os.fspath(checkpoint_id)
-    partial = start_save(model, path)
-    dcp.save(_state(model, optimizer), checkpoint_id=partial)
-    finish_save(model, path, partial, model_record(model, _optimizers(optimizer)))
+    optimizers = _optimizers(optimizer)
+    atomic_save(
+        os.fspath(checkpoint_id),
+        lambda partial: dcp.save(_state(model, optimizer), checkpoint_id=partial),
+        lambda: model_record(model, optimizers),
+    )
 
 
 def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: Optimizers = None) -> None:

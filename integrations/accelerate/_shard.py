@@ -4,11 +4,9 @@ fsdp2: ``blockshard.integrations.fsdp2.fully_shard``)."""
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from blockshard.integrations.accelerate._settings import AccelerateConfigError, AccelerateSettings
@@ -90,14 +88,14 @@ def save_model(model: nn.Module, path: str, optimizers: list, settings: Accelera
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from blockshard.runtime._checkpoint_files import atomic_save, base_record
+
     model_state, optim_state = get_state_dict(model, optimizers)
-    partial = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=partial)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(partial, path)
-    dist.barrier()
+    atomic_save(  # the same swap as blockshard.save_checkpoint: never replaces other files
+        path,
+        lambda partial: dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=partial),
+        lambda: base_record("blockshard.integrations.accelerate", optimizers),
+    )
 
 
 def load_model(model: nn.Module, path: str, optimizers: list, settings: AccelerateSettings | None) -> None:

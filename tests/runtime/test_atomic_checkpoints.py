@@ -2,8 +2,8 @@
 checkpoints] in blockshard/runtime/_checkpoint_files.py), on spawned gloo ranks: rank 1 of 2 is
 killed by SIGKILL during the second ``save_checkpoint`` into the same name, after writing its data
 and before DCP's ``.metadata``; the launcher then kills rank 0 (bounded: ``TIMEOUT``, ``grace``).
-Tolerance: bitwise (a load is a copy). Control: the partial directory the killed save left is
-refused as a checkpoint."""
+Tolerance: bitwise (a load is a copy). The partial directory the killed save left is
+removed by the surviving rank (its save failed when the peer died)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from blockshard._launch import spawn_gloo
-from blockshard.runtime import CheckpointError, describe_checkpoint
+from blockshard.runtime import describe_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +27,10 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable():
     path = os.path.join(root, "ckpt")
     with pytest.raises(RuntimeError, match="exited with code -9"):
         spawn_gloo(ar.killed_save, 2, args=(path,), timeout=TIMEOUT, grace=2.0)
-    partial = os.path.join(root, ".ckpt.partial")
-    assert sorted(f for f in os.listdir(partial) if f.endswith(".distcp"))  # the killed save had written data
-    with pytest.raises(CheckpointError, match=r"has no \.metadata file"):
-        describe_checkpoint(partial)
+    # rank 0's save failed when its peer died (gloo closed the pair), and it removed the partial
+    # directory; a partial directory a kill of every rank leaves is refused as a checkpoint
+    # (test_fast_checkpoint_files.py)
+    assert sorted(os.listdir(root)) == ["ckpt", "ckpt-first.pt"]
     info = describe_checkpoint(path)
     assert info["complete"] and info["world_size"] == 2
     first = torch.load(f"{path}-first.pt")

@@ -2,7 +2,7 @@
 SIGKILL on spawned ranks is in test_atomic_checkpoints.py): ``save_checkpoint`` at W = 2 (threads)
 records world size, groups, layouts and semantics for ``describe_checkpoint`` / ``blockshard
 inspect``; a save that fails midway leaves the previous checkpoint loadable and its partial
-directory is never taken for a checkpoint; a save killed between its two renames loads the
+directory is removed (a killed save's is never taken for a checkpoint); a save killed between its two renames loads the
 moved-aside previous checkpoint.
 Tolerance: bitwise (copies). Controls: the second save's values differ from the first's; the
 partial directory is reported incomplete."""
@@ -10,6 +10,7 @@ partial directory is reported incomplete."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import _inproc
 import pytest
@@ -84,16 +85,19 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monke
         assert not all(torch.equal(first[k], v) for k, v in blockshard.full_state_dict(model).items())  # control
         write = FileSystemWriter.write_data
 
+        partial = str(tmp_path / ".kept.partial")
+
         def dies_after_writing(self, plan, planner):
             write(self, plan, planner).wait()
-            raise KeyboardInterrupt("killed after writing its data")  # what a kill leaves: no .metadata
+            shutil.copytree(self.path, partial)  # what a kill would leave: data, no .metadata
+            raise KeyboardInterrupt("killed after writing its data")
 
         monkeypatch.setattr(FileSystemWriter, "write_data", dies_after_writing)
         with pytest.raises(CheckpointException, match="killed after writing its data"):
             save_checkpoint(model, path, opt)
         monkeypatch.undo()
-        partial = str(tmp_path / ".ckpt.partial")
-        assert os.path.isdir(partial) and describe_checkpoint(path)["complete"]
+        assert not os.path.exists(tmp_path / ".ckpt.partial")  # a save that raised removes what it wrote
+        assert describe_checkpoint(path)["complete"]
         with pytest.raises(CheckpointError, match=r"has no \.metadata file"):
             describe_checkpoint(partial)
         resumed = _sharded(1)
@@ -102,6 +106,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monke
         alone = _sharded(2)
         load_checkpoint(alone, path)  # the model alone from a checkpoint with optimizer state
         assert all(torch.equal(first[k], v) for k, v in blockshard.full_state_dict(alone).items())
+        os.rename(partial, tmp_path / ".ckpt.partial")
         save_checkpoint(model, path, opt)  # the next save replaces the leftovers
         assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
