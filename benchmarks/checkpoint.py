@@ -139,7 +139,7 @@ def _peak_extra_bytes(fn) -> int:
 def _export_memory(model, root: str, rank: int) -> dict:
     import blockshard
     from blockshard.runtime import local_buffers
-    from blockshard.runtime._api import _states_under
+    from blockshard.runtime.core._inspect import states_under
 
     streamed = _peak_extra_bytes(lambda: blockshard.save_pretrained(model, f"{root}/hf-streamed"))
     dist.barrier()
@@ -151,7 +151,7 @@ def _export_memory(model, root: str, rank: int) -> dict:
 
     gathered = _peak_extra_bytes(full)
     dist.barrier()
-    groups = [st.group for _, st in _states_under(model) if st.group.layout is not None]
+    groups = [st.group for _, st in states_under(model) if st.group.layout is not None]
     largest = max(g.world_size * g.layout.segment_numel * g.local.element_size() for g in groups)
     shard = sum(b["local"].numel() * b["local"].element_size() for b in local_buffers(model).values())
     return {

@@ -115,7 +115,7 @@ def _persistent(variant: str, model: nn.Module, rank: int) -> dict:
     if variant == "replicated-4bit":
         held, constants = _params4bit_bytes(model)
         return {"base_bytes": held + constants, "quantized_bytes": held, "constant_bytes": constants}
-    from blockshard.runtime._state import state_of
+    from blockshard.runtime.core._state import state_of
 
     if variant == "blockshard-bf16":
         held = 0

@@ -11,8 +11,10 @@ from blockshard._errors import (
     QuantizedWeightError,
     SemanticsError,
     ShapesError,
+    TorchRouteError,
     WorldSizeError,
 )
+from blockshard._version import __version__ as __version__
 from blockshard.semantics import (
     BlockSemantics,
     Companion,
@@ -25,8 +27,6 @@ from blockshard.semantics import (
     register_semantics,
     registered_semantics,
 )
-
-__version__ = "0.1.0.dev0"
 
 # The engine imports torch; it loads on first use so that `import blockshard` stays light.
 _RUNTIME = (
@@ -48,6 +48,9 @@ _RUNTIME = (
     "precompute_quantized_gather",
     "quantized_gather_stats",
     "load_safetensors",
+    "install_torch_routes",
+    "uninstall_torch_routes",
+    "installed_torch_routes",
 )
 
 
@@ -66,6 +69,7 @@ __all__ = [
     "QuantizedWeightError",
     "SemanticsError",
     "ShapesError",
+    "TorchRouteError",
     "WorldSizeError",
     "BlockSemantics",
     "Companion",

@@ -1,8 +1,11 @@
 """Errors raised for bad user input.
 
 Every user-facing error is a ``ValueError`` subclass whose message names the offending
-parameter or tensor, the value, the constraint that failed and how to fix it.
-Internal invariants use ``assert``.
+parameter or tensor, the value, the constraint that failed and how to fix it. Two are
+``RuntimeError`` subclasses, because no input of one rank caused them: ``CollectiveIntegrityError``
+(the ranks' collectives did not line up, or a peer failed) and ``EngineStateError`` (a bug).
+Internal invariants use ``assert``. Every layer imports its errors from here (the engine's are
+re-exported by ``blockshard.runtime``, where users import them).
 """
 
 from __future__ import annotations
@@ -10,11 +13,18 @@ from __future__ import annotations
 __all__ = [
     "BlockshardError",
     "CheckpointError",
+    "ClipError",
+    "CollectiveIntegrityError",
     "ComputeUnitError",
+    "EngineStateError",
+    "LayoutMismatchError",
+    "PieceTensorError",
     "PlanError",
     "QuantizedWeightError",
     "SemanticsError",
     "ShapesError",
+    "ShardingError",
+    "TorchRouteError",
     "WorldSizeError",
 ]
 
@@ -51,3 +61,32 @@ class QuantizedWeightError(SemanticsError):
 class CheckpointError(BlockshardError):
     """A checkpoint that is incomplete or does not fit the model it is loaded into, or a path or file
     system a checkpoint cannot be written to."""
+
+
+class ShardingError(BlockshardError):
+    """``fully_shard`` was used in a way the engine does not support (with the fix in the message)."""
+
+
+class EngineStateError(RuntimeError):
+    """An impossible transition of the engine's state machines (a bug: please report it)."""
+
+
+class ClipError(BlockshardError):
+    """``clip_grad_norm_`` was given something it cannot clip (with the fix in the message)."""
+
+
+class CollectiveIntegrityError(RuntimeError):
+    """The ranks' collectives did not line up (or a peer failed): named group, phase and fix."""
+
+
+class LayoutMismatchError(BlockshardError):
+    """Ranks computed different layouts for the same group (different models, semantics or W)."""
+
+
+class PieceTensorError(BlockshardError):
+    """An operation that needs the whole tensor was applied to one rank's piece of it."""
+
+
+class TorchRouteError(BlockshardError):
+    """A torch function blockshard routes ([Note: torch routes]) differs on the installed torch from
+    what the route was written for, or ``BLOCKSHARD_TORCH_ROUTES`` names no route."""

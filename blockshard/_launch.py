@@ -42,7 +42,7 @@ def _check_finished() -> None:
     """blockshard's end-of-training check (``check_finished``), when the function used the engine."""
     import sys
 
-    collectives = sys.modules.get("blockshard.runtime._collectives")
+    collectives = sys.modules.get("blockshard.runtime.core._collectives")
     if collectives is not None:
         collectives.check_finished()
 

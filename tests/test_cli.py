@@ -217,7 +217,7 @@ def test_shapes_file_over_the_tensor_bound_is_one_error_line(tmp_path, capsys, m
 
 
 def test_group_over_the_tensor_bound_is_one_error_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("blockshard.planner._plan.MAX_GROUP_TENSORS", 5)
+    monkeypatch.setattr("blockshard.planner._lay_out.MAX_GROUP_TENSORS", 5)
     shapes = tmp_path / "onegroup.json"
     shapes.write_text(json.dumps({"tensors": [{"name": f"t{i}", "shape": [4, 4], "group": "g"} for i in range(6)]}))
     err = _one_error_line(["plan", "--shapes", str(shapes)], capsys)

@@ -19,12 +19,14 @@ from blockshard.optim._owner_compute import (
     local_region,
     named_groups,
 )
+from blockshard.runtime.core._collectives import wait
+from blockshard.runtime.core._owners import tensor_owners
+from blockshard.runtime.core._param import managed_tag
 
 __all__ = ["OwnerComputeOptimizer"]
 
 
 def _wait(work: Any, what: str, group: Any) -> None:
-    from blockshard.runtime._collectives import wait  # bounded, reported as the engine's
 
     wait(work, what, group)
 
@@ -330,8 +332,6 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
 
 def _ragged_holdings(groups: Sequence) -> tuple[list[Holding], Any]:
     """Every parameter as a :class:`Holding`: owner-computed where the engine's owner plan cuts it."""
-    from blockshard.runtime._owners import tensor_owners
-    from blockshard.runtime._param import managed_tag
 
     holdings: list[Holding] = []
     process_group = None

@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from blockshard._errors import SemanticsError
+from blockshard.runtime import global_shapes, owner_plan
 from blockshard.semantics import TensorSpec, get_semantics, normalize_dtype
-from blockshard.semantics._rules import is_embedding_or_head
+from blockshard.semantics._rule import is_embedding_or_head
 
 __all__ = ["OPTIMIZER_SEMANTICS", "muon_param_groups", "optimizer_semantics", "semantics_for_optimizer"]
 
@@ -147,7 +148,6 @@ def muon_param_groups(model: nn.Module, *, other: str = "adamw") -> list[dict]:
     piece, empty or not, stays in the Muon group, for :class:`blockshard.optim.Muon` or
     :class:`blockshard.optim.OwnerComputeOptimizer` (which need every rank's pieces).
     """
-    from blockshard.runtime import global_shapes, owner_plan  # optim sits above runtime; runtime imports no optim
 
     shapes = global_shapes(model)
     owner_computed = owner_plan(model)

@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from blockshard._errors import BlockshardError
+from blockshard.optim._shampoo_codec import ShampooBlocksCodec
 from blockshard.planner._units import rows_cols
 
 __all__ = ["BlockedShampoo"]
@@ -137,6 +138,11 @@ def _block_slices(shape: tuple[int, ...], d: int) -> list[tuple[slice, ...]]:
     if len(shape) == 1:
         return [(r,) for r in runs[0]]
     return [(r, c) for r in runs[0] for c in runs[1]]
+
+
+def _tile_dims(shape: tuple[int, ...], d: int) -> list[tuple[int, ...]]:
+    """The dims of the tiles of a tensor of ``shape``, row-major."""
+    return [tuple(s.stop - s.start for s in idx) for idx in _block_slices(_matrix_shape(torch.Size(shape)), d)]
 
 
 def _take(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -306,6 +312,10 @@ class BlockedShampoo(torch.optim.Optimizer):
         s_norm = torch.linalg.vector_norm(s)
         scale = torch.where(s_norm > 0, torch.linalg.vector_norm(adam) / s_norm, 0.0)
         return s.mul_(scale)
+
+    def blockshard_state_codecs(self) -> dict[str, ShampooBlocksCodec]:
+        """How blockshard's checkpoints place ``state[p]["blocks"]`` (``HasStateCodecs``)."""
+        return {"blocks": ShampooBlocksCodec(_tile_dims)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()``; per-block tensors keep their dtypes (factors: ``factor_dtype``).

@@ -10,11 +10,12 @@ from blockshard.planner._catalog import (
     tensors_from_hf_config,
 )
 from blockshard.planner._items import PlanItem, resolve_items
+from blockshard.planner._lay_out import alignment_numel, plan_group
 from blockshard.planner._layout import GroupLayout, Piece, TensorPlacement
 from blockshard.planner._ordered import OrderedLayout, ordered_layout
 from blockshard.planner._owner import OwnerPlan, plan_owners
 from blockshard.planner._pack import lower_bound, pack
-from blockshard.planner._plan import ModelPlan, alignment_numel, group_kind, plan_group, plan_model
+from blockshard.planner._plan import ModelPlan, group_kind, plan_model
 from blockshard.planner._report import Comparison, KindRow, compare
 from blockshard.planner._shapes_file import load_model_tensors, tensors_from_shapes_file
 

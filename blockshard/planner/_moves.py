@@ -14,7 +14,7 @@ per rank (the ones that set a rank's fixed cost), at most ``MAX_MOVES`` position
 spaced), and compares moves only where its rotations and shifts would leave a fixed cost above the
 mean cost per rank so far (``OwnerBuilder._best_shift`` in ``_compute.py``). The result depends only on the layout: every rank
 builds the same candidates, and the engine moves a group's values once, before training
-(``apply_moves`` in ``runtime/_owners.py``).
+(``apply_moves`` in ``runtime/core/_owners.py``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -11,11 +10,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from blockshard._errors import PlanError
-from blockshard._limits import MAX_GROUP_TENSORS, MAX_PADDED_NUMEL
-from blockshard.planner._buckets import plan_buckets
 from blockshard.planner._compute import ComputeTally, OwnerAssignment, OwnerBuilder
 from blockshard.planner._items import PlanItem, group_items, resolve_items
-from blockshard.planner._layout import GroupLayout, TensorPlacement
+from blockshard.planner._lay_out import DEFAULT_ALIGNMENT_BYTES, alignment_numel, plan_group
+from blockshard.planner._layout import GroupLayout
 from blockshard.planner._policy import check_policy, choose_layout
 from blockshard.planner._qgather import (
     QuantizedGatherBytes,
@@ -26,67 +24,10 @@ from blockshard.planner._qgather import (
     tile_semantics,
 )
 from blockshard.planner._quantized import QuantizedGroupBytes, plan_quantized_group, quantized_totals
-from blockshard.planner._units import check_alignment_bytes, check_model_tensors, check_world_size
+from blockshard.planner._units import check_model_tensors, check_world_size
 from blockshard.semantics import TensorSpec
 
 __all__ = ["ModelPlan", "alignment_numel", "group_kind", "plan_group", "plan_model"]
-
-DEFAULT_ALIGNMENT_BYTES = 16
-
-
-def alignment_numel(alignment_bytes: int, itemsize: int) -> int:
-    """Elements per alignment step: the smallest count whose bytes are a multiple of ``alignment_bytes``
-    (a power of two, see :func:`check_alignment_bytes`)."""
-    return math.lcm(check_alignment_bytes(alignment_bytes), itemsize) // itemsize
-
-
-def plan_group(
-    items: Sequence[PlanItem],
-    world_size: int,
-    *,
-    name: str = "",
-    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
-    _memo: dict | None = None,
-) -> GroupLayout:
-    """Lay out one group (the tensors gathered by one collective) on ``world_size`` ranks."""
-    world_size = check_world_size(world_size)
-    if not items:
-        raise PlanError(f"group {name!r} has no tensors; every group needs at least one parameter")
-    if len(items) > MAX_GROUP_TENSORS:
-        raise PlanError(
-            f"group {name!r} has {len(items):,} tensors, more than the {MAX_GROUP_TENSORS:,} one group may "
-            "hold (packing one group is superlinear in its tensors); split it into several groups "
-            '(fully_shard per layer, or the "group" key of a shapes file)'
-        )
-    dtypes = {it.spec.dtype for it in items}
-    if len(dtypes) > 1:
-        by = {d: [it.name for it in items if it.spec.dtype == d][:3] for d in sorted(dtypes)}
-        raise PlanError(
-            f"group {name!r} mixes dtypes {by}: one collective moves one dtype. Fix: put tensors of "
-            "different dtypes in different groups (or cast them to one dtype first)"
-        )
-    itemsize = items[0].spec.itemsize
-    align = alignment_numel(alignment_bytes, itemsize)
-    grids = tuple(it.grid for it in items)
-    key = (grids, world_size, align)
-    hit = _memo.get(key) if _memo is not None else None
-    if hit is None:
-        hit = plan_buckets(grids, world_size, align)
-        if _memo is not None:
-            _memo[key] = hit
-    buckets, bucket_of, offsets, lb = hit
-    if world_size * sum(buckets) > MAX_PADDED_NUMEL:
-        raise PlanError(
-            f"group {name!r} needs {world_size:,} ranks x {sum(buckets):,} elements per rank, more than "
-            f"{MAX_PADDED_NUMEL:,} (2**60) elements in all; check the tensor shapes, or lower the world "
-            "size or alignment_bytes"
-        )
-    order = sorted(range(len(items)), key=lambda i: (bucket_of[i], offsets[i], offsets[i] + items[i].grid.numel))
-    placements = tuple(
-        TensorPlacement(items[i].name, items[i].spec.shape, offsets[i], items[i].grid, items[i].label, bucket_of[i])
-        for i in order
-    )
-    return GroupLayout(name, world_size, align, items[0].spec.dtype, itemsize, lb, buckets, placements)
 
 
 def _peak_over_mean(values: Sequence[float]) -> float:

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from blockshard._errors import PlanError
 from blockshard.planner._compute import straddling_units
 from blockshard.planner._items import PlanItem
+from blockshard.planner._lay_out import plan_group
 from blockshard.planner._layout import GroupLayout
 
 __all__ = ["POLICIES", "check_policy", "choose_layout", "modeled_cost_bytes"]
@@ -89,8 +90,6 @@ def choose_layout(
 
     ``memo`` is shared by the groups of one model: identical groups choose once.
     """
-    from blockshard.planner._plan import plan_group  # _plan imports this module
-
     key = ("policy", policy, world_size, alignment_bytes, tuple((it.grid, it.placement) for it in items))
     chosen = memo.get(key)
     if chosen is not None:  # an identical group chose already

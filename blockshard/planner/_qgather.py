@@ -2,7 +2,7 @@
 
 [Note: planned quantized gather]
 ``fully_shard(..., quantized_gather=True)`` ([Note: quantized gather] in
-``runtime/_quantized_gather.py``) gives the floating-point parameters whose semantics is ``mx``,
+``runtime/quantized/_gather.py``) gives the floating-point parameters whose semantics is ``mx``,
 ``mx:4`` or ``fp8_block:B`` a buffer set of their own in the group, named ``<group>[quantized
 gather]``: a float layout planned by those semantics (every rank's piece of each is whole tiles),
 so the masters are *not* stored quantized and are not cut by the byte planner of frozen quantized

@@ -2,7 +2,7 @@
 
 [Note: planned quantized bytes]
 ``fully_shard`` gives the frozen quantized weights of each group a quantized group of their own
-([Note: quantized groups] in ``runtime/_quantized.py``): their units concatenated in the group's
+([Note: quantized groups] in ``runtime/quantized/_frozen.py``): their units concatenated in the group's
 order, rank ``r``'s cut at the unit boundary nearest to ``r * total / W`` (ties to the lower), every
 segment padded to the largest, ``S`` bytes rounded up to the alignment. :func:`plan_quantized_group`
 computes the same cuts from each tensor's :class:`~blockshard.semantics.QuantizedStorage` without

@@ -1,8 +1,17 @@
 """The ragged engine: ``fully_shard`` with persistent zero-copy buffers."""
 
+from blockshard._errors import (
+    CheckpointError,
+    ClipError,
+    CollectiveIntegrityError,
+    EngineStateError,
+    LayoutMismatchError,
+    PieceTensorError,
+    ShardingError,
+    TorchRouteError,
+)
 from blockshard.runtime._api import (
     ShardedModule,
-    ShardingError,
     UnshardHandle,
     fully_shard,
     global_shapes,
@@ -10,26 +19,27 @@ from blockshard.runtime._api import (
     is_sharded,
     local_buffers,
 )
-from blockshard.runtime._checkpoint import CheckpointError, describe_checkpoint, load_checkpoint, save_checkpoint
-from blockshard.runtime._clip import ClipError, clip_grad_norm_
-from blockshard.runtime._collectives import CollectiveIntegrityError, LayoutMismatchError, check_finished
-from blockshard.runtime._common import EngineStateError, ShardedState, TrainingState
-from blockshard.runtime._export import save_pretrained
-from blockshard.runtime._init import init_parameters
-from blockshard.runtime._module import register_forward_method
-from blockshard.runtime._optim_state import load_optimizer_state_dict, optimizer_state_dict
-from blockshard.runtime._owners import TensorOwners, owner_plan
-from blockshard.runtime._piece_tensor import PieceTensor, PieceTensorError
-from blockshard.runtime._quantized import QuantizedStats, quantized_stats
-from blockshard.runtime._quantized_gather import full_quantized, precompute_quantized_gather, quantized_gather_stats
-from blockshard.runtime._safetensors import LoadReport, load_safetensors
-from blockshard.runtime._state_dict import (
+from blockshard.runtime.checkpoint._dcp import describe_checkpoint, load_checkpoint, save_checkpoint
+from blockshard.runtime.checkpoint._export import save_pretrained
+from blockshard.runtime.checkpoint._optim_state import load_optimizer_state_dict, optimizer_state_dict
+from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
+from blockshard.runtime.checkpoint._safetensors import LoadReport, load_safetensors
+from blockshard.runtime.checkpoint._state_dict import (
     LocalShard,
     full_state_dict,
     load_full_state_dict,
     load_sharded_state_dict,
     sharded_state_dict,
 )
+from blockshard.runtime.core._clip import clip_grad_norm_
+from blockshard.runtime.core._collectives import check_finished
+from blockshard.runtime.core._common import ShardedState, TrainingState
+from blockshard.runtime.core._init import init_parameters
+from blockshard.runtime.core._module import register_forward_method
+from blockshard.runtime.core._owners import TensorOwners, owner_plan
+from blockshard.runtime.quantized._frozen import QuantizedStats, quantized_stats
+from blockshard.runtime.quantized._gather import full_quantized, precompute_quantized_gather, quantized_gather_stats
+from blockshard.runtime.routes import install_torch_routes, installed_torch_routes, uninstall_torch_routes
 
 __all__ = [
     "CheckpointError",
@@ -46,6 +56,7 @@ __all__ = [
     "ShardedState",
     "ShardingError",
     "TensorOwners",
+    "TorchRouteError",
     "TrainingState",
     "UnshardHandle",
     "check_finished",
@@ -57,6 +68,8 @@ __all__ = [
     "global_shapes",
     "group_layouts",
     "init_parameters",
+    "install_torch_routes",
+    "installed_torch_routes",
     "is_sharded",
     "load_checkpoint",
     "load_full_state_dict",
@@ -73,4 +86,5 @@ __all__ = [
     "save_checkpoint",
     "save_pretrained",
     "sharded_state_dict",
+    "uninstall_torch_routes",
 ]

@@ -23,23 +23,21 @@ from blockshard.runtime._arguments import (
     replicate_group_of,
     reshard_after_forward_of,
 )
-from blockshard.runtime._clip import install_torch_clip_route
-from blockshard.runtime._collectives import check_same_layout, engine_group
-from blockshard.runtime._dtypes import install_extra_state_dict_hooks, split_by_dtype
-from blockshard.runtime._group import ShardGroup
-from blockshard.runtime._grouped import bind_below, collect_all, listed_modules
-from blockshard.runtime._inspect import _join as _join  # re-exported: the state dict and checkpoint files use them
-from blockshard.runtime._inspect import _states_under as _states_under
-from blockshard.runtime._inspect import global_shapes, group_layouts, local_buffers
-from blockshard.runtime._optim_guard import install_optimizer_guard
-from blockshard.runtime._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
-from blockshard.runtime._param import ParamRef, ShardedParam, check_plain, managed_tag, tag_managed
 from blockshard.runtime._placement import check_shard_placements
-from blockshard.runtime._quantized import QuantizedGroup, collect_quantized
-from blockshard.runtime._quantized_gather import QuantizedGatherGroup, split_quantized_gather
-from blockshard.runtime._state import STATE_ATTR, ModuleState, state_of
+from blockshard.runtime.checkpoint._extra_dtypes import install_extra_state_dict_hooks
+from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._collectives import check_same_layout, engine_group
+from blockshard.runtime.core._dtypes import split_by_dtype
+from blockshard.runtime.core._inspect import global_shapes, group_layouts, local_buffers
+from blockshard.runtime.core._list_groups import bind_below, collect_all, listed_modules
+from blockshard.runtime.core._optim_guard import install_optimizer_guard
+from blockshard.runtime.core._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
+from blockshard.runtime.core._param import ParamRef, ShardedParam, check_plain, managed_tag, tag_managed
+from blockshard.runtime.core._state import STATE_ATTR, ModuleState, state_of
+from blockshard.runtime.quantized._frozen import QuantizedGroup, collect_quantized
+from blockshard.runtime.quantized._gather import QuantizedGatherGroup, split_quantized_gather
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
-from blockshard.semantics._rules import call_user_semantics
+from blockshard.semantics._rule import call_user_semantics
 
 __all__ = [
     "ShardedModule",
@@ -53,7 +51,10 @@ __all__ = [
 ]
 
 
-from blockshard.runtime._module import ShardedModule, ShardingError, UnshardHandle, install_torch_forward_method_route
+from blockshard._errors import ShardingError
+from blockshard.runtime.checkpoint._state_dict import install_state_dict_hooks
+from blockshard.runtime.core._module import ShardedModule, UnshardHandle
+from blockshard.runtime.routes import install_torch_routes
 
 # One subclass per original class, as FSDP2's ``FSDP<Class>``: a cache, not state (same inputs
 # give the same class).
@@ -211,12 +212,12 @@ def fully_shard(
     ``module``, whose class becomes a :class:`ShardedModule` (FSDP2's ``FSDPModule`` methods, see _module.py).
     A list ``[norm, head]`` makes one group over all their parameters, gathered before the first
     of them runs and resharded after the last (FSDP2's; see [Note: a list of modules] in
-    _grouped.py); the list is returned.
+    _list_groups.py); the list is returned.
     ``quantized_gather=True``: floating-point parameters whose semantics is ``mx``, ``mx:4`` or
     ``fp8_block:B`` are all-gathered as their quantized tiles (payload and scales) and computed on
     dequantized (fake quantization; the master pieces train as floats). Call
     :func:`blockshard.precompute_quantized_gather` after ``optimizer.step()`` to quantize outside
-    the hooks. See [Note: quantized gather] in _quantized_gather.py.
+    the hooks. See [Note: quantized gather] in _gather.py.
     """
     arg = module
     modules = listed_modules(module) if isinstance(module, (list, tuple)) else (module,)
@@ -241,15 +242,14 @@ def fully_shard(
     reshard_after_forward = reshard_after_forward_of(reshard_after_forward, process_group.size())
     replicate_group = replicate_group_of(mesh)
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
-    install_torch_clip_route()  # torch.nn.utils.clip_grad_norm_ on local pieces: the global norm ([Note: clipping])
-    install_torch_forward_method_route()  # torch's register_fsdp_forward_method ignores non-FSDPModules
+    install_torch_routes()  # clip_grad_norm_, register_fsdp_forward_method, DCP's state-dict helpers ([Note: torch routes])
     ignored = ignored_ids(ignored_params)
     quantized = [f for m in modules for f in collect_quantized(m, ignored, is_sharded)]  # [Note: quantized groups]
     names, params, refs = collect_all(modules, ignored | {i for f in quantized for i in f.ids})
     _check_params(names, params)
     if shard_placement_fn is not None:  # checked as FSDP2 does; the layout follows semantics ([Note: shard placements])
         check_shard_placements(cast(Callable, shard_placement_fn), names, params)
-    offload = type(offload_policy).__name__ == "CPUOffloadPolicy"  # [Note: CPU offload] in _group.py
+    offload = type(offload_policy).__name__ == "CPUOffloadPolicy"  # [Note: CPU offload] in _buffers.py
     if offload and (dev := next((p.device for p in params if p.device.type not in ("cpu", "meta")), None)):
         raise ShardingError(
             f"offload_policy=CPUOffloadPolicy(): offloading parameters from {dev} to the CPU is not enabled in "
@@ -304,7 +304,6 @@ def fully_shard(
         tag_managed(orig, name, original=True)
     for g in groups:
         g.tag_views()
-    from blockshard.runtime._state_dict import install_state_dict_hooks  # imports this module
 
     for m in modules:  # as FSDP2: each listed module gets the state and the class swap
         m.__dict__[STATE_ATTR] = state

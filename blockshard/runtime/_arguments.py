@@ -9,11 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from blockshard._errors import QuantizedWeightError
-from blockshard.runtime._collectives import engine_group
-from blockshard.runtime._module import ShardingError
-from blockshard.runtime._quantized_gather import QuantizedGatherGroup
-from blockshard.runtime._state import state_of
+from blockshard._errors import QuantizedWeightError, ShardingError
+from blockshard.runtime.core._collectives import engine_group
+from blockshard.runtime.core._state import state_of
+from blockshard.runtime.quantized._gather import QuantizedGatherGroup
 
 __all__ = [
     "check_fsdp_arguments",

@@ -20,14 +20,14 @@ from collections.abc import Callable
 
 from torch import nn
 
+from blockshard._errors import ShardingError
+
 __all__ = ["check_shard_placements"]
 
 
 def check_shard_placements(fn: Callable[[nn.Parameter], object], names: list[str], params: list[nn.Parameter]) -> None:
     """Call ``fn`` on every parameter of the group and check each result as FSDP2 does."""
     from torch.distributed.tensor import Shard
-
-    from blockshard.runtime._module import ShardingError
 
     if not callable(fn):
         raise ShardingError(f"shard_placement_fn={fn!r} must be None or a callable (param) -> Shard | None")

@@ -14,7 +14,8 @@ from blockshard.semantics._registry import (
     reload_entry_points,
     unregister_semantics,
 )
-from blockshard.semantics._rules import ResolvedSemantics, Rule, SemanticsRules
+from blockshard.semantics._rule import Rule
+from blockshard.semantics._rules import ResolvedSemantics, SemanticsRules
 from blockshard.semantics._spec import DTYPE_ITEMSIZE, DTypeLike, TensorSpec, itemsize_of, normalize_dtype
 from blockshard.semantics._storage import ByteStream, QuantizedStorage
 

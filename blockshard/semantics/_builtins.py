@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 
 from blockshard._arith import rows_cols
+from blockshard._errors import SemanticsError
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
 from blockshard.semantics._grid import UnitGrid
 from blockshard.semantics._registry import register_semantics
@@ -57,8 +58,6 @@ MIN_8BIT_NUMEL = 4096
 
 def _positive(name: str, value: int) -> int:
     if value < 1:
-        from blockshard._errors import SemanticsError
-
         raise SemanticsError(f"semantics {name}:{value}: the argument must be >= 1, got {value}")
     return value
 

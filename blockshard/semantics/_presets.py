@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from blockshard.semantics._rules import Rule, is_embedding_or_head
+from blockshard.semantics._registry import PRESET_NAMES
+from blockshard.semantics._rule import Rule, is_embedding_or_head
 from blockshard.semantics._spec import TensorSpec
 
 __all__ = ["PRESETS"]
@@ -32,3 +33,4 @@ def _adamw() -> list[Rule]:
 
 #: Read-only: a preset is a name on the command line; pass your own rules where rules are accepted.
 PRESETS: Mapping[str, Callable[[], list[Rule]]] = MappingProxyType({"muon": _muon, "adamw": _adamw})
+assert set(PRESETS) == PRESET_NAMES  # the registry names them for its error message

@@ -21,6 +21,10 @@ from typing import TypeVar
 from blockshard._errors import SemanticsError
 from blockshard.semantics._base import BlockSemantics
 
+# The names of the presets (_presets.py, which checks they agree): rules, not one semantics, so
+# get_semantics names them in its error.
+PRESET_NAMES = frozenset({"muon", "adamw"})
+
 __all__ = [
     "ENTRY_POINT_GROUP",
     "NO_ENTRY_POINTS_ENV",
@@ -163,9 +167,7 @@ def get_semantics(spec: str | BlockSemantics) -> BlockSemantics:
     _load_entry_points()
     cls = _REGISTRY.get(name)
     if cls is None:
-        from blockshard.semantics._presets import PRESETS  # presets are rules, not one semantics
-
-        hint = f" ({name!r} is a preset of rules: use it where rules are accepted)" if name in PRESETS else ""
+        hint = f" ({name!r} is a preset of rules: use it where rules are accepted)" if name in PRESET_NAMES else ""
         raise SemanticsError(
             f"unknown semantics {name!r}{hint}; registered: {', '.join(registered_semantics())}. "
             "Register your own with @blockshard.register_semantics(name)"

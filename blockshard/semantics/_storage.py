@@ -5,7 +5,7 @@ A quantized weight is a few byte *streams* on one unit grid (bitsandbytes ``Para
 packed payload and its absmax; with nested statistics also the absmax of the absmax): unit ``k``
 owns bytes ``[k * unit_bytes, (k + 1) * unit_bytes)`` of every stream, the last unit may be
 shorter. This is the engine's ``StreamShape`` ([Note: quantized layout] in
-``runtime/_quantized_layout.py``) stated from a shape alone, so ``blockshard plan`` predicts the
+``runtime/quantized/_layout.py``) stated from a shape alone, so ``blockshard plan`` predicts the
 bytes ``fully_shard`` holds and gathers (``tests/quantized/test_fast_plan_bytes.py`` checks that
 they are equal). Constants every rank keeps whole (code tables, one per group however many tensors
 share them; per-tensor offsets) are ``shared_constants`` and ``tensor_constant_bytes``.

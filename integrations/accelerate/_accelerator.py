@@ -37,7 +37,11 @@ import accelerate
 import torch
 from torch import nn
 
+import blockshard
+from blockshard.integrations import deepspeed as bs_deepspeed
 from blockshard.integrations.accelerate._settings import AccelerateConfigError, AccelerateSettings, load_settings
+from blockshard.integrations.accelerate._shard import checkpoint_layers, load_model, save_model, shard_model
+from blockshard.integrations.accelerate._weights import on_meta
 
 __all__ = ["CHECKPOINT_DIR", "Accelerator"]
 
@@ -74,7 +78,6 @@ def deepspeed_section() -> float | None:
         config = json.load(f)
     if "blockshard" not in config:
         return None
-    from blockshard.integrations import deepspeed as bs_deepspeed
 
     bs_deepspeed.install()
     return float(config.get("gradient_clipping", 1.0))
@@ -191,8 +194,6 @@ class Accelerator(accelerate.Accelerator):
                 )
         if not torch.distributed.is_initialized():  # one process: accelerate starts no process group
             _init_world1(self.num_processes, settings)
-        from blockshard.integrations.accelerate._shard import checkpoint_layers, shard_model
-        from blockshard.integrations.accelerate._weights import on_meta
 
         checkpoint_layers(model, settings)  # the same parameter objects under longer names
         names = {id(p): n for n, p in model.named_parameters()}
@@ -223,7 +224,6 @@ class Accelerator(accelerate.Accelerator):
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         if self.blockshard_settings.engine == "fsdp2":  # DTensor gradients: accelerate reduces the norm
             return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-        import blockshard
 
         self.unscale_gradients()
         return blockshard.clip_grad_norm_(list(parameters), max_norm, norm_type)
@@ -251,7 +251,6 @@ class Accelerator(accelerate.Accelerator):
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any):
         if not self._blockshard_models:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-        from blockshard.integrations.accelerate._shard import save_model
 
         with self._without_blockshard() as (models, optimizers):
             location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
@@ -261,7 +260,6 @@ class Accelerator(accelerate.Accelerator):
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any):
         if not self._blockshard_models:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
-        from blockshard.integrations.accelerate._shard import load_model
 
         found: list[str] = []
         handle = self.register_load_state_pre_hook(lambda _models, where: found.append(where))

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 from blockshard.integrations.accelerate._settings import ENGINES, AccelerateConfigError
+from blockshard.planner._policy import check_policy
+from blockshard.semantics import SemanticsRules
 
 __all__ = ["write_configs"]
 
@@ -71,8 +73,6 @@ def write_configs(
     argv: str = "",
 ) -> list[Path]:
     """Write ``OUT/accelerate.yaml`` (and ``OUT/deepspeed.json`` for ``engine="deepspeed"``); return the paths."""
-    from blockshard.planner._policy import check_policy
-    from blockshard.semantics import SemanticsRules
 
     if engine not in ENGINES:
         raise AccelerateConfigError(f"--engine={engine!r} is not one of {', '.join(ENGINES)}")

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from blockshard._errors import BlockshardError
+from blockshard.planner._policy import check_policy
+from blockshard.semantics import SemanticsRules
 
 __all__ = ["CONFIG_ENV", "ENGINES", "AccelerateConfigError", "AccelerateSettings", "find_config_file", "load_settings"]
 
@@ -92,8 +94,6 @@ class AccelerateSettings:
                 f"blockshard policy='owner'{where} needs the ragged engine (stock FSDP2 cuts parameters by torch.chunk); "
                 "set engine: ragged, or policy: auto"
             )
-        from blockshard.planner._policy import check_policy
-        from blockshard.semantics import SemanticsRules
 
         try:
             check_policy(self.policy, "blockshard policy")

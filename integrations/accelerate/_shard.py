@@ -9,7 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+import blockshard
+from blockshard.integrations import fsdp2
+from blockshard.integrations.accelerate import _weights
 from blockshard.integrations.accelerate._settings import AccelerateConfigError, AccelerateSettings
+from blockshard.runtime.checkpoint._files import atomic_save, base_record
 
 __all__ = ["checkpoint_layers", "load_model", "save_model", "shard_model"]
 
@@ -30,7 +34,7 @@ def checkpoint_layers(model: nn.Module, settings: AccelerateSettings) -> None:
     """``fsdp_activation_checkpointing``: wrap every layer module in torch's ``checkpoint_wrapper``
     (non-reentrant) before sharding, as accelerate's FSDP2 path does (``fsdp2_apply_ac``). The
     wrapped layer is sharded inside the wrapper, so the recompute in backward runs its forward under
-    blockshard's hooks again ([Note: recompute] in ``blockshard/runtime/_state.py``). Parameter
+    blockshard's hooks again ([Note: recompute] in ``blockshard/runtime/core/_state.py``). Parameter
     names gain ``_checkpoint_wrapped_module.``; ``state_dict()`` keys do not (the wrapper's hooks)."""
     if not settings.activation_checkpointing:
         return
@@ -46,7 +50,6 @@ def shard_model(model: nn.Module, settings: AccelerateSettings, device: torch.de
     """Shard every layer module bottom-up (deepest first), then the root, as one group each; with
     ``fsdp_sync_module_states`` / ``fsdp_cpu_ram_efficient_loading`` every rank's shards then hold rank
     0's weights ([Note: weights from rank 0] in ``_weights.py``)."""
-    from blockshard.integrations.accelerate import _weights
 
     kwargs = settings.fully_shard_kwargs()
     layers = _layers(model, settings)
@@ -58,14 +61,10 @@ def shard_model(model: nn.Module, settings: AccelerateSettings, device: torch.de
     elif settings.sync_module_states:
         _weights.broadcast_module_states(model)
     if settings.engine == "ragged":
-        import blockshard
-
         for layer in layers:
             blockshard.fully_shard(layer, **kwargs)
         blockshard.fully_shard(model, **kwargs)
     else:
-        from blockshard.integrations import fsdp2
-
         for layer in layers:
             fsdp2.fully_shard(layer, root=model, **kwargs)
         fsdp2.fully_shard(model, **kwargs)
@@ -81,14 +80,10 @@ def _optimizer_arg(optimizers: list[torch.optim.Optimizer]):
 def save_model(model: nn.Module, path: str, optimizers: list, settings: AccelerateSettings | None) -> None:
     """The model's and optimizers' sharded state as one atomic DCP checkpoint at ``path``."""
     if settings is not None and settings.engine == "ragged":
-        import blockshard
-
         blockshard.save_checkpoint(model, path, _optimizer_arg(optimizers))
         return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from blockshard.runtime._checkpoint_files import atomic_save, base_record
 
     model_state, optim_state = get_state_dict(model, optimizers)
     atomic_save(  # the same swap as blockshard.save_checkpoint: never replaces other files
@@ -105,8 +100,6 @@ def load_model(model: nn.Module, path: str, optimizers: list, settings: Accelera
             "blockshard-sharded model"
         )
     if settings is not None and settings.engine == "ragged":
-        import blockshard
-
         blockshard.load_checkpoint(model, path, _optimizer_arg(optimizers))
         return
     import torch.distributed.checkpoint as dcp

@@ -26,7 +26,7 @@ takes its plain data-parallel path, where everything it does to the model goes t
 The optimizer keeps every piece, empty ones too (a tensor another rank holds whole), as the README's
 recipe builds it: an empty piece holds no state in blockshard's checkpoints, so bitsandbytes' fp32
 state of a 0-element piece beside the holder's 8-bit state saves and loads ([Note: empty pieces hold
-no state] in ``blockshard/runtime/_optim_state.py``), and bitsandbytes' positional ``index2config``
+no state] in ``blockshard/runtime/checkpoint/_optim_state.py``), and bitsandbytes' positional ``index2config``
 keeps its positions.
 """
 
@@ -41,8 +41,10 @@ import transformers
 import transformers.trainer as hf_trainer
 from torch import nn
 
+import blockshard
 from blockshard.integrations.accelerate._accelerator import CHECKPOINT_DIR, Accelerator, _no_device
 from blockshard.integrations.accelerate._settings import AccelerateConfigError, AccelerateSettings
+from blockshard.integrations.accelerate._shard import load_model, save_model
 
 __all__ = ["Trainer", "follow_overrides"]
 
@@ -148,8 +150,6 @@ class Trainer(transformers.Trainer):
         settings = acc.blockshard_settings
         assert settings is not None
         if settings.engine == "ragged":
-            import blockshard
-
             blockshard.save_pretrained(self.model, output_dir)  # collective; rank 0 writes
             self._save_extras(output_dir)
         else:
@@ -169,7 +169,6 @@ class Trainer(transformers.Trainer):
         acc = self._blockshard()
         if acc is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        from blockshard.integrations.accelerate._shard import save_model
 
         model: Any = self.model
         save_model(model, os.path.join(output_dir, CHECKPOINT_DIR), [self._inner_optimizer()], acc.blockshard_settings)
@@ -181,7 +180,6 @@ class Trainer(transformers.Trainer):
         acc = self._blockshard()
         if acc is None or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        from blockshard.integrations.accelerate._shard import load_model
 
         self._after_sharding()
         model: Any = self.model

@@ -10,7 +10,7 @@
   weights; ``transformers``' ``from_pretrained`` builds the model on the meta device on the other
   ranks under ``accelerate launch``): the model is sharded as it is (rank 0 real, the others on meta;
   the layout comes from shapes alone), the meta ranks materialize only their shards
-  (``model.to_empty``, [Note: meta init] in ``blockshard/runtime/_init.py``) and
+  (``model.to_empty``, [Note: meta init] in ``blockshard/runtime/core/_init.py``) and
   :func:`fill_from_rank0` fills them through ``blockshard.init_parameters``: one group at a time it
   opens the group's gathered buffer on every rank, rank 0 copies its full tensors in, one broadcast
   per tensor sends them, and each rank keeps its own segment. So no rank but 0 holds more than its
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import blockshard
 from blockshard.integrations.accelerate._settings import AccelerateConfigError
 
 __all__ = ["broadcast_module_states", "check_same_model", "fill_from_rank0", "full_tensors", "on_meta"]
@@ -97,7 +98,6 @@ def full_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def fill_from_rank0(model: nn.Module, full: dict[str, torch.Tensor], device: torch.device) -> None:
     """After sharding with the ragged engine: every rank's shards hold rank 0's values ``full``, taken
     by :func:`full_tensors` (see [Note: weights from rank 0])."""
-    import blockshard
 
     if on_meta(model):
         model.to_empty(device=device)

@@ -140,7 +140,7 @@ def round_trip(rank: int, world: int) -> dict:
 
 def other_plan(rank: int, world: int) -> str:
     """Rank 1 computes another owner plan: every rank raises, none hangs."""
-    import blockshard.runtime._owners as api
+    import blockshard.runtime.core._owners as api
     from blockshard.runtime import LayoutMismatchError
 
     if rank == 1:
@@ -203,7 +203,7 @@ def engine_plan(rank: int, world: int, policy: str) -> dict:
     from dataclasses import replace
 
     import blockshard
-    import blockshard.runtime._owners as owners_mod
+    import blockshard.runtime.core._owners as owners_mod
     from blockshard._tiny import tiny_llama
     from blockshard.runtime import group_layouts, owner_plan
 

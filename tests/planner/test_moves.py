@@ -9,7 +9,7 @@ from blockshard.planner import model_tensors, plan_model, tensors_from_hf_config
 from blockshard.planner._compute import OwnerBuilder, _with_offsets, straddling_units
 from blockshard.planner._moves import tensor_moves
 from blockshard.planner._refine import refine_owners
-from blockshard.runtime._owners import move_lists
+from blockshard.runtime.core._owners import move_lists
 
 TINY = dict(
     model_type="llama",

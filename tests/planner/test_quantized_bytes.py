@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from blockshard import SemanticsError
 from blockshard.planner import model_tensors, plan_model
 from blockshard.planner._quantized import plan_quantized_group
-from blockshard.runtime._quantized_layout import StreamShape, plan_quantized
+from blockshard.runtime.quantized._layout import StreamShape, plan_quantized
 from blockshard.semantics import TensorSpec, get_semantics
 
 FORMATS = ["nf4", "fp4", "nf4_nested", "fp4_nested", "ao_nf4", "mx", "mx:4", "fp8_block:128", "fp8_block:4"]
@@ -161,13 +161,13 @@ tile_tensors = st.lists(
 @given(tile_tensors, st.integers(1, 9), st.sampled_from(["float32", "bfloat16"]))
 def test_gather_segments_equal_the_engines_payload_plan(specs, world, dtype):
     """The planner's quantized segments against the engine's ``plan_payload`` and tile quantizers
-    (``runtime/_quantized_gather.py``, ``runtime/_tile_quant.py``) on the same float layout."""
+    (``runtime/quantized/_gather.py``, ``runtime/quantized/_tile_quant.py``) on the same float layout."""
     from types import SimpleNamespace
 
     import torch
 
-    from blockshard.runtime._quantized_gather import plan_payload
-    from blockshard.runtime._tile_quant import tile_quantizer
+    from blockshard.runtime.quantized._gather import plan_payload
+    from blockshard.runtime.quantized._tile_quant import tile_quantizer
 
     shapes = {f"t{i}": _tile_shape(f, e, a, b) for i, (f, e, a, b) in enumerate(specs)}
     sem = {f"t{i}": f for i, (f, *_) in enumerate(specs)}

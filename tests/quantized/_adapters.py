@@ -41,7 +41,7 @@ def train(model: nn.Module, rank: int, world: int, inputs: Callable[[int], torch
     full = blockshard.full_state_dict(model) if world else dict(model.named_parameters())
     out["params"] = {n: full[n].detach().clone() for n in full if "lora" in n}
     if world:
-        from blockshard.runtime._state import state_of
+        from blockshard.runtime.core._state import state_of
 
         qs = [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
         out["held"] = sum(q.layout.rank_bytes(rank) for q in qs)

@@ -113,8 +113,8 @@ class ByteCount:
     """Bytes all-gathered per rank thread, float and quantized, by patching the engine's names."""
 
     def __init__(self, monkeypatch) -> None:
-        import blockshard.runtime._group as group_mod
-        import blockshard.runtime._quantized_gather as qg_mod
+        import blockshard.runtime.core._buffers as group_mod
+        import blockshard.runtime.quantized._gather as qg_mod
 
         self.lock, self.bytes = threading.Lock(), {}
         for mod, kind in ((group_mod, "float"), (qg_mod, "quantized")):
@@ -206,8 +206,8 @@ def train(rank: int, world: int, steps: int = 3) -> dict:
 
 
 def _qgroup(module: nn.Module):
-    from blockshard.runtime._quantized_gather import QuantizedGatherGroup
-    from blockshard.runtime._state import state_of
+    from blockshard.runtime.core._state import state_of
+    from blockshard.runtime.quantized._gather import QuantizedGatherGroup
 
     st = state_of(module)
     return next(g for g in st.extra_groups if isinstance(g, QuantizedGatherGroup))

@@ -141,7 +141,7 @@ def _linears4bit(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def quantized_bytes(weight) -> dict[str, torch.Tensor]:
     """A Params4bit's payload and scales as bytes (what must be identical after a gather)."""
-    from blockshard.runtime._quantized_tensor import byte_view
+    from blockshard.runtime.quantized._tensor import byte_view
 
     qs = weight.quant_state
     out = {"payload": byte_view(weight.data), "absmax": byte_view(qs.absmax)}
@@ -154,7 +154,7 @@ def memory(rank: int, world: int, replicate: bool = False, **quant) -> dict:
     """This rank's quantized bytes: under blockshard (``held``: payload and scales of its pieces,
     ``stats``), or replicated as on Accelerate's path (stock FSDP2 with the Params4bit ignored)."""
     from blockshard.runtime import quantized_stats
-    from blockshard.runtime._state import state_of
+    from blockshard.runtime.core._state import state_of
 
     with _serial():
         model = qlora_llama(lora=False, **quant)

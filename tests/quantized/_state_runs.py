@@ -53,7 +53,7 @@ def _parts(v: object) -> list[torch.Tensor]:
 
 def same(a: object, b: object) -> bool:
     """Bitwise equal: type family, dtype, shape and bytes of every part."""
-    from blockshard.runtime._quantized_tensor import byte_view
+    from blockshard.runtime.quantized._tensor import byte_view
 
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return a == b
@@ -78,7 +78,7 @@ def reference(kind: str, **quant) -> dict[str, torch.Tensor]:
 
 
 def _quantized_groups(model: nn.Module) -> list:
-    from blockshard.runtime._state import state_of
+    from blockshard.runtime.core._state import state_of
 
     return [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
 
@@ -254,7 +254,7 @@ def blockshard_state_dicts(rank: int, world: int, kind: str, **quant) -> dict:
     segments bitwise. Loading a whole stream as this rank's piece, or a state without an entry, raises."""
     import blockshard
     from blockshard.runtime import PieceTensor
-    from blockshard.runtime._state_dict import LocalShard
+    from blockshard.runtime.checkpoint._state_dict import LocalShard
 
     want = reference(kind, **quant)
     model = shard(build(kind, **quant), kind)

@@ -39,8 +39,8 @@ from blockshard.planner import plan_model
 from blockshard.planner._qgather import gather_group_name
 from blockshard.planner._quantized import plan_quantized_group
 from blockshard.runtime import group_layouts, quantized_stats
-from blockshard.runtime._quantized_gather import _groups as gather_groups
-from blockshard.runtime._state import state_of
+from blockshard.runtime.core._state import state_of
+from blockshard.runtime.quantized._gather import _groups as gather_groups
 from blockshard.semantics import TensorSpec
 
 pytestmark = pytest.mark.timeout(300)

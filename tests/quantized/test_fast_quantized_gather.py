@@ -71,7 +71,7 @@ def test_gathered_weights_equal_quantizing_the_whole_weight(world, dtype, monkey
 def _rank_bytes(i: int, o: int, spec: str, world: int) -> list[int]:
     """Payload and scale bytes each rank holds under the tile-aligned layout (tile units from the semantics)."""
     from blockshard.planner import resolve_items
-    from blockshard.planner._plan import plan_group
+    from blockshard.planner._lay_out import plan_group
     from blockshard.semantics import TensorSpec
 
     items = resolve_items([TensorSpec(name="w", shape=(o, i), dtype="float32")], {"w": spec})
@@ -106,7 +106,7 @@ def test_training_equals_one_process_with_fake_quantization(world):
 
 def _elementwise_pieces(w: torch.Tensor, world: int) -> list[tuple[int, int]]:
     from blockshard.planner import resolve_items
-    from blockshard.planner._plan import plan_group
+    from blockshard.planner._lay_out import plan_group
     from blockshard.semantics import TensorSpec
 
     items = resolve_items([TensorSpec(name="w", shape=tuple(w.shape), dtype="float32")], "elementwise")
@@ -138,10 +138,10 @@ def test_control_quantizing_the_pieces_of_a_cut_through_tiles():
 
 def test_the_payload_plan_refuses_a_layout_that_cuts_tiles():
     from blockshard.planner import resolve_items
-    from blockshard.planner._plan import plan_group
-    from blockshard.runtime._param import ShardedParam
-    from blockshard.runtime._quantized_gather import plan_payload
-    from blockshard.runtime._tile_quant import MXQuantizer
+    from blockshard.planner._lay_out import plan_group
+    from blockshard.runtime.core._param import ShardedParam
+    from blockshard.runtime.quantized._gather import plan_payload
+    from blockshard.runtime.quantized._tile_quant import MXQuantizer
     from blockshard.semantics import TensorSpec
 
     layout = plan_group(resolve_items([TensorSpec(name="w", shape=(96, 320), dtype="float32")], "elementwise"), 7)

@@ -42,7 +42,7 @@ class QuantizedStack(nn.Module):
 
 def _run(rank: int, world: int, swap: bool) -> dict:
     import blockshard
-    from blockshard.runtime._state import state_of
+    from blockshard.runtime.core._state import state_of
 
     with _inproc.serial():
         model = QuantizedStack()
@@ -102,7 +102,7 @@ def test_quantized_all_gathers_out_of_order_raise_on_every_rank():
 
 def _mixed(rank: int, world: int) -> dict:
     import blockshard
-    from blockshard.runtime._state import state_of
+    from blockshard.runtime.core._state import state_of
 
     with _inproc.serial():
         model = QuantizedStack()

@@ -133,7 +133,7 @@ def test_save_pretrained_writes_the_unsharded_4bit_models_entries(quant, tmp_pat
 def test_save_pretrained_of_blockwise_fp8_writes_the_unsharded_models_entries(tmp_path, monkeypatch):
     """Streamed in chunks of an odd byte count that end inside a rank's payload piece (the 4-bit
     exports above stream whole pieces)."""
-    from blockshard.runtime import _export
+    from blockshard.runtime.checkpoint import _export
 
     monkeypatch.setattr(_export, "_CHUNK_BYTES", 8191)
     got = _inproc.run_ranks(_state_runs.export, 2, args=("fp8", str(tmp_path)))[0]

@@ -21,7 +21,7 @@ SHAPE = (320, 256)  # 81920 values: 5 super-blocks, 1280 blocks of 64, 2.5 strip
 
 
 def _bnb(nested: bool, quant_type: str = "nf4"):
-    from blockshard.runtime._bnb4bit import bnb_tensor
+    from blockshard.runtime.quantized._bnb4bit import bnb_tensor
 
     lin = _qlora.quantize_linears(
         torch.nn.Sequential(torch.nn.Linear(SHAPE[1], SHAPE[0], bias=False)),
@@ -35,7 +35,7 @@ def _bnb(nested: bool, quant_type: str = "nf4"):
 def _ao(dtype=torch.bfloat16):
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
-    from blockshard.runtime._ao_nf4 import ao_nf4_tensor
+    from blockshard.runtime.quantized._ao_nf4 import ao_nf4_tensor
 
     return ao_nf4_tensor("w", [], torch.nn.Parameter(to_nf4(torch.randn(SHAPE, dtype=dtype)), requires_grad=False), {})
 
@@ -43,7 +43,7 @@ def _ao(dtype=torch.bfloat16):
 def _mx(elem=torch.float8_e4m3fn):
     from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
-    from blockshard.runtime._mx import mx_tensor
+    from blockshard.runtime.quantized._mx import mx_tensor
 
     t = MXTensor.to_mx(torch.randn(SHAPE, dtype=torch.bfloat16), elem, block_size=32)
     return mx_tensor("w", [], torch.nn.Parameter(t, requires_grad=False), {})
@@ -56,8 +56,8 @@ def _fp6():
 
 
 def _fp8():
-    from blockshard.runtime._fp8_block import fp8_block_tensor
-    from blockshard.runtime._param import ParamRef
+    from blockshard.runtime.core._param import ParamRef
+    from blockshard.runtime.quantized._fp8_block import fp8_block_tensor
 
     q, s = _fp8_runs.quantize_fp8_block(torch.randn(SHAPE))
     m = torch.nn.Module()
@@ -112,7 +112,7 @@ def test_semantics_storage_is_the_engines_streams(case):
 
 
 def _engine_cum(t) -> list[int]:
-    from blockshard.runtime._quantized_layout import _unit_sizes
+    from blockshard.runtime.quantized._layout import _unit_sizes
 
     return [0, *itertools.accumulate(int(x) for x in _unit_sizes(t.streams, t.n_units))]
 

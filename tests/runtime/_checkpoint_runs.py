@@ -20,7 +20,7 @@ from torch import nn
 import blockshard
 from blockshard._tiny import OddMLP, mlp_batches
 from blockshard.runtime import PieceTensor, load_checkpoint, load_optimizer_state_dict, optimizer_state_dict
-from blockshard.runtime._state import state_of
+from blockshard.runtime.core._state import state_of
 
 LR = 0.05
 BATCHES = mlp_batches(4, 6)  # steps 1-2 before the save, 3-4 after

@@ -42,9 +42,9 @@ def _clip(model, how: str, max_norm: float, norm_type: float) -> torch.Tensor:
 
 
 def torch_own_clip():
-    """torch's ``clip_grad_norm_`` itself, whether or not blockshard routed the attribute."""
-    fn = torch.nn.utils.clip_grad_norm_
-    return getattr(fn, "_blockshard_torch", fn)
+    """torch's ``clip_grad_norm_`` itself, whether or not blockshard routed it: its ``no_grad``
+    wrapper's ``__wrapped__`` is torch's implementation, whatever the wrapper's cell holds."""
+    return torch.no_grad()(torch.nn.utils.clip_grad_norm_.__wrapped__)
 
 
 def train(

@@ -61,8 +61,8 @@ class Engine:
             from torch.distributed.tensor import DTensor
 
             return not isinstance(next(module.parameters()), DTensor)
-        from blockshard.runtime._common import ShardedState
-        from blockshard.runtime._state import state_of
+        from blockshard.runtime.core._common import ShardedState
+        from blockshard.runtime.core._state import state_of
 
         st = state_of(module)
         assert st is not None

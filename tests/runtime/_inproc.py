@@ -277,7 +277,7 @@ class CollectiveLog(TorchDispatchMode):
 
     c10d's Python API (``all_gather_single``, ``reduce_scatter_single``, ...) dispatches
     ``torch.ops.c10d.*`` ops, so this catches the engine's collectives whatever Python function
-    or module issued them (``_group.py`` imports its helpers by name, which a module-attribute
+    or module issued them (``_buffers.py`` imports its helpers by name, which a module-attribute
     spy would miss). Dispatch modes are per thread, so each rank of :func:`run_ranks` logs only
     its own. A collective is labelled with the group whose persistent buffer it reads or writes
     (``blockshard.runtime.local_buffers``: an all-gather sends from ``local``, a reduce-scatter lands in

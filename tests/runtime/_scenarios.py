@@ -127,7 +127,7 @@ def prefetch_and_state_dicts(rank: int, world: int) -> dict:
     """Record the all-gathers of step 2 (after the order is known) and return both state dicts."""
     import blockshard
     from blockshard.runtime import ShardedState, _api
-    from blockshard.runtime._group import ShardGroup
+    from blockshard.runtime.core._buffers import ShardGroup
 
     model = OddMLP()
     for block in model.blocks:

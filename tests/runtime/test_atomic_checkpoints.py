@@ -1,5 +1,5 @@
 """A save killed midway leaves the previous checkpoint loadable (issue 11; [Note: atomic
-checkpoints] in blockshard/runtime/_checkpoint_files.py), on spawned gloo ranks: rank 1 of 2 is
+checkpoints] in blockshard/runtime/checkpoint/_files.py), on spawned gloo ranks: rank 1 of 2 is
 killed by SIGKILL during the second ``save_checkpoint`` into the same name, after writing its data
 and before DCP's ``.metadata``; the launcher then kills rank 0 (bounded: ``TIMEOUT``, ``grace``).
 Tolerance: bitwise (a load is a copy). The partial directory the killed save left is

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 import blockshard
-from blockshard.runtime import _state
+from blockshard.runtime.core import _state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # compiling takes ~10 s
 

@@ -25,11 +25,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import blockshard
 from blockshard._tiny import OddMLP
-from blockshard.runtime import _collectives, _grad_sync
-from blockshard.runtime._collectives import engine_group, reduce_scatter_avg
-from blockshard.runtime._common import ShardedState
-from blockshard.runtime._group import ShardGroup
-from blockshard.runtime._state import RootContext
+from blockshard.runtime.core import _collectives, _grad_sync
+from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._collectives import engine_group, reduce_scatter_avg
+from blockshard.runtime.core._common import ShardedState
+from blockshard.runtime.core._state import RootContext
 
 pytestmark = pytest.mark.timeout(60)
 

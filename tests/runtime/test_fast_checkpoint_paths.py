@@ -1,5 +1,5 @@
 """What ``save_checkpoint`` may replace (issue 29, item 1; [Note: what a save may replace] in
-blockshard/runtime/_checkpoint_files.py): a save swaps its whole directory, so a path holding
+blockshard/runtime/checkpoint/_files.py): a save swaps its whole directory, so a path holding
 anything but a blockshard checkpoint raises ``CheckpointError`` before anything is written, and
 the user's files stay byte for byte; a save that raises leaves no partial directory.
 Controls: an empty directory and an earlier blockshard checkpoint at the same path are replaced

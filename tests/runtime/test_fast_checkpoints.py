@@ -23,7 +23,7 @@ import blockshard
 from blockshard._tiny import OddMLP, mlp_batches
 from blockshard.cli import main
 from blockshard.runtime import PieceTensor, PieceTensorError, ShardingError, describe_checkpoint
-from blockshard.runtime._piece_tensor import flat_run_boxes
+from blockshard.runtime.checkpoint._piece_tensor import flat_run_boxes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -203,7 +203,7 @@ def test_set_model_state_dict_with_full_tensors_loads_and_get_model_state_dict_g
 
 def _blockshard_layers(fn) -> int:
     """How many of blockshard's wrappers ``fn`` is, down its ``__wrapped__`` chain."""
-    from blockshard.runtime import _state_dict
+    from blockshard.runtime.routes import _state_dict
 
     layers = 0
     while fn is not None:
@@ -221,15 +221,11 @@ def test_torch_state_dict_helpers_are_wrapped_once_when_rank_threads_shard_at_on
 
     import torch.distributed.checkpoint.state_dict as dsd
 
-    from blockshard.runtime import _state_dict
-
-    names = ("_get_model_state_dict", "_get_optim_state_dict", "_load_optim_state_dict")
-    _state_dict.install_torch_state_dict_support()
-    for name in names:  # back to torch's own functions, as before the process's first fully_shard
-        torch_fn = getattr(dsd, name).__wrapped__
-        assert _blockshard_layers(torch_fn) == 0  # the control: one layer came off
-        monkeypatch.setattr(dsd, name, torch_fn)
-    monkeypatch.setattr(_state_dict, "_TORCH_WRAPPED", False)
+    names = ("_get_model_state_dict", "_get_optim_state_dict", "_load_optim_state_dict", "_get_fqns")
+    blockshard.install_torch_routes()
+    assert {name: _blockshard_layers(getattr(dsd, name)) for name in names} == dict.fromkeys(names, 1)
+    blockshard.uninstall_torch_routes()  # back to torch's own functions, as before the process's first fully_shard
+    assert {name: _blockshard_layers(getattr(dsd, name)) for name in names} == dict.fromkeys(names, 0)  # control
     start, real_import = threading.Barrier(8), builtins.__import__
 
     def slow_first_import(name, *args, **kwargs):  # as in a fresh process, where it takes a while
@@ -239,7 +235,7 @@ def test_torch_state_dict_helpers_are_wrapped_once_when_rank_threads_shard_at_on
 
     def install() -> None:
         start.wait()
-        _state_dict.install_torch_state_dict_support()
+        blockshard.install_torch_routes()
 
     monkeypatch.setattr(builtins, "__import__", slow_first_import)
     threads = [threading.Thread(target=install) for _ in range(8)]
@@ -249,7 +245,7 @@ def test_torch_state_dict_helpers_are_wrapped_once_when_rank_threads_shard_at_on
         t.join()
     monkeypatch.setattr(builtins, "__import__", real_import)
     assert {name: _blockshard_layers(getattr(dsd, name)) for name in names} == dict.fromkeys(names, 1)
-    _state_dict.install_torch_state_dict_support()  # and once more: still one layer
+    blockshard.install_torch_routes()  # and once more: still one layer
     assert {name: _blockshard_layers(getattr(dsd, name)) for name in names} == dict.fromkeys(names, 1)
 
 
@@ -391,7 +387,7 @@ def _export_chunked(rank: int, world: int, path: str) -> bool:
 
 
 def test_save_pretrained_streams_chunks_that_cut_tensors_and_segments(tmp_path, monkeypatch):
-    from blockshard.runtime import _export
+    from blockshard.runtime.checkpoint import _export
 
     monkeypatch.setattr(_export, "_CHUNK_BYTES", 44)  # 11 fp32 elements: chunks end inside tensors
     assert all(_inproc.run_ranks(_export_chunked, 3, args=(str(tmp_path / "w3"),)))

@@ -1,7 +1,7 @@
 """``blockshard.clip_grad_norm_`` against one process with torch's ``clip_grad_norm_``, in-process
 (W = 2 on threaded gloo ranks, see _inproc.py); the spawned W = 2, 4 versions are in test_clip.py.
 
-Tolerances ([Note: clipping] in blockshard/runtime/_clip.py): every rank trains on the whole
+Tolerances ([Note: clipping] in blockshard/runtime/core/_clip.py): every rank trains on the whole
 batch, so the gradients are one process's exactly; only the norm's summation order differs (per
 rank, then across ranks, instead of tensor by tensor). The inf-norm (a max) is exact, so it and
 the parameters trained with it are **bitwise** equal. For p = 2 and 1 the total norm is held to
@@ -82,8 +82,11 @@ def test_the_route_leaves_other_tensors_to_torch_and_is_installed_once(gloo_w1):
     blockshard.fully_shard(torch.nn.Linear(2, 2))
     blockshard.fully_shard(torch.nn.Linear(2, 2))
     routed = torch.nn.utils.clip_grad_norm_
-    assert routed is torch.nn.utils.clip_grad.clip_grad_norm_ and routed._blockshard_route
-    assert routed._blockshard_torch.__module__ == "torch.nn.utils.clip_grad"  # wraps torch's, not itself
+    assert (
+        routed is torch.nn.utils.clip_grad.clip_grad_norm_ and "clip_grad_norm_" in blockshard.installed_torch_routes()
+    )
+    route = routed.__closure__[0].cell_contents  # the route in torch's no_grad wrapper
+    assert route.__wrapped__ is routed.__wrapped__  # wraps torch's implementation, not itself
     plain = torch.nn.Parameter(torch.ones(3))
     plain.grad = torch.full((3,), 4.0)
     assert routed(iter([plain]), 1.0).item() == pytest.approx(48**0.5)  # a generator, as torch takes

@@ -1,5 +1,5 @@
 """FSDP2's ``FSDPModule`` controls and arguments on blockshard's ``ShardedModule``
-(blockshard/runtime/_module.py), checked as FSDP2's own tests check them: which parameters are
+(blockshard/runtime/core/_module.py), checked as FSDP2's own tests check them: which parameters are
 registered after forward and backward, which all-gathers a step issues and in what order, the
 gradients a divide factor gives, and the recovery after an interrupted step. In-process gloo
 (W = 1; W = 2 on threads where ranks matter)."""
@@ -14,7 +14,7 @@ from torch.distributed.tensor import Shard
 
 import blockshard
 from blockshard.runtime import ShardingError
-from blockshard.runtime._common import ShardedState
+from blockshard.runtime.core._common import ShardedState
 
 pytestmark = [pytest.mark.timeout(60)]
 

@@ -1,4 +1,4 @@
-"""Gradient memory ([Note: buffers] in blockshard/runtime/_group.py): the local gradient buffer
+"""Gradient memory ([Note: buffers] in blockshard/runtime/core/_buffers.py): the local gradient buffer
 lives exactly as long as a sharded ``.grad`` views it, as FSDP2's sharded gradients do.
 
 In-process gloo at W = 1 (the buffer logic does not depend on W); the spawned tier checks the

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from blockshard import BlockshardError
-from blockshard.runtime._collectives import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, collective_timeout_s
-from blockshard.runtime._collectives import step_mismatch as _mismatch
-from blockshard.runtime._common import CollectiveTally
+from blockshard.runtime.core._collectives import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, collective_timeout_s
+from blockshard.runtime.core._collectives import step_mismatch as _mismatch
+from blockshard.runtime.core._common import CollectiveTally
 
 
 def test_the_timeout_comes_from_the_environment(monkeypatch):

@@ -1,5 +1,5 @@
 """``fully_shard([norm, head])``: one group over several modules, FSDP2's semantics
-(blockshard/runtime/_grouped.py, [Note: a list of modules]). In-process gloo (W = 1; W = 2 on threads)."""
+(blockshard/runtime/core/_list_groups.py, [Note: a list of modules]). In-process gloo (W = 1; W = 2 on threads)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 import blockshard
 from blockshard.runtime import ShardedModule, ShardingError
-from blockshard.runtime._common import ShardedState
+from blockshard.runtime.core._common import ShardedState
 
 pytestmark = [pytest.mark.timeout(60)]
 

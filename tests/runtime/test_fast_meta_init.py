@@ -1,4 +1,4 @@
-"""Meta-device init in-process ([Note: meta init] in blockshard/runtime/_init.py): W = 1 on a
+"""Meta-device init in-process ([Note: meta init] in blockshard/runtime/core/_init.py): W = 1 on a
 real gloo group and W = 2 on threads; the spawned tier (test_meta_init.py) checks W = 2, 3, 4
 and training from the initial values."""
 

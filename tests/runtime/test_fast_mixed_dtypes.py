@@ -1,4 +1,4 @@
-"""Parameters of several dtypes in one ``fully_shard`` group (blockshard/runtime/_dtypes.py,
+"""Parameters of several dtypes in one ``fully_shard`` group (blockshard/runtime/core/_dtypes.py,
 [Note: mixed dtypes]): one buffer set per dtype, trainable parameters of one dtype (FSDP2 refuses
 more). In-process gloo (W = 1; W = 2 on threads)."""
 
@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import blockshard
 from blockshard.runtime import ShardingError
-from blockshard.runtime._common import ShardedState
+from blockshard.runtime.core._common import ShardedState
 
 pytestmark = [pytest.mark.timeout(60)]
 

@@ -1,4 +1,4 @@
-"""``offload_policy=CPUOffloadPolicy()`` ([Note: CPU offload] in _group.py), in-process.
+"""``offload_policy=CPUOffloadPolicy()`` ([Note: CPU offload] in _buffers.py), in-process.
 
 On this CPU-only machine the device *is* the CPU, but the offload data flow still runs as on a
 GPU: the local shard is copied into a separate send buffer before each all-gather, and the
@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
 import blockshard
-from blockshard.runtime._api import ShardingError
+from blockshard._errors import ShardingError
 
 pytestmark = pytest.mark.timeout(60)
 

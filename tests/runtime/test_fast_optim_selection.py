@@ -1,5 +1,5 @@
 """Optimizer selection in-process: ``muon_param_groups`` before and after sharding, ``global_shapes``,
-and the optimizer guard ([Note: optimizer guard], blockshard/runtime/_optim_guard.py) at W = 1 on the
+and the optimizer guard ([Note: optimizer guard], blockshard/runtime/core/_optim_guard.py) at W = 1 on the
 test thread's gloo group and at W = 2 on threaded ranks. The spawned tiny-Llama versions (bitwise
 against one process) are in tests/optim/test_selection.py (slow tier)."""
 
@@ -16,7 +16,7 @@ from blockshard._errors import SemanticsError
 from blockshard._tiny import OddMLP, mlp_batches
 from blockshard.optim import muon_param_groups, optimizer_semantics
 from blockshard.runtime import ShardingError, global_shapes
-from blockshard.runtime import _optim_guard as guard
+from blockshard.runtime.core import _optim_guard as guard
 
 pytestmark = pytest.mark.timeout(60)  # in-process ranks: a hang fails the test, never the run
 

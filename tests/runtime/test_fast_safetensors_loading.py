@@ -15,7 +15,7 @@ from torch import nn
 
 import blockshard
 from blockshard.runtime import ShardingError
-from blockshard.runtime._safetensors import row_boxes
+from blockshard.runtime.checkpoint._safetensors import row_boxes
 
 pytestmark = [pytest.mark.timeout(60)]
 

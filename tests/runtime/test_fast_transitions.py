@@ -1,4 +1,4 @@
-"""The engine's state machines ([Note: state machines] in blockshard/runtime/_common.py), observed
+"""The engine's state machines ([Note: state machines] in blockshard/runtime/core/_common.py), observed
 from inside a real step at W = 1 (a real gloo group in the test process).
 
 Each test records the states of the sharded modules at the moments torch's own hooks fire
@@ -15,7 +15,7 @@ from torch import nn
 import blockshard
 from blockshard._tiny import OddMLP, mlp_batches
 from blockshard.runtime import EngineStateError, ShardedState, TrainingState
-from blockshard.runtime._state import state_of
+from blockshard.runtime.core._state import state_of
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("gloo_w1")]
 

@@ -39,6 +39,6 @@ def test_fsdp2_s_scenarios_pass_with_fsdp2_and_blockshard_alike():
 def test_the_checkpoint_prefix_blockshard_drops_is_torch_s():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
-    from blockshard.runtime import _inspect
+    from blockshard.runtime.core import _inspect
 
     assert _inspect._CHECKPOINT_PREFIX == _CHECKPOINT_PREFIX

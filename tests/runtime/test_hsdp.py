@@ -1,4 +1,4 @@
-"""HSDP ([Note: HSDP] in blockshard/runtime/_grad_sync.py): a (replicate=2, shard=2) mesh on 4
+"""HSDP ([Note: HSDP] in blockshard/runtime/core/_grad_sync.py): a (replicate=2, shard=2) mesh on 4
 spawned gloo ranks. With every rank the whole batch it equals one process bitwise; with the batch
 split four ways, within 1e-6 (the average of four partial gradients is summed in another order
 than one process's mean over the batch). The control shards over each replica alone (no

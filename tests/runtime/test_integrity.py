@@ -1,5 +1,5 @@
 """Collectives that do not line up raise on every rank within a bound ([Note: collective
-integrity] in blockshard/runtime/_collectives.py); spawned gloo ranks, W = 2 and 4.
+integrity] in blockshard/runtime/core/_collectives.py); spawned gloo ranks, W = 2 and 4.
 
 Every case runs ``_integrity.STEPS`` steps with one rank misbehaving in one step and asserts, for
 every rank: a ``CollectiveIntegrityError`` whose message names the group and what differs,

@@ -1,6 +1,6 @@
 """``fully_shard([model.norm, lm_head])`` on spawned gloo ranks (W = 2, every rank the whole
 batch): training equals one process bitwise, and a step issues as many all-gathers as FSDP2's
-with the same groups ([Note: a list of modules] in blockshard/runtime/_grouped.py)."""
+with the same groups ([Note: a list of modules] in blockshard/runtime/core/_list_groups.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Meta-device init ([Note: meta init] in blockshard/runtime/_init.py) on spawned gloo ranks:
+"""Meta-device init ([Note: meta init] in blockshard/runtime/core/_init.py) on spawned gloo ranks:
 the initial values equal unsharded init with the same seed, bitwise, at W = 2, 3 and 4, with
 element-wise and whole-matrix layouts; training from them equals one process bitwise (every rank
 the whole batch) at W = 2 and 4, within 1e-6 at W = 3 (the average of three equal gradients is

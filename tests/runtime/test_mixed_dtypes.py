@@ -1,4 +1,4 @@
-"""Mixed dtypes in one group ([Note: mixed dtypes] in blockshard/runtime/_dtypes.py) on spawned gloo
+"""Mixed dtypes in one group ([Note: mixed dtypes] in blockshard/runtime/core/_dtypes.py) on spawned gloo
 ranks (W = 2, every rank the whole batch): a tiny Llama whose attention is frozen bf16, each layer
 one group of fp32 and bf16 parameters, trains as one process bitwise; under
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` it trains as FSDP2 does, bitwise."""

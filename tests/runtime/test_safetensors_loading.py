@@ -1,4 +1,4 @@
-"""``blockshard.load_safetensors`` ([Note: sharded loading] in blockshard/runtime/_safetensors.py)
+"""``blockshard.load_safetensors`` ([Note: sharded loading] in blockshard/runtime/checkpoint/_safetensors.py)
 on spawned gloo ranks: a tiny HF Llama saved by ``save_pretrained`` in several safetensors files,
 built on the meta device, sharded per layer at W = 2, materialized and loaded, equals the model
 ``from_pretrained`` loads, bitwise (tied and untied head); each rank reads exactly its pieces."""

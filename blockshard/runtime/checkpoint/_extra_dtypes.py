@@ -1,0 +1,47 @@
+"""State dicts of the extra dtypes' buffer sets ([Note: mixed dtypes] in core/_dtypes.py): each
+is a group of its own under the module's prefix, as the primary buffer set is in _state_dict.py."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
+from blockshard.runtime.checkpoint._state_dict import _names, load_pieces
+from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._common import ShardedState
+from blockshard.runtime.core._state import state_of
+
+__all__ = ["install_extra_state_dict_hooks"]
+
+
+def install_extra_state_dict_hooks(module: nn.Module) -> None:
+    """``module.state_dict()`` / ``load_state_dict()`` for the parameters of the extra dtypes, as
+    _state_dict.py's hooks do for the primary group's."""
+    module.register_state_dict_post_hook(_post_hook)
+    module.register_load_state_dict_pre_hook(_pre_hook)
+
+
+def _extra_groups(module: nn.Module) -> list[ShardGroup]:
+    st = state_of(module)
+    return [] if st is None else [g for g in st.extra_groups if g.layout is not None]
+
+
+def _post_hook(module: nn.Module, state_dict: dict, prefix: str, _local_metadata: dict) -> None:
+    for g in _extra_groups(module):
+        made: dict[int, PieceTensor] = {}
+        for name, sp in _names(module, g.params):
+            key = prefix + name
+            if key in state_dict:
+                if id(sp) not in made:
+                    pg = g.process_group
+                    made[id(sp)] = PieceTensor(
+                        sp.sharded.detach(), sp.local_start, sp.shape, name=key, process_group=pg
+                    )
+                state_dict[key] = made[id(sp)]
+
+
+def _pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *_args: object) -> None:
+    for g in _extra_groups(module):
+        if g.sharded_state is not ShardedState.SHARDED:
+            g.reshard()
+        load_pieces(module, g, state_dict, prefix, assign=bool(local_metadata.get("assign_to_params_buffers")))

@@ -1,0 +1,226 @@
+"""How each kind of optimizer state is placed in global tensors, so that DCP can reshard it.
+
+[Note: optimizer state codecs]
+A rank's optimizer state describes its piece ``[start, start + n)`` of a parameter of global
+shape ``S``. Each kind of state is written as entries of *global* tensors that hold the state of
+the whole parameter, of which the rank's state is one flat run (a :class:`PieceTensor`), so a
+checkpoint saved at W loads at any W' as long as the new pieces cut the state where its own blocks
+end (what the optimizer's block semantics guarantee):
+
+* **element-wise** (a tensor of the piece's shape: AdamW's moments, Muon's momentum, bitsandbytes'
+  ``state1`` / ``state2`` in uint8 or fp32): a piece of ``S`` at ``start``;
+* **per block of B elements** (bitsandbytes' ``absmax1`` / ``absmax2``, B = 256; torchao
+  ``OptimState8bit.scale``, B = its ``block_size``): a piece of a vector of ``ceil(numel(S) / B)``
+  at ``start / B``, which needs ``start`` and (unless the piece ends the tensor) ``n`` to be
+  multiples of B: the quantized state is restored exactly, never re-quantized;
+* **torchao ``OptimState8bit`` / ``OptimStateFp8`` / ``OptimState4bit``** (tensor subclasses):
+  their ``codes`` element-wise (4-bit: two codes per byte, a piece at ``start / 2`` of a vector of
+  ``numel(S) / 2``), their ``scale`` per block, ``qmap`` (the fixed code book) as it is;
+* **state an optimizer places itself**: an optimizer that implements :class:`HasStateCodecs`
+  names a :class:`StateCodec` per state key (blockshard's ``BlockedShampoo`` does for its
+  per-tile ``blocks``: blockshard/optim/_shampoo_codec.py); the checkpoint layer hands it a
+  :class:`StatePiece` and never imports the optimizer;
+* one-element tensors that are no piece (a step count) and Python scalars: as they are (every rank
+  holds the same value; DCP keeps one copy), as are bitsandbytes' ``qmap1`` / ``qmap2``.
+
+Anything else raises :class:`~blockshard.runtime.CheckpointError` naming the key. A piece that cuts
+a block raises too, at save and at load (loading builds the same entries to fill).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from blockshard._arith import ceil_div
+from blockshard._errors import CheckpointError
+from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
+from blockshard.runtime.core._param import ShardedParam, managed_tag
+
+__all__ = ["HasStateCodecs", "StateCodec", "StatePiece", "decode_state", "encode_state", "state_error"]
+
+_SCALARS = (int, float, bool, str, type(None))
+_BNB_BLOCK = 256  # bitsandbytes' blockwise 8-bit optimizer state (Optimizer2State.init_state)
+_BNB_PER_BLOCK = ("absmax1", "absmax2")
+_BNB_CODE_BOOKS = ("qmap1", "qmap2")
+
+
+def state_error(name: str, key: str, why: str, fix: str) -> CheckpointError:
+    """The error for optimizer state ``key`` of parameter ``name`` that cannot be placed."""
+    return CheckpointError(f"optimizer state {key!r} of parameter {name!r} {why}. Fix: {fix}")
+
+
+_error = state_error
+SAME_W_FIX = "checkpoint this optimizer with optimizer.state_dict() and reload it at the same world size and semantics"
+_SAME_W_FIX = SAME_W_FIX
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatePiece:
+    """What a :class:`StateCodec` sees of one rank's piece of a parameter."""
+
+    name: str  # the parameter's name (checkpoint entries are named after it)
+    start: int  # the piece's first element in the row-major flattening of the whole tensor
+    numel: int  # elements in the piece
+    shape: tuple[int, ...]  # the whole tensor's shape
+    local_shape: tuple[int, ...]  # the piece's block shape, as the optimizer sees it
+    process_group: Any  # the process group the tensor's pieces are spread over
+
+
+class StateCodec(Protocol):
+    """Places one key of an optimizer's per-parameter state in global tensors ([Note: optimizer
+    state codecs]): ``encode`` returns the checkpoint entry (``PieceTensor`` pieces of global
+    tensors, or a dict of them), ``decode`` the live value from an entry ``dcp.load`` filled."""
+
+    def encode(self, value: Any, piece: StatePiece, param_group: Mapping[str, Any]) -> object: ...
+
+    def decode(self, saved: Any, live: Any, piece: StatePiece, param_group: Mapping[str, Any]) -> object: ...
+
+
+@runtime_checkable
+class HasStateCodecs(Protocol):
+    """An optimizer that places some of its state itself: state key -> codec."""
+
+    def blockshard_state_codecs(self) -> Mapping[str, StateCodec]: ...
+
+
+def _piece(name: str, sp: ShardedParam) -> StatePiece:
+    return StatePiece(
+        name=name,
+        start=sp.local_start,
+        numel=sp.local_numel,
+        shape=tuple(sp.shape),
+        local_shape=tuple(sp.sharded.shape),
+        process_group=_pg(sp),
+    )
+
+
+def _codec(optimizer: torch.optim.Optimizer, key: str) -> StateCodec | None:
+    return optimizer.blockshard_state_codecs().get(key) if isinstance(optimizer, HasStateCodecs) else None
+
+
+def _is_bnb(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__module__.startswith("bitsandbytes.")
+
+
+_AO_STATES = ("OptimState8bit", "OptimStateFp8", "OptimState4bit")  # torchao.optim's quantized state
+
+
+def _is_ao(value: object) -> bool:
+    return type(value).__name__ in _AO_STATES and type(value).__module__.startswith("torchao.")
+
+
+def _encode_ao(name: str, key: str, value: Any, sp: ShardedParam) -> dict[str, object]:
+    """A torchao quantized state: ``codes`` element-wise (4-bit: one byte per 2 elements), ``scale``
+    per block, ``qmap`` (8-bit, 4-bit) as it is."""
+    codes: object
+    if type(value).__name__ == "OptimState4bit":
+        codes = _per_block(name, f"{key}.codes", value.codes, sp, 2)
+    else:
+        codes = PieceTensor(value.codes, sp.local_start, sp.shape, name=f"{name}.{key}.codes", process_group=_pg(sp))
+    out = {"codes": codes, "scale": _per_block(name, f"{key}.scale", value.scale, sp, value.block_size)}
+    return out | ({"qmap": value.qmap} if "qmap" in type(value).tensor_attrs else {})
+
+
+def _pg(sp: ShardedParam) -> Any:
+    """The process group the parameter's pieces are spread over."""
+    tag = managed_tag(sp.sharded)
+    return tag.process_group if tag is not None else None
+
+
+def _per_block(name: str, key: str, value: torch.Tensor, sp: ShardedParam, block: int) -> PieceTensor:
+    """``value`` (one entry per ``block`` elements of the piece) as a piece of the whole tensor's."""
+    start, n, numel = sp.local_start, sp.local_numel, sp.numel
+    if value.numel() != ceil_div(n, block) or start % block or (n % block and start + n != numel):
+        raise _error(
+            name,
+            key,
+            f"has {value.numel()} entries, one per {block}-element block, but this rank's piece [{start}, "
+            f"{start + n}) of {numel} elements cuts such a block",
+            f"shard this parameter with the optimizer's block semantics (e.g. semantics='bnb8bit' or 'ao8bit'), "
+            f"or {_SAME_W_FIX}",
+        )
+    return PieceTensor(value, start // block, (ceil_div(numel, block),), name=f"{name}.{key}", process_group=_pg(sp))
+
+
+def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedParam | None, ctx: Any) -> object:
+    """The checkpoint entry for ``optimizer.state[p][key]`` (see [Note: optimizer state codecs]);
+    ``ctx`` is ``(optimizer, param_group)``."""
+    optimizer, group = ctx
+    if isinstance(value, _SCALARS):
+        return value
+    if sp is not None and (codec := _codec(optimizer, key)) is not None:
+        return codec.encode(value, _piece(name, sp), group)
+    if sp is not None and _is_ao(value):
+        return _encode_ao(name, key, value, sp)
+    if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
+        raise _error(
+            name,
+            key,
+            f"is a {type(value).__name__}, which blockshard cannot place in the global tensor (quantized or "
+            "per-block state of an optimizer it does not know)",
+            _SAME_W_FIX,
+        )
+    if sp is None or (value.dim() == 0 and p.dim() != 0):
+        return value  # the same on every rank (a parameter outside any group, a step count)
+    if tuple(value.shape) == tuple(p.shape):
+        return PieceTensor(value, sp.local_start, sp.shape, name=f"{name}.{key}", process_group=_pg(sp))
+    if _is_bnb(optimizer) and key in _BNB_PER_BLOCK:
+        return _per_block(name, key, value, sp, _BNB_BLOCK)
+    if _is_bnb(optimizer) and key in _BNB_CODE_BOOKS:
+        return value  # the fixed code book, the same on every rank
+    raise _error(
+        name,
+        key,
+        f"has shape {tuple(value.shape)}, neither the piece's {tuple(p.shape)} nor a scalar (e.g. per-block "
+        "state of an optimizer blockshard does not know): blockshard cannot place it in the global tensor",
+        _SAME_W_FIX,
+    )
+
+
+# -- loading --------------------------------------------------------------------------------------
+def _copy_into(have: torch.Tensor, value: torch.Tensor) -> None:
+    if value.data_ptr() != have.data_ptr():
+        have.copy_(value.view(have.shape))
+
+
+def decode_state(name: str, key: str, value: object, have: object, sp: ShardedParam | None, ctx: Any) -> object:
+    """The live value of ``optimizer.state[p][key]`` after loading ``value`` (an entry of
+    :func:`encode_state`'s form, filled by ``dcp.load``) into ``have`` (the live value)."""
+    optimizer, group = ctx
+    if sp is not None and (codec := _codec(optimizer, key)) is not None:
+        return codec.decode(value, have, _piece(name, sp), group)
+    if isinstance(value, dict) and _is_ao(have):
+        for part in type(have).tensor_attrs:  # type: ignore[attr-defined]
+            _copy_into(getattr(have, part), _local(name, f"{key}.{part}", value[part], getattr(have, part)))
+        return have
+    if isinstance(value, PieceTensor):
+        value = _local(name, key, value, have)
+    if isinstance(have, torch.Tensor) and isinstance(value, torch.Tensor):
+        if value.numel() != have.numel():
+            raise _error(
+                name,
+                key,
+                f"was saved with shape {tuple(value.shape)}, this rank's is {tuple(have.shape)}",
+                "load it through dcp.load into blockshard.optimizer_state_dict(model, optimizer)",
+            )
+        _copy_into(have, value)
+        return have
+    return value
+
+
+def _local(name: str, key: str, value: torch.Tensor, have: object) -> torch.Tensor:
+    if not isinstance(value, PieceTensor):
+        return value
+    if not isinstance(have, torch.Tensor) or value.to_local().numel() != have.numel():
+        raise _error(
+            name,
+            key,
+            f"in the state dict is piece [{value.local_start}, {value.local_start + value.to_local().numel()}) of "
+            "it, not this rank's (another world size or semantics)",
+            "load it through dcp.load into blockshard.optimizer_state_dict(model, optimizer)",
+        )
+    return value.to_local()

@@ -1,0 +1,294 @@
+"""``PieceTensor``: what ``model.state_dict()`` holds for a sharded parameter.
+
+[Note: state dict entries]
+FSDP2's ``model.state_dict()`` returns DTensors: tensors of the *global* shape that hold only the
+rank's shard and tell DCP (``torch.distributed.checkpoint``) where it lies. A DTensor cannot say
+"elements [start, start + n) of the row-major flattening" (its ``Shard(0)`` cuts whole rows, evenly
+up to the last rank), which is what a ragged piece is. So a sharded parameter's entry is a
+:class:`PieceTensor`, a wrapper subclass of ``torch.Tensor`` in the same spirit: ``shape``, ``dtype``
+and ``device`` are the parameter's global ones (so ``sd[name].shape`` is what an unsharded model
+reports, and DCP's size checks pass), it holds this rank's piece (``to_local()``, a view of the
+engine's local buffer, as FSDP2's entries view their parameters), and it speaks DCP's
+checkpointable protocol (``__create_write_items__``, ``__create_chunk_list__``,
+``__get_tensor_shard__``, torch 2.13 ``planner_helpers.py`` / ``utils.py``) by describing the
+piece as n-D boxes of the global tensor (:func:`flat_run_boxes`; veScale-FSDP does the same).
+DCP then reshards by itself: a checkpoint saved at W loads at any W' and into other semantics,
+because every rank asks for the boxes of *its* piece and DCP reads the overlaps.
+
+It is not a general tensor: arithmetic on it raises :class:`PieceTensorError` naming the ways to
+get values (``to_local()``, ``blockshard.full_state_dict(model)``). Only what state-dict tools do
+to entries works: ``detach``, ``clone`` / ``copy.deepcopy``, ``.to(device or dtype)`` /
+``.cpu()`` (DCP's ``cpu_offload``), pickling (``torch.save`` keeps the piece and its place), the
+in-place writes FSDP2 code does to DTensor entries (``fill_``, ``zero_``, ``copy_`` from the same
+piece, a whole tensor of the global shape or a scalar: each writes this rank's piece, so on an
+entry of ``model.state_dict()`` it writes the parameter, as on FSDP2's) and ``full_tensor()``
+(collective: gathers the whole tensor, as ``DTensor.full_tensor()``).
+Parameters outside any group stay plain tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from blockshard._errors import PieceTensorError
+from blockshard.runtime.core._collectives import all_gather_into
+
+__all__ = ["Box", "PieceTensor", "PieceTensorError", "flat_run_boxes"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Box:
+    """An n-D box of a tensor: ``offsets`` and ``sizes`` per dim, and where its elements start
+    within the flat run it was cut from (``run_offset``; the box is contiguous in row-major order)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    run_offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def _run_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(offsets, sizes)`` of the boxes covering ``[lo, hi)`` of a row-major ``shape``, in order."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = -(-lo // inner), hi // inner  # whole rows [first, last)
+    rest = shape[1:]
+    if first > last:  # inside one row
+        r = lo // inner
+        return [((r, *o), (1, *s)) for o, s in _run_boxes(rest, lo - r * inner, hi - r * inner)]
+    out = []
+    if lo < first * inner:  # the end of row first - 1
+        r = first - 1
+        out += [((r, *o), (1, *s)) for o, s in _run_boxes(rest, lo - r * inner, inner)]
+    if first < last:
+        out.append(((first, *(0 for _ in rest)), (last - first, *rest)))
+    if hi > last * inner:  # the start of row last
+        out += [((last, *o), (1, *s)) for o, s in _run_boxes(rest, 0, hi - last * inner)]
+    return out
+
+
+def flat_run_boxes(shape: tuple[int, ...], start: int, numel: int) -> list[Box]:
+    """The n-D boxes that make up elements ``[start, start + numel)`` of the row-major flattening
+    of a tensor of ``shape``: at most ``2 * ndim - 1`` (three for a matrix: the end of a partial
+    first row, the whole rows, the start of a partial last row), none for an empty run."""
+    if start < 0 or numel < 0 or start + numel > math.prod(shape):
+        raise AssertionError(f"run [{start}, {start + numel}) outside a tensor of shape {shape}")
+    boxes, pos = [], 0
+    for offsets, sizes in _run_boxes(tuple(shape), start, start + numel):
+        boxes.append(Box(offsets, sizes, pos))
+        pos += math.prod(sizes)
+    return boxes
+
+
+class PieceTensor(torch.Tensor):
+    """A tensor of a parameter's global shape of which this rank holds one flat piece.
+
+    See [Note: state dict entries]. ``to_local()`` is the piece (1-D, ``local_numel`` elements,
+    a view of the engine's buffer when the entry comes from ``model.state_dict()``),
+    ``local_start`` its first element in the row-major flattening, ``boxes`` the same piece as
+    n-D boxes of the global tensor.
+    """
+
+    _local: torch.Tensor
+    _start: int
+    _boxes: tuple[Box, ...]
+    _name: str
+    _process_group: Any
+
+    @staticmethod
+    def __new__(
+        cls, local: torch.Tensor, start: int, shape: tuple[int, ...], name: str = "", *, process_group: Any = None
+    ) -> PieceTensor:
+        local = local.detach().reshape(-1)
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
+        self._local, self._start, self._name = local, int(start), name
+        self._process_group = process_group  # over which the pieces are spread (None: the default group)
+        if math.prod(shape) == 0:  # every rank names the empty tensor (DCP keeps one), so it is saved
+            self._boxes = (Box(tuple(0 for _ in shape), tuple(shape), 0),)
+        else:
+            self._boxes = tuple(flat_run_boxes(tuple(shape), self._start, local.numel()))
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        x = args[0]
+        if func in (aten.detach.default, aten.alias.default):
+            return x._like(x._local)
+        if func in (aten.clone.default, aten._to_copy.default):
+            return x._like(func(x._local, *args[1:], **kwargs))
+        if func in (aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default):  # the piece's elements
+            func(x._local, *args[1:], **kwargs)
+            return x
+        if func is aten.copy_.default:
+            x._local.copy_(x._piece_of(args[1]))
+            return x
+        raise PieceTensorError(
+            f"{func} on the state-dict entry {x._name or 'of a sharded parameter'} (global shape "
+            f"{tuple(x.shape)}): it is a blockshard PieceTensor that holds only this rank's piece "
+            f"[{x._start}, {x._start + x._local.numel()}) of the row-major flattening. Save and load it with "
+            "torch.distributed.checkpoint (dcp.save / dcp.load), take the piece with .to_local(), or get full "
+            "tensors with blockshard.full_state_dict(model)"
+        )
+
+    def _piece_of(self, src: object) -> torch.Tensor:
+        """What ``copy_(src)`` writes into this piece: the same piece of another entry, this
+        piece's elements of a whole tensor of the global shape, or a scalar."""
+        if isinstance(src, PieceTensor):
+            if (src._start, src._local.numel(), tuple(src.shape)) == (
+                self._start,
+                self._local.numel(),
+                tuple(self.shape),
+            ):
+                return src._local
+        elif isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(self.shape):
+            return src.detach().reshape(-1)[self._start : self._start + self._local.numel()]
+        elif isinstance(src, torch.Tensor) and src.numel() == 1:
+            return src.detach().reshape(())
+        described = (
+            repr(src) if isinstance(src, PieceTensor) else f"a tensor of shape {tuple(getattr(src, 'shape', ()))}"
+        )
+        raise PieceTensorError(
+            f"copy_ into the state-dict entry {self._name or 'of a sharded parameter'} (global shape "
+            f"{tuple(self.shape)}, piece [{self._start}, {self._start + self._local.numel()})) from {described}: "
+            "the source must be the same piece of the same tensor, a whole tensor of the global shape or a "
+            "scalar. Fix: copy from an entry of the same model's state_dict(), or from full tensors "
+            "(blockshard.full_state_dict(model)); load other layouts with torch.distributed.checkpoint"
+        )
+
+    def _like(self, local: torch.Tensor) -> PieceTensor:
+        """The same piece of the same tensor holding ``local``."""
+        return PieceTensor(local, self._start, tuple(self.shape), self._name, process_group=self._process_group)
+
+    # -- what a ragged piece is ---------------------------------------------------------------
+    def to_local(self) -> torch.Tensor:
+        return self._local
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor, gathered from every rank's piece (collective over the ranks the
+        pieces are spread over, as ``DTensor.full_tensor()``): two all-gathers, the pieces'
+        places and their values padded to the largest piece."""
+        import torch.distributed as dist
+
+        numel = math.prod(self.shape)
+        if not dist.is_initialized():
+            if self._local.numel() != numel:
+                raise PieceTensorError(self._needs_whole("full_tensor() without a process group"))
+            return self._local.clone().view(self.shape)
+        pg: Any = self._process_group or dist.group.WORLD
+        W = dist.get_world_size(pg)
+        places = torch.empty(2 * W, dtype=torch.int64, device=self.device)
+        mine = torch.tensor([self._start, self._local.numel()], dtype=torch.int64, device=self.device)
+        all_gather_into(places, mine, pg)
+        starts, numels = places[0::2].tolist(), places[1::2].tolist()
+        most = max(numels)
+        wire = torch.uint8 if self.dtype.itemsize == 1 else self.dtype  # float8 as bytes (gloo has no float8)
+        padded = torch.zeros(most, dtype=wire, device=self.device)
+        padded[: self._local.numel()] = self._local.view(wire)
+        values = torch.empty(W * most, dtype=wire, device=self.device)
+        all_gather_into(values, padded, pg)
+        values = values.view(self.dtype)
+        if sum(numels) != numel:
+            raise PieceTensorError(
+                f"full_tensor() of {self._name or 'a PieceTensor'} (shape {tuple(self.shape)}): the ranks' pieces "
+                f"hold {sum(numels)} of its {numel} elements (pieces {list(zip(starts, numels, strict=True))}). "
+                "Fix: call it on the entries of one state dict on every rank of the model's process group"
+            )
+        full = torch.empty(numel, dtype=self.dtype, device=self.device)
+        for r, (a, n) in enumerate(zip(starts, numels, strict=True)):
+            full[a : a + n] = values[r * most : r * most + n]
+        return full.view(self.shape)
+
+    @property
+    def local_start(self) -> int:
+        return self._start
+
+    @property
+    def boxes(self) -> tuple[Box, ...]:
+        return self._boxes
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        end = self._start + self._local.numel()
+        return (
+            f"PieceTensor(shape={tuple(self.shape)}, dtype={self.dtype}, piece=[{self._start}, {end}), "
+            f"boxes={[(b.offsets, b.sizes) for b in self._boxes]})"
+        )
+
+    # Writers of whole tensors (safetensors, HF ``save_pretrained``) read storages: refuse by name.
+    def untyped_storage(self):
+        raise PieceTensorError(self._needs_whole("its storage"))
+
+    def storage(self):
+        raise PieceTensorError(self._needs_whole("its storage"))
+
+    def data_ptr(self) -> int:
+        raise PieceTensorError(self._needs_whole("its data pointer"))
+
+    def _needs_whole(self, what: str) -> str:
+        return (
+            f"{what} was asked of the state-dict entry {self._name or 'of a sharded parameter'} (global shape "
+            f"{tuple(self.shape)}), a blockshard PieceTensor that holds only this rank's piece "
+            f"[{self._start}, {self._start + self._local.numel()}): writing it would save one rank's piece as the "
+            "whole tensor. Fix: export full tensors with blockshard.full_state_dict(model) (collective: every rank "
+            "calls it), e.g. model.save_pretrained(path, state_dict=blockshard.full_state_dict(model), "
+            "is_main_process=rank == 0), or stream it with blockshard.save_pretrained(model, path) (one group at a "
+            "time); or checkpoint with torch.distributed.checkpoint (dcp.save(model.state_dict()))"
+        )
+
+    def __deepcopy__(self, memo: dict) -> PieceTensor:
+        if id(self) not in memo:
+            memo[id(self)] = self._like(self._local.clone())
+        return memo[id(self)]
+
+    def __reduce_ex__(self, protocol):
+        return (PieceTensor, (self._local, self._start, tuple(self.shape), self._name))
+
+    # -- DCP's checkpointable protocol ---------------------------------------------------------
+    def __create_write_items__(self, fqn: str, obj: object) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        properties = TensorProperties.create_from_tensor(self._local)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(b.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)),
+                    properties=properties,
+                    size=self.size(),
+                ),
+            )
+            for b in self._boxes
+        ]
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)) for b in self._boxes]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        hint = index.index
+        if hint is not None and hint < len(self._boxes) and self._boxes[hint].offsets == tuple(index.offset):
+            return self._box_view(self._boxes[hint])
+        for b in self._boxes:
+            if b.offsets == tuple(index.offset or ()):
+                return self._box_view(b)
+        raise ValueError(f"{index.fqn!r}: this rank holds no box at offsets {index.offset} (boxes {self._boxes})")
+
+    def _box_view(self, box: Box) -> torch.Tensor:
+        return self._local[box.run_offset : box.run_offset + box.numel].view(box.sizes)

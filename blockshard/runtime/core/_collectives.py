@@ -1,0 +1,342 @@
+"""The collectives the engine issues, in one place.
+
+Phase by phase (one group, bucket ``b`` with segment ``S_b``; ``W`` ranks):
+  * **all-gather** (unshard): every rank sends its ``S_b`` local elements (cast to the parameter
+    dtype) and receives ``W * S_b`` into the bucket's slice of the gathered buffer, whose views
+    *are* the unsharded parameters: no copy-out.
+  * **reduce-scatter** (gradient sync): every rank sends the bucket's ``W * S_b`` slice of the
+    gathered gradient buffer and receives the average of its own ``S_b`` segment over ranks.
+  * **layout check** (once per ``fully_shard``): an all-gather of a small object so a rank whose
+    layout differs raises before any tensor collective could hang on mismatched sizes.
+  * **end-of-step check** (once per backward, in the final callback): see below.
+
+[Note: gloo's copies]
+Measured on torch 2.13 (``ProcessGroupGloo.cpp``, and the allocator's events in
+docs/engine_benchmark.md): gloo on the CPU runs a collective on buffers of its own, so an
+asynchronous collective holds a second copy of its largest operand while in flight.
+  * **reduce-scatter**: ``c10d::_reduce_scatter_base_`` clones the ``W * S`` input, all-reduces
+    the clone on a gloo thread and copies this rank's segment into the output inside
+    ``Work.wait()`` (so ``is_completed()`` stays False until then). The engine's input is never
+    read after the call returns: it is freed right away, and the clone (owned by the work) is
+    what stays alive until the wait ([Note: async reduce-scatter] in _grad_sync.py).
+  * **all-gather**: a gloo thread gathers into a flat ``W * S`` temporary and then copies it into
+    the output, so a prefetch in flight holds the gathered buffer twice. Where this happens in
+    the backward (a prefetch issued at a group's pre-backward runs during its backward compute,
+    beside the reduce-scatter in flight), it is waited for at once, as FSDP2 does on the CPU
+    (``unshard_async_op=False``): :func:`holds_copies` is the switch.
+On NCCL neither copy exists (collectives run in place on their own stream).
+
+[Note: collective integrity]
+Collectives that do not line up across ranks (a rank skips a step, runs an extra forward, leaves
+a module unused, or has other requires_grad flags) either hang or pair the wrong buffers. Three
+guards make every such case an error on every rank, in bounded time, at next to no cost:
+  1. **Bounded waits.** Every engine collective waits at most ``BLOCKSHARD_COLLECTIVE_TIMEOUT_S``
+     seconds (default 30; gloo's own default is 30 minutes). ``Work.wait(timeout)`` alone does
+     not bound gloo: only the process group's own timeout applies (measured on torch 2.13: an
+     async reduce-scatter whose peer issued 4 s late was waited for 4 s under ``wait(timeout=1 s)``;
+     the issuing call itself returns at once). So on gloo the engine issues its collectives
+     on a process group of its own over the same ranks, created once per user group with that
+     timeout (:func:`engine_group`; ``new_group(..., use_local_synchronization=True)``, about 1 ms).
+     On other backends (NCCL) the user's group is used as it is and its timeout applies (set it
+     with ``init_process_group(timeout=...)``; NCCL's watchdog aborts a stuck collective).
+  2. **Failures are reported.** A timeout or a failed peer raises :class:`CollectiveIntegrityError`
+     naming the group, the phase and the ranks involved: the failing rank writes one key to the
+     group's store (``blockshard/failed/<rank>``) and reads the others' for at most
+     ``_REPORT_WAIT_S``, so the message says which peers failed (and how) and which never
+     reported (exited, were killed, or are stuck outside blockshard).
+  3. **The end-of-step check.** Each rank's root context counts the collectives it issues in a
+     step (a count and an order-sensitive hash of (group, kind); a group's all-gather or
+     reduce-scatter counts once whatever its number of buckets, its quantized weights' all-gather
+     once more), hashes the requires_grad flags
+     and counts the backwards after which an optimizer had stepped its parameters (ranks that
+     never step one, holding nothing to step, are left out); at the end of backward one
+     all-reduce (MAX of the five int64 and of their negatives: every field's max and min)
+     compares them and the step number, so collectives that paired silently raise before
+     ``optimizer.step()`` can use the gradients (only then an all-gather collects the details).
+The cost is one 80-byte all-reduce per step, whatever the number of groups (measured in
+docs/engine_benchmark.md), and nothing per collective beyond the count.
+
+  4. **The end of training.** A rank that skips a whole step (forward, backward and optimizer
+     step) issues exactly the collectives of a rank that ran one step fewer, so the two pair up;
+     the ranks diverge only where one runs a step the other never reaches: that rank raises
+     within the bound, naming the peer that never reported, while the one that skipped finishes
+     its loop. :func:`check_finished` (called by ``spawn_gloo`` after the function returns; call
+     it after the training loop under torchrun) makes that rank raise too: every rank writes the
+     number of end-of-step checks it ran to the store and waits, at most the collective timeout
+     plus 2 s, for its peers' counts or failure reports; a peer that failed, ran another number of
+     steps or never finishes raises :class:`CollectiveIntegrityError` (a rank that failed itself
+     has raised already and checks nothing).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from blockshard._errors import BlockshardError, CollectiveIntegrityError, LayoutMismatchError
+
+__all__ = [
+    "TIMEOUT_ENV",
+    "CollectiveIntegrityError",
+    "LayoutMismatchError",
+    "all_gather_into",
+    "check_finished",
+    "check_same_layout",
+    "collective_timeout_s",
+    "engine_group",
+    "holds_copies",
+    "note_step",
+    "reduce_scatter_avg",
+    "shift_ranks",
+    "step_mismatch",
+    "wait",
+]
+
+#: Seconds an engine collective may wait for its peers before every waiting rank raises.
+TIMEOUT_ENV = "BLOCKSHARD_COLLECTIVE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 30.0
+_MAX_TIMEOUT_S = 86400.0
+_REPORT_WAIT_S = 1.0  # after a failure, how long to wait for the peers' reports (point 2 of the Note)
+_REPORT_PREFIX = "blockshard/failed/"
+
+# user process group -> the engine's group over the same ranks (point 1 of the Note); weak keys,
+# so a destroyed and dropped user group frees the engine's. The user group lives in c10d's maps
+# until it is destroyed, so every rank finds the same entry at the same fully_shard call.
+_ENGINE_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = weakref.WeakKeyDictionary()
+# point 4: end-of-step checks run per engine group on this rank, the groups this rank reported a
+# failure on, and how often check_finished ran per group (its store keys' generation)
+_STEPS: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+_FAILED: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+_FINISHED: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
+_DONE_PREFIX = "blockshard/done/"
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def collective_timeout_s() -> float:
+    """[Note: collective integrity] The bound on one engine collective's wait, in seconds."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= _MAX_TIMEOUT_S:
+        raise BlockshardError(
+            f"environment variable {TIMEOUT_ENV}={raw!r} must be a number of seconds > 0 and <= "
+            f"{_MAX_TIMEOUT_S:g} (a day), e.g. 30"
+        )
+    return value
+
+
+def engine_group(process_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group the engine issues its collectives on for ``process_group`` (point 1 of
+    [Note: collective integrity]): on gloo with W > 1 a group of its own over the same ranks,
+    whose timeout is :func:`collective_timeout_s`; otherwise ``process_group`` itself."""
+    if process_group.size() == 1 or dist.get_backend(process_group) != "gloo":
+        return process_group
+    found = _ENGINE_GROUPS.get(process_group)
+    if found is None:
+        found = dist.new_group(
+            dist.get_process_group_ranks(process_group),
+            timeout=datetime.timedelta(seconds=collective_timeout_s()),
+            backend="gloo",
+            use_local_synchronization=True,
+        )
+        _ENGINE_GROUPS[process_group] = found
+    return found
+
+
+def wait(work: dist.Work, what: str, group: dist.ProcessGroup) -> None:
+    """Wait for ``work`` at most :func:`collective_timeout_s`; a timeout or a failed peer raises
+    :class:`CollectiveIntegrityError` naming ``what`` (the group and the phase) and the peers."""
+    timeout = collective_timeout_s()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise failure(what, group, e, timeout) from e
+
+
+def failure(what: str, group: dist.ProcessGroup, exc: BaseException, timeout: float) -> CollectiveIntegrityError:
+    """The error for a collective ``what`` that failed with ``exc`` (point 2 of the Note)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    rank, W = group.rank(), group.size()
+    for user, mine in list(_ENGINE_GROUPS.items()):  # a failed gloo group stays broken: fully_shard makes anew
+        if mine is group:
+            del _ENGINE_GROUPS[user]
+    peers = _peer_reports(group, f"{what}: {first[:200]}")
+    return CollectiveIntegrityError(
+        f"blockshard: {what} on rank {rank} of {W} did not complete ({first}; waited at most {timeout:g} s, "
+        f"{TIMEOUT_ENV}).{peers} A peer rank failed or exited, or the ranks' collectives do not line up: every "
+        "rank must run the same forward and backward passes, over the same modules, with the same requires_grad "
+        f"flags, in every step. If a rank legitimately works alone that long (e.g. rank 0 saves a checkpoint "
+        f"while the others wait), raise {TIMEOUT_ENV}"
+    )
+
+
+def _peer_reports(group: dist.ProcessGroup, mine: str) -> str:
+    """Report this rank's failure in the group's store and read the peers' reports (at most
+    ``_REPORT_WAIT_S``): a sentence naming who failed and who never reported; "" if the store is
+    unreachable (the master rank of a TCPStore died)."""
+    rank, W = group.rank(), group.size()
+    _FAILED.add(group)
+    try:
+        store = group.get_group_store()
+        store.set(f"{_REPORT_PREFIX}{rank}", mine)
+        others = [r for r in range(W) if r != rank]
+        deadline = time.monotonic() + _REPORT_WAIT_S
+        while True:
+            reported = [r for r in others if store.check([f"{_REPORT_PREFIX}{r}"])]
+            if len(reported) == len(others) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        said = {r: store.get(f"{_REPORT_PREFIX}{r}").decode(errors="replace") for r in reported}
+    except Exception:  # the store is gone with a dead master: report without the peers
+        return ""
+    silent = [r for r in others if r not in said]
+    parts = [f"rank {r} failed in {text}" for r, text in sorted(said.items())]
+    if silent:
+        parts.append(
+            f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} of the group never reported a "
+            f"failure within {_REPORT_WAIT_S:g} s: exited, killed, or stuck outside blockshard (e.g. a skipped step)"
+        )
+    return " Peers: " + "; ".join(parts) + "."
+
+
+def note_step(group: dist.ProcessGroup) -> None:
+    """One end-of-step check ran on ``group`` (point 4 of the Note)."""
+    if group.size() > 1:
+        _STEPS[group] = _STEPS.get(group, 0) + 1
+
+
+def check_finished() -> None:
+    """Call on every rank after training (point 4 of [Note: collective integrity]): raise
+    :class:`CollectiveIntegrityError` unless every rank of every group this rank trained on ran
+    as many steps and none failed. Waits at most the collective timeout plus 2 s for the peers."""
+    for group in list(_STEPS):
+        if group in _FAILED:
+            continue  # this rank raised already
+        rank, W, mine = group.rank(), group.size(), _STEPS[group]
+        gen = _FINISHED.get(group, 0)
+        _FINISHED[group] = gen + 1
+        try:
+            store = group.get_group_store()
+            store.set(f"{_DONE_PREFIX}{gen}/{rank}", str(mine))
+        except Exception:  # the store is gone (its master rank exited): nothing left to compare with
+            continue
+        _wait_for_peers(store, gen, rank, W, mine, collective_timeout_s() + 2.0)
+
+
+def _wait_for_peers(store: dist.Store, gen: int, rank: int, W: int, mine: int, bound: float) -> None:
+    others = [r for r in range(W) if r != rank]
+    deadline = time.monotonic() + bound
+    done: dict[int, int] = {}
+    while True:
+        for r in others:
+            if store.check([f"{_REPORT_PREFIX}{r}"]):
+                text = store.get(f"{_REPORT_PREFIX}{r}").decode(errors="replace")
+                raise CollectiveIntegrityError(
+                    f"blockshard: rank {r} of {W} failed ({text}) while this rank (rank {rank}) finished training "
+                    f"after {mine} steps: the ranks did not run the same steps (a rank that skips a whole step "
+                    "finishes first, and its peers' last step has no partner). Fix: run the same steps on every rank"
+                )
+            if r not in done and store.check([f"{_DONE_PREFIX}{gen}/{r}"]):
+                done[r] = int(store.get(f"{_DONE_PREFIX}{gen}/{r}"))
+        if len(done) == len(others):
+            break
+        if time.monotonic() >= deadline:
+            missing = [r for r in others if r not in done]
+            raise CollectiveIntegrityError(
+                f"blockshard: this rank (rank {rank} of {W}) finished training after {mine} steps, but ranks "
+                f"{missing} did not finish within {bound:g} s: they are still training (they ran more steps), "
+                f"stuck, or exited without blockshard.check_finished(). Fix: run the same steps on every rank "
+                f"and call check_finished() on every rank (or raise {TIMEOUT_ENV} if a rank legitimately "
+                "finishes later)"
+            )
+        time.sleep(0.02)
+    differ = {r: n for r, n in done.items() if n != mine}
+    if differ:
+        shown = ", ".join(f"rank {r}: {n}" for r, n in sorted({**done, rank: mine}.items()))
+        raise CollectiveIntegrityError(
+            f"blockshard: the ranks finished training after different numbers of steps ({shown}). Fix: run the "
+            "same steps on every rank"
+        )
+
+
+def holds_copies(process_group: dist.ProcessGroup, device: torch.device) -> bool:
+    """[Note: gloo's copies] Whether asynchronous collectives on ``process_group`` work on copies
+    of their own: gloo on the CPU, with W > 1."""
+    return device.type == "cpu" and process_group.size() > 1 and dist.get_backend(process_group) == "gloo"
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """float8 as its bytes: gloo has no float8 ("Invalid scalar type"); moving bytes is exact."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+    assert out.numel() == inp.numel() * group.size() and out.dtype == inp.dtype, (out.shape, inp.shape)
+    return _all_gather(_wire(out), _wire(inp), group=group, async_op=async_op)
+
+
+def reduce_scatter_avg(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False, summed: bool = False
+):
+    """The average over ranks (``summed``: the sum, for a custom divide factor)."""
+    assert inp.numel() == out.numel() * group.size() and out.dtype == inp.dtype, (out.shape, inp.shape)
+    op = dist.ReduceOp.SUM if summed else dist.ReduceOp.AVG
+    return _reduce_scatter(out, inp, op=op, group=group, async_op=async_op)
+
+
+def check_same_layout(group_name: str, layout_hash: str, group: dist.ProcessGroup) -> None:
+    """Raise :class:`LayoutMismatchError` on every rank unless all ranks computed ``layout_hash``."""
+    mine = (group_name, layout_hash)
+    everyone: list = [None] * group.size()
+    dist.all_gather_object(everyone, mine, group=group)
+    if len(set(everyone)) > 1:
+        by_rank = ", ".join(f"rank {r}: group {n!r} hash {h}" for r, (n, h) in enumerate(everyone))
+        raise LayoutMismatchError(
+            f"fully_shard: ranks disagree on the layout of group {group_name!r} ({by_rank}). Every rank "
+            "must shard the same model with the same semantics, alignment and world size, in the same "
+            "order (bottom-up, identical fully_shard calls)"
+        )
+
+
+def shift_ranks(local: torch.Tensor, k: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Rank ``r``'s ``local`` moves to rank ``(r + k) % W``: returns what this rank receives.
+
+    One ``all_to_all_single`` with a single non-empty split each way (a layout rotation, once,
+    before training).
+    """
+    W, r, n = group.size(), group.rank(), local.numel()
+    send, recv = [0] * W, [0] * W
+    send[(r + k) % W], recv[(r - k) % W] = n, n
+    out = torch.empty_like(local)
+    dist.all_to_all_single(_wire(out), _wire(local), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+def step_mismatch(name: str, rows: list[list[int]]) -> str:
+    """What differs between the ranks' end-of-step records (step, collectives, order, trainable)."""
+    what = []
+    labels = ("step", "collectives issued", "collective order", "requires_grad flags", "optimizer steps")
+    for col, label in enumerate(labels):
+        values = [row[col] for row in rows]
+        if len(set(values) - ({0} if col == 4 else set())) > 1:
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if col in (0, 1, 4) else "differ"
+            what.append(f"{label} ({shown})")
+    return (
+        f"blockshard: the ranks' collectives for the model rooted at group {name!r} did not line up in this "
+        f"step: {'; '.join(what)}. A rank skipped a step or ran an extra forward, left a module unused, or "
+        "has other requires_grad flags, or a rank skipped optimizer.step(); the gradients of "
+        "this step are not the average of the ranks' and must not be used. Fix: run the same forward, "
+        "backward and optimizer step on every rank, with the same modules and the same trainable parameters"
+    )

@@ -1,0 +1,103 @@
+"""Inspection of a sharded model: its groups by name, layouts, global shapes, buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from blockshard.planner import GroupLayout
+from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._list_groups import bind_names
+from blockshard.runtime.core._state import ModuleState, state_of
+
+__all__ = ["global_shapes", "group_layouts", "local_buffers"]
+
+
+def states_under(model: nn.Module) -> list[tuple[str, ModuleState | GroupView]]:
+    """Every group under ``model`` once, with the path of the module its names are relative to
+    (a list group's modules' common ancestor, [Note: a list of modules]; one not wholly under
+    ``model`` is left out)."""
+    paths: dict[int, str] = {}
+    states: dict[int, ModuleState] = {}
+    for prefix, m in model.named_modules():
+        paths.setdefault(id(m), prefix)
+        if (st := state_of(m)) is not None:
+            states.setdefault(id(st), st)
+    out: list[tuple[str, ModuleState | GroupView]] = []
+    for st in states.values():
+        if not bind_names(st, model):
+            continue
+        if id(st.module) not in paths:  # bound to an ancestor above model
+            continue
+        out.append((paths[id(st.module)], st))
+        # [Note: mixed dtypes] each other dtype's buffer set is a group of its own to the readers
+        out += [(paths[id(st.module)], GroupView(st.module, g, st.modules)) for g in st.extra_groups]
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class GroupView:
+    """One extra buffer set of a mixed-dtype group, read as a group (``module``, ``group``)."""
+
+    module: nn.Module
+    group: ShardGroup
+    modules: tuple[nn.Module, ...]
+
+
+def _keyed(model: nn.Module) -> list[tuple[str, ModuleState | GroupView]]:
+    """Every group by the sharded module's name (a list's: its modules' names joined by ``+``)."""
+    paths = {id(m): p for p, m in reversed(list(model.named_modules()))}
+    out: list[tuple[str, ModuleState | GroupView]] = []
+    for prefix, st in states_under(model):
+        key = "+".join(paths[id(m)] for m in st.modules) if len(st.modules) > 1 else prefix
+        if isinstance(st, GroupView):  # the group's name ends in its dtype: "<group>[bfloat16]"
+            key += st.group.name[st.group.name.rindex("[") :]
+        out.append((key, st))
+    return out
+
+
+def group_layouts(model: nn.Module) -> dict[str, GroupLayout]:
+    """The layout of every group under ``model``, by the sharded module's name (a list's group:
+    its modules' names joined by ``+``, e.g. ``"model.norm+lm_head"``)."""
+    return {key: st.group.layout for key, st in _keyed(model) if st.group.layout is not None}
+
+
+def global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every parameter's global shape by name (``model.named_parameters()`` names, tied names too).
+
+    For a parameter the engine manages, the shape of the whole tensor, whatever piece (or empty
+    ``(0,)`` piece) this rank holds; for any other parameter (not sharded, or an FSDP2 DTensor,
+    whose ``shape`` is already global), its own shape. Names are stable across sharding.
+    """
+    managed = {
+        id(p): sp.shape for _, st in states_under(model) for sp in st.group.params for p in (sp.sharded, sp.unsharded)
+    }
+    return {n: managed.get(id(p), tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def local_buffers(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """The buffers of every group, for memory checks: ``local`` (persistent) and ``grad`` while a
+    sharded ``.grad`` views it (see [Note: buffers] in _buffers.py)."""
+    out = {}
+    for prefix, st in _keyed(model):
+        if st.group.layout is not None:
+            out[prefix] = {"local": st.group.local}
+            if (grad := st.group.grad_buffer()) is not None:
+                out[prefix]["grad"] = grad
+    return out
+
+
+def state_name(fqn: str) -> str:
+    """A name as ``state_dict()`` gives it: without torch's ``checkpoint_wrapper`` level (its
+    hooks drop ``_checkpoint_wrapped_module.``, as DCP's ``get_state_dict`` does), so state saved
+    with activation checkpointing loads without it and back."""
+    return fqn.replace(_CHECKPOINT_PREFIX, "")
+
+
+_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper._CHECKPOINT_PREFIX
+
+
+def join_name(prefix: str, name: str) -> str:
+    return state_name(f"{prefix}.{name}" if prefix else name)

@@ -1,0 +1,278 @@
+"""``ShardedModule``: what ``fully_shard`` makes of a module, with FSDP2's ``FSDPModule`` controls.
+
+Every control keeps FSDP2's name, arguments and meaning (torch 2.13,
+``torch/distributed/fsdp/_fully_shard/_fully_shard.py``); where blockshard's engine has nothing
+to control (its reduce-scatter completes inside backward, its collectives run on the current
+stream) the control validates its argument and says so in its
+docstring, so FSDP2 code runs unchanged and never silently means something else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+
+from blockshard._errors import ShardingError
+from blockshard.runtime.core._state import ModuleState, state_of
+
+__all__ = [
+    "ShardedModule",
+    "ShardingError",
+    "UnshardHandle",
+    "register_forward_method",
+]
+
+
+class UnshardHandle:
+    """What ``module.unshard(async_op=True)`` returns: ``wait()`` finishes the all-gathers."""
+
+    def __init__(self, state: ModuleState) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        self._state.wait_unshard()
+
+
+class ShardedModule(nn.Module):
+    """What ``fully_shard`` makes of a module (as FSDP2's ``FSDPModule``).
+
+    ``fully_shard(m)`` swaps ``m``'s class for ``BlockShard<Class>``, a subclass of both this class
+    and ``m``'s own, so ``isinstance(m, ShardedModule)`` holds and the methods below exist; the
+    engine's state lives on the module (``m._blockshard_state``), nowhere else.
+    """
+
+    def _bs_state(self) -> ModuleState:
+        state = state_of(self)
+        if state is None:
+            raise ShardingError(f"this {type(self).__name__} has no blockshard state; shard it with fully_shard")
+        return state
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters (``async_op=True``: return a handle to ``wait()``)."""
+        state = self._bs_state()
+        state.unshard(async_op=async_op)
+        return UnshardHandle(state) if async_op else None
+
+    def reshard(self) -> None:
+        """Free the gathered parameters; the module holds its local pieces again."""
+        self._bs_state().reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Off: backward accumulates unsharded gradients without a reduce-scatter (micro-batches)."""
+        if not isinstance(requires_gradient_sync, bool):
+            raise ShardingError(f"requires_gradient_sync={requires_gradient_sync!r} must be True or False")
+        for st in self._states(recurse):
+            for g in st.groups:  # a quantized-gather buffer set reduces too ([Note: quantized gather])
+                g.requires_gradient_sync = requires_gradient_sync
+
+    # -- FSDP2's controls -------------------------------------------------------------------------
+    def _states(self, recurse: bool) -> list[ModuleState]:
+        mods = self.modules() if recurse else [self]
+        return list({id(st): st for m in mods if (st := state_of(m)) is not None}.values())  # a list's group once
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether to free the gathered parameters after forward (re-gathered in backward); this
+        also sets the root's, which ``reshard_after_forward=None`` leaves gathered."""
+        _check_bool("reshard_after_forward", reshard_after_forward)
+        for st in self._states(recurse):
+            st.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Off: keep the parameters gathered after backward (micro-batches without an optimizer
+        step between them skip the next forward's all-gather). ``optimizer.step()`` over the
+        group's parameters reshards it first, so the next forward gathers the new values."""
+        _check_bool("reshard_after_backward", reshard_after_backward)
+        for st in self._states(recurse):
+            for g in st.groups:  # every buffer set of a mixed-dtype group ([Note: mixed dtypes])
+                g.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """All-gather these modules' parameters (asynchronously) right after this module's, in
+        forward, instead of the next module of the recorded order."""
+        self._bs_state().forward_prefetch = _prefetch_states("set_modules_to_forward_prefetch", modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """All-gather these modules' parameters (asynchronously) when this module's backward
+        starts, instead of the previous module of the recorded order."""
+        self._bs_state().backward_prefetch = _prefetch_states("set_modules_to_backward_prefetch", modules)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2 waits for pending reduce-scatters on the last backward only; blockshard waits for
+        them at the end of every backward ([Note: async reduce-scatter] in _grad_sync.py), so
+        every backward is already "last": accepted, nothing to change."""
+        _check_bool("is_last_backward", is_last_backward)
+        self._bs_state().is_last_backward = is_last_backward
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP (a 2-D mesh): off, backward reduce-scatters but does not all-reduce across the
+        replicate axis; the segments are kept and added into the next all-reduce ([Note: HSDP]
+        in _grad_sync.py). Without a replicate axis there is nothing to skip."""
+        _check_bool("requires_all_reduce", requires_all_reduce)
+        for st in self._states(recurse):
+            for g in st.groups:
+                g.requires_all_reduce = requires_all_reduce
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of averaging over the ranks (this
+        module's group only, as FSDP2)."""
+        if (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not (math.isfinite(factor) and factor > 0)
+        ):
+            raise ShardingError(
+                f"set_gradient_divide_factor(factor={factor!r}): factor must be a finite number > 0 (the gradients "
+                "are summed over the ranks, then divided by it; the default divides by the world size)"
+            )
+        for g in self._bs_state().groups:
+            g.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Off: backward does not all-gather this module's group (nor prefetches it), for groups
+        whose parameters backward does not read (an embedding's); gradients are reduced as
+        usual. This module's group only, as FSDP2."""
+        _check_bool("unshard_in_backward", unshard_in_backward)
+        self._bs_state().unshard_in_backward = unshard_in_backward
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """FSDP2 issues the hooks' all-gathers with ``async_op`` on the default stream; blockshard's
+        hooks issue every buffer set's all-gather asynchronously and wait before the module runs
+        anyway ([Note: streams] in _common.py): accepted, nothing to change."""
+        _check_bool("async_op", async_op)
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """FSDP2 makes the next all-gathers wait for ``event`` on their own stream; the engine's
+        all-gather stream waits for the current stream, where the optimizer stepped, anyway
+        ([Note: streams] in _common.py): accepted."""
+        if not hasattr(event, "wait") or not hasattr(event, "record"):
+            raise ShardingError(
+                f"set_post_optim_event(event={event!r}): pass a torch.Event (or torch.cuda.Event) recorded "
+                "after optimizer.step()"
+            )
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: reshard every group, drop the
+        partial gradients and reset the per-step state, so the next step runs normally. Call it
+        on the root (the module whose forward runs first)."""
+        state = self._bs_state()
+        if state.ctx is not None and not state.is_root:
+            raise ShardingError(
+                f"reset_iter_state() on {state.group.name!r}, which is not the root: call it on the module "
+                "fully_shard was applied to last (the one whose forward runs first)"
+            )
+        if state.ctx is not None:
+            state.reset_step(state.ctx)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> ShardedModule:
+        """``.to()``, ``.double()``, ``.cuda()``...: allowed only when they change nothing about the
+        parameters (the sharded parameters are views of the engine's buffers; a converted copy
+        would be trained while the engine gathers the old buffer), and to materialize a model
+        sharded on the meta device (``model.to_empty(device=...)``, [Note: meta init])."""
+        global _applying
+        if _applying:  # an enclosing sharded module's _apply has handled this subtree's groups
+            return super()._apply(fn, recurse)
+        groups = [(st, g) for st in self._states(True) for g in st.groups if g.layout is not None]
+        # a list's group ([Note: a list of modules]) is checked and materialized with its first
+        # module's subtree (its parameters are hidden from torch in every listed module's)
+        inside = {id(m) for m in self.modules()}
+        mine = [g for st, g in groups if id(st.modules[0]) in inside]
+        for g in mine:
+            probe = g.local[:1]
+            out = fn(probe)
+            if g.device.type == "meta" and out.device.type != "meta" and out.dtype == probe.dtype:
+                continue  # materialized below
+            if out is not probe:
+                raise ShardingError(
+                    f"converting or moving a sharded module (model.to(...), .double(), .half(), .cuda()) "
+                    f"would replace the parameters of group {g.name!r} ({g.orig_dtype} on "
+                    f"{g.device}) with copies the engine does not own, so training would silently "
+                    "ignore them. Fix: convert or move the model before fully_shard, or keep the parameters "
+                    "and compute in another dtype with mp_policy=MixedPrecisionPolicy(param_dtype=...)"
+                )
+        for g in mine:
+            if g.device.type == "meta":
+                g.materialize(fn(g.local[:1]).device)
+        # the rest (buffers, unsharded parameters) as torch does; the engine's own parameters are
+        # hidden meanwhile, so torch does not replace their data
+        hidden = [(ref, ref.module._parameters[ref.attr]) for _, g in groups for sp in g.params for ref in sp.refs]
+        for ref, _ in hidden:
+            ref.module._parameters[ref.attr] = None
+        _applying = True
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            _applying = False
+            for ref, p in hidden:
+                ref.module._parameters[ref.attr] = p
+
+    def __deepcopy__(self, memo: dict) -> NoReturn:
+        raise ShardingError(
+            f"copy.deepcopy of a sharded {self._bs_state().group.name} is not supported: the copy would share "
+            "the original's buffers and collectives (its unshard() would unshard the original). Fix: "
+            "deepcopy the model before fully_shard and shard the copy, or build a second model"
+        )
+
+
+_applying = False  # inside the outermost ShardedModule._apply (its subtree's groups are handled)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ShardingError(f"{name}={value!r} must be True or False")
+
+
+def _prefetch_states(what: str, modules: Iterable[nn.Module]) -> list[ModuleState]:
+    if isinstance(modules, nn.Module) or not isinstance(modules, Iterable):
+        raise ShardingError(f"{what}(modules={modules!r}): pass a list of sharded modules")
+    out = []
+    for i, m in enumerate(modules):
+        st = state_of(m) if isinstance(m, nn.Module) else None
+        if st is None:
+            raise ShardingError(
+                f"{what}: modules[{i}] ({type(m).__name__}) is not sharded by blockshard.fully_shard; pass "
+                "modules returned by fully_shard"
+            )
+        out.append(st)
+    return out
+
+
+def register_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` (e.g. ``generate``) run the engine's pre- and
+    post-forward hooks, as ``forward`` does: FSDP2's ``register_fsdp_forward_method``."""
+    st = state_of(module)
+    if st is None:
+        raise ShardingError(
+            f"register_forward_method: this {type(module).__name__} is not sharded; call it on a module "
+            "returned by blockshard.fully_shard"
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ShardingError(
+            f"register_forward_method: {type(module).__name__} has no method {method_name!r}; pass the name "
+            "of a method it defines, e.g. 'generate'"
+        )
+    if getattr(method, "_blockshard_forward_method", False):
+        return
+    orig = method.__func__ if hasattr(method, "__func__") else method
+
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        state = state_of(self)
+        assert state is not None
+        args, kwargs = state.pre_forward(self, args, kwargs)
+        state.method_depth += 1  # forward calls inside the method nest in this pass
+        try:
+            out = orig(self, *args, **kwargs)
+        finally:
+            state.method_depth -= 1
+        return state.post_forward(self, args, out)
+
+    wrapped._blockshard_forward_method = True  # type: ignore[attr-defined]
+    setattr(module, method_name, wrapped.__get__(module, type(module)))

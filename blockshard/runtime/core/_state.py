@@ -1,0 +1,443 @@
+"""Per-module state and the hooks that drive a step: the engine's state machine.
+
+[Note: one step, phase by phase]
+Forward, per sharded module in forward order (:class:`TrainingState` IDLE -> FORWARD -> IDLE):
+  1. pre-forward: wait for (or issue) this group's all-gather; the module now holds the
+     unsharded views; start the *next* group's all-gather (prefetch, in the order recorded in the
+     previous step).
+  2. post-forward: register a pre-backward hook on the outputs; reshard (free the gathered
+     storage, swap back to sharded parameters) unless ``reshard_after_forward`` says to keep them
+     (``False``; ``None``, the default: the root keeps them) and a backward follows.
+Backward, in reverse (IDLE -> PRE_BACKWARD -> POST_BACKWARD):
+  3. pre-backward (first gradient reaching the module's outputs): all-gather again if resharded,
+     prefetch the group before this one.
+  4. post-backward ([Note: post-backward]): when the gradients of the module's inputs are
+     computed, its backward is over: the group reshards (unless ``set_reshard_after_backward(False)``)
+     and reduce-scatters (unless gradient sync is off: then it keeps the unsharded gradients, in the
+     reduce dtype).
+  5. the first pre-backward of a step queues a final callback: it finishes every group still in
+     its backward (first layers, whose inputs need no gradient; unused parameters), reshards
+     whatever is still unsharded (but groups told not to reshard after backward), sets every state back to IDLE and keeps this step's forward
+     order for the next step's prefetch.
+
+[Note: post-backward]
+A group may reshard and reduce only when nothing in backward needs its parameters any more.
+Counting the gradients of its trainable parameters is not enough: a frozen weight (LoRA's base
+layer) is still needed for the input gradient after the last trainable gradient arrived. So, as
+FSDP2 does, each forward call with grad enabled hooks the gradients of its *inputs* (every tensor
+in args and kwargs, dataclass fields included, that requires grad; ``mode="all"``): they come
+last in the module's backward (autograd runs a parameter's gradient accumulation as soon as it is
+ready). A module called k times in one step finishes after the k-th such hook. A call whose
+inputs need no gradient (a first layer fed token ids) cannot tell when its backward ends: the
+group then finishes in the final callback. Which parameters require grad is read from the
+sharded parameters (what ``model.parameters()`` yields) at every unshard, so freezing or
+unfreezing before or after ``fully_shard``, or between steps, takes effect at the next forward.
+
+[Note: recompute]
+Under activation checkpointing (``torch.utils.checkpoint``, either mode) a module's forward runs
+a second time *inside* backward to rebuild its activations. That recompute is not a new step: it
+must not record forward order, prefetch the next group (already resharded after its backward)
+or reshard its own group (its backward needs the parameters right away). The hooks detect it
+with :func:`in_backward` and only make sure the group is unsharded; the module's pre-backward
+and post-backward then proceed as without checkpointing, so a step issues as many all-gathers
+with checkpointing as without. A *reentrant* checkpoint ran the original forward without grad
+(so no pre-backward hook was registered then) and backpropagates through the recompute itself:
+a module still IDLE in backward hooks the recomputed outputs instead (under a non-reentrant
+checkpoint those outputs never receive a gradient, so the hook never fires).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from blockshard._errors import CollectiveIntegrityError
+from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._collectives import all_gather_into, holds_copies, note_step, step_mismatch, wait
+from blockshard.runtime.core._common import CollectiveTally, TrainingState, eager, expect, in_backward, tensors_in
+from blockshard.runtime.core._dtypes import check_trainable_dtypes
+
+__all__ = ["STATE_ATTR", "ModuleState", "RootContext", "state_of"]
+
+#: The attribute of a sharded module that holds its :class:`ModuleState`.
+STATE_ATTR = "_blockshard_state"
+
+
+def state_of(module: nn.Module) -> ModuleState | None:
+    """The :class:`ModuleState` of a module that ``fully_shard`` sharded, else ``None``."""
+    state = module.__dict__.get(STATE_ATTR)
+    return state if isinstance(state, ModuleState) else None
+
+
+@dataclass(eq=False)
+class RootContext:
+    """Shared by every state under one root: the forward order and the end-of-backward callback."""
+
+    states: list[ModuleState] = field(default_factory=list)  # the root first
+    forward_order: list[ModuleState] = field(default_factory=list)
+    last_order: list[ModuleState] = field(default_factory=list)
+    last_index: dict[int, int] = field(default_factory=dict)  # id(state) -> position in last_order
+    callback_queued: bool = False
+    tally: CollectiveTally = field(default_factory=CollectiveTally)
+    reducing: list[ShardGroup] = field(default_factory=list)  # reduce-scatters in flight, oldest first
+
+    def finish_reductions(self) -> None:
+        """Wait for the reduce-scatters in flight and set their gradients ([Note: async reduce-scatter])."""
+        while self.reducing:
+            self.reducing.pop(0).finish_reduce()
+
+    def remember_order(self) -> None:
+        """The forward order just recorded becomes the prefetch order of the next step."""
+        if self.forward_order:
+            self.last_order = self.forward_order
+            self.last_index = {id(st): i for i, st in enumerate(self.last_order)}
+        self.forward_order = []
+
+    def neighbour(self, state: ModuleState, step: int) -> ModuleState | None:
+        i = self.last_index.get(id(state))
+        if i is None or not 0 <= i + step < len(self.last_order):
+            return None
+        return self.last_order[i + step]
+
+    def final_callback(self) -> None:
+        """End of backward: see step 5 of [Note: one step, phase by phase]."""
+        self.callback_queued = False
+        for st in self.states:
+            if st.training_state is TrainingState.PRE_BACKWARD:
+                st.finish_backward()  # gradients that never all arrived (unused parameters)
+            st._to_run, st._backward_follows = set(), False
+            if st.group.reshard_after_backward:
+                st.reshard()
+            st.training_state = TrainingState.IDLE
+            st._inputs_pending, st._finish_at_end = 0, False
+        self.finish_reductions()  # every sharded .grad is final when backward returns
+        self.remember_order()
+        self.check_step()
+
+    def check_step(self) -> None:
+        """[Note: collective integrity] One small all-reduce per step: every rank must have issued
+        the same collectives (count and order), at the same step, with the same trainable
+        parameters, and every rank that steps an optimizer must have stepped as often; else every
+        rank raises before the optimizer step uses the gradients."""
+        tally, group = self.tally, self.states[0].group
+        trainable = 0
+        for st in self.states:
+            for sp in (sp for g in st.groups for sp in g.params):  # every buffer set's flags
+                trainable = (trainable * 3 + 1 + sp.sharded.requires_grad) % CollectiveTally._MOD
+        pg, W = group.process_group, group.world_size
+        tally.steps += 1
+        tally.optimizer_steps += tally.optimizer_stepped
+        tally.optimizer_stepped = False
+        note_step(pg)
+        fields = [tally.steps, tally.count, tally.hash, trainable, tally.optimizer_steps]
+        n = len(fields)
+        what = f"the end-of-step check of the model rooted at group {group.name!r}"
+        # one all-reduce (MAX) of the fields and their negatives gives every field's max and min;
+        # a rank that never stepped an optimizer (it holds nothing to step) is left out of the min
+        lows = fields[:-1] + [fields[-1] or _NEVER]
+        device = next((st.group.device for st in self.states if st.group.layout is not None), None)
+        extremes = torch.tensor(fields + [-v for v in lows], dtype=torch.int64, device=device)  # NCCL: on the GPU
+        wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg, async_op=True), what, pg)
+        tally.reset()
+        top = extremes.tolist()
+        highs, mins = top[:n], [-v for v in top[n:]]
+        if highs[:-1] == mins[:-1] and mins[-1] in (highs[-1], _NEVER):
+            return
+        mine = torch.tensor(fields, dtype=torch.int64, device=device)
+        everyone = torch.empty(W * n, dtype=torch.int64, device=device)  # every rank saw the mismatch: the details
+        wait(all_gather_into(everyone, mine, pg, async_op=True), what, pg)
+        rows = everyone.view(W, n).tolist()
+        raise CollectiveIntegrityError(step_mismatch(group.name, rows))
+
+
+_NEVER = 1 << 62  # "never stepped an optimizer", in the min of the end-of-step check
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward tells the module that its backward is over.
+
+    Its outputs replace the inputs, so the gradient reaches the previous module's outputs (and its
+    pre-backward) only after this runs: a group reshards before the one before it is gathered.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: ModuleState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tuple(t.view_as(t) for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state._inputs_done(grads)
+        return (None, *grads)
+
+
+def _cast(x: object, dtype: torch.dtype) -> object:
+    return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+class ModuleState:
+    """The state of one sharded module: its group, its :class:`TrainingState` and its hooks."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ShardGroup,
+        *,
+        reshard_after_forward: bool | None,
+        param_dtype: torch.dtype | None = None,
+        output_dtype: torch.dtype | None = None,
+        cast_forward_inputs: bool = True,
+        modules: tuple[nn.Module, ...] | None = None,
+        extra_groups: list[ShardGroup] | None = None,
+    ) -> None:
+        # [Note: a list of modules] ``modules``: those the group's hooks are on (``fully_shard([a, b])``);
+        # ``module``: the one its tensor names are relative to (for a list, their lowest common
+        # ancestor once known, see _list_groups.py)
+        self.module, self.group = module, group
+        # [Note: mixed dtypes] the buffer sets of the group's other dtypes (frozen parameters)
+        self.extra_groups: list[ShardGroup] = list(extra_groups or [])
+        self.groups: list[ShardGroup] = [group, *self.extra_groups]
+        self.modules: tuple[nn.Module, ...] = modules or (module,)
+        self._to_run: set[int] = set()  # ids of this pass's modules that have not run forward yet
+        self._backward_follows = False  # some module of this pass hooked its outputs for backward
+        self.method_depth = 0  # inside a register_forward_method method (generate): forwards nest in it
+        self.reshard_after_forward = reshard_after_forward  # None: True but for the root (FSDP2's default)
+        # set_modules_to_forward_prefetch / _backward_prefetch: None = the recorded order's neighbour
+        self.forward_prefetch: list[ModuleState] | None = None
+        self.backward_prefetch: list[ModuleState] | None = None
+        self.is_last_backward = True  # FSDP2's flag: nothing waits past backward here (_module.py)
+        self.unshard_in_backward = True  # False (FSDP2's, e.g. an embedding): backward gathers nothing
+        self.param_dtype, self.output_dtype = param_dtype, output_dtype
+        self.cast_forward_inputs = cast_forward_inputs
+        self.training_state = TrainingState.IDLE
+        self.is_root: bool | None = None  # decided at the first forward
+        self.ctx: RootContext | None = None
+        self.balanced = False  # whether its layout took part in cost balancing ([Note: cost tally])
+        self.order = 0  # position among fully_shard calls ([Note: cost tally] in _api.py)
+        # [Note: post-backward] forward calls of this step whose inputs' gradients are pending
+        self._inputs_pending = 0
+        self._finish_at_end = False  # a call whose inputs need no gradient: finish in the final callback
+        self._module_hooks = [
+            hook
+            for m in self.modules
+            for hook in (
+                m.register_forward_pre_hook(eager(self.pre_forward), with_kwargs=True),
+                m.register_forward_hook(eager(self.post_forward)),
+            )
+        ]
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _lazy_init(self) -> RootContext:
+        """At the first forward, the module that runs first is the root: it owns the context."""
+        ctx = RootContext()
+        seen: set[int] = set()
+        for top in self.modules:
+            for path, m in top.named_modules():
+                st = state_of(m)
+                if st is not None and id(st) not in seen:
+                    seen.add(id(st))
+                    st.ctx, st.is_root = ctx, st is self
+                    for g in st.groups:
+                        g.path, g.tally, g.tally_index = path, ctx.tally, sum(len(o.groups) for o in ctx.states)
+                    ctx.states.append(st)
+        return ctx
+
+    def _context(self) -> RootContext:
+        if self.ctx is None:
+            raise AssertionError(f"group {self.group.name!r} runs before its root initialized it")
+        return self.ctx
+
+    def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if self.param_dtype is None or not self.cast_forward_inputs:
+            return args, kwargs
+        dtype = self.param_dtype
+        return tree_map(lambda x: _cast(x, dtype), (args, kwargs))
+
+    def pre_forward(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if in_backward():  # [Note: recompute]
+            self.unshard()
+            if self.training_state is TrainingState.IDLE and not self._inputs_pending:
+                args, kwargs = self._hook_inputs(args, kwargs)  # reentrant: the original forward had no grad
+            return self._cast_inputs(args, kwargs)
+        if self.training_state is TrainingState.FORWARD and (len(self.modules) > 1 or self.method_depth):
+            # [Note: a list of modules] a later module of this group's pass, or a forward inside a
+            # registered method (generate calls forward per token): gathered already
+            self.unshard()
+            if torch.is_grad_enabled():
+                args, kwargs = self._hook_inputs(args, kwargs)
+            return self._cast_inputs(args, kwargs)
+        if self.is_root is None:
+            self._lazy_init()
+        ctx = self._context()
+        if self.is_root:
+            self._reset_if_interrupted(ctx)
+            ctx.remember_order()
+        expect(f"pre-forward of group {self.group.name!r}", self.training_state, TrainingState.IDLE)
+        for g in self.groups:
+            g.check_registered()
+            g.check_materialized()  # FSDP2: "should be materialized from meta device before training"
+        check_trainable_dtypes(self.group, self.extra_groups)  # [Note: mixed dtypes]
+        self.training_state = TrainingState.FORWARD
+        self._to_run = {id(m) for m in self.modules}
+        ctx.forward_order.append(self)
+        self.unshard()
+        for nxt in self._prefetch(ctx, self.forward_prefetch, +1):
+            nxt.unshard(async_op=True)
+        if torch.is_grad_enabled():
+            args, kwargs = self._hook_inputs(args, kwargs)
+        return self._cast_inputs(args, kwargs)
+
+    def unshard(self, *, async_op: bool = False) -> None:
+        """All-gather every buffer set of the group (issued together, then waited for)."""
+        for g in self.groups:
+            g.unshard(async_op=True)
+        if not async_op:
+            for g in self.groups:
+                g.wait_unshard()
+
+    def wait_unshard(self) -> None:
+        for g in self.groups:
+            g.wait_unshard()
+
+    @property
+    def reducing_groups(self) -> list[ShardGroup]:
+        """The primary buffer set and the trainable quantized-gather ones ([Note: quantized gather])."""
+        extra = [g for g in self.extra_groups if g.trainable_extra and any(sp.sharded.requires_grad for sp in g.params)]
+        return [self.group, *extra]
+
+    def reshard(self) -> None:
+        for g in self.groups:
+            g.reshard()
+
+    def _hook_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Route the inputs that require grad through :class:`_PostBackward` (see
+        [Note: post-backward]); inputs inside dataclasses get a gradient hook instead."""
+        leaves, spec = tree_flatten((args, kwargs))
+        slots = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+        nested = [t for x in leaves if not isinstance(x, torch.Tensor) for t in tensors_in(x) if t.requires_grad]
+        if not slots and not nested:
+            self._finish_at_end = True
+            return args, kwargs
+        if nested:
+            self._inputs_pending += 1
+            torch.autograd.graph.register_multi_grad_hook(nested, self._inputs_done, mode="all")
+        if slots:
+            self._inputs_pending += 1
+            routed = _PostBackward.apply(self, *(leaves[i] for i in slots))
+            for i, t in zip(slots, routed, strict=True):
+                leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _inputs_done(self, _grads: Any) -> None:
+        self._inputs_pending -= 1
+        if self._inputs_pending == 0 and not self._finish_at_end and self.training_state is TrainingState.PRE_BACKWARD:
+            self.finish_backward()
+
+    def _prefetch(self, ctx: RootContext, chosen: list[ModuleState] | None, step: int) -> list[ModuleState]:
+        if chosen is not None:
+            return chosen
+        nb = ctx.neighbour(self, step)
+        return [] if nb is None else [nb]
+
+    def _reshards_after_forward(self) -> bool:
+        return not self.is_root if self.reshard_after_forward is None else self.reshard_after_forward
+
+    def _reset_if_interrupted(self, ctx: RootContext) -> None:
+        """A backward that raised midway leaves states behind: drop its partial gradients."""
+        if ctx.callback_queued or any(st.training_state is not TrainingState.IDLE for st in ctx.states):
+            self.reset_step(ctx)
+
+    @staticmethod
+    def reset_step(ctx: RootContext) -> None:
+        """Every group resharded, every state IDLE, partial gradients and the tally dropped
+        (``reset_iter_state()``, and the next forward after an interrupted step)."""
+        for st in ctx.states:
+            for g in st.groups:
+                for sp in g.params:
+                    sp.unsharded.grad, sp.accumulated = None, None
+                g._partial = None  # HSDP outputs not all-reduced yet: lost with the step
+                g.drop_reduce()  # a reduce-scatter in flight: its gradients are lost too
+            st.reshard()
+            st.training_state = TrainingState.IDLE
+            st._inputs_pending, st._finish_at_end = 0, False
+            st._to_run, st._backward_follows = set(), False
+        ctx.callback_queued = False
+        ctx.reducing.clear()
+        ctx.tally.reset()
+
+    def post_forward(self, module: nn.Module, _args: Any, output: Any) -> Any:
+        if in_backward():  # [Note: recompute]
+            if self.training_state is TrainingState.IDLE:
+                self._hook_outputs(output)  # a reentrant checkpoint backpropagates through these
+        else:
+            expect(f"post-forward of group {self.group.name!r}", self.training_state, TrainingState.FORWARD)
+            self._backward_follows |= self._hook_outputs(output)
+            if not self.method_depth:  # a forward nested in a registered method: the method finishes
+                self._to_run.discard(id(module))
+            if not self._to_run:  # the last of the group's modules to run in this pass
+                self._finish_forward()
+                if self.is_root:  # modules of a list group that did not run: done ([Note: a list of modules])
+                    for st in self._context().states:
+                        if st.training_state is TrainingState.FORWARD and st is not self:
+                            st._finish_forward()
+        if self.output_dtype is not None:
+            dtype = self.output_dtype
+            output = tree_map(lambda x: _cast(x, dtype), output)
+        return output
+
+    def _finish_forward(self) -> None:
+        if not self._backward_follows or self._reshards_after_forward():
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+        self._to_run, self._backward_follows = set(), False
+
+    def _hook_outputs(self, output: Any) -> bool:
+        """Run :meth:`pre_backward` when the first gradient reaches ``output``; False if none will."""
+        tensors = [t for t in tensors_in(output) if t.requires_grad]
+        if not (torch.is_grad_enabled() and tensors):
+            return False
+        torch.autograd.graph.register_multi_grad_hook(tensors, self.pre_backward, mode="any")
+        return True
+
+    # -- backward ---------------------------------------------------------------------------------
+    def pre_backward(self, _grad: torch.Tensor | None = None) -> None:
+        """The first gradient reached this module's outputs (its other outputs' hooks return)."""
+        partial = self.training_state is TrainingState.FORWARD and len(self.modules) > 1  # a list's pass cut short
+        if self.training_state is not TrainingState.IDLE and not partial:
+            return  # the module ran more than once in forward: one pre-backward per step
+        ctx = self._context()
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
+        self.training_state = TrainingState.PRE_BACKWARD
+        if self.unshard_in_backward:
+            self.unshard()
+        earlier = [st for st in self._prefetch(ctx, self.backward_prefetch, -1) if st.unshard_in_backward]
+        for prev in earlier:
+            prev.unshard(async_op=True)
+        for prev in earlier:  # gloo: not in flight during this backward ([Note: gloo's copies])
+            if any(holds_copies(g.process_group, g.device) for g in prev.groups if g.layout is not None):
+                prev.wait_unshard()
+
+    def finish_backward(self) -> None:
+        """All gradients are in: reshard, then issue the reduce-scatter unless accumulating
+        without sync ([Note: async reduce-scatter])."""
+        expect(f"post-backward of group {self.group.name!r}", self.training_state, TrainingState.PRE_BACKWARD)
+        self.training_state = TrainingState.POST_BACKWARD
+        if self.group.reshard_after_backward:
+            self.reshard()  # free the gathered parameters before the reduce-scatter needs its output
+        if not self.group.requires_gradient_sync:
+            for g in self.reducing_groups:
+                g.accumulate_grads()
+            return
+        ctx = self._context()
+        ctx.finish_reductions()  # the previous group's, which overlapped this group's backward
+        for g in self.reducing_groups:
+            g.reduce_grads()
+            if g.reducing:
+                ctx.reducing.append(g)

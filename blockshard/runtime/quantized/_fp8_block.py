@@ -1,0 +1,86 @@
+"""Blockwise FP8 frozen weights (DeepSeek-V3 style) as a :class:`QuantizedTensor`.
+
+A module holding a float8 ``weight`` ``[N, K]`` and a fp32 ``weight_scale_inv``
+``[ceil(N / Br), ceil(K / Bc)]`` (one scale per ``Br x Bc`` tile; transformers' ``FP8Linear`` and
+its ``block_size`` attribute) is sharded by whole ``Br``-row tile stripes (one unit grid, see
+[Note: quantized layout]): a unit is ``Br * K`` payload bytes and its row of ``ceil(K / Bc)``
+scales (the last stripe may be shorter). Both parameters are swapped for gathered ones in forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockshard._errors import QuantizedWeightError
+from blockshard.runtime.core._param import ParamRef
+from blockshard.runtime.quantized._layout import StreamShape
+from blockshard.runtime.quantized._tensor import QuantizedTensor, StateEntry, byte_view
+
+__all__ = ["fp8_block_pair", "fp8_block_tensor"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_block_pair(module: nn.Module, ignored: set[int]) -> tuple[nn.Parameter, nn.Parameter, object] | None:
+    """``(weight, weight_scale_inv, block_size)`` of a blockwise FP8 module, else None."""
+    w, s = module._parameters.get("weight"), module._parameters.get("weight_scale_inv")
+    if w is None or s is None or w.dtype not in FP8_DTYPES or id(w) in ignored:
+        return None
+    return w, s, getattr(module, "block_size", None)
+
+
+def _error(fqn: str, what: str, fix: str) -> QuantizedWeightError:
+    return QuantizedWeightError(f"quantized weight {fqn!r} (blockwise FP8): {what}. Fix: {fix}")
+
+
+def _check(fqn: str, w: torch.Tensor, s: torch.Tensor, block: object) -> tuple[int, int]:
+    if not (isinstance(block, (tuple, list)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise _error(
+            fqn,
+            f"its module's block_size={block!r} is not a tile (rows, cols); a per-tensor scale has no tiles to keep whole",
+            "set block_size=(128, 128) for tile-wise scales, or keep the module out of sharding (ignored_params)",
+        )
+    if w.requires_grad or w.dim() != 2:
+        raise _error(
+            fqn,
+            f"it must be a frozen 2-D weight (shape {tuple(w.shape)}, requires_grad={w.requires_grad})",
+            "freeze it",
+        )
+    (N, K), (br, bc) = w.shape, block
+    want = (-(-N // br), -(-K // bc))
+    if tuple(s.shape) != want or s.dtype != torch.float32:
+        raise _error(
+            fqn,
+            f"its weight_scale_inv has shape {tuple(s.shape)} ({s.dtype}); {N} x {K} in {br} x {bc} tiles needs {want} "
+            "fp32 scales",
+            "re-quantize the weight with its scales (one fp32 scale per tile)",
+        )
+    return br, want[1]
+
+
+def fp8_block_tensor(
+    fqn: str, refs: list[ParamRef], w: nn.Parameter, scale: tuple[str, ParamRef, nn.Parameter], block: object
+) -> QuantizedTensor:
+    """The :class:`QuantizedTensor` of a blockwise FP8 weight and its scales (validated, see ``_check``)."""
+    _, ref_s, s = scale
+    names = (refs[0].attr if refs else "weight", ref_s.attr)
+    entries = [StateEntry(n, k, t.dtype, tuple(t.shape)) for k, (n, t) in enumerate(zip(names, (w, s), strict=True))]
+    br, k_tiles = _check(fqn, w, s, block)
+    N, K = w.shape
+    streams = (StreamShape("weight", N * K, br * K), StreamShape("weight_scale_inv", s.numel() * 4, k_tiles * 4))
+    gathered = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (w, s)]
+    return QuantizedTensor(
+        fqn=fqn,
+        refs=refs,
+        format=f"blockwise FP8 ({str(w.dtype).removeprefix('torch.')}, {block[0]} x {block[1]} tiles)",  # type: ignore[index]
+        numel=N * K,
+        n_units=-(-N // br),
+        streams=streams,
+        sources=[byte_view(t.detach().contiguous()) for t in (w, s)],
+        gathered=gathered,
+        targets=[byte_view(t) for t in gathered],
+        unsharded=nn.Parameter(gathered[0], requires_grad=False),
+        extra=[([ref_s], nn.Parameter(gathered[1], requires_grad=False))],
+        entries=entries,
+    )

@@ -1,0 +1,274 @@
+"""``QuantizedGroup``: the frozen quantized weights of one ``fully_shard`` call, sharded as bytes.
+
+[Note: quantized groups]
+Beside its float :class:`~blockshard.runtime.core._buffers.ShardGroup`, a ``fully_shard`` call gives the
+frozen quantized weights of its module (bitsandbytes ``Params4bit``, torchao ``NF4Tensor`` and ``MXTensor``; see
+``_tensor.py`` for the format adapters) their own group, laid out by whole quantization units
+([Note: quantized layout] in ``_layout.py``):
+  * ``local``  uint8 [S]: the persistent segment, every held unit's payload with its companions
+    (absmax, nested absmax) — no rank holds another rank's scales;
+  * a transient uint8 [W * S]: the all-gather's output, alive from the unshard to its wait;
+  * per tensor, persistent gathered tensors (payload, absmax, ...), filled from the transient buffer
+    at the wait and freed (storage resized to 0) at the reshard; the format's parameter over them
+    (a ``Params4bit`` with its quant state) is what the module holds during forward and backward.
+    They are the same objects every step, so autograd's saved references (``MatMul4Bit`` keeps the
+    weight for the input gradient) stay valid and are refilled by the pre-backward unshard.
+The ShardGroup drives it: its unshard issues this all-gather (async, so prefetch covers it), its
+wait finishes it, its reshard frees it. Between forwards the module holds a frozen ``uint8``
+parameter viewing this rank's payload bytes of the tensor (empty where the rank holds none).
+No gradients, no reduce-scatter, no optimizer state: these weights never change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from blockshard._errors import ShardingError
+from blockshard.runtime.core._collectives import all_gather_into, check_same_layout, wait
+from blockshard.runtime.core._param import ParamRef
+from blockshard.runtime.core._state import state_of
+from blockshard.runtime.quantized._ao_nf4 import ao_nf4_tensor, is_ao_nf4
+from blockshard.runtime.quantized._bnb4bit import bnb_tensor, is_params4bit, prepare_module
+from blockshard.runtime.quantized._fp8_block import fp8_block_pair, fp8_block_tensor
+from blockshard.runtime.quantized._layout import QuantizedLayout, QuantizedPiece, plan_quantized
+from blockshard.runtime.quantized._mx import is_mx, mx_tensor
+from blockshard.runtime.quantized._tensor import QuantizedTensor
+
+__all__ = ["Found", "QuantizedGroup", "QuantizedStats", "collect_quantized", "quantized_stats"]
+
+
+def _adapter(param: nn.Parameter) -> Callable[..., QuantizedTensor] | None:
+
+    if is_params4bit(param):
+        return bnb_tensor
+    if is_ao_nf4(param):
+        return ao_nf4_tensor
+
+    if is_mx(param):
+        return mx_tensor
+    return None
+
+
+@dataclass
+class Found:
+    """A quantized parameter of a module's subtree: its name, where it is registered, the parameter
+    and, for blockwise FP8, its scale parameter (name, place, parameter) and tile."""
+
+    name: str
+    refs: list[ParamRef]
+    param: nn.Parameter
+    scale: tuple[str, ParamRef, nn.Parameter] | None = None
+    block: object = None  # the module's block_size, checked by the FP8 adapter
+
+    @property
+    def ids(self) -> set[int]:
+        return {id(self.param)} | ({id(self.scale[2])} if self.scale else set())
+
+    def build(self, constants: dict[tuple, torch.Tensor]) -> QuantizedTensor:
+        if self.scale is not None:
+            return fp8_block_tensor(self.name, self.refs, self.param, self.scale, self.block)
+        adapter = _adapter(self.param)
+        assert adapter is not None
+        return adapter(self.name, self.refs, self.param, constants)
+
+
+def collect_quantized(module: nn.Module, ignored: set[int], is_sharded: Callable[[nn.Module], bool]) -> list[Found]:
+    """The quantized parameters of ``module``'s subtree, not in a sharded submodule nor ignored, in
+    ``named_modules`` order."""
+
+    found: dict[int, Found] = {}
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        prefix, mod = stack.pop()
+        if mod is not module and is_sharded(mod):
+            continue
+        pair = fp8_block_pair(mod, ignored)
+        if pair is not None and id(pair[0]) not in found:
+            weight, scale, block = pair
+            found[id(weight)] = Found(
+                prefix + "weight",
+                [ParamRef(mod, "weight")],
+                weight,
+                (prefix + "weight_scale_inv", ParamRef(mod, "weight_scale_inv"), scale),
+                block,
+            )
+        for attr, param in mod._parameters.items():
+            if param is None or id(param) in ignored or pair is not None or _adapter(param) is None:
+                continue
+            found.setdefault(id(param), Found(prefix + attr, [], param)).refs.append(ParamRef(mod, attr))
+        for cname, child in reversed(list(mod._modules.items())):
+            if child is not None:
+                stack.append((f"{prefix}{cname}.", child))
+    return list(found.values())
+
+
+@dataclass(frozen=True)
+class QuantizedStats:
+    """Bytes of one quantized group on this rank: ``local_bytes`` persistent, ``gathered_bytes``
+    moved by one unshard's all-gather (``W * S``), ``total_bytes`` of all its tensors (payload and
+    scales), ``constant_bytes`` replicated (code tables, offsets)."""
+
+    local_bytes: int
+    gathered_bytes: int
+    total_bytes: int
+    constant_bytes: int
+    numel: int  # quantized values
+
+
+class QuantizedGroup:
+    """The byte segment and the all-gather of a group's quantized weights ([Note: quantized groups])."""
+
+    def __init__(
+        self,
+        name: str,
+        found: list[Found],
+        process_group: dist.ProcessGroup,
+        *,
+        alignment_bytes: int,
+    ) -> None:
+        self.name, self.process_group = name, process_group
+        self.rank, self.world_size = process_group.rank(), process_group.size()
+        constants: dict[tuple, torch.Tensor] = {}  # code tables shared by the group's tensors
+        self.tensors = [f.build(constants) for f in found]
+        devices = {f.param.device for f in found}
+        if len(devices) > 1:
+            raise ShardingError(f"the quantized weights of {name!r} are on several devices {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self.numel = sum(t.numel for t in self.tensors)
+        self.layout: QuantizedLayout = plan_quantized(
+            [(t.streams, t.n_units) for t in self.tensors], self.world_size, alignment_bytes
+        )
+        check_same_layout(f"{name} (quantized weights)", self.layout.layout_hash(), process_group)
+        self.local = torch.zeros(self.layout.segment_bytes, dtype=torch.uint8, device=self.device)  # [S]
+        self._gathered_bytes: torch.Tensor | None = None  # [W * S] while an all-gather is in flight
+        self._pending: list = []
+        self._unsharded = False
+        with torch.no_grad():
+            for piece in self.layout.pieces[self.rank]:
+                t = self.tensors[piece.tensor]
+                for (lo, hi, off), src in zip(piece.ranges, t.sources, strict=True):
+                    self.local[off : off + hi - lo].copy_(src[lo:hi])
+        for t in self.tensors:
+            t.sources = []  # the originals are released: this rank keeps only its segment
+            t.sharded = nn.Parameter(self._payload_piece(t), requires_grad=False)
+            t.extra_sharded = [nn.Parameter(self.local[:0], requires_grad=False) for _ in t.extra]
+            t.set_module_params(unsharded=False)
+            for ref in t.refs:
+                prepare_module(ref.module)
+        self._free_gathered()
+
+    def _payload_piece(self, t: QuantizedTensor) -> torch.Tensor:
+        piece = self.piece_of(t)
+        if piece is None:
+            return self.local[:0]
+        lo, hi, off = piece.ranges[0]
+        return self.local[off : off + hi - lo]
+
+    def piece_of(self, t: QuantizedTensor) -> QuantizedPiece | None:
+        """This rank's piece of ``t`` (its units are contiguous, so at most one), if any."""
+        index = self.tensors.index(t)
+        return next((p for p in self.layout.pieces[self.rank] if p.tensor == index), None)
+
+    # -- state dicts ([Note: quantized state dicts] in _quantized_state.py) -----------------------
+    @torch.no_grad()
+    def write_piece(self, t: QuantizedTensor, streams: list[torch.Tensor]) -> None:
+        """Copy this rank's bytes of each of ``t``'s streams (``uint8``, in stream order) into the segment."""
+        piece = self.piece_of(t)
+        if piece is None:
+            return
+        for (lo, hi, off), src in zip(piece.ranges, streams, strict=True):
+            assert src.numel() == hi - lo, (t.fqn, src.numel(), hi - lo)
+            dst = self.local[off : off + hi - lo]
+            if src.numel() and src.data_ptr() != dst.data_ptr():
+                dst.copy_(src)
+
+    @torch.no_grad()
+    def full_streams(self) -> list[list[torch.Tensor]]:
+        """Every tensor's whole byte streams (collective: one all-gather of the segments)."""
+        S, W = self.layout.segment_bytes, self.world_size
+        buf = torch.empty(W * S, dtype=torch.uint8, device=self.device)
+        all_gather_into(buf, self.local, self.process_group)
+        out = [[torch.empty(s.nbytes, dtype=torch.uint8, device=self.device) for s in t.streams] for t in self.tensors]
+        for r, pieces in enumerate(self.layout.pieces):
+            for piece in pieces:
+                for (lo, hi, off), dst in zip(piece.ranges, out[piece.tensor], strict=True):
+                    dst[lo:hi].copy_(buf[r * S + off : r * S + off + hi - lo])
+        return out
+
+    def stats(self) -> QuantizedStats:
+        S, W = self.layout.segment_bytes, self.world_size
+        constants = sum(t.constant_bytes for t in self.tensors)
+        return QuantizedStats(S, W * S, self.layout.total_bytes, constants, self.numel)
+
+    # -- all-gather -------------------------------------------------------------------------------
+    def unshard(self) -> None:
+        """Issue the all-gather of every rank's segment (async); :meth:`wait_unshard` finishes it."""
+        if self._unsharded or self._pending:
+            return
+        S, W = self.layout.segment_bytes, self.world_size
+        self._gathered_bytes = torch.empty(W * S, dtype=torch.uint8, device=self.device)
+        self._pending.append(all_gather_into(self._gathered_bytes, self.local, self.process_group, async_op=True))
+
+    def wait_unshard(self) -> None:
+        """Finish the all-gather: fill the gathered tensors, give the modules the unsharded weights."""
+        if self._unsharded:
+            return
+        if not self._pending:
+            self.unshard()
+        for work in self._pending:
+            wait(work, f"the all-gather of the quantized weights of group {self.name!r}", self.process_group)
+        self._pending.clear()
+        buf, S = self._gathered_bytes, self.layout.segment_bytes
+        assert buf is not None
+        self._alloc_gathered()
+        with torch.no_grad():
+            for r, pieces in enumerate(self.layout.pieces):
+                for piece in pieces:
+                    t = self.tensors[piece.tensor]
+                    for (lo, hi, off), dst in zip(piece.ranges, t.targets, strict=True):
+                        # refilled with the bytes it had: not an in-place change for autograd
+                        with torch.autograd._unsafe_preserve_version_counter(dst):
+                            dst[lo:hi].copy_(buf[r * S + off : r * S + off + hi - lo])
+        self._gathered_bytes = None
+        for t in self.tensors:
+            t.set_module_params(unsharded=True)
+        self._unsharded = True
+
+    def reshard(self) -> None:
+        """Give the modules their payload pieces back and free the gathered tensors."""
+        if self._pending:
+            self.wait_unshard()
+        if not self._unsharded:
+            return
+        for t in self.tensors:
+            t.set_module_params(unsharded=False)
+        self._free_gathered()
+        self._unsharded = False
+
+    def _alloc_gathered(self) -> None:
+        for t in self.tensors:
+            for g in t.gathered:
+                nbytes = g.numel() * g.element_size()
+                if g.untyped_storage().size() != nbytes:
+                    g.untyped_storage().resize_(nbytes)
+
+    def _free_gathered(self) -> None:
+        for t in self.tensors:
+            for g in t.gathered:
+                g.untyped_storage().resize_(0)
+
+
+def quantized_stats(model: nn.Module) -> dict[str, QuantizedStats]:
+    """This rank's bytes of every quantized group under ``model``, by the sharded module's name."""
+
+    out = {}
+    for prefix, m in model.named_modules():
+        st = state_of(m)
+        if st is not None and st.group.quantized is not None:
+            out[prefix] = st.group.quantized.stats()
+    return out

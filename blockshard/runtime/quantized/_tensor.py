@@ -1,0 +1,80 @@
+"""One frozen quantized tensor as a quantized group sees it: byte streams and the rebuilt parameter.
+
+A format adapter (``_bnb4bit.py``, ``_ao_nf4.py``) turns a quantized parameter into a
+:class:`QuantizedTensor`: its byte streams on one unit grid ([Note: quantized layout]), the
+original bytes to shard (``sources``, dropped once copied into the local segment), persistent
+gathered tensors (``gathered``, their storage freed while sharded) with byte views of them
+(``targets``), and ``unsharded``: the format's own parameter over the gathered tensors, what the
+module holds during forward and backward. Its state-dict entries (``entries``, ``to_full``,
+``from_full``) are described in [Note: quantized state dicts] (``_quantized_state.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from blockshard.runtime.core._param import ParamRef
+from blockshard.runtime.quantized._layout import StreamShape
+
+__all__ = ["QuantizedTensor", "StateEntry", "byte_view"]
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat ``uint8`` tensor (no copy, no float canonicalization)."""
+    if t.dtype == torch.uint8:
+        return t.reshape(-1)
+    return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class StateEntry:
+    """One state-dict entry of a quantized tensor, named relative to the module that holds the weight
+    (``"weight"``, ``"weight.absmax"``, ``"weight_scale_inv"``): byte stream ``stream`` seen as a
+    tensor of ``dtype`` and ``shape`` (sharded), or a replicated ``constant`` (``stream`` None)."""
+
+    name: str
+    stream: int | None
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    constant: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class QuantizedTensor:
+    fqn: str  # name relative to the sharded module
+    refs: list[ParamRef]
+    format: str  # e.g. "bitsandbytes nf4 (nested absmax, bf16 storage)"
+    numel: int  # quantized values
+    n_units: int
+    streams: tuple[StreamShape, ...]
+    sources: list[torch.Tensor]  # byte views of the original tensors, one per stream
+    gathered: list[torch.Tensor]  # persistent full tensors, one per stream (storage freed while sharded)
+    targets: list[torch.Tensor]  # byte views of ``gathered``
+    unsharded: nn.Parameter  # the format's parameter over ``gathered``
+    constant_bytes: int = 0  # replicated per-tensor constants (code tables, offsets)
+    # parameters of their own that travel with this one (blockwise FP8's ``weight_scale_inv``):
+    # (where registered, the unsharded parameter over a gathered tensor)
+    extra: list[tuple[list[ParamRef], nn.Parameter]] = field(default_factory=list)
+    # state-dict entries ([Note: quantized state dicts]): the sharded model's (streams as pieces,
+    # constants), and the unsharded model's names with functions between them and the full streams
+    entries: list[StateEntry] = field(default_factory=list)
+    full_names: tuple[str, ...] = ()  # the unsharded model's entries (default: ``entries``' names)
+    to_full: Callable[[list[torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    from_full: Callable[[dict[str, torch.Tensor]], list[torch.Tensor]] | None = None
+    sharded: nn.Parameter = field(init=False, repr=False)  # this rank's payload bytes (frozen)
+    extra_sharded: list[nn.Parameter] = field(default_factory=list, repr=False)  # empty, frozen
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.streams)
+
+    def set_module_params(self, unsharded: bool) -> None:
+        for ref in self.refs:
+            ref.set(self.unsharded if unsharded else self.sharded)
+        for i, (refs, full) in enumerate(self.extra):
+            for ref in refs:
+                ref.set(full if unsharded else self.extra_sharded[i])

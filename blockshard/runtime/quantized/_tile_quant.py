@@ -1,0 +1,226 @@
+"""Tile quantizers of trainable weights gathered quantized: MX (1 x 32) and blockwise FP8 (B x B).
+
+Each quantizes and dequantizes one *piece* of a tensor: elements ``[start, start + numel)`` of its
+row-major flattening, cut at whole tiles (the float layout's units under the ``mx`` / ``mx:4`` /
+``fp8_block:B`` semantics), so the piece's bytes are the whole tensor's bytes of those tiles
+([Note: quantized gather] in _gather.py).
+
+* ``mx`` / ``mx:4``: torchao's ``MXTensor.to_mx`` (MXFP8 e4m3 / MXFP4 e2m1, E8M0 scale per 32
+  values along the last dim, torchao's default FLOOR scale rounding) and its ``to_dtype``
+  dequantization. A piece of whole 32-value blocks is quantized as a ``[n, 32]`` tensor: every
+  block's bytes are those of ``to_mx`` on the whole tensor (checked by the tests).
+* ``fp8_block:B``: pure torch. One fp32 scale per ``B x B`` tile (edge tiles partial),
+  ``scale = max(amax, 1e-12) / 448`` (torchao float8's amax clamp), payload
+  ``(w / scale).to(float8_e4m3fn)`` (the cast saturates at +-448), dequantized as
+  ``(q.float() * scale).to(dtype)``. A ``(E, rows, cols)`` weight is tiled per expert.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from blockshard._errors import QuantizedWeightError
+from blockshard.semantics import BlockSemantics
+from blockshard.semantics._quantizers import MX, FP8Block
+
+__all__ = ["FP8_E4M3_MAX", "FP8BlockQuantizer", "MXQuantizer", "TileQuantizer", "tile_quantizer"]
+
+FP8_E4M3_MAX = 448.0
+_AMAX_EPS = 1e-12
+
+
+def _error(fqn: str, what: str, fix: str) -> QuantizedWeightError:
+    return QuantizedWeightError(f"quantized gather of {fqn!r}: {what}. Fix: {fix}")
+
+
+@dataclass(frozen=True)
+class TileQuantizer:
+    """Quantizes pieces of one tensor of ``shape`` (row-major) into a uint8 payload and uint8 scales."""
+
+    fqn: str
+    shape: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def unit_numel(self) -> int:
+        """The tile unit a piece must hold whole (a float layout cut falls only between them)."""
+        raise NotImplementedError
+
+    def full(self, payload: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole tensor's payload and scales (uint8, in tile order) in their own dtypes and shapes."""
+        raise NotImplementedError
+
+    def payload_bytes(self, numel: int) -> int:
+        raise NotImplementedError
+
+    def scale_bytes(self, start: int, numel: int) -> int:
+        raise NotImplementedError
+
+    def quantize(self, piece: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``piece`` [numel] (any float dtype) -> (payload uint8, scales uint8)."""
+        raise NotImplementedError
+
+    def dequantize(
+        self, payload: torch.Tensor, scales: torch.Tensor, start: int, numel: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The piece's values [numel] in ``dtype`` from its payload and scales (uint8)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class MXQuantizer(TileQuantizer):
+    bits: int = 8
+    block: int = 32
+
+    @property
+    def label(self) -> str:
+        return f"MX ({'MXFP4 e2m1' if self.bits == 4 else 'MXFP8 e4m3'}, 1 x {self.block})"
+
+    @property
+    def unit_numel(self) -> int:
+        return self.block
+
+    def full(self, payload: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        *lead, last = self.shape
+        qdata = payload.view(*lead, last * self.bits // 8)
+        return (qdata if self.bits == 4 else qdata.view(self.elem_dtype)), scales.view(torch.float8_e8m0fnu).view(
+            *lead, last // self.block
+        )
+
+    @property
+    def elem_dtype(self) -> torch.dtype:
+        return torch.float4_e2m1fn_x2 if self.bits == 4 else torch.float8_e4m3fn
+
+    def payload_bytes(self, numel: int) -> int:
+        return numel * self.bits // 8
+
+    def scale_bytes(self, start: int, numel: int) -> int:
+        return numel // self.block
+
+    def quantize(self, piece: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+        mx = MXTensor.to_mx(piece.reshape(-1, self.block), self.elem_dtype, block_size=self.block)
+        return mx.qdata.view(torch.uint8).reshape(-1), mx.scale.view(torch.uint8).reshape(-1)
+
+    def dequantize(
+        self, payload: torch.Tensor, scales: torch.Tensor, start: int, numel: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        from torchao.prototype.mx_formats.mx_tensor import to_dtype
+
+        per_block = self.block * self.bits // 8
+        data = payload.view(-1, per_block)
+        if self.bits == 8:
+            data = data.view(self.elem_dtype)
+        scale = scales.view(torch.float8_e8m0fnu).view(-1, 1)
+        return to_dtype(data, scale, self.elem_dtype, self.block, dtype).reshape(-1)
+
+
+@dataclass(frozen=True)
+class FP8BlockQuantizer(TileQuantizer):
+    tile: int = 128
+
+    @property
+    def label(self) -> str:
+        return f"blockwise FP8 (e4m3fn, {self.tile} x {self.tile} tiles)"
+
+    @property
+    def unit_numel(self) -> int:
+        *lead, rows, cols = self.shape
+        return rows * cols if lead and rows % self.tile else self.tile * cols
+
+    def full(self, payload: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        *lead, rows, cols = self.shape
+        tiles = (-(-rows // self.tile), -(-cols // self.tile))
+        return payload.view(torch.float8_e4m3fn).view(self.shape), scales.view(torch.float32).view(*lead, *tiles)
+
+    def _matrices(self, start: int, numel: int) -> tuple[int, int, int]:
+        """The piece as ``experts`` matrices of ``rows x cols`` (each tiled on its own)."""
+        *lead, rows, cols = self.shape
+        if lead and rows % self.tile:  # the unit is one expert: the piece holds whole experts
+            return numel // (rows * cols), rows, cols
+        return 1, numel // cols, cols  # whole stripes of tile rows (the tensor's last may be shorter)
+
+    def payload_bytes(self, numel: int) -> int:
+        return numel
+
+    def scale_bytes(self, start: int, numel: int) -> int:
+        experts, rows, cols = self._matrices(start, numel)
+        return 4 * experts * -(-rows // self.tile) * -(-cols // self.tile)
+
+    def _tiled(self, x: torch.Tensor, experts: int, rows: int, cols: int) -> torch.Tensor:
+        """``x`` [experts * rows * cols] zero-padded to whole tiles: [experts, rb, B, cb, B]."""
+        B = self.tile
+        rb, cb = -(-rows // B), -(-cols // B)
+        padded = x.new_zeros(experts, rb * B, cb * B)
+        padded[:, :rows, :cols] = x.view(experts, rows, cols)
+        return padded.view(experts, rb, B, cb, B)
+
+    def quantize(self, piece: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        experts, rows, cols = self._matrices(start, piece.numel())
+        tiles = self._tiled(piece.float(), experts, rows, cols)
+        scale = tiles.abs().amax(dim=(2, 4)).clamp(min=_AMAX_EPS) / FP8_E4M3_MAX  # [experts, rb, cb], fp32
+        q = (tiles / scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
+        q = q.view(experts, -1, q.shape[3] * q.shape[4])[:, :rows, :cols]
+        return q.reshape(-1).view(torch.uint8), scale.reshape(-1).view(torch.uint8)
+
+    def dequantize(
+        self, payload: torch.Tensor, scales: torch.Tensor, start: int, numel: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        experts, rows, cols = self._matrices(start, numel)
+        tiles = self._tiled(payload.view(torch.float8_e4m3fn).float(), experts, rows, cols)
+        scale = scales.view(torch.float32).view(experts, tiles.shape[1], tiles.shape[3])
+        values = (tiles * scale[:, :, None, :, None]).to(dtype)
+        return values.view(experts, tiles.shape[1] * self.tile, -1)[:, :rows, :cols].reshape(-1)
+
+
+def tile_quantizer(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, sems: list[BlockSemantics]) -> TileQuantizer:
+    """The quantizer of a trainable weight from its matched semantics (``mx``, ``mx:4``, ``fp8_block:B``)."""
+    found = [s for s in sems if isinstance(s, (MX, FP8Block))]
+    if not dtype.is_floating_point or dtype.itemsize == 1:
+        raise _error(
+            fqn,
+            f"its dtype is {str(dtype).removeprefix('torch.')}; quantized gather quantizes floating-point master "
+            "weights (fp32, bf16, fp16)",
+            "leave it out of the quantized-gather semantics (a frozen float8 weight with its "
+            "weight_scale_inv is sharded as bytes on its own)",
+        )
+    if not found:
+        shown = [s.spec for s in sems] or ["elementwise"]
+        raise _error(
+            fqn,
+            f"its semantics {shown} is not a tile quantizer; quantized gather supports 'mx', 'mx:4' and 'fp8_block:B'",
+            "give it one of those semantics (e.g. semantics={'*_proj.weight': 'fp8_block:128'}), or leave it out",
+        )
+    sem = found[0]
+    if isinstance(sem, MX):
+        if not shape or shape[-1] % sem.block:
+            raise _error(
+                fqn,
+                f"shape {shape}: the last dim is not a multiple of the MX block of {sem.block}",
+                "MX-quantize only weights whose last dim is a multiple of 32",
+            )
+        _check_torchao(fqn)
+        return MXQuantizer(fqn, shape, bits=sem.bits, block=sem.block)
+    if len(shape) not in (2, 3) or math.prod(shape) == 0:
+        raise _error(
+            fqn,
+            f"shape {shape}: blockwise FP8 tiles non-empty 2-D weights (or stacked (E, rows, cols) experts)",
+            "apply fp8_block to 2-D weights only (e.g. rule '*_proj.weight=fp8_block:128')",
+        )
+    return FP8BlockQuantizer(fqn, shape, tile=sem.tile)
+
+
+def _check_torchao(fqn: str) -> None:
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: F401
+    except ImportError as e:
+        raise _error(
+            fqn, f"MX quantization uses torchao's MX formats, which do not import ({e})", "pip install torchao"
+        ) from e
