@@ -25,7 +25,12 @@ def _add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> Non
         help="a built-in (nf4, bnb8bit, shampoo:1024, fp8_block:128, ...), a preset (muon, adamw) "
         "or rules '[GLOB=]NAME,...' (default: elementwise)",
     )
-    p.add_argument("--alignment-bytes", type=int, default=16, help="segment alignment in bytes (default 16)")
+    p.add_argument(
+        "--alignment-bytes",
+        type=int,
+        default=16,
+        help="segment alignment in bytes: a power of two up to 4096 (default 16)",
+    )
     p.add_argument(
         "--policy",
         default="auto",

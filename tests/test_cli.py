@@ -197,6 +197,15 @@ def test_alignment_not_a_power_of_two_is_one_error_line(capsys, alignment):
     assert "pass e.g. --alignment-bytes=16" in err
 
 
+@pytest.mark.parametrize("alignment", [str(2**13), str(2**30), str(2**40), str(2**62)])
+def test_alignment_over_a_page_is_one_error_line(capsys, alignment):
+    err = _one_error_line(["plan", "--model", "llama3-8b", "--alignment-bytes", alignment], capsys)
+    assert "--alignment-bytes=" in err and "is more than 4096 bytes (a page)" in err
+    assert "pass e.g. --alignment-bytes=16" in err
+    assert main(["plan", "--model", "llama3-8b", "-W", "4", "--alignment-bytes", "4096", "--json"]) == 0  # control
+    assert json.loads(capsys.readouterr().out)["world_size"] == 4
+
+
 def test_shapes_file_over_the_size_bound_is_one_error_line(tmp_path, capsys, monkeypatch):
     """The bound on file size (512 MiB), tested with a small one (a 200 MB file takes ~45 s to plan)."""
     monkeypatch.setattr("blockshard.planner._json_file.MAX_JSON_BYTES", 2**20)
