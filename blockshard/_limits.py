@@ -20,6 +20,9 @@ with ``blockshard plan`` on a loaded 2-core machine:
   group, ``2**40`` died allocating). It bounds ``alignment_bytes`` wherever it is passed
   (``fully_shard``, the planner, ``blockshard plan --alignment-bytes``, the DeepSpeed and
   Accelerate settings) and the planner's ``alignment_numel`` (at most that many 1-byte elements).
+* ``MAX_LOCAL_PROCESSES``: the processes ``blockshard accelerate-config --num-processes`` writes
+  for one machine (``num_machines: 1``): a machine holds 8-16 accelerators, a CPU run one
+  process per core at most; ``10**9`` was written and ``accelerate launch`` would have tried it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ __all__ = [
     "MAX_ALIGNMENT_BYTES",
     "MAX_GROUP_TENSORS",
     "MAX_JSON_BYTES",
+    "MAX_LOCAL_PROCESSES",
     "MAX_MODEL_TENSORS",
     "MAX_PADDED_NUMEL",
     "MAX_TENSOR_NUMEL",
@@ -42,6 +46,7 @@ MAX_GROUP_TENSORS = 100_000
 MAX_MODEL_TENSORS = 2_000_000
 MAX_JSON_BYTES = 512 * 2**20
 MAX_ALIGNMENT_BYTES = 4096
+MAX_LOCAL_PROCESSES = 1024
 
 
 def big_number(n: int) -> str:

@@ -89,7 +89,7 @@ def _add_accelerate_config(sub) -> None:
         help="write the Accelerate config files that make `accelerate launch` train with blockshard",
     )
     acc.add_argument("--engine", default="ragged", help="ragged (default: blockshard.fully_shard), fsdp2 or deepspeed")
-    acc.add_argument("--num-processes", type=int, default=2, help="processes per machine (default 2)")
+    acc.add_argument("--num-processes", type=int, default=2, help="processes per machine: 1 to 1024 (default 2)")
     acc.add_argument("--cpu", action="store_true", help="train on CPU over gloo")
     acc.add_argument("--semantics", default="elementwise", help="block semantics, as for `plan` (default elementwise)")
     acc.add_argument("--policy", default="auto", help="auto (default), whole or owner (ragged engine)")
