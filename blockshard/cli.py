@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -25,7 +26,12 @@ def _add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> Non
         help="a built-in (nf4, bnb8bit, shampoo:1024, fp8_block:128, ...), a preset (muon, adamw) "
         "or rules '[GLOB=]NAME,...' (default: elementwise)",
     )
-    p.add_argument("--alignment-bytes", type=int, default=16, help="segment alignment in bytes (default 16)")
+    p.add_argument(
+        "--alignment-bytes",
+        type=int,
+        default=16,
+        help="segment alignment in bytes: a power of two up to 4096 (default 16)",
+    )
     p.add_argument(
         "--policy",
         default="auto",
@@ -84,7 +90,7 @@ def _add_accelerate_config(sub) -> None:
         help="write the Accelerate config files that make `accelerate launch` train with blockshard",
     )
     acc.add_argument("--engine", default="ragged", help="ragged (default: blockshard.fully_shard), fsdp2 or deepspeed")
-    acc.add_argument("--num-processes", type=int, default=2, help="processes per machine (default 2)")
+    acc.add_argument("--num-processes", type=int, default=2, help="processes per machine: 1 to 1024 (default 2)")
     acc.add_argument("--cpu", action="store_true", help="train on CPU over gloo")
     acc.add_argument("--semantics", default="elementwise", help="block semantics, as for `plan` (default elementwise)")
     acc.add_argument("--policy", default="auto", help="auto (default), whole or owner (ragged engine)")
@@ -255,15 +261,45 @@ def _cmd_list(_: argparse.Namespace) -> int:
     return 0
 
 
+def _os_error(exc: OSError) -> str:
+    """One line for a failed read or write: the output (stdout), or the file, and the cause."""
+    cause = exc.strerror or str(exc)
+    if exc.filename is None:  # a write to stdout: /dev/full, a full disk
+        _stdout_to_devnull()
+        return f"writing the output failed ({cause}); send it where it can be written (a file system with free space)"
+    return f"{exc.filename!r}: {cause}; pass a path that can be read or written (not under a file, not in /proc)"
+
+
+def _stdout_to_devnull() -> None:
+    """What stdout still buffers would fail again at exit ("Exception ignored ... OSError"): point its
+    file descriptor at /dev/null (the remedy the Python docs give for a closed pipe)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # captured (tests) or already closed
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if getattr(args, "list_models", False):
-            return _cmd_list(args)
-        commands = {"plan": _cmd_plan, "inspect": _cmd_inspect, "demo": _cmd_demo}
-        return {**commands, "accelerate-config": _cmd_accelerate_config}[args.command](args)
+            code = _cmd_list(args)
+        else:
+            commands = {"plan": _cmd_plan, "inspect": _cmd_inspect, "demo": _cmd_demo}
+            code = {**commands, "accelerate-config": _cmd_accelerate_config}[args.command](args)
+        sys.stdout.flush()  # a write that fails fails here, not at exit
+        return code
     except BlockshardError as exc:  # bad input: one clear line, exit 2 (like argparse)
         print(f"blockshard {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # the reader closed the pipe (| head): quiet, exit 1, as rich does for tables
+        _stdout_to_devnull()
+        return 1
+    except OSError as exc:  # the output cannot be written (or a file read): one line, exit 2
+        print(f"blockshard {args.command}: error: {_os_error(exc)}", file=sys.stderr)
         return 2
 
 

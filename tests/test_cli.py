@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -197,6 +198,15 @@ def test_alignment_not_a_power_of_two_is_one_error_line(capsys, alignment):
     assert "pass e.g. --alignment-bytes=16" in err
 
 
+@pytest.mark.parametrize("alignment", [str(2**13), str(2**30), str(2**40), str(2**62)])
+def test_alignment_over_a_page_is_one_error_line(capsys, alignment):
+    err = _one_error_line(["plan", "--model", "llama3-8b", "--alignment-bytes", alignment], capsys)
+    assert "--alignment-bytes=" in err and "is more than 4096 bytes (a page)" in err
+    assert "pass e.g. --alignment-bytes=16" in err
+    assert main(["plan", "--model", "llama3-8b", "-W", "4", "--alignment-bytes", "4096", "--json"]) == 0  # control
+    assert json.loads(capsys.readouterr().out)["world_size"] == 4
+
+
 def test_shapes_file_over_the_size_bound_is_one_error_line(tmp_path, capsys, monkeypatch):
     """The bound on file size (512 MiB), tested with a small one (a 200 MB file takes ~45 s to plan)."""
     monkeypatch.setattr("blockshard.planner._json_file.MAX_JSON_BYTES", 2**20)
@@ -375,3 +385,41 @@ def test_plan_quantized_gather_bad_input_is_one_error_line(tmp_path, capsys, sem
     )
     for f in fragments:
         assert f in err, f
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["plan", "--model", "llama3-8b", "--json"],
+        ["plan", "--model", "llama3-8b"],
+        ["plan", "--list-models"],
+        ["inspect", "--model", "llama3-8b", "-W", "4"],
+    ],
+    ids=["plan-json", "plan-table", "list-models", "inspect"],
+)
+def test_output_to_a_full_device_is_one_error_line(args):
+    """stdout on /dev/full (ENOSPC at every write) gave a raw OSError traceback (and, at exit,
+    Python's "Exception ignored ... OSError" on top)."""
+    with open("/dev/full", "w") as full:
+        cmd = [sys.executable, "-m", "blockshard", *args]
+        out = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "Exception ignored" not in out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert re.match(
+        rf"blockshard {args[0]}: error: writing the output failed \(No space left on device\); ", out.stderr
+    )
+    control = run(*args)  # control: the same command to a pipe
+    assert control.returncode == 0 and control.stdout and not control.stderr
+
+
+def test_a_reader_that_closes_the_pipe_ends_quietly():
+    """``blockshard plan --list-models | head -1``: no traceback and no message (the reader chose to
+    stop), exit 1, as rich does for a table."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blockshard", "plan", "--list-models"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # closed before the first write
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and err == "", err

@@ -13,7 +13,7 @@ whole compute units inside a rank's piece are stepped in place on a view of it; 
 owner-computed are stepped on their local pieces.
 
 Communication (``all_to_all_single`` with uneven splits, one call per dtype and direction, none when
-no unit is cut; waits bounded as the engine's, ``runtime/_collectives.wait``). Buffers are grouped
+no unit is cut; waits bounded as the engine's, ``runtime/core/_collectives.wait``). Buffers are grouped
 by peer in rank order; within a peer, pieces follow the order of the cut units, which both sides
 know, so no index travels:
 

@@ -28,8 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from blockshard._errors import PlanError
-from blockshard.planner._units import ceil_div, check_world_size, round_up
+from blockshard.planner._units import ceil_div, check_alignment_numel, check_world_size, round_up
 from blockshard.semantics import UnitGrid
 
 __all__ = ["OrderedLayout", "ordered_layout"]
@@ -117,9 +116,7 @@ def _place(grid: UnitGrid, start: int, seg: int, align: int, limit: int) -> int 
 def ordered_layout(grids: Sequence[UnitGrid], world_size: int, alignment_numel: int = 1) -> OrderedLayout:
     """Lay out ``grids`` in order on ``world_size`` ranks, boundaries on allowed cuts (see the module doc)."""
     world_size = check_world_size(world_size)
-    align = alignment_numel
-    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
-        raise PlanError(f"alignment_numel={align!r} must be an integer >= 1 (elements); pass e.g. alignment_numel=1")
+    align = check_alignment_numel(alignment_numel)
     grids = list(grids)
     numels = tuple(g.numel for g in grids)
     total = sum(numels)

@@ -25,8 +25,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
-from blockshard._errors import PlanError
-from blockshard.planner._units import ceil_div, check_world_size, round_up
+from blockshard.planner._units import ceil_div, check_alignment_numel, check_world_size, round_up
 from blockshard.semantics import UnitGrid
 
 __all__ = ["lower_bound", "pack"]
@@ -173,10 +172,7 @@ def _grid_classes(grids: Sequence[UnitGrid]) -> list[list[int]]:
 def pack(grids: Sequence[UnitGrid], world_size: int, alignment_numel: int) -> tuple[int, list[int], int]:
     """Find ``(S, offsets, lower_bound)`` for tensors with these grids (see [Note: how the packer works])."""
     world_size = check_world_size(world_size)
-    if isinstance(alignment_numel, bool) or not isinstance(alignment_numel, int) or alignment_numel < 1:
-        raise PlanError(
-            f"alignment_numel={alignment_numel!r} must be an integer >= 1 (elements); pass e.g. alignment_numel=1"
-        )
+    alignment_numel = check_alignment_numel(alignment_numel)
     lb = lower_bound(grids, world_size, alignment_numel)
     classes = _grid_classes(grids)
 

@@ -8,7 +8,8 @@ module re-exports them and adds what only the layers from ``planner`` up need:
 * :func:`check_world_size`: the one validator of a world size, raising :class:`WorldSizeError`
   with one message (parameter, value, constraint, fix) wherever a number of ranks is passed;
 * :func:`check_alignment_bytes`: the one validator of a segment alignment (a power of two of
-  bytes), for the planner, the CLI and the engine;
+  bytes, at most ``MAX_ALIGNMENT_BYTES``), for the planner, the CLI, the engine and the adapters;
+  :func:`check_alignment_numel` the same bound for the packer's alignment in elements;
 * :func:`rank_overlap`: how many elements of each span every rank holds when rank ``r`` owns
   ``[r * S, (r + 1) * S)``, accumulated with a difference array in ``O(spans + W)``;
 * :func:`layout_hash`: the stable hash of a layout's JSON that every rank must agree on.
@@ -24,12 +25,13 @@ import numpy as np
 
 from blockshard._arith import block_shape, ceil_div, round_up, rows_cols
 from blockshard._errors import BlockshardError, PlanError, WorldSizeError
-from blockshard._limits import MAX_MODEL_TENSORS, MAX_WORLD_SIZE
+from blockshard._limits import MAX_ALIGNMENT_BYTES, MAX_MODEL_TENSORS, MAX_WORLD_SIZE, big_number
 
 __all__ = [
     "block_shape",
     "ceil_div",
     "check_alignment_bytes",
+    "check_alignment_numel",
     "check_model_tensors",
     "check_world_size",
     "layout_hash",
@@ -60,10 +62,12 @@ def check_world_size(value: object, name: str = "world_size") -> int:
 def check_alignment_bytes(
     value: object, name: str = "alignment_bytes", error: type[BlockshardError] = PlanError
 ) -> int:
-    """``value`` as an ``int`` if it is a power of two (a number of bytes), else ``error``.
+    """``value`` as an ``int`` if it is a power of two (a number of bytes) of at most
+    ``MAX_ALIGNMENT_BYTES``, else ``error``.
 
     Segments are aligned for vectorized kernels and collectives, whose alignments are powers of
-    two; 3 or 12 bytes is a typo. ``name`` is how the caller's user spells the parameter.
+    two; 3 or 12 bytes is a typo, and so is more than a page (see :mod:`blockshard._limits`).
+    ``name`` is how the caller's user spells the parameter.
     """
     if (
         isinstance(value, bool)
@@ -72,8 +76,33 @@ def check_alignment_bytes(
         or int(value) & (int(value) - 1)
     ):
         raise error(
-            f"{name}={value!r} must be a positive integer power of two (a number of bytes: 1, 2, 4, 8, 16, ...); "
-            f"pass e.g. {name}=16"
+            f"{name}={value!r} must be a positive integer power of two (a number of bytes: 1, 2, 4, 8, 16, ... "
+            f"up to {MAX_ALIGNMENT_BYTES}); pass e.g. {name}=16"
+        )
+    if value > MAX_ALIGNMENT_BYTES:
+        raise error(
+            f"{name}={_shown(int(value))} is more than {MAX_ALIGNMENT_BYTES} bytes (a page), the largest "
+            "segment alignment blockshard accepts: every group pads its per-rank segments to a multiple of it "
+            f"(kernels and collectives need 16 to 512 bytes); pass e.g. {name}=16"
+        )
+    return int(value)
+
+
+def _shown(n: int) -> str:
+    return str(n) if n < 10**30 else big_number(n)
+
+
+def check_alignment_numel(value: object, name: str = "alignment_numel") -> int:
+    """``value`` as an ``int`` if it is an integer in ``[1, MAX_ALIGNMENT_BYTES]`` (an alignment in
+    elements: at most the elements of a ``MAX_ALIGNMENT_BYTES`` alignment of 1-byte elements), else
+    :class:`PlanError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise PlanError(f"{name}={value!r} must be an integer >= 1 (elements); pass e.g. {name}=1")
+    if value > MAX_ALIGNMENT_BYTES:
+        raise PlanError(
+            f"{name}={_shown(int(value))} is more than {MAX_ALIGNMENT_BYTES} elements (the most a "
+            f"{MAX_ALIGNMENT_BYTES}-byte alignment gives, of 1-byte elements); pass e.g. {name}=1, or "
+            "alignment_bytes to plan_group / plan_model"
         )
     return int(value)
 

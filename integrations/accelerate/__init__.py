@@ -39,7 +39,8 @@ around each layer module); ``num_processes: 1`` runs as a world of one rank.
 
 The processes find the file through ``BLOCKSHARD_ACCELERATE_CONFIG`` or, by default, the
 ``--config_file`` of the ``accelerate launch`` that started them ([Note: where the settings live] in
-``_settings.py``). Settings blockshard would ignore or that conflict raise
+``_settings.py``). Every setting is checked by type and range ([Note: strict config files] in
+``_config_file.py``), and settings blockshard would ignore or that conflict raise
 :class:`AccelerateConfigError` naming the key, the value and the fix. The DeepSpeed engine:
 ``distributed_type: DEEPSPEED`` with a ``deepspeed_config_file`` whose JSON has a ``"blockshard"``
 section; this ``Accelerator`` then installs blockshard's DeepSpeed hook (block-aligned ZeRO-1/2).

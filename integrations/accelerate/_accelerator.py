@@ -39,7 +39,12 @@ from torch import nn
 
 import blockshard
 from blockshard.integrations import deepspeed as bs_deepspeed
-from blockshard.integrations.accelerate._settings import AccelerateConfigError, AccelerateSettings, load_settings
+from blockshard.integrations.accelerate._settings import (
+    AccelerateConfigError,
+    AccelerateSettings,
+    accelerate_launch_argv,
+    load_settings,
+)
 from blockshard.integrations.accelerate._shard import checkpoint_layers, load_model, save_model, shard_model
 from blockshard.integrations.accelerate._weights import on_meta
 
@@ -74,13 +79,24 @@ def deepspeed_section() -> float | None:
     path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or not path or not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        config = json.load(f)
-    if "blockshard" not in config:
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AccelerateConfigError(
+            f"the DeepSpeed config {path!r} (deepspeed_config_file) cannot be read as JSON ({exc}); fix the file "
+            "(blockshard accelerate-config --engine deepspeed writes one)"
+        ) from None
+    if not isinstance(config, dict) or "blockshard" not in config:
         return None
+    clipping = config.get("gradient_clipping", 1.0)
+    if isinstance(clipping, bool) or not isinstance(clipping, (int, float)):
+        raise AccelerateConfigError(
+            f"gradient_clipping={clipping!r} in the DeepSpeed config {path!r} must be a number (0: no clipping)"
+        )
 
     bs_deepspeed.install()
-    return float(config.get("gradient_clipping", 1.0))
+    return float(clipping)
 
 
 def _deepspeed_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -111,6 +127,21 @@ def check_accelerator(settings: AccelerateSettings, mixed_precision: str, dynamo
         raise AccelerateConfigError(
             f"accelerate's dynamo_backend={dynamo_backend!r} would be ignored: blockshard's prepare() returns the "
             "sharded model uncompiled; drop dynamo_backend (or torch_compile) and call torch.compile yourself"
+        )
+
+
+def check_launched(settings: AccelerateSettings) -> None:
+    """A config of ``num_processes > 1`` in a process that no launcher started (``WORLD_SIZE`` unset and
+    no ``accelerate launch`` parent: plain ``python train.py``) would train alone as a world of one
+    without a word: refuse it. (``accelerate launch --num_processes 1`` sets no ``WORLD_SIZE``; its
+    command line overrides the config, as accelerate intends.)"""
+
+    if settings.num_processes > 1 and "WORLD_SIZE" not in os.environ and accelerate_launch_argv() is None:
+        raise AccelerateConfigError(
+            f"num_processes={settings.num_processes} in {settings.source or 'blockshard_settings'}, but this process "
+            "was started without a launcher (WORLD_SIZE is unset), so it would train alone as a world of one; run it "
+            f"with accelerate launch --config_file {settings.source or 'CONFIG.yaml'} your_script.py (or torchrun), "
+            "or set num_processes: 1"
         )
 
 
@@ -147,6 +178,7 @@ class Accelerator(accelerate.Accelerator):
                 kwargs = _deepspeed_kwargs(kwargs)
             super().__init__(*args, **kwargs)
             return
+        check_launched(settings)
         for plugin in ("fsdp_plugin", "deepspeed_plugin"):
             if kwargs.get(plugin) is not None:
                 raise AccelerateConfigError(

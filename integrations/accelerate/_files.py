@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from blockshard.integrations.accelerate._settings import ENGINES, AccelerateConfigError
+from blockshard._limits import MAX_LOCAL_PROCESSES
+from blockshard.integrations.accelerate._settings import ENGINES, AccelerateConfigError, layer_names
 from blockshard.planner._policy import check_policy
 from blockshard.semantics import SemanticsRules
 
@@ -78,6 +79,17 @@ def write_configs(
         raise AccelerateConfigError(f"--engine={engine!r} is not one of {', '.join(ENGINES)}")
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise AccelerateConfigError(f"--num-processes={num_processes!r}: pass 1 or more")
+    if num_processes > MAX_LOCAL_PROCESSES:
+        raise AccelerateConfigError(
+            f"--num-processes={num_processes} is more than {MAX_LOCAL_PROCESSES}, the most processes blockshard "
+            "writes for one machine (one per accelerator, or per CPU core); pass the number this machine runs, e.g. 8"
+        )
+    names = layer_names(layers, "--layers")
+    if not names:
+        raise AccelerateConfigError(
+            f"--layers={layers!r} names no layer class; pass the model's layer classes, comma-separated (one group "
+            "each, e.g. --layers LlamaDecoderLayer)"
+        )
     if engine == "deepspeed" and num_processes < 2:
         raise AccelerateConfigError(
             "--num-processes=1 with --engine deepspeed: ZeRO partitions nothing on one process, so blockshard's hook "
@@ -90,6 +102,20 @@ def write_configs(
             f"--policy={policy!r} needs --engine ragged ({engine} places units as its partitions allow)"
         )
     out = Path(out)
+    try:
+        return _write(out, engine, num_processes, cpu, semantics, policy, ", ".join(names), argv)
+    except OSError as exc:  # a path under a file, in /proc, read-only, a full disk
+        where = exc.filename or out
+        cause = "a file, not a folder" if out.exists() and not out.is_dir() else exc.strerror or str(exc)
+        raise AccelerateConfigError(
+            f"--out {str(out)!r}: cannot write {str(where)!r} ({cause}); pass a folder you can write "
+            "(it is created if missing)"
+        ) from exc
+
+
+def _write(
+    out: Path, engine: str, num_processes: int, cpu: bool, semantics: str, policy: str, layers: str, argv: str
+) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     yaml_path = out / "accelerate.yaml"
     if engine == "deepspeed":

@@ -16,61 +16,64 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import reprlib
 from pathlib import Path
 from typing import Any
 
 from blockshard._errors import BlockshardError
+from blockshard._limits import MAX_WORLD_SIZE
+from blockshard.integrations.accelerate import _config_file as cf
+from blockshard.integrations.accelerate._config_file import AccelerateConfigError, layer_names
 from blockshard.planner._policy import check_policy
+from blockshard.planner._units import check_alignment_bytes
 from blockshard.semantics import SemanticsRules
 
-__all__ = ["CONFIG_ENV", "ENGINES", "AccelerateConfigError", "AccelerateSettings", "find_config_file", "load_settings"]
+__all__ = [
+    "CONFIG_ENV",
+    "ENGINES",
+    "AccelerateConfigError",
+    "AccelerateSettings",
+    "find_config_file",
+    "layer_names",
+    "load_settings",
+]
 
 CONFIG_ENV = "BLOCKSHARD_ACCELERATE_CONFIG"
 ENGINES = ("ragged", "fsdp2", "deepspeed")
 _KEYS = ("engine", "semantics", "policy", "alignment_bytes", "layers")
 
 
-class AccelerateConfigError(BlockshardError):
-    """A blockshard setting in an Accelerate config that is unknown, ignored or conflicts with another one."""
+_BOOLS = ("reshard_after_forward", "sync_module_states", "cpu_ram_efficient_loading", "activation_checkpointing")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class AccelerateSettings:
     """blockshard's settings for one Accelerate run (the ``fsdp_config.blockshard`` mapping and the
     standard keys it uses: ``fsdp_transformer_layer_cls_to_wrap``, ``fsdp_reshard_after_forward``,
-    ``mixed_precision``)."""
+    ``mixed_precision``, ``num_processes``). Every field is checked by type and range; a bad one
+    raises :class:`AccelerateConfigError` naming it, the value and the fix."""
 
     engine: str = "ragged"
     semantics: Any = None  # a name, a preset or rules {glob: name}, as for blockshard.fully_shard
     policy: str = "auto"
-    alignment_bytes: int = 16
-    layers: tuple[str, ...] = ()  # class names sharded bottom-up before the root
+    alignment_bytes: int = 16  # a power of two <= MAX_ALIGNMENT_BYTES (4096)
+    layers: tuple[str, ...] = ()  # class names sharded bottom-up before the root (a list becomes a tuple)
     reshard_after_forward: bool = True
     mixed_precision: str = "no"
     sync_module_states: bool = False  # broadcast rank 0's weights before sharding ([Note: weights from rank 0])
     cpu_ram_efficient_loading: bool = False  # rank 0 holds the weights, the others may be on meta
     activation_checkpointing: bool = False  # checkpoint_wrapper on every layer module before sharding
+    num_processes: int = 1  # the config's; more than 1 needs a launcher (Accelerator checks WORLD_SIZE)
     source: str = ""
 
     def __post_init__(self) -> None:
         where = f" in {self.source}" if self.source else ""
-        if self.engine not in ENGINES:
-            raise AccelerateConfigError(
-                f"blockshard engine={self.engine!r}{where} is not one of {', '.join(ENGINES)}; set engine to one of them"
-            )
+        self._check_types(where)
         if self.engine == "deepspeed":
             raise AccelerateConfigError(
                 f"blockshard engine='deepspeed'{where}: the DeepSpeed engine takes its settings from the "
                 '"blockshard" section of the DeepSpeed JSON config (deepspeed_config_file), not from fsdp_config; '
                 "use distributed_type: DEEPSPEED with that file (blockshard accelerate-config --engine deepspeed writes it)"
-            )
-        if (
-            isinstance(self.alignment_bytes, bool)
-            or not isinstance(self.alignment_bytes, int)
-            or self.alignment_bytes < 1
-        ):
-            raise AccelerateConfigError(
-                f"blockshard alignment_bytes={self.alignment_bytes!r}{where} must be a positive integer (16 suits most kernels)"
             )
         if self.mixed_precision not in ("no", "bf16"):
             raise AccelerateConfigError(
@@ -89,17 +92,48 @@ class AccelerateSettings:
                 "set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP with fsdp_transformer_layer_cls_to_wrap, "
                 "or fsdp_activation_checkpointing: false"
             )
-        if self.engine == "fsdp2" and self.policy == "owner":
-            raise AccelerateConfigError(
-                f"blockshard policy='owner'{where} needs the ragged engine (stock FSDP2 cuts parameters by torch.chunk); "
-                "set engine: ragged, or policy: auto"
-            )
 
         try:
             check_policy(self.policy, "blockshard policy")
             SemanticsRules.coerce(self.semantics)
         except BlockshardError as exc:
             raise AccelerateConfigError(f"{exc}{where}") from exc
+        if self.engine == "fsdp2" and self.policy != "auto":
+            raise AccelerateConfigError(
+                f"blockshard policy={self.policy!r}{where} needs the ragged engine (stock FSDP2 cuts parameters by "
+                "torch.chunk); set engine: ragged, or policy: auto"
+            )
+
+    def _check_types(self, where: str) -> None:
+
+        if self.engine not in ENGINES:
+            raise AccelerateConfigError(
+                f"blockshard engine={reprlib.repr(self.engine)}{where} is not one of {', '.join(ENGINES)}; set engine "
+                "to one of them"
+            )
+        if isinstance(self.layers, str):
+            raise AccelerateConfigError(
+                f"AccelerateSettings(layers={self.layers!r}){where} is a str, not a tuple of class names; pass "
+                f"layers=({self.layers!r},)"
+            )
+        object.__setattr__(self, "layers", layer_names(self.layers, "AccelerateSettings layers", where))
+        for name in _BOOLS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise AccelerateConfigError(
+                    f"AccelerateSettings {name}={reprlib.repr(value)}{where} must be True or False (a str such as "
+                    f"'no' would read as true); pass a bool"
+                )
+        try:
+            check_alignment_bytes(self.alignment_bytes, "blockshard alignment_bytes", AccelerateConfigError)
+        except AccelerateConfigError as exc:
+            raise AccelerateConfigError(f"{exc}{where}") from None
+        n = self.num_processes
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_WORLD_SIZE:
+            raise AccelerateConfigError(
+                f"num_processes={reprlib.repr(n)}{where} must be an integer from 1 to {MAX_WORLD_SIZE:,} (2**20, the "
+                "most ranks blockshard plans); set the number of processes to launch, e.g. 2"
+            )
 
     def fully_shard_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"semantics": self.semantics, "reshard_after_forward": self.reshard_after_forward}
@@ -113,19 +147,25 @@ class AccelerateSettings:
         return kwargs
 
 
-def _parent_config_file() -> str | None:
-    """The ``--config_file`` of the ``accelerate launch`` process that started this one, if it is one."""
+def accelerate_launch_argv() -> list[str] | None:
+    """The arguments after ``launch`` of the ``accelerate launch`` process that started this one
+    (its parent, read from ``/proc``), or None when no such process started it."""
     try:
         raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
     except OSError:
         return None
     argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-    try:
-        at = next(i for i, a in enumerate(argv) if a == "launch" and i > 0 and "accelerate" in argv[i - 1])
-    except StopIteration:
+    at = next((i for i, a in enumerate(argv) if a == "launch" and i > 0 and "accelerate" in argv[i - 1]), None)
+    return None if at is None else argv[at + 1 :]
+
+
+def _parent_config_file() -> str | None:
+    """The ``--config_file`` of the ``accelerate launch`` process that started this one, if it is one."""
+    argv = accelerate_launch_argv()
+    if argv is None:
         return None
     cwd = Path(f"/proc/{os.getppid()}/cwd")
-    for i, arg in enumerate(argv[at + 1 :], start=at + 1):
+    for i, arg in enumerate(argv):
         value = argv[i + 1] if arg == "--config_file" and i + 1 < len(argv) else None
         if arg.startswith("--config_file="):
             value = arg.split("=", 1)[1]
@@ -151,130 +191,27 @@ def find_config_file() -> str | None:
 
 def load_settings(path: str | None = None) -> AccelerateSettings | None:
     """blockshard's settings from an Accelerate YAML config (default: :func:`find_config_file`), or
-    None when it has no ``fsdp_config.blockshard`` mapping (stock Accelerate then)."""
-    import yaml  # type: ignore[import-untyped]
-
+    None when it has no ``fsdp_config.blockshard`` mapping (stock Accelerate then). Every key it
+    reads is checked by type and range ([Note: strict config files] in ``_config_file.py``)."""
     path = path or find_config_file()
     if path is None:
         return None
-    with open(path, encoding="utf-8") as f:
-        config = yaml.safe_load(f) or {}
-    fsdp = config.get("fsdp_config") or {}
+    config = cf.read_config(path)
+    fsdp = cf.mapping(config, "fsdp_config", path)
     section = fsdp.get("blockshard")
     if section is None:
         return None
-    if not isinstance(section, dict):
-        raise AccelerateConfigError(f"fsdp_config.blockshard in {path} is {section!r}; it must be a mapping of {_KEYS}")
-    unknown = sorted(set(section) - set(_KEYS))
-    if unknown:
-        raise AccelerateConfigError(
-            f"fsdp_config.blockshard in {path} has unknown keys {unknown}; the known ones are {list(_KEYS)}"
-        )
-    _check_distributed(config, path)
-    _check_unsupported(config, fsdp, path)
+    cf.check_section(section, _KEYS, path)
+    cf.check_distributed(config, path)
+    cf.check_unsupported(config, fsdp, path)
     return AccelerateSettings(
         **{k: section[k] for k in ("engine", "semantics", "policy", "alignment_bytes") if k in section},
-        layers=_layers(section, fsdp, path),
-        reshard_after_forward=_reshard(fsdp, path),
-        mixed_precision=str(config.get("mixed_precision") or "no"),
-        sync_module_states=_flag(fsdp, "fsdp_sync_module_states", path),
-        cpu_ram_efficient_loading=_flag(fsdp, "fsdp_cpu_ram_efficient_loading", path),
-        activation_checkpointing=_flag(fsdp, "fsdp_activation_checkpointing", path),
+        layers=cf.layers(section, fsdp, path),
+        reshard_after_forward=cf.reshard(fsdp, path),
+        mixed_precision=cf.mixed_precision(config, path),
+        sync_module_states=cf.flag(fsdp, "fsdp_sync_module_states", path),
+        cpu_ram_efficient_loading=cf.flag(fsdp, "fsdp_cpu_ram_efficient_loading", path),
+        activation_checkpointing=cf.flag(fsdp, "fsdp_activation_checkpointing", path),
+        num_processes=cf.num_processes(config, path),
         source=path,
     )
-
-
-def _check_distributed(config: dict, path: str) -> None:
-    if config.get("distributed_type") != "FSDP":
-        raise AccelerateConfigError(
-            f"distributed_type={config.get('distributed_type')!r} in {path} ignores fsdp_config (accelerate launch "
-            "then starts one process on CPU or exports no FSDP settings); set distributed_type: FSDP"
-        )
-    if int(config.get("num_processes", 1)) < 1:
-        raise AccelerateConfigError(
-            f"num_processes={config.get('num_processes')!r} in {path}: blockshard needs at least one process; set 1 "
-            "or more"
-        )
-
-
-def _layers(section: dict, fsdp: dict, path: str) -> tuple[str, ...]:
-    wrap = fsdp.get(
-        "fsdp_auto_wrap_policy",
-        "TRANSFORMER_BASED_WRAP" if fsdp.get("fsdp_transformer_layer_cls_to_wrap") else "NO_WRAP",
-    )
-    if wrap not in _WRAP_POLICIES:
-        raise AccelerateConfigError(
-            f"fsdp_auto_wrap_policy={wrap} in {path} is not supported by blockshard (groups follow the layer "
-            "classes); set TRANSFORMER_BASED_WRAP with fsdp_transformer_layer_cls_to_wrap, or NO_WRAP for one group"
-        )
-    classes = fsdp.get("fsdp_transformer_layer_cls_to_wrap") or ""
-    if "layers" in section:
-        raise AccelerateConfigError(
-            f"fsdp_config.blockshard.layers in {path}: name the layer classes in fsdp_transformer_layer_cls_to_wrap "
-            "(the Accelerate key blockshard reads), not in the blockshard mapping"
-        )
-    names = [c.strip() for c in (classes if isinstance(classes, str) else ",".join(classes)).split(",") if c.strip()]
-    return tuple(names) if wrap == "TRANSFORMER_BASED_WRAP" else ()
-
-
-def _flag(fsdp: dict, key: str, path: str) -> bool:
-    value = fsdp.get(key, False)
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    if value is None or isinstance(value, bool):
-        return bool(value)
-    raise AccelerateConfigError(f"{key}={value!r} in {path} must be true or false")
-
-
-def _reshard(fsdp: dict, path: str) -> bool:
-    value = fsdp.get("fsdp_reshard_after_forward", True)
-    if isinstance(value, str):
-        if value.upper() in ("FULL_SHARD", "TRUE"):
-            return True
-        if value.upper() in ("SHARD_GRAD_OP", "FALSE"):
-            return False
-        raise AccelerateConfigError(
-            f"fsdp_reshard_after_forward={value!r} in {path} is not supported by blockshard; set true or false"
-        )
-    return bool(value)
-
-
-# fsdp_config keys blockshard does not honour: the values under which ignoring them changes nothing
-# (the first one is the one the message suggests), and what the key would have asked for.
-_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "fsdp_offload_params": ((False,), "CPU offload of parameters"),
-    "fsdp_activation_checkpointing_offload": ((False,), "offloaded activation checkpointing"),
-    "fsdp_ignored_modules": ((None,), "modules left unsharded"),
-    "fsdp_sharding_strategy": (("FULL_SHARD", 1), "FSDP1's strategy; use fsdp_reshard_after_forward"),
-    "fsdp_state_dict_type": (
-        ("SHARDED_STATE_DICT", None),
-        "the save_state format: blockshard always writes one sharded DCP checkpoint "
-        "(accelerator.get_state_dict gives full tensors)",
-    ),
-    "fsdp_float8_all_gather": ((False,), "float8 all-gathers"),
-    "fsdp_forward_prefetch": ((False,), "FSDP1's forward prefetch"),
-    "fsdp_backward_prefetch": ((None, "NO_PREFETCH"), "FSDP1's backward prefetch"),
-    "fsdp_use_orig_params": ((True, None), "FSDP1's flat parameters (blockshard keeps the parameters' names)"),
-    "fsdp_min_num_params": ((None, 0), "SIZE_BASED_WRAP's size"),
-}
-_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "NO_WRAP")
-
-
-def _check_unsupported(config: dict, fsdp: dict, path: str) -> None:
-    for key, (neutral, what) in _UNSUPPORTED.items():
-        if key in fsdp and fsdp[key] not in neutral:
-            raise AccelerateConfigError(
-                f"{key}={fsdp[key]!r} in {path} would be ignored by blockshard ({what}); remove it or set {neutral[0]!r}"
-            )
-    version = fsdp.get("fsdp_version", 2)
-    if str(version) != "2":
-        raise AccelerateConfigError(
-            f"fsdp_version={version!r} in {path}: blockshard's settings follow FSDP2's keys (its groups are FSDP2-like); "
-            "set fsdp_version: 2"
-        )
-    dynamo = (config.get("dynamo_config") or {}).get("dynamo_backend", "NO")
-    if str(dynamo).upper() != "NO":
-        raise AccelerateConfigError(
-            f"dynamo_config.dynamo_backend={dynamo!r} in {path} would be ignored: blockshard's prepare() returns the "
-            "sharded model uncompiled; remove dynamo_config (or set dynamo_backend: 'NO') and call torch.compile yourself"
-        )

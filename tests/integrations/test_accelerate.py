@@ -343,6 +343,13 @@ def test_example_configs_are_what_the_cli_writes(tmp_path, engine):
         (["--semantics", "bogus"], "unknown semantics 'bogus'"),
         (["--policy", "x"], "--policy='x' is not a placement policy"),
         (["--engine", "fsdp2", "--policy", "owner"], "--policy='owner' needs --engine ragged"),
+        # issue 29, item 7: these wrote configs
+        (["--num-processes", "1000000000"], r"--num-processes=1000000000 is more than 1024, the most processes"),
+        (["--num-processes", "1025"], r"--num-processes=1025 is more than 1024"),
+        (["--layers", ""], r"--layers='' names no layer class; pass the model's layer classes"),
+        (["--layers", " , "], r"--layers=' , ' names no layer class"),
+        (["--layers", "Block Head"], r"--layers='Block Head': 'Block Head' is not a class name"),
+        (["--layers", "Block\nnum_processes: 9"], r"is not a class name"),  # would have written a YAML key
     ],
 )
 def test_cli_bad_args_are_one_line_exit_2(tmp_path, capsys, args, match):
@@ -351,6 +358,37 @@ def test_cli_bad_args_are_one_line_exit_2(tmp_path, capsys, args, match):
     assert err.startswith("blockshard accelerate-config: error: ") and err.count("\n") == 1, err
     assert re.search(match, err), err
     assert not (tmp_path / "accelerate.yaml").exists()
+
+
+def test_cli_bounds_controls_write_configs(tmp_path):
+    args = ["accelerate-config", "--num-processes", "1024", "--layers", " Block,Head ,", "--out", str(tmp_path)]
+    assert cli_main(args) == 0
+    s = load_settings(str(tmp_path / "accelerate.yaml"))
+    assert s is not None and (s.num_processes, s.layers) == (1024, ("Block", "Head"))
+
+
+@pytest.mark.parametrize(
+    ("out", "match"),
+    [
+        ("file/sub", r"--out '.*file/sub': cannot write '.*file/sub' \(Not a directory\); pass a folder you can write"),
+        ("file", r"--out '.*file': cannot write '.*file' \(a file, not a folder\)"),
+        ("/proc/blockshard-test", r"--out '/proc/blockshard-test': cannot write .*; pass a folder you can write"),
+        ("/proc", r"--out '/proc': cannot write '/proc/accelerate.yaml' "),
+    ],
+)
+def test_cli_out_that_cannot_be_written_is_one_line_exit_2(tmp_path, monkeypatch, capsys, out, match):
+    """A path under a regular file or in /proc gave a raw NotADirectoryError / FileNotFoundError."""
+    if out.startswith("/proc") and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("a regular file\n")
+    assert cli_main(["accelerate-config", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("blockshard accelerate-config: error: ") and err.count("\n") == 1, err
+    assert re.search(match, err), err
+    assert (tmp_path / "file").read_text() == "a regular file\n"
+    assert cli_main(["accelerate-config", "--out", "file.d"]) == 0  # control: a folder it creates
+    assert (tmp_path / "file.d" / "accelerate.yaml").is_file()
 
 
 # -- real launches ----------------------------------------------------------------------------------------

@@ -66,6 +66,8 @@ def bitwise(a, b) -> bool:
         ({"semantic": "bnb8bit"}, "blockshard.semantic"),
         ({"alignment_bytes": 3}, "blockshard.alignment_bytes"),
         ({"alignment_bytes": "16"}, "blockshard.alignment_bytes"),
+        ({"alignment_bytes": 2**40}, "blockshard.alignment_bytes=1099511627776 is more than 4096 bytes"),
+        ({"alignment_bytes": 8192}, "blockshard.alignment_bytes=8192 is more than 4096 bytes"),
         ({"alignment": 16}, "blockshard.alignment is now blockshard.alignment_bytes"),
         ({"semantics": "bnb9bit"}, "blockshard.semantics"),
         ({"semantics": 5}, "blockshard.semantics"),
@@ -81,6 +83,7 @@ def test_config_errors_name_the_key(section, key):
 
 
 def test_config_parses_rules_and_defaults():
+    assert parse_section({"alignment_bytes": 4096}).alignment_bytes == 4096  # the bound itself
     hc = parse_section({"semantics": {"*weight": "bnb8bit"}, "alignment_bytes": 64})
     spec = TensorSpec(name="fc.weight", shape=(130, 89), dtype="float32")
     assert hc.rules.resolve(spec).grid == UnitGrid(11570, 256, 4096, 7424)

@@ -10,7 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockshard import PlanError, TensorSpec, UnitGrid
-from blockshard.planner import GroupLayout, PlanItem, TensorPlacement, lower_bound, pack, plan_group, plan_model
+from blockshard.planner import (
+    GroupLayout,
+    PlanItem,
+    TensorPlacement,
+    lower_bound,
+    ordered_layout,
+    pack,
+    plan_group,
+    plan_model,
+)
 
 
 def _layout(grids, W, alignment_numel=1, name="g"):
@@ -153,6 +162,20 @@ def test_plan_group_rejects_bad_input():
         plan_group([item, other], 2)
     with pytest.raises(PlanError, match=r"alignment_bytes=0 must be a positive integer"):
         plan_group([item], 2, alignment_bytes=0)
+    with pytest.raises(PlanError, match=r"alignment_bytes=1099511627776 is more than 4096 bytes \(a page\)"):
+        plan_group([item], 2, alignment_bytes=2**40)
+    with pytest.raises(PlanError, match=r"alignment_bytes=8192 is more than 4096 bytes .*pass e.g. alignment_bytes=16"):
+        plan_model([item.spec], 2, alignment_bytes=8192)
+    assert plan_group([item], 2, alignment_bytes=4096).alignment_numel == 4096 // 2  # control: the bound (bf16)
+    grids = [UnitGrid.units(100, 1)]
+    for place in (pack, ordered_layout):
+        with pytest.raises(PlanError, match=r"alignment_numel=1099511627776 is more than 4096 elements"):
+            place(grids, 2, 2**40)
+        with pytest.raises(PlanError, match=r"alignment_numel=0 must be an integer >= 1"):
+            place(grids, 2, 0)
+        with pytest.raises(PlanError, match=r"alignment_numel=about 2\*\*199 is more than 4096 elements"):
+            place(grids, 2, 2**199)
+    assert pack(grids, 2, 4096)[0] == 4096 and ordered_layout(grids, 2, 4096).segment_numel == 4096  # control
 
 
 def test_plan_model_rejects_empty_and_duplicate_models():

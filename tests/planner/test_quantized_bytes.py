@@ -1,7 +1,7 @@
 """The planner's quantized bytes ([Note: planned quantized bytes]): the engine's cuts without its unit
 list, totals per rank and per step, JSON, and bad input naming the tensor and the fix.
 
-Oracle: the engine's own pure layout (``runtime/_quantized_layout.plan_quantized``, which sums every
+Oracle: the engine's own pure layout (``runtime/quantized/_layout.plan_quantized``, which sums every
 unit's bytes) on random quantized tensors, world sizes and alignments: the same bytes per rank and
 the same segment, including exact ties between two boundaries.
 """

@@ -1,5 +1,5 @@
 """``torch.compile`` on sharded layers: the engine's forward hooks run eagerly around the compiled
-graph (``runtime/_common.eager``, as FSDP2's ``_dynamo_disable``), so a compiled layer's graph is
+graph (``runtime/core/_common.eager``, as FSDP2's ``_dynamo_disable``), so a compiled layer's graph is
 its forward alone, compiles with ``fullgraph=True``, is not recompiled from step to step, and
 trains as the eager model does. FSDP2's graphs on the same model are the reference; the control
 is the engine with its hooks traced (what it did before): an engine op lands in the graph and

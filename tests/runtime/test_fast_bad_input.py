@@ -19,6 +19,16 @@ def test_fully_shard_refuses_alignment_not_a_power_of_two(gloo_w1, alignment):
     assert "pass e.g. alignment_bytes=16" in msg
 
 
+@pytest.mark.parametrize("alignment", [2**13, 2**30, 2**62])
+def test_fully_shard_refuses_alignment_over_a_page(gloo_w1, alignment):
+    with pytest.raises(ShardingError) as info:  # 2**30 allocated a GiB, 2**40 died allocating
+        blockshard.fully_shard(nn.Linear(4, 4), alignment_bytes=alignment)
+    msg = str(info.value)
+    assert "alignment_bytes=" in msg and "is more than 4096 bytes (a page)" in msg
+    assert "pass e.g. alignment_bytes=16" in msg
+    blockshard.fully_shard(nn.Linear(4, 4), alignment_bytes=4096)  # control: the bound itself
+
+
 def test_fully_shard_wraps_a_semantics_callable_that_raises(gloo_w1):
     def pick(name, param):
         return {"bias": "elementwise"}[name]  # forgets "weight"

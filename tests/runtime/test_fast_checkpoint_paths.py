@@ -172,3 +172,28 @@ def test_the_refusal_is_raised_on_every_rank_before_anything_is_written(tmp_path
     errors = _inproc.run_ranks(_refused_on_every_rank, 2, args=(outputs,))
     assert len(set(errors)) == 1 and "train.log" in errors[0]
     assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (lambda m, p: ({"w": torch.zeros(2)}, p), r"save_checkpoint\(model=...\) got a dict, not an nn.Module: pass"),
+        (lambda m, p: (m, None), r"checkpoint_id=None\) must be a directory path .*pass e.g. 'checkpoints/step_100'"),
+        (lambda m, p: (m, 7), r"checkpoint_id=7\) must be a directory path"),
+        (lambda m, p: (m, b"ckpt"), r"checkpoint_id=b'ckpt'\) must be a directory path"),
+        (lambda m, p: (m, ""), r"checkpoint_id=''\) must be a directory path \(a non-empty str"),
+        (lambda m, p: (m, p, "adamw"), r"optimizer=...\) got a str: it must be None, a torch.optim.Optimizer"),
+        (lambda m, p: (m, p, [torch.optim.SGD(m.parameters(), lr=0.1), 3]), r"got a list holding a int: it must"),
+    ],
+    ids=["dict", "none", "int", "bytes", "empty", "str-optimizer", "list-with-int"],
+)
+def test_save_checkpoint_arguments_of_the_wrong_kind_raise_checkpoint_error(tmp_path, args, match):
+    """``save_checkpoint(dict, ...)`` raised a raw AttributeError, ``(model, None)`` a TypeError."""
+    path = str(tmp_path / "ckpt")
+    with _inproc.single_thread():
+        model = _sharded()
+        with pytest.raises(CheckpointError, match=match):
+            save_checkpoint(*args(model, path))
+        assert not os.path.exists(path)  # nothing written
+        save_checkpoint(model, tmp_path / "ckpt", [torch.optim.SGD(model.parameters(), lr=0.1)])  # control: PathLike
+        assert describe_checkpoint(path)["complete"]

@@ -57,6 +57,32 @@ def _state(model: nn.Module, optimizer: Optimizers) -> dict[str, Any]:
     }
 
 
+def _check_save_arguments(model: object, checkpoint_id: object, optimizer: object) -> str:
+    """``checkpoint_id`` as a str, or :class:`CheckpointError` naming the argument that is not what
+    :func:`save_checkpoint` takes (every rank passes the same, so every rank raises)."""
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(
+            f"save_checkpoint(model=...) got a {type(model).__name__}, not an nn.Module: pass the model sharded with "
+            "blockshard.fully_shard (a state dict saves with torch.distributed.checkpoint.save(state, checkpoint_id=path))"
+        )
+    path = os.fspath(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path:
+        raise CheckpointError(
+            f"save_checkpoint(checkpoint_id={checkpoint_id!r}) must be a directory path (a non-empty str or "
+            "os.PathLike) of the checkpoint's own; pass e.g. 'checkpoints/step_100'"
+        )
+    listed = isinstance(optimizer, (list, tuple))
+    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    bad = [type(o).__name__ for o in items if not isinstance(o, torch.optim.Optimizer)]
+    if optimizer is not None and bad:
+        raise CheckpointError(
+            f"save_checkpoint(optimizer=...) got a {type(optimizer).__name__}{f' holding a {bad[0]}' if listed else ''}: "
+            "it must be None, a torch.optim.Optimizer or a list of them (e.g. [muon, adamw]); pass the optimizers "
+            "that step the model"
+        )
+    return path
+
+
 def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: Optimizers = None) -> None:
     """Save ``model.state_dict()`` (with ``optimizer``: ``{"model": ..., "optimizer":
     blockshard.optimizer_state_dict(model, optimizer)}``) with DCP, atomically (collective: call
@@ -70,9 +96,10 @@ def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimize
     ([Note: what a save may replace]); a save that raises removes what it wrote."""
     import torch.distributed.checkpoint as dcp
 
+    path = _check_save_arguments(model, checkpoint_id, optimizer)
     optimizers = _optimizers(optimizer)
     atomic_save(
-        os.fspath(checkpoint_id),
+        path,
         lambda partial: dcp.save(_state(model, optimizer), checkpoint_id=partial),
         lambda: model_record(model, optimizers),
     )

@@ -31,7 +31,7 @@ Collectives that do not line up across ranks (a rank skips a step, runs an extra
 a module unused, or has other requires_grad flags) either hang or pair the wrong buffers. Three
 guards make every such case an error on every rank, in bounded time, at next to no cost:
   1. **Bounded waits.** Every engine collective waits at most ``BLOCKSHARD_COLLECTIVE_TIMEOUT_S``
-     seconds (default 30; gloo's own default is 30 minutes). ``Work.wait(timeout)`` alone does
+     seconds (default 30, at least 1, at most a day; gloo's own default is 30 minutes). ``Work.wait(timeout)`` alone does
      not bound gloo: only the process group's own timeout applies (measured on torch 2.13: an
      async reduce-scatter whose peer issued 4 s late was waited for 4 s under ``wait(timeout=1 s)``;
      the issuing call itself returns at once). So on gloo the engine issues its collectives
@@ -100,6 +100,7 @@ __all__ = [
 #: Seconds an engine collective may wait for its peers before every waiting rank raises.
 TIMEOUT_ENV = "BLOCKSHARD_COLLECTIVE_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 30.0
+_MIN_TIMEOUT_S = 1.0  # below it gloo's connection setup fails (1e-3: 'Connect timeout'), as does a loaded rank
 _MAX_TIMEOUT_S = 86400.0
 _REPORT_WAIT_S = 1.0  # after a failure, how long to wait for the peers' reports (point 2 of the Note)
 _REPORT_PREFIX = "blockshard/failed/"
@@ -129,10 +130,10 @@ def collective_timeout_s() -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if not 0 < value <= _MAX_TIMEOUT_S:
+    if not _MIN_TIMEOUT_S <= value <= _MAX_TIMEOUT_S:
         raise BlockshardError(
-            f"environment variable {TIMEOUT_ENV}={raw!r} must be a number of seconds > 0 and <= "
-            f"{_MAX_TIMEOUT_S:g} (a day), e.g. 30"
+            f"environment variable {TIMEOUT_ENV}={raw!r} must be a number of seconds >= {_MIN_TIMEOUT_S:g} and "
+            f"<= {_MAX_TIMEOUT_S:g} (a day; below a second gloo's connection setup times out), e.g. 30"
         )
     return value
 
