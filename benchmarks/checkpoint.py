@@ -12,7 +12,9 @@ trained one AdamW step on W = ``--world-size`` spawned gloo ranks (one torch thr
   rank's, after a barrier, median of ``--repeats``; bytes written per rank: the sizes of the
   ``__<rank>_*.distcp`` files (and the whole directory).
 * **load** (at W' = ``--load-world-size``, fresh model and optimizer): ``load_checkpoint`` against
-  ``dcp.load`` + ``set_state_dict``; each engine loads its own checkpoint.
+  ``dcp.load`` + ``set_state_dict``; each engine loads its own checkpoint. blockshard's load is
+  timed twice: as users run it (checksums verified, [Note: checkpoint integrity]) and with
+  ``verify=False`` (``load_s_verify_false``), so their ratio is the cost of the check.
 * **Hugging Face export** (blockshard, at W): the peak of torch's CPU allocator total during
   ``blockshard.save_pretrained(model, path)`` (streamed: one group gathered at a time) and during
   ``model.save_pretrained(path, state_dict=blockshard.full_state_dict(model))``, relative to just
@@ -83,11 +85,11 @@ def _save(engine: str, model, opt, path: str) -> None:
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
 
 
-def _load(engine: str, model, opt, path: str) -> None:
+def _load(engine: str, model, opt, path: str, *, verify: bool = True) -> None:
     if engine == "blockshard":
         from blockshard.runtime import load_checkpoint
 
-        load_checkpoint(model, path, opt)
+        load_checkpoint(model, path, opt, verify=verify)
         return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -204,6 +206,9 @@ def _load_main(rank: int, world: int, opts: dict) -> dict:
         path = os.path.join(opts["root"], engine)
         times = [_timed(lambda: _load(engine, model, opt, path)) for _ in range(opts["repeats"])]  # noqa: B023
         out[engine] = {"load_s": statistics.median(times), "load_s_all": times}
+        if engine == "blockshard":  # the same load without checking the files' checksums
+            bare = [_timed(lambda: _load(engine, model, opt, path, verify=False)) for _ in range(opts["repeats"])]  # noqa: B023
+            out[engine] |= {"load_s_verify_false": statistics.median(bare), "load_s_verify_false_all": bare}
     return out
 
 
@@ -247,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "save_s_all": saved[0][e]["save_s_all"],
                 "load_s_all": loaded[0][e]["load_s_all"],
             }
+            | ({"load_s_verify_false": loaded[0][e]["load_s_verify_false"]} if e == "blockshard" else {})
             for e in ENGINES
         },
         "hf_export_per_rank": [r["hf_export"] for r in saved],

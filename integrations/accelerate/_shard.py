@@ -13,6 +13,7 @@ import blockshard
 from blockshard.integrations import fsdp2
 from blockshard.integrations.accelerate import _weights
 from blockshard.integrations.accelerate._settings import AccelerateConfigError, AccelerateSettings
+from blockshard.runtime.checkpoint._dcp import check_on_every_rank
 from blockshard.runtime.checkpoint._files import atomic_save, base_record
 
 __all__ = ["checkpoint_layers", "load_model", "save_model", "shard_model"]
@@ -107,5 +108,6 @@ def load_model(model: nn.Module, path: str, optimizers: list, settings: Accelera
 
     model_state, optim_state = get_state_dict(model, optimizers)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    check_on_every_rank(path)  # one checkpoint on every rank, its checksums ([Note: checkpoint integrity])
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -72,7 +72,6 @@ def test_a_checkpoint_records_world_size_groups_layouts_and_semantics(tmp_path, 
 
 def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.api import CheckpointException
 
     path = str(tmp_path / "ckpt")
     with _inproc.single_thread():
@@ -93,7 +92,7 @@ def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monke
             raise KeyboardInterrupt("killed after writing its data")
 
         monkeypatch.setattr(FileSystemWriter, "write_data", dies_after_writing)
-        with pytest.raises(CheckpointException, match="killed after writing its data"):
+        with pytest.raises(CheckpointError, match="killed after writing its data"):
             save_checkpoint(model, path, opt)
         monkeypatch.undo()
         assert not os.path.exists(tmp_path / ".ckpt.partial")  # a save that raised removes what it wrote

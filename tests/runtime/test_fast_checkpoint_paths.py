@@ -134,7 +134,6 @@ def test_a_checkpoint_with_a_file_added_to_it_is_refused(tmp_path):
 
 def test_a_save_that_raises_removes_its_partial_directory(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.api import CheckpointException
 
     path = str(tmp_path / "ckpt")
     with _inproc.single_thread():
@@ -148,7 +147,7 @@ def test_a_save_that_raises_removes_its_partial_directory(tmp_path, monkeypatch)
             raise OSError(28, "No space left on device")
 
         monkeypatch.setattr(FileSystemWriter, "write_data", fails_after_writing)
-        with pytest.raises(CheckpointException, match="No space left on device"):
+        with pytest.raises(CheckpointError, match="No space left on device"):
             save_checkpoint(_sharded(1), path)
         monkeypatch.undo()
         assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the partial directory is gone

@@ -17,14 +17,23 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from blockshard._errors import CheckpointError
-from blockshard.runtime.checkpoint._files import RECORD, atomic_save, is_partial, model_record, read_record, resolve
+from blockshard.runtime.checkpoint._files import (
+    RECORD,
+    atomic_save,
+    failure_cause,
+    is_partial,
+    model_record,
+    read_record,
+    resolve,
+)
+from blockshard.runtime.checkpoint._integrity import content_id, verify_share
 from blockshard.runtime.checkpoint._optim_state import load_optimizer_state_dict, optimizer_state_dict
 
 __all__ = ["CheckpointError", "describe_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -105,26 +114,28 @@ def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimize
     )
 
 
-def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: Optimizers = None) -> None:
+def load_checkpoint(
+    model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: Optimizers = None, *, verify: bool = True
+) -> None:
     """Load a checkpoint of :func:`save_checkpoint` (or of ``dcp.save(model.state_dict())``) at any
     world size or semantics (collective).
 
     Checks the checkpoint against the model (and optimizer) first (:class:`CheckpointError` on
-    every rank), then ``dcp.load`` reads each rank's boxes straight into its pieces, and
-    ``model.load_state_dict`` finishes (buffers, non-tensor entries, a resharded group). Without
-    ``optimizer``, a checkpoint saved with one loads the model alone (e.g. to fine-tune from it).
+    every rank): its entries, that every rank resolved the same checkpoint, and with ``verify``
+    (the default) every recorded file's checksum ([Note: checkpoint integrity]). Then
+    ``dcp.load`` reads each rank's boxes straight into its pieces, and ``model.load_state_dict``
+    finishes (buffers, non-tensor entries, a resharded group). Without ``optimizer``, a
+    checkpoint saved with one loads the model alone (e.g. to fine-tune from it).
     """
     import torch.distributed.checkpoint as dcp
 
     path = resolve(os.fspath(checkpoint_id))
     state = _state(model, optimizer)
-    if optimizer is None and _saved_with_optimizer(path):  # the model alone, e.g. to fine-tune from it
-        _check_on_every_rank(state, path, under="model.")
-        dcp.load({"model": state}, checkpoint_id=path)
-        model.load_state_dict(state)
-        return
-    _check_on_every_rank(state, path)
-    dcp.load(state, checkpoint_id=path)
+    alone = optimizer is None and _saved_with_optimizer(path)  # the model alone, e.g. to fine-tune from it
+    check_on_every_rank(
+        path, verify=verify, check=lambda: check_checkpoint(state, path, under="model." if alone else "")
+    )
+    _read(dcp, {"model": state} if alone else state, path)
     if optimizer is None:
         model.load_state_dict(state)
         return
@@ -135,24 +146,66 @@ def load_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimize
         load_optimizer_state_dict(model, o, osd)
 
 
-def _check_on_every_rank(state: Mapping[str, object], path: str, *, under: str = "") -> None:
-    """:func:`check_checkpoint`, its error raised on every rank if it failed on any (collective
-    over the default process group, as ``dcp.load``, when that spans more than one rank)."""
+def _read(dcp: Any, state: dict[str, Any], path: str) -> None:
+    """``dcp.load``, its failures (a ``CheckpointException``, a ``BaseException``) as
+    :class:`CheckpointError` naming the checkpoint."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(
+            f"load_checkpoint({path!r}): reading the checkpoint failed: {failure_cause(e)}. Fix: load another "
+            "checkpoint (its files may be damaged or truncated)"
+        ) from e
+
+
+def check_on_every_rank(path: str, *, verify: bool = True, check: Callable[[], None] | None = None) -> None:
+    """``check()`` (e.g. :func:`check_checkpoint`), this rank's share of the checksums, and the
+    checkpoint's content id on every rank: one ``all_gather_object`` over the default process
+    group (as ``dcp.load``'s) when that spans more than one rank; any failure, or ranks that
+    resolved different checkpoints, raise on every rank ([Note: checkpoint integrity])."""
     import torch.distributed as dist
 
-    error = None
+    multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if multi else (0, 1)
+    error: CheckpointError | None = None
+    ident = None
     try:
-        check_checkpoint(state, path, under=under)
+        record = read_record(path)
+        if check is not None:
+            check()
+        ident = content_id(path, record)
+        problems = verify_share(path, record, rank, world) if verify else []
+        if problems:
+            raise CheckpointError(
+                f"checkpoint {path!r} is damaged: {_few(problems)}. Fix: load another checkpoint (or pass "
+                "verify=False to load it as it is)"
+            )
     except CheckpointError as e:
         error = e
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, None if error is None else str(error))
-        failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if multi:
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, (None if error is None else str(error), ident))
+        failed = [(r, e) for r, (e, _) in enumerate(every) if e]
         if error is None and failed:
-            raise CheckpointError(f"{failed[0][1]} (on rank {failed[0][0]}; {len(failed)} of {len(errors)} ranks)")
+            raise CheckpointError(f"{failed[0][1]} (on rank {failed[0][0]}; {len(failed)} of {world} ranks)")
+        idents = {i for _, i in every}
+        if error is None and len(idents) > 1:
+            raise CheckpointError(_mixed_message(path, [i for _, i in every]))
     if error is not None:
         raise error
+
+
+def _mixed_message(path: str, idents: list[Any]) -> str:
+    by: dict[Any, list[int]] = {}
+    for r, i in enumerate(idents):
+        by.setdefault(i, []).append(r)
+    parts = "; ".join(f"ranks {ranks} checkpoint {i}" for i, ranks in by.items())
+    return (
+        f"load_checkpoint: the ranks resolved different checkpoints ({parts}; this rank: {path!r}), and each would "
+        "load its own. Fix: resolve the path once (e.g. on rank 0) and broadcast it, or load a fixed path"
+    )
 
 
 def _flatten(state: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -297,9 +350,11 @@ def describe_checkpoint(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
     return {
         "path": path,
         "ranks_that_wrote": len(ranks),
-        "world_size": record["world_size"] if record else None,
-        "saved_by": record["saved_by"] if record else "dcp.save (no blockshard record)",
-        "blockshard_version": record["blockshard_version"] if record else None,
+        "world_size": record.get("world_size") if record else None,
+        "saved_by": record.get("saved_by") if record else "dcp.save (no blockshard record)",
+        "blockshard_version": record.get("blockshard_version") if record else None,
+        "checkpoint_id": record.get("checkpoint_id") if record else None,
+        "checksummed_files": len(record.get("files") or {}) if record else 0,
         "tensors": tensors,
         "objects": objects,
         "tensor_bytes": sum(t["bytes"] for t in tensors),
@@ -308,7 +363,7 @@ def describe_checkpoint(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
         "problems": problems,
         "groups": _group_summaries(record),
         "quantized_groups": (record or {}).get("quantized_groups", []),  # [Note: quantized layout]
-        "optimizers": record["optimizers"] if record else [],
+        "optimizers": record.get("optimizers", []) if record else [],
     }
 
 
@@ -318,10 +373,14 @@ def _group_summaries(record: dict | None) -> list[dict[str, Any]]:
     out = []
     for g in (record or {}).get("groups", []):
         semantics: dict[str, int] = {}
-        for t in g["tensors"]:
-            semantics[t["semantics"]] = semantics.get(t["semantics"], 0) + 1
-        out.append(
-            {k: g[k] for k in ("module", "class", "world_size", "dtype", "segment_numel", "buckets", "layout_hash")}
-            | {"semantics": semantics, "tensors": g["tensors"]}
-        )
+        try:
+            for t in g["tensors"]:
+                semantics[t["semantics"]] = semantics.get(t["semantics"], 0) + 1
+            keys = ("module", "class", "world_size", "dtype", "segment_numel", "buckets", "layout_hash")
+            out.append({k: g[k] for k in keys} | {"semantics": semantics, "tensors": g["tensors"]})
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"the checkpoint's {RECORD} holds a malformed group ({type(e).__name__}: {e}). Fix: inspect another "
+                "checkpoint; the DCP data may still load with load_checkpoint"
+            ) from None
     return out

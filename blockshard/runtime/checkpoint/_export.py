@@ -29,12 +29,15 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from blockshard._errors import QuantizedWeightError
+from blockshard.runtime.checkpoint._files import raise_on_every_rank
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._quantized_state import StateEntry, _module_names, _prefixes
 from blockshard.runtime.checkpoint._state_dict import _names
@@ -65,15 +68,50 @@ def _header(tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[by
     return struct.pack("<Q", len(raw)) + raw, offset
 
 
+class _Sink:
+    """Rank 0's writes of one export: a failed open or write (a full disk, a path under a file) is
+    kept, and later writes are skipped, so rank 0 still receives every chunk the other ranks send
+    (the protocol runs to its end instead of leaving them blocked) and the failure is raised on
+    every rank at the end ([Note: streamed export])."""
+
+    def __init__(self) -> None:
+        self.error: OSError | None = None
+        self._file: Any = None
+
+    @contextlib.contextmanager
+    def open(self, path: str) -> Iterator[_Sink]:
+        if self.error is None:
+            try:
+                self._file = open(path, "wb")
+            except OSError as e:
+                self.error = e
+        try:
+            yield self
+        finally:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except OSError as e:
+                    self.error = self.error or e
+                self._file = None
+
+    def write(self, data: Any) -> None:
+        if self._file is not None and self.error is None:
+            try:
+                self._file.write(data)
+            except OSError as e:
+                self.error = e
+
+
 def _write_bytes(f: Any, t: torch.Tensor) -> None:
     if t.numel():
         f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
-def _write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
+def _write_safetensors(sink: _Sink, path: str, tensors: dict[str, torch.Tensor]) -> int:
     """The safetensors format, written from the tensors' own memory; returns the bytes of tensor data."""
     header, total = _header({k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()})
-    with open(path, "wb") as f:
+    with sink.open(path) as f:
         f.write(header)
         for t in tensors.values():
             _write_bytes(f, t)
@@ -111,27 +149,44 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
     }
     n_files = len(groups) + bool(quantized) + bool(rest)
     files = [f"model-{i + 1:05d}-of-{n_files:05d}.safetensors" for i in range(n_files)]
+    pg = states[0][1].group.process_group if states and dist.is_initialized() else None
+    error = None
     if rank == 0:
-        os.makedirs(path, exist_ok=True)
-    weight_map: dict[str, str] = {}
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            error = _export_error(path, e)
+    raise_on_every_rank(pg, error)  # before any byte is sent
+    sink, weight_map = _Sink(), dict[str, str]()
     total, written = 0, set[int]()
     for file, (prefix, st) in zip(files, groups, strict=False):
         tensors = _chosen(prefix, st, set(state), written)
-        total += _stream_group(os.path.join(path, file), st.group, tensors, rank)
+        total += _stream_group(sink, os.path.join(path, file), st.group, tensors, rank)
         weight_map |= dict.fromkeys(tensors, file)
     if quantized:  # bitsandbytes' serialization keys, as the unsharded model's state_dict()
-        total += _stream_quantized(os.path.join(path, files[len(groups)]), quantized, rank)
+        total += _stream_quantized(sink, os.path.join(path, files[len(groups)]), quantized, rank)
         weight_map |= dict.fromkeys((name for name, *_ in quantized), files[len(groups)])
     if rank == 0 and rest:
         unique = _unique(rest)
-        total += _write_safetensors(os.path.join(path, files[-1]), unique)
+        total += _write_safetensors(sink, os.path.join(path, files[-1]), unique)
         weight_map |= dict.fromkeys(unique, files[-1])
-    if rank == 0:
-        with open(os.path.join(path, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(path)
+    if rank == 0 and sink.error is None:
+        try:
+            with open(os.path.join(path, INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            config = getattr(model, "config", None)
+            if config is not None and hasattr(config, "save_pretrained"):
+                config.save_pretrained(path)
+        except OSError as e:
+            sink.error = e
+    raise_on_every_rank(pg, None if sink.error is None else _export_error(path, sink.error))
+
+
+def _export_error(path: str, e: OSError) -> str:
+    return (
+        f"save_pretrained({path!r}) failed on rank 0: {type(e).__name__}: {e}. The export there is incomplete. "
+        "Fix: free space or fix the path (a directory, writable), then export again"
+    )
 
 
 def _check_exportable(states: list) -> None:
@@ -160,7 +215,7 @@ def _chosen(prefix: str, st: Any, names: set[str], written: set[int]) -> dict[st
     return dict(sorted(out.items(), key=lambda kv: kv[1].gathered_offset))
 
 
-def _stream_group(path: str, g: Any, tensors: dict[str, ShardedParam], rank: int) -> int:
+def _stream_group(sink: _Sink, path: str, g: Any, tensors: dict[str, ShardedParam], rank: int) -> int:
     """Write one group's ``tensors`` as a safetensors file from rank 0, streamed (collective over the
     group's ranks; see [Note: streamed export]); returns the bytes of tensor data."""
     import torch.distributed as dist
@@ -172,7 +227,7 @@ def _stream_group(path: str, g: Any, tensors: dict[str, ShardedParam], rank: int
     size = min(chunk, max(layout.buckets, default=0)) if rank == 0 and W > 1 else 0  # rank 0 receives into it
     buf = torch.empty(size, dtype=g.local.dtype, device=g.local.device)
     header, total = _header({k: (g.orig_dtype, sp.shape) for k, sp in tensors.items()})
-    with open(path, "wb") if rank == 0 else contextlib.nullcontext() as f:
+    with sink.open(path) if rank == 0 else contextlib.nullcontext() as f:
         if f is not None:
             f.write(header)
         for b, S_b in enumerate(layout.buckets):
@@ -205,12 +260,12 @@ def _quantized_entries(model: nn.Module, states: list) -> list[tuple[str, Any, A
     return list(out.values())
 
 
-def _stream_quantized(path: str, entries: list[tuple[str, Any, Any, StateEntry]], rank: int) -> int:
+def _stream_quantized(sink: _Sink, path: str, entries: list[tuple[str, Any, Any, StateEntry]], rank: int) -> int:
     """Write quantized weights' ``entries`` as a safetensors file from rank 0, streamed (collective
     over their groups' ranks; see [Note: streamed export]); returns the bytes of tensor data."""
     header, total = _header({name: (e.dtype, e.shape) for name, _, _, e in entries})
     bufs: dict[int, torch.Tensor] = {}  # rank 0's receive buffer of each group
-    with open(path, "wb") if rank == 0 else contextlib.nullcontext() as f:
+    with sink.open(path) if rank == 0 else contextlib.nullcontext() as f:
         if f is not None:
             f.write(header)
         for _, qg, t, e in entries:

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch import nn
 
 from blockshard._errors import CheckpointError
 from blockshard._version import __version__
+from blockshard.runtime.checkpoint._integrity import file_sums, own_sums
 from blockshard.runtime.checkpoint._quantized_state import _module_names, _prefixes
 from blockshard.runtime.core._inspect import join_name, states_under
 
@@ -44,15 +46,17 @@ __all__ = [
     "atomic_save",
     "base_record",
     "check_save_path",
+    "failure_cause",
     "finish_save",
     "model_record",
+    "raise_on_every_rank",
     "read_record",
     "resolve",
     "start_save",
 ]
 
 RECORD = "blockshard.json"
-RECORD_FORMAT = 1
+RECORD_FORMAT = 2  # 2: checkpoint_id and files (checksums) added; format 1 records load as before
 
 
 def _sibling(path: str, suffix: str) -> str:
@@ -88,16 +92,35 @@ def _rank(pg: Any) -> int:
 
 def atomic_save(path: str, write: Callable[[str], None], record: Callable[[], dict]) -> None:
     """[Note: atomic checkpoints]: ``write(partial)`` (every rank: ``dcp.save`` into the partial
-    directory), then ``record()`` is written and the partial directory swapped in (collective)."""
+    directory), then ``record()`` is written and the partial directory swapped in (collective).
+    Any failure raises :class:`CheckpointError` (an ``Exception``) on every rank that is still
+    there, naming ``path`` and the cause; the previous checkpoint is left as it was."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     partial = start_save(path)
     try:
         write(partial)
-    except (Exception, CheckpointException):  # DCP's CheckpointException is a BaseException
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         abandon_save(partial)
-        raise
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(
+            f"save_checkpoint({path!r}) failed while writing: {failure_cause(e)}. Nothing was swapped in: the "
+            "previous checkpoint at that path, if any, is unchanged. Fix: free space, fix permissions, or restart "
+            "the ranks that died, then save again"
+        ) from e
     finish_save(path, partial, record())
+
+
+def failure_cause(e: BaseException) -> str:
+    """One line for what failed: a DCP ``CheckpointException``'s first rank's exception, or ``e``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, pair = sorted(failures.items(), key=lambda kv: kv[0])[0]
+        inner = pair[0] if isinstance(pair, tuple) else pair
+        more = f" (and {len(failures) - 1} more ranks)" if len(failures) > 1 else ""
+        return f"on rank {rank}: {type(inner).__name__}: {inner}{more}"
+    return f"{type(e).__name__}: {e}"
 
 
 def start_save(path: str) -> str:
@@ -115,7 +138,7 @@ def start_save(path: str) -> str:
             os.makedirs(os.path.dirname(partial) or ".", exist_ok=True)
         except (CheckpointError, OSError) as e:
             error = str(e) if isinstance(e, CheckpointError) else _os_error(path, e)
-    _raise_on_every_rank(pg, error)
+    raise_on_every_rank(pg, error)
     return partial
 
 
@@ -128,16 +151,32 @@ def abandon_save(partial: str) -> None:
 
 
 def finish_save(path: str, partial: str, record: dict) -> None:
-    """Step 3 of [Note: atomic checkpoints] (collective); a failure on rank 0 raises on every rank."""
+    """Step 3 of [Note: atomic checkpoints] (collective): every rank's checksums of the files it
+    wrote reach rank 0 ([Note: checkpoint integrity]), which writes the record and swaps; a
+    failure anywhere raises on every rank."""
+    import torch.distributed as dist
+
     pg = _process_group()
-    _barrier(pg)
-    error = None
-    if _rank(pg) == 0:
+    rank = dist.get_rank() if pg is not None else 0  # DCP names shard files by global rank
+    mine: tuple[dict, str | None]
+    try:
+        mine = (own_sums(partial, rank), None)
+    except OSError as e:
+        mine = ({}, _os_error(path, e))
+    gathered: list[Any] = [mine]
+    if pg is not None:
+        gathered = [None] * dist.get_world_size(pg)
+        dist.all_gather_object(gathered, mine, group=pg)
+    error = next((e for _, e in gathered if e), None)
+    if _rank(pg) == 0 and error is None:
         try:
-            _swap_in(path, partial, record)
+            files = file_sums(partial, [sums for sums, _ in gathered])
+            _swap_in(path, partial, record | {"checkpoint_id": uuid.uuid4().hex, "files": files})
         except OSError as e:
             error = _os_error(path, e)
-    _raise_on_every_rank(pg, error)
+    if error is not None and _rank(pg) == 0:
+        abandon_save(partial)
+    raise_on_every_rank(pg, error)
 
 
 def _swap_in(path: str, partial: str, record: dict) -> None:
@@ -164,8 +203,9 @@ def _os_error(path: str, e: OSError) -> str:
     )
 
 
-def _raise_on_every_rank(pg: Any, error: str | None) -> None:
-    """Rank 0's outcome, shared in one collective (it replaces a barrier): every rank raises it."""
+def raise_on_every_rank(pg: Any, error: str | None) -> None:
+    """Rank 0's (of ``pg``) outcome, shared in one collective (it replaces a barrier): every rank
+    raises it as :class:`CheckpointError`."""
     if pg is not None:
         import torch.distributed as dist
 
@@ -280,10 +320,10 @@ def _is_record(record: Any) -> bool:
 
 
 def read_record_or_none(path: str) -> Any:
-    """The record's JSON, or ``None`` when it is missing or unreadable (never raises)."""
+    """The record, or ``None`` when it is missing or unreadable (never raises)."""
     try:
         return read_record(path)
-    except (OSError, ValueError):
+    except CheckpointError:
         return None
 
 
@@ -296,11 +336,27 @@ def resolve(path: str) -> str:
 
 
 def read_record(path: str) -> dict | None:
+    """The checkpoint's record, ``None`` if it has none; a record that cannot be read or is not a
+    blockshard record raises :class:`CheckpointError` naming the file."""
     file = os.path.join(path, RECORD)
     if not os.path.isfile(file):
         return None
-    with open(file) as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(
+            f"checkpoint {path!r}: its {RECORD} cannot be read ({type(e).__name__}: {e}). Fix: load another "
+            f"checkpoint, or remove {RECORD} to load the directory as a plain DCP checkpoint"
+        ) from None
+    if not _is_record(data):
+        what = f"a JSON {type(data).__name__}" if not isinstance(data, dict) else f"saved_by={data.get('saved_by')!r}"
+        raise CheckpointError(
+            f"checkpoint {path!r}: its {RECORD} is not a blockshard record ({what}; a record is an object with "
+            f"saved_by one of {list(SAVERS)}). Fix: load another checkpoint, or remove {RECORD} to load the "
+            "directory as a plain DCP checkpoint"
+        )
+    return data
 
 
 def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict:

@@ -16,6 +16,7 @@ device after ``model.to_empty(device=...)``; no collective is issued (call it on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from blockshard._errors import ShardingError
+from blockshard._errors import CheckpointError, ShardingError
 from blockshard.runtime.checkpoint._state_dict import _names
 from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._inspect import join_name, states_under
@@ -46,15 +47,11 @@ class LoadReport:
 
 def _files(path: str | os.PathLike) -> dict[str, str]:
     """Checkpoint tensor name -> file, from one file, a directory's index, or its files."""
-    from safetensors import safe_open
-
     path = os.fspath(path)
     if os.path.isdir(path):
         index = os.path.join(path, INDEX)
         if os.path.exists(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            return {name: os.path.join(path, file) for name, file in weight_map.items()}
+            return _index(path, index)
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
             raise ShardingError(f"load_safetensors: {path!r} holds no {INDEX} and no .safetensors file")
@@ -65,9 +62,57 @@ def _files(path: str | os.PathLike) -> dict[str, str]:
         raise ShardingError(f"load_safetensors: {path!r} is neither a .safetensors file nor a directory")
     out: dict[str, str] = {}
     for p in paths:
-        with safe_open(p, framework="pt") as f:
-            out |= dict.fromkeys(f.keys(), p)
+        for name in _keys(p):
+            if name in out:
+                raise CheckpointError(
+                    f"load_safetensors: tensor {name!r} is in both {out[name]!r} and {p!r}, and {path!r} has no {INDEX} "
+                    "to say which to load. Fix: remove the stale file, or write an index (save_pretrained does)"
+                )
+            out[name] = p
     return out
+
+
+def _keys(file: str) -> list[str]:
+    from safetensors import safe_open
+
+    with _named(file):
+        with safe_open(file, framework="pt") as f:
+            return list(f.keys())
+
+
+def _index(path: str, index: str) -> dict[str, str]:
+    """The index's ``weight_map``, checked: a JSON object mapping tensor names to files that exist."""
+    fix = f"Fix: write the index again (save_pretrained does), or remove it to load the {path!r}'s files as they are"
+    try:
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"load_safetensors: {index!r} cannot be read ({type(e).__name__}: {e}). {fix}") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"load_safetensors: {index!r} has no weight_map of tensor names to file names (an object of strings). {fix}"
+        )
+    missing = sorted({v for v in weight_map.values() if not os.path.isfile(os.path.join(path, v))})
+    if missing:
+        raise CheckpointError(f"load_safetensors: {index!r} names files that are not in {path!r}: {missing[:5]}. {fix}")
+    return {name: os.path.join(path, file) for name, file in weight_map.items()}
+
+
+@contextlib.contextmanager
+def _named(file: str) -> Iterator[None]:
+    """safetensors' errors (which name no file) as :class:`CheckpointError` naming ``file``."""
+    try:
+        yield
+    except (CheckpointError, ShardingError):
+        raise
+    except Exception as e:  # SafetensorError, OSError, a truncated file's errors
+        raise CheckpointError(
+            f"load_safetensors: {file!r} cannot be read ({type(e).__name__}: {e}): it is damaged, truncated or not a "
+            "safetensors file. Fix: write it again (blockshard.save_pretrained or save_pretrained)"
+        ) from None
 
 
 def row_boxes(shape: tuple[int, ...], lo: int, hi: int) -> Iterator[tuple[slice, ...]]:
@@ -108,22 +153,26 @@ class _Reader:
 
         path = self.files[name]
         if path not in self._open:
-            self._open[path] = safe_open(path, framework="pt")
+            with _named(path):
+                self._open[path] = safe_open(path, framework="pt")
         return self._open[path]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        with _named(self.files[name]):
+            return tuple(self._handle(name).get_slice(name).get_shape())
 
     def run(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of tensor ``name``'s flattening, read box by box."""
-        sl = self._handle(name).get_slice(name)
-        parts = [sl[box].reshape(-1) for box in row_boxes(self.shape(name), lo, hi)]
+        with _named(self.files[name]):
+            sl = self._handle(name).get_slice(name)
+            parts = [sl[box].reshape(-1) for box in row_boxes(self.shape(name), lo, hi)]
         out = torch.cat(parts) if len(parts) != 1 else parts[0]
         self.read_bytes += out.numel() * out.element_size()
         return out
 
     def whole(self, name: str) -> torch.Tensor:
-        t = self._handle(name).get_tensor(name)
+        with _named(self.files[name]):
+            t = self._handle(name).get_tensor(name)
         self.read_bytes += t.numel() * t.element_size()
         return t
 
