@@ -196,3 +196,23 @@ def test_save_checkpoint_arguments_of_the_wrong_kind_raise_checkpoint_error(tmp_
         assert not os.path.exists(path)  # nothing written
         save_checkpoint(model, tmp_path / "ckpt", [torch.optim.SGD(model.parameters(), lr=0.1)])  # control: PathLike
         assert describe_checkpoint(path)["complete"]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (lambda m, p: ({"w": torch.zeros(2)}, p), r"load_checkpoint\(model=...\) got a dict, not an nn.Module"),
+        (lambda m, p: (m, None), r"load_checkpoint\(checkpoint_id=None\) must be a directory path"),
+        (lambda m, p: (m, p, "adamw"), r"load_checkpoint\(optimizer=...\) got a str"),
+    ],
+    ids=["dict", "none", "str-optimizer"],
+)
+def test_load_checkpoint_arguments_of_the_wrong_kind_raise_checkpoint_error(tmp_path, args, match):
+    """``load_checkpoint(dict, ...)`` raised a raw AttributeError, ``(model, None)`` a TypeError."""
+    path = str(tmp_path / "ckpt")
+    with _inproc.single_thread():
+        model = _sharded()
+        save_checkpoint(model, path)
+        with pytest.raises(CheckpointError, match=match):
+            load_checkpoint(*args(model, path))
+        load_checkpoint(model, tmp_path / "ckpt")  # the control: a PathLike

@@ -66,18 +66,19 @@ def _state(model: nn.Module, optimizer: Optimizers) -> dict[str, Any]:
     }
 
 
-def _check_save_arguments(model: object, checkpoint_id: object, optimizer: object) -> str:
+def _check_save_arguments(model: object, checkpoint_id: object, optimizer: object, fn: str = "save_checkpoint") -> str:
     """``checkpoint_id`` as a str, or :class:`CheckpointError` naming the argument that is not what
-    :func:`save_checkpoint` takes (every rank passes the same, so every rank raises)."""
+    :func:`save_checkpoint` (or :func:`load_checkpoint`: ``fn``) takes (every rank passes the same,
+    so every rank raises)."""
     if not isinstance(model, nn.Module):
         raise CheckpointError(
-            f"save_checkpoint(model=...) got a {type(model).__name__}, not an nn.Module: pass the model sharded with "
+            f"{fn}(model=...) got a {type(model).__name__}, not an nn.Module: pass the model sharded with "
             "blockshard.fully_shard (a state dict saves with torch.distributed.checkpoint.save(state, checkpoint_id=path))"
         )
     path = os.fspath(checkpoint_id) if isinstance(checkpoint_id, (str, os.PathLike)) else None
     if not isinstance(path, str) or not path:
         raise CheckpointError(
-            f"save_checkpoint(checkpoint_id={checkpoint_id!r}) must be a directory path (a non-empty str or "
+            f"{fn}(checkpoint_id={checkpoint_id!r}) must be a directory path (a non-empty str or "
             "os.PathLike) of the checkpoint's own; pass e.g. 'checkpoints/step_100'"
         )
     listed = isinstance(optimizer, (list, tuple))
@@ -85,7 +86,7 @@ def _check_save_arguments(model: object, checkpoint_id: object, optimizer: objec
     bad = [type(o).__name__ for o in items if not isinstance(o, torch.optim.Optimizer)]
     if optimizer is not None and bad:
         raise CheckpointError(
-            f"save_checkpoint(optimizer=...) got a {type(optimizer).__name__}{f' holding a {bad[0]}' if listed else ''}: "
+            f"{fn}(optimizer=...) got a {type(optimizer).__name__}{f' holding a {bad[0]}' if listed else ''}: "
             "it must be None, a torch.optim.Optimizer or a list of them (e.g. [muon, adamw]); pass the optimizers "
             "that step the model"
         )
@@ -129,7 +130,7 @@ def load_checkpoint(
     """
     import torch.distributed.checkpoint as dcp
 
-    path = resolve(os.fspath(checkpoint_id))
+    path = resolve(_check_save_arguments(model, checkpoint_id, optimizer, "load_checkpoint"))
     state = _state(model, optimizer)
     alone = optimizer is None and _saved_with_optimizer(path)  # the model alone, e.g. to fine-tune from it
     check_on_every_rank(
