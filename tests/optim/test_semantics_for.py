@@ -26,7 +26,7 @@ def test_known_optimizers(optimizer, spec):
     assert semantics_for_optimizer(optimizer) == spec
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_third_party_optimizers_by_class():
     import bitsandbytes as bnb
     from torchao.optim import AdamW4bit, AdamW8bit

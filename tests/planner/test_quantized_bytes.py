@@ -156,7 +156,7 @@ tile_tensors = st.lists(
 )
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 @settings(max_examples=40, deadline=None)
 @given(tile_tensors, st.integers(1, 9), st.sampled_from(["float32", "bfloat16"]))
 def test_gather_segments_equal_the_engines_payload_plan(specs, world, dtype):

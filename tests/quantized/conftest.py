@@ -21,9 +21,10 @@ def gloo_w1():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Each parametrized test of a ``test_fast_*`` file keeps its first case in the fast tier; the
-    rest of its matrix (formats x storage x world sizes) runs in the slow tier, so `make test-fast`
-    stays under a minute while every case still runs in `make test`."""
+    """Each parametrized test of a ``test_fast_*`` file keeps its first case in ``make test-fast``;
+    the rest of its matrix (formats x storage x world sizes) is marked ``heavy`` (in process, but
+    seconds each), so `make test-fast` stays under a minute while every case still runs in
+    `make test`."""
     first: set[tuple[str, str]] = set()
     for item in items:
         callspec = getattr(item, "callspec", None)
@@ -32,6 +33,6 @@ def pytest_collection_modifyitems(config, items):
             continue
         key = (str(item.path), item.originalname)
         if key in first:
-            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.heavy)
         else:
             first.add(key)

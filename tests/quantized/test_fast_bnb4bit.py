@@ -57,7 +57,7 @@ def test_qlora_at_w2_equals_one_process_bitwise(config):
         assert got["losses"] == want["losses"]
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_qlora_at_w4_equals_one_process_bitwise():
     config = ("nf4", True, "bfloat16")
     want = reference(config, 2)
@@ -67,7 +67,7 @@ def test_qlora_at_w4_equals_one_process_bitwise():
         assert not _bad(got["params"], want["params"]), rank
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_qlora_at_w3_within_the_stated_tolerance():
     config = ("nf4", True, "uint8")
     want = reference(config, 3)
@@ -107,14 +107,14 @@ def test_gathered_bytes_equal_the_original_bytes():
 
 
 # -- controls ---------------------------------------------------------------------------------
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_control_stock_fsdp2_loses_the_quant_state():
     for storage in (torch.uint8, torch.bfloat16):
         for res in _inproc.run_ranks(_qlora.stock_fsdp2, 2, kwargs={"quant_storage": storage}):
             assert "quant_state is required" in res["error"]
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_control_the_replicated_path_keeps_every_byte_on_every_rank():
     """Accelerate (1.15, utils/fsdp_utils.py:789-810) puts frozen uint8 Params4bit in FSDP2's
     ignored_params: the same forward, but each rank holds the whole quantized model."""

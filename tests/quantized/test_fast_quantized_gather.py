@@ -207,7 +207,7 @@ def test_bad_input(gloo_w1):
     blockshard.fully_shard(root, semantics={"0.weight": "fp8_block:128"}, quantized_gather=True)  # a root: fine
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_accumulation_clipping_and_a_checkpoint_into_a_list_group(tmp_path):
     """Micro-batches without sync, the global ``clip_grad_norm_`` norm and an AdamW step equal one process
     (the norm within float rounding: its summation order differs); a checkpoint with the optimizer

@@ -65,7 +65,7 @@ def test_torchao_mx_and_fp8_state_dicts_at_w2_are_the_unsharded_models(kind, str
     _check_entries(_inproc.run_ranks(_state_runs.entries, 2, args=(kind,)), streams)
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_bnb_state_dicts_at_w3():
     _check_entries(_inproc.run_ranks(_state_runs.entries, 3, args=("bnb",)), (".absmax",))
 
@@ -79,7 +79,7 @@ KINDS = [
 ]
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["dcp", "save_checkpoint"])
 @pytest.mark.parametrize(("kind", "quant"), KINDS, ids=lambda x: _id(x) if isinstance(x, dict) else x)
 def test_checkpoints_of_quantized_weights_reshard(kind, quant, checkpoint, tmp_path):
@@ -140,7 +140,7 @@ def test_save_pretrained_of_blockwise_fp8_writes_the_unsharded_models_entries(tm
     assert got["differs"] == [] and got["not_written"] == []
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_save_pretrained_of_torchao_nf4_raises_before_writing(tmp_path):
     for out in _inproc.run_ranks(_state_runs.export, 2, args=("ao_nf4", str(tmp_path / "out"))):
         assert "quantized weight 'layers.0.weight'" in out["error"] and "torchao NF4Tensor" in out["error"], out[
@@ -157,7 +157,7 @@ def test_torch_get_and_set_model_state_dict(kind):
         assert out["full_differs"] == [] and out["after_set"] == []
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_a_forward_that_keeps_layers_gathered_changes_no_entry():
     for out in _inproc.run_ranks(_state_runs.after_forward, 2):
         assert out["gathered"] == "Params4bit"  # the layer holds the format's parameter now

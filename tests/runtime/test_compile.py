@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 import blockshard
 from blockshard.runtime.core import _state
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]  # compiling takes ~10 s
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(120)]  # in process; compiling takes ~10 s
 
 
 class Block(nn.Module):

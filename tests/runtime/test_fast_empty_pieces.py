@@ -201,7 +201,7 @@ def _ao_load(rank: int, world: int, path: str) -> dict:
     return {"before": before, "pieces": _pieces(model, opt)}
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_torchao_8bit_state_with_empty_pieces_saved_at_w2_loads_at_w2(tmp_path):
     path = str(tmp_path / "ao")
     saved = _inproc.run_ranks(_ao_save, 2, args=(path,))

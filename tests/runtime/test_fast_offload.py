@@ -46,7 +46,7 @@ def _no_offload(world: int, kind: str, micro: int = 1, mp: bool = False) -> list
     return _on(world, kind, sharded=True, micro=micro, shard_kwargs=kw)
 
 
-_SLOW = pytest.mark.slow  # the rest of the matrix runs in the slow tier (the fast tier stays under a minute)
+_SLOW = pytest.mark.heavy  # the rest of the matrix: in process, out of `make test-fast` (its one-minute budget)
 
 
 @pytest.mark.parametrize("world", [pytest.param(1, marks=_SLOW), 2])

@@ -159,7 +159,7 @@ def _save_ao_kind(rank: int, world: int, path: str, kind: str) -> None:
     )
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 @pytest.mark.parametrize("kind", sorted(_AO_KINDS))
 def test_torchao_4bit_and_fp8_state_saved_at_w2_loads_at_w1_exactly(kind, tmp_path):
     _inproc.run_ranks(_save_ao_kind, 2, args=(str(tmp_path / kind), kind))

@@ -158,7 +158,7 @@ def _optimizer_between_layers_and_root(rank: int, world: int) -> str:
     return "no error"
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_an_optimizer_built_before_the_root_is_sharded_raises():
     msgs = _inproc.run_ranks(_optimizer_between_layers_and_root, 2)
     assert all("fully_shard replaced" in m for m in msgs), msgs

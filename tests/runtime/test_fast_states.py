@@ -306,7 +306,7 @@ def test_a_second_model_does_not_change_the_first_model_s_layouts():
     assert around[0] == alone[0]  # with a process-global tally the root ('') differed
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_control_the_root_layout_depends_on_the_layers_sharded_before_it():
     """The comparison above can fail: after elementwise layers (an even tally) the same root gets
     another rotation than after three whole-matrix layers, so its layout does reflect the tally."""

@@ -28,7 +28,7 @@ def _facts(rank: int, world: int, value: float) -> dict:
     }
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_threaded_ranks_have_their_own_real_gloo_default_group():
     outs = _inproc.run_ranks(_facts, 2, args=(1 / 3,))
     assert [o["rank"] for o in outs] == [0, 1] and all(o["world"] == 2 for o in outs)
@@ -38,7 +38,7 @@ def test_threaded_ranks_have_their_own_real_gloo_default_group():
     assert all(torch.equal(o["avg"], torch.full((3,), 1 / 3)) for o in outs)
 
 
-@pytest.mark.slow  # in the slow tier to keep `make test-fast` under a minute
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_the_test_thread_keeps_its_own_world(gloo_w1):
     _inproc.run_ranks(_facts, 2, args=(0.0,))
     assert dist.is_initialized() and dist.get_world_size() == 1
