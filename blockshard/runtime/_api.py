@@ -18,6 +18,7 @@ from blockshard.planner._units import check_alignment_bytes
 from blockshard.runtime._arguments import (
     check_fsdp_arguments,
     check_quantized_below,
+    check_same_settings,
     ignored_ids,
     process_group_of,
     replicate_group_of,
@@ -241,6 +242,16 @@ def fully_shard(
     process_group = engine_group(process_group_of(mesh))  # [Note: collective integrity], point 1
     reshard_after_forward = reshard_after_forward_of(reshard_after_forward, process_group.size())
     replicate_group = replicate_group_of(mesh)
+    check_same_settings(
+        type(modules[0]).__name__,
+        process_group,
+        mp_policy=mp_policy,
+        reshard_after_forward=reshard_after_forward,
+        offload_policy=type(offload_policy).__name__,
+        quantized_gather=quantized_gather,
+        policy=policy,
+        alignment_bytes=alignment_bytes,
+    )
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_routes()  # clip_grad_norm_, register_fsdp_forward_method, DCP's state-dict helpers ([Note: torch routes])
     ignored = ignored_ids(ignored_params)

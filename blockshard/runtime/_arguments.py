@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from blockshard._errors import QuantizedWeightError, ShardingError
+from blockshard._errors import LayoutMismatchError, QuantizedWeightError, ShardingError
 from blockshard.runtime.core._collectives import engine_group
 from blockshard.runtime.core._state import state_of
 from blockshard.runtime.quantized._gather import QuantizedGatherGroup
@@ -17,6 +17,7 @@ from blockshard.runtime.quantized._gather import QuantizedGatherGroup
 __all__ = [
     "check_fsdp_arguments",
     "check_quantized_below",
+    "check_same_settings",
     "ignored_ids",
     "process_group_of",
     "replicate_group_of",
@@ -110,3 +111,21 @@ def replicate_group_of(mesh: object) -> dist.ProcessGroup | None:
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or mesh.size(0) == 1:
         return None
     return engine_group(mesh.get_group(0))
+
+
+def check_same_settings(name: str, process_group: dist.ProcessGroup, **settings: object) -> None:
+    """Raise :class:`LayoutMismatchError` on every rank unless every rank passed ``fully_shard`` the
+    same per-group settings (``mp_policy``, ``reshard_after_forward``, ...; one
+    ``all_gather_object`` at init). Ranks that differ there issue collectives of other sizes or at
+    other times (a bf16 all-gather against an fp32 one: gloo aborts the process), so they are
+    refused here, before the first collective of a step."""
+    mine = {k: repr(v) for k, v in settings.items()}
+    every: list = [None] * process_group.size()
+    dist.all_gather_object(every, mine, group=process_group)
+    differ = [k for k in mine if len({str(e.get(k)) for e in every}) > 1]
+    if differ:
+        shown = "; ".join(f"{k}: " + ", ".join(f"rank {r}: {e.get(k)}" for r, e in enumerate(every)) for k in differ)
+        raise LayoutMismatchError(
+            f"fully_shard of {name}: the ranks passed different settings ({shown}). Every rank must call "
+            "fully_shard with the same arguments: pass the same values on every rank"
+        )
