@@ -249,3 +249,42 @@ def test_one_tensor_in_two_files_without_an_index_is_refused(tmp_path):
     save_file({"0.weight": torch.zeros(5, 7)}, str(tmp_path / "stale.safetensors"))
     with pytest.raises(CheckpointError, match=r"tensor '0.weight' is in both .*model.safetensors' and .*stale"):
         load_safetensors(model, str(tmp_path))
+
+
+def _export_and_load(rank: int, world: int, path: str, flip: bool) -> object:
+    model = _trained(1)
+    blockshard.save_pretrained(model, path)
+    want = blockshard.full_state_dict(model)
+    if flip and rank == 0:
+        _flip_file(
+            max((os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")), key=os.path.getsize)
+        )
+    import torch.distributed as dist
+
+    dist.barrier()
+    out = {}
+    for verify in (True, False):
+        fresh = _sharded(1)
+        try:
+            load_safetensors(fresh, path, verify=verify)
+            got = blockshard.full_state_dict(fresh)
+            out[verify] = all(torch.equal(want[k], got[k]) for k in want)
+        except CheckpointError as e:
+            out[verify] = str(e)
+    return out
+
+
+def _flip_file(full: str, n: int = 16) -> None:
+    data = bytearray(open(full, "rb").read())
+    mid = len(data) // 2
+    data[mid : mid + n] = bytes(b ^ 0xFF for b in data[mid : mid + n])
+    open(full, "wb").write(bytes(data))
+
+
+def test_flipped_bytes_in_an_exported_safetensors_file_raise_naming_the_file(tmp_path):
+    got = _inproc.run_ranks(_export_and_load, 2, args=(str(tmp_path / "export"), True))
+    for g in got:
+        assert "does not match the size and CRC-32 its model.safetensors.index.json recorded" in g[True]
+        assert g[False] is False  # the control: safetensors itself loads the damage silently
+    clean = _inproc.run_ranks(_export_and_load, 2, args=(str(tmp_path / "clean"), False))
+    assert clean == [{True: True, False: True}] * 2  # the control: an intact export loads exactly

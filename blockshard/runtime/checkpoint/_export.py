@@ -29,6 +29,7 @@ import json
 import math
 import os
 import struct
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +53,7 @@ _DTYPES = {
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }  # fmt: skip
 INDEX = "model.safetensors.index.json"
+CHECKSUMS = "blockshard_files"  # the index's metadata key: every file's bytes and CRC-32
 _CHUNK_BYTES = 16 << 20  # the most rank 0 receives at once ([Note: streamed export])
 
 
@@ -77,6 +79,8 @@ class _Sink:
     def __init__(self) -> None:
         self.error: OSError | None = None
         self._file: Any = None
+        self._crc, self._size = 0, 0
+        self.sums: dict[str, dict[str, int]] = {}  # file name -> bytes and CRC-32 of what was written
 
     @contextlib.contextmanager
     def open(self, path: str) -> Iterator[_Sink]:
@@ -85,6 +89,7 @@ class _Sink:
                 self._file = open(path, "wb")
             except OSError as e:
                 self.error = e
+        self._crc, self._size = 0, 0
         try:
             yield self
         finally:
@@ -94,6 +99,7 @@ class _Sink:
                 except OSError as e:
                     self.error = self.error or e
                 self._file = None
+                self.sums[os.path.basename(path)] = {"bytes": self._size, "crc32": self._crc}
 
     def write(self, data: Any) -> None:
         if self._file is not None and self.error is None:
@@ -101,6 +107,9 @@ class _Sink:
                 self._file.write(data)
             except OSError as e:
                 self.error = e
+                return
+            view = memoryview(data).cast("B")
+            self._crc, self._size = zlib.crc32(view, self._crc), self._size + len(view)
 
 
 def _write_bytes(f: Any, t: torch.Tensor) -> None:
@@ -173,7 +182,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
     if rank == 0 and sink.error is None:
         try:
             with open(os.path.join(path, INDEX), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+                metadata = {"total_size": total, CHECKSUMS: sink.sums}  # [Note: checkpoint integrity]
+                json.dump({"metadata": metadata, "weight_map": weight_map}, f, indent=2)
             config = getattr(model, "config", None)
             if config is not None and hasattr(config, "save_pretrained"):
                 config.save_pretrained(path)

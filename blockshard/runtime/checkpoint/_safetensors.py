@@ -22,11 +22,14 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from blockshard._errors import CheckpointError, ShardingError
+from blockshard.runtime.checkpoint._export import CHECKSUMS
+from blockshard.runtime.checkpoint._integrity import hash_file
 from blockshard.runtime.checkpoint._state_dict import _names
 from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._inspect import join_name, states_under
@@ -45,8 +48,9 @@ class LoadReport:
     loaded: tuple[str, ...]
 
 
-def _files(path: str | os.PathLike) -> dict[str, str]:
-    """Checkpoint tensor name -> file, from one file, a directory's index, or its files."""
+def _files(path: str | os.PathLike) -> tuple[dict[str, str], dict[str, Any]]:
+    """Checkpoint tensor name -> file, from one file, a directory's index, or its files; and the
+    files' recorded checksums (a blockshard export's index holds them; else none)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         index = os.path.join(path, INDEX)
@@ -69,7 +73,7 @@ def _files(path: str | os.PathLike) -> dict[str, str]:
                     "to say which to load. Fix: remove the stale file, or write an index (save_pretrained does)"
                 )
             out[name] = p
-    return out
+    return out, {}
 
 
 def _keys(file: str) -> list[str]:
@@ -80,8 +84,9 @@ def _keys(file: str) -> list[str]:
             return list(f.keys())
 
 
-def _index(path: str, index: str) -> dict[str, str]:
-    """The index's ``weight_map``, checked: a JSON object mapping tensor names to files that exist."""
+def _index(path: str, index: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """The index's ``weight_map``, checked: a JSON object mapping tensor names to files that exist;
+    and the checksums a blockshard export recorded in its metadata (file path -> bytes, CRC-32)."""
     fix = f"Fix: write the index again (save_pretrained does), or remove it to load the {path!r}'s files as they are"
     try:
         with open(index, encoding="utf-8") as f:
@@ -98,7 +103,9 @@ def _index(path: str, index: str) -> dict[str, str]:
     missing = sorted({v for v in weight_map.values() if not os.path.isfile(os.path.join(path, v))})
     if missing:
         raise CheckpointError(f"load_safetensors: {index!r} names files that are not in {path!r}: {missing[:5]}. {fix}")
-    return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    sums = (data.get("metadata") or {}).get(CHECKSUMS) if isinstance(data.get("metadata"), dict) else None
+    sums = {os.path.join(path, f): v for f, v in sums.items()} if isinstance(sums, dict) else {}
+    return {name: os.path.join(path, file) for name, file in weight_map.items()}, sums
 
 
 @contextlib.contextmanager
@@ -144,8 +151,8 @@ def row_boxes(shape: tuple[int, ...], lo: int, hi: int) -> Iterator[tuple[slice,
 class _Reader:
     """Open files (one handle each) and count the bytes read through them."""
 
-    def __init__(self, files: dict[str, str]) -> None:
-        self.files, self.read_bytes = files, 0
+    def __init__(self, files: dict[str, str], sums: dict[str, Any]) -> None:
+        self.files, self.read_bytes, self.sums = files, 0, sums
         self._open: dict[str, object] = {}
 
     def _handle(self, name: str):
@@ -153,6 +160,8 @@ class _Reader:
 
         path = self.files[name]
         if path not in self._open:
+            if path in self.sums:
+                _verify(path, self.sums[path])
             with _named(path):
                 self._open[path] = safe_open(path, framework="pt")
         return self._open[path]
@@ -177,12 +186,27 @@ class _Reader:
         return t
 
 
+def _verify(file: str, want: Any) -> None:
+    """A file of a blockshard export against the size and CRC-32 its index recorded."""
+    got = hash_file(file)
+    if not isinstance(want, dict) or (got["bytes"], got["crc32"]) != (want.get("bytes"), want.get("crc32")):
+        raise CheckpointError(
+            f"load_safetensors: {file!r} does not match the size and CRC-32 its {INDEX} recorded ({got['bytes']} bytes, "
+            "its bytes changed since the export). Fix: export it again, or pass verify=False to load it as it is"
+        )
+
+
 @torch.no_grad()
-def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> LoadReport:
+def load_safetensors(
+    model: nn.Module, path: str | os.PathLike, *, strict: bool = True, verify: bool = True
+) -> LoadReport:
     """Fill a sharded model from Hugging Face safetensors, each rank reading only its pieces (see
     [Note: sharded loading]). ``strict``: every parameter and persistent buffer of the model must
-    be in the checkpoint (under one of its names); names the model lacks are ignored."""
-    reader = _Reader(_files(path))
+    be in the checkpoint (under one of its names); names the model lacks are ignored. ``verify``:
+    a file of a ``blockshard.save_pretrained`` export is checked against the CRC-32 its index
+    recorded before it is read (each rank reads each file it loads from once in full more)."""
+    files, sums = _files(path)
+    reader = _Reader(files, sums if verify else {})
     loaded: list[str] = []
     missing: list[str] = []
     managed: set[int] = set()
