@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # pyproject's [tool.mypy] mypy_path finds it through this link.
 MYPY_LINK := $(VENV)/mypy-path/blockshard/integrations
 
-.PHONY: demo lint mypy test test-fast bench docs-bench clean
+.PHONY: demo lint mypy test test-fast test-torch-next bench docs-bench clean
 
 # torch first, as exactly the CPU wheel (a looser spec pulls a multi-GB CUDA build), then the
 # project with every extra under the tested pins in constraints.txt.
@@ -16,6 +16,24 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[all,dev]"
 	touch $(STAMP)
+
+# The next torch release the suite must pass on (pyproject declares torch>=2.13,<2.15), in a second
+# venv: torch first (there is no CPU wheel of 2.14.1: pip brings the CUDA build, about 6 GB, and it
+# runs on CPU), then the project under constraints.txt with only the torch pin replaced (deepspeed's
+# sdist builds without torch, in pip's isolated build env, so the same wheel serves both releases).
+# The stamp names the release, so moving TORCH_NEXT reinstalls.
+TORCH_NEXT := 2.14.1
+VENV_NEXT := .venv-torch-2.14
+BIN_NEXT := $(VENV_NEXT)/bin
+STAMP_NEXT := $(VENV_NEXT)/.installed-$(TORCH_NEXT)
+
+$(STAMP_NEXT): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV_NEXT)
+	sed 's/^torch==.*/torch==$(TORCH_NEXT)/' constraints.txt > $(VENV_NEXT)/constraints.txt
+	$(BIN_NEXT)/python -m pip install -q --disable-pip-version-check torch==$(TORCH_NEXT)
+	$(BIN_NEXT)/python -m pip install -q --disable-pip-version-check -c $(VENV_NEXT)/constraints.txt -e ".[all,dev]"
+	$(BIN_NEXT)/python -c 'import torch; assert torch.__version__.split("+")[0] == "$(TORCH_NEXT)", torch.__version__'
+	touch $(STAMP_NEXT)
 
 $(MYPY_LINK): | $(STAMP)
 	mkdir -p $(dir $@)
@@ -44,6 +62,26 @@ test: lint
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not heavy" -n 2
 
+# The slow tests that also run on the next torch (`make test-torch-next`). The fast tier runs whole;
+# of the slow tier, the tests that go through torch's own code paths that change between releases:
+# the routes into torch (clip_grad_norm_, register_fsdp_forward_method, torch.compile, stock FSDP2 as
+# the control), torch.distributed.checkpoint and its state_dict helpers, and the Hugging Face
+# integrations (transformers, peft, accelerate) on top of them. The rest of the slow tier exercises
+# blockshard's own engine over plain gloo collectives, which `make test` covers on the pinned torch.
+TORCH_NEXT_SLOW_TESTS := \
+	tests/runtime/test_clip.py \
+	tests/runtime/test_torch_state_dicts.py \
+	tests/runtime/test_fsdp2_scenarios.py \
+	tests/runtime/test_fsdp2_init_scenarios.py \
+	tests/runtime/test_prefetch_and_state_dicts.py \
+	tests/integrations/test_hf_models.py \
+	tests/integrations/test_fsdp2.py
+
+# The fast tier and TORCH_NEXT_SLOW_TESTS on torch $(TORCH_NEXT) (the gates run once, in `make test`).
+test-torch-next: $(STAMP_NEXT)
+	$(BIN_NEXT)/python -m pytest -m "not slow" -n 2 || [ $$? -eq 5 ]
+	$(BIN_NEXT)/python -m pytest -m slow --durations=20 $(TORCH_NEXT_SLOW_TESTS) || [ $$? -eq 5 ]
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/plan_quality.py --out docs/results/plan_quality.json --markdown docs/results/plan_quality.md
 
@@ -55,4 +93,4 @@ docs-bench: bench
 	$(BIN)/python benchmarks/deepspeed_hook.py --world-size 2 4 --json --out docs/results/deepspeed_hook.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VENV_NEXT) .pytest_cache .hypothesis .mypy_cache .ruff_cache *.egg-info
