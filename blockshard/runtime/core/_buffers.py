@@ -51,8 +51,9 @@ from blockshard.runtime.core._common import CollectiveTally, DeviceStreams, Shar
 from blockshard.runtime.core._grad_sync import GradientSync, _Reduction
 from blockshard.runtime.core._param import ShardedParam, tag_managed
 
-if TYPE_CHECKING:  # [quantized]
-    from blockshard.runtime.quantized._frozen import QuantizedGroup
+if TYPE_CHECKING:
+    from blockshard.runtime.core._owners import OwnerComputed
+    from blockshard.runtime.quantized._frozen import QuantizedGroup  # [quantized]
 
 __all__ = ["ShardGroup"]
 
@@ -96,6 +97,7 @@ class ShardGroup(GradientSync):
         self._version_guard: torch.autograd._unsafe_preserve_version_counter | None = None
         self.sharded_state = ShardedState.SHARDED
         self.quantized: QuantizedGroup | None = None  # [quantized] frozen byte-group, set by fully_shard
+        self.owner_computed: OwnerComputed | None = None  # [Note: engine owner plan], set by fully_shard
         self._layout = layout
         if layout is None:  # a module without parameters of its own: nothing to gather
             if self.params:

@@ -176,10 +176,10 @@ class ShardedModule(nn.Module):
         parameters (the sharded parameters are views of the engine's buffers; a converted copy
         would be trained while the engine gathers the old buffer), and to materialize a model
         sharded on the meta device (``model.to_empty(device=...)``, [Note: meta init])."""
-        global _applying
-        if _applying:  # an enclosing sharded module's _apply has handled this subtree's groups
+        if self._bs_state().applying:  # an enclosing sharded module's _apply has handled this one's groups
             return super()._apply(fn, recurse)
-        groups = [(st, g) for st in self._states(True) for g in st.groups if g.layout is not None]
+        states = self._states(True)
+        groups = [(st, g) for st in states for g in st.groups if g.layout is not None]
         # a list's group ([Note: a list of modules]) is checked and materialized with its first
         # module's subtree (its parameters are hidden from torch in every listed module's)
         inside = {id(m) for m in self.modules()}
@@ -205,11 +205,13 @@ class ShardedModule(nn.Module):
         hidden = [(ref, ref.module._parameters[ref.attr]) for _, g in groups for sp in g.params for ref in sp.refs]
         for ref, _ in hidden:
             ref.module._parameters[ref.attr] = None
-        _applying = True
+        for st in states:  # torch's _apply recurses into them next: their groups are handled here
+            st.applying = True
         try:
             return super()._apply(fn, recurse)
         finally:
-            _applying = False
+            for st in states:
+                st.applying = False
             for ref, p in hidden:
                 ref.module._parameters[ref.attr] = p
 
@@ -219,9 +221,6 @@ class ShardedModule(nn.Module):
             "the original's buffers and collectives (its unshard() would unshard the original). Fix: "
             "deepcopy the model before fully_shard and shard the copy, or build a second model"
         )
-
-
-_applying = False  # inside the outermost ShardedModule._apply (its subtree's groups are handled)
 
 
 def _check_bool(name: str, value: object) -> None:

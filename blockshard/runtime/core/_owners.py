@@ -13,8 +13,8 @@ another plan raises on every rank. The builder may re-base a group at another te
 ([Note: tensor moves] in ``planner/_moves.py``); a rotation by whole segments is moved by the
 balancing call itself, a shift or a move here (:func:`apply_shifts`: one ``all_to_all_single`` that
 sends every element to its new rank and place, before training), so the engine runs the layouts and owners that
-``plan_model`` (``blockshard plan``) shows for the same model. The plan is kept per group in a weak registry
-(nothing outlives the group); the last balancing call of a model (its root) writes the final one.
+``plan_model`` (``blockshard plan``) shows for the same model. The plan is kept on each group
+(``ShardGroup.owner_computed``); the last balancing call of a model (its root) writes the final one.
 An optimizer finds it from a sharded piece (:func:`tensor_owners`) or for a whole model
 (:func:`owner_plan`).
 """
@@ -22,7 +22,6 @@ An optimizer finds it from a sharded piece (:func:`tensor_owners`) or for a whol
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,12 +34,14 @@ from blockshard.planner._compute import OwnerAssignment, OwnerBuilder
 from blockshard.planner._layout import GroupLayout
 from blockshard.planner._owner import unit_rows
 from blockshard.planner._plan import group_kind
+from blockshard.runtime.core._buffers import ShardGroup
 from blockshard.runtime.core._collectives import check_same_layout
 from blockshard.runtime.core._state import state_of
 from blockshard.semantics import UnitGrid
 
 __all__ = [
     "EngineOwnerBuilder",
+    "OwnerComputed",
     "TensorOwners",
     "owner_plan",
     "plan_owners",
@@ -80,24 +81,23 @@ class TensorOwners:
 
 
 @dataclass
-class _GroupOwners:
+class OwnerComputed:
+    """The owner-computed tensors of one group and their owner plan, kept on the group itself
+    (``owner_computed``): nothing outside the group holds it, nothing outlives it."""
+
     compute: dict[str, UnitGrid]  # owner-computed tensors of the group, by name in the group
     units: dict[str, tuple[tuple[int, int, int], ...]] = dataclasses.field(default_factory=dict)
     owner_hash: str = ""
 
 
-# ShardGroup -> its owner-computed tensors and their owners: weak, so it never keeps a model alive
-_REGISTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def record_compute(group: object, compute: Mapping[str, UnitGrid]) -> None:
+def record_compute(group: ShardGroup, compute: Mapping[str, UnitGrid]) -> None:
     """Note ``group``'s owner-computed tensors (their compute grids), at ``fully_shard``."""
     if compute:
-        _REGISTRY[group] = _GroupOwners(dict(compute))
+        group.owner_computed = OwnerComputed(dict(compute))
 
 
-def compute_of(group: object) -> dict[str, UnitGrid]:
-    entry = _REGISTRY.get(group)
+def compute_of(group: ShardGroup) -> dict[str, UnitGrid]:
+    entry = group.owner_computed
     return entry.compute if entry is not None else {}
 
 
@@ -258,26 +258,27 @@ def assign_owners(builder: OwnerBuilder, running: np.ndarray) -> OwnerAssignment
     return builder.finish(running)[0]
 
 
-def record_owners(groups: Sequence[tuple[str, object]], assignment: OwnerAssignment) -> str:
+def record_owners(groups: Sequence[tuple[str, ShardGroup]], assignment: OwnerAssignment) -> str:
     """Store ``assignment`` on the groups (``(prefix, group)`` pairs); return its hash."""
     digest = assignment.owner_hash()
     by_name: dict[str, list[tuple[int, int, int]]] = {}
     for t, s, n, o in unit_rows(assignment):
         by_name.setdefault(assignment.tensor_names[t], []).append((s, n, o))
     for prefix, group in groups:
-        entry = _REGISTRY.get(group)
+        entry = group.owner_computed
         if entry is not None:
             entry.units = {name: tuple(by_name.get(prefix + name, ())) for name in entry.compute}
             entry.owner_hash = digest
     return digest
 
 
-def tensor_owners(group: object, fqn: str, name: str | None = None) -> TensorOwners | None:
-    """The owner plan of tensor ``fqn`` of ``group`` (a ``ShardGroup``); ``None`` unless owner-computed."""
-    entry = _REGISTRY.get(group)
+def tensor_owners(group: ShardGroup, fqn: str, name: str | None = None) -> TensorOwners | None:
+    """The owner plan of tensor ``fqn`` of ``group``; ``None`` unless owner-computed."""
+    entry = group.owner_computed
     if entry is None or fqn not in entry.compute:
         return None
-    layout: GroupLayout = group.layout  # type: ignore[attr-defined]
+    layout = group.layout
+    assert layout is not None  # owner-computed tensors lie in a layout
     t = next(t for t in layout.tensors if t.name == fqn)
     return TensorOwners(
         name if name is not None else fqn,

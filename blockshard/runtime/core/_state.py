@@ -219,6 +219,9 @@ class ModuleState:
         self.ctx: RootContext | None = None
         self.balanced = False  # whether its layout took part in cost balancing ([Note: cost tally])
         self.order = 0  # position among fully_shard calls ([Note: cost tally] in _api.py)
+        # inside an enclosing sharded module's ``_apply`` (``model.to_empty``), which handles this
+        # state's groups (ShardedModule._apply): on the state, so two thread ranks never share it
+        self.applying = False
         # [Note: post-backward] forward calls of this step whose inputs' gradients are pending
         self._inputs_pending = 0
         self._finish_at_end = False  # a call whose inputs need no gradient: finish in the final callback
