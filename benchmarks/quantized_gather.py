@@ -123,7 +123,7 @@ def _persistent(variant: str, model: nn.Module, rank: int) -> dict:
             if any(f"{lin}." in n for lin in LINEARS):
                 held += p.numel() * p.element_size()  # this rank's piece
         return {"base_bytes": held}
-    stats = [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
+    stats = [st.buffers.quantized for m in model.modules() if (st := state_of(m)) and st.buffers.quantized]
     held = sum(q.layout.rank_bytes(rank) for q in stats)
     segment = sum(q.layout.segment_bytes for q in stats)
     constants = sum(q.stats().constant_bytes for q in stats)

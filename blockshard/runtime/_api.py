@@ -25,7 +25,7 @@ from blockshard.runtime._arguments import (
 )
 from blockshard.runtime._placement import check_shard_placements
 from blockshard.runtime.checkpoint._extra_dtypes import install_extra_state_dict_hooks
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import check_same_layout, engine_group
 from blockshard.runtime.core._dtypes import split_by_dtype
 from blockshard.runtime.core._inspect import global_shapes, group_layouts, local_buffers
@@ -34,8 +34,8 @@ from blockshard.runtime.core._optim_guard import install_optimizer_guard
 from blockshard.runtime.core._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
 from blockshard.runtime.core._param import ParamRef, ShardedParam, check_plain, managed_tag, tag_managed
 from blockshard.runtime.core._state import STATE_ATTR, ModuleState, state_of
-from blockshard.runtime.quantized._frozen import QuantizedGroup, collect_quantized
-from blockshard.runtime.quantized._gather import QuantizedGatherGroup, split_quantized_gather
+from blockshard.runtime.quantized._frozen import FrozenQuantizedBuffers, collect_quantized
+from blockshard.runtime.quantized._gather import QuantizedGatherBuffers, split_quantized_gather
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
 from blockshard.semantics._rule import call_user_semantics
 
@@ -131,8 +131,8 @@ def _build_group(
     mp_policy: Any,
     replicate_group: dist.ProcessGroup | None,
     offload: bool = False,
-    make: Callable[..., ShardGroup] = ShardGroup,
-) -> tuple[ShardGroup, list[PlanItem], frozenset[str]]:
+    make: Callable[..., ParamBuffers] = ParamBuffers,
+) -> tuple[ParamBuffers, list[PlanItem], frozenset[str]]:
     """Plan ``params`` (one dtype) and make their group: its layout checked equal on every rank."""
     layout: GroupLayout | None = None
     items: list[PlanItem] = []
@@ -233,7 +233,7 @@ def fully_shard(
     for m in modules:
         if (done := state_of(m)) is not None:
             raise ShardingError(
-                f"this {done.group.name} is already sharded: call fully_shard once per module "
+                f"this {done.buffers.name} is already sharded: call fully_shard once per module "
                 "(bottom-up: layers first, then the root)"
             )
     alignment_bytes = _check_alignment(alignment_bytes)
@@ -258,17 +258,17 @@ def fully_shard(
             "device for NCCL, and no GPU run has checked it. Fix: drop offload_policy"
         )
     name = type(module).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
-    parts: list[tuple[str | None, tuple, Callable[..., ShardGroup]]] = []
+    parts: list[tuple[str | None, tuple, Callable[..., ParamBuffers]]] = []
     if quantized_gather:  # [Note: quantized gather]: a buffer set of its own, after the dtypes' ones
         by_name = dict(zip(names, params, strict=True))
         q_part, (names, params, refs), quantizers = split_quantized_gather(
             names, params, refs, _rules(semantics, by_name)
         )
         if q_part[0]:
-            parts.append(("quantized gather", q_part, functools.partial(QuantizedGatherGroup, quantizers=quantizers)))
+            parts.append(("quantized gather", q_part, functools.partial(QuantizedGatherBuffers, quantizers=quantizers)))
         else:
             check_quantized_below(modules, semantics)
-    parts[:0] = [(None, part, ShardGroup) for part in split_by_dtype(names, params, refs)]  # [Note: mixed dtypes]
+    parts[:0] = [(None, part, ParamBuffers) for part in split_by_dtype(names, params, refs)]  # [Note: mixed dtypes]
     groups, items, owned = [], [], frozenset[str]()
     for k, (label, (d_names, d_params, d_refs), make) in enumerate(parts):
         g_name = name if k == 0 else f"{name}[{label or str(d_params[0].dtype).removeprefix('torch.')}]"
@@ -287,7 +287,7 @@ def fully_shard(
             items, owned = d_items, d_owned
     group = groups[0]
     if quantized:  # [quantized] the frozen quantized weights: a byte-group beside the float one
-        group.quantized = QuantizedGroup(name, quantized, process_group, alignment_bytes=alignment_bytes)
+        group.quantized = FrozenQuantizedBuffers(name, quantized, process_group, alignment_bytes=alignment_bytes)
     state = ModuleState(
         module,
         group,
@@ -334,32 +334,32 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
     unique = {id(st): st for m in module.modules() if (st := state_of(m)) is not None and st is not own}
     below = sorted(unique.values(), key=lambda st: st.order)
     if not below:  # a leaf: balanced by the call that shards an enclosing module
-        if compute_of(state.group):  # its own owners until then ([Note: engine owner plan])
-            plan_owners(type(module).__name__, [("", state)], EngineOwnerBuilder(state.group.world_size, {}), None)
+        if compute_of(state.buffers):  # its own owners until then ([Note: engine owner plan])
+            plan_owners(type(module).__name__, [("", state)], EngineOwnerBuilder(state.buffers.world_size, {}), None)
         return
-    process_group = state.group.process_group
+    process_group = state.buffers.process_group
     W = process_group.size()
     prefixes = {id(m): f"{p}." if p else "" for p, m in module.named_modules()}
     named = [(prefixes[id(st.module)], st) for st in below]
     builder = EngineOwnerBuilder(W, {})
     running = np.zeros(W)
     for prefix, st in named:
-        if st.balanced and st.group.layout is not None:  # balanced by an earlier call
+        if st.balanced and st.buffers.layout is not None:  # balanced by an earlier call
             builder.add_fixed(*qualified_group(st, prefix), running)
     changed = False
     for prefix, st in [*((p, st) for p, st in named if not st.balanced), ("", state)]:
         st.balanced = True
-        layout = st.group.layout
+        layout = st.buffers.layout
         if layout is None:
             continue
         q, kind, compute, costs = qualified_group(st, prefix)
         k = _rotation(q, builder.add_group(q, kind, compute, costs, running, 0.0, np.zeros(W)))
         if k:
-            st.group.relayout(rotate(layout, k), k)
-            st.group.tag_views()
+            st.buffers.relayout(rotate(layout, k), k)
+            st.buffers.tag_views()
             changed = True
     if changed:
-        hashes = ",".join(st.group.layout.layout_hash() for st in [*below, state] if st.group.layout is not None)
+        hashes = ",".join(st.buffers.layout.layout_hash() for st in [*below, state] if st.buffers.layout is not None)
         check_same_layout(f"{type(module).__name__} (balanced)", hashes, process_group)
     plan_owners(type(module).__name__, [*named, ("", state)], builder, running)
 

@@ -43,7 +43,7 @@ def train(model: nn.Module, rank: int, world: int, inputs: Callable[[int], torch
     if world:
         from blockshard.runtime.core._state import state_of
 
-        qs = [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
+        qs = [st.buffers.quantized for m in model.modules() if (st := state_of(m)) and st.buffers.quantized]
         out["held"] = sum(q.layout.rank_bytes(rank) for q in qs)
         out["total"] = sum(q.layout.total_bytes for q in qs)
         out["pieces"] = [[(p.unit_start, p.unit_stop) for p in q.layout.pieces[rank]] for q in qs]  # units

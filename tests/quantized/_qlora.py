@@ -170,13 +170,13 @@ def memory(rank: int, world: int, replicate: bool = False, **quant) -> dict:
     held = {}
     for prefix, m in model.named_modules():
         st = state_of(m)
-        if st is not None and st.group.quantized is not None:
-            held[prefix] = st.group.quantized.layout.rank_bytes(rank)
+        if st is not None and st.buffers.quantized is not None:
+            held[prefix] = st.buffers.quantized.layout.rank_bytes(rank)
     tensors = [
         t
         for _, m in model.named_modules()
-        if (st := state_of(m)) and st.group.quantized
-        for t in st.group.quantized.tensors
+        if (st := state_of(m)) and st.buffers.quantized
+        for t in st.buffers.quantized.tensors
     ]
     return {
         "held": held,

@@ -80,7 +80,7 @@ def reference(kind: str, **quant) -> dict[str, torch.Tensor]:
 def _quantized_groups(model: nn.Module) -> list:
     from blockshard.runtime.core._state import state_of
 
-    return [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
+    return [st.buffers.quantized for m in model.modules() if (st := state_of(m)) and st.buffers.quantized]
 
 
 def corrupt(model: nn.Module) -> None:

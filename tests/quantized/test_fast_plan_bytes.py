@@ -54,8 +54,8 @@ def _engine(rank: int, world: int, build, layers: str | None) -> dict:
         for layer in model.get_submodule(layers):
             blockshard.fully_shard(layer)
     blockshard.fully_shard(model)
-    held = {p: st.group.quantized.layout.rank_bytes(rank) for p, m in model.named_modules() if (st := state_of(m))
-            and st.group.quantized is not None}  # fmt: skip
+    held = {p: st.buffers.quantized.layout.rank_bytes(rank) for p, m in model.named_modules() if (st := state_of(m))
+            and st.buffers.quantized is not None}  # fmt: skip
     return {"stats": quantized_stats(model), "held": held}
 
 

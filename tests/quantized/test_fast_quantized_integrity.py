@@ -49,8 +49,8 @@ def _run(rank: int, world: int, swap: bool) -> dict:
     for layer in model.layers:
         blockshard.fully_shard(layer)
     blockshard.fully_shard(model)
-    only_quantized = [state_of(m).group.layout is None for m in model.layers]
-    float_groups = sum(state_of(m).group.layout is not None for m in (*model.layers, model))
+    only_quantized = [state_of(m).buffers.layout is None for m in model.layers]
+    float_groups = sum(state_of(m).buffers.layout is not None for m in (*model.layers, model))
     opt = torch.optim.SGD(model.adapter.parameters(), lr=0.1)
     losses, counts = [], []
     gathered, outcome = [], "no error"
@@ -62,7 +62,7 @@ def _run(rank: int, world: int, swap: bool) -> dict:
                 gathered.append(layer.weight.data.clone())
                 layer.reshard()
             loss = model(torch.ones(4, 128)).square().mean()
-            counts.append(state_of(model.layers[0]).group.tally.count)  # after forward
+            counts.append(state_of(model.layers[0]).buffers.tally.count)  # after forward
             losses.append(loss.item())
             loss.backward()
             opt.step()
@@ -107,7 +107,7 @@ def _mixed(rank: int, world: int) -> dict:
     with _inproc.serial():
         model = QuantizedStack()
     blockshard.fully_shard(model)  # one group: the float adapter and the three quantized weights
-    group = state_of(model).group
+    group = state_of(model).buffers
     model(torch.ones(4, 128))
     return {"mixed": group.layout is not None and group.quantized is not None, "count": group.tally.count}
 

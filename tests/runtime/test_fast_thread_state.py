@@ -88,7 +88,7 @@ def test_one_rank_inside_uncounted_steps_leaves_the_other_ranks_steps_counted():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with torch.no_grad():
             model(torch.ones(2, 8))  # the first forward makes the root context and its tally
-        tally = state_of(model).group.tally
+        tally = state_of(model).buffers.tally
         assert tally is not None
         if rank == 0:
             with uncounted_steps():
@@ -121,7 +121,7 @@ def test_a_groups_owner_plan_lives_on_the_group():
             model = nn.Sequential(nn.Linear(24, 24), nn.Linear(24, 24))
         blockshard.fully_shard(model, semantics="muon", policy="owner")
         plan = blockshard.runtime.owner_plan(model)
-        entry = state_of(model).group.owner_computed
+        entry = state_of(model).buffers.owner_computed
         return {"names": sorted(plan), "on_group": sorted(entry.compute) if entry else []}
 
     outs = _inproc.run_ranks(run, 2)

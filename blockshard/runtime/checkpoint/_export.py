@@ -86,7 +86,7 @@ def _rank(model: nn.Module) -> int:
     states = states_under(model)
     if not dist.is_initialized() or not states:
         return 0
-    return dist.get_rank(states[0][1].group.process_group)
+    return dist.get_rank(states[0][1].buffers.process_group)
 
 
 @torch.no_grad()
@@ -99,7 +99,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
     rank = _rank(model)
     states = states_under(model)
     _check_exportable(states)  # before any collective or file
-    groups = [(prefix, st) for prefix, st in states if st.group.layout is not None]
+    groups = [(prefix, st) for prefix, st in states if st.buffers.layout is not None]
     state = model.state_dict()
     quantized = _quantized_entries(model, states)  # [Note: quantized state dicts]
     owned = {name for name, *_ in quantized}
@@ -117,7 +117,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
     total, written = 0, set[int]()
     for file, (prefix, st) in zip(files, groups, strict=False):
         tensors = _chosen(prefix, st, set(state), written)
-        total += _stream_group(os.path.join(path, file), st.group, tensors, rank)
+        total += _stream_group(os.path.join(path, file), st.buffers, tensors, rank)
         weight_map |= dict.fromkeys(tensors, file)
     if quantized:  # bitsandbytes' serialization keys, as the unsharded model's state_dict()
         total += _stream_quantized(os.path.join(path, files[len(groups)]), quantized, rank)
@@ -138,10 +138,10 @@ def _check_exportable(states: list) -> None:
     """Raise before anything is written if a quantized weight's full entry is a tensor subclass
     (torchao ``NF4Tensor``, ``MXTensor``), which safetensors cannot hold."""
     for prefix, st in states:
-        for t in st.group.quantized.tensors if st.group.quantized is not None else ():
+        for t in st.buffers.quantized.tensors if st.buffers.quantized is not None else ():
             if t.to_full is not None:
                 raise QuantizedWeightError(
-                    f"blockshard.save_pretrained: quantized weight {join_name(prefix, t.fqn)!r} of group {st.group.name!r} is a "
+                    f"blockshard.save_pretrained: quantized weight {join_name(prefix, t.fqn)!r} of group {st.buffers.name!r} is a "
                     f"{t.format} (a tensor subclass), which safetensors cannot hold, and its library has no "
                     "safetensors serialization. Fix: save a checkpoint with blockshard.save_checkpoint (or "
                     "dcp.save(model.state_dict())), or save the adapters only (peft's save_pretrained)"
@@ -152,7 +152,7 @@ def _chosen(prefix: str, st: Any, names: set[str], written: set[int]) -> dict[st
     """A group's parameters to write by name (those in the state dict, tied ones once), in the
     order of the gathered buffer."""
     out = {}
-    for name, sp in _names(st.module, st.group.params):
+    for name, sp in _names(st.module, st.buffers.params):
         key = join_name(prefix, name)
         if key in names and id(sp) not in written:
             written.add(id(sp))
@@ -198,7 +198,7 @@ def _quantized_entries(model: nn.Module, states: list) -> list[tuple[str, Any, A
     names = _module_names(model)
     out: dict[str, tuple[str, Any, Any, StateEntry]] = {}
     for _, st in states:
-        qg = st.group.quantized
+        qg = st.buffers.quantized
         for t in qg.tensors if qg is not None else ():
             for p in _prefixes(t, names, ""):
                 out |= {p + e.name: (p + e.name, qg, t, e) for e in t.entries}

@@ -7,7 +7,7 @@ from torch import nn
 
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._state_dict import _names, load_pieces
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._state import state_of
 
@@ -21,7 +21,7 @@ def install_extra_state_dict_hooks(module: nn.Module) -> None:
     module.register_load_state_dict_pre_hook(_pre_hook)
 
 
-def _extra_groups(module: nn.Module) -> list[ShardGroup]:
+def _extra_groups(module: nn.Module) -> list[ParamBuffers]:
     st = state_of(module)
     return [] if st is None else [g for g in st.extra_groups if g.layout is not None]
 

@@ -310,7 +310,7 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
 
     groups = []
     for prefix, st in states_under(model):
-        layout = st.group.layout
+        layout = st.buffers.layout
         if layout is None:
             continue
         pieces: dict[int, list] = {i: [] for i in range(len(layout.tensors))}
@@ -338,7 +338,7 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
     return base_record("blockshard.save_checkpoint", optimizers) | {
         "groups": groups,
         "quantized_groups": [
-            _quantized_record(prefix, st) for prefix, st in states_under(model) if st.group.quantized is not None
+            _quantized_record(prefix, st) for prefix, st in states_under(model) if st.buffers.quantized is not None
         ],
     }
 
@@ -362,7 +362,7 @@ def _quantized_record(prefix: str, st: Any) -> dict:
     grid, streams, every rank's units, and every state-dict entry that holds a stream with every
     rank's piece of it (elements of the entry's dtype, as DCP saved them)."""
 
-    qg, names = st.group.quantized, _module_names(st.module)
+    qg, names = st.buffers.quantized, _module_names(st.module)
     tensors = []
     for i, t in enumerate(qg.tensors):
         held = [(r, p) for r, ps in enumerate(qg.layout.pieces) for p in ps if p.tensor == i]

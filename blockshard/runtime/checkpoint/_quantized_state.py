@@ -150,7 +150,7 @@ def full_quantized(model: nn.Module, states: list[tuple[str, Any]]) -> tuple[dic
     full: dict[str, torch.Tensor] = {}
     owned: set[str] = set()
     for _, st in states:
-        qg = st.group.quantized
+        qg = st.buffers.quantized
         if qg is None:
             continue
         for t, raw in zip(qg.tensors, qg.full_streams(), strict=True):
@@ -358,7 +358,7 @@ def full_entries_of(model: nn.Module, state: dict[str, Any], states: list[tuple[
     """``state`` (its PieceTensors gathered) with the quantized tensors' entries replaced by the
     unsharded model's (torchao's subclasses whole again; collective). Dropped values (``None``:
     a rank that keeps nothing) stay dropped."""
-    if not any(st.group.quantized is not None for _, st in states):
+    if not any(st.buffers.quantized is not None for _, st in states):
         return state
     full, owned = full_quantized(model, states)
     out: dict[str, Any] = {}

@@ -138,7 +138,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
     missing: list[str] = []
     managed: set[int] = set()
     for prefix, st in states_under(model):
-        g = st.group
+        g = st.buffers
         if g.layout is None:
             continue
         if g.device.type == "meta":

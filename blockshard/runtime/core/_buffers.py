@@ -1,4 +1,4 @@
-"""``ShardGroup``: the persistent buffers of one ``fully_shard`` call and the work on them.
+"""``ParamBuffers``: the persistent buffers of one ``fully_shard`` call and the work on them.
 
 [Note: buffers]
 Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
@@ -53,12 +53,12 @@ from blockshard.runtime.core._param import ShardedParam, tag_managed
 
 if TYPE_CHECKING:
     from blockshard.runtime.core._owners import OwnerComputed
-    from blockshard.runtime.quantized._frozen import QuantizedGroup  # [quantized]
+    from blockshard.runtime.quantized._frozen import FrozenQuantizedBuffers  # [quantized]
 
-__all__ = ["ShardGroup"]
+__all__ = ["ParamBuffers"]
 
 
-class ShardGroup(GradientSync):
+class ParamBuffers(GradientSync):
     """The buffers and collectives of one group; its :class:`ShardedState` is ``sharded_state``."""
 
     #: an extra buffer set whose parameters train, so it reduces gradients too ([Note: quantized gather])
@@ -96,7 +96,7 @@ class ShardGroup(GradientSync):
         self.offload = offload  # CPUOffloadPolicy: local shard and gradient on the host ([Note: CPU offload])
         self._version_guard: torch.autograd._unsafe_preserve_version_counter | None = None
         self.sharded_state = ShardedState.SHARDED
-        self.quantized: QuantizedGroup | None = None  # [quantized] frozen byte-group, set by fully_shard
+        self.quantized: FrozenQuantizedBuffers | None = None  # [quantized] frozen byte-group, set by fully_shard
         self.owner_computed: OwnerComputed | None = None  # [Note: engine owner plan], set by fully_shard
         self._layout = layout
         if layout is None:  # a module without parameters of its own: nothing to gather

@@ -6,7 +6,7 @@ dtypes in one group only if its *trainable* parameters share one original dtype 
 dtype): frozen ones may differ (a bf16 base model under fp32 adapters, integer tables). It then
 all-gathers them as bytes in one collective. blockshard does the same with one planned layout and
 one buffer set per dtype: the group's trainable dtype (or, if nothing is trainable, its first
-parameter's) is the *primary* buffer set, ``state.group``; each other dtype gets its own
+parameter's) is the *primary* buffer set, ``state.buffers``; each other dtype gets its own
 (``state.extra_groups``, named ``<group>[bfloat16]``...), gathered with the primary one (all
 all-gathers issued, then waited for) and resharded with it, and never reduced (it holds no
 trainable parameter). ``mp_policy``'s ``param_dtype`` applies to every floating-point buffer set,
@@ -31,7 +31,7 @@ from blockshard._errors import BlockshardError, ShardingError
 from blockshard.runtime.core._param import ParamRef
 
 if TYPE_CHECKING:
-    from blockshard.runtime.core._buffers import ShardGroup
+    from blockshard.runtime.core._buffers import ParamBuffers
 
 __all__ = ["check_trainable_dtypes", "split_by_dtype"]
 
@@ -69,7 +69,7 @@ def _mixed_message(examples: list[tuple[torch.dtype, str]]) -> str:
     )
 
 
-def check_trainable_dtypes(primary: ShardGroup, extra_groups: list[ShardGroup]) -> None:
+def check_trainable_dtypes(primary: ParamBuffers, extra_groups: list[ParamBuffers]) -> None:
     """Raise if a parameter of a non-primary dtype was unfrozen after ``fully_shard``."""
     for g in extra_groups:
         if g.trainable_extra:  # [Note: quantized gather]: trains and reduces on its own

@@ -1,4 +1,4 @@
-"""The gradient half of a ``ShardGroup``: accumulation without sync, the asynchronous
+"""The gradient half of a ``ParamBuffers``: accumulation without sync, the asynchronous
 reduce-scatter into the local gradient, and HSDP's all-reduce ([Note: buffers] in _buffers.py).
 
 [Note: HSDP]
@@ -47,8 +47,8 @@ __all__ = ["GradientSync"]
 
 
 class GradientSync:
-    """The gradient methods of :class:`~blockshard.runtime.core._buffers.ShardGroup` (its buffers and
-    flags are set by ``ShardGroup.__init__``)."""
+    """The gradient methods of :class:`~blockshard.runtime.core._buffers.ParamBuffers` (its buffers and
+    flags are set by ``ParamBuffers.__init__``)."""
 
     name: str
     params: list[ShardedParam]
@@ -75,7 +75,7 @@ class GradientSync:
     _reduction: _Reduction | None
 
     @property
-    def described(self) -> str:  # ShardGroup's: its name and path, for messages
+    def described(self) -> str:  # ParamBuffers's: its name and path, for messages
         raise NotImplementedError
 
     def grad_buffer(self) -> torch.Tensor | None:

@@ -3,7 +3,7 @@
 [Note: meta init]
 A model too large for one rank is built under ``torch.device("meta")`` (no storage), sharded,
 then materialized: ``model.to_empty(device=...)`` gives every group real, uninitialized local
-buffers (``ShardGroup.materialize``; nothing else is allocated), and
+buffers (``ParamBuffers.materialize``; nothing else is allocated), and
 :func:`init_parameters` fills them. It visits ``model.modules()`` in order, as
 ``for m in model.modules(): m.reset_parameters()`` on the unsharded model does, and calls
 ``init(m)`` (default: ``m.reset_parameters()`` for modules with parameters of their own) on *full*
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from blockshard._errors import ShardingError
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._state import state_of
 
@@ -53,11 +53,11 @@ def init_parameters(
         raise ShardingError(f"order={order!r} must be 'modules' (model.modules()) or 'apply' (model.apply(init))")
     run = init or _reset
     visit = list(model.modules()) if order == "modules" else list(_post_order(model))
-    groups: list[ShardGroup] = []
-    owner: dict[int, list[ShardGroup]] = {}  # a module's parameters may lie in several ([Note: mixed dtypes])
+    groups: list[ParamBuffers] = []
+    owner: dict[int, list[ParamBuffers]] = {}  # a module's parameters may lie in several ([Note: mixed dtypes])
     for m in model.modules():
         st = state_of(m)
-        for g in st.groups if st is not None else []:
+        for g in st.buffer_sets if st is not None else []:
             if g.layout is None or any(g is seen for seen in groups):
                 continue  # a list's group is met at each of its modules
             groups.append(g)
@@ -79,7 +79,7 @@ def init_parameters(
     for m in visit:
         for g in owner.get(id(m), []):
             remaining[id(g)] = remaining.get(id(g), 0) + 1
-    opened: dict[int, ShardGroup] = {}
+    opened: dict[int, ParamBuffers] = {}
     try:
         for m in visit:
             mine = owner.get(id(m), [])
@@ -107,7 +107,7 @@ def _post_order(module: nn.Module):
     yield module
 
 
-def _open(group: ShardGroup) -> None:
+def _open(group: ParamBuffers) -> None:
     group._alloc_gathered()
     for lo, hi in group._holes:
         group.gathered[lo:hi].zero_()
@@ -115,7 +115,7 @@ def _open(group: ShardGroup) -> None:
         sp.set_module_params(sp.unsharded)
 
 
-def _close(group: ShardGroup) -> None:
+def _close(group: ParamBuffers) -> None:
     layout, W, r = group.layout, group.world_size, group.rank
     assert layout is not None
     for sp in group.params:

@@ -66,7 +66,7 @@ class ShardedModule(nn.Module):
         if not isinstance(requires_gradient_sync, bool):
             raise ShardingError(f"requires_gradient_sync={requires_gradient_sync!r} must be True or False")
         for st in self._states(recurse):
-            for g in st.groups:  # a quantized-gather buffer set reduces too ([Note: quantized gather])
+            for g in st.buffer_sets:  # a quantized-gather buffer set reduces too ([Note: quantized gather])
                 g.requires_gradient_sync = requires_gradient_sync
 
     # -- FSDP2's controls -------------------------------------------------------------------------
@@ -87,7 +87,7 @@ class ShardedModule(nn.Module):
         group's parameters reshards it first, so the next forward gathers the new values."""
         _check_bool("reshard_after_backward", reshard_after_backward)
         for st in self._states(recurse):
-            for g in st.groups:  # every buffer set of a mixed-dtype group ([Note: mixed dtypes])
+            for g in st.buffer_sets:  # every buffer set of a mixed-dtype group ([Note: mixed dtypes])
                 g.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
@@ -113,7 +113,7 @@ class ShardedModule(nn.Module):
         in _grad_sync.py). Without a replicate axis there is nothing to skip."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         for st in self._states(recurse):
-            for g in st.groups:
+            for g in st.buffer_sets:
                 g.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -128,7 +128,7 @@ class ShardedModule(nn.Module):
                 f"set_gradient_divide_factor(factor={factor!r}): factor must be a finite number > 0 (the gradients "
                 "are summed over the ranks, then divided by it; the default divides by the world size)"
             )
-        for g in self._bs_state().groups:
+        for g in self._bs_state().buffer_sets:
             g.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -165,7 +165,7 @@ class ShardedModule(nn.Module):
         state = self._bs_state()
         if state.ctx is not None and not state.is_root:
             raise ShardingError(
-                f"reset_iter_state() on {state.group.name!r}, which is not the root: call it on the module "
+                f"reset_iter_state() on {state.buffers.name!r}, which is not the root: call it on the module "
                 "fully_shard was applied to last (the one whose forward runs first)"
             )
         if state.ctx is not None:
@@ -179,7 +179,7 @@ class ShardedModule(nn.Module):
         if self._bs_state().applying:  # an enclosing sharded module's _apply has handled this one's groups
             return super()._apply(fn, recurse)
         states = self._states(True)
-        groups = [(st, g) for st in states for g in st.groups if g.layout is not None]
+        groups = [(st, g) for st in states for g in st.buffer_sets if g.layout is not None]
         # a list's group ([Note: a list of modules]) is checked and materialized with its first
         # module's subtree (its parameters are hidden from torch in every listed module's)
         inside = {id(m) for m in self.modules()}
@@ -217,7 +217,7 @@ class ShardedModule(nn.Module):
 
     def __deepcopy__(self, memo: dict) -> NoReturn:
         raise ShardingError(
-            f"copy.deepcopy of a sharded {self._bs_state().group.name} is not supported: the copy would share "
+            f"copy.deepcopy of a sharded {self._bs_state().buffers.name} is not supported: the copy would share "
             "the original's buffers and collectives (its unshard() would unshard the original). Fix: "
             "deepcopy the model before fully_shard and shard the copy, or build a second model"
         )

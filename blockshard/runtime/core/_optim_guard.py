@@ -147,6 +147,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
             if tag is not None and tag.group is not None:
                 groups.setdefault(id(tag.group), tag.group)
                 if _whole_unit_optimizer(optimizer):
-                    ref = cast(Callable[[], Any], tag.group)  # a weakref.ref to the ShardGroup
+                    ref = cast(Callable[[], Any], tag.group)  # a weakref.ref to the ParamBuffers
                     _check_not_cut(optimizer, p, ref(), names[j] if names is not None else None)
     return tuple(groups.values())

@@ -14,7 +14,7 @@ another plan raises on every rank. The builder may re-base a group at another te
 balancing call itself, a shift or a move here (:func:`apply_shifts`: one ``all_to_all_single`` that
 sends every element to its new rank and place, before training), so the engine runs the layouts and owners that
 ``plan_model`` (``blockshard plan``) shows for the same model. The plan is kept on each group
-(``ShardGroup.owner_computed``); the last balancing call of a model (its root) writes the final one.
+(``ParamBuffers.owner_computed``); the last balancing call of a model (its root) writes the final one.
 An optimizer finds it from a sharded piece (:func:`tensor_owners`) or for a whole model
 (:func:`owner_plan`).
 """
@@ -34,7 +34,7 @@ from blockshard.planner._compute import OwnerAssignment, OwnerBuilder
 from blockshard.planner._layout import GroupLayout
 from blockshard.planner._owner import unit_rows
 from blockshard.planner._plan import group_kind
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import check_same_layout
 from blockshard.runtime.core._state import state_of
 from blockshard.semantics import UnitGrid
@@ -90,13 +90,13 @@ class OwnerComputed:
     owner_hash: str = ""
 
 
-def record_compute(group: ShardGroup, compute: Mapping[str, UnitGrid]) -> None:
+def record_compute(group: ParamBuffers, compute: Mapping[str, UnitGrid]) -> None:
     """Note ``group``'s owner-computed tensors (their compute grids), at ``fully_shard``."""
     if compute:
         group.owner_computed = OwnerComputed(dict(compute))
 
 
-def compute_of(group: ShardGroup) -> dict[str, UnitGrid]:
+def compute_of(group: ParamBuffers) -> dict[str, UnitGrid]:
     entry = group.owner_computed
     return entry.compute if entry is not None else {}
 
@@ -144,9 +144,9 @@ def qualified(layout: GroupLayout, prefix: str) -> GroupLayout:
 
 def qualified_group(st: Any, prefix: str) -> tuple[GroupLayout, str, dict, dict[str, float]]:
     """A group's state as the owner builder sees it: tensor names prefixed by its module's path."""
-    layout = st.group.layout
-    compute = {prefix + n: g for n, g in compute_of(st.group).items()}
-    costs = {prefix + n: c for n, c in st.group.costs.items()}
+    layout = st.buffers.layout
+    compute = {prefix + n: g for n, g in compute_of(st.buffers).items()}
+    costs = {prefix + n: c for n, c in st.buffers.costs.items()}
     return qualified(layout, prefix), group_kind(prefix.rstrip(".")), compute, costs
 
 
@@ -161,7 +161,7 @@ def apply_shifts(what: str, named: Sequence[tuple[str, Any]], builder: EngineOwn
     the new layout gives it."""
     moved = []
     for prefix, st in named:
-        layout = st.group.layout
+        layout = st.buffers.layout
         target = builder.shifted.pop(_key(qualified(layout, prefix)), None) if layout is not None else None
         if target is None:
             continue
@@ -169,16 +169,16 @@ def apply_shifts(what: str, named: Sequence[tuple[str, Any]], builder: EngineOwn
             target, tensors=tuple(dataclasses.replace(t, name=t.name[len(prefix) :]) for t in target.tensors)
         )
         assert len(layout.buckets) == 1 and new.buckets == layout.buckets, what  # one bucket, same segment
-        local = st.group.local
+        local = st.buffers.local
         if local.device.type != "meta":
-            pg = st.group.process_group
+            pg = st.buffers.process_group
             local.copy_(moved_values(local, layout, new, pg.rank(), pg))
-        st.group.relayout(new, 0)  # the values moved above; new parameter objects over them
-        st.group.tag_views()
+        st.buffers.relayout(new, 0)  # the values moved above; new parameter objects over them
+        st.buffers.tag_views()
         moved.append(new.layout_hash())
     assert not builder.shifted, sorted(builder.shifted)  # every shifted group was among ``named``
     if moved:
-        check_same_layout(f"{what} (shifted)", ",".join(moved), named[-1][1].group.process_group)
+        check_same_layout(f"{what} (shifted)", ",".join(moved), named[-1][1].buffers.process_group)
 
 
 def move_lists(old: GroupLayout, new: GroupLayout, rank: int) -> tuple[list, list, list, list]:
@@ -242,15 +242,15 @@ def plan_owners(
     on the groups and checked across ranks, after moving the groups the builder re-based
     (:func:`apply_shifts`). No-op without owner-computed tensors."""
     apply_shifts(what, named, builder)
-    if not any(compute_of(st.group) for _, st in named):
+    if not any(compute_of(st.buffers) for _, st in named):
         return
     if running is None:
         running = np.zeros(builder.world_size)
         for prefix, st in named:
-            if st.group.layout is not None:
+            if st.buffers.layout is not None:
                 builder.add_fixed(*qualified_group(st, prefix), running)
-    digest = record_owners([(p, st.group) for p, st in named], assign_owners(builder, running))
-    check_same_layout(f"{what} (owner plan)", digest, named[-1][1].group.process_group)
+    digest = record_owners([(p, st.buffers) for p, st in named], assign_owners(builder, running))
+    check_same_layout(f"{what} (owner plan)", digest, named[-1][1].buffers.process_group)
 
 
 def assign_owners(builder: OwnerBuilder, running: np.ndarray) -> OwnerAssignment:
@@ -258,7 +258,7 @@ def assign_owners(builder: OwnerBuilder, running: np.ndarray) -> OwnerAssignment
     return builder.finish(running)[0]
 
 
-def record_owners(groups: Sequence[tuple[str, ShardGroup]], assignment: OwnerAssignment) -> str:
+def record_owners(groups: Sequence[tuple[str, ParamBuffers]], assignment: OwnerAssignment) -> str:
     """Store ``assignment`` on the groups (``(prefix, group)`` pairs); return its hash."""
     digest = assignment.owner_hash()
     by_name: dict[str, list[tuple[int, int, int]]] = {}
@@ -272,7 +272,7 @@ def record_owners(groups: Sequence[tuple[str, ShardGroup]], assignment: OwnerAss
     return digest
 
 
-def tensor_owners(group: ShardGroup, fqn: str, name: str | None = None) -> TensorOwners | None:
+def tensor_owners(group: ParamBuffers, fqn: str, name: str | None = None) -> TensorOwners | None:
     """The owner plan of tensor ``fqn`` of ``group``; ``None`` unless owner-computed."""
     entry = group.owner_computed
     if entry is None or fqn not in entry.compute:
@@ -300,9 +300,9 @@ def owner_plan(model: object) -> dict[str, TensorOwners]:
         st = state_of(m)
         if st is None:
             continue
-        for fqn in compute_of(st.group):
+        for fqn in compute_of(st.buffers):
             name = f"{prefix}.{fqn}" if prefix else fqn
-            found = tensor_owners(st.group, fqn, name)
+            found = tensor_owners(st.buffers, fqn, name)
             if found is not None:
                 out[name] = found
     return out

@@ -36,7 +36,7 @@ class ManagedTag:
     original: bool  # True: a parameter that sharding replaced by its local piece
     # for a local piece: the process group it is sharded over (None: a full view or an original)
     process_group: object = None
-    # for a local piece: a weak reference to its ShardGroup (weak: a tag never keeps a model alive)
+    # for a local piece: a weak reference to its ParamBuffers (weak: a tag never keeps a model alive)
     group: object = None
 
 

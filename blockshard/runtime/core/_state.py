@@ -57,7 +57,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from blockshard._errors import CollectiveIntegrityError
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import all_gather_into, holds_copies, note_step, step_mismatch, wait
 from blockshard.runtime.core._common import CollectiveTally, TrainingState, eager, expect, in_backward, tensors_in
 from blockshard.runtime.core._dtypes import check_trainable_dtypes
@@ -84,7 +84,7 @@ class RootContext:
     last_index: dict[int, int] = field(default_factory=dict)  # id(state) -> position in last_order
     callback_queued: bool = False
     tally: CollectiveTally = field(default_factory=CollectiveTally)
-    reducing: list[ShardGroup] = field(default_factory=list)  # reduce-scatters in flight, oldest first
+    reducing: list[ParamBuffers] = field(default_factory=list)  # reduce-scatters in flight, oldest first
 
     def finish_reductions(self) -> None:
         """Wait for the reduce-scatters in flight and set their gradients ([Note: async reduce-scatter])."""
@@ -111,7 +111,7 @@ class RootContext:
             if st.training_state is TrainingState.PRE_BACKWARD:
                 st.finish_backward()  # gradients that never all arrived (unused parameters)
             st._to_run, st._backward_follows = set(), False
-            if st.group.reshard_after_backward:
+            if st.buffers.reshard_after_backward:
                 st.reshard()
             st.training_state = TrainingState.IDLE
             st._inputs_pending, st._finish_at_end = 0, False
@@ -124,10 +124,10 @@ class RootContext:
         the same collectives (count and order), at the same step, with the same trainable
         parameters, and every rank that steps an optimizer must have stepped as often; else every
         rank raises before the optimizer step uses the gradients."""
-        tally, group = self.tally, self.states[0].group
+        tally, group = self.tally, self.states[0].buffers
         trainable = 0
         for st in self.states:
-            for sp in (sp for g in st.groups for sp in g.params):  # every buffer set's flags
+            for sp in (sp for g in st.buffer_sets for sp in g.params):  # every buffer set's flags
                 trainable = (trainable * 3 + 1 + sp.sharded.requires_grad) % CollectiveTally._MOD
         pg, W = group.process_group, group.world_size
         tally.steps += 1
@@ -140,7 +140,7 @@ class RootContext:
         # one all-reduce (MAX) of the fields and their negatives gives every field's max and min;
         # a rank that never stepped an optimizer (it holds nothing to step) is left out of the min
         lows = fields[:-1] + [fields[-1] or _NEVER]
-        device = next((st.group.device for st in self.states if st.group.layout is not None), None)
+        device = next((st.buffers.device for st in self.states if st.buffers.layout is not None), None)
         extremes = torch.tensor(fields + [-v for v in lows], dtype=torch.int64, device=device)  # NCCL: on the GPU
         wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg, async_op=True), what, pg)
         tally.reset()
@@ -186,22 +186,22 @@ class ModuleState:
     def __init__(
         self,
         module: nn.Module,
-        group: ShardGroup,
+        group: ParamBuffers,
         *,
         reshard_after_forward: bool | None,
         param_dtype: torch.dtype | None = None,
         output_dtype: torch.dtype | None = None,
         cast_forward_inputs: bool = True,
         modules: tuple[nn.Module, ...] | None = None,
-        extra_groups: list[ShardGroup] | None = None,
+        extra_groups: list[ParamBuffers] | None = None,
     ) -> None:
         # [Note: a list of modules] ``modules``: those the group's hooks are on (``fully_shard([a, b])``);
         # ``module``: the one its tensor names are relative to (for a list, their lowest common
         # ancestor once known, see _list_groups.py)
-        self.module, self.group = module, group
+        self.module, self.buffers = module, group
         # [Note: mixed dtypes] the buffer sets of the group's other dtypes (frozen parameters)
-        self.extra_groups: list[ShardGroup] = list(extra_groups or [])
-        self.groups: list[ShardGroup] = [group, *self.extra_groups]
+        self.extra_groups: list[ParamBuffers] = list(extra_groups or [])
+        self.buffer_sets: list[ParamBuffers] = [group, *self.extra_groups]
         self.modules: tuple[nn.Module, ...] = modules or (module,)
         self._to_run: set[int] = set()  # ids of this pass's modules that have not run forward yet
         self._backward_follows = False  # some module of this pass hooked its outputs for backward
@@ -245,14 +245,14 @@ class ModuleState:
                 if st is not None and id(st) not in seen:
                     seen.add(id(st))
                     st.ctx, st.is_root = ctx, st is self
-                    for g in st.groups:
-                        g.path, g.tally, g.tally_index = path, ctx.tally, sum(len(o.groups) for o in ctx.states)
+                    for g in st.buffer_sets:
+                        g.path, g.tally, g.tally_index = path, ctx.tally, sum(len(o.buffer_sets) for o in ctx.states)
                     ctx.states.append(st)
         return ctx
 
     def _context(self) -> RootContext:
         if self.ctx is None:
-            raise AssertionError(f"group {self.group.name!r} runs before its root initialized it")
+            raise AssertionError(f"group {self.buffers.name!r} runs before its root initialized it")
         return self.ctx
 
     def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -280,11 +280,11 @@ class ModuleState:
         if self.is_root:
             self._reset_if_interrupted(ctx)
             ctx.remember_order()
-        expect(f"pre-forward of group {self.group.name!r}", self.training_state, TrainingState.IDLE)
-        for g in self.groups:
+        expect(f"pre-forward of group {self.buffers.name!r}", self.training_state, TrainingState.IDLE)
+        for g in self.buffer_sets:
             g.check_registered()
             g.check_materialized()  # FSDP2: "should be materialized from meta device before training"
-        check_trainable_dtypes(self.group, self.extra_groups)  # [Note: mixed dtypes]
+        check_trainable_dtypes(self.buffers, self.extra_groups)  # [Note: mixed dtypes]
         self.training_state = TrainingState.FORWARD
         self._to_run = {id(m) for m in self.modules}
         ctx.forward_order.append(self)
@@ -297,24 +297,24 @@ class ModuleState:
 
     def unshard(self, *, async_op: bool = False) -> None:
         """All-gather every buffer set of the group (issued together, then waited for)."""
-        for g in self.groups:
+        for g in self.buffer_sets:
             g.unshard(async_op=True)
         if not async_op:
-            for g in self.groups:
+            for g in self.buffer_sets:
                 g.wait_unshard()
 
     def wait_unshard(self) -> None:
-        for g in self.groups:
+        for g in self.buffer_sets:
             g.wait_unshard()
 
     @property
-    def reducing_groups(self) -> list[ShardGroup]:
+    def reducing_groups(self) -> list[ParamBuffers]:
         """The primary buffer set and the trainable quantized-gather ones ([Note: quantized gather])."""
         extra = [g for g in self.extra_groups if g.trainable_extra and any(sp.sharded.requires_grad for sp in g.params)]
-        return [self.group, *extra]
+        return [self.buffers, *extra]
 
     def reshard(self) -> None:
-        for g in self.groups:
+        for g in self.buffer_sets:
             g.reshard()
 
     def _hook_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -360,7 +360,7 @@ class ModuleState:
         """Every group resharded, every state IDLE, partial gradients and the tally dropped
         (``reset_iter_state()``, and the next forward after an interrupted step)."""
         for st in ctx.states:
-            for g in st.groups:
+            for g in st.buffer_sets:
                 for sp in g.params:
                     sp.unsharded.grad, sp.accumulated = None, None
                 g._partial = None  # HSDP outputs not all-reduced yet: lost with the step
@@ -378,7 +378,7 @@ class ModuleState:
             if self.training_state is TrainingState.IDLE:
                 self._hook_outputs(output)  # a reentrant checkpoint backpropagates through these
         else:
-            expect(f"post-forward of group {self.group.name!r}", self.training_state, TrainingState.FORWARD)
+            expect(f"post-forward of group {self.buffers.name!r}", self.training_state, TrainingState.FORWARD)
             self._backward_follows |= self._hook_outputs(output)
             if not self.method_depth:  # a forward nested in a registered method: the method finishes
                 self._to_run.discard(id(module))
@@ -424,17 +424,17 @@ class ModuleState:
         for prev in earlier:
             prev.unshard(async_op=True)
         for prev in earlier:  # gloo: not in flight during this backward ([Note: gloo's copies])
-            if any(holds_copies(g.process_group, g.device) for g in prev.groups if g.layout is not None):
+            if any(holds_copies(g.process_group, g.device) for g in prev.buffer_sets if g.layout is not None):
                 prev.wait_unshard()
 
     def finish_backward(self) -> None:
         """All gradients are in: reshard, then issue the reduce-scatter unless accumulating
         without sync ([Note: async reduce-scatter])."""
-        expect(f"post-backward of group {self.group.name!r}", self.training_state, TrainingState.PRE_BACKWARD)
+        expect(f"post-backward of group {self.buffers.name!r}", self.training_state, TrainingState.PRE_BACKWARD)
         self.training_state = TrainingState.POST_BACKWARD
-        if self.group.reshard_after_backward:
+        if self.buffers.reshard_after_backward:
             self.reshard()  # free the gathered parameters before the reduce-scatter needs its output
-        if not self.group.requires_gradient_sync:
+        if not self.buffers.requires_gradient_sync:
             for g in self.reducing_groups:
                 g.accumulate_grads()
             return

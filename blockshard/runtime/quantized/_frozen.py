@@ -1,7 +1,7 @@
-"""``QuantizedGroup``: the frozen quantized weights of one ``fully_shard`` call, sharded as bytes.
+"""``FrozenQuantizedBuffers``: the frozen quantized weights of one ``fully_shard`` call, sharded as bytes.
 
 [Note: quantized groups]
-Beside its float :class:`~blockshard.runtime.core._buffers.ShardGroup`, a ``fully_shard`` call gives the
+Beside its float :class:`~blockshard.runtime.core._buffers.ParamBuffers`, a ``fully_shard`` call gives the
 frozen quantized weights of its module (bitsandbytes ``Params4bit``, torchao ``NF4Tensor`` and ``MXTensor``; see
 ``_tensor.py`` for the format adapters) their own group, laid out by whole quantization units
 ([Note: quantized layout] in ``_layout.py``):
@@ -13,7 +13,7 @@ frozen quantized weights of its module (bitsandbytes ``Params4bit``, torchao ``N
     (a ``Params4bit`` with its quant state) is what the module holds during forward and backward.
     They are the same objects every step, so autograd's saved references (``MatMul4Bit`` keeps the
     weight for the input gradient) stay valid and are refilled by the pre-backward unshard.
-The ShardGroup drives it: its unshard issues this all-gather (async, so prefetch covers it), its
+The ParamBuffers drives it: its unshard issues this all-gather (async, so prefetch covers it), its
 wait finishes it, its reshard frees it. Between forwards the module holds a frozen ``uint8``
 parameter viewing this rank's payload bytes of the tensor (empty where the rank holds none).
 No gradients, no reduce-scatter, no optimizer state: these weights never change.
@@ -39,7 +39,7 @@ from blockshard.runtime.quantized._layout import QuantizedLayout, QuantizedPiece
 from blockshard.runtime.quantized._mx import is_mx, mx_tensor
 from blockshard.runtime.quantized._tensor import QuantizedTensor
 
-__all__ = ["Found", "QuantizedGroup", "QuantizedStats", "collect_quantized", "quantized_stats"]
+__all__ = ["Found", "FrozenQuantizedBuffers", "QuantizedStats", "collect_quantized", "quantized_stats"]
 
 
 def _adapter(param: nn.Parameter) -> Callable[..., QuantizedTensor] | None:
@@ -120,7 +120,7 @@ class QuantizedStats:
     numel: int  # quantized values
 
 
-class QuantizedGroup:
+class FrozenQuantizedBuffers:
     """The byte segment and the all-gather of a group's quantized weights ([Note: quantized groups])."""
 
     def __init__(
@@ -269,6 +269,6 @@ def quantized_stats(model: nn.Module) -> dict[str, QuantizedStats]:
     out = {}
     for prefix, m in model.named_modules():
         st = state_of(m)
-        if st is not None and st.group.quantized is not None:
-            out[prefix] = st.group.quantized.stats()
+        if st is not None and st.buffers.quantized is not None:
+            out[prefix] = st.buffers.quantized.stats()
     return out

@@ -40,17 +40,17 @@ from torch import nn
 
 from blockshard._errors import QuantizedWeightError
 from blockshard.planner import GroupLayout
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import all_gather_into, wait
 from blockshard.runtime.core._common import ShardedState
-from blockshard.runtime.core._inspect import GroupView, states_under
+from blockshard.runtime.core._inspect import BuffersView, states_under
 from blockshard.runtime.core._param import ParamRef, ShardedParam
 from blockshard.runtime.quantized._frozen import QuantizedStats
 from blockshard.runtime.quantized._tile_quant import TileQuantizer, tile_quantizer
 from blockshard.semantics import SemanticsRules, TensorSpec
 from blockshard.semantics._quantizers import MX, FP8Block
 
-__all__ = ["QuantizedGatherGroup", "precompute_quantized_gather", "quantized_gather_stats", "split_quantized_gather"]
+__all__ = ["QuantizedGatherBuffers", "precompute_quantized_gather", "quantized_gather_stats", "split_quantized_gather"]
 
 _ALIGN = 16  # bytes: every stream starts here (an fp32 view of the scales needs 4)
 
@@ -134,7 +134,7 @@ def plan_payload(
     return plans, max(_ALIGN, *sizes)
 
 
-class QuantizedGatherGroup(ShardGroup):
+class QuantizedGatherBuffers(ParamBuffers):
     """A buffer set whose unshard all-gathers its pieces quantized ([Note: quantized gather])."""
 
     trainable_extra = True  # an extra buffer set that trains and reduces ([Note: mixed dtypes])
@@ -192,7 +192,7 @@ class QuantizedGatherGroup(ShardGroup):
 
     # -- all-gather -------------------------------------------------------------------------------
     def unshard(self, *, async_op: bool = False) -> None:
-        """As :meth:`ShardGroup.unshard`, but one all-gather of the quantized segments."""
+        """As :meth:`ParamBuffers.unshard`, but one all-gather of the quantized segments."""
         if self.sharded_state is not ShardedState.SHARDED or self.layout is None:
             super().unshard(async_op=async_op)
             return
@@ -258,13 +258,13 @@ class QuantizedGatherGroup(ShardGroup):
         return QuantizedStats(self.segment_bytes, self.world_size * self.segment_bytes, total, 0, numel)
 
 
-def _groups(model: nn.Module) -> list[tuple[str, QuantizedGatherGroup]]:
+def _groups(model: nn.Module) -> list[tuple[str, QuantizedGatherBuffers]]:
     """Every quantized-gather buffer set under ``model``, with the path its names are relative to."""
 
     return [
-        (prefix, st.group)
+        (prefix, st.buffers)
         for prefix, st in states_under(model)
-        if isinstance(st, GroupView) and isinstance(st.group, QuantizedGatherGroup)
+        if isinstance(st, BuffersView) and isinstance(st.buffers, QuantizedGatherBuffers)
     ]
 
 
