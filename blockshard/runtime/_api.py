@@ -25,6 +25,7 @@ from blockshard.runtime._arguments import (
 )
 from blockshard.runtime._placement import check_shard_placements
 from blockshard.runtime.checkpoint._extra_dtypes import install_extra_state_dict_hooks
+from blockshard.runtime.core._buffer_set import BufferSet, GroupControls
 from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import check_same_layout, engine_group
 from blockshard.runtime.core._dtypes import split_by_dtype
@@ -130,6 +131,8 @@ def _build_group(
     alignment_bytes: int,
     mp_policy: Any,
     replicate_group: dist.ProcessGroup | None,
+    controls: GroupControls,
+    trainable: bool,
     offload: bool = False,
     make: Callable[..., ParamBuffers] = ParamBuffers,
 ) -> tuple[ParamBuffers, list[PlanItem], frozenset[str]]:
@@ -162,7 +165,9 @@ def _build_group(
         costs={it.name: it.cost for it in items},
         param_dtype=getattr(mp_policy, "param_dtype", None),
         reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
+        controls=controls,
         replicate_group=replicate_group,
+        trainable=trainable,
         offload=offload,
     )
     return group, items, owned
@@ -244,7 +249,9 @@ def fully_shard(
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_routes()  # clip_grad_norm_, register_fsdp_forward_method, DCP's state-dict helpers ([Note: torch routes])
     ignored = ignored_ids(ignored_params)
-    quantized = [f for m in modules for f in collect_quantized(m, ignored, is_sharded)]  # [Note: quantized groups]
+    quantized = [
+        f for m in modules for f in collect_quantized(m, ignored, is_sharded)
+    ]  # [Note: frozen quantized buffers]
     names, params, refs = collect_all(modules, ignored | {i for f in quantized for i in f.ids})
     _check_params(names, params)
     if shard_placement_fn is not None:  # checked as FSDP2 does; the layout follows semantics ([Note: shard placements])
@@ -258,23 +265,29 @@ def fully_shard(
             "device for NCCL, and no GPU run has checked it. Fix: drop offload_policy"
         )
     name = type(module).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
-    parts: list[tuple[str | None, tuple, Callable[..., ParamBuffers]]] = []
+    # (name suffix, parameters, buffer set class, whether they may train) per buffer set
+    parts: list[tuple[str | None, tuple, Callable[..., ParamBuffers], bool]] = []
     if quantized_gather:  # [Note: quantized gather]: a buffer set of its own, after the dtypes' ones
         by_name = dict(zip(names, params, strict=True))
         q_part, (names, params, refs), quantizers = split_quantized_gather(
             names, params, refs, _rules(semantics, by_name)
         )
         if q_part[0]:
-            parts.append(("quantized gather", q_part, functools.partial(QuantizedGatherBuffers, quantizers=quantizers)))
+            qgather = functools.partial(QuantizedGatherBuffers, quantizers=quantizers)
+            parts.append(("quantized gather", q_part, qgather, True))
         else:
             check_quantized_below(modules, semantics)
-    parts[:0] = [(None, part, ParamBuffers) for part in split_by_dtype(names, params, refs)]  # [Note: mixed dtypes]
-    groups, items, owned = [], [], frozenset[str]()
-    for k, (label, (d_names, d_params, d_refs), make) in enumerate(parts):
+    dtypes = split_by_dtype(names, params, refs)  # [Note: mixed dtypes]: the primary first, the others frozen
+    parts[:0] = [(None, part, ParamBuffers, k == 0) for k, part in enumerate(dtypes)]
+    controls = GroupControls()  # FSDP2's controls of this group, shared by its state and buffer sets
+    groups: list[ParamBuffers] = []
+    items, owned = [], frozenset[str]()
+    for k, (label, (d_names, d_params, d_refs), make, trainable) in enumerate(parts):
         g_name = name if k == 0 else f"{name}[{label or str(d_params[0].dtype).removeprefix('torch.')}]"
         group, d_items, d_owned = _build_group(
             g_name, d_names, d_params, d_refs, semantics, process_group, policy, alignment_bytes,
-            mp_policy if k == 0 or d_params[0].is_floating_point() else None, replicate_group, offload, make,
+            mp_policy if k == 0 or d_params[0].is_floating_point() else None, replicate_group, controls,
+            trainable, offload, make,
         )  # fmt: skip
         if d_owned and (len(modules) > 1 or k > 0):
             raise ShardingError(
@@ -286,8 +299,9 @@ def fully_shard(
         if k == 0:
             items, owned = d_items, d_owned
     group = groups[0]
-    if quantized:  # [quantized] the frozen quantized weights: a byte-group beside the float one
-        group.quantized = FrozenQuantizedBuffers(name, quantized, process_group, alignment_bytes=alignment_bytes)
+    buffer_sets: list[BufferSet] = [*groups]  # [Note: buffer sets]: frozen quantized weights first
+    if quantized:
+        buffer_sets.insert(0, FrozenQuantizedBuffers(name, quantized, process_group, alignment_bytes=alignment_bytes))
     state = ModuleState(
         module,
         group,
@@ -296,7 +310,7 @@ def fully_shard(
         output_dtype=getattr(mp_policy, "output_dtype", None),
         cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),
         modules=modules,
-        extra_groups=groups[1:],
+        buffer_sets=buffer_sets,
     )
     state.order = next(_ORDER)  # see [Note: cost tally]
     record_compute(group, {it.name: it.grid for it in items if it.name in owned})

@@ -210,7 +210,7 @@ def _qgroup(module: nn.Module):
     from blockshard.runtime.quantized._gather import QuantizedGatherBuffers
 
     st = state_of(module)
-    return next(g for g in st.extra_groups if isinstance(g, QuantizedGatherBuffers))
+    return next(g for g in st.buffer_sets if isinstance(g, QuantizedGatherBuffers))
 
 
 def accumulate_clip_checkpoint(rank: int, world: int, path: str = "") -> dict:

@@ -40,7 +40,8 @@ from blockshard.planner._qgather import gather_group_name
 from blockshard.planner._quantized import plan_quantized_group
 from blockshard.runtime import group_layouts, quantized_stats
 from blockshard.runtime.core._state import state_of
-from blockshard.runtime.quantized._gather import _groups as gather_groups
+from blockshard.runtime.quantized._frozen import frozen_buffers
+from blockshard.runtime.quantized._gather import _gather_sets as gather_sets
 from blockshard.semantics import TensorSpec
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,8 +55,8 @@ def _engine(rank: int, world: int, build, layers: str | None) -> dict:
         for layer in model.get_submodule(layers):
             blockshard.fully_shard(layer)
     blockshard.fully_shard(model)
-    held = {p: st.buffers.quantized.layout.rank_bytes(rank) for p, m in model.named_modules() if (st := state_of(m))
-            and st.buffers.quantized is not None}  # fmt: skip
+    held = {p: frozen_buffers(st).layout.rank_bytes(rank) for p, m in model.named_modules() if (st := state_of(m))
+            and frozen_buffers(st) is not None}  # fmt: skip
     return {"stats": quantized_stats(model), "held": held}
 
 
@@ -187,7 +188,7 @@ def _gather_engine(rank: int, world: int) -> dict:
     with _qgather_runs._serial():
         model = _qgather_runs.Stack()
     _qgather_runs._shard(model)  # each linear with semantics {"weight": spec}, the experts in the root
-    sets = gather_groups(model)
+    sets = gather_sets(model)
     return {
         "stats": blockshard.quantized_gather_stats(model),
         "held": {p: sum(x.payload_bytes + x.scale_bytes for x in g.plan[rank]) for p, g in sets},

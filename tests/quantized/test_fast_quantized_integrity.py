@@ -103,13 +103,15 @@ def test_quantized_all_gathers_out_of_order_raise_on_every_rank():
 def _mixed(rank: int, world: int) -> dict:
     import blockshard
     from blockshard.runtime.core._state import state_of
+    from blockshard.runtime.quantized._frozen import frozen_buffers
 
     with _inproc.serial():
         model = QuantizedStack()
     blockshard.fully_shard(model)  # one group: the float adapter and the three quantized weights
-    group = state_of(model).buffers
+    state = state_of(model)
+    group = state.buffers
     model(torch.ones(4, 128))
-    return {"mixed": group.layout is not None and group.quantized is not None, "count": group.tally.count}
+    return {"mixed": group.layout is not None and frozen_buffers(state) is not None, "count": group.tally.count}
 
 
 def test_a_group_of_float_and_quantized_weights_counts_both_all_gathers():

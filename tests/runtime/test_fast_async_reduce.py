@@ -29,7 +29,7 @@ from blockshard.runtime.core import _collectives, _grad_sync
 from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import engine_group, reduce_scatter_avg
 from blockshard.runtime.core._common import ShardedState
-from blockshard.runtime.core._state import RootContext
+from blockshard.runtime.core._root import RootContext
 
 pytestmark = pytest.mark.timeout(60)
 

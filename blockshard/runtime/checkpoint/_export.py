@@ -40,6 +40,7 @@ from blockshard.runtime.checkpoint._quantized_state import StateEntry, _module_n
 from blockshard.runtime.checkpoint._state_dict import _names
 from blockshard.runtime.core._inspect import join_name, states_under
 from blockshard.runtime.core._param import ShardedParam
+from blockshard.runtime.quantized._frozen import frozen_buffers
 
 __all__ = ["save_pretrained"]
 
@@ -138,7 +139,8 @@ def _check_exportable(states: list) -> None:
     """Raise before anything is written if a quantized weight's full entry is a tensor subclass
     (torchao ``NF4Tensor``, ``MXTensor``), which safetensors cannot hold."""
     for prefix, st in states:
-        for t in st.buffers.quantized.tensors if st.buffers.quantized is not None else ():
+        fq = frozen_buffers(st)
+        for t in fq.tensors if fq is not None else ():
             if t.to_full is not None:
                 raise QuantizedWeightError(
                     f"blockshard.save_pretrained: quantized weight {join_name(prefix, t.fqn)!r} of group {st.buffers.name!r} is a "
@@ -193,12 +195,12 @@ def _stream_group(path: str, g: Any, tensors: dict[str, ShardedParam], rank: int
 
 
 def _quantized_entries(model: nn.Module, states: list) -> list[tuple[str, Any, Any, StateEntry]]:
-    """``(full name, quantized group, tensor, entry)`` of every quantized weight's entry under
+    """``(full name, frozen quantized buffers, tensor, entry)`` of every quantized weight's entry under
     ``model``, in ``full_state_dict``'s order (a tensor's entries under each of its names)."""
     names = _module_names(model)
     out: dict[str, tuple[str, Any, Any, StateEntry]] = {}
     for _, st in states:
-        qg = st.buffers.quantized
+        qg = frozen_buffers(st)
         for t in qg.tensors if qg is not None else ():
             for p in _prefixes(t, names, ""):
                 out |= {p + e.name: (p + e.name, qg, t, e) for e in t.entries}

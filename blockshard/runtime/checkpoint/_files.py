@@ -37,6 +37,7 @@ from blockshard._errors import CheckpointError
 from blockshard._version import __version__
 from blockshard.runtime.checkpoint._quantized_state import _module_names, _prefixes
 from blockshard.runtime.core._inspect import join_name, states_under
+from blockshard.runtime.quantized._frozen import frozen_buffers
 
 __all__ = [
     "RECORD",
@@ -305,7 +306,7 @@ def read_record(path: str) -> dict | None:
 
 def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict:
     """What ``blockshard.json`` records: world size, groups (layouts, semantics, every rank's
-    pieces), quantized groups (formats, units, every rank's units and pieces of every entry),
+    pieces), frozen quantized weights (formats, units, every rank's units and pieces of every entry),
     optimizers, versions. The same on every rank (layouts are checked equal)."""
 
     groups = []
@@ -338,7 +339,7 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
     return base_record("blockshard.save_checkpoint", optimizers) | {
         "groups": groups,
         "quantized_groups": [
-            _quantized_record(prefix, st) for prefix, st in states_under(model) if st.buffers.quantized is not None
+            _quantized_record(prefix, st) for prefix, st in states_under(model) if frozen_buffers(st) is not None
         ],
     }
 
@@ -358,11 +359,12 @@ def base_record(saved_by: str, optimizers: list[torch.optim.Optimizer]) -> dict:
 
 
 def _quantized_record(prefix: str, st: Any) -> dict:
-    """A quantized group's layout ([Note: quantized layout]): segment, every tensor's format, unit
+    """The layout of a group's frozen quantized weights ([Note: quantized layout]): segment, every tensor's format, unit
     grid, streams, every rank's units, and every state-dict entry that holds a stream with every
     rank's piece of it (elements of the entry's dtype, as DCP saved them)."""
 
-    qg, names = st.buffers.quantized, _module_names(st.module)
+    qg, names = frozen_buffers(st), _module_names(st.module)
+    assert qg is not None
     tensors = []
     for i, t in enumerate(qg.tensors):
         held = [(r, p) for r, ps in enumerate(qg.layout.pieces) for p in ps if p.tensor == i]

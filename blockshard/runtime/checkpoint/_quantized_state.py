@@ -1,4 +1,4 @@
-"""State dicts of quantized groups: DCP-ready pieces of every stream, full entries, loading back.
+"""State dicts of frozen quantized weights: DCP-ready pieces of every stream, full entries, loading back.
 
 [Note: quantized state dicts]
 A quantized tensor's state-dict entries are its format's own, named as the unsharded model's
@@ -18,7 +18,7 @@ model; sharded, their inner tensors become entries of their own (``weight`` the 
   plain tensors, the same on every rank. The entries are the same whether or not the group is
   gathered (a forward with ``reshard_after_forward=False`` changes none).
 * :func:`full_quantized` (in ``blockshard.full_state_dict``, collective): one all-gather of each
-  quantized group's segment, the streams rebuilt, the unsharded model's entries made from them:
+  frozen quantized buffer set's segment, the streams rebuilt, the unsharded model's entries made from them:
   bitwise what the unsharded quantized model's ``state_dict()`` holds.
 * ``model.load_state_dict``: PieceTensors of the same pieces (what ``dcp.load`` filled) or full
   entries (an unsharded model's, ``full_state_dict``'s); their bytes go into the segment, each
@@ -40,6 +40,7 @@ from torch import nn
 
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
+from blockshard.runtime.quantized._frozen import frozen_buffers
 from blockshard.runtime.quantized._tensor import QuantizedTensor, StateEntry, byte_view
 
 __all__ = [
@@ -145,12 +146,12 @@ def default_full(t: QuantizedTensor, streams: list[torch.Tensor]) -> dict[str, t
 @torch.no_grad()
 def full_quantized(model: nn.Module, states: list[tuple[str, Any]]) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The unsharded model's entries of every quantized tensor under ``model`` by full name, and
-    every name the sharded entries use (collective: one all-gather per quantized group)."""
+    every name the sharded entries use (collective: one all-gather per frozen quantized buffer set)."""
     names = _module_names(model)
     full: dict[str, torch.Tensor] = {}
     owned: set[str] = set()
     for _, st in states:
-        qg = st.buffers.quantized
+        qg = frozen_buffers(st)
         if qg is None:
             continue
         for t, raw in zip(qg.tensors, qg.full_streams(), strict=True):
@@ -358,7 +359,7 @@ def full_entries_of(model: nn.Module, state: dict[str, Any], states: list[tuple[
     """``state`` (its PieceTensors gathered) with the quantized tensors' entries replaced by the
     unsharded model's (torchao's subclasses whole again; collective). Dropped values (``None``:
     a rank that keeps nothing) stay dropped."""
-    if not any(st.buffers.quantized is not None for _, st in states):
+    if not any(frozen_buffers(st) is not None for _, st in states):
         return state
     full, owned = full_quantized(model, states)
     out: dict[str, Any] = {}

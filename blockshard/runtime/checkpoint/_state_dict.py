@@ -22,10 +22,10 @@ from blockshard.runtime.checkpoint._quantized_state import (
 )
 from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import all_gather_into
-from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._inspect import join_name, state_name, states_under
 from blockshard.runtime.core._param import ShardedParam
 from blockshard.runtime.core._state import state_of
+from blockshard.runtime.quantized._frozen import frozen_buffers
 
 __all__ = [
     "LocalShard",
@@ -55,8 +55,8 @@ def sharded_state_dict(model: nn.Module) -> dict[str, LocalShard]:
     for prefix, st in states_under(model):
         for sp in st.buffers.params:
             out[join_name(prefix, sp.fqn)] = LocalShard(sp.sharded.detach(), sp.local_start, sp.shape)
-        if st.buffers.quantized is not None:
-            pieces = quantized_pieces(st.module, st.buffers.quantized, join_name(prefix, ""))
+        if (fq := frozen_buffers(st)) is not None:
+            pieces = quantized_pieces(st.module, fq, join_name(prefix, ""))
             out |= {name: LocalShard(*piece) for name, piece in pieces.items()}
     return out
 
@@ -126,8 +126,8 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
     """Replace each of the group's entries (the local piece, or the gathered view after a forward
     with ``reshard_after_forward=False``) by a :class:`PieceTensor` of its global shape."""
     st = state_of(module)
-    if st is not None and st.buffers.quantized is not None:  # [Note: quantized state dicts]
-        quantized_entries(module, st.buffers.quantized, state_dict, prefix)
+    if st is not None and (fq := frozen_buffers(st)) is not None:  # [Note: quantized state dicts]
+        quantized_entries(module, fq, state_dict, prefix)
     if st is None or st.buffers.layout is None:
         return
     made: dict[int, PieceTensor] = {}
@@ -147,18 +147,19 @@ def _load_state_dict_pre_hook(
     ``nn.Module`` then copies into the sharded parameter. The group is resharded first (as FSDP2
     does), so a gathered copy never outlives the values it was gathered from."""
     st = state_of(module)
-    if st is None or (st.buffers.layout is None and st.buffers.quantized is None):
+    fq = frozen_buffers(st) if st is not None else None
+    if st is None or (st.buffers.layout is None and fq is None):
         return
     assign = bool(local_metadata.get("assign_to_params_buffers"))
-    if assign and st.buffers.quantized is not None:
+    if assign and fq is not None:
         raise ShardingError(
             f"load_state_dict(..., assign=True) on the sharded {st.buffers.name}, which holds quantized weights: "
             "assigning them is not supported. Fix: load with assign=False (the default)"
         )
-    if st.buffers.sharded_state is not ShardedState.SHARDED:
-        st.buffers.reshard()
-    if st.buffers.quantized is not None:  # [Note: quantized state dicts]; args: strict, missing_keys, ...
-        load_quantized(module, st.buffers.quantized, state_dict, prefix, args[1])
+    st.buffers.reshard()
+    if fq is not None:  # [Note: quantized state dicts]; args: strict, missing_keys, ...
+        fq.reshard()
+        load_quantized(module, fq, state_dict, prefix, args[1])
     load_pieces(module, st.buffers, state_dict, prefix, assign=assign)
 
 
@@ -220,18 +221,18 @@ def _entries(model: nn.Module, state: Mapping[str, object]):
 
 
 def _load_quantized(model: nn.Module, state: Mapping[str, Any], *, full: bool) -> None:
-    """Every quantized group's bytes from ``state`` ([Note: quantized state dicts]); groups are
-    resharded first, so no gathered copy outlives the bytes it was gathered from."""
+    """Every group's frozen quantized bytes from ``state`` ([Note: quantized state dicts]); groups
+    are resharded first, so no gathered copy outlives the bytes it was gathered from."""
     if not full:  # LocalShards as (values, start, global shape)
         state = {
             k: (v.tensor, v.start, tuple(v.global_shape)) if isinstance(v, LocalShard) else v for k, v in state.items()
         }
     for prefix, st in states_under(model):
-        qg = st.buffers.quantized
+        qg = frozen_buffers(st)
         if qg is None:
             continue
-        if st.buffers.sharded_state is not ShardedState.SHARDED:
-            st.buffers.reshard()
+        st.buffers.reshard()
+        qg.reshard()
         load_quantized_pieces(st.module, qg, state, join_name(prefix, ""), full=full)
 
 

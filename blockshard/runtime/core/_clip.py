@@ -86,7 +86,7 @@ def _pieces_of(model: nn.Module) -> dict[int, dist.ProcessGroup]:
         st = state_of(m)
         if st is None:
             continue
-        for group in st.buffer_sets:  # every buffer set ([Note: mixed dtypes], [Note: quantized gather])
+        for group in st.param_buffers:  # every buffer set of parameters ([Note: buffer sets])
             if group.sharded_state is not ShardedState.SHARDED:
                 raise ClipError(
                     f"group {group.name!r} is {group.sharded_state.name} (it holds its full parameters), so its "

@@ -57,7 +57,7 @@ def init_parameters(
     owner: dict[int, list[ParamBuffers]] = {}  # a module's parameters may lie in several ([Note: mixed dtypes])
     for m in model.modules():
         st = state_of(m)
-        for g in st.buffer_sets if st is not None else []:
+        for g in st.param_buffers if st is not None else []:
             if g.layout is None or any(g is seen for seen in groups):
                 continue  # a list's group is met at each of its modules
             groups.append(g)
@@ -109,7 +109,7 @@ def _post_order(module: nn.Module):
 
 def _open(group: ParamBuffers) -> None:
     group._alloc_gathered()
-    for lo, hi in group._holes:
+    for lo, hi in group.holes:
         group.gathered[lo:hi].zero_()
     for sp in group.params:
         sp.set_module_params(sp.unsharded)

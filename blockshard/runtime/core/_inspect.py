@@ -33,7 +33,7 @@ def states_under(model: nn.Module) -> list[tuple[str, ModuleState | BuffersView]
             continue
         out.append((paths[id(st.module)], st))
         # [Note: mixed dtypes] each other dtype's buffer set is a group of its own to the readers
-        out += [(paths[id(st.module)], BuffersView(st.module, g, st.modules)) for g in st.extra_groups]
+        out += [(paths[id(st.module)], BuffersView(st.module, g, st.modules)) for g in st.extra_param_buffers]
     return out
 
 

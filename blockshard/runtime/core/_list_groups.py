@@ -71,7 +71,7 @@ def bind_names(state: ModuleState, top: nn.Module) -> bool:
         rel = ".".join(p[common:])
         rename |= {
             sp.fqn: f"{rel}.{sp.fqn[len(f'{i}.') :]}"
-            for g in state.buffer_sets
+            for g in state.param_buffers
             for sp in g.params
             if sp.fqn.startswith(f"{i}.")
         }
@@ -81,7 +81,7 @@ def bind_names(state: ModuleState, top: nn.Module) -> bool:
 
 
 def _rename(state: ModuleState, rename: dict[str, str]) -> None:
-    for group in state.buffer_sets:
+    for group in state.param_buffers:
         _rename_group(group, rename)
 
 

@@ -66,8 +66,7 @@ class ShardedModule(nn.Module):
         if not isinstance(requires_gradient_sync, bool):
             raise ShardingError(f"requires_gradient_sync={requires_gradient_sync!r} must be True or False")
         for st in self._states(recurse):
-            for g in st.buffer_sets:  # a quantized-gather buffer set reduces too ([Note: quantized gather])
-                g.requires_gradient_sync = requires_gradient_sync
+            st.controls.requires_gradient_sync = requires_gradient_sync  # every buffer set's ([Note: buffer sets])
 
     # -- FSDP2's controls -------------------------------------------------------------------------
     def _states(self, recurse: bool) -> list[ModuleState]:
@@ -87,8 +86,7 @@ class ShardedModule(nn.Module):
         group's parameters reshards it first, so the next forward gathers the new values."""
         _check_bool("reshard_after_backward", reshard_after_backward)
         for st in self._states(recurse):
-            for g in st.buffer_sets:  # every buffer set of a mixed-dtype group ([Note: mixed dtypes])
-                g.reshard_after_backward = reshard_after_backward
+            st.controls.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather these modules' parameters (asynchronously) right after this module's, in
@@ -113,8 +111,7 @@ class ShardedModule(nn.Module):
         in _grad_sync.py). Without a replicate axis there is nothing to skip."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         for st in self._states(recurse):
-            for g in st.buffer_sets:
-                g.requires_all_reduce = requires_all_reduce
+            st.controls.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of averaging over the ranks (this
@@ -128,8 +125,7 @@ class ShardedModule(nn.Module):
                 f"set_gradient_divide_factor(factor={factor!r}): factor must be a finite number > 0 (the gradients "
                 "are summed over the ranks, then divided by it; the default divides by the world size)"
             )
-        for g in self._bs_state().buffer_sets:
-            g.divide_factor = float(factor)
+        self._bs_state().controls.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
@@ -169,7 +165,7 @@ class ShardedModule(nn.Module):
                 "fully_shard was applied to last (the one whose forward runs first)"
             )
         if state.ctx is not None:
-            state.reset_step(state.ctx)
+            state.ctx.reset_step()
 
     def _apply(self, fn: Callable, recurse: bool = True) -> ShardedModule:
         """``.to()``, ``.double()``, ``.cuda()``...: allowed only when they change nothing about the
@@ -179,7 +175,7 @@ class ShardedModule(nn.Module):
         if self._bs_state().applying:  # an enclosing sharded module's _apply has handled this one's groups
             return super()._apply(fn, recurse)
         states = self._states(True)
-        groups = [(st, g) for st in states for g in st.buffer_sets if g.layout is not None]
+        groups = [(st, g) for st in states for g in st.param_buffers if g.layout is not None]
         # a list's group ([Note: a list of modules]) is checked and materialized with its first
         # module's subtree (its parameters are hidden from torch in every listed module's)
         inside = {id(m) for m in self.modules()}

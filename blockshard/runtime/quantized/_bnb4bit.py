@@ -182,7 +182,7 @@ def _entries(attr: str, state, gathered: list[torch.Tensor]) -> list[StateEntry]
 
 
 def prepare_module(module: nn.Module) -> None:
-    """A ``Linear4bit`` under a quantized group must keep bitsandbytes' canonical packing: its
+    """A ``Linear4bit`` under frozen quantized buffers must keep bitsandbytes' canonical packing: its
     eval-mode AVX512 path rewrites ``weight.data`` in place on the first forward (repacking the
     gathered tensors), so it is turned off for the modules the group manages."""
     if hasattr(module, "support_avx512bf16_for_cpu"):

@@ -1,4 +1,4 @@
-"""The layout of a frozen quantized group: whole quantization units cut into equal byte segments.
+"""The layout of a group's frozen quantized weights: whole quantization units cut into equal byte segments.
 
 [Note: quantized layout]
 A quantized tensor is a few byte *streams* (bitsandbytes ``Params4bit``: the packed payload, its

@@ -1,4 +1,4 @@
-"""One frozen quantized tensor as a quantized group sees it: byte streams and the rebuilt parameter.
+"""One frozen quantized tensor as its buffer set sees it: byte streams and the rebuilt parameter.
 
 A format adapter (``_bnb4bit.py``, ``_ao_nf4.py``) turns a quantized parameter into a
 :class:`QuantizedTensor`: its byte streams on one unit grid ([Note: quantized layout]), the
