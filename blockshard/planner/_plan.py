@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from blockshard._errors import PlanError
-from blockshard.planner._compute import ComputeTally, OwnerAssignment, OwnerBuilder
+from blockshard.planner._compute import ComputeTally, OwnerAssignment, OwnerPlanBuilder
 from blockshard.planner._items import PlanItem, group_items, resolve_items
 from blockshard.planner._lay_out import DEFAULT_ALIGNMENT_BYTES, alignment_numel, plan_group
 from blockshard.planner._layout import GroupLayout
@@ -317,7 +317,7 @@ def _plan_groups(
     costs = {it.name: it.cost for it in items}
     running = np.zeros(world_size)  # compute cost per rank so far (see [Note: rotation])
     unrotated = np.zeros(world_size)  # the same without rotation, for the report
-    builder = OwnerBuilder(world_size, memo)
+    builder = OwnerPlanBuilder(world_size, memo)
     owner_tensors: set[str] = set()
     quantized: list[QuantizedGroupBytes] = []
     gathered: list[QuantizedGatherBytes] = []

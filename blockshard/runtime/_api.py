@@ -32,7 +32,13 @@ from blockshard.runtime.core._dtypes import split_by_dtype
 from blockshard.runtime.core._inspect import global_shapes, group_layouts, local_buffers
 from blockshard.runtime.core._list_groups import bind_below, collect_all, listed_modules
 from blockshard.runtime.core._optim_guard import install_optimizer_guard
-from blockshard.runtime.core._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
+from blockshard.runtime.core._owners import (
+    EngineOwnerPlanBuilder,
+    build_owner_plan,
+    compute_of,
+    qualified_group,
+    record_compute,
+)
 from blockshard.runtime.core._param import ParamRef, ShardedParam, check_plain, managed_tag, tag_managed
 from blockshard.runtime.core._state import STATE_ATTR, ModuleState, state_of
 from blockshard.runtime.quantized._frozen import FrozenQuantizedBuffers, collect_quantized
@@ -84,13 +90,13 @@ def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
         hit = managed_tag(p)
         if hit is not None and hit.original:
             raise ShardingError(
-                f"parameter {n!r} is shared with a module already sharded in another group (a {hit.owner}); one "
+                f"parameter {n!r} is shared with a module already sharded in another group (a {hit.group_name}); one "
                 "parameter can live in one group only. Fix: shard the modules that share it in one "
                 "fully_shard call (e.g. leave tied embeddings and head to the root), or untie them"
             )
         if hit is not None:
             raise ShardingError(
-                f"parameter {n!r} already belongs to a sharded group (of a {hit.owner}): fully_shard "
+                f"parameter {n!r} already belongs to a sharded group (of a {hit.group_name}): fully_shard "
                 "was applied top-down. Fix: apply it bottom-up — layers first, then the root"
             )
         check_plain(n, p)  # a tensor subclass would lose what it holds besides its values
@@ -349,13 +355,15 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
     below = sorted(unique.values(), key=lambda st: st.order)
     if not below:  # a leaf: balanced by the call that shards an enclosing module
         if compute_of(state.buffers):  # its own owners until then ([Note: engine owner plan])
-            plan_owners(type(module).__name__, [("", state)], EngineOwnerBuilder(state.buffers.world_size, {}), None)
+            build_owner_plan(
+                type(module).__name__, [("", state)], EngineOwnerPlanBuilder(state.buffers.world_size, {}), None
+            )
         return
     process_group = state.buffers.process_group
     W = process_group.size()
     prefixes = {id(m): f"{p}." if p else "" for p, m in module.named_modules()}
     named = [(prefixes[id(st.module)], st) for st in below]
-    builder = EngineOwnerBuilder(W, {})
+    builder = EngineOwnerPlanBuilder(W, {})
     running = np.zeros(W)
     for prefix, st in named:
         if st.balanced and st.buffers.layout is not None:  # balanced by an earlier call
@@ -375,7 +383,7 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
     if changed:
         hashes = ",".join(st.buffers.layout.layout_hash() for st in [*below, state] if st.buffers.layout is not None)
         check_same_layout(f"{type(module).__name__} (balanced)", hashes, process_group)
-    plan_owners(type(module).__name__, [*named, ("", state)], builder, running)
+    build_owner_plan(type(module).__name__, [*named, ("", state)], builder, running)
 
 
 def _rotation(old: GroupLayout, new: GroupLayout) -> int:

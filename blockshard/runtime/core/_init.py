@@ -54,7 +54,7 @@ def init_parameters(
     run = init or _reset
     visit = list(model.modules()) if order == "modules" else list(_post_order(model))
     groups: list[ParamBuffers] = []
-    owner: dict[int, list[ParamBuffers]] = {}  # a module's parameters may lie in several ([Note: mixed dtypes])
+    holders: dict[int, list[ParamBuffers]] = {}  # a module's parameters may lie in several ([Note: mixed dtypes])
     for m in model.modules():
         st = state_of(m)
         for g in st.param_buffers if st is not None else []:
@@ -63,7 +63,7 @@ def init_parameters(
             groups.append(g)
             for sp in g.params:
                 for ref in sp.refs:
-                    mine = owner.setdefault(id(ref.module), [])
+                    mine = holders.setdefault(id(ref.module), [])
                     if not any(g is o for o in mine):
                         mine.append(g)
             if g.sharded_state is not ShardedState.SHARDED or g.device.type == "meta":
@@ -77,12 +77,12 @@ def init_parameters(
                 )
     remaining: dict[int, int] = {}
     for m in visit:
-        for g in owner.get(id(m), []):
+        for g in holders.get(id(m), []):
             remaining[id(g)] = remaining.get(id(g), 0) + 1
     opened: dict[int, ParamBuffers] = {}
     try:
         for m in visit:
-            mine = owner.get(id(m), [])
+            mine = holders.get(id(m), [])
             for g in mine:
                 if id(g) not in opened:
                     opened[id(g)] = g

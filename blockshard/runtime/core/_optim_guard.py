@@ -140,7 +140,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
                 raise ShardingError(
                     f"{type(optimizer).__name__} holds {what} of shape {tuple(p.shape)} "
                     f"(param_groups[{i}]['params'][{j}]) that fully_shard replaced by its local piece "
-                    f"(in the group of a {tag.owner}): stepping it would train nothing. Fix: build the "
+                    f"(in the group of a {tag.group_name}): stepping it would train nothing. Fix: build the "
                     "optimizer after fully_shard, over model.parameters() (or "
                     "blockshard.optim.muon_param_groups(model) called after sharding)"
                 )

@@ -5,7 +5,7 @@ Under ``fully_shard(..., policy="owner" | "auto")`` a group may lay out some ten
 placement grids (``planner/_policy.py``): storage is cut at placement units and a compute unit (a
 Muon matrix, an expert) may straddle rank boundaries. Every call that balances groups
 ([Note: cost tally] in ``_api.py``) rebuilds the owner plan of its subtree with the planner's
-:class:`~blockshard.planner._compute.OwnerBuilder` — the same rotations as before for groups without
+:class:`~blockshard.planner._compute.OwnerPlanBuilder` — the same rotations as before for groups without
 owner-computed tensors, then one greedy over every cut unit of the subtree (longest first,
 [Note: owners across groups]) — and checks its hash across ranks like a layout hash, so a rank with
 another plan raises on every rank. The builder may re-base a group at another tensor
@@ -15,7 +15,7 @@ balancing call itself, a shift or a move here (:func:`apply_shifts`: one ``all_t
 sends every element to its new rank and place, before training), so the engine runs the layouts and owners that
 ``plan_model`` (``blockshard plan``) shows for the same model. The plan is kept on each group
 (``ParamBuffers.owner_computed``); the last balancing call of a model (its root) writes the final one.
-An optimizer finds it from a sharded piece (:func:`tensor_owners`) or for a whole model
+An optimizer finds it from a sharded piece (:func:`tensor_owner_plan`) or for a whole model
 (:func:`owner_plan`).
 """
 
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from blockshard.planner._compute import OwnerAssignment, OwnerBuilder
+from blockshard.planner._compute import OwnerAssignment, OwnerPlanBuilder
 from blockshard.planner._layout import GroupLayout
 from blockshard.planner._owner import unit_rows
 from blockshard.planner._plan import group_kind
@@ -40,20 +40,22 @@ from blockshard.runtime.core._state import state_of
 from blockshard.semantics import UnitGrid
 
 __all__ = [
-    "EngineOwnerBuilder",
+    "EngineOwnerPlanBuilder",
     "OwnerComputed",
+    "TensorOwnerPlan",
     "TensorOwners",
+    "build_owner_plan",
     "owner_plan",
-    "plan_owners",
     "qualified_group",
     "record_compute",
-    "tensor_owners",
+    "tensor_owner_plan",
 ]
 
 
 @dataclass(frozen=True)
-class TensorOwners:
-    """One owner-computed tensor of a group: where it lies and who computes its cut units.
+class TensorOwnerPlan:
+    """The owner plan of one owner-computed tensor of a group: where it lies and which rank (its
+    units' owner) computes each cut unit. ``blockshard.runtime.TensorOwners`` is its former name.
 
     Rank ``h`` holds elements ``piece(h)`` of the tensor's flattening (``[h * S - offset, ...)``
     clipped to the tensor). ``units``: ``(start, numel, owner)`` of every cut compute unit; compute
@@ -80,6 +82,9 @@ class TensorOwners:
         return lo, max(lo, min(max((rank + 1) * self.segment_numel - self.offset, 0), n))
 
 
+TensorOwners = TensorOwnerPlan  # its name before "owner" meant only a rank (kept: a public name)
+
+
 @dataclass
 class OwnerComputed:
     """The owner-computed tensors of one group and their owner plan, kept on the group itself
@@ -102,8 +107,8 @@ def compute_of(group: ParamBuffers) -> dict[str, UnitGrid]:
 
 
 @dataclass
-class EngineOwnerBuilder(OwnerBuilder):
-    """:class:`OwnerBuilder` for the engine: a group the builder re-bases at another tensor
+class EngineOwnerPlanBuilder(OwnerPlanBuilder):
+    """:class:`OwnerPlanBuilder` for the engine: a group the builder re-bases at another tensor
     ([Note: shifts]) is returned unmoved from :meth:`add_group` (the balancing call rotates by whole
     segments only) and kept in ``shifted``, by its smallest tensor name, for :func:`apply_shifts`."""
 
@@ -154,7 +159,7 @@ def _key(layout: GroupLayout) -> str:
     return min(t.name for t in layout.tensors)  # qualified names are unique across a model's groups
 
 
-def apply_shifts(what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerBuilder) -> None:
+def apply_shifts(what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerPlanBuilder) -> None:
     """Move every group ``builder`` re-based ([Note: shifts]) or re-laid ([Note: tensor moves] in
     ``planner/_moves.py``) to its new layout, before training: one ``all_to_all_single`` per group
     (:func:`moved_values`) that sends every element of each rank's segment to the rank and position
@@ -234,8 +239,8 @@ def moved_values(local: torch.Tensor, old: GroupLayout, new: GroupLayout, rank: 
     return result
 
 
-def plan_owners(
-    what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerBuilder, running: np.ndarray | None
+def build_owner_plan(
+    what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerPlanBuilder, running: np.ndarray | None
 ) -> None:
     """Owners of every cut compute unit of ``named``'s groups (``(prefix, module state)`` pairs, the
     builder holding them all, unless ``running`` is ``None``: a leaf alone, not rotated), recorded
@@ -253,7 +258,7 @@ def plan_owners(
     check_same_layout(f"{what} (owner plan)", digest, named[-1][1].buffers.process_group)
 
 
-def assign_owners(builder: OwnerBuilder, running: np.ndarray) -> OwnerAssignment:
+def assign_owners(builder: OwnerPlanBuilder, running: np.ndarray) -> OwnerAssignment:
     """The owner of every cut unit collected by ``builder`` (a seam for tests)."""
     return builder.finish(running)[0]
 
@@ -272,7 +277,7 @@ def record_owners(groups: Sequence[tuple[str, ParamBuffers]], assignment: OwnerA
     return digest
 
 
-def tensor_owners(group: ParamBuffers, fqn: str, name: str | None = None) -> TensorOwners | None:
+def tensor_owner_plan(group: ParamBuffers, fqn: str, name: str | None = None) -> TensorOwnerPlan | None:
     """The owner plan of tensor ``fqn`` of ``group``; ``None`` unless owner-computed."""
     entry = group.owner_computed
     if entry is None or fqn not in entry.compute:
@@ -280,7 +285,7 @@ def tensor_owners(group: ParamBuffers, fqn: str, name: str | None = None) -> Ten
     layout = group.layout
     assert layout is not None  # owner-computed tensors lie in a layout
     t = next(t for t in layout.tensors if t.name == fqn)
-    return TensorOwners(
+    return TensorOwnerPlan(
         name if name is not None else fqn,
         tuple(t.shape),
         entry.compute[fqn],
@@ -292,7 +297,7 @@ def tensor_owners(group: ParamBuffers, fqn: str, name: str | None = None) -> Ten
     )
 
 
-def owner_plan(model: object) -> dict[str, TensorOwners]:
+def owner_plan(model: object) -> dict[str, TensorOwnerPlan]:
     """Every owner-computed tensor under ``model`` by its ``model.named_parameters()`` name."""
 
     out = {}
@@ -302,7 +307,7 @@ def owner_plan(model: object) -> dict[str, TensorOwners]:
             continue
         for fqn in compute_of(st.buffers):
             name = f"{prefix}.{fqn}" if prefix else fqn
-            found = tensor_owners(st.buffers, fqn, name)
+            found = tensor_owner_plan(st.buffers, fqn, name)
             if found is not None:
                 out[name] = found
     return out
