@@ -135,7 +135,7 @@ def plan_quantized_group(
         world_size=world_size,
         tensors=tuple(name for name, _ in tensors),
         numel=sum(st.numel for st in storages),
-        payload_bytes=sum(st.streams[0].nbytes for st in storages),
+        payload_bytes=sum(st.sections[0].nbytes for st in storages),
         total_bytes=sum(st.nbytes for st in storages),
         segment_bytes=S,
         rank_bytes=rank_bytes,

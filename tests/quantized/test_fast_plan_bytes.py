@@ -36,7 +36,7 @@ from torch import nn
 import blockshard
 from blockshard.cli import main
 from blockshard.planner import plan_model
-from blockshard.planner._qgather import gather_group_name
+from blockshard.planner._qgather import gather_buffers_name
 from blockshard.planner._quantized import plan_quantized_group
 from blockshard.runtime import group_layouts, quantized_stats
 from blockshard.runtime.core._state import state_of
@@ -107,7 +107,7 @@ def test_bnb4bit_llama_bytes_equal_the_plan(quant_type, nested, world):
     q = plan.quantized_groups[0]
     stored = [(it.name, it.storage) for it in plan.items if it.spec.group == q.group and it.storage is not None]
     payload_only = plan_quantized_group(
-        q.group, [(n, replace(st, streams=st.streams[:1])) for n, st in stored], world, 16
+        q.group, [(n, replace(st, sections=st.sections[:1])) for n, st in stored], world, 16
     )
     assert payload_only.segment_bytes != ranks[0]["stats"][q.group].local_bytes
 
@@ -245,7 +245,7 @@ def test_quantized_gather_plan_equals_the_engine(world, tmp_path, capsys):
         # every layout by name: each group's biases alone, and its "[quantized gather]" set (the root
         # has no primary layout: it keeps nothing but the experts)
         assert set(got["primary"]) == {g.name for g in plan.groups}, rank
-        assert {gather_group_name(g) for g in groups} <= set(got["primary"]) and "" not in got["primary"]
+        assert {gather_buffers_name(g) for g in groups} <= set(got["primary"]) and "" not in got["primary"]
         for name, where in got["primary"].items():
             assert where == _where(plan.group(name), _prefix(name.removesuffix("[quantized gather]"))), (rank, name)
     stats = ranks[0]["stats"]

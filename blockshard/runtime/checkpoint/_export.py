@@ -17,7 +17,7 @@ parameters are written once, under their first name (``from_pretrained`` ties th
 as for Hugging Face's own ``save_pretrained``). Quantized weights (bitsandbytes 4-bit, blockwise
 FP8) go into a shard of their own under the unsharded model's state-dict names (bitsandbytes'
 serialization keys, [Note: quantized state dicts]), streamed the same way: entry by entry, each
-stream's bytes rank after rank (its units are in rank order), rank 0 receiving every other rank's
+section's bytes rank after rank (its units are in rank order), rank 0 receiving every other rank's
 piece in chunks of at most ``_CHUNK_BYTES``; replicated constants (code tables, the packed quant
 state) come from rank 0's own. torchao's tensor subclasses raise before anything is written.
 """
@@ -216,14 +216,14 @@ def _stream_quantized(path: str, entries: list[tuple[str, Any, Any, StateEntry]]
         if f is not None:
             f.write(header)
         for _, qg, t, e in entries:
-            if e.stream is None:
+            if e.section is None:
                 assert e.constant is not None
                 if f is not None:
                     _write_bytes(f, e.constant)
                 continue
             index = qg.tensors.index(t)
             for r, pieces in enumerate(qg.layout.pieces):
-                for lo, hi, off in (p.ranges[e.stream] for p in pieces if p.tensor == index):
+                for lo, hi, off in (p.ranges[e.section] for p in pieces if p.tensor == index):
                     _stream_bytes(f, qg, off, off + hi - lo, r, rank, bufs)
     return total
 

@@ -359,9 +359,10 @@ def base_record(saved_by: str, optimizers: list[torch.optim.Optimizer]) -> dict:
 
 
 def _quantized_record(prefix: str, st: Any) -> dict:
-    """The layout of a group's frozen quantized weights ([Note: quantized layout]): segment, every tensor's format, unit
-    grid, streams, every rank's units, and every state-dict entry that holds a stream with every
-    rank's piece of it (elements of the entry's dtype, as DCP saved them)."""
+    """The layout of a group's frozen quantized weights ([Note: quantized layout]): segment, every
+    tensor's format, unit grid, sections (under the key ``streams``, as records have always named
+    them), every rank's units, and every state-dict entry that holds a section with every rank's
+    piece of it (elements of the entry's dtype, as DCP saved them)."""
 
     qg, names = frozen_buffers(st), _module_names(st.module)
     assert qg is not None
@@ -371,9 +372,9 @@ def _quantized_record(prefix: str, st: Any) -> dict:
         entries = {}
         for q in _prefixes(t, names, join_name(prefix, "")):
             for e in t.entries:
-                if e.stream is not None:
+                if e.section is not None:
                     size = e.dtype.itemsize
-                    ranges = [(r, p.ranges[e.stream]) for r, p in held]
+                    ranges = [(r, p.ranges[e.section]) for r, p in held]
                     entries[q + e.name] = [[r, lo // size, (hi - lo) // size] for r, (lo, hi, _) in ranges if hi > lo]
         tensors.append(
             {
@@ -381,7 +382,8 @@ def _quantized_record(prefix: str, st: Any) -> dict:
                 "format": t.format,
                 "numel": t.numel,
                 "units": t.n_units,
-                "streams": [{"name": s.name, "bytes": s.nbytes, "unit_bytes": s.unit_bytes} for s in t.streams],
+                # the sections, under the key earlier records use (a file format: not renamed)
+                "streams": [{"name": s.name, "bytes": s.nbytes, "unit_bytes": s.unit_bytes} for s in t.sections],
                 "pieces": [[r, p.unit_start, p.unit_stop - p.unit_start] for r, p in held],  # in units
                 "entries": entries,
             }

@@ -14,7 +14,7 @@ from torch import nn
 from blockshard._errors import ShardingError
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._quantized_state import (
-    full_quantized,
+    full_quantized_entries,
     load_quantized,
     load_quantized_pieces,
     quantized_entries,
@@ -49,7 +49,7 @@ class LocalShard:
 
 def sharded_state_dict(model: nn.Module) -> dict[str, LocalShard]:
     """Every sharded parameter's local piece with its global offset (no communication); quantized
-    weights under the entries ``model.state_dict()`` gives them, each stream this rank's piece
+    weights under the entries ``model.state_dict()`` gives them, each section this rank's piece
     ([Note: quantized state dicts])."""
     out: dict[str, LocalShard] = {}
     for prefix, st in states_under(model):
@@ -68,7 +68,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     ``load_state_dict`` into an unsharded model works. One all-gather of the local buffers per
     group, in the parameters' original dtype; everything else is cloned as it is."""
     gathered = _gather_groups(model)
-    quantized, owned = full_quantized(model, states_under(model))  # [Note: quantized state dicts]
+    quantized, owned = full_quantized_entries(model, states_under(model))  # [Note: quantized state dicts]
     gathered |= quantized
     out: dict[str, torch.Tensor] = {}
     clones: dict[tuple, torch.Tensor] = {}  # tied tensors outside any group stay one tensor

@@ -152,7 +152,7 @@ class FrozenQuantizedBuffers(BufferSet):
         self.device = devices.pop()
         self.numel = sum(t.numel for t in self.tensors)
         self.layout: QuantizedLayout = plan_quantized(
-            [(t.streams, t.n_units) for t in self.tensors], self.world_size, alignment_bytes
+            [(t.sections, t.n_units) for t in self.tensors], self.world_size, alignment_bytes
         )
         check_same_layout(f"{name} (quantized weights)", self.layout.layout_hash(), process_group)
         self.local = torch.zeros(self.layout.segment_bytes, dtype=torch.uint8, device=self.device)  # [S]
@@ -186,24 +186,24 @@ class FrozenQuantizedBuffers(BufferSet):
 
     # -- state dicts ([Note: quantized state dicts] in _quantized_state.py) -----------------------
     @torch.no_grad()
-    def write_piece(self, t: QuantizedTensor, streams: list[torch.Tensor]) -> None:
-        """Copy this rank's bytes of each of ``t``'s streams (``uint8``, in stream order) into the segment."""
+    def write_piece(self, t: QuantizedTensor, sections: list[torch.Tensor]) -> None:
+        """Copy this rank's bytes of each of ``t``'s sections (``uint8``, in section order) into the segment."""
         piece = self.piece_of(t)
         if piece is None:
             return
-        for (lo, hi, off), src in zip(piece.ranges, streams, strict=True):
+        for (lo, hi, off), src in zip(piece.ranges, sections, strict=True):
             assert src.numel() == hi - lo, (t.fqn, src.numel(), hi - lo)
             dst = self.local[off : off + hi - lo]
             if src.numel() and src.data_ptr() != dst.data_ptr():
                 dst.copy_(src)
 
     @torch.no_grad()
-    def full_streams(self) -> list[list[torch.Tensor]]:
-        """Every tensor's whole byte streams (collective: one all-gather of the segments)."""
+    def full_sections(self) -> list[list[torch.Tensor]]:
+        """Every tensor's whole byte sections (collective: one all-gather of the segments)."""
         S, W = self.layout.segment_bytes, self.world_size
         buf = torch.empty(W * S, dtype=torch.uint8, device=self.device)
         all_gather_into(buf, self.local, self.process_group)
-        out = [[torch.empty(s.nbytes, dtype=torch.uint8, device=self.device) for s in t.streams] for t in self.tensors]
+        out = [[torch.empty(s.nbytes, dtype=torch.uint8, device=self.device) for s in t.sections] for t in self.tensors]
         for r, pieces in enumerate(self.layout.pieces):
             for piece in pieces:
                 for (lo, hi, off), dst in zip(piece.ranges, out[piece.tensor], strict=True):

@@ -52,7 +52,7 @@ from blockshard.semantics._quantizers import MX, FP8Block
 
 __all__ = ["QuantizedGatherBuffers", "precompute_quantized_gather", "quantized_gather_stats", "split_quantized_gather"]
 
-_ALIGN = 16  # bytes: every stream starts here (an fp32 view of the scales needs 4)
+_ALIGN = 16  # bytes: every section starts here (an fp32 view of the scales needs 4)
 
 _Part = tuple[list[str], list[nn.Parameter], list[list[ParamRef]]]
 
@@ -234,7 +234,7 @@ class QuantizedGatherBuffers(ParamBuffers):
                 self.gathered[at : at + p.numel].copy_(values)
 
     @torch.no_grad()
-    def full_quantized(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def whole_payloads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Every tensor's whole payload and scales, in their dtypes and shapes (collective: one
         all-gather of the quantized segments, quantizing stale pieces first)."""
         self.quantize_pieces()
@@ -295,5 +295,5 @@ def full_quantized(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tens
     ``MXTensor``; FP8: float8 ``weight``, fp32 ``weight_scale_inv`` per tile)."""
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for prefix, g in _gather_sets(model):
-        out |= {f"{prefix}.{n}" if prefix else n: v for n, v in g.full_quantized().items()}
+        out |= {f"{prefix}.{n}" if prefix else n: v for n, v in g.whole_payloads().items()}
     return out
