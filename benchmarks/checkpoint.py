@@ -153,7 +153,7 @@ def _export_memory(model, root: str, rank: int) -> dict:
 
     gathered = _peak_extra_bytes(full)
     dist.barrier()
-    groups = [st.group for _, st in states_under(model) if st.group.layout is not None]
+    groups = [st.buffers for _, st in states_under(model) if st.buffers.layout is not None]
     largest = max(g.world_size * g.layout.segment_numel * g.local.element_size() for g in groups)
     shard = sum(b["local"].numel() * b["local"].element_size() for b in local_buffers(model).values())
     return {

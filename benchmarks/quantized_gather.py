@@ -116,6 +116,7 @@ def _persistent(variant: str, model: nn.Module, rank: int) -> dict:
         held, constants = _params4bit_bytes(model)
         return {"base_bytes": held + constants, "quantized_bytes": held, "constant_bytes": constants}
     from blockshard.runtime.core._state import state_of
+    from blockshard.runtime.quantized._frozen import frozen_buffers
 
     if variant == "blockshard-bf16":
         held = 0
@@ -123,7 +124,7 @@ def _persistent(variant: str, model: nn.Module, rank: int) -> dict:
             if any(f"{lin}." in n for lin in LINEARS):
                 held += p.numel() * p.element_size()  # this rank's piece
         return {"base_bytes": held}
-    stats = [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
+    stats = [frozen_buffers(st) for m in model.modules() if (st := state_of(m)) and frozen_buffers(st)]
     held = sum(q.layout.rank_bytes(rank) for q in stats)
     segment = sum(q.layout.segment_bytes for q in stats)
     constants = sum(q.stats().constant_bytes for q in stats)

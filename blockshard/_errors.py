@@ -54,7 +54,7 @@ class WorldSizeError(PlanError):
 
 
 class QuantizedWeightError(SemanticsError):
-    """A quantized weight cannot be sharded by whole quantization groups (groups that do not divide its
+    """A quantized weight cannot be sharded by whole quantization blocks (blocks that do not divide its
     shape, nested statistics that do not fit its blocks, a quant state that contradicts its parameter)."""
 
 

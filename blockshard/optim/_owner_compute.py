@@ -5,7 +5,7 @@ An engine that cuts a tensor's storage inside a compute unit (a Muon matrix, a S
 gives each cut unit one **owner** rank. Both engines state where a tensor lies in the same way:
 rank ``h`` holds elements ``[h * S - offset, (h + 1) * S - offset)`` of its flattening, clipped to
 the tensor (FSDP2's ``Shard(0)``: ``offset = 0``, ``S`` = its shard; the ragged engine: the
-tensor's offset in its bucket and the bucket's segment, :class:`blockshard.runtime.TensorOwners`),
+tensor's offset in its bucket and the bucket's segment, :class:`blockshard.runtime.TensorOwnerPlan`),
 and lists its cut units as ``(start, numel, owner)``. From that, every rank derives the same
 exchange lists (:func:`exchange_lists`). The owner keeps a persistent full-unit tensor for each unit
 it owns; the inner optimizer steps those, so its state for a cut unit lives only at the owner. The

@@ -20,7 +20,7 @@ from blockshard.optim._owner_compute import (
     named_groups,
 )
 from blockshard.runtime.core._collectives import wait
-from blockshard.runtime.core._owners import tensor_owners
+from blockshard.runtime.core._owners import tensor_owner_plan
 from blockshard.runtime.core._param import managed_tag
 
 __all__ = ["OwnerComputeOptimizer"]
@@ -345,7 +345,7 @@ def _ragged_holdings(groups: Sequence) -> tuple[list[Holding], Any]:
             if tag is not None and tag.original:
                 raise OwnerComputeError(
                     f"parameter {name!r} of shape {tuple(p.shape)} was replaced by fully_shard (in the group of a "
-                    f"{tag.owner}); build the optimizer after the last fully_shard, over model.named_parameters()"
+                    f"{tag.group_name}); build the optimizer after the last fully_shard, over model.named_parameters()"
                 )
             ref = tag.group if tag is not None else None
             group: Any = ref() if callable(ref) else None
@@ -360,11 +360,11 @@ def _ragged_holdings(groups: Sequence) -> tuple[list[Holding], Any]:
                     "forward, or before the group was rebalanced); build the optimizer after the last "
                     "fully_shard, outside forward/backward, over model.named_parameters()"
                 )
-            owners = tensor_owners(group, sp.fqn, name)
-            grid = owners.compute if owners is not None else group.layout.tensors[sp.index].grid
+            plan = tensor_owner_plan(group, sp.fqn, name)
+            grid = plan.compute if plan is not None else group.layout.tensors[sp.index].grid
             mn = math.prod(sp.shape[-2:]) if len(sp.shape) >= 3 else 0
             matrix_numel = mn if mn and grid.unit_numel == mn else 0  # stacked experts: one matrix each
-            if owners is None or not owners.units:
+            if plan is None or not plan.units:
                 holdings.append(Holding(name, p, tuple(sp.shape), gi, direct=True, matrix_numel=matrix_numel))
                 continue
             holdings.append(
@@ -374,9 +374,9 @@ def _ragged_holdings(groups: Sequence) -> tuple[list[Holding], Any]:
                     tuple(sp.shape),
                     gi,
                     planned=True,
-                    offset=owners.offset,
-                    segment=owners.segment_numel,
-                    units=owners.units,
+                    offset=plan.offset,
+                    segment=plan.segment_numel,
+                    units=plan.units,
                     local_start=sp.local_start,
                     local_numel=sp.local_numel,
                     direct=True,

@@ -32,7 +32,7 @@ from blockshard.planner._refine import refine_owners
 from blockshard.planner._units import layout_hash, rank_overlap
 from blockshard.semantics import UnitGrid
 
-__all__ = ["ComputeTally", "OwnerAssignment", "OwnerBuilder", "straddling_units"]
+__all__ = ["ComputeTally", "OwnerAssignment", "OwnerPlanBuilder", "straddling_units"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 #: Shifts are tried for a group where one rank's fixed cost (what it computes itself) exceeds this
@@ -209,7 +209,7 @@ class _Kind:
 
 
 @dataclass
-class OwnerBuilder:
+class OwnerPlanBuilder:
     """Collects groups in order (rotating each), then assigns every cut unit an owner (:meth:`finish`)."""
 
     world_size: int

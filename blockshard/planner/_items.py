@@ -15,7 +15,7 @@ __all__ = ["PlanItem", "resolve_items"]
 class PlanItem:
     """``grid``: the compute units (what ``whole`` placement keeps on one rank); ``placement_grid``:
     the placement units (where ``owner`` placement cuts the storage), ``None`` when they are the same;
-    ``storage``: the quantizer's byte streams (``None``: the tensor is stored in its dtype)."""
+    ``storage``: the quantizer's byte sections (``None``: the tensor is stored in its dtype)."""
 
     spec: TensorSpec
     grid: UnitGrid

@@ -12,7 +12,7 @@ allowed cut of every tensor's grid, and its layout is then also tried with its t
 owner builder moves only whole-placed tensors costlier than ``SHIFT_WORTH`` x the group's mean cost
 per rank (the ones that set a rank's fixed cost), at most ``MAX_MOVES`` positions each (evenly
 spaced), and compares moves only where its rotations and shifts would leave a fixed cost above the
-mean cost per rank so far (``OwnerBuilder._best_shift`` in ``_compute.py``). The result depends only on the layout: every rank
+mean cost per rank so far (``OwnerPlanBuilder._best_shift`` in ``_compute.py``). The result depends only on the layout: every rank
 builds the same candidates, and the engine moves a group's values once, before training
 (``apply_moves`` in ``runtime/core/_owners.py``).
 """

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from blockshard._errors import PlanError
-from blockshard.planner._compute import ComputeTally, OwnerAssignment, OwnerBuilder
+from blockshard.planner._compute import ComputeTally, OwnerAssignment, OwnerPlanBuilder
 from blockshard.planner._items import PlanItem, group_items, resolve_items
 from blockshard.planner._lay_out import DEFAULT_ALIGNMENT_BYTES, alignment_numel, plan_group
 from blockshard.planner._layout import GroupLayout
@@ -18,8 +18,8 @@ from blockshard.planner._policy import check_policy, choose_layout
 from blockshard.planner._qgather import (
     QuantizedGatherBytes,
     Tile,
-    gather_group_name,
-    plan_gather_group,
+    gather_buffers_name,
+    plan_gather_buffers,
     quantized_gather_totals,
     tile_semantics,
 )
@@ -148,7 +148,7 @@ class ModelPlan:
             if rest := [it for it in items if it.name not in moved]:
                 out[name] = rest
             if gathered := [it for it in items if it.name in moved]:
-                out[gather_group_name(name)] = gathered
+                out[gather_buffers_name(name)] = gathered
         return out
 
     def quantized_by_kind(self) -> dict[str, dict[str, int | float]]:
@@ -317,7 +317,7 @@ def _plan_groups(
     costs = {it.name: it.cost for it in items}
     running = np.zeros(world_size)  # compute cost per rank so far (see [Note: rotation])
     unrotated = np.zeros(world_size)  # the same without rotation, for the report
-    builder = OwnerBuilder(world_size, memo)
+    builder = OwnerPlanBuilder(world_size, memo)
     owner_tensors: set[str] = set()
     quantized: list[QuantizedGroupBytes] = []
     gathered: list[QuantizedGatherBytes] = []
@@ -337,7 +337,7 @@ def _plan_groups(
                 plan_quantized_group(gname, stored, world_size, alignment_bytes, gathers_per_step=gathers, memo=memo)
             )
         if qitems := [it for it in all_items if it.name in tiles]:  # [Note: planned quantized gather]
-            q = plan_gather_group(gname, qitems, tiles, world_size, policy, alignment_bytes, gathers, memo)
+            q = plan_gather_buffers(gname, qitems, tiles, world_size, policy, alignment_bytes, gathers, memo)
             layouts.append(q.layout)
             gathered.append(q)
         if progress is not None:

@@ -10,7 +10,7 @@ weights ([Note: planned quantized bytes]). ``plan_model(..., quantized_gather=Tr
 plan --quantized-gather``) plans the same: per group, those tensors leave the group's layout for a
 layout of their own (the masters' persistent bytes: its ``S`` times the itemsize), and each rank's
 quantized segment is, as the engine's ``plan_payload`` builds it, every piece's payload then its
-scales (one E8M0 byte per 32 values; 4 bytes per FP8 tile), each stream rounded up to 16 bytes;
+scales (one E8M0 byte per 32 values; 4 bytes per FP8 tile), each section rounded up to 16 bytes;
 ``S_q`` is the largest rank's (at least 16). One unshard all-gathers ``W * S_q`` bytes instead of
 the floats: forward, and again before the backward where the group reshards after forward (the
 root once). The engine leaves these buffer sets out of its optimizer-cost balance (it rotates the
@@ -36,21 +36,21 @@ from blockshard.semantics._quantizers import MX, FP8Block
 
 __all__ = [
     "QuantizedGatherBytes",
-    "gather_group_name",
-    "plan_gather_group",
+    "gather_buffers_name",
+    "plan_gather_buffers",
     "plan_quantized_gather",
     "quantized_gather_totals",
     "tile_semantics",
 ]
 
-STREAM_ALIGN_BYTES = 16  # the engine's: every stream of a quantized segment starts at a multiple of it
+SECTION_ALIGN_BYTES = 16  # the engine's: every section of a quantized segment starts at a multiple of it
 _MASTER_DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 Tile: TypeAlias = MX | FP8Block
 
 
-def gather_group_name(group: str) -> str:
-    """The name of ``group``'s quantized-gather layout, as the engine suffixes its buffer set."""
+def gather_buffers_name(group: str) -> str:
+    """The name of ``group``'s quantized-gather buffer set and its layout, as the engine names it."""
     return f"{group}[quantized gather]"
 
 
@@ -214,7 +214,7 @@ def plan_quantized_gather(
 def _segments(
     group: str, layout: GroupLayout, shapes: dict[str, tuple[int, ...]], tiles: dict[str, Tile]
 ) -> tuple[tuple[int, ...], int]:
-    """(payload and scale bytes every rank holds, ``S_q``): each piece's streams 16-byte aligned."""
+    """(payload and scale bytes every rank holds, ``S_q``): each piece's sections 16-byte aligned."""
     rank_bytes, sizes = [], []
     for r in range(layout.world_size):
         pos = held = 0
@@ -223,11 +223,11 @@ def _segments(
             tile, shape = tiles[name], shapes[name]
             _check_whole_tiles(group, r, name, shape, tile, piece.start, piece.numel)
             pb, sb = _piece_bytes(tile, shape, piece.numel)
-            pos += round_up(pb, STREAM_ALIGN_BYTES) + round_up(sb, STREAM_ALIGN_BYTES)
+            pos += round_up(pb, SECTION_ALIGN_BYTES) + round_up(sb, SECTION_ALIGN_BYTES)
             held += pb + sb
         rank_bytes.append(held)
         sizes.append(pos)
-    return tuple(rank_bytes), max(STREAM_ALIGN_BYTES, *sizes)
+    return tuple(rank_bytes), max(SECTION_ALIGN_BYTES, *sizes)
 
 
 def _check_whole_tiles(group: str, rank: int, name: str, shape: tuple, tile: Tile, start: int, numel: int) -> None:
@@ -241,7 +241,7 @@ def _check_whole_tiles(group: str, rank: int, name: str, shape: tuple, tile: Til
         )
 
 
-def plan_gather_group(
+def plan_gather_buffers(
     gname: str,
     qitems: list[PlanItem],
     tiles: dict[str, Tile],
@@ -251,9 +251,9 @@ def plan_gather_group(
     gathers: int,
     memo: dict,
 ) -> QuantizedGatherBytes:
-    """The layout of group ``gname``'s weights gathered quantized and their quantized segments (not
-    rotated: the engine balances the primary layouts only)."""
-    name = gather_group_name(gname)
+    """The layout of group ``gname``'s quantized-gather buffer set (its weights gathered quantized)
+    and their quantized segments (not rotated: the engine balances the primary layouts only)."""
+    name = gather_buffers_name(gname)
     layout, owned, _ = choose_layout(qitems, world_size, policy, name=name, alignment_bytes=alignment_bytes, memo=memo)
     if owned:
         raise PlanError(

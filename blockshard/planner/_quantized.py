@@ -1,8 +1,8 @@
-"""Quantized bytes per rank and gathered per step: the engine's quantized groups, predicted from shapes.
+"""Quantized bytes per rank and gathered per step: the engine's frozen quantized buffer sets, predicted from shapes.
 
 [Note: planned quantized bytes]
-``fully_shard`` gives the frozen quantized weights of each group a quantized group of their own
-([Note: quantized groups] in ``runtime/quantized/_frozen.py``): their units concatenated in the group's
+``fully_shard`` gives the frozen quantized weights of each group a buffer set of their own
+([Note: frozen quantized buffers] in ``runtime/quantized/_frozen.py``): their units concatenated in the group's
 order, rank ``r``'s cut at the unit boundary nearest to ``r * total / W`` (ties to the lower), every
 segment padded to the largest, ``S`` bytes rounded up to the alignment. :func:`plan_quantized_group`
 computes the same cuts from each tensor's :class:`~blockshard.semantics.QuantizedStorage` without
@@ -115,7 +115,7 @@ def plan_quantized_group(
     gathers_per_step: int = 2,
     memo: dict | None = None,
 ) -> QuantizedGroupBytes:
-    """The quantized group of ``tensors`` (name, storage; in the group's order) on ``world_size`` ranks;
+    """The frozen quantized bytes of ``tensors`` (name, storage; in the group's order) on ``world_size`` ranks;
     groups of the same storages share one computation through ``memo``."""
     storages = [st for _, st in tensors]
     key = ("quantized", tuple(storages), world_size, alignment_bytes)
@@ -135,7 +135,7 @@ def plan_quantized_group(
         world_size=world_size,
         tensors=tuple(name for name, _ in tensors),
         numel=sum(st.numel for st in storages),
-        payload_bytes=sum(st.streams[0].nbytes for st in storages),
+        payload_bytes=sum(st.sections[0].nbytes for st in storages),
         total_bytes=sum(st.nbytes for st in storages),
         segment_bytes=S,
         rank_bytes=rank_bytes,
@@ -145,7 +145,7 @@ def plan_quantized_group(
 
 
 def byte_totals(groups: Sequence[Any], world_size: int) -> dict[str, int | float]:
-    """What quantized groups (of frozen weights, or gathered quantized) have in common, summed:
+    """What the quantized byte plans (of frozen weights, or gathered quantized) have in common, summed:
     tensors, payload and scales, per rank (max and mean over ranks), gathered per step."""
     held = np.zeros(world_size, dtype=np.int64)
     for g in groups:

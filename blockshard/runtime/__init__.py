@@ -36,7 +36,7 @@ from blockshard.runtime.core._collectives import check_finished
 from blockshard.runtime.core._common import ShardedState, TrainingState
 from blockshard.runtime.core._init import init_parameters
 from blockshard.runtime.core._module import register_forward_method
-from blockshard.runtime.core._owners import TensorOwners, owner_plan
+from blockshard.runtime.core._owners import TensorOwnerPlan, TensorOwners, owner_plan
 from blockshard.runtime.quantized._frozen import QuantizedStats, quantized_stats
 from blockshard.runtime.quantized._gather import full_quantized, precompute_quantized_gather, quantized_gather_stats
 from blockshard.runtime.routes import install_torch_routes, installed_torch_routes, uninstall_torch_routes
@@ -55,6 +55,7 @@ __all__ = [
     "ShardedModule",
     "ShardedState",
     "ShardingError",
+    "TensorOwnerPlan",
     "TensorOwners",
     "TorchRouteError",
     "TrainingState",

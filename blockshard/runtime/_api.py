@@ -26,17 +26,24 @@ from blockshard.runtime._arguments import (
 )
 from blockshard.runtime._placement import check_shard_placements
 from blockshard.runtime.checkpoint._extra_dtypes import install_extra_state_dict_hooks
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffer_set import BufferSet, GroupControls
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import check_same_layout, engine_group
 from blockshard.runtime.core._dtypes import split_by_dtype
 from blockshard.runtime.core._inspect import global_shapes, group_layouts, local_buffers
 from blockshard.runtime.core._list_groups import bind_below, collect_all, listed_modules
 from blockshard.runtime.core._optim_guard import install_optimizer_guard
-from blockshard.runtime.core._owners import EngineOwnerBuilder, compute_of, plan_owners, qualified_group, record_compute
+from blockshard.runtime.core._owners import (
+    EngineOwnerPlanBuilder,
+    build_owner_plan,
+    compute_of,
+    qualified_group,
+    record_compute,
+)
 from blockshard.runtime.core._param import ParamRef, ShardedParam, check_plain, managed_tag, tag_managed
 from blockshard.runtime.core._state import STATE_ATTR, ModuleState, state_of
-from blockshard.runtime.quantized._frozen import QuantizedGroup, collect_quantized
-from blockshard.runtime.quantized._gather import QuantizedGatherGroup, split_quantized_gather
+from blockshard.runtime.quantized._frozen import FrozenQuantizedBuffers, collect_quantized
+from blockshard.runtime.quantized._gather import QuantizedGatherBuffers, split_quantized_gather
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
 from blockshard.semantics._rule import call_user_semantics
 
@@ -84,13 +91,13 @@ def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
         hit = managed_tag(p)
         if hit is not None and hit.original:
             raise ShardingError(
-                f"parameter {n!r} is shared with a module already sharded in another group (a {hit.owner}); one "
+                f"parameter {n!r} is shared with a module already sharded in another group (a {hit.group_name}); one "
                 "parameter can live in one group only. Fix: shard the modules that share it in one "
                 "fully_shard call (e.g. leave tied embeddings and head to the root), or untie them"
             )
         if hit is not None:
             raise ShardingError(
-                f"parameter {n!r} already belongs to a sharded group (of a {hit.owner}): fully_shard "
+                f"parameter {n!r} already belongs to a sharded group (of a {hit.group_name}): fully_shard "
                 "was applied top-down. Fix: apply it bottom-up — layers first, then the root"
             )
         check_plain(n, p)  # a tensor subclass would lose what it holds besides its values
@@ -131,9 +138,11 @@ def _build_group(
     alignment_bytes: int,
     mp_policy: Any,
     replicate_group: dist.ProcessGroup | None,
+    controls: GroupControls,
+    trainable: bool,
     offload: bool = False,
-    make: Callable[..., ShardGroup] = ShardGroup,
-) -> tuple[ShardGroup, list[PlanItem], frozenset[str]]:
+    make: Callable[..., ParamBuffers] = ParamBuffers,
+) -> tuple[ParamBuffers, list[PlanItem], frozenset[str]]:
     """Plan ``params`` (one dtype) and make their group: its layout checked equal on every rank."""
     layout: GroupLayout | None = None
     items: list[PlanItem] = []
@@ -163,7 +172,9 @@ def _build_group(
         costs={it.name: it.cost for it in items},
         param_dtype=getattr(mp_policy, "param_dtype", None),
         reduce_dtype=getattr(mp_policy, "reduce_dtype", None),
+        controls=controls,
         replicate_group=replicate_group,
+        trainable=trainable,
         offload=offload,
     )
     return group, items, owned
@@ -234,7 +245,7 @@ def fully_shard(
     for m in modules:
         if (done := state_of(m)) is not None:
             raise ShardingError(
-                f"this {done.group.name} is already sharded: call fully_shard once per module "
+                f"this {done.buffers.name} is already sharded: call fully_shard once per module "
                 "(bottom-up: layers first, then the root)"
             )
     alignment_bytes = _check_alignment(alignment_bytes)
@@ -255,7 +266,9 @@ def fully_shard(
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_routes()  # clip_grad_norm_, register_fsdp_forward_method, DCP's state-dict helpers ([Note: torch routes])
     ignored = ignored_ids(ignored_params)
-    quantized = [f for m in modules for f in collect_quantized(m, ignored, is_sharded)]  # [Note: quantized groups]
+    quantized = [
+        f for m in modules for f in collect_quantized(m, ignored, is_sharded)
+    ]  # [Note: frozen quantized buffers]
     names, params, refs = collect_all(modules, ignored | {i for f in quantized for i in f.ids})
     _check_params(names, params)
     if shard_placement_fn is not None:  # checked as FSDP2 does; the layout follows semantics ([Note: shard placements])
@@ -269,23 +282,29 @@ def fully_shard(
             "device for NCCL, and no GPU run has checked it. Fix: drop offload_policy"
         )
     name = type(module).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
-    parts: list[tuple[str | None, tuple, Callable[..., ShardGroup]]] = []
+    # (name suffix, parameters, buffer set class, whether they may train) per buffer set
+    parts: list[tuple[str | None, tuple, Callable[..., ParamBuffers], bool]] = []
     if quantized_gather:  # [Note: quantized gather]: a buffer set of its own, after the dtypes' ones
         by_name = dict(zip(names, params, strict=True))
         q_part, (names, params, refs), quantizers = split_quantized_gather(
             names, params, refs, _rules(semantics, by_name)
         )
         if q_part[0]:
-            parts.append(("quantized gather", q_part, functools.partial(QuantizedGatherGroup, quantizers=quantizers)))
+            qgather = functools.partial(QuantizedGatherBuffers, quantizers=quantizers)
+            parts.append(("quantized gather", q_part, qgather, True))
         else:
             check_quantized_below(modules, semantics)
-    parts[:0] = [(None, part, ShardGroup) for part in split_by_dtype(names, params, refs)]  # [Note: mixed dtypes]
-    groups, items, owned = [], [], frozenset[str]()
-    for k, (label, (d_names, d_params, d_refs), make) in enumerate(parts):
+    dtypes = split_by_dtype(names, params, refs)  # [Note: mixed dtypes]: the primary first, the others frozen
+    parts[:0] = [(None, part, ParamBuffers, k == 0) for k, part in enumerate(dtypes)]
+    controls = GroupControls()  # FSDP2's controls of this group, shared by its state and buffer sets
+    groups: list[ParamBuffers] = []
+    items, owned = [], frozenset[str]()
+    for k, (label, (d_names, d_params, d_refs), make, trainable) in enumerate(parts):
         g_name = name if k == 0 else f"{name}[{label or str(d_params[0].dtype).removeprefix('torch.')}]"
         group, d_items, d_owned = _build_group(
             g_name, d_names, d_params, d_refs, semantics, process_group, policy, alignment_bytes,
-            mp_policy if k == 0 or d_params[0].is_floating_point() else None, replicate_group, offload, make,
+            mp_policy if k == 0 or d_params[0].is_floating_point() else None, replicate_group, controls,
+            trainable, offload, make,
         )  # fmt: skip
         if d_owned and (len(modules) > 1 or k > 0):
             raise ShardingError(
@@ -297,8 +316,9 @@ def fully_shard(
         if k == 0:
             items, owned = d_items, d_owned
     group = groups[0]
-    if quantized:  # [quantized] the frozen quantized weights: a byte-group beside the float one
-        group.quantized = QuantizedGroup(name, quantized, process_group, alignment_bytes=alignment_bytes)
+    buffer_sets: list[BufferSet] = [*groups]  # [Note: buffer sets]: frozen quantized weights first
+    if quantized:
+        buffer_sets.insert(0, FrozenQuantizedBuffers(name, quantized, process_group, alignment_bytes=alignment_bytes))
     state = ModuleState(
         module,
         group,
@@ -307,7 +327,7 @@ def fully_shard(
         output_dtype=getattr(mp_policy, "output_dtype", None),
         cast_forward_inputs=getattr(mp_policy, "cast_forward_inputs", True),
         modules=modules,
-        extra_groups=groups[1:],
+        buffer_sets=buffer_sets,
     )
     state.order = next(_ORDER)  # see [Note: cost tally]
     record_compute(group, {it.name: it.grid for it in items if it.name in owned})
@@ -345,34 +365,36 @@ def _balance_costs(module: nn.Module, state: ModuleState) -> None:
     unique = {id(st): st for m in module.modules() if (st := state_of(m)) is not None and st is not own}
     below = sorted(unique.values(), key=lambda st: st.order)
     if not below:  # a leaf: balanced by the call that shards an enclosing module
-        if compute_of(state.group):  # its own owners until then ([Note: engine owner plan])
-            plan_owners(type(module).__name__, [("", state)], EngineOwnerBuilder(state.group.world_size, {}), None)
+        if compute_of(state.buffers):  # its own owners until then ([Note: engine owner plan])
+            build_owner_plan(
+                type(module).__name__, [("", state)], EngineOwnerPlanBuilder(state.buffers.world_size, {}), None
+            )
         return
-    process_group = state.group.process_group
+    process_group = state.buffers.process_group
     W = process_group.size()
     prefixes = {id(m): f"{p}." if p else "" for p, m in module.named_modules()}
     named = [(prefixes[id(st.module)], st) for st in below]
-    builder = EngineOwnerBuilder(W, {})
+    builder = EngineOwnerPlanBuilder(W, {})
     running = np.zeros(W)
     for prefix, st in named:
-        if st.balanced and st.group.layout is not None:  # balanced by an earlier call
+        if st.balanced and st.buffers.layout is not None:  # balanced by an earlier call
             builder.add_fixed(*qualified_group(st, prefix), running)
     changed = False
     for prefix, st in [*((p, st) for p, st in named if not st.balanced), ("", state)]:
         st.balanced = True
-        layout = st.group.layout
+        layout = st.buffers.layout
         if layout is None:
             continue
         q, kind, compute, costs = qualified_group(st, prefix)
         k = _rotation(q, builder.add_group(q, kind, compute, costs, running, 0.0, np.zeros(W)))
         if k:
-            st.group.relayout(rotate(layout, k), k)
-            st.group.tag_views()
+            st.buffers.relayout(rotate(layout, k), k)
+            st.buffers.tag_views()
             changed = True
     if changed:
-        hashes = ",".join(st.group.layout.layout_hash() for st in [*below, state] if st.group.layout is not None)
+        hashes = ",".join(st.buffers.layout.layout_hash() for st in [*below, state] if st.buffers.layout is not None)
         check_same_layout(f"{type(module).__name__} (balanced)", hashes, process_group)
-    plan_owners(type(module).__name__, [*named, ("", state)], builder, running)
+    build_owner_plan(type(module).__name__, [*named, ("", state)], builder, running)
 
 
 def _rotation(old: GroupLayout, new: GroupLayout) -> int:

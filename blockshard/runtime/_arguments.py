@@ -12,7 +12,7 @@ from torch import nn
 from blockshard._errors import LayoutMismatchError, QuantizedWeightError, ShardingError
 from blockshard.runtime.core._collectives import engine_group
 from blockshard.runtime.core._state import state_of
-from blockshard.runtime.quantized._gather import QuantizedGatherGroup
+from blockshard.runtime.quantized._gather import QuantizedGatherBuffers
 
 __all__ = [
     "check_fsdp_arguments",
@@ -80,7 +80,7 @@ def check_quantized_below(modules: Sequence[nn.Module], semantics: object) -> No
     """``quantized_gather=True`` on a group with no tile-quantizer weight: fine for a root over
     groups that have some (the same arguments passed to every call), else it would do nothing."""
     below = (st for m in modules for sub in m.modules() if (st := state_of(sub)) is not None)
-    if any(isinstance(g, QuantizedGatherGroup) for st in below for g in st.groups):
+    if any(isinstance(g, QuantizedGatherBuffers) for st in below for g in st.buffer_sets):
         return
     raise QuantizedWeightError(
         f"quantized_gather=True on {', '.join(type(m).__name__ for m in modules)}: semantics={semantics!r} gives "

@@ -17,7 +17,7 @@ from blockshard.semantics._registry import (
 from blockshard.semantics._rule import Rule
 from blockshard.semantics._rules import ResolvedSemantics, SemanticsRules
 from blockshard.semantics._spec import DTYPE_ITEMSIZE, DTypeLike, TensorSpec, itemsize_of, normalize_dtype
-from blockshard.semantics._storage import ByteStream, QuantizedStorage
+from blockshard.semantics._storage import ByteSection, ByteStream, QuantizedStorage
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -25,6 +25,7 @@ __all__ = [
     "NO_ENTRY_POINTS_ENV",
     "PRESETS",
     "BlockSemantics",
+    "ByteSection",
     "ByteStream",
     "Companion",
     "DTypeLike",

@@ -92,7 +92,7 @@ class BlockSemantics(ABC):
         return ()
 
     def storage(self, shape: tuple[int, ...], dtype: str) -> QuantizedStorage | None:
-        """The byte streams a quantizer stores for the tensor ([Note: quantized storage] in
+        """The byte sections a quantizer stores for the tensor ([Note: quantized storage] in
         ``_storage.py``), what ``blockshard plan`` counts as quantized bytes; ``None``: not a
         quantized storage format (the tensor is stored in its dtype). Called after :meth:`grid`."""
         return None

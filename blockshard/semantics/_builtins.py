@@ -14,9 +14,9 @@ rows:k          k rows (per expert)                        1 element
 shampoo:D       D rows: whole D x D tiles (per expert)     1 element
 flat:n          n elements                                 n elements
 bnb8bit, ao*    256 / 128-element state blocks             the same (the storage keeps them whole)
-nf4, ao_nf4, mx quantization groups                        the same
+nf4, ao_nf4, mx quantization blocks                        the same
 fp8_block:B     B-row stripes of B x B tiles (per expert)  the same (weights are quantized in place)
-fp4, *_nested   quantization groups                        the same
+fp4, *_nested   quantization blocks                        the same
 expert          one expert of a stacked (E, ...) tensor    1 element
 ==============  =========================================  ==========================================
 
@@ -245,35 +245,35 @@ class NF4(BlockSemantics):
 
     kind = SemanticsKind.QUANTIZER
     min_ndim = 2  # blanket rules quantize weights (Linear), not norms or biases
-    group = 64
+    block_numel = 64  # values per quantization block (one absmax each)
     quant_type = "nf4"
 
     def grid(self, shape, dtype, *, tensor="<tensor>"):
-        return UnitGrid.units(self._blocks(shape, tensor) * self.group, self.group)
+        return UnitGrid.units(self._blocks(shape, tensor) * self.block_numel, self.block_numel)
 
     def _blocks(self, shape: tuple[int, ...], tensor: str) -> int:
         numel = math.prod(shape)
-        if numel % self.group:
+        if numel % self.block_numel:
             raise self.error(
                 tensor,
                 shape,
-                f"numel {numel} is not a multiple of the {self.group}-value {self.quant_type.upper()} quantization "
+                f"numel {numel} is not a multiple of the {self.block_numel}-value {self.quant_type.upper()} quantization "
                 "block",
-                f"quantize only tensors whose size is a multiple of {self.group} (leave this one in bf16 with "
+                f"quantize only tensors whose size is a multiple of {self.block_numel} (leave this one in bf16 with "
                 "an 'elementwise' rule for it)",
             )
-        return numel // self.group
+        return numel // self.block_numel
 
     def companions(self, shape, dtype):
         numel = math.prod(shape)
-        return (Companion(suffix="absmax", numel=numel // self.group, dtype="float32", per_unit=1),)
+        return (Companion(suffix="absmax", numel=numel // self.block_numel, dtype="float32", per_unit=1),)
 
     def storage(self, shape, dtype):
         code = (f"bitsandbytes {self.quant_type} code", 16 * 4)
         return storage_with_companions(
             f"bitsandbytes {self.quant_type} (fp32 absmax)",
             math.prod(shape),
-            self.group,
+            self.block_numel,
             4,
             self.companions(shape, dtype),
             shared_constants=(code,),

@@ -54,10 +54,10 @@ class NF4Nested(NF4):
 
     def grid(self, shape, dtype, *, tensor="<tensor>"):
         blocks = self._blocks(shape, tensor)
-        return UnitGrid.units(blocks * self.group, self.group * self.nested_block)
+        return UnitGrid.units(blocks * self.block_numel, self.block_numel * self.nested_block)
 
     def companions(self, shape, dtype):
-        blocks = math.prod(shape) // self.group
+        blocks = math.prod(shape) // self.block_numel
         return (
             Companion(suffix="absmax", numel=blocks, dtype="uint8", per_unit=self.nested_block),
             Companion(suffix="state2.absmax", numel=ceil_div(blocks, self.nested_block), dtype="float32", per_unit=1),
@@ -67,7 +67,7 @@ class NF4Nested(NF4):
         return storage_with_companions(
             f"bitsandbytes {self.quant_type} (nested absmax)",
             math.prod(shape),
-            self.group * self.nested_block,
+            self.block_numel * self.nested_block,
             4,
             self.companions(shape, dtype),
             shared_constants=((f"bitsandbytes {self.quant_type} code", 16 * 4), ("bitsandbytes dynamic map", 256 * 4)),

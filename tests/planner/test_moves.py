@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from blockshard.planner import model_tensors, plan_model, tensors_from_hf_config
-from blockshard.planner._compute import OwnerBuilder, _with_offsets, straddling_units
+from blockshard.planner._compute import OwnerPlanBuilder, _with_offsets, straddling_units
 from blockshard.planner._moves import tensor_moves
 from blockshard.planner._refine import refine_owners
 from blockshard.runtime.core._owners import move_lists
@@ -124,4 +124,4 @@ def test_builder_is_deterministic():
     b = plan_model(model_tensors("mixtral-8x7b"), 64, semantics="muon")
     assert a.owners.owner_hash() == b.owners.owner_hash()
     assert [g.layout_hash() for g in a.groups] == [g.layout_hash() for g in b.groups]
-    assert isinstance(OwnerBuilder(64, {}), OwnerBuilder)
+    assert isinstance(OwnerPlanBuilder(64, {}), OwnerPlanBuilder)

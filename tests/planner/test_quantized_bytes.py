@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from blockshard import SemanticsError
 from blockshard.planner import model_tensors, plan_model
 from blockshard.planner._quantized import plan_quantized_group
-from blockshard.runtime.quantized._layout import StreamShape, plan_quantized
+from blockshard.runtime.quantized._layout import SectionShape, plan_quantized
 from blockshard.semantics import TensorSpec, get_semantics
 
 FORMATS = ["nf4", "fp4", "nf4_nested", "fp4_nested", "ao_nf4", "mx", "mx:4", "fp8_block:128", "fp8_block:4"]
@@ -39,7 +39,7 @@ tensors = st.lists(st.tuples(st.sampled_from(FORMATS), st.integers(1, 300), st.i
 def test_cuts_equal_the_engines_layout(specs, world, align):
     storages = [get_semantics(f).storage(_shape(f, a, b), "bfloat16") for f, a, b in specs]
     engine = plan_quantized(
-        [(tuple(StreamShape(s.name, s.nbytes, s.unit_bytes) for s in st_.streams), st_.n_units) for st_ in storages],
+        [(tuple(SectionShape(s.name, s.nbytes, s.unit_bytes) for s in st_.sections), st_.n_units) for st_ in storages],
         world,
         align,
     )

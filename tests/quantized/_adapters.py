@@ -42,8 +42,9 @@ def train(model: nn.Module, rank: int, world: int, inputs: Callable[[int], torch
     out["params"] = {n: full[n].detach().clone() for n in full if "lora" in n}
     if world:
         from blockshard.runtime.core._state import state_of
+        from blockshard.runtime.quantized._frozen import frozen_buffers
 
-        qs = [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
+        qs = [frozen_buffers(st) for m in model.modules() if (st := state_of(m)) and frozen_buffers(st)]
         out["held"] = sum(q.layout.rank_bytes(rank) for q in qs)
         out["total"] = sum(q.layout.total_bytes for q in qs)
         out["pieces"] = [[(p.unit_start, p.unit_stop) for p in q.layout.pieces[rank]] for q in qs]  # units

@@ -207,10 +207,10 @@ def train(rank: int, world: int, steps: int = 3) -> dict:
 
 def _qgroup(module: nn.Module):
     from blockshard.runtime.core._state import state_of
-    from blockshard.runtime.quantized._gather import QuantizedGatherGroup
+    from blockshard.runtime.quantized._gather import QuantizedGatherBuffers
 
     st = state_of(module)
-    return next(g for g in st.extra_groups if isinstance(g, QuantizedGatherGroup))
+    return next(g for g in st.buffer_sets if isinstance(g, QuantizedGatherBuffers))
 
 
 def accumulate_clip_checkpoint(rank: int, world: int, path: str = "") -> dict:

@@ -155,6 +155,7 @@ def memory(rank: int, world: int, replicate: bool = False, **quant) -> dict:
     ``stats``), or replicated as on Accelerate's path (stock FSDP2 with the Params4bit ignored)."""
     from blockshard.runtime import quantized_stats
     from blockshard.runtime.core._state import state_of
+    from blockshard.runtime.quantized._frozen import frozen_buffers
 
     with _serial():
         model = qlora_llama(lora=False, **quant)
@@ -170,13 +171,13 @@ def memory(rank: int, world: int, replicate: bool = False, **quant) -> dict:
     held = {}
     for prefix, m in model.named_modules():
         st = state_of(m)
-        if st is not None and st.group.quantized is not None:
-            held[prefix] = st.group.quantized.layout.rank_bytes(rank)
+        if st is not None and frozen_buffers(st) is not None:
+            held[prefix] = frozen_buffers(st).layout.rank_bytes(rank)
     tensors = [
         t
         for _, m in model.named_modules()
-        if (st := state_of(m)) and st.group.quantized
-        for t in st.group.quantized.tensors
+        if (st := state_of(m)) and frozen_buffers(st)
+        for t in frozen_buffers(st).tensors
     ]
     return {
         "held": held,

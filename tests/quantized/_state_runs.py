@@ -79,8 +79,9 @@ def reference(kind: str, **quant) -> dict[str, torch.Tensor]:
 
 def _quantized_groups(model: nn.Module) -> list:
     from blockshard.runtime.core._state import state_of
+    from blockshard.runtime.quantized._frozen import frozen_buffers
 
-    return [st.group.quantized for m in model.modules() if (st := state_of(m)) and st.group.quantized]
+    return [frozen_buffers(st) for m in model.modules() if (st := state_of(m)) and frozen_buffers(st)]
 
 
 def corrupt(model: nn.Module) -> None:

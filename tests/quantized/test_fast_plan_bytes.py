@@ -36,11 +36,12 @@ from torch import nn
 import blockshard
 from blockshard.cli import main
 from blockshard.planner import plan_model
-from blockshard.planner._qgather import gather_group_name
+from blockshard.planner._qgather import gather_buffers_name
 from blockshard.planner._quantized import plan_quantized_group
 from blockshard.runtime import group_layouts, quantized_stats
 from blockshard.runtime.core._state import state_of
-from blockshard.runtime.quantized._gather import _groups as gather_groups
+from blockshard.runtime.quantized._frozen import frozen_buffers
+from blockshard.runtime.quantized._gather import _gather_sets as gather_sets
 from blockshard.semantics import TensorSpec
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,8 +55,8 @@ def _engine(rank: int, world: int, build, layers: str | None) -> dict:
         for layer in model.get_submodule(layers):
             blockshard.fully_shard(layer)
     blockshard.fully_shard(model)
-    held = {p: st.group.quantized.layout.rank_bytes(rank) for p, m in model.named_modules() if (st := state_of(m))
-            and st.group.quantized is not None}  # fmt: skip
+    held = {p: frozen_buffers(st).layout.rank_bytes(rank) for p, m in model.named_modules() if (st := state_of(m))
+            and frozen_buffers(st) is not None}  # fmt: skip
     return {"stats": quantized_stats(model), "held": held}
 
 
@@ -106,7 +107,7 @@ def test_bnb4bit_llama_bytes_equal_the_plan(quant_type, nested, world):
     q = plan.quantized_groups[0]
     stored = [(it.name, it.storage) for it in plan.items if it.spec.group == q.group and it.storage is not None]
     payload_only = plan_quantized_group(
-        q.group, [(n, replace(st, streams=st.streams[:1])) for n, st in stored], world, 16
+        q.group, [(n, replace(st, sections=st.sections[:1])) for n, st in stored], world, 16
     )
     assert payload_only.segment_bytes != ranks[0]["stats"][q.group].local_bytes
 
@@ -187,7 +188,7 @@ def _gather_engine(rank: int, world: int) -> dict:
     with _qgather_runs._serial():
         model = _qgather_runs.Stack()
     _qgather_runs._shard(model)  # each linear with semantics {"weight": spec}, the experts in the root
-    sets = gather_groups(model)
+    sets = gather_sets(model)
     return {
         "stats": blockshard.quantized_gather_stats(model),
         "held": {p: sum(x.payload_bytes + x.scale_bytes for x in g.plan[rank]) for p, g in sets},
@@ -244,7 +245,7 @@ def test_quantized_gather_plan_equals_the_engine(world, tmp_path, capsys):
         # every layout by name: each group's biases alone, and its "[quantized gather]" set (the root
         # has no primary layout: it keeps nothing but the experts)
         assert set(got["primary"]) == {g.name for g in plan.groups}, rank
-        assert {gather_group_name(g) for g in groups} <= set(got["primary"]) and "" not in got["primary"]
+        assert {gather_buffers_name(g) for g in groups} <= set(got["primary"]) and "" not in got["primary"]
         for name, where in got["primary"].items():
             assert where == _where(plan.group(name), _prefix(name.removesuffix("[quantized gather]"))), (rank, name)
     stats = ranks[0]["stats"]

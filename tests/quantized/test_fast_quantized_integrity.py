@@ -49,8 +49,8 @@ def _run(rank: int, world: int, swap: bool) -> dict:
     for layer in model.layers:
         blockshard.fully_shard(layer)
     blockshard.fully_shard(model)
-    only_quantized = [state_of(m).group.layout is None for m in model.layers]
-    float_groups = sum(state_of(m).group.layout is not None for m in (*model.layers, model))
+    only_quantized = [state_of(m).buffers.layout is None for m in model.layers]
+    float_groups = sum(state_of(m).buffers.layout is not None for m in (*model.layers, model))
     opt = torch.optim.SGD(model.adapter.parameters(), lr=0.1)
     losses, counts = [], []
     gathered, outcome = [], "no error"
@@ -62,7 +62,7 @@ def _run(rank: int, world: int, swap: bool) -> dict:
                 gathered.append(layer.weight.data.clone())
                 layer.reshard()
             loss = model(torch.ones(4, 128)).square().mean()
-            counts.append(state_of(model.layers[0]).group.tally.count)  # after forward
+            counts.append(state_of(model.layers[0]).buffers.tally.count)  # after forward
             losses.append(loss.item())
             loss.backward()
             opt.step()
@@ -103,13 +103,15 @@ def test_quantized_all_gathers_out_of_order_raise_on_every_rank():
 def _mixed(rank: int, world: int) -> dict:
     import blockshard
     from blockshard.runtime.core._state import state_of
+    from blockshard.runtime.quantized._frozen import frozen_buffers
 
     with _inproc.serial():
         model = QuantizedStack()
     blockshard.fully_shard(model)  # one group: the float adapter and the three quantized weights
-    group = state_of(model).group
+    state = state_of(model)
+    group = state.buffers
     model(torch.ones(4, 128))
-    return {"mixed": group.layout is not None and group.quantized is not None, "count": group.tally.count}
+    return {"mixed": group.layout is not None and frozen_buffers(state) is not None, "count": group.tally.count}
 
 
 def test_a_group_of_float_and_quantized_weights_counts_both_all_gathers():

@@ -1,6 +1,6 @@
 """State dicts of sharded quantized weights (threaded gloo ranks): [Note: quantized state dicts].
 
-``model.state_dict()`` holds every stream of a quantized weight (payload, absmax, nested
+``model.state_dict()`` holds every section of a quantized weight (payload, absmax, nested
 statistics, torchao scalers and factors, MX and FP8 scales) as a PieceTensor of its global shape,
 ``blockshard.full_state_dict`` equals the unsharded quantized model's ``state_dict()`` bitwise
 (keys in order, dtypes, bytes), and loading full entries or pieces restores overwritten segments
@@ -59,10 +59,10 @@ def test_bnb_state_dicts_at_w2_are_the_unsharded_models(quant):
 
 
 @pytest.mark.parametrize(
-    ("kind", "streams"), [("ao_nf4", (".quantized_scalers",)), ("mx", (".scale",)), ("fp8", ("weight_scale_inv",))]
+    ("kind", "sections"), [("ao_nf4", (".quantized_scalers",)), ("mx", (".scale",)), ("fp8", ("weight_scale_inv",))]
 )
-def test_torchao_mx_and_fp8_state_dicts_at_w2_are_the_unsharded_models(kind, streams):
-    _check_entries(_inproc.run_ranks(_state_runs.entries, 2, args=(kind,)), streams)
+def test_torchao_mx_and_fp8_state_dicts_at_w2_are_the_unsharded_models(kind, sections):
+    _check_entries(_inproc.run_ranks(_state_runs.entries, 2, args=(kind,)), sections)
 
 
 @pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
@@ -132,7 +132,7 @@ def test_save_pretrained_writes_the_unsharded_4bit_models_entries(quant, tmp_pat
 
 def test_save_pretrained_of_blockwise_fp8_writes_the_unsharded_models_entries(tmp_path, monkeypatch):
     """Streamed in chunks of an odd byte count that end inside a rank's payload piece (the 4-bit
-    exports above stream whole pieces)."""
+    exports above section whole pieces)."""
     from blockshard.runtime.checkpoint import _export
 
     monkeypatch.setattr(_export, "_CHUNK_BYTES", 8191)
@@ -189,7 +189,7 @@ def test_save_pretrained_writes_what_hugging_face_writes_for_the_unsharded_model
 @pytest.mark.parametrize("world", [2, 1])
 @pytest.mark.parametrize("kind", ["bnb", "ao_nf4"])
 def test_blockshard_sharded_and_full_state_dicts_carry_quantized_weights(kind, world):
-    """``sharded_state_dict`` holds every quantized stream (before: none of them, and both loads left
+    """``sharded_state_dict`` holds every quantized section (before: none of them, and both loads left
     the overwritten segments as they were)."""
     outs = _inproc.run_ranks(_state_runs.blockshard_state_dicts, world, args=(kind,))
     for out in outs:
@@ -198,8 +198,8 @@ def test_blockshard_sharded_and_full_state_dicts_carry_quantized_weights(kind, w
         assert out["after_sharded_load"] == [] and out["after_full_load"] == []
         partial = out["errors"][1]
         assert f"'{out['payload']}" in partial and "has no such entry" in partial and "Fix:" in partial, partial
-    wrong = [out["errors"][0] for out in outs if out["errors"][0]]  # a whole stream where a rank holds less
-    assert bool(wrong) == (world > 1), wrong  # at W = 1 the whole stream is the rank's piece
+    wrong = [out["errors"][0] for out in outs if out["errors"][0]]  # a whole section where a rank holds less
+    assert bool(wrong) == (world > 1), wrong  # at W = 1 the whole section is the rank's piece
     for msg in wrong:
         assert f"{outs[0]['payload']!r}" in msg and "this rank holds piece" in msg and "Fix:" in msg, msg
 
@@ -221,7 +221,7 @@ def test_the_checkpoint_record_holds_the_quantized_layouts(tmp_path, capsys):
         assert t["format"] == "torchao NF4Tensor" and g["world_size"] == 2 and g["class"] == "NF4LoRALinear"
         assert t["pieces"] == [[r, a, b - a] for r, held in enumerate(units) for a, b in held]
         assert sum(n for _, _, n in t["pieces"]) == t["units"]
-        for name, pieces in t["entries"].items():  # every rank's piece of every stream, as DCP saved it
+        for name, pieces in t["entries"].items():  # every rank's piece of every section, as DCP saved it
             assert {r: (a, n) for r, a, n in pieces} == {
                 r: out["pieces"][name] for r, out in enumerate(outs) if out["pieces"][name][1]
             }, name

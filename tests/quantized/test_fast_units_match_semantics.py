@@ -2,7 +2,7 @@
 whole (values per unit, companion elements per unit) equals the registered block semantics' grid
 and companions (``nf4``, ``fp4``, ``nf4_nested``, ``fp4_nested``, ``ao_nf4``, ``mx``, ``mx:4``,
 ``fp8_block:128``), so ``blockshard plan`` lays out what ``fully_shard`` runs; and the semantics'
-storage (its byte streams, [Note: quantized storage]) is the engine's streams byte for byte, with the
+storage (its byte sections, [Note: quantized storage]) is the engine's sections byte for byte, with the
 companions' dtypes (torchao's quantization factor in the weight's dtype, not fp32)."""
 
 from __future__ import annotations
@@ -95,29 +95,29 @@ def test_engine_units_are_the_semantics_units(case):
     numel = math.prod(SHAPE)
     grid = sem.grid(SHAPE, dtype)
     assert -(-numel // grid.unit_numel) == t.n_units  # the same number of units
-    assert t.streams[0].unit_bytes * per_byte == grid.unit_numel  # the payload of one unit
-    for comp, stream, size in zip(sem.companions(SHAPE, dtype), t.streams[1:], sizes, strict=True):
-        assert stream.unit_bytes == comp.per_unit * size, (comp.suffix, stream.name)
+    assert t.sections[0].unit_bytes * per_byte == grid.unit_numel  # the payload of one unit
+    for comp, section, size in zip(sem.companions(SHAPE, dtype), t.sections[1:], sizes, strict=True):
+        assert section.unit_bytes == comp.per_unit * size, (comp.suffix, section.name)
         assert itemsize_of(comp.dtype) == size, (comp.suffix, comp.dtype)  # the dtype the library stores
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_semantics_storage_is_the_engines_streams(case):
+def test_semantics_storage_is_the_engines_sections(case):
     build, spec, dtype, _, _ = CASES[case]
     t = build()
     st = get_semantics(spec).storage(SHAPE, dtype)
     assert st.n_units == t.n_units
-    assert [(s.nbytes, s.unit_bytes) for s in st.streams] == [(s.nbytes, s.unit_bytes) for s in t.streams]
+    assert [(s.nbytes, s.unit_bytes) for s in st.sections] == [(s.nbytes, s.unit_bytes) for s in t.sections]
     assert [st.bytes_before(k) for k in range(t.n_units + 1)] == _engine_cum(t)
 
 
 def _engine_cum(t) -> list[int]:
     from blockshard.runtime.quantized._layout import _unit_sizes
 
-    return [0, *itertools.accumulate(int(x) for x in _unit_sizes(t.streams, t.n_units))]
+    return [0, *itertools.accumulate(int(x) for x in _unit_sizes(t.sections, t.n_units))]
 
 
 def test_ao_nf4_factor_is_not_fp32_for_a_bf16_weight():
     # the control for the fact fixed in ao_nf4: torchao stores the factor in the weight's dtype
     (_, factor) = get_semantics("ao_nf4").companions(SHAPE, "bfloat16")
-    assert factor.dtype == "bfloat16" and _ao().streams[2].unit_bytes == 2 != itemsize_of("float32")
+    assert factor.dtype == "bfloat16" and _ao().sections[2].unit_bytes == 2 != itemsize_of("float32")

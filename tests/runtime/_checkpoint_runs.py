@@ -81,7 +81,7 @@ def save(rank: int, world: int, path: str) -> dict:
     _train(model, opt, BATCHES[:2])
     before = _entries(model)
     out = model(BATCHES[0][0])  # the blocks stay gathered until the backward
-    gathered = [state_of(m).group.sharded_state.name for m in model.blocks]
+    gathered = [state_of(m).buffers.sharded_state.name for m in model.blocks]
     after = _entries(model)
     dcp.save(_state(model, opt), checkpoint_id=path)
     out.sum().backward()
@@ -104,7 +104,7 @@ def load(
     fresh = _full(model)
     if gathered_first:  # the blocks hold gathered copies that loading must not leave stale
         out = model(BATCHES[0][0])
-        assert state_of(model.blocks[0]).group.sharded_state.name == "UNSHARDED"
+        assert state_of(model.blocks[0]).buffers.sharded_state.name == "UNSHARDED"
         del out  # a step abandoned after its forward
     if model_only:
         state = {"model": model.state_dict()}

@@ -66,7 +66,7 @@ class Engine:
 
         st = state_of(module)
         assert st is not None
-        return st.group.sharded_state is ShardedState.UNSHARDED
+        return st.buffers.sharded_state is ShardedState.UNSHARDED
 
 
 def _plain(name: str) -> str:

@@ -46,7 +46,7 @@ def load(rank: int, world: int, path: str, tie: bool) -> dict:
     model.to_empty(device="cpu")
     model.model.rotary_emb = LlamaRotaryEmbedding(model.config)  # its buffer is not saved: recomputed
     report = blockshard.load_safetensors(model, path)
-    groups = [m._blockshard_state.group for m in model.modules() if blockshard.is_sharded(m)]
+    groups = [m._blockshard_state.buffers for m in model.modules() if blockshard.is_sharded(m)]
     return {
         "state": blockshard.full_state_dict(model),
         "read_bytes": report.read_bytes,

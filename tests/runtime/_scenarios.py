@@ -114,9 +114,9 @@ def sharded(rank: int, world: int, kind: str, batch_size: int, options: dict) ->
         "grad_numel": grad_numel,
         "grad_freed_by_zero_grad": all("grad" not in b for b in buffers.values()),
         "gathered_freed": all(
-            blockshard.runtime._api._state_of(m).group.gathered.untyped_storage().size() == 0
+            blockshard.runtime._api._state_of(m).buffers.gathered.untyped_storage().size() == 0
             for m in model.modules()
-            if blockshard.is_sharded(m) and blockshard.runtime._api._state_of(m).group.layout is not None
+            if blockshard.is_sharded(m) and blockshard.runtime._api._state_of(m).buffers.layout is not None
         ),
         "param_shapes": [tuple(p.shape) for p in model.parameters()],
     }
@@ -127,15 +127,15 @@ def prefetch_and_state_dicts(rank: int, world: int) -> dict:
     """Record the all-gathers of step 2 (after the order is known) and return both state dicts."""
     import blockshard
     from blockshard.runtime import ShardedState, _api
-    from blockshard.runtime.core._buffers import ShardGroup
+    from blockshard.runtime.core._buffers import ParamBuffers
 
     model = OddMLP()
     for block in model.blocks:
         blockshard.fully_shard(block)
     blockshard.fully_shard(model)
-    names = {id(_api._state_of(m).group): n for n, m in model.named_modules() if blockshard.is_sharded(m)}
+    names = {id(_api._state_of(m).buffers): n for n, m in model.named_modules() if blockshard.is_sharded(m)}
     events: list[tuple[str, str]] = []
-    real_unshard, real_wait = ShardGroup.unshard, ShardGroup.wait_unshard
+    real_unshard, real_wait = ParamBuffers.unshard, ParamBuffers.wait_unshard
 
     def unshard(self, *, async_op=False):
         if self.sharded_state is ShardedState.SHARDED:
@@ -149,10 +149,10 @@ def prefetch_and_state_dicts(rank: int, world: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for step, batch in enumerate(mlp_batches(2, 8)):
         if step == 1:
-            ShardGroup.unshard, ShardGroup.wait_unshard = unshard, wait_unshard
+            ParamBuffers.unshard, ParamBuffers.wait_unshard = unshard, wait_unshard
         _mlp_loss(model, batch).backward()
         opt.step()
         opt.zero_grad()
-    ShardGroup.unshard, ShardGroup.wait_unshard = real_unshard, real_wait
+    ParamBuffers.unshard, ParamBuffers.wait_unshard = real_unshard, real_wait
     shards = {k: (v.tensor.clone(), v.start, v.global_shape) for k, v in blockshard.sharded_state_dict(model).items()}
     return {"events": events, "shards": shards, "full": blockshard.full_state_dict(model)}

@@ -26,10 +26,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import blockshard
 from blockshard._tiny import OddMLP
 from blockshard.runtime.core import _collectives, _grad_sync
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import engine_group, reduce_scatter_avg
 from blockshard.runtime.core._common import ShardedState
-from blockshard.runtime.core._state import RootContext
+from blockshard.runtime.core._root import RootContext
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,13 +46,13 @@ def _spy(monkeypatch, inputs: dict) -> dict[int, list[tuple[str, object]]]:
         logs.setdefault(dist.get_rank(), []).append((kind, what))
 
     def wrap(name: str):
-        orig = getattr(ShardGroup, name)
+        orig = getattr(ParamBuffers, name)
 
         def method(self, *a, **k):
             current[dist.get_rank()] = self.path
             return orig(self, *a, **k)
 
-        monkeypatch.setattr(ShardGroup, name, method)
+        monkeypatch.setattr(ParamBuffers, name, method)
 
     wrap("reduce_grads")
     wrap("finish_reduce")
@@ -91,7 +91,7 @@ def _run(rank: int, world: int, logs: dict, inputs: dict) -> dict:
     def computing(i: int) -> None:
         logs.setdefault(dist.get_rank(), []).append(("compute", i))
         later = inputs.get(rank, {}).get(f"blocks.{i + 1}")  # its reduce-scatter is in flight now
-        earlier = model.blocks[i - 1]._blockshard_state.group.sharded_state if i else None  # prefetched
+        earlier = model.blocks[i - 1]._blockshard_state.buffers.sharded_state if i else None  # prefetched
         memory.append((i, None if later is None else later.expired(), earlier))
 
     for i, block in enumerate(model.blocks):
@@ -106,7 +106,7 @@ def _run(rank: int, world: int, logs: dict, inputs: dict) -> dict:
         memory.clear()
         model(x).square().mean().backward()
         logs.setdefault(rank, []).append(("backward_returned", None))
-        in_flight = [st.group.reducing for st in model._blockshard_state.ctx.states]
+        in_flight = [st.buffers.reducing for st in model._blockshard_state.ctx.states]
         grads = [p.grad is not None for p in model.parameters() if p.numel()]
         model.zero_grad()
     return {"events": logs[rank], "in_flight": in_flight, "grads": grads, "memory": memory}

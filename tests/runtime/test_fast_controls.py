@@ -44,7 +44,7 @@ def _shard(model: Tower, **kw) -> Tower:
 
 
 def _state(m: nn.Module):
-    return m._blockshard_state.group.sharded_state
+    return m._blockshard_state.buffers.sharded_state
 
 
 def _loss(model: nn.Module, scale: float = 1.0) -> torch.Tensor:

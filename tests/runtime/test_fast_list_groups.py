@@ -47,7 +47,7 @@ def _shard(model: Net, root: bool = True) -> Net:
 
 
 def _state(m: nn.Module) -> ShardedState:
-    return m._blockshard_state.group.sharded_state
+    return m._blockshard_state.buffers.sharded_state
 
 
 def _x() -> torch.Tensor:
@@ -132,9 +132,9 @@ def _features(model: Net) -> torch.Tensor:
 def test_a_list_without_a_sharded_parent_names_its_tensors_at_the_first_inspection(gloo_w1):
     model = _shard(Net(), root=False)
     state = model.head._blockshard_state
-    assert {sp.fqn for sp in state.group.params} == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert {sp.fqn for sp in state.buffers.params} == {"0.weight", "0.bias", "1.weight", "1.bias"}
     full = blockshard.full_state_dict(model)
-    assert {sp.fqn for sp in state.group.params} == {"body.norm.weight", "body.norm.bias", "head.weight", "head.bias"}
+    assert {sp.fqn for sp in state.buffers.params} == {"body.norm.weight", "body.norm.bias", "head.weight", "head.bias"}
     assert torch.equal(full["head.weight"], Net().head.weight)
     plain = Net()
     assert torch.equal(model(_x()), plain(_x()))

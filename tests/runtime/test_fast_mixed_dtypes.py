@@ -93,7 +93,7 @@ def test_training_equals_the_unsharded_model_and_every_set_reshards(gloo_w1):
     plain, model = Net(), _shard(Net())
     _train(plain)
     _train(model)
-    assert all(g.sharded_state is ShardedState.SHARDED for b in model.blocks for g in b._blockshard_state.groups)
+    assert all(g.sharded_state is ShardedState.SHARDED for b in model.blocks for g in b._blockshard_state.buffer_sets)
     full = blockshard.full_state_dict(model)
     for k, v in plain.state_dict().items():
         assert torch.equal(full[k], v), k

@@ -75,7 +75,7 @@ def test_offload_copies_through_separate_device_buffers():
         blockshard.fully_shard(model[0], **kw)
         blockshard.fully_shard(model, **kw)
         model(torch.ones(3, 4)).sum().backward()
-        g = model[0]._blockshard_state.group
+        g = model[0]._blockshard_state.buffers
         groups[name] = g
         assert g.grad_buffer() is not None and g.local.device.type == "cpu"
     off, on = groups["off"], groups["on"]
@@ -87,6 +87,6 @@ def test_offload_from_a_device_raises_naming_the_fix():
     model = nn.Linear(4, 4, device="meta")
     blockshard.fully_shard(model, **OFFLOAD)  # meta is fine: materialized later
     with pytest.raises(ShardingError, match="to_empty\\(device='cpu'\\)"):
-        model._blockshard_state.group.materialize(torch.device("cuda"))
+        model._blockshard_state.buffers.materialize(torch.device("cuda"))
     model.to_empty(device="cpu")  # the CPU is fine
-    assert model._blockshard_state.group.local.device.type == "cpu"
+    assert model._blockshard_state.buffers.local.device.type == "cpu"

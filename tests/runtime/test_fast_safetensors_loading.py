@@ -59,7 +59,7 @@ def _load(rank: int, world: int, path: str) -> dict:
         blockshard.load_safetensors(model, path)
     model.to_empty(device="cpu")
     report = blockshard.load_safetensors(model, path)
-    held = sum(sp.local_numel * 4 for m in model.layers for sp in m._blockshard_state.group.params)
+    held = sum(sp.local_numel * 4 for m in model.layers for sp in m._blockshard_state.buffers.params)
     return {"state": blockshard.full_state_dict(model), "read": report.read_bytes, "held": held}
 
 

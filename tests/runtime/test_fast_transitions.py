@@ -40,7 +40,7 @@ def _states(model: nn.Module) -> list[tuple[TrainingState, ShardedState]]:
     for m in mods:
         st = state_of(m)
         assert st is not None
-        out.append((st.training_state, st.group.sharded_state))
+        out.append((st.training_state, st.buffers.sharded_state))
     return out
 
 
@@ -74,7 +74,7 @@ def test_backward_walks_pre_backward_then_post_backward_in_reverse_order():
 
             def spy(*args, _real=real, _st=st, _hook=hook):
                 _real(*args)
-                events.append((names[id(_st)], _hook, _st.training_state, _st.group.sharded_state))
+                events.append((names[id(_st)], _hook, _st.training_state, _st.buffers.sharded_state))
 
             setattr(st, hook, spy)  # a spy on this state only (the hooks call it through self)
     x, y = mlp_batches(1, 4)[0]
@@ -95,7 +95,7 @@ def test_backward_walks_pre_backward_then_post_backward_in_reverse_order():
 def test_async_unshard_goes_through_unsharding():
     model = _model()
     block = model.blocks[0]
-    group = state_of(block).group
+    group = state_of(block).buffers
     handle = block.unshard(async_op=True)
     assert group.sharded_state is UNSHARDING
     handle.wait()

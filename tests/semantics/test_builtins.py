@@ -115,7 +115,7 @@ def test_nested_companions_and_the_ao_factor_dtype():
 
 
 @pytest.mark.parametrize(
-    ("spec", "shape", "unit_numel", "streams", "constants"),
+    ("spec", "shape", "unit_numel", "sections", "constants"),
     [
         ("nf4", (3, 64), 64, [(96, 32), (12, 4)], 64),
         ("fp4", (3, 64), 64, [(96, 32), (12, 4)], 64),
@@ -127,9 +127,9 @@ def test_nested_companions_and_the_ao_factor_dtype():
         ("fp8_block:4", (3, 6, 5), 30, [(90, 30), (3 * 2 * 2 * 4, 16)], 0),  # per expert: one expert a unit
     ],
 )
-def test_quantizers_state_their_storage(spec, shape, unit_numel, streams, constants):
+def test_quantizers_state_their_storage(spec, shape, unit_numel, sections, constants):
     st = get_semantics(spec).storage(shape, "bfloat16")
-    assert st.unit_numel == unit_numel and [(s.nbytes, s.unit_bytes) for s in st.streams] == streams
+    assert st.unit_numel == unit_numel and [(s.nbytes, s.unit_bytes) for s in st.sections] == sections
     assert sum(b for _, b in st.shared_constants) + st.tensor_constant_bytes == constants
     assert st.bytes_before(st.n_units) == st.nbytes and st.bytes_before(1) == min(st.unit_bytes, st.nbytes)
 

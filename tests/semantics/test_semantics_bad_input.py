@@ -15,7 +15,7 @@ from blockshard import BlockSemantics, Rule, SemanticsError, SemanticsRules, Ten
 from blockshard._errors import ShapesError
 from blockshard.semantics import (
     NO_ENTRY_POINTS_ENV,
-    ByteStream,
+    ByteSection,
     QuantizedStorage,
     SemanticsKind,
     _registry,
@@ -102,11 +102,11 @@ class _Quantizer(BlockSemantics):
 
 
 class StorageTooShort(_Quantizer):
-    """Its payload stream holds fewer bytes than its units need (a 4-bit format stated at 2 bits)."""
+    """Its payload section holds fewer bytes than its units need (a 4-bit format stated at 2 bits)."""
 
     def storage(self, shape, dtype):
         n = math.prod(shape)
-        return QuantizedStorage("short", n, 64, (ByteStream("payload", n // 4, 32),))
+        return QuantizedStorage("short", n, 64, (ByteSection("payload", n // 4, 32),))
 
 
 class StorageNotAStorage(_Quantizer):
@@ -119,7 +119,7 @@ def test_storage_whose_streams_do_not_fill_the_units_names_the_stream_and_the_fi
         SemanticsRules.coerce(StorageTooShort()).resolve(W)
     msg = str(info.value)
     assert "semantics 'StorageTooShort' (StorageTooShort) on tensor 'model.layers.0.mlp.up_proj.weight'" in msg
-    assert "stream 'payload' of 1536 bytes at 32 bytes per unit does not fill 96 units of 64 values" in msg
+    assert "section 'payload' of 1536 bytes at 32 bytes per unit does not fill 96 units of 64 values" in msg
     assert "Fix the semantics' storage()" in msg
 
 

@@ -328,7 +328,8 @@ def describe_checkpoint(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
     """What a DCP checkpoint directory holds (no process group needed): the ranks that wrote
     data, every tensor's global shape, dtype, bytes and number of chunks, completeness, and for a
     checkpoint of :func:`save_checkpoint` its record: world size, groups with their layouts and
-    semantics, quantized groups with theirs, optimizers, versions (``None`` for plain ``dcp.save`` checkpoints)."""
+    semantics, frozen quantized weights with theirs, optimizers, versions (``None`` for plain
+    ``dcp.save`` checkpoints)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = os.fspath(checkpoint_id)

@@ -17,7 +17,7 @@ parameters are written once, under their first name (``from_pretrained`` ties th
 as for Hugging Face's own ``save_pretrained``). Quantized weights (bitsandbytes 4-bit, blockwise
 FP8) go into a shard of their own under the unsharded model's state-dict names (bitsandbytes'
 serialization keys, [Note: quantized state dicts]), streamed the same way: entry by entry, each
-stream's bytes rank after rank (its units are in rank order), rank 0 receiving every other rank's
+section's bytes rank after rank (its units are in rank order), rank 0 receiving every other rank's
 piece in chunks of at most ``_CHUNK_BYTES``; replicated constants (code tables, the packed quant
 state) come from rank 0's own. torchao's tensor subclasses raise before anything is written.
 """
@@ -44,6 +44,7 @@ from blockshard.runtime.checkpoint._quantized_state import StateEntry, _module_n
 from blockshard.runtime.checkpoint._state_dict import _names
 from blockshard.runtime.core._inspect import join_name, states_under
 from blockshard.runtime.core._param import ShardedParam
+from blockshard.runtime.quantized._frozen import frozen_buffers
 
 __all__ = ["save_pretrained"]
 
@@ -133,7 +134,7 @@ def _rank(model: nn.Module) -> int:
     states = states_under(model)
     if not dist.is_initialized() or not states:
         return 0
-    return dist.get_rank(states[0][1].group.process_group)
+    return dist.get_rank(states[0][1].buffers.process_group)
 
 
 @torch.no_grad()
@@ -146,7 +147,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
     rank = _rank(model)
     states = states_under(model)
     _check_exportable(states)  # before any collective or file
-    groups = [(prefix, st) for prefix, st in states if st.group.layout is not None]
+    groups = [(prefix, st) for prefix, st in states if st.buffers.layout is not None]
     state = model.state_dict()
     quantized = _quantized_entries(model, states)  # [Note: quantized state dicts]
     owned = {name for name, *_ in quantized}
@@ -158,7 +159,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
     }
     n_files = len(groups) + bool(quantized) + bool(rest)
     files = [f"model-{i + 1:05d}-of-{n_files:05d}.safetensors" for i in range(n_files)]
-    pg = states[0][1].group.process_group if states and dist.is_initialized() else None
+    pg = states[0][1].buffers.process_group if states and dist.is_initialized() else None
     error = None
     if rank == 0:
         try:
@@ -170,7 +171,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
     total, written = 0, set[int]()
     for file, (prefix, st) in zip(files, groups, strict=False):
         tensors = _chosen(prefix, st, set(state), written)
-        total += _stream_group(sink, os.path.join(path, file), st.group, tensors, rank)
+        total += _stream_group(sink, os.path.join(path, file), st.buffers, tensors, rank)
         weight_map |= dict.fromkeys(tensors, file)
     if quantized:  # bitsandbytes' serialization keys, as the unsharded model's state_dict()
         total += _stream_quantized(sink, os.path.join(path, files[len(groups)]), quantized, rank)
@@ -203,10 +204,11 @@ def _check_exportable(states: list) -> None:
     """Raise before anything is written if a quantized weight's full entry is a tensor subclass
     (torchao ``NF4Tensor``, ``MXTensor``), which safetensors cannot hold."""
     for prefix, st in states:
-        for t in st.group.quantized.tensors if st.group.quantized is not None else ():
+        fq = frozen_buffers(st)
+        for t in fq.tensors if fq is not None else ():
             if t.to_full is not None:
                 raise QuantizedWeightError(
-                    f"blockshard.save_pretrained: quantized weight {join_name(prefix, t.fqn)!r} of group {st.group.name!r} is a "
+                    f"blockshard.save_pretrained: quantized weight {join_name(prefix, t.fqn)!r} of group {st.buffers.name!r} is a "
                     f"{t.format} (a tensor subclass), which safetensors cannot hold, and its library has no "
                     "safetensors serialization. Fix: save a checkpoint with blockshard.save_checkpoint (or "
                     "dcp.save(model.state_dict())), or save the adapters only (peft's save_pretrained)"
@@ -217,7 +219,7 @@ def _chosen(prefix: str, st: Any, names: set[str], written: set[int]) -> dict[st
     """A group's parameters to write by name (those in the state dict, tied ones once), in the
     order of the gathered buffer."""
     out = {}
-    for name, sp in _names(st.module, st.group.params):
+    for name, sp in _names(st.module, st.buffers.params):
         key = join_name(prefix, name)
         if key in names and id(sp) not in written:
             written.add(id(sp))
@@ -258,12 +260,12 @@ def _stream_group(sink: _Sink, path: str, g: Any, tensors: dict[str, ShardedPara
 
 
 def _quantized_entries(model: nn.Module, states: list) -> list[tuple[str, Any, Any, StateEntry]]:
-    """``(full name, quantized group, tensor, entry)`` of every quantized weight's entry under
+    """``(full name, frozen quantized buffers, tensor, entry)`` of every quantized weight's entry under
     ``model``, in ``full_state_dict``'s order (a tensor's entries under each of its names)."""
     names = _module_names(model)
     out: dict[str, tuple[str, Any, Any, StateEntry]] = {}
     for _, st in states:
-        qg = st.group.quantized
+        qg = frozen_buffers(st)
         for t in qg.tensors if qg is not None else ():
             for p in _prefixes(t, names, ""):
                 out |= {p + e.name: (p + e.name, qg, t, e) for e in t.entries}
@@ -279,14 +281,14 @@ def _stream_quantized(sink: _Sink, path: str, entries: list[tuple[str, Any, Any,
         if f is not None:
             f.write(header)
         for _, qg, t, e in entries:
-            if e.stream is None:
+            if e.section is None:
                 assert e.constant is not None
                 if f is not None:
                     _write_bytes(f, e.constant)
                 continue
             index = qg.tensors.index(t)
             for r, pieces in enumerate(qg.layout.pieces):
-                for lo, hi, off in (p.ranges[e.stream] for p in pieces if p.tensor == index):
+                for lo, hi, off in (p.ranges[e.section] for p in pieces if p.tensor == index):
                     _stream_bytes(f, qg, off, off + hi - lo, r, rank, bufs)
     return total
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._state_dict import _names, load_pieces
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._state import state_of
 
@@ -21,13 +21,13 @@ def install_extra_state_dict_hooks(module: nn.Module) -> None:
     module.register_load_state_dict_pre_hook(_pre_hook)
 
 
-def _extra_groups(module: nn.Module) -> list[ShardGroup]:
+def _extra_buffers(module: nn.Module) -> list[ParamBuffers]:
     st = state_of(module)
-    return [] if st is None else [g for g in st.extra_groups if g.layout is not None]
+    return [] if st is None else [g for g in st.extra_param_buffers if g.layout is not None]
 
 
 def _post_hook(module: nn.Module, state_dict: dict, prefix: str, _local_metadata: dict) -> None:
-    for g in _extra_groups(module):
+    for g in _extra_buffers(module):
         made: dict[int, PieceTensor] = {}
         for name, sp in _names(module, g.params):
             key = prefix + name
@@ -41,7 +41,7 @@ def _post_hook(module: nn.Module, state_dict: dict, prefix: str, _local_metadata
 
 
 def _pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *_args: object) -> None:
-    for g in _extra_groups(module):
+    for g in _extra_buffers(module):
         if g.sharded_state is not ShardedState.SHARDED:
             g.reshard()
         load_pieces(module, g, state_dict, prefix, assign=bool(local_metadata.get("assign_to_params_buffers")))

@@ -39,6 +39,7 @@ from blockshard._version import __version__
 from blockshard.runtime.checkpoint._integrity import file_sums, own_sums
 from blockshard.runtime.checkpoint._quantized_state import _module_names, _prefixes
 from blockshard.runtime.core._inspect import join_name, states_under
+from blockshard.runtime.quantized._frozen import frozen_buffers
 
 __all__ = [
     "RECORD",
@@ -361,12 +362,12 @@ def read_record(path: str) -> dict | None:
 
 def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict:
     """What ``blockshard.json`` records: world size, groups (layouts, semantics, every rank's
-    pieces), quantized groups (formats, units, every rank's units and pieces of every entry),
+    pieces), frozen quantized weights (formats, units, every rank's units and pieces of every entry),
     optimizers, versions. The same on every rank (layouts are checked equal)."""
 
     groups = []
     for prefix, st in states_under(model):
-        layout = st.group.layout
+        layout = st.buffers.layout
         if layout is None:
             continue
         pieces: dict[int, list] = {i: [] for i in range(len(layout.tensors))}
@@ -394,7 +395,7 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
     return base_record("blockshard.save_checkpoint", optimizers) | {
         "groups": groups,
         "quantized_groups": [
-            _quantized_record(prefix, st) for prefix, st in states_under(model) if st.group.quantized is not None
+            _quantized_record(prefix, st) for prefix, st in states_under(model) if frozen_buffers(st) is not None
         ],
     }
 
@@ -414,20 +415,22 @@ def base_record(saved_by: str, optimizers: list[torch.optim.Optimizer]) -> dict:
 
 
 def _quantized_record(prefix: str, st: Any) -> dict:
-    """A quantized group's layout ([Note: quantized layout]): segment, every tensor's format, unit
-    grid, streams, every rank's units, and every state-dict entry that holds a stream with every
-    rank's piece of it (elements of the entry's dtype, as DCP saved them)."""
+    """The layout of a group's frozen quantized weights ([Note: quantized layout]): segment, every
+    tensor's format, unit grid, sections (under the key ``streams``, as records have always named
+    them), every rank's units, and every state-dict entry that holds a section with every rank's
+    piece of it (elements of the entry's dtype, as DCP saved them)."""
 
-    qg, names = st.group.quantized, _module_names(st.module)
+    qg, names = frozen_buffers(st), _module_names(st.module)
+    assert qg is not None
     tensors = []
     for i, t in enumerate(qg.tensors):
         held = [(r, p) for r, ps in enumerate(qg.layout.pieces) for p in ps if p.tensor == i]
         entries = {}
         for q in _prefixes(t, names, join_name(prefix, "")):
             for e in t.entries:
-                if e.stream is not None:
+                if e.section is not None:
                     size = e.dtype.itemsize
-                    ranges = [(r, p.ranges[e.stream]) for r, p in held]
+                    ranges = [(r, p.ranges[e.section]) for r, p in held]
                     entries[q + e.name] = [[r, lo // size, (hi - lo) // size] for r, (lo, hi, _) in ranges if hi > lo]
         tensors.append(
             {
@@ -435,7 +438,8 @@ def _quantized_record(prefix: str, st: Any) -> dict:
                 "format": t.format,
                 "numel": t.numel,
                 "units": t.n_units,
-                "streams": [{"name": s.name, "bytes": s.nbytes, "unit_bytes": s.unit_bytes} for s in t.streams],
+                # the sections, under the key earlier records use (a file format: not renamed)
+                "streams": [{"name": s.name, "bytes": s.nbytes, "unit_bytes": s.unit_bytes} for s in t.sections],
                 "pieces": [[r, p.unit_start, p.unit_stop - p.unit_start] for r, p in held],  # in units
                 "entries": entries,
             }

@@ -58,9 +58,11 @@ __all__ = ["load_optimizer_state_dict", "optimizer_state_dict"]
 def _by_param(model: nn.Module) -> dict[int, tuple[str, ShardedParam | None]]:
     """``id(param) -> (name, sharded param or None)`` for what ``model.parameters()`` yields."""
     out: dict[int, tuple[str, ShardedParam | None]] = {
-        id(sp.sharded): (join_name(prefix, sp.fqn), sp) for prefix, st in states_under(model) for sp in st.group.params
+        id(sp.sharded): (join_name(prefix, sp.fqn), sp)
+        for prefix, st in states_under(model)
+        for sp in st.buffers.params
     }
-    gathered = {id(sp.unsharded) for _, st in states_under(model) for sp in st.group.params}
+    gathered = {id(sp.unsharded) for _, st in states_under(model) for sp in st.buffers.params}
     for name, p in model.named_parameters():  # parameters outside any group
         if id(p) not in out and id(p) not in gathered:
             out[id(p)] = (_name(name), None)
@@ -200,7 +202,7 @@ def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | Non
     import torch.distributed as dist
 
     states = states_under(model)
-    pg = states[0][1].group.process_group if states else None
+    pg = states[0][1].buffers.process_group if states else None
     if pg is None or not dist.is_initialized() or dist.get_world_size(pg) == 1:
         if error:
             raise CheckpointError(error)

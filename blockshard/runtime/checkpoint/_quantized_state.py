@@ -1,4 +1,4 @@
-"""State dicts of quantized groups: DCP-ready pieces of every stream, full entries, loading back.
+"""State dicts of frozen quantized weights: DCP-ready pieces of every section, full entries, loading back.
 
 [Note: quantized state dicts]
 A quantized tensor's state-dict entries are its format's own, named as the unsharded model's
@@ -10,22 +10,22 @@ statistics ``weight.nested_absmax`` and ``weight.nested_quant_map``, and the pac
 torchao's ``NF4Tensor`` and ``MXTensor`` are one tensor subclass under ``weight`` in the unsharded
 model; sharded, their inner tensors become entries of their own (``weight`` the payload,
 ``weight.quantized_scalers``, ``weight.scale``, ...), and the full state dict has the subclass again.
-* ``model.state_dict()``: every entry that holds a byte stream (payload, absmax, scales) is a
-  :class:`~blockshard.runtime.PieceTensor` of that stream's global shape and dtype holding this
+* ``model.state_dict()``: every entry that holds a byte section (payload, absmax, scales) is a
+  :class:`~blockshard.runtime.PieceTensor` of that section's global shape and dtype holding this
   rank's whole units of it (a view of the group's segment where the bytes are aligned to the
   dtype, else a copy), so DCP saves and reshards it like a float parameter; replicated constants
   (code tables, the packed non-tensor quant state, torchao's ``scaler_mean`` and ``nf4``) are
   plain tensors, the same on every rank. The entries are the same whether or not the group is
   gathered (a forward with ``reshard_after_forward=False`` changes none).
-* :func:`full_quantized` (in ``blockshard.full_state_dict``, collective): one all-gather of each
-  quantized group's segment, the streams rebuilt, the unsharded model's entries made from them:
+* :func:`full_quantized_entries` (in ``blockshard.full_state_dict``, collective): one all-gather of each
+  frozen quantized buffer set's segment, the sections rebuilt, the unsharded model's entries made from them:
   bitwise what the unsharded quantized model's ``state_dict()`` holds.
 * ``model.load_state_dict``: PieceTensors of the same pieces (what ``dcp.load`` filled) or full
   entries (an unsharded model's, ``full_state_dict``'s); their bytes go into the segment, each
   constant must equal the model's (a quant state of another quantization raises), a missing
   entry is reported as missing.
 * ``blockshard.sharded_state_dict``: the entries of ``model.state_dict()`` as ``LocalShard`` s
-  (this rank's piece of each stream, constants whole); ``load_sharded_state_dict`` takes them back
+  (this rank's piece of each section, constants whole); ``load_sharded_state_dict`` takes them back
   at the same layout, ``load_full_state_dict`` the unsharded model's entries at any world size; a
   missing entry or a piece that is not this rank's raises, naming the entry.
 """
@@ -40,13 +40,14 @@ from torch import nn
 
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
+from blockshard.runtime.quantized._frozen import frozen_buffers
 from blockshard.runtime.quantized._tensor import QuantizedTensor, StateEntry, byte_view
 
 __all__ = [
     "StateEntry",
     "default_full",
     "full_entries_of",
-    "full_quantized",
+    "full_quantized_entries",
     "load_quantized",
     "load_quantized_pieces",
     "quantized_entries",
@@ -80,11 +81,11 @@ def _error(t: QuantizedTensor, key: str, what: str, fix: str) -> QuantizedWeight
 
 # -- model.state_dict() -----------------------------------------------------------------------
 def _pieces(qg: Any, t: QuantizedTensor, key_prefix: str) -> dict[str, torch.Tensor]:
-    """``t``'s entries on this rank: streams as PieceTensors, constants as they are."""
+    """``t``'s entries on this rank: sections as PieceTensors, constants as they are."""
     piece = qg.piece_of(t)
     out: dict[str, torch.Tensor] = {}
     for e in t.entries:
-        if e.stream is None:
+        if e.section is None:
             assert e.constant is not None
             out[e.name] = e.constant.detach()
             continue
@@ -92,7 +93,7 @@ def _pieces(qg: Any, t: QuantizedTensor, key_prefix: str) -> dict[str, torch.Ten
         if piece is None:
             local, start = torch.empty(0, dtype=e.dtype, device=qg.device), 0
         else:
-            lo, hi, off = piece.ranges[e.stream]
+            lo, hi, off = piece.ranges[e.section]
             seg = qg.local[off : off + hi - lo]
             local = (seg if off % size == 0 else seg.clone()).view(e.dtype)
             start = lo // size
@@ -128,7 +129,7 @@ def quantized_entries(module: nn.Module, qg: Any, state_dict: dict, prefix: str)
 
 # -- full state dict --------------------------------------------------------------------------
 def _typed(t: QuantizedTensor, raw: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Full byte streams as tensors of the format's shapes and dtypes."""
+    """Full byte sections as tensors of the format's shapes and dtypes."""
     out = []
     for g, b in zip(t.gathered, raw, strict=True):
         full = torch.empty(g.shape, dtype=g.dtype, device=b.device)
@@ -137,25 +138,25 @@ def _typed(t: QuantizedTensor, raw: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def default_full(t: QuantizedTensor, streams: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The entries themselves, streams whole, constants cloned."""
-    return {e.name: streams[e.stream] if e.stream is not None else e.constant.clone() for e in t.entries}  # type: ignore[union-attr]
+def default_full(t: QuantizedTensor, sections: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries themselves, sections whole, constants cloned."""
+    return {e.name: sections[e.section] if e.section is not None else e.constant.clone() for e in t.entries}  # type: ignore[union-attr]
 
 
 @torch.no_grad()
-def full_quantized(model: nn.Module, states: list[tuple[str, Any]]) -> tuple[dict[str, torch.Tensor], set[str]]:
+def full_quantized_entries(model: nn.Module, states: list[tuple[str, Any]]) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The unsharded model's entries of every quantized tensor under ``model`` by full name, and
-    every name the sharded entries use (collective: one all-gather per quantized group)."""
+    every name the sharded entries use (collective: one all-gather per frozen quantized buffer set)."""
     names = _module_names(model)
     full: dict[str, torch.Tensor] = {}
     owned: set[str] = set()
     for _, st in states:
-        qg = st.group.quantized
+        qg = frozen_buffers(st)
         if qg is None:
             continue
-        for t, raw in zip(qg.tensors, qg.full_streams(), strict=True):
-            streams = _typed(t, raw)
-            values = t.to_full(streams) if t.to_full is not None else default_full(t, streams)
+        for t, raw in zip(qg.tensors, qg.full_sections(), strict=True):
+            sections = _typed(t, raw)
+            values = t.to_full(sections) if t.to_full is not None else default_full(t, sections)
             for p in _prefixes(t, names, ""):
                 full |= {p + n: v for n, v in values.items()}
                 owned |= {p + e.name for e in t.entries}
@@ -185,15 +186,15 @@ _PIECES_FIX = (
 def _from_pieces(
     qg: Any, t: QuantizedTensor, values: dict[str, Any], p: str, pieces: dict[str, Piece | None], fix: str
 ) -> list[torch.Tensor]:
-    """This rank's bytes of every stream from pieces (``pieces``: each entry of ``values`` as a
+    """This rank's bytes of every section from pieces (``pieces``: each entry of ``values`` as a
     :data:`Piece`, ``None`` if it is none) that must be this rank's own."""
     piece = qg.piece_of(t)
-    out: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * len(t.streams)
+    out: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * len(t.sections)
     for e in t.entries:
-        if e.stream is None:
+        if e.section is None:
             continue
         got = pieces[e.name]
-        lo, hi, _ = piece.ranges[e.stream] if piece is not None else (0, 0, 0)
+        lo, hi, _ = piece.ranges[e.section] if piece is not None else (0, 0, 0)
         want = (e.dtype, e.shape, lo // e.dtype.itemsize, (hi - lo) // e.dtype.itemsize)
         if got is None or (got[0].dtype, got[2], got[1], got[0].numel()) != want:
             held = _describe(values[e.name]) if got is None else _describe_piece(got)
@@ -204,7 +205,7 @@ def _from_pieces(
                 f"of shape {e.shape}",
                 fix,
             )
-        out[e.stream] = byte_view(got[0].detach().contiguous())
+        out[e.section] = byte_view(got[0].detach().contiguous())
     return out
 
 
@@ -222,17 +223,17 @@ def _describe(v: Any) -> str:
 
 
 def _from_full(qg: Any, t: QuantizedTensor, values: dict[str, Any], p: str) -> list[torch.Tensor]:
-    """This rank's bytes of every stream from the unsharded model's entries."""
+    """This rank's bytes of every section from the unsharded model's entries."""
     if t.from_full is not None:
-        streams = t.from_full(values)
+        sections = t.from_full(values)
     else:
-        streams = [torch.empty(0)] * len(t.streams)
+        sections = [torch.empty(0)] * len(t.sections)
         for e in t.entries:
-            if e.stream is not None:
-                streams[e.stream] = values[e.name]
+            if e.section is not None:
+                sections[e.section] = values[e.name]
     piece = qg.piece_of(t)
     out = []
-    for k, (s, v) in enumerate(zip(t.streams, streams, strict=True)):
+    for k, (s, v) in enumerate(zip(t.sections, sections, strict=True)):
         g = t.gathered[k]
         if not isinstance(v, torch.Tensor) or isinstance(v, PieceTensor) or (v.dtype, v.shape) != (g.dtype, g.shape):
             raise _error(
@@ -250,7 +251,7 @@ def _from_full(qg: Any, t: QuantizedTensor, values: dict[str, Any], p: str) -> l
 def _check_constants(t: QuantizedTensor, values: dict[str, Any], p: str) -> None:
     for e in t.entries:
         v = values.get(e.name)
-        if e.stream is None and v is not None and not (isinstance(v, torch.Tensor) and _same(v, e.constant)):  # type: ignore[arg-type]
+        if e.section is None and v is not None and not (isinstance(v, torch.Tensor) and _same(v, e.constant)):  # type: ignore[arg-type]
             raise _error(
                 t,
                 p + e.name,
@@ -312,7 +313,7 @@ def _settle(t: QuantizedTensor, state_dict: dict, p: str) -> None:
 # -- blockshard.sharded_state_dict / load_sharded_state_dict / load_full_state_dict ----------------
 def quantized_pieces(module: nn.Module, qg: Any, prefix: str) -> dict[str, Piece]:
     """This rank's entries of every quantized tensor of ``module``'s group by the names of
-    ``module.state_dict(prefix=prefix)``: streams as this rank's :data:`Piece`, constants whole
+    ``module.state_dict(prefix=prefix)``: sections as this rank's :data:`Piece`, constants whole
     (their piece is the whole tensor)."""
     names = _module_names(module)
     out: dict[str, Piece] = {}
@@ -358,9 +359,9 @@ def full_entries_of(model: nn.Module, state: dict[str, Any], states: list[tuple[
     """``state`` (its PieceTensors gathered) with the quantized tensors' entries replaced by the
     unsharded model's (torchao's subclasses whole again; collective). Dropped values (``None``:
     a rank that keeps nothing) stay dropped."""
-    if not any(st.group.quantized is not None for _, st in states):
+    if not any(frozen_buffers(st) is not None for _, st in states):
         return state
-    full, owned = full_quantized(model, states)
+    full, owned = full_quantized_entries(model, states)
     out: dict[str, Any] = {}
     for k, v in state.items():
         if k in owned and k not in full:

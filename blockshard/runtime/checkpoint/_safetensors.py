@@ -211,7 +211,7 @@ def load_safetensors(
     missing: list[str] = []
     managed: set[int] = set()
     for prefix, st in states_under(model):
-        g = st.group
+        g = st.buffers
         if g.layout is None:
             continue
         if g.device.type == "meta":

@@ -14,18 +14,18 @@ from torch import nn
 from blockshard._errors import ShardingError
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._quantized_state import (
-    full_quantized,
+    full_quantized_entries,
     load_quantized,
     load_quantized_pieces,
     quantized_entries,
     quantized_pieces,
 )
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import all_gather_into
-from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._inspect import join_name, state_name, states_under
 from blockshard.runtime.core._param import ShardedParam
 from blockshard.runtime.core._state import state_of
+from blockshard.runtime.quantized._frozen import frozen_buffers
 
 __all__ = [
     "LocalShard",
@@ -49,14 +49,14 @@ class LocalShard:
 
 def sharded_state_dict(model: nn.Module) -> dict[str, LocalShard]:
     """Every sharded parameter's local piece with its global offset (no communication); quantized
-    weights under the entries ``model.state_dict()`` gives them, each stream this rank's piece
+    weights under the entries ``model.state_dict()`` gives them, each section this rank's piece
     ([Note: quantized state dicts])."""
     out: dict[str, LocalShard] = {}
     for prefix, st in states_under(model):
-        for sp in st.group.params:
+        for sp in st.buffers.params:
             out[join_name(prefix, sp.fqn)] = LocalShard(sp.sharded.detach(), sp.local_start, sp.shape)
-        if st.group.quantized is not None:
-            pieces = quantized_pieces(st.module, st.group.quantized, join_name(prefix, ""))
+        if (fq := frozen_buffers(st)) is not None:
+            pieces = quantized_pieces(st.module, fq, join_name(prefix, ""))
             out |= {name: LocalShard(*piece) for name, piece in pieces.items()}
     return out
 
@@ -68,7 +68,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     ``load_state_dict`` into an unsharded model works. One all-gather of the local buffers per
     group, in the parameters' original dtype; everything else is cloned as it is."""
     gathered = _gather_groups(model)
-    quantized, owned = full_quantized(model, states_under(model))  # [Note: quantized state dicts]
+    quantized, owned = full_quantized_entries(model, states_under(model))  # [Note: quantized state dicts]
     gathered |= quantized
     out: dict[str, torch.Tensor] = {}
     clones: dict[tuple, torch.Tensor] = {}  # tied tensors outside any group stay one tensor
@@ -89,7 +89,7 @@ def _gather_groups(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every managed parameter's full value under each of its names (tied names share a tensor)."""
     out: dict[str, torch.Tensor] = {}
     for prefix, st in states_under(model):
-        g, W = st.group, st.group.world_size
+        g, W = st.buffers, st.buffers.world_size
         if g.layout is None:
             continue
         full = torch.empty(W * g.layout.segment_numel, dtype=g.orig_dtype, device=g.device)
@@ -126,16 +126,16 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
     """Replace each of the group's entries (the local piece, or the gathered view after a forward
     with ``reshard_after_forward=False``) by a :class:`PieceTensor` of its global shape."""
     st = state_of(module)
-    if st is not None and st.group.quantized is not None:  # [Note: quantized state dicts]
-        quantized_entries(module, st.group.quantized, state_dict, prefix)
-    if st is None or st.group.layout is None:
+    if st is not None and (fq := frozen_buffers(st)) is not None:  # [Note: quantized state dicts]
+        quantized_entries(module, fq, state_dict, prefix)
+    if st is None or st.buffers.layout is None:
         return
     made: dict[int, PieceTensor] = {}
-    for name, sp in _names(module, st.group.params):
+    for name, sp in _names(module, st.buffers.params):
         key = prefix + name
         if key in state_dict:
             if id(sp) not in made:
-                pg = st.group.process_group
+                pg = st.buffers.process_group
                 made[id(sp)] = PieceTensor(sp.sharded.detach(), sp.local_start, sp.shape, name=key, process_group=pg)
             state_dict[key] = made[id(sp)]
 
@@ -147,22 +147,23 @@ def _load_state_dict_pre_hook(
     ``nn.Module`` then copies into the sharded parameter. The group is resharded first (as FSDP2
     does), so a gathered copy never outlives the values it was gathered from."""
     st = state_of(module)
-    if st is None or (st.group.layout is None and st.group.quantized is None):
+    fq = frozen_buffers(st) if st is not None else None
+    if st is None or (st.buffers.layout is None and fq is None):
         return
     assign = bool(local_metadata.get("assign_to_params_buffers"))
-    if assign and st.group.quantized is not None:
+    if assign and fq is not None:
         raise ShardingError(
-            f"load_state_dict(..., assign=True) on the sharded {st.group.name}, which holds quantized weights: "
+            f"load_state_dict(..., assign=True) on the sharded {st.buffers.name}, which holds quantized weights: "
             "assigning them is not supported. Fix: load with assign=False (the default)"
         )
-    if st.group.sharded_state is not ShardedState.SHARDED:
-        st.group.reshard()
-    if st.group.quantized is not None:  # [Note: quantized state dicts]; args: strict, missing_keys, ...
-        load_quantized(module, st.group.quantized, state_dict, prefix, args[1])
-    load_pieces(module, st.group, state_dict, prefix, assign=assign)
+    st.buffers.reshard()
+    if fq is not None:  # [Note: quantized state dicts]; args: strict, missing_keys, ...
+        fq.reshard()
+        load_quantized(module, fq, state_dict, prefix, args[1])
+    load_pieces(module, st.buffers, state_dict, prefix, assign=assign)
 
 
-def load_pieces(module: nn.Module, group: ShardGroup, state_dict: dict, prefix: str, *, assign: bool) -> None:
+def load_pieces(module: nn.Module, group: ParamBuffers, state_dict: dict, prefix: str, *, assign: bool) -> None:
     """Turn the entries of ``group``'s parameters into this rank's pieces, which ``nn.Module``
     then copies into the sharded parameters. ``assign=True`` (FSDP2 code loading a meta-device
     model, [Note: meta init]): a group still on the meta device is materialized on the entries'
@@ -212,7 +213,7 @@ def _local_piece(name: str, sp: ShardedParam, value: object) -> object:
 def _entries(model: nn.Module, state: Mapping[str, object]):
     """``(name, sharded param, saved entry)`` for every parameter of every group under ``model``."""
     for prefix, st in states_under(model):
-        for sp in st.group.params:
+        for sp in st.buffers.params:
             name = join_name(prefix, sp.fqn)
             if name not in state:
                 raise ShardingError(f"state has no entry for parameter {name!r}; it was saved from another model")
@@ -220,18 +221,18 @@ def _entries(model: nn.Module, state: Mapping[str, object]):
 
 
 def _load_quantized(model: nn.Module, state: Mapping[str, Any], *, full: bool) -> None:
-    """Every quantized group's bytes from ``state`` ([Note: quantized state dicts]); groups are
-    resharded first, so no gathered copy outlives the bytes it was gathered from."""
+    """Every group's frozen quantized bytes from ``state`` ([Note: quantized state dicts]); groups
+    are resharded first, so no gathered copy outlives the bytes it was gathered from."""
     if not full:  # LocalShards as (values, start, global shape)
         state = {
             k: (v.tensor, v.start, tuple(v.global_shape)) if isinstance(v, LocalShard) else v for k, v in state.items()
         }
     for prefix, st in states_under(model):
-        qg = st.group.quantized
+        qg = frozen_buffers(st)
         if qg is None:
             continue
-        if st.group.sharded_state is not ShardedState.SHARDED:
-            st.group.reshard()
+        st.buffers.reshard()
+        qg.reshard()
         load_quantized_pieces(st.module, qg, state, join_name(prefix, ""), full=full)
 
 

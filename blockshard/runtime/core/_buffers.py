@@ -1,4 +1,4 @@
-"""``ShardGroup``: the persistent buffers of one ``fully_shard`` call and the work on them.
+"""``ParamBuffers``: the persistent buffers of one ``fully_shard`` call and the work on them.
 
 [Note: buffers]
 Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -46,22 +46,21 @@ from torch import nn
 from blockshard._errors import ShardingError
 from blockshard.planner import GroupLayout
 from blockshard.planner._units import block_shape
-from blockshard.runtime.core._collectives import all_gather_into, shift_ranks, wait
-from blockshard.runtime.core._common import CollectiveTally, DeviceStreams, ShardedState, expect
-from blockshard.runtime.core._grad_sync import GradientSync, _Reduction
+from blockshard.runtime.core._buffer_set import BufferSet, GroupControls
+from blockshard.runtime.core._collectives import all_gather_into, holds_copies, shift_ranks, wait
+from blockshard.runtime.core._common import DeviceStreams, ShardedState, expect
+from blockshard.runtime.core._grad_sync import GradientSync
 from blockshard.runtime.core._param import ShardedParam, tag_managed
 
-if TYPE_CHECKING:  # [quantized]
-    from blockshard.runtime.quantized._frozen import QuantizedGroup
+if TYPE_CHECKING:
+    from blockshard.runtime.core._owners import OwnerComputed
 
-__all__ = ["ShardGroup"]
+__all__ = ["ParamBuffers"]
 
 
-class ShardGroup(GradientSync):
-    """The buffers and collectives of one group; its :class:`ShardedState` is ``sharded_state``."""
-
-    #: an extra buffer set whose parameters train, so it reduces gradients too ([Note: quantized gather])
-    trainable_extra: ClassVar[bool] = False
+class ParamBuffers(BufferSet):
+    """The buffers and collectives of a group's parameters of one dtype ([Note: buffers]); its
+    gradients are reduced by ``grads`` (a :class:`GradientSync`) where ``trainable``."""
 
     def __init__(
         self,
@@ -74,28 +73,23 @@ class ShardGroup(GradientSync):
         costs: dict[str, float],
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
+        controls: GroupControls,
+        trainable: bool = True,
         replicate_group: dist.ProcessGroup | None = None,
         offload: bool = False,
     ) -> None:
-        self.name, self.params, self.process_group = name, list(params), process_group
-        self.path: str | None = None  # the module's path under its root, known at the root's first forward
+        super().__init__(name, process_group)
+        self.params = list(params)
         self.costs = costs  # optimizer cost per tensor name, for rotation ([Note: rotation])
-        self.rank, self.world_size = process_group.rank(), process_group.size()
-        self.requires_gradient_sync = True
-        self.reshard_after_backward = True  # set_reshard_after_backward (_module.py)
-        self.requires_all_reduce = True  # set_requires_all_reduce: HSDP only ([Note: HSDP])
-        self.divide_factor: float | None = None  # set_gradient_divide_factor: sum / factor, not the average
-        # HSDP ([Note: HSDP]): the replicate axis, and reduce-scatter outputs not all-reduced yet
-        self.replicate_group = replicate_group
-        self._partial: torch.Tensor | None = None
-        self.tally: CollectiveTally | None = None  # set by the root context ([Note: collective integrity])
-        self.tally_index = 0  # this group's position in its root context
+        # whether its parameters may train: the primary buffer set's may; another dtype's are frozen
+        # and never reduced ([Note: mixed dtypes] in _dtypes.py)
+        self.trainable = trainable
+        self.controls = controls
         self._pending: list = []  # async all-gather works, while UNSHARDING
-        self._reduction: _Reduction | None = None  # the reduce-scatter in flight ([Note: async reduce-scatter])
         self.offload = offload  # CPUOffloadPolicy: local shard and gradient on the host ([Note: CPU offload])
         self._version_guard: torch.autograd._unsafe_preserve_version_counter | None = None
-        self.sharded_state = ShardedState.SHARDED
-        self.quantized: QuantizedGroup | None = None  # [quantized] frozen byte-group, set by fully_shard
+        self.owner_computed: OwnerComputed | None = None  # [Note: engine owner plan], set by fully_shard
+        self.grads: GradientSync | None = None  # None: nothing to reduce (no layout)
         self._layout = layout
         if layout is None:  # a module without parameters of its own: nothing to gather
             if self.params:
@@ -104,9 +98,8 @@ class ShardGroup(GradientSync):
         first = originals[0]
         self.orig_dtype = first.dtype
         self.param_dtype = param_dtype or self.orig_dtype
-        self.reduce_dtype = reduce_dtype or self.param_dtype
-        self._grad: weakref.ref[torch.Tensor] | None = None  # the local gradient [S] while a .grad views it
         self._alloc_buffers(first.device, layout.segment_numel, zeros=True)
+        self.grads = GradientSync(self, reduce_dtype or self.param_dtype, replicate_group)
         self._place(layout)
         with torch.no_grad():
             for sp, orig in zip(self.params, originals, strict=True):
@@ -118,12 +111,6 @@ class ShardGroup(GradientSync):
         self._free_gathered()
 
     @property
-    def described(self) -> str:
-        """The group in messages: its name and, once known, its module's path under the root."""
-        where = "" if self.path is None else f" ({self.path or 'the root'})"
-        return f"{self.name!r}{where}"
-
-    @property
     def layout(self) -> GroupLayout | None:
         return self._layout
 
@@ -131,7 +118,7 @@ class ShardGroup(GradientSync):
     def _place(self, layout: GroupLayout) -> None:
         """Record where each parameter's piece and full view sit under ``layout``."""
         self._layout = layout
-        self._holes = _holes(layout)  # gathered ranges no tensor covers
+        self.holes = _holes(layout)  # gathered ranges no tensor covers
         pieces = {p.index: p for p in layout.pieces(self.rank)}
         index = {t.name: i for i, t in enumerate(layout.tensors)}  # a rotation reorders tensors
         for sp in self.params:
@@ -165,7 +152,8 @@ class ShardGroup(GradientSync):
         for sp in self.params:
             tag_managed(sp.sharded, self.name, original=True)
         self._alloc_buffers(device, S, zeros=False)
-        self._grad = None
+        if self.grads is not None:
+            self.grads.forget_grad_buffer()
         for sp in self.params:
             sp.requires_grad = sp.sharded.requires_grad
         self._make_views()
@@ -223,14 +211,8 @@ class ShardGroup(GradientSync):
             if not async_op:
                 self.wait_unshard()
             return
-        if self.quantized is not None:  # [quantized] its all-gather, finished in wait_unshard
-            self.quantized.unshard()
-            if self.tally is not None:  # a collective of its own, beside the float one's: counted (AG)
-                self.tally.record(self.tally_index, 0)
         if self._layout is None:
             self.sharded_state = ShardedState.UNSHARDED
-            if self.quantized is not None:  # [quantized]
-                self.quantized.wait_unshard()
             return
         layout, W = self._layout, self.world_size
         self._start_gather()
@@ -254,8 +236,7 @@ class ShardGroup(GradientSync):
     def _issued(self, async_op: bool) -> None:
         """The all-gathers are issued: count them, and wait for them unless ``async_op``."""
         self.sharded_state = ShardedState.UNSHARDING
-        if self.tally is not None:
-            self.tally.record(self.tally_index, 0)
+        self.count(0)
         if not async_op:
             self.wait_unshard()
 
@@ -274,8 +255,6 @@ class ShardGroup(GradientSync):
         if self._version_guard is not None:
             self._version_guard.__exit__(None, None, None)  # the version before the all-gathers
             self._version_guard = None
-        if self.quantized is not None:  # [quantized]
-            self.quantized.wait_unshard()
         for sp in self.params:
             if sp.unsharded.requires_grad != sp.sharded.requires_grad:
                 sp.unsharded.requires_grad_(sp.sharded.requires_grad)  # frozen or unfrozen since
@@ -290,11 +269,17 @@ class ShardGroup(GradientSync):
             return
         for sp in self.params:
             sp.set_module_params(sp.sharded)
-        if self.quantized is not None:  # [quantized]
-            self.quantized.reshard()
         if self._layout is not None:
             self._free_gathered()
         self.sharded_state = ShardedState.SHARDED
+
+    @property
+    def gathers_on_copies(self) -> bool:
+        return self._layout is not None and holds_copies(self.process_group, self.device)
+
+    def check_forward(self) -> None:
+        self.check_registered()
+        self.check_materialized()  # FSDP2: "should be materialized from meta device before training"
 
     def check_registered(self) -> None:
         """Raise if a module's parameter is no longer this group's (replaced after ``fully_shard``)."""
@@ -321,6 +306,41 @@ class ShardGroup(GradientSync):
                 "training: model.to_empty(device=...) then initialize (blockshard.init_parameters(model), or "
                 "module.reset_parameters()), or load values with model.load_state_dict(sd, assign=True)"
             )
+
+    # -- gradients ([Note: async reduce-scatter] in _grad_sync.py) ---------------------------------
+    @property
+    def trains(self) -> bool:
+        """The primary buffer set reduces at every backward that syncs gradients (zeros for frozen
+        parameters: every rank issues the same collectives); another dtype's never."""
+        return self.trainable and self.grads is not None
+
+    def grad_buffer(self) -> torch.Tensor | None:
+        """The local gradient [S] while some sharded ``.grad`` views it, else None ([Note: buffers])."""
+        return None if self.grads is None else self.grads.grad_buffer()
+
+    def accumulate_grads(self) -> None:
+        if self.grads is not None:
+            self.grads.accumulate()
+
+    def reduce_grads(self) -> None:
+        if self.grads is not None:
+            self.grads.reduce()
+
+    @property
+    def reducing(self) -> bool:
+        return self.grads is not None and self.grads.reducing
+
+    def finish_reduce(self) -> None:
+        if self.grads is not None:
+            self.grads.finish()
+
+    def reset_step(self) -> None:
+        """The unsharded gradients and the micro-batches accumulated, HSDP's outputs not all-reduced
+        yet and a reduce-scatter in flight are lost with the step."""
+        for sp in self.params:
+            sp.unsharded.grad, sp.accumulated = None, None
+        if self.grads is not None:
+            self.grads.reset_step()
 
     def _alloc_gathered(self) -> None:
         storage = self.gathered.untyped_storage()

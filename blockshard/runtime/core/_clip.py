@@ -86,7 +86,7 @@ def _pieces_of(model: nn.Module) -> dict[int, dist.ProcessGroup]:
         st = state_of(m)
         if st is None:
             continue
-        for group in st.groups:  # every buffer set ([Note: mixed dtypes], [Note: quantized gather])
+        for group in st.param_buffers:  # every buffer set of parameters ([Note: buffer sets])
             if group.sharded_state is not ShardedState.SHARDED:
                 raise ClipError(
                     f"group {group.name!r} is {group.sharded_state.name} (it holds its full parameters), so its "
@@ -120,20 +120,20 @@ def _resolve(
         elif tag is None:
             groups.append(None)  # replicated: not managed by the engine
         elif isinstance(parameters_or_model, nn.Module) or tag.original or tag.process_group is None:
-            raise ClipError(_unknown_piece(i, tuple(p.shape), tag.owner, tag.original))
+            raise ClipError(_unknown_piece(i, tuple(p.shape), tag.group_name, tag.original))
         else:  # a local piece: its tag names the process group it is sharded over
             groups.append(cast(dist.ProcessGroup, tag.process_group))
     return params, groups
 
 
-def _unknown_piece(i: int, shape: tuple[int, ...], owner: str, original: bool) -> str:
+def _unknown_piece(i: int, shape: tuple[int, ...], group_name: str, original: bool) -> str:
     if original:
         return (
-            f"parameters[{i}] (shape {shape}) is a parameter that fully_shard replaced (group of a {owner}): "
+            f"parameters[{i}] (shape {shape}) is a parameter that fully_shard replaced (group of a {group_name}): "
             "it no longer trains. Fix: pass the sharded model, or model.parameters() taken after fully_shard"
         )
     return (
-        f"parameters[{i}] (shape {shape}) is a full parameter view of a group of a {owner}, held while the group "
+        f"parameters[{i}] (shape {shape}) is a full parameter view of a group of a {group_name}, held while the group "
         "is unsharded. Fix: clip after loss.backward() has finished, before optimizer.step()"
     )
 

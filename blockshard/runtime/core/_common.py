@@ -2,7 +2,7 @@
 
 [Note: state machines]
 Each sharded module's state (``ModuleState``) has a :class:`TrainingState`; each group of
-parameters (``ShardGroup``) has a :class:`ShardedState`. A step walks them like this (one module,
+parameters (``ParamBuffers``) has a :class:`ShardedState`. A step walks them like this (one module,
 ``reshard_after_forward=True``; arrows are hook calls):
 
     TrainingState:  IDLE --pre_forward--> FORWARD --post_forward--> IDLE

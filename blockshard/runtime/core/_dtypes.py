@@ -6,18 +6,18 @@ dtypes in one group only if its *trainable* parameters share one original dtype 
 dtype): frozen ones may differ (a bf16 base model under fp32 adapters, integer tables). It then
 all-gathers them as bytes in one collective. blockshard does the same with one planned layout and
 one buffer set per dtype: the group's trainable dtype (or, if nothing is trainable, its first
-parameter's) is the *primary* buffer set, ``state.group``; each other dtype gets its own
-(``state.extra_groups``, named ``<group>[bfloat16]``...), gathered with the primary one (all
-all-gathers issued, then waited for) and resharded with it, and never reduced (it holds no
-trainable parameter). ``mp_policy``'s ``param_dtype`` applies to every floating-point buffer set,
-as FSDP2 casts every floating-point parameter; integer ones are gathered as they are. As in FSDP2,
+parameter's) is the *primary* buffer set, ``state.buffers``; each other dtype gets its own
+(``ParamBuffers(trainable=False)`` in ``state.buffer_sets``, named ``<group>[bfloat16]``...),
+gathered with the primary one (all all-gathers issued, then waited for) and resharded with it, and
+never reduced (it holds no trainable parameter). ``mp_policy``'s ``param_dtype`` applies to every
+floating-point buffer set, as FSDP2 casts every floating-point parameter; integer ones are gathered
+as they are. As in FSDP2,
 trainable parameters of two dtypes in one group are refused, at ``fully_shard`` and whenever a
 forward finds one unfrozen since (FSDP2 checks at its first forward): put them in different groups,
 or cast them to one dtype. State dicts, ``full_state_dict``, checkpoints and exports see every
 buffer set as a group of its own under the module's prefix. One kind of extra buffer set does
-train: the weights gathered quantized ([Note: quantized gather] in _gather.py,
-``trainable_extra``), which reduces its gradients beside the primary one
-(``ModuleState.reducing_groups``) and may hold a dtype of its own.
+train: the weights gathered quantized ([Note: quantized gather] in _gather.py), which reduces its
+gradients beside the primary one (``ModuleState.training_sets``) and may hold a dtype of its own.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from blockshard._errors import BlockshardError, ShardingError
 from blockshard.runtime.core._param import ParamRef
 
 if TYPE_CHECKING:
-    from blockshard.runtime.core._buffers import ShardGroup
+    from blockshard.runtime.core._buffers import ParamBuffers
 
 __all__ = ["check_trainable_dtypes", "split_by_dtype"]
 
@@ -69,10 +69,10 @@ def _mixed_message(examples: list[tuple[torch.dtype, str]]) -> str:
     )
 
 
-def check_trainable_dtypes(primary: ShardGroup, extra_groups: list[ShardGroup]) -> None:
-    """Raise if a parameter of a non-primary dtype was unfrozen after ``fully_shard``."""
-    for g in extra_groups:
-        if g.trainable_extra:  # [Note: quantized gather]: trains and reduces on its own
+def check_trainable_dtypes(primary: ParamBuffers, buffer_sets: list[ParamBuffers]) -> None:
+    """Raise if a parameter of a frozen buffer set (another dtype's) was unfrozen after ``fully_shard``."""
+    for g in buffer_sets:
+        if g.trainable:  # the primary, or a quantized gather's ([Note: quantized gather]): it reduces
             continue
         for sp in g.params:
             if sp.sharded.requires_grad:

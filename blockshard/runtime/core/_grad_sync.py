@@ -1,5 +1,8 @@
-"""The gradient half of a ``ShardGroup``: accumulation without sync, the asynchronous
-reduce-scatter into the local gradient, and HSDP's all-reduce ([Note: buffers] in _buffers.py).
+"""``GradientSync``: the gradients of one ``ParamBuffers`` (its ``grads``): accumulation without
+sync, the asynchronous reduce-scatter into the local gradient, and HSDP's all-reduce ([Note: buffers]
+in _buffers.py). It owns the gradient state (the local gradient's weak reference, the reduction in
+flight, HSDP's outputs not all-reduced yet) and reads the buffers, layout and controls of its
+buffer set.
 
 [Note: HSDP]
 With a 2-D mesh ``(replicate, shard)``, as FSDP2's HSDP, the layout is planned over the shard
@@ -24,7 +27,7 @@ all-reduce when done, the same on every rank. Measured on torch 2.13's gloo (the
 group, ``test_fast_async_reduce.py``): ``reduce_scatter_single(async_op=True)`` returns before
 the peer has issued its part, so the overlap is real on the CPU too; on NCCL it runs on the
 reduce-scatter stream ([Note: streams] in _common.py). ``reset_iter_state`` drops a reduction in
-flight with the step's gradients.
+flight with the step's gradients (:meth:`GradientSync.reset_step`).
 """
 
 from __future__ import annotations
@@ -39,62 +42,46 @@ import torch.distributed as dist
 from blockshard.runtime.core._collectives import holds_copies, reduce_scatter_avg, wait
 
 if TYPE_CHECKING:
-    from blockshard.planner import GroupLayout
-    from blockshard.runtime.core._common import CollectiveTally, DeviceStreams
-    from blockshard.runtime.core._param import ShardedParam
+    from blockshard.runtime.core._buffers import ParamBuffers
 
 __all__ = ["GradientSync"]
 
 
 class GradientSync:
-    """The gradient methods of :class:`~blockshard.runtime.core._buffers.ShardGroup` (its buffers and
-    flags are set by ``ShardGroup.__init__``)."""
+    """The gradient state and collectives of one :class:`ParamBuffers` (``buffers``) with a layout."""
 
-    name: str
-    params: list[ShardedParam]
-    process_group: dist.ProcessGroup
-    replicate_group: dist.ProcessGroup | None
-    world_size: int
-    local: torch.Tensor
-    gathered: torch.Tensor
-    device: torch.device
-    host: torch.device
-    streams: DeviceStreams
-    offload: bool
-    orig_dtype: torch.dtype
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    divide_factor: float | None
-    requires_all_reduce: bool
-    tally: CollectiveTally | None
-    tally_index: int
-    _layout: GroupLayout | None
-    _holes: list[tuple[int, int]]
-    _grad: weakref.ref[torch.Tensor] | None
-    _partial: torch.Tensor | None
-    _reduction: _Reduction | None
-
-    @property
-    def described(self) -> str:  # ShardGroup's: its name and path, for messages
-        raise NotImplementedError
+    def __init__(
+        self, buffers: ParamBuffers, reduce_dtype: torch.dtype, replicate_group: dist.ProcessGroup | None
+    ) -> None:
+        self.buffers = buffers
+        self.reduce_dtype = reduce_dtype
+        self.replicate_group = replicate_group  # HSDP ([Note: HSDP]): the replicate axis
+        self._grad: weakref.ref[torch.Tensor] | None = None  # the local gradient [S] while a .grad views it
+        self._partial: torch.Tensor | None = None  # HSDP: reduce-scatter outputs not all-reduced yet
+        self._reduction: _Reduction | None = None  # the reduce-scatter in flight ([Note: async reduce-scatter])
 
     def grad_buffer(self) -> torch.Tensor | None:
         """The local gradient [S] while some sharded ``.grad`` views it, else None ([Note: buffers])."""
         return None if self._grad is None else self._grad()
 
+    def forget_grad_buffer(self) -> None:
+        """The buffers moved (``materialize``): a gradient buffer of the old ones is not ours any more."""
+        self._grad = None
+
     def _new_grad_buffer(self) -> torch.Tensor:
         # not zeroed: only the pieces the reduce-scatter wrote are ever viewed
-        buf = torch.empty(self.local.numel(), dtype=self.orig_dtype, device=self.host, pin_memory=self.streams.pinned)
+        b = self.buffers
+        buf = torch.empty(b.local.numel(), dtype=b.orig_dtype, device=b.host, pin_memory=b.streams.pinned)
         self._grad = weakref.ref(buf)
         return buf
 
-    def accumulate_grads(self) -> None:
+    def accumulate(self) -> None:
         """Backward without gradient sync: keep the unsharded gradients for the next backward, in
         the reduce dtype when it differs from the parameters' (as FSDP2 does: bf16 micro-batch
         gradients summed in fp32)."""
-        if self._layout is None or self.reduce_dtype == self.param_dtype:
+        if self.reduce_dtype == self.buffers.param_dtype:
             return  # autograd accumulates into the unsharded .grad by itself
-        for sp in self.params:
+        for sp in self.buffers.params:
             grad = sp.unsharded.grad
             if grad is None:
                 continue
@@ -104,28 +91,27 @@ class GradientSync:
                 sp.accumulated += grad
             sp.unsharded.grad = None
 
-    def reduce_grads(self) -> None:
+    def reduce(self) -> None:
         """Pack the unsharded gradients and issue their reduce-scatter (average) into the local
-        gradient, asynchronously: :meth:`finish_reduce` waits and sets the sharded ``.grad``
+        gradient, asynchronously: :meth:`finish` waits and sets the sharded ``.grad``
         ([Note: async reduce-scatter]).
 
         Gradients are packed into the reduce-scatter input in the gathered layout (one copy, cast
         to the reduce dtype, as FSDP2's ``chunk_cat``), each freed right after; holes and
         parameters without a gradient are zero-filled.
         """
-        if self._layout is None:
-            return
-        self.finish_reduce()  # one reduction in flight per group
-        layout, W = self._layout, self.world_size
-        streams = self.streams
-        rs_in = torch.empty(self.gathered.numel(), dtype=self.reduce_dtype, device=self.device)  # [W*S]
-        for lo, hi in self._holes:
+        self.finish()  # one reduction in flight per buffer set
+        b = self.buffers
+        layout, W = b.layout, b.world_size
+        assert layout is not None
+        rs_in = torch.empty(b.gathered.numel(), dtype=self.reduce_dtype, device=b.device)  # [W*S]
+        for lo, hi in b.holes:
             rs_in[lo:hi].zero_()
         # A parameter without a gradient here is taken to have none on any rank (as FSDP2 assumes):
         # it still takes part in the reduce-scatter (as zeros) but keeps ``.grad = None``, so the
         # optimizer skips it as it would on one process.
         has_grad = set()
-        for sp in self.params:
+        for sp in b.params:
             dst = rs_in[sp.gathered_offset : sp.gathered_offset + sp.numel]
             grad, acc = sp.unsharded.grad, sp.accumulated
             if acc is not None:  # micro-batches accumulated without sync, in the reduce dtype
@@ -142,59 +128,62 @@ class GradientSync:
         # user kept .grad across steps), the reduce dtype differs from the parameters' or the
         # local gradient lives elsewhere (offload). Never into a buffer still alive without our
         # pieces: the user may hold an old .grad.
-        accumulate = any(sp.sharded.grad is not None for sp in self.params)
-        direct = not accumulate and self.reduce_dtype == self.orig_dtype and not self.offload
-        S = self.local.numel()
+        accumulate = any(sp.sharded.grad is not None for sp in b.params)
+        direct = not accumulate and self.reduce_dtype == b.orig_dtype and not b.offload
+        S = b.local.numel()
         buf = self._new_grad_buffer() if direct else self.grad_buffer() if accumulate else None
-        out = buf if direct else torch.empty(S, dtype=self.reduce_dtype, device=self.device)
+        out = buf if direct else torch.empty(S, dtype=self.reduce_dtype, device=b.device)
         assert out is not None
-        if self.tally is not None:
-            self.tally.record(self.tally_index, 1)
+        b.count(1)
         works = []
-        with streams.on("reduce_scatter"):  # [Note: streams]
-            for b, S_b in enumerate(layout.buckets):
-                off = layout.bucket_local_offset(b)
+        with b.streams.on("reduce_scatter"):  # [Note: streams]
+            for k, S_k in enumerate(layout.buckets):
+                off = layout.bucket_local_offset(k)
                 works.append(
                     reduce_scatter_avg(
-                        out[off : off + S_b],
-                        rs_in[W * off : W * (off + S_b)],
-                        self.process_group,
+                        out[off : off + S_k],
+                        rs_in[W * off : W * (off + S_k)],
+                        b.process_group,
                         async_op=True,
-                        summed=self.divide_factor is not None,
+                        summed=b.controls.divide_factor is not None,
                     )
                 )
         # gloo reduce-scatters a copy of its input that the work owns: ours is not read again,
         # so it is freed now, not while the next group's backward runs ([Note: gloo's copies])
-        keep = None if holds_copies(self.process_group, rs_in.device) else rs_in
+        keep = None if holds_copies(b.process_group, rs_in.device) else rs_in
         del rs_in
         self._reduction = _Reduction(works, keep, out, buf, direct, has_grad)
 
     @property
     def reducing(self) -> bool:
-        """A reduce-scatter of this group is in flight (issued, not waited for)."""
+        """A reduce-scatter is in flight (issued, not waited for)."""
         return self._reduction is not None
 
-    def drop_reduce(self) -> None:
-        """Forget a reduction in flight (``reset_iter_state`` after an aborted step): its
-        gradients are lost with the step. The collective itself still completes in the background."""
+    def reset_step(self) -> None:
+        """Forget what an interrupted step left (``reset_iter_state``): HSDP's outputs not
+        all-reduced yet and a reduction in flight, whose gradients are lost with the step (the
+        collective itself still completes in the background)."""
+        self._partial = None
         self._reduction = None
 
-    def finish_reduce(self) -> None:
+    def finish(self) -> None:
         """Wait for the reduce-scatter in flight (bounded, [Note: collective integrity]), free its
         input, all-reduce across replicas (HSDP) and point the sharded ``.grad`` at the result."""
         red, self._reduction = self._reduction, None
         if red is None:
             return
+        b = self.buffers
         for work in red.works:
-            wait(work, f"the reduce-scatter of group {self.described}", self.process_group)
-        self.streams.current_waits("reduce_scatter")
+            wait(work, f"the reduce-scatter of group {b.described}", b.process_group)
+        b.streams.current_waits("reduce_scatter")
         out, buf, direct, has_grad = red.out, red.buf, red.direct, red.has_grad
         del red  # the works (gloo: with their copy of the input) and the input, if kept, are freed here
         if self.replicate_group is not None and not self._all_reduce(out):
             return  # set_requires_all_reduce(False): kept for the next all-reduce, no .grad yet
-        if self.divide_factor is not None:
-            out.div_(self.divide_factor)
-        for sp in self.params:
+        factor = b.controls.divide_factor
+        if factor is not None:
+            out.div_(factor)
+        for sp in b.params:
             if not sp.sharded.requires_grad or sp.index not in has_grad:
                 continue
             lo, hi = sp.local_offset, sp.local_offset + sp.local_numel
@@ -202,28 +191,28 @@ class GradientSync:
                 if not direct:
                     if buf is None:
                         buf = self._new_grad_buffer()
-                    buf[lo:hi].copy_(out[lo:hi], non_blocking=self.streams.pinned)  # offload: to the host
+                    buf[lo:hi].copy_(out[lo:hi], non_blocking=b.streams.pinned)  # offload: to the host
                 assert buf is not None
                 sp.sharded.grad = buf[lo:hi].view(sp.sharded.shape)
             else:
-                sp.sharded.grad += out[lo:hi].view(sp.sharded.shape).to(sp.sharded.grad.device, self.orig_dtype)
-        self.streams.host_copies_done()
+                sp.sharded.grad += out[lo:hi].view(sp.sharded.shape).to(sp.sharded.grad.device, b.orig_dtype)
+        b.streams.host_copies_done()
 
     def _all_reduce(self, out: torch.Tensor) -> bool:
         """[Note: HSDP] Average (sum, with a divide factor) ``out`` over the replicate axis, adding
         the outputs kept while ``requires_all_reduce`` was off; False while it is off."""
         if self._partial is not None:
             out += self._partial
-        if not self.requires_all_reduce:
+        b = self.buffers
+        if not b.controls.requires_all_reduce:
             self._partial = out  # no .grad views it: the next reduce-scatter adds it in
             return False
         self._partial = None
         pg = self.replicate_group
         assert pg is not None
-        op = dist.ReduceOp.SUM if self.divide_factor is not None else dist.ReduceOp.AVG
-        if self.tally is not None:
-            self.tally.record(self.tally_index, 2)
-        wait(dist.all_reduce(out, op=op, group=pg, async_op=True), f"the all-reduce of group {self.described}", pg)
+        op = dist.ReduceOp.SUM if b.controls.divide_factor is not None else dist.ReduceOp.AVG
+        b.count(2)
+        wait(dist.all_reduce(out, op=op, group=pg, async_op=True), f"the all-reduce of group {b.described}", pg)
         return True
 
 

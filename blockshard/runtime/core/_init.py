@@ -3,7 +3,7 @@
 [Note: meta init]
 A model too large for one rank is built under ``torch.device("meta")`` (no storage), sharded,
 then materialized: ``model.to_empty(device=...)`` gives every group real, uninitialized local
-buffers (``ShardGroup.materialize``; nothing else is allocated), and
+buffers (``ParamBuffers.materialize``; nothing else is allocated), and
 :func:`init_parameters` fills them. It visits ``model.modules()`` in order, as
 ``for m in model.modules(): m.reset_parameters()`` on the unsharded model does, and calls
 ``init(m)`` (default: ``m.reset_parameters()`` for modules with parameters of their own) on *full*
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from blockshard._errors import ShardingError
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._state import state_of
 
@@ -53,17 +53,17 @@ def init_parameters(
         raise ShardingError(f"order={order!r} must be 'modules' (model.modules()) or 'apply' (model.apply(init))")
     run = init or _reset
     visit = list(model.modules()) if order == "modules" else list(_post_order(model))
-    groups: list[ShardGroup] = []
-    owner: dict[int, list[ShardGroup]] = {}  # a module's parameters may lie in several ([Note: mixed dtypes])
+    groups: list[ParamBuffers] = []
+    holders: dict[int, list[ParamBuffers]] = {}  # a module's parameters may lie in several ([Note: mixed dtypes])
     for m in model.modules():
         st = state_of(m)
-        for g in st.groups if st is not None else []:
+        for g in st.param_buffers if st is not None else []:
             if g.layout is None or any(g is seen for seen in groups):
                 continue  # a list's group is met at each of its modules
             groups.append(g)
             for sp in g.params:
                 for ref in sp.refs:
-                    mine = owner.setdefault(id(ref.module), [])
+                    mine = holders.setdefault(id(ref.module), [])
                     if not any(g is o for o in mine):
                         mine.append(g)
             if g.sharded_state is not ShardedState.SHARDED or g.device.type == "meta":
@@ -77,12 +77,12 @@ def init_parameters(
                 )
     remaining: dict[int, int] = {}
     for m in visit:
-        for g in owner.get(id(m), []):
+        for g in holders.get(id(m), []):
             remaining[id(g)] = remaining.get(id(g), 0) + 1
-    opened: dict[int, ShardGroup] = {}
+    opened: dict[int, ParamBuffers] = {}
     try:
         for m in visit:
-            mine = owner.get(id(m), [])
+            mine = holders.get(id(m), [])
             for g in mine:
                 if id(g) not in opened:
                     opened[id(g)] = g
@@ -107,15 +107,15 @@ def _post_order(module: nn.Module):
     yield module
 
 
-def _open(group: ShardGroup) -> None:
+def _open(group: ParamBuffers) -> None:
     group._alloc_gathered()
-    for lo, hi in group._holes:
+    for lo, hi in group.holes:
         group.gathered[lo:hi].zero_()
     for sp in group.params:
         sp.set_module_params(sp.unsharded)
 
 
-def _close(group: ShardGroup) -> None:
+def _close(group: ParamBuffers) -> None:
     layout, W, r = group.layout, group.world_size, group.rank
     assert layout is not None
     for sp in group.params:

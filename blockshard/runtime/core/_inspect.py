@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 from blockshard.planner import GroupLayout
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._list_groups import bind_names
 from blockshard.runtime.core._state import ModuleState, state_of
 
 __all__ = ["global_shapes", "group_layouts", "local_buffers"]
 
 
-def states_under(model: nn.Module) -> list[tuple[str, ModuleState | GroupView]]:
+def states_under(model: nn.Module) -> list[tuple[str, ModuleState | BuffersView]]:
     """Every group under ``model`` once, with the path of the module its names are relative to
     (a list group's modules' common ancestor, [Note: a list of modules]; one not wholly under
     ``model`` is left out)."""
@@ -25,7 +25,7 @@ def states_under(model: nn.Module) -> list[tuple[str, ModuleState | GroupView]]:
         paths.setdefault(id(m), prefix)
         if (st := state_of(m)) is not None:
             states.setdefault(id(st), st)
-    out: list[tuple[str, ModuleState | GroupView]] = []
+    out: list[tuple[str, ModuleState | BuffersView]] = []
     for st in states.values():
         if not bind_names(st, model):
             continue
@@ -33,27 +33,29 @@ def states_under(model: nn.Module) -> list[tuple[str, ModuleState | GroupView]]:
             continue
         out.append((paths[id(st.module)], st))
         # [Note: mixed dtypes] each other dtype's buffer set is a group of its own to the readers
-        out += [(paths[id(st.module)], GroupView(st.module, g, st.modules)) for g in st.extra_groups]
+        out += [(paths[id(st.module)], BuffersView(st.module, g, st.modules)) for g in st.extra_param_buffers]
     return out
 
 
 @dataclass(frozen=True, eq=False)
-class GroupView:
-    """One extra buffer set of a mixed-dtype group, read as a group (``module``, ``group``)."""
+class BuffersView:
+    """One extra buffer set of a mixed-dtype group, read by state dicts and checkpoints as a
+    group of its own: ``module`` and ``modules`` as its :class:`ModuleState`'s, ``buffers`` the
+    buffer set (a state's ``buffers`` is its primary one)."""
 
     module: nn.Module
-    group: ShardGroup
+    buffers: ParamBuffers
     modules: tuple[nn.Module, ...]
 
 
-def _keyed(model: nn.Module) -> list[tuple[str, ModuleState | GroupView]]:
+def _keyed(model: nn.Module) -> list[tuple[str, ModuleState | BuffersView]]:
     """Every group by the sharded module's name (a list's: its modules' names joined by ``+``)."""
     paths = {id(m): p for p, m in reversed(list(model.named_modules()))}
-    out: list[tuple[str, ModuleState | GroupView]] = []
+    out: list[tuple[str, ModuleState | BuffersView]] = []
     for prefix, st in states_under(model):
         key = "+".join(paths[id(m)] for m in st.modules) if len(st.modules) > 1 else prefix
-        if isinstance(st, GroupView):  # the group's name ends in its dtype: "<group>[bfloat16]"
-            key += st.group.name[st.group.name.rindex("[") :]
+        if isinstance(st, BuffersView):  # the group's name ends in its dtype: "<group>[bfloat16]"
+            key += st.buffers.name[st.buffers.name.rindex("[") :]
         out.append((key, st))
     return out
 
@@ -61,7 +63,7 @@ def _keyed(model: nn.Module) -> list[tuple[str, ModuleState | GroupView]]:
 def group_layouts(model: nn.Module) -> dict[str, GroupLayout]:
     """The layout of every group under ``model``, by the sharded module's name (a list's group:
     its modules' names joined by ``+``, e.g. ``"model.norm+lm_head"``)."""
-    return {key: st.group.layout for key, st in _keyed(model) if st.group.layout is not None}
+    return {key: st.buffers.layout for key, st in _keyed(model) if st.buffers.layout is not None}
 
 
 def global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -72,7 +74,7 @@ def global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     whose ``shape`` is already global), its own shape. Names are stable across sharding.
     """
     managed = {
-        id(p): sp.shape for _, st in states_under(model) for sp in st.group.params for p in (sp.sharded, sp.unsharded)
+        id(p): sp.shape for _, st in states_under(model) for sp in st.buffers.params for p in (sp.sharded, sp.unsharded)
     }
     return {n: managed.get(id(p), tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)}
 
@@ -82,9 +84,9 @@ def local_buffers(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     sharded ``.grad`` views it (see [Note: buffers] in _buffers.py)."""
     out = {}
     for prefix, st in _keyed(model):
-        if st.group.layout is not None:
-            out[prefix] = {"local": st.group.local}
-            if (grad := st.group.grad_buffer()) is not None:
+        if st.buffers.layout is not None:
+            out[prefix] = {"local": st.buffers.local}
+            if (grad := st.buffers.grad_buffer()) is not None:
                 out[prefix]["grad"] = grad
     return out
 

@@ -30,7 +30,7 @@ import dataclasses
 from torch import nn
 
 from blockshard._errors import ShardingError
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._param import ParamRef
 from blockshard.runtime.core._state import ModuleState, state_of
 
@@ -71,7 +71,7 @@ def bind_names(state: ModuleState, top: nn.Module) -> bool:
         rel = ".".join(p[common:])
         rename |= {
             sp.fqn: f"{rel}.{sp.fqn[len(f'{i}.') :]}"
-            for g in state.groups
+            for g in state.param_buffers
             for sp in g.params
             if sp.fqn.startswith(f"{i}.")
         }
@@ -81,11 +81,11 @@ def bind_names(state: ModuleState, top: nn.Module) -> bool:
 
 
 def _rename(state: ModuleState, rename: dict[str, str]) -> None:
-    for group in state.groups:
+    for group in state.param_buffers:
         _rename_group(group, rename)
 
 
-def _rename_group(group: ShardGroup, rename: dict[str, str]) -> None:
+def _rename_group(group: ParamBuffers, rename: dict[str, str]) -> None:
     for sp in group.params:
         sp.fqn = rename[sp.fqn]
     group.costs = {rename.get(k, k): v for k, v in group.costs.items()}

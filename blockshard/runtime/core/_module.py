@@ -66,8 +66,7 @@ class ShardedModule(nn.Module):
         if not isinstance(requires_gradient_sync, bool):
             raise ShardingError(f"requires_gradient_sync={requires_gradient_sync!r} must be True or False")
         for st in self._states(recurse):
-            for g in st.groups:  # a quantized-gather buffer set reduces too ([Note: quantized gather])
-                g.requires_gradient_sync = requires_gradient_sync
+            st.controls.requires_gradient_sync = requires_gradient_sync  # every buffer set's ([Note: buffer sets])
 
     # -- FSDP2's controls -------------------------------------------------------------------------
     def _states(self, recurse: bool) -> list[ModuleState]:
@@ -87,8 +86,7 @@ class ShardedModule(nn.Module):
         group's parameters reshards it first, so the next forward gathers the new values."""
         _check_bool("reshard_after_backward", reshard_after_backward)
         for st in self._states(recurse):
-            for g in st.groups:  # every buffer set of a mixed-dtype group ([Note: mixed dtypes])
-                g.reshard_after_backward = reshard_after_backward
+            st.controls.reshard_after_backward = reshard_after_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
         """All-gather these modules' parameters (asynchronously) right after this module's, in
@@ -113,8 +111,7 @@ class ShardedModule(nn.Module):
         in _grad_sync.py). Without a replicate axis there is nothing to skip."""
         _check_bool("requires_all_reduce", requires_all_reduce)
         for st in self._states(recurse):
-            for g in st.groups:
-                g.requires_all_reduce = requires_all_reduce
+            st.controls.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide the summed gradients by ``factor`` instead of averaging over the ranks (this
@@ -128,8 +125,7 @@ class ShardedModule(nn.Module):
                 f"set_gradient_divide_factor(factor={factor!r}): factor must be a finite number > 0 (the gradients "
                 "are summed over the ranks, then divided by it; the default divides by the world size)"
             )
-        for g in self._bs_state().groups:
-            g.divide_factor = float(factor)
+        self._bs_state().controls.divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
@@ -165,21 +161,21 @@ class ShardedModule(nn.Module):
         state = self._bs_state()
         if state.ctx is not None and not state.is_root:
             raise ShardingError(
-                f"reset_iter_state() on {state.group.name!r}, which is not the root: call it on the module "
+                f"reset_iter_state() on {state.buffers.name!r}, which is not the root: call it on the module "
                 "fully_shard was applied to last (the one whose forward runs first)"
             )
         if state.ctx is not None:
-            state.reset_step(state.ctx)
+            state.ctx.reset_step()
 
     def _apply(self, fn: Callable, recurse: bool = True) -> ShardedModule:
         """``.to()``, ``.double()``, ``.cuda()``...: allowed only when they change nothing about the
         parameters (the sharded parameters are views of the engine's buffers; a converted copy
         would be trained while the engine gathers the old buffer), and to materialize a model
         sharded on the meta device (``model.to_empty(device=...)``, [Note: meta init])."""
-        global _applying
-        if _applying:  # an enclosing sharded module's _apply has handled this subtree's groups
+        if self._bs_state().applying:  # an enclosing sharded module's _apply has handled this one's groups
             return super()._apply(fn, recurse)
-        groups = [(st, g) for st in self._states(True) for g in st.groups if g.layout is not None]
+        states = self._states(True)
+        groups = [(st, g) for st in states for g in st.param_buffers if g.layout is not None]
         # a list's group ([Note: a list of modules]) is checked and materialized with its first
         # module's subtree (its parameters are hidden from torch in every listed module's)
         inside = {id(m) for m in self.modules()}
@@ -205,23 +201,22 @@ class ShardedModule(nn.Module):
         hidden = [(ref, ref.module._parameters[ref.attr]) for _, g in groups for sp in g.params for ref in sp.refs]
         for ref, _ in hidden:
             ref.module._parameters[ref.attr] = None
-        _applying = True
+        for st in states:  # torch's _apply recurses into them next: their groups are handled here
+            st.applying = True
         try:
             return super()._apply(fn, recurse)
         finally:
-            _applying = False
+            for st in states:
+                st.applying = False
             for ref, p in hidden:
                 ref.module._parameters[ref.attr] = p
 
     def __deepcopy__(self, memo: dict) -> NoReturn:
         raise ShardingError(
-            f"copy.deepcopy of a sharded {self._bs_state().group.name} is not supported: the copy would share "
+            f"copy.deepcopy of a sharded {self._bs_state().buffers.name} is not supported: the copy would share "
             "the original's buffers and collectives (its unshard() would unshard the original). Fix: "
             "deepcopy the model before fully_shard and shard the copy, or build a second model"
         )
-
-
-_applying = False  # inside the outermost ShardedModule._apply (its subtree's groups are handled)
 
 
 def _check_bool(name: str, value: object) -> None:

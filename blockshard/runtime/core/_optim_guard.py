@@ -64,19 +64,26 @@ def install_optimizer_guard() -> None:
             _handle = register_optimizer_step_pre_hook(_pre_step)
 
 
-_uncounted = 0  # > 0 inside uncounted_steps()
+class _Uncounted(threading.local):
+    depth = 0  # > 0 inside uncounted_steps() on this thread
+
+
+# Thread-local, not on a module or group: it marks a call in progress on the calling thread (the
+# optimizer step inside ``uncounted_steps``), which no module or group describes; per thread, so
+# one thread rank's uncounted step never hides another thread rank's training step.
+_UNCOUNTED = _Uncounted()
 
 
 @contextlib.contextmanager
 def uncounted_steps() -> Iterator[None]:
-    """Optimizer steps inside are not training steps (e.g. the learning-rate-0 step that creates
-    optimizer state before a checkpoint load): the end-of-step check does not count them."""
-    global _uncounted
-    _uncounted += 1
+    """Optimizer steps inside (on this thread) are not training steps (e.g. the learning-rate-0
+    step that creates optimizer state before a checkpoint load): the end-of-step check does not
+    count them."""
+    _UNCOUNTED.depth += 1
     try:
         yield
     finally:
-        _uncounted -= 1
+        _UNCOUNTED.depth -= 1
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
@@ -91,7 +98,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> Non
             continue
         if group.sharded_state is not ShardedState.SHARDED:
             group.reshard()  # kept gathered (set_reshard_after_backward(False)): the next forward gathers the new values
-        if group.tally is not None and not _uncounted:
+        if group.tally is not None and not _UNCOUNTED.depth:
             group.tally.optimizer_stepped = True
 
 
@@ -133,13 +140,13 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
                 raise ShardingError(
                     f"{type(optimizer).__name__} holds {what} of shape {tuple(p.shape)} "
                     f"(param_groups[{i}]['params'][{j}]) that fully_shard replaced by its local piece "
-                    f"(in the group of a {tag.owner}): stepping it would train nothing. Fix: build the "
+                    f"(in the group of a {tag.group_name}): stepping it would train nothing. Fix: build the "
                     "optimizer after fully_shard, over model.parameters() (or "
                     "blockshard.optim.muon_param_groups(model) called after sharding)"
                 )
             if tag is not None and tag.group is not None:
                 groups.setdefault(id(tag.group), tag.group)
                 if _whole_unit_optimizer(optimizer):
-                    ref = cast(Callable[[], Any], tag.group)  # a weakref.ref to the ShardGroup
+                    ref = cast(Callable[[], Any], tag.group)  # a weakref.ref to the ParamBuffers
                     _check_not_cut(optimizer, p, ref(), names[j] if names is not None else None)
     return tuple(groups.values())

@@ -5,7 +5,7 @@ Under ``fully_shard(..., policy="owner" | "auto")`` a group may lay out some ten
 placement grids (``planner/_policy.py``): storage is cut at placement units and a compute unit (a
 Muon matrix, an expert) may straddle rank boundaries. Every call that balances groups
 ([Note: cost tally] in ``_api.py``) rebuilds the owner plan of its subtree with the planner's
-:class:`~blockshard.planner._compute.OwnerBuilder` — the same rotations as before for groups without
+:class:`~blockshard.planner._compute.OwnerPlanBuilder` — the same rotations as before for groups without
 owner-computed tensors, then one greedy over every cut unit of the subtree (longest first,
 [Note: owners across groups]) — and checks its hash across ranks like a layout hash, so a rank with
 another plan raises on every rank. The builder may re-base a group at another tensor
@@ -13,16 +13,15 @@ another plan raises on every rank. The builder may re-base a group at another te
 ([Note: tensor moves] in ``planner/_moves.py``); a rotation by whole segments is moved by the
 balancing call itself, a shift or a move here (:func:`apply_shifts`: one ``all_to_all_single`` that
 sends every element to its new rank and place, before training), so the engine runs the layouts and owners that
-``plan_model`` (``blockshard plan``) shows for the same model. The plan is kept per group in a weak registry
-(nothing outlives the group); the last balancing call of a model (its root) writes the final one.
-An optimizer finds it from a sharded piece (:func:`tensor_owners`) or for a whole model
+``plan_model`` (``blockshard plan``) shows for the same model. The plan is kept on each group
+(``ParamBuffers.owner_computed``); the last balancing call of a model (its root) writes the final one.
+An optimizer finds it from a sharded piece (:func:`tensor_owner_plan`) or for a whole model
 (:func:`owner_plan`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,28 +30,32 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from blockshard.planner._compute import OwnerAssignment, OwnerBuilder
+from blockshard.planner._compute import OwnerAssignment, OwnerPlanBuilder
 from blockshard.planner._layout import GroupLayout
 from blockshard.planner._owner import unit_rows
 from blockshard.planner._plan import group_kind
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import check_same_layout
 from blockshard.runtime.core._state import state_of
 from blockshard.semantics import UnitGrid
 
 __all__ = [
-    "EngineOwnerBuilder",
+    "EngineOwnerPlanBuilder",
+    "OwnerComputed",
+    "TensorOwnerPlan",
     "TensorOwners",
+    "build_owner_plan",
     "owner_plan",
-    "plan_owners",
     "qualified_group",
     "record_compute",
-    "tensor_owners",
+    "tensor_owner_plan",
 ]
 
 
 @dataclass(frozen=True)
-class TensorOwners:
-    """One owner-computed tensor of a group: where it lies and who computes its cut units.
+class TensorOwnerPlan:
+    """The owner plan of one owner-computed tensor of a group: where it lies and which rank (its
+    units' owner) computes each cut unit. ``blockshard.runtime.TensorOwners`` is its former name.
 
     Rank ``h`` holds elements ``piece(h)`` of the tensor's flattening (``[h * S - offset, ...)``
     clipped to the tensor). ``units``: ``(start, numel, owner)`` of every cut compute unit; compute
@@ -79,31 +82,33 @@ class TensorOwners:
         return lo, max(lo, min(max((rank + 1) * self.segment_numel - self.offset, 0), n))
 
 
+TensorOwners = TensorOwnerPlan  # its name before "owner" meant only a rank (kept: a public name)
+
+
 @dataclass
-class _GroupOwners:
+class OwnerComputed:
+    """The owner-computed tensors of one group and their owner plan, kept on the group itself
+    (``owner_computed``): nothing outside the group holds it, nothing outlives it."""
+
     compute: dict[str, UnitGrid]  # owner-computed tensors of the group, by name in the group
     units: dict[str, tuple[tuple[int, int, int], ...]] = dataclasses.field(default_factory=dict)
     owner_hash: str = ""
 
 
-# ShardGroup -> its owner-computed tensors and their owners: weak, so it never keeps a model alive
-_REGISTRY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def record_compute(group: object, compute: Mapping[str, UnitGrid]) -> None:
+def record_compute(group: ParamBuffers, compute: Mapping[str, UnitGrid]) -> None:
     """Note ``group``'s owner-computed tensors (their compute grids), at ``fully_shard``."""
     if compute:
-        _REGISTRY[group] = _GroupOwners(dict(compute))
+        group.owner_computed = OwnerComputed(dict(compute))
 
 
-def compute_of(group: object) -> dict[str, UnitGrid]:
-    entry = _REGISTRY.get(group)
+def compute_of(group: ParamBuffers) -> dict[str, UnitGrid]:
+    entry = group.owner_computed
     return entry.compute if entry is not None else {}
 
 
 @dataclass
-class EngineOwnerBuilder(OwnerBuilder):
-    """:class:`OwnerBuilder` for the engine: a group the builder re-bases at another tensor
+class EngineOwnerPlanBuilder(OwnerPlanBuilder):
+    """:class:`OwnerPlanBuilder` for the engine: a group the builder re-bases at another tensor
     ([Note: shifts]) is returned unmoved from :meth:`add_group` (the balancing call rotates by whole
     segments only) and kept in ``shifted``, by its smallest tensor name, for :func:`apply_shifts`."""
 
@@ -144,9 +149,9 @@ def qualified(layout: GroupLayout, prefix: str) -> GroupLayout:
 
 def qualified_group(st: Any, prefix: str) -> tuple[GroupLayout, str, dict, dict[str, float]]:
     """A group's state as the owner builder sees it: tensor names prefixed by its module's path."""
-    layout = st.group.layout
-    compute = {prefix + n: g for n, g in compute_of(st.group).items()}
-    costs = {prefix + n: c for n, c in st.group.costs.items()}
+    layout = st.buffers.layout
+    compute = {prefix + n: g for n, g in compute_of(st.buffers).items()}
+    costs = {prefix + n: c for n, c in st.buffers.costs.items()}
     return qualified(layout, prefix), group_kind(prefix.rstrip(".")), compute, costs
 
 
@@ -154,14 +159,14 @@ def _key(layout: GroupLayout) -> str:
     return min(t.name for t in layout.tensors)  # qualified names are unique across a model's groups
 
 
-def apply_shifts(what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerBuilder) -> None:
+def apply_shifts(what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerPlanBuilder) -> None:
     """Move every group ``builder`` re-based ([Note: shifts]) or re-laid ([Note: tensor moves] in
     ``planner/_moves.py``) to its new layout, before training: one ``all_to_all_single`` per group
     (:func:`moved_values`) that sends every element of each rank's segment to the rank and position
     the new layout gives it."""
     moved = []
     for prefix, st in named:
-        layout = st.group.layout
+        layout = st.buffers.layout
         target = builder.shifted.pop(_key(qualified(layout, prefix)), None) if layout is not None else None
         if target is None:
             continue
@@ -169,16 +174,16 @@ def apply_shifts(what: str, named: Sequence[tuple[str, Any]], builder: EngineOwn
             target, tensors=tuple(dataclasses.replace(t, name=t.name[len(prefix) :]) for t in target.tensors)
         )
         assert len(layout.buckets) == 1 and new.buckets == layout.buckets, what  # one bucket, same segment
-        local = st.group.local
+        local = st.buffers.local
         if local.device.type != "meta":
-            pg = st.group.process_group
+            pg = st.buffers.process_group
             local.copy_(moved_values(local, layout, new, pg.rank(), pg))
-        st.group.relayout(new, 0)  # the values moved above; new parameter objects over them
-        st.group.tag_views()
+        st.buffers.relayout(new, 0)  # the values moved above; new parameter objects over them
+        st.buffers.tag_views()
         moved.append(new.layout_hash())
     assert not builder.shifted, sorted(builder.shifted)  # every shifted group was among ``named``
     if moved:
-        check_same_layout(f"{what} (shifted)", ",".join(moved), named[-1][1].group.process_group)
+        check_same_layout(f"{what} (shifted)", ",".join(moved), named[-1][1].buffers.process_group)
 
 
 def move_lists(old: GroupLayout, new: GroupLayout, rank: int) -> tuple[list, list, list, list]:
@@ -234,52 +239,53 @@ def moved_values(local: torch.Tensor, old: GroupLayout, new: GroupLayout, rank: 
     return result
 
 
-def plan_owners(
-    what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerBuilder, running: np.ndarray | None
+def build_owner_plan(
+    what: str, named: Sequence[tuple[str, Any]], builder: EngineOwnerPlanBuilder, running: np.ndarray | None
 ) -> None:
     """Owners of every cut compute unit of ``named``'s groups (``(prefix, module state)`` pairs, the
     builder holding them all, unless ``running`` is ``None``: a leaf alone, not rotated), recorded
     on the groups and checked across ranks, after moving the groups the builder re-based
     (:func:`apply_shifts`). No-op without owner-computed tensors."""
     apply_shifts(what, named, builder)
-    if not any(compute_of(st.group) for _, st in named):
+    if not any(compute_of(st.buffers) for _, st in named):
         return
     if running is None:
         running = np.zeros(builder.world_size)
         for prefix, st in named:
-            if st.group.layout is not None:
+            if st.buffers.layout is not None:
                 builder.add_fixed(*qualified_group(st, prefix), running)
-    digest = record_owners([(p, st.group) for p, st in named], assign_owners(builder, running))
-    check_same_layout(f"{what} (owner plan)", digest, named[-1][1].group.process_group)
+    digest = record_owners([(p, st.buffers) for p, st in named], assign_owners(builder, running))
+    check_same_layout(f"{what} (owner plan)", digest, named[-1][1].buffers.process_group)
 
 
-def assign_owners(builder: OwnerBuilder, running: np.ndarray) -> OwnerAssignment:
+def assign_owners(builder: OwnerPlanBuilder, running: np.ndarray) -> OwnerAssignment:
     """The owner of every cut unit collected by ``builder`` (a seam for tests)."""
     return builder.finish(running)[0]
 
 
-def record_owners(groups: Sequence[tuple[str, object]], assignment: OwnerAssignment) -> str:
+def record_owners(groups: Sequence[tuple[str, ParamBuffers]], assignment: OwnerAssignment) -> str:
     """Store ``assignment`` on the groups (``(prefix, group)`` pairs); return its hash."""
     digest = assignment.owner_hash()
     by_name: dict[str, list[tuple[int, int, int]]] = {}
     for t, s, n, o in unit_rows(assignment):
         by_name.setdefault(assignment.tensor_names[t], []).append((s, n, o))
     for prefix, group in groups:
-        entry = _REGISTRY.get(group)
+        entry = group.owner_computed
         if entry is not None:
             entry.units = {name: tuple(by_name.get(prefix + name, ())) for name in entry.compute}
             entry.owner_hash = digest
     return digest
 
 
-def tensor_owners(group: object, fqn: str, name: str | None = None) -> TensorOwners | None:
-    """The owner plan of tensor ``fqn`` of ``group`` (a ``ShardGroup``); ``None`` unless owner-computed."""
-    entry = _REGISTRY.get(group)
+def tensor_owner_plan(group: ParamBuffers, fqn: str, name: str | None = None) -> TensorOwnerPlan | None:
+    """The owner plan of tensor ``fqn`` of ``group``; ``None`` unless owner-computed."""
+    entry = group.owner_computed
     if entry is None or fqn not in entry.compute:
         return None
-    layout: GroupLayout = group.layout  # type: ignore[attr-defined]
+    layout = group.layout
+    assert layout is not None  # owner-computed tensors lie in a layout
     t = next(t for t in layout.tensors if t.name == fqn)
-    return TensorOwners(
+    return TensorOwnerPlan(
         name if name is not None else fqn,
         tuple(t.shape),
         entry.compute[fqn],
@@ -291,7 +297,7 @@ def tensor_owners(group: object, fqn: str, name: str | None = None) -> TensorOwn
     )
 
 
-def owner_plan(model: object) -> dict[str, TensorOwners]:
+def owner_plan(model: object) -> dict[str, TensorOwnerPlan]:
     """Every owner-computed tensor under ``model`` by its ``model.named_parameters()`` name."""
 
     out = {}
@@ -299,9 +305,9 @@ def owner_plan(model: object) -> dict[str, TensorOwners]:
         st = state_of(m)
         if st is None:
             continue
-        for fqn in compute_of(st.group):
+        for fqn in compute_of(st.buffers):
             name = f"{prefix}.{fqn}" if prefix else fqn
-            found = tensor_owners(st.group, fqn, name)
+            found = tensor_owner_plan(st.buffers, fqn, name)
             if found is not None:
                 out[name] = found
     return out

@@ -32,11 +32,11 @@ class ManagedTag:
     Kept on the parameter itself (``_blockshard_managed``), so no registry outlives the objects.
     """
 
-    owner: str  # class name of the sharded module whose group made or replaced it
+    group_name: str  # the group that made or replaced it (its module's class name; "owner" is a rank)
     original: bool  # True: a parameter that sharding replaced by its local piece
     # for a local piece: the process group it is sharded over (None: a full view or an original)
     process_group: object = None
-    # for a local piece: a weak reference to its ShardGroup (weak: a tag never keeps a model alive)
+    # for a local piece: a weak reference to its ParamBuffers (weak: a tag never keeps a model alive)
     group: object = None
 
 
@@ -44,9 +44,9 @@ _TAG_ATTR = "_blockshard_managed"
 
 
 def tag_managed(
-    param: nn.Parameter, owner: str, *, original: bool = False, process_group: object = None, group: object = None
+    param: nn.Parameter, group_name: str, *, original: bool = False, process_group: object = None, group: object = None
 ) -> None:
-    setattr(param, _TAG_ATTR, ManagedTag(owner, original, process_group, group))
+    setattr(param, _TAG_ATTR, ManagedTag(group_name, original, process_group, group))
 
 
 def managed_tag(param: nn.Parameter) -> ManagedTag | None:

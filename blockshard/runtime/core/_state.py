@@ -48,21 +48,20 @@ checkpoint those outputs never receive a gradient, so the hook never fires).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from blockshard._errors import CollectiveIntegrityError
-from blockshard.runtime.core._buffers import ShardGroup
-from blockshard.runtime.core._collectives import all_gather_into, holds_copies, note_step, step_mismatch, wait
-from blockshard.runtime.core._common import CollectiveTally, TrainingState, eager, expect, in_backward, tensors_in
+from blockshard.runtime.core._buffer_set import BufferSet, GroupControls
+from blockshard.runtime.core._buffers import ParamBuffers
+from blockshard.runtime.core._common import TrainingState, eager, expect, in_backward, tensors_in
 from blockshard.runtime.core._dtypes import check_trainable_dtypes
+from blockshard.runtime.core._root import RootContext
 
-__all__ = ["STATE_ATTR", "ModuleState", "RootContext", "state_of"]
+__all__ = ["STATE_ATTR", "ModuleState", "state_of"]
 
 #: The attribute of a sharded module that holds its :class:`ModuleState`.
 STATE_ATTR = "_blockshard_state"
@@ -72,90 +71,6 @@ def state_of(module: nn.Module) -> ModuleState | None:
     """The :class:`ModuleState` of a module that ``fully_shard`` sharded, else ``None``."""
     state = module.__dict__.get(STATE_ATTR)
     return state if isinstance(state, ModuleState) else None
-
-
-@dataclass(eq=False)
-class RootContext:
-    """Shared by every state under one root: the forward order and the end-of-backward callback."""
-
-    states: list[ModuleState] = field(default_factory=list)  # the root first
-    forward_order: list[ModuleState] = field(default_factory=list)
-    last_order: list[ModuleState] = field(default_factory=list)
-    last_index: dict[int, int] = field(default_factory=dict)  # id(state) -> position in last_order
-    callback_queued: bool = False
-    tally: CollectiveTally = field(default_factory=CollectiveTally)
-    reducing: list[ShardGroup] = field(default_factory=list)  # reduce-scatters in flight, oldest first
-
-    def finish_reductions(self) -> None:
-        """Wait for the reduce-scatters in flight and set their gradients ([Note: async reduce-scatter])."""
-        while self.reducing:
-            self.reducing.pop(0).finish_reduce()
-
-    def remember_order(self) -> None:
-        """The forward order just recorded becomes the prefetch order of the next step."""
-        if self.forward_order:
-            self.last_order = self.forward_order
-            self.last_index = {id(st): i for i, st in enumerate(self.last_order)}
-        self.forward_order = []
-
-    def neighbour(self, state: ModuleState, step: int) -> ModuleState | None:
-        i = self.last_index.get(id(state))
-        if i is None or not 0 <= i + step < len(self.last_order):
-            return None
-        return self.last_order[i + step]
-
-    def final_callback(self) -> None:
-        """End of backward: see step 5 of [Note: one step, phase by phase]."""
-        self.callback_queued = False
-        for st in self.states:
-            if st.training_state is TrainingState.PRE_BACKWARD:
-                st.finish_backward()  # gradients that never all arrived (unused parameters)
-            st._to_run, st._backward_follows = set(), False
-            if st.group.reshard_after_backward:
-                st.reshard()
-            st.training_state = TrainingState.IDLE
-            st._inputs_pending, st._finish_at_end = 0, False
-        self.finish_reductions()  # every sharded .grad is final when backward returns
-        self.remember_order()
-        self.check_step()
-
-    def check_step(self) -> None:
-        """[Note: collective integrity] One small all-reduce per step: every rank must have issued
-        the same collectives (count and order), at the same step, with the same trainable
-        parameters, and every rank that steps an optimizer must have stepped as often; else every
-        rank raises before the optimizer step uses the gradients."""
-        tally, group = self.tally, self.states[0].group
-        trainable = 0
-        for st in self.states:
-            for sp in (sp for g in st.groups for sp in g.params):  # every buffer set's flags
-                trainable = (trainable * 3 + 1 + sp.sharded.requires_grad) % CollectiveTally._MOD
-        pg, W = group.process_group, group.world_size
-        tally.steps += 1
-        tally.optimizer_steps += tally.optimizer_stepped
-        tally.optimizer_stepped = False
-        note_step(pg)
-        fields = [tally.steps, tally.count, tally.hash, trainable, tally.optimizer_steps]
-        n = len(fields)
-        what = f"the end-of-step check of the model rooted at group {group.name!r}"
-        # one all-reduce (MAX) of the fields and their negatives gives every field's max and min;
-        # a rank that never stepped an optimizer (it holds nothing to step) is left out of the min
-        lows = fields[:-1] + [fields[-1] or _NEVER]
-        device = next((st.group.device for st in self.states if st.group.layout is not None), None)
-        extremes = torch.tensor(fields + [-v for v in lows], dtype=torch.int64, device=device)  # NCCL: on the GPU
-        wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg, async_op=True), what, pg)
-        tally.reset()
-        top = extremes.tolist()
-        highs, mins = top[:n], [-v for v in top[n:]]
-        if highs[:-1] == mins[:-1] and mins[-1] in (highs[-1], _NEVER):
-            return
-        mine = torch.tensor(fields, dtype=torch.int64, device=device)
-        everyone = torch.empty(W * n, dtype=torch.int64, device=device)  # every rank saw the mismatch: the details
-        wait(all_gather_into(everyone, mine, pg, async_op=True), what, pg)
-        rows = everyone.view(W, n).tolist()
-        raise CollectiveIntegrityError(step_mismatch(group.name, rows))
-
-
-_NEVER = 1 << 62  # "never stepped an optimizer", in the min of the end-of-step check
 
 
 class _PostBackward(torch.autograd.Function):
@@ -181,30 +96,31 @@ def _cast(x: object, dtype: torch.dtype) -> object:
 
 
 class ModuleState:
-    """The state of one sharded module: its group, its :class:`TrainingState` and its hooks."""
+    """The state of one sharded module: its group (``buffers``, the primary buffer set, and
+    ``buffer_sets``, every one in order: [Note: buffer sets]), its :class:`TrainingState` and its hooks."""
 
     def __init__(
         self,
         module: nn.Module,
-        group: ShardGroup,
+        buffers: ParamBuffers,
         *,
         reshard_after_forward: bool | None,
         param_dtype: torch.dtype | None = None,
         output_dtype: torch.dtype | None = None,
         cast_forward_inputs: bool = True,
         modules: tuple[nn.Module, ...] | None = None,
-        extra_groups: list[ShardGroup] | None = None,
+        buffer_sets: Sequence[BufferSet] = (),
     ) -> None:
         # [Note: a list of modules] ``modules``: those the group's hooks are on (``fully_shard([a, b])``);
         # ``module``: the one its tensor names are relative to (for a list, their lowest common
         # ancestor once known, see _list_groups.py)
-        self.module, self.group = module, group
-        # [Note: mixed dtypes] the buffer sets of the group's other dtypes (frozen parameters)
-        self.extra_groups: list[ShardGroup] = list(extra_groups or [])
-        self.groups: list[ShardGroup] = [group, *self.extra_groups]
+        self.module, self.buffers = module, buffers
+        # every buffer set of the group, the primary among them, in the order of their collectives
+        self.buffer_sets: list[BufferSet] = list(buffer_sets) or [buffers]
+        if not any(b is buffers for b in self.buffer_sets):
+            raise AssertionError(f"group {buffers.name!r}: the primary buffer set is not among buffer_sets")
+        self.controls: GroupControls = buffers.controls  # FSDP2's controls, shared with the buffer sets
         self.modules: tuple[nn.Module, ...] = modules or (module,)
-        self._to_run: set[int] = set()  # ids of this pass's modules that have not run forward yet
-        self._backward_follows = False  # some module of this pass hooked its outputs for backward
         self.method_depth = 0  # inside a register_forward_method method (generate): forwards nest in it
         self.reshard_after_forward = reshard_after_forward  # None: True but for the root (FSDP2's default)
         # set_modules_to_forward_prefetch / _backward_prefetch: None = the recorded order's neighbour
@@ -214,14 +130,14 @@ class ModuleState:
         self.unshard_in_backward = True  # False (FSDP2's, e.g. an embedding): backward gathers nothing
         self.param_dtype, self.output_dtype = param_dtype, output_dtype
         self.cast_forward_inputs = cast_forward_inputs
-        self.training_state = TrainingState.IDLE
         self.is_root: bool | None = None  # decided at the first forward
         self.ctx: RootContext | None = None
         self.balanced = False  # whether its layout took part in cost balancing ([Note: cost tally])
         self.order = 0  # position among fully_shard calls ([Note: cost tally] in _api.py)
-        # [Note: post-backward] forward calls of this step whose inputs' gradients are pending
-        self._inputs_pending = 0
-        self._finish_at_end = False  # a call whose inputs need no gradient: finish in the final callback
+        # inside an enclosing sharded module's ``_apply`` (``model.to_empty``), which handles this
+        # state's groups (ShardedModule._apply): on the state, so two thread ranks never share it
+        self.applying = False
+        self._to_idle()  # the per-step flags
         self._module_hooks = [
             hook
             for m in self.modules
@@ -230,6 +146,36 @@ class ModuleState:
                 m.register_forward_hook(eager(self.post_forward)),
             )
         ]
+
+    @property
+    def name(self) -> str:
+        """The group's name (its module's class name; a list's: ``[A, B]``)."""
+        return self.buffers.name
+
+    @property
+    def param_buffers(self) -> list[ParamBuffers]:
+        """The buffer sets that hold parameters as views (the primary, other dtypes, quantized gather)."""
+        return [b for b in self.buffer_sets if isinstance(b, ParamBuffers)]
+
+    @property
+    def extra_param_buffers(self) -> list[ParamBuffers]:
+        """Those beside the primary (other dtypes, quantized gather), each read as a group of its
+        own by state dicts and checkpoints ([Note: mixed dtypes] in _dtypes.py)."""
+        return [b for b in self.param_buffers if b is not self.buffers]
+
+    def _end_pass(self) -> None:
+        """Forget this forward pass's modules (a pass ends at the last of them, [Note: a list of modules])."""
+        self._to_run: set[int] = set()  # ids of this pass's modules that have not run forward yet
+        self._backward_follows = False  # some module of this pass hooked its outputs for backward
+
+    def _to_idle(self) -> None:
+        """IDLE, with every per-step flag reset: the one place they are (the end of a backward, of
+        a forward without one, or of an interrupted step)."""
+        self.training_state = TrainingState.IDLE
+        self._end_pass()
+        # [Note: post-backward] forward calls of this step whose inputs' gradients are pending
+        self._inputs_pending = 0
+        self._finish_at_end = False  # a call whose inputs need no gradient: finish in the final callback
 
     # -- forward ----------------------------------------------------------------------------------
     def _lazy_init(self) -> RootContext:
@@ -242,14 +188,14 @@ class ModuleState:
                 if st is not None and id(st) not in seen:
                     seen.add(id(st))
                     st.ctx, st.is_root = ctx, st is self
-                    for g in st.groups:
-                        g.path, g.tally, g.tally_index = path, ctx.tally, sum(len(o.groups) for o in ctx.states)
+                    for g in st.buffer_sets:
+                        g.path, g.tally, g.tally_index = path, ctx.tally, sum(len(o.buffer_sets) for o in ctx.states)
                     ctx.states.append(st)
         return ctx
 
     def _context(self) -> RootContext:
         if self.ctx is None:
-            raise AssertionError(f"group {self.group.name!r} runs before its root initialized it")
+            raise AssertionError(f"group {self.buffers.name!r} runs before its root initialized it")
         return self.ctx
 
     def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -277,11 +223,10 @@ class ModuleState:
         if self.is_root:
             self._reset_if_interrupted(ctx)
             ctx.remember_order()
-        expect(f"pre-forward of group {self.group.name!r}", self.training_state, TrainingState.IDLE)
-        for g in self.groups:
-            g.check_registered()
-            g.check_materialized()  # FSDP2: "should be materialized from meta device before training"
-        check_trainable_dtypes(self.group, self.extra_groups)  # [Note: mixed dtypes]
+        expect(f"pre-forward of group {self.buffers.name!r}", self.training_state, TrainingState.IDLE)
+        for b in self.buffer_sets:
+            b.check_forward()
+        check_trainable_dtypes(self.buffers, self.param_buffers)  # [Note: mixed dtypes]
         self.training_state = TrainingState.FORWARD
         self._to_run = {id(m) for m in self.modules}
         ctx.forward_order.append(self)
@@ -294,24 +239,23 @@ class ModuleState:
 
     def unshard(self, *, async_op: bool = False) -> None:
         """All-gather every buffer set of the group (issued together, then waited for)."""
-        for g in self.groups:
+        for g in self.buffer_sets:
             g.unshard(async_op=True)
         if not async_op:
-            for g in self.groups:
+            for g in self.buffer_sets:
                 g.wait_unshard()
 
     def wait_unshard(self) -> None:
-        for g in self.groups:
+        for g in self.buffer_sets:
             g.wait_unshard()
 
     @property
-    def reducing_groups(self) -> list[ShardGroup]:
-        """The primary buffer set and the trainable quantized-gather ones ([Note: quantized gather])."""
-        extra = [g for g in self.extra_groups if g.trainable_extra and any(sp.sharded.requires_grad for sp in g.params)]
-        return [self.group, *extra]
+    def training_sets(self) -> list[BufferSet]:
+        """The buffer sets whose gradients this backward reduces ([Note: buffer sets])."""
+        return [b for b in self.buffer_sets if b.trains]
 
     def reshard(self) -> None:
-        for g in self.groups:
+        for g in self.buffer_sets:
             g.reshard()
 
     def _hook_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -350,32 +294,14 @@ class ModuleState:
     def _reset_if_interrupted(self, ctx: RootContext) -> None:
         """A backward that raised midway leaves states behind: drop its partial gradients."""
         if ctx.callback_queued or any(st.training_state is not TrainingState.IDLE for st in ctx.states):
-            self.reset_step(ctx)
-
-    @staticmethod
-    def reset_step(ctx: RootContext) -> None:
-        """Every group resharded, every state IDLE, partial gradients and the tally dropped
-        (``reset_iter_state()``, and the next forward after an interrupted step)."""
-        for st in ctx.states:
-            for g in st.groups:
-                for sp in g.params:
-                    sp.unsharded.grad, sp.accumulated = None, None
-                g._partial = None  # HSDP outputs not all-reduced yet: lost with the step
-                g.drop_reduce()  # a reduce-scatter in flight: its gradients are lost too
-            st.reshard()
-            st.training_state = TrainingState.IDLE
-            st._inputs_pending, st._finish_at_end = 0, False
-            st._to_run, st._backward_follows = set(), False
-        ctx.callback_queued = False
-        ctx.reducing.clear()
-        ctx.tally.reset()
+            ctx.reset_step()
 
     def post_forward(self, module: nn.Module, _args: Any, output: Any) -> Any:
         if in_backward():  # [Note: recompute]
             if self.training_state is TrainingState.IDLE:
                 self._hook_outputs(output)  # a reentrant checkpoint backpropagates through these
         else:
-            expect(f"post-forward of group {self.group.name!r}", self.training_state, TrainingState.FORWARD)
+            expect(f"post-forward of group {self.buffers.name!r}", self.training_state, TrainingState.FORWARD)
             self._backward_follows |= self._hook_outputs(output)
             if not self.method_depth:  # a forward nested in a registered method: the method finishes
                 self._to_run.discard(id(module))
@@ -394,7 +320,7 @@ class ModuleState:
         if not self._backward_follows or self._reshards_after_forward():
             self.reshard()
         self.training_state = TrainingState.IDLE
-        self._to_run, self._backward_follows = set(), False
+        self._end_pass()  # its backward's flags stay until the final callback
 
     def _hook_outputs(self, output: Any) -> bool:
         """Run :meth:`pre_backward` when the first gradient reaches ``output``; False if none will."""
@@ -421,23 +347,23 @@ class ModuleState:
         for prev in earlier:
             prev.unshard(async_op=True)
         for prev in earlier:  # gloo: not in flight during this backward ([Note: gloo's copies])
-            if any(holds_copies(g.process_group, g.device) for g in prev.groups if g.layout is not None):
+            if any(b.gathers_on_copies for b in prev.buffer_sets):
                 prev.wait_unshard()
 
     def finish_backward(self) -> None:
         """All gradients are in: reshard, then issue the reduce-scatter unless accumulating
         without sync ([Note: async reduce-scatter])."""
-        expect(f"post-backward of group {self.group.name!r}", self.training_state, TrainingState.PRE_BACKWARD)
+        expect(f"post-backward of group {self.buffers.name!r}", self.training_state, TrainingState.PRE_BACKWARD)
         self.training_state = TrainingState.POST_BACKWARD
-        if self.group.reshard_after_backward:
+        if self.controls.reshard_after_backward:
             self.reshard()  # free the gathered parameters before the reduce-scatter needs its output
-        if not self.group.requires_gradient_sync:
-            for g in self.reducing_groups:
-                g.accumulate_grads()
+        if not self.controls.requires_gradient_sync:
+            for b in self.training_sets:
+                b.accumulate_grads()
             return
         ctx = self._context()
         ctx.finish_reductions()  # the previous group's, which overlapped this group's backward
-        for g in self.reducing_groups:
-            g.reduce_grads()
-            if g.reducing:
-                ctx.reducing.append(g)
+        for b in self.training_sets:
+            b.reduce_grads()
+            if b.reducing:
+                ctx.reducing.append(b)

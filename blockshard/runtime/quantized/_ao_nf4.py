@@ -1,10 +1,10 @@
 """torchao ``NF4Tensor`` (QLoRA NF4 with double-quantized scalers) as a :class:`QuantizedTensor`.
 
-Streams (one unit grid, see [Note: quantized layout]): a unit is one super-block of
+Sections (one unit grid, see [Note: quantized layout]): a unit is one super-block of
 ``scaler_block_size`` (256) blocks of ``block_size`` (64) values = 16384 values:
 ``8192`` payload bytes (``quantized_data``, uint8), 256 int8 ``quantized_scalers`` and one
 ``quantization_factor`` (in the weight's dtype). Replicated: ``scaler_mean`` (a scalar) and the
-16-value ``nf4`` table. torchao's own FSDP2 hooks split only on dim 0 and gather the three streams
+16-value ``nf4`` table. torchao's own FSDP2 hooks split only on dim 0 and gather the three sections
 separately; here a rank's cut is any super-block boundary and the three travel in one all-gather.
 The unsharded parameter is a new ``NF4Tensor`` over the gathered tensors (``linear_nf4`` unchanged).
 State dicts ([Note: quantized state dicts]): sharded, ``weight`` (the payload),
@@ -22,7 +22,7 @@ from torch import nn
 
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime.core._param import ParamRef
-from blockshard.runtime.quantized._layout import StreamShape
+from blockshard.runtime.quantized._layout import SectionShape
 from blockshard.runtime.quantized._tensor import QuantizedTensor, StateEntry, byte_view
 
 __all__ = ["ao_nf4_tensor", "is_ao_nf4"]
@@ -78,10 +78,10 @@ def ao_nf4_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torc
     sbs, units = p.scaler_block_size, numel // (p.block_size * p.scaler_block_size)
     originals = [p.quantized_data, p.quantized_scalers, p.quantization_factor]
     fsize = p.quantization_factor.element_size()
-    streams = (
-        StreamShape("quantized_data", numel // 2, sbs * p.block_size // 2),
-        StreamShape("quantized_scalers", p.n_blocks, sbs),
-        StreamShape("quantization_factor", units * fsize, fsize),
+    sections = (
+        SectionShape("quantized_data", numel // 2, sbs * p.block_size // 2),
+        SectionShape("quantized_scalers", p.n_blocks, sbs),
+        SectionShape("quantization_factor", units * fsize, fsize),
     )
     gathered = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in originals]
     key = (p.nf4.dtype, byte_view(p.nf4.contiguous()).cpu().numpy().tobytes())
@@ -92,7 +92,7 @@ def ao_nf4_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torc
     inner = NF4Tensor(meta, p.block_size, p.n_blocks, sbs, gathered[1], gathered[2], p.scaler_mean, gathered[0], nf4)
     attr = refs[0].attr if refs else "weight"
     entries = [StateEntry(attr if k == 0 else f"{attr}.{s.name}", k, g.dtype, tuple(g.shape)) for k, (s, g) in
-               enumerate(zip(streams, gathered, strict=True))]  # fmt: skip
+               enumerate(zip(sections, gathered, strict=True))]  # fmt: skip
     entries += [
         StateEntry(f"{attr}.{n}", None, c.dtype, tuple(c.shape), c.detach().clone())
         for n, c in (("scaler_mean", p.scaler_mean), ("nf4", nf4))
@@ -124,7 +124,7 @@ def ao_nf4_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torc
         format="torchao NF4Tensor",
         numel=numel,
         n_units=units,
-        streams=streams,
+        sections=sections,
         sources=[byte_view(t.detach().contiguous()) for t in originals],
         gathered=gathered,
         targets=[byte_view(t) for t in gathered],

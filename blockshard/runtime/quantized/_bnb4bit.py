@@ -1,6 +1,6 @@
 """bitsandbytes ``Params4bit`` (NF4/FP4, ``Linear4bit``) as a :class:`QuantizedTensor`.
 
-Streams (one unit grid, see [Note: quantized layout]):
+Sections (one unit grid, see [Note: quantized layout]):
   * without nested statistics, a unit is one quantization block of ``blocksize`` values:
     ``blocksize / 2`` payload bytes and one fp32 absmax (4 bytes);
   * with nested statistics (``compress_statistics=True``) a unit is one nested block of
@@ -23,7 +23,7 @@ from torch import nn
 
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime.core._param import ParamRef
-from blockshard.runtime.quantized._layout import StreamShape
+from blockshard.runtime.quantized._layout import SectionShape
 from blockshard.runtime.quantized._tensor import QuantizedTensor, StateEntry, byte_view
 
 __all__ = ["bnb_tensor", "is_params4bit"]
@@ -116,20 +116,20 @@ def bnb_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.T
     numel, n_blocks = _check(fqn, p, qs)
     bs = qs.blocksize
     payload, absmax = p.data.detach(), qs.absmax
-    streams: tuple[StreamShape, ...]
+    sections: tuple[SectionShape, ...]
     if qs.nested:
         per = qs.state2.blocksize
         units = -(-n_blocks // per)
         originals = [payload, absmax, qs.state2.absmax]
-        streams = (
-            StreamShape("payload", numel // 2, per * bs // 2),
-            StreamShape("absmax", n_blocks, per),
-            StreamShape("state2.absmax", 4 * units, 4),
+        sections = (
+            SectionShape("payload", numel // 2, per * bs // 2),
+            SectionShape("absmax", n_blocks, per),
+            SectionShape("state2.absmax", 4 * units, 4),
         )
     else:
         units = n_blocks
         originals = [payload, absmax]
-        streams = (StreamShape("payload", numel // 2, bs // 2), StreamShape("absmax", 4 * n_blocks, 4))
+        sections = (SectionShape("payload", numel // 2, bs // 2), SectionShape("absmax", 4 * n_blocks, 4))
     gathered = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in originals]
     state = copy.copy(qs)  # shape, dtype, offset shared (replicated constants)
     state.absmax = gathered[1]
@@ -159,7 +159,7 @@ def bnb_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.T
         format=f"bitsandbytes {qs.quant_type} ({nested}, {storage} storage)",
         numel=numel,
         n_units=units,
-        streams=streams,
+        sections=sections,
         sources=[byte_view(t.detach().contiguous()) for t in originals],
         gathered=gathered,
         targets=[byte_view(t) for t in gathered],
@@ -171,18 +171,18 @@ def bnb_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.T
 
 def _entries(attr: str, state, gathered: list[torch.Tensor]) -> list[StateEntry]:
     """The state-dict entries ``Linear4bit._save_to_state_dict`` writes (the payload, then
-    ``QuantState.as_dict(packed=True)`` under ``weight.``): gathered tensors as streams, the rest
+    ``QuantState.as_dict(packed=True)`` under ``weight.``): gathered tensors as sections, the rest
     (code tables, the packed non-tensor state with the nested offset) as constants."""
     out = [StateEntry(attr, 0, gathered[0].dtype, tuple(gathered[0].shape))]
     for k, v in state.as_dict(packed=True).items():
-        stream = next((i for i, g in enumerate(gathered) if v is g), None)
-        constant = None if stream is not None else v.detach().clone()
-        out.append(StateEntry(f"{attr}.{k}", stream, v.dtype, tuple(v.shape), constant))
+        section = next((i for i, g in enumerate(gathered) if v is g), None)
+        constant = None if section is not None else v.detach().clone()
+        out.append(StateEntry(f"{attr}.{k}", section, v.dtype, tuple(v.shape), constant))
     return out
 
 
 def prepare_module(module: nn.Module) -> None:
-    """A ``Linear4bit`` under a quantized group must keep bitsandbytes' canonical packing: its
+    """A ``Linear4bit`` under frozen quantized buffers must keep bitsandbytes' canonical packing: its
     eval-mode AVX512 path rewrites ``weight.data`` in place on the first forward (repacking the
     gathered tensors), so it is turned off for the modules the group manages."""
     if hasattr(module, "support_avx512bf16_for_cpu"):

@@ -14,7 +14,7 @@ from torch import nn
 
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime.core._param import ParamRef
-from blockshard.runtime.quantized._layout import StreamShape
+from blockshard.runtime.quantized._layout import SectionShape
 from blockshard.runtime.quantized._tensor import QuantizedTensor, StateEntry, byte_view
 
 __all__ = ["fp8_block_pair", "fp8_block_tensor"]
@@ -68,7 +68,7 @@ def fp8_block_tensor(
     entries = [StateEntry(n, k, t.dtype, tuple(t.shape)) for k, (n, t) in enumerate(zip(names, (w, s), strict=True))]
     br, k_tiles = _check(fqn, w, s, block)
     N, K = w.shape
-    streams = (StreamShape("weight", N * K, br * K), StreamShape("weight_scale_inv", s.numel() * 4, k_tiles * 4))
+    sections = (SectionShape("weight", N * K, br * K), SectionShape("weight_scale_inv", s.numel() * 4, k_tiles * 4))
     gathered = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (w, s)]
     return QuantizedTensor(
         fqn=fqn,
@@ -76,7 +76,7 @@ def fp8_block_tensor(
         format=f"blockwise FP8 ({str(w.dtype).removeprefix('torch.')}, {block[0]} x {block[1]} tiles)",  # type: ignore[index]
         numel=N * K,
         n_units=-(-N // br),
-        streams=streams,
+        sections=sections,
         sources=[byte_view(t.detach().contiguous()) for t in (w, s)],
         gathered=gathered,
         targets=[byte_view(t) for t in gathered],

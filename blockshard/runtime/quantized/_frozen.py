@@ -1,10 +1,10 @@
-"""``QuantizedGroup``: the frozen quantized weights of one ``fully_shard`` call, sharded as bytes.
+"""``FrozenQuantizedBuffers``: the frozen quantized weights of one ``fully_shard`` call, sharded as bytes.
 
-[Note: quantized groups]
-Beside its float :class:`~blockshard.runtime.core._buffers.ShardGroup`, a ``fully_shard`` call gives the
+[Note: frozen quantized buffers]
+Beside its float :class:`~blockshard.runtime.core._buffers.ParamBuffers`, a ``fully_shard`` call gives the
 frozen quantized weights of its module (bitsandbytes ``Params4bit``, torchao ``NF4Tensor`` and ``MXTensor``; see
-``_tensor.py`` for the format adapters) their own group, laid out by whole quantization units
-([Note: quantized layout] in ``_layout.py``):
+``_tensor.py`` for the format adapters) a buffer set of their own, laid out by whole quantization units
+([Note: quantized layout] in ``_layout.py``), the first of the group's buffer sets ([Note: buffer sets]):
   * ``local``  uint8 [S]: the persistent segment, every held unit's payload with its companions
     (absmax, nested absmax) — no rank holds another rank's scales;
   * a transient uint8 [W * S]: the all-gather's output, alive from the unshard to its wait;
@@ -13,9 +13,10 @@ frozen quantized weights of its module (bitsandbytes ``Params4bit``, torchao ``N
     (a ``Params4bit`` with its quant state) is what the module holds during forward and backward.
     They are the same objects every step, so autograd's saved references (``MatMul4Bit`` keeps the
     weight for the input gradient) stay valid and are refilled by the pre-backward unshard.
-The ShardGroup drives it: its unshard issues this all-gather (async, so prefetch covers it), its
-wait finishes it, its reshard frees it. Between forwards the module holds a frozen ``uint8``
-parameter viewing this rank's payload bytes of the tensor (empty where the rank holds none).
+The module's state drives it as every buffer set: its unshard issues this all-gather (async, so
+prefetch covers it), its wait finishes it, its reshard frees it. Between forwards the module holds a
+frozen ``uint8`` parameter viewing this rank's payload bytes of the tensor (empty where the rank
+holds none).
 No gradients, no reduce-scatter, no optimizer state: these weights never change.
 """
 
@@ -29,9 +30,12 @@ import torch.distributed as dist
 from torch import nn
 
 from blockshard._errors import ShardingError
-from blockshard.runtime.core._collectives import all_gather_into, check_same_layout, wait
+from blockshard.runtime.core._buffer_set import BufferSet
+from blockshard.runtime.core._collectives import all_gather_into, check_same_layout, holds_copies, wait
+from blockshard.runtime.core._common import ShardedState
+from blockshard.runtime.core._inspect import BuffersView
 from blockshard.runtime.core._param import ParamRef
-from blockshard.runtime.core._state import state_of
+from blockshard.runtime.core._state import ModuleState, state_of
 from blockshard.runtime.quantized._ao_nf4 import ao_nf4_tensor, is_ao_nf4
 from blockshard.runtime.quantized._bnb4bit import bnb_tensor, is_params4bit, prepare_module
 from blockshard.runtime.quantized._fp8_block import fp8_block_pair, fp8_block_tensor
@@ -39,7 +43,14 @@ from blockshard.runtime.quantized._layout import QuantizedLayout, QuantizedPiece
 from blockshard.runtime.quantized._mx import is_mx, mx_tensor
 from blockshard.runtime.quantized._tensor import QuantizedTensor
 
-__all__ = ["Found", "QuantizedGroup", "QuantizedStats", "collect_quantized", "quantized_stats"]
+__all__ = [
+    "Found",
+    "FrozenQuantizedBuffers",
+    "QuantizedStats",
+    "collect_quantized",
+    "frozen_buffers",
+    "quantized_stats",
+]
 
 
 def _adapter(param: nn.Parameter) -> Callable[..., QuantizedTensor] | None:
@@ -109,7 +120,7 @@ def collect_quantized(module: nn.Module, ignored: set[int], is_sharded: Callable
 
 @dataclass(frozen=True)
 class QuantizedStats:
-    """Bytes of one quantized group on this rank: ``local_bytes`` persistent, ``gathered_bytes``
+    """Bytes of one group's quantized buffer set on this rank: ``local_bytes`` persistent, ``gathered_bytes``
     moved by one unshard's all-gather (``W * S``), ``total_bytes`` of all its tensors (payload and
     scales), ``constant_bytes`` replicated (code tables, offsets)."""
 
@@ -120,8 +131,9 @@ class QuantizedStats:
     numel: int  # quantized values
 
 
-class QuantizedGroup:
-    """The byte segment and the all-gather of a group's quantized weights ([Note: quantized groups])."""
+class FrozenQuantizedBuffers(BufferSet):
+    """The byte segment and the all-gather of a group's frozen quantized weights ([Note: frozen
+    quantized buffers]); nothing to reduce."""
 
     def __init__(
         self,
@@ -131,8 +143,7 @@ class QuantizedGroup:
         *,
         alignment_bytes: int,
     ) -> None:
-        self.name, self.process_group = name, process_group
-        self.rank, self.world_size = process_group.rank(), process_group.size()
+        super().__init__(name, process_group)
         constants: dict[tuple, torch.Tensor] = {}  # code tables shared by the group's tensors
         self.tensors = [f.build(constants) for f in found]
         devices = {f.param.device for f in found}
@@ -141,13 +152,12 @@ class QuantizedGroup:
         self.device = devices.pop()
         self.numel = sum(t.numel for t in self.tensors)
         self.layout: QuantizedLayout = plan_quantized(
-            [(t.streams, t.n_units) for t in self.tensors], self.world_size, alignment_bytes
+            [(t.sections, t.n_units) for t in self.tensors], self.world_size, alignment_bytes
         )
         check_same_layout(f"{name} (quantized weights)", self.layout.layout_hash(), process_group)
         self.local = torch.zeros(self.layout.segment_bytes, dtype=torch.uint8, device=self.device)  # [S]
         self._gathered_bytes: torch.Tensor | None = None  # [W * S] while an all-gather is in flight
-        self._pending: list = []
-        self._unsharded = False
+        self._pending: list = []  # the all-gather's work, while UNSHARDING
         with torch.no_grad():
             for piece in self.layout.pieces[self.rank]:
                 t = self.tensors[piece.tensor]
@@ -176,24 +186,24 @@ class QuantizedGroup:
 
     # -- state dicts ([Note: quantized state dicts] in _quantized_state.py) -----------------------
     @torch.no_grad()
-    def write_piece(self, t: QuantizedTensor, streams: list[torch.Tensor]) -> None:
-        """Copy this rank's bytes of each of ``t``'s streams (``uint8``, in stream order) into the segment."""
+    def write_piece(self, t: QuantizedTensor, sections: list[torch.Tensor]) -> None:
+        """Copy this rank's bytes of each of ``t``'s sections (``uint8``, in section order) into the segment."""
         piece = self.piece_of(t)
         if piece is None:
             return
-        for (lo, hi, off), src in zip(piece.ranges, streams, strict=True):
+        for (lo, hi, off), src in zip(piece.ranges, sections, strict=True):
             assert src.numel() == hi - lo, (t.fqn, src.numel(), hi - lo)
             dst = self.local[off : off + hi - lo]
             if src.numel() and src.data_ptr() != dst.data_ptr():
                 dst.copy_(src)
 
     @torch.no_grad()
-    def full_streams(self) -> list[list[torch.Tensor]]:
-        """Every tensor's whole byte streams (collective: one all-gather of the segments)."""
+    def full_sections(self) -> list[list[torch.Tensor]]:
+        """Every tensor's whole byte sections (collective: one all-gather of the segments)."""
         S, W = self.layout.segment_bytes, self.world_size
         buf = torch.empty(W * S, dtype=torch.uint8, device=self.device)
         all_gather_into(buf, self.local, self.process_group)
-        out = [[torch.empty(s.nbytes, dtype=torch.uint8, device=self.device) for s in t.streams] for t in self.tensors]
+        out = [[torch.empty(s.nbytes, dtype=torch.uint8, device=self.device) for s in t.sections] for t in self.tensors]
         for r, pieces in enumerate(self.layout.pieces):
             for piece in pieces:
                 for (lo, hi, off), dst in zip(piece.ranges, out[piece.tensor], strict=True):
@@ -206,20 +216,31 @@ class QuantizedGroup:
         return QuantizedStats(S, W * S, self.layout.total_bytes, constants, self.numel)
 
     # -- all-gather -------------------------------------------------------------------------------
-    def unshard(self) -> None:
-        """Issue the all-gather of every rank's segment (async); :meth:`wait_unshard` finishes it."""
-        if self._unsharded or self._pending:
+    def unshard(self, *, async_op: bool = False) -> None:
+        """Issue the all-gather of every rank's segment; :meth:`wait_unshard` finishes it."""
+        if self.sharded_state is not ShardedState.SHARDED:
+            if not async_op:
+                self.wait_unshard()
             return
         S, W = self.layout.segment_bytes, self.world_size
         self._gathered_bytes = torch.empty(W * S, dtype=torch.uint8, device=self.device)
         self._pending.append(all_gather_into(self._gathered_bytes, self.local, self.process_group, async_op=True))
+        self.sharded_state = ShardedState.UNSHARDING
+        self.count(0)
+        if not async_op:
+            self.wait_unshard()
+
+    @property
+    def gathers_on_copies(self) -> bool:
+        return holds_copies(self.process_group, self.device)
 
     def wait_unshard(self) -> None:
         """Finish the all-gather: fill the gathered tensors, give the modules the unsharded weights."""
-        if self._unsharded:
+        if self.sharded_state is ShardedState.UNSHARDED:
             return
-        if not self._pending:
+        if self.sharded_state is ShardedState.SHARDED:
             self.unshard()
+            return
         for work in self._pending:
             wait(work, f"the all-gather of the quantized weights of group {self.name!r}", self.process_group)
         self._pending.clear()
@@ -237,18 +258,18 @@ class QuantizedGroup:
         self._gathered_bytes = None
         for t in self.tensors:
             t.set_module_params(unsharded=True)
-        self._unsharded = True
+        self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
         """Give the modules their payload pieces back and free the gathered tensors."""
-        if self._pending:
+        if self.sharded_state is ShardedState.UNSHARDING:  # a prefetch nobody used
             self.wait_unshard()
-        if not self._unsharded:
+        if self.sharded_state is ShardedState.SHARDED:
             return
         for t in self.tensors:
             t.set_module_params(unsharded=False)
         self._free_gathered()
-        self._unsharded = False
+        self.sharded_state = ShardedState.SHARDED
 
     def _alloc_gathered(self) -> None:
         for t in self.tensors:
@@ -263,12 +284,21 @@ class QuantizedGroup:
                 g.untyped_storage().resize_(0)
 
 
+def frozen_buffers(state: ModuleState | BuffersView) -> FrozenQuantizedBuffers | None:
+    """The frozen quantized buffer set of a group, if it has one ([Note: frozen quantized buffers]);
+    None for another dtype's buffer set read as a group (it holds none)."""
+    if not isinstance(state, ModuleState):
+        return None
+    return next((b for b in state.buffer_sets if isinstance(b, FrozenQuantizedBuffers)), None)
+
+
 def quantized_stats(model: nn.Module) -> dict[str, QuantizedStats]:
-    """This rank's bytes of every quantized group under ``model``, by the sharded module's name."""
+    """This rank's bytes of every group's frozen quantized weights under ``model``, by the sharded
+    module's name."""
 
     out = {}
     for prefix, m in model.named_modules():
         st = state_of(m)
-        if st is not None and st.group.quantized is not None:
-            out[prefix] = st.group.quantized.stats()
+        if st is not None and (fq := frozen_buffers(st)) is not None:
+            out[prefix] = fq.stats()
     return out

@@ -3,13 +3,13 @@
 [Note: quantized gather]
 ``fully_shard(module, semantics={"*_proj.weight": "fp8_block:128"}, quantized_gather=True)`` (or
 ``"mx"`` / ``"mx:4"``): the floating-point parameters whose semantics is a tile quantizer get a
-buffer set of their own in the group (one more ``state.extra_groups`` entry, planned as its own
-layout by those semantics, so every rank's piece of each is whole tiles: 1 x 32 blocks along the
+buffer set of their own in the group (the last of ``state.buffer_sets``, [Note: buffer sets],
+planned as its own layout by those semantics, so every rank's piece of each is whole tiles: 1 x 32 blocks along the
 last dim, ``B``-row stripes of ``B x B`` tiles). Its parameters train as any other:
   * ``local`` [S] holds the master pieces (fp32 or bf16): what the optimizer steps; gradients are
     reduce-scattered into them as in the primary buffer set (its own reduce-scatter, issued right
-    after the primary one's and waited for with it: ``ModuleState.reducing_groups``, so such a
-    group has two reduce-scatter inputs alive where others have one);
+    after the primary one's and waited for with it: ``ModuleState.training_sets``, while any of
+    them is trainable; so such a group has two reduce-scatter inputs alive where others have one);
   * ``payload`` uint8 [Sq]: this rank's pieces quantized, each as its payload (1 byte per value,
     MXFP4 half) then its scales (1 E8M0 byte per 32 values; 4 bytes per FP8 tile), 16-byte aligned;
     ``Sq`` is the largest rank's, so the all-gather is of equal segments;
@@ -40,19 +40,19 @@ from torch import nn
 
 from blockshard._errors import QuantizedWeightError
 from blockshard.planner import GroupLayout
-from blockshard.runtime.core._buffers import ShardGroup
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import all_gather_into, wait
 from blockshard.runtime.core._common import ShardedState
-from blockshard.runtime.core._inspect import GroupView, states_under
+from blockshard.runtime.core._inspect import BuffersView, states_under
 from blockshard.runtime.core._param import ParamRef, ShardedParam
 from blockshard.runtime.quantized._frozen import QuantizedStats
 from blockshard.runtime.quantized._tile_quant import TileQuantizer, tile_quantizer
 from blockshard.semantics import SemanticsRules, TensorSpec
 from blockshard.semantics._quantizers import MX, FP8Block
 
-__all__ = ["QuantizedGatherGroup", "precompute_quantized_gather", "quantized_gather_stats", "split_quantized_gather"]
+__all__ = ["QuantizedGatherBuffers", "precompute_quantized_gather", "quantized_gather_stats", "split_quantized_gather"]
 
-_ALIGN = 16  # bytes: every stream starts here (an fp32 view of the scales needs 4)
+_ALIGN = 16  # bytes: every section starts here (an fp32 view of the scales needs 4)
 
 _Part = tuple[list[str], list[nn.Parameter], list[list[ParamRef]]]
 
@@ -134,10 +134,9 @@ def plan_payload(
     return plans, max(_ALIGN, *sizes)
 
 
-class QuantizedGatherGroup(ShardGroup):
-    """A buffer set whose unshard all-gathers its pieces quantized ([Note: quantized gather])."""
-
-    trainable_extra = True  # an extra buffer set that trains and reduces ([Note: mixed dtypes])
+class QuantizedGatherBuffers(ParamBuffers):
+    """A buffer set whose unshard all-gathers its pieces quantized ([Note: quantized gather]); its
+    parameters train, so it reduces their gradients while any of them requires grad."""
 
     def __init__(
         self, name: str, params: list[ShardedParam], *args: Any, quantizers: dict[str, TileQuantizer], **kwargs: Any
@@ -150,6 +149,10 @@ class QuantizedGatherGroup(ShardGroup):
         self._gathered_bytes: torch.Tensor | None = None  # [W * Sq] while the all-gather is in flight
         self.quantizations = 0  # how often this rank quantized its pieces (tests, stats)
         super().__init__(name, params, *args, **kwargs)
+
+    @property
+    def trains(self) -> bool:
+        return super().trains and any(sp.sharded.requires_grad for sp in self.params)
 
     def quantizer(self, sp: ShardedParam) -> TileQuantizer:
         return self.quantizers[id(sp)]
@@ -192,7 +195,7 @@ class QuantizedGatherGroup(ShardGroup):
 
     # -- all-gather -------------------------------------------------------------------------------
     def unshard(self, *, async_op: bool = False) -> None:
-        """As :meth:`ShardGroup.unshard`, but one all-gather of the quantized segments."""
+        """As :meth:`ParamBuffers.unshard`, but one all-gather of the quantized segments."""
         if self.sharded_state is not ShardedState.SHARDED or self.layout is None:
             super().unshard(async_op=async_op)
             return
@@ -219,7 +222,7 @@ class QuantizedGatherGroup(ShardGroup):
     def _dequantize_into_gathered(self, buf: torch.Tensor) -> None:
         """Every rank's pieces, dequantized in the param dtype, at their places in ``gathered``."""
         Sq = self.segment_bytes
-        for lo, hi in self._holes:
+        for lo, hi in self.holes:
             self.gathered[lo:hi].zero_()
         for r, pieces in enumerate(self.plan):
             for p in pieces:
@@ -231,7 +234,7 @@ class QuantizedGatherGroup(ShardGroup):
                 self.gathered[at : at + p.numel].copy_(values)
 
     @torch.no_grad()
-    def full_quantized(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def whole_payloads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Every tensor's whole payload and scales, in their dtypes and shapes (collective: one
         all-gather of the quantized segments, quantizing stale pieces first)."""
         self.quantize_pieces()
@@ -258,13 +261,13 @@ class QuantizedGatherGroup(ShardGroup):
         return QuantizedStats(self.segment_bytes, self.world_size * self.segment_bytes, total, 0, numel)
 
 
-def _groups(model: nn.Module) -> list[tuple[str, QuantizedGatherGroup]]:
+def _gather_sets(model: nn.Module) -> list[tuple[str, QuantizedGatherBuffers]]:
     """Every quantized-gather buffer set under ``model``, with the path its names are relative to."""
 
     return [
-        (prefix, st.group)
+        (prefix, st.buffers)
         for prefix, st in states_under(model)
-        if isinstance(st, GroupView) and isinstance(st.group, QuantizedGatherGroup)
+        if isinstance(st, BuffersView) and isinstance(st.buffers, QuantizedGatherBuffers)
     ]
 
 
@@ -273,7 +276,7 @@ def precompute_quantized_gather(model: nn.Module) -> int:
     it after ``optimizer.step()``, outside the gather hooks); returns the number of groups. Local
     work only (no collective). Without the call the next unshard quantizes what changed
     ([Note: quantized gather])."""
-    groups = _groups(model)
+    groups = _gather_sets(model)
     for _, g in groups:
         g.quantize_pieces(force=True)
     return len(groups)
@@ -283,7 +286,7 @@ def quantized_gather_stats(model: nn.Module) -> dict[str, QuantizedStats]:
     """This rank's bytes of every quantized-gather buffer set under ``model``, by the sharded
     module's name: ``local_bytes`` the quantized segment, ``gathered_bytes`` one unshard's
     all-gather, ``total_bytes`` payload and scales of all its weights."""
-    return {prefix: g.stats() for prefix, g in _groups(model)}
+    return {prefix: g.stats() for prefix, g in _gather_sets(model)}
 
 
 def full_quantized(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -291,6 +294,6 @@ def full_quantized(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tens
     (collective: one all-gather per buffer set; MX: ``qdata``, E8M0 ``scale`` as torchao's
     ``MXTensor``; FP8: float8 ``weight``, fp32 ``weight_scale_inv`` per tile)."""
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for prefix, g in _groups(model):
-        out |= {f"{prefix}.{n}" if prefix else n: v for n, v in g.full_quantized().items()}
+    for prefix, g in _gather_sets(model):
+        out |= {f"{prefix}.{n}" if prefix else n: v for n, v in g.whole_payloads().items()}
     return out

@@ -1,15 +1,15 @@
-"""The layout of a frozen quantized group: whole quantization units cut into equal byte segments.
+"""The layout of a group's frozen quantized weights: whole quantization units cut into equal byte segments.
 
 [Note: quantized layout]
-A quantized tensor is a few byte *streams* (bitsandbytes ``Params4bit``: the packed payload, its
+A quantized tensor is a few byte *sections* (bitsandbytes ``Params4bit``: the packed payload, its
 absmax, with nested statistics the absmax of the absmax) that share one unit grid: unit ``k``
-owns bytes ``[k * unit_bytes, (k + 1) * unit_bytes)`` of every stream (the last unit may be
-shorter). A rank holds whole units, each with all its streams' bytes (the companions travel with
+owns bytes ``[k * unit_bytes, (k + 1) * unit_bytes)`` of every section (the last unit may be
+shorter). A rank holds whole units, each with all its sections' bytes (the companions travel with
 their payload, never replicated). The tensors of one group are concatenated in order, unit by
 unit, and rank ``r``'s cut is the unit boundary nearest to ``r * total / W``; every rank's segment
 is padded to the largest, ``S`` bytes (a multiple of the alignment), so one
 ``all_gather_into_tensor`` of ``uint8 [S]`` moves the group: the gathered buffer holds rank ``r``'s
-pieces at ``[r * S, (r + 1) * S)``, each piece's streams one after another. Bytes travel as bytes:
+pieces at ``[r * S, (r + 1) * S)``, each piece's sections one after another. Bytes travel as bytes:
 a bf16-stored payload is moved as its ``uint8`` view, so no NaN pattern is canonicalized.
 The imbalance is at most one unit (8448 bytes for nested NF4 with 64-value blocks).
 This module is pure (no torch.distributed): every rank computes the same layout from the shapes.
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["QuantizedLayout", "QuantizedPiece", "StreamShape", "plan_quantized"]
+__all__ = ["QuantizedLayout", "QuantizedPiece", "SectionShape", "plan_quantized"]
 
 
 @dataclass(frozen=True, slots=True)
-class StreamShape:
-    """One byte stream of a quantized tensor: ``nbytes`` in all, ``unit_bytes`` per unit."""
+class SectionShape:
+    """One byte section of a quantized tensor: ``nbytes`` in all, ``unit_bytes`` per unit."""
 
     name: str
     nbytes: int
@@ -40,7 +40,7 @@ class StreamShape:
 @dataclass(frozen=True, slots=True)
 class QuantizedPiece:
     """Units ``[unit_start, unit_stop)`` of tensor ``tensor`` held by one rank; ``ranges`` gives,
-    per stream, ``(stream_lo, stream_hi, segment_offset)`` in bytes."""
+    per section, ``(section_lo, section_hi, segment_offset)`` in bytes."""
 
     tensor: int
     unit_start: int
@@ -69,19 +69,19 @@ class QuantizedLayout:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _unit_sizes(streams: tuple[StreamShape, ...], n_units: int) -> np.ndarray:
+def _unit_sizes(sections: tuple[SectionShape, ...], n_units: int) -> np.ndarray:
     k = np.arange(n_units, dtype=np.int64)
     out = np.zeros(n_units, dtype=np.int64)
-    for s in streams:
+    for s in sections:
         out += np.minimum((k + 1) * s.unit_bytes, s.nbytes) - np.minimum(k * s.unit_bytes, s.nbytes)
     return out
 
 
 def plan_quantized(
-    tensors: list[tuple[tuple[StreamShape, ...], int]], world_size: int, alignment_bytes: int
+    tensors: list[tuple[tuple[SectionShape, ...], int]], world_size: int, alignment_bytes: int
 ) -> QuantizedLayout:
-    """Cut ``tensors`` (each: its streams and unit count) into ``world_size`` segments of whole units."""
-    sizes = [_unit_sizes(streams, n) for streams, n in tensors]
+    """Cut ``tensors`` (each: its sections and unit count) into ``world_size`` segments of whole units."""
+    sizes = [_unit_sizes(sections, n) for sections, n in tensors]
     flat = np.concatenate(sizes) if sizes else np.zeros(0, dtype=np.int64)
     cum = np.concatenate([[0], np.cumsum(flat)])  # cum[k]: bytes before global unit k
     total = int(cum[-1])
@@ -98,12 +98,12 @@ def plan_quantized(
     for r in range(world_size):
         a, b = cuts[r], cuts[r + 1]
         pieces, offset = [], 0
-        for t, (streams, _) in enumerate(tensors):
+        for t, (sections, _) in enumerate(tensors):
             i, j = max(a, int(starts[t])) - int(starts[t]), min(b, int(starts[t + 1])) - int(starts[t])
             if i >= j:
                 continue
             ranges = []
-            for s in streams:
+            for s in sections:
                 lo, hi = s.byte_range(i, j)
                 ranges.append((lo, hi, offset))
                 offset += hi - lo

@@ -1,6 +1,6 @@
 """torchao ``MXTensor`` (OCP microscaling: MXFP8 / MXFP4) frozen weights as a :class:`QuantizedTensor`.
 
-Streams (one unit grid, see [Note: quantized layout]): a unit is one 1 x ``block_size`` (32) block
+Sections (one unit grid, see [Note: quantized layout]): a unit is one 1 x ``block_size`` (32) block
 along the last dim, contiguous in the row-major flattening: its ``qdata`` bytes (32 for fp8
 elements, 16 for packed fp4) and its one E8M0 ``scale`` byte. Scales must be in row-major order
 (``is_swizzled_scales=False``): a swizzled (blocked, for cuBLAS) scale layout does not follow the
@@ -18,7 +18,7 @@ from torch import nn
 
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime.core._param import ParamRef
-from blockshard.runtime.quantized._layout import StreamShape
+from blockshard.runtime.quantized._layout import SectionShape
 from blockshard.runtime.quantized._tensor import QuantizedTensor, StateEntry, byte_view
 
 __all__ = ["is_mx", "mx_tensor"]
@@ -62,9 +62,9 @@ def mx_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.Te
     if payload * bs % numel:
         raise _error(fqn, f"its payload of {payload} bytes does not split into {numel // bs} blocks", "re-quantize it")
     originals = [qdata, scale]
-    streams = (
-        StreamShape("qdata", payload, payload // (numel // bs)),
-        StreamShape("scale", scale.numel() * scale.element_size(), scale.element_size()),
+    sections = (
+        SectionShape("qdata", payload, payload // (numel // bs)),
+        SectionShape("scale", scale.numel() * scale.element_size(), scale.element_size()),
     )
     gathered = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in originals]
     inner = type(p).__tensor_unflatten__(dict(zip(names, gathered, strict=True)), ctx, p.shape, p.stride())
@@ -92,7 +92,7 @@ def mx_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.Te
         format=f"torchao MXTensor ({ctx['elem_dtype']}, 1 x {bs})",
         numel=numel,
         n_units=numel // bs,
-        streams=streams,
+        sections=sections,
         sources=[byte_view(t.detach().contiguous()) for t in originals],
         gathered=gathered,
         targets=[byte_view(t) for t in gathered],

@@ -1,7 +1,7 @@
-"""One frozen quantized tensor as a quantized group sees it: byte streams and the rebuilt parameter.
+"""One frozen quantized tensor as its buffer set sees it: byte sections and the rebuilt parameter.
 
 A format adapter (``_bnb4bit.py``, ``_ao_nf4.py``) turns a quantized parameter into a
-:class:`QuantizedTensor`: its byte streams on one unit grid ([Note: quantized layout]), the
+:class:`QuantizedTensor`: its byte sections on one unit grid ([Note: quantized layout]), the
 original bytes to shard (``sources``, dropped once copied into the local segment), persistent
 gathered tensors (``gathered``, their storage freed while sharded) with byte views of them
 (``targets``), and ``unsharded``: the format's own parameter over the gathered tensors, what the
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from blockshard.runtime.core._param import ParamRef
-from blockshard.runtime.quantized._layout import StreamShape
+from blockshard.runtime.quantized._layout import SectionShape
 
 __all__ = ["QuantizedTensor", "StateEntry", "byte_view"]
 
@@ -33,11 +33,11 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class StateEntry:
     """One state-dict entry of a quantized tensor, named relative to the module that holds the weight
-    (``"weight"``, ``"weight.absmax"``, ``"weight_scale_inv"``): byte stream ``stream`` seen as a
-    tensor of ``dtype`` and ``shape`` (sharded), or a replicated ``constant`` (``stream`` None)."""
+    (``"weight"``, ``"weight.absmax"``, ``"weight_scale_inv"``): byte section ``section`` seen as a
+    tensor of ``dtype`` and ``shape`` (sharded), or a replicated ``constant`` (``section`` None)."""
 
     name: str
-    stream: int | None
+    section: int | None
     dtype: torch.dtype
     shape: tuple[int, ...]
     constant: torch.Tensor | None = None
@@ -50,17 +50,17 @@ class QuantizedTensor:
     format: str  # e.g. "bitsandbytes nf4 (nested absmax, bf16 storage)"
     numel: int  # quantized values
     n_units: int
-    streams: tuple[StreamShape, ...]
-    sources: list[torch.Tensor]  # byte views of the original tensors, one per stream
-    gathered: list[torch.Tensor]  # persistent full tensors, one per stream (storage freed while sharded)
+    sections: tuple[SectionShape, ...]
+    sources: list[torch.Tensor]  # byte views of the original tensors, one per section
+    gathered: list[torch.Tensor]  # persistent full tensors, one per section (storage freed while sharded)
     targets: list[torch.Tensor]  # byte views of ``gathered``
     unsharded: nn.Parameter  # the format's parameter over ``gathered``
     constant_bytes: int = 0  # replicated per-tensor constants (code tables, offsets)
     # parameters of their own that travel with this one (blockwise FP8's ``weight_scale_inv``):
     # (where registered, the unsharded parameter over a gathered tensor)
     extra: list[tuple[list[ParamRef], nn.Parameter]] = field(default_factory=list)
-    # state-dict entries ([Note: quantized state dicts]): the sharded model's (streams as pieces,
-    # constants), and the unsharded model's names with functions between them and the full streams
+    # state-dict entries ([Note: quantized state dicts]): the sharded model's (sections as pieces,
+    # constants), and the unsharded model's names with functions between them and the full sections
     entries: list[StateEntry] = field(default_factory=list)
     full_names: tuple[str, ...] = ()  # the unsharded model's entries (default: ``entries``' names)
     to_full: Callable[[list[torch.Tensor]], dict[str, torch.Tensor]] | None = None
@@ -70,7 +70,7 @@ class QuantizedTensor:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.streams)
+        return sum(s.nbytes for s in self.sections)
 
     def set_module_params(self, unsharded: bool) -> None:
         for ref in self.refs:

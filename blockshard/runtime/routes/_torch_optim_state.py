@@ -82,7 +82,7 @@ def _process_group(model: nn.Module) -> Any:
     import torch.distributed as dist
 
     states = states_under(model)
-    return states[0][1].group.process_group if states and dist.is_initialized() else None
+    return states[0][1].buffers.process_group if states and dist.is_initialized() else None
 
 
 def _spec(entries: Any) -> Any:
@@ -176,7 +176,7 @@ def _from_rank0(model: nn.Module, optimizers: tuple, state_dict: dict[str, Any])
     names = [g["params"] for g in local["param_groups"]]
     flat, mapping = _flatten_state_dict(local)
     full = _flatten_state_dict(state_dict)[0] if dist.get_rank() == 0 else {}
-    device = states_under(model)[0][1].group.local.device
+    device = states_under(model)[0][1].buffers.local.device
     _broadcast_state_dict(full, flat, device=device)
     out = _unflatten_state_dict(flat, mapping)
     out.setdefault("state", {})  # a rank that holds no state (only empty pieces) flattened none

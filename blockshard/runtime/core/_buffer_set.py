@@ -1,0 +1,130 @@
+"""``BufferSet``: what the engine core asks of every set of buffers a group holds.
+
+[Note: buffer sets]
+A group (the tensors of one ``fully_shard`` call) keeps its tensors in one or more *buffer sets*,
+each with its own layout, its own :class:`ShardedState` and its own collectives:
+  * :class:`~blockshard.runtime.core._buffers.ParamBuffers`: the group's parameters of one dtype,
+    views of a local and a gathered buffer ([Note: buffers] in _buffers.py). The trainable dtype's
+    is the group's *primary* buffer set (``ModuleState.buffers``); each other dtype's holds frozen
+    parameters ([Note: mixed dtypes] in _dtypes.py);
+  * ``QuantizedGatherBuffers`` (``runtime/quantized/_gather.py``): trainable float masters
+    all-gathered as quantized tiles ([Note: quantized gather]);
+  * ``FrozenQuantizedBuffers`` (``runtime/quantized/_frozen.py``): frozen quantized weights sharded
+    as bytes ([Note: frozen quantized buffers]).
+``fully_shard`` (the composition root, which alone knows every kind) makes them and gives them to
+the group's :class:`~blockshard.runtime.core._state.ModuleState` as one ordered list,
+``buffer_sets``: the frozen quantized weights first, then the primary, then the other dtypes, then
+the quantized gather. The engine core knows only this interface and walks that list at every hook
+of a step (issue every unshard, then wait for each; reshard; reduce the ones that train; check
+before a forward; drop an interrupted step), in the same order on every rank, so the collectives
+line up. Each buffer set counts its own collectives in the root context's tally
+([Note: collective integrity] in _collectives.py) under its group's index.
+
+Per-step state is dropped in one place each: a buffer set's in :meth:`BufferSet.reset_step` (what
+an interrupted step leaves: gradients not reduced yet, a reduction in flight), a module state's
+in ``ModuleState._to_idle``. The FSDP2 controls of a group (``set_requires_gradient_sync`` and the
+others) are one :class:`GroupControls` shared by the group's state and its buffer sets.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from blockshard._errors import EngineStateError
+from blockshard.runtime.core._common import CollectiveTally, ShardedState
+
+__all__ = ["BufferSet", "GroupControls"]
+
+
+@dataclass(eq=False)
+class GroupControls:
+    """One group's FSDP2 controls (``ShardedModule``'s setters, _module.py), read by its module
+    state and by the buffer sets that reduce gradients."""
+
+    requires_gradient_sync: bool = True  # off: backward accumulates without a reduce-scatter
+    reshard_after_backward: bool = True
+    requires_all_reduce: bool = True  # HSDP only ([Note: HSDP] in _grad_sync.py)
+    divide_factor: float | None = None  # set_gradient_divide_factor: the sum / factor, not the average
+
+
+class BufferSet(abc.ABC):
+    """One buffer set of a group ([Note: buffer sets]): unshard, wait, reshard, and, where its
+    tensors train, reduce their gradients."""
+
+    def __init__(self, name: str, process_group: dist.ProcessGroup) -> None:
+        self.name, self.process_group = name, process_group
+        self.rank, self.world_size = process_group.rank(), process_group.size()
+        self.sharded_state = ShardedState.SHARDED
+        # set at the root's first forward: the module's path under the root, and where this buffer
+        # set's collectives are counted ([Note: collective integrity])
+        self.path: str | None = None
+        self.tally: CollectiveTally | None = None
+        self.tally_index = 0
+
+    @property
+    def described(self) -> str:
+        """The buffer set in messages: its name and, once known, its module's path under the root."""
+        where = "" if self.path is None else f" ({self.path or 'the root'})"
+        return f"{self.name!r}{where}"
+
+    def count(self, kind: int) -> None:
+        """Count one collective of ``kind`` (0 all-gather, 1 reduce-scatter, 2 all-reduce)."""
+        if self.tally is not None:
+            self.tally.record(self.tally_index, kind)
+
+    # -- all-gather -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def unshard(self, *, async_op: bool = False) -> None:
+        """Issue the all-gather (SHARDED -> UNSHARDING) and wait for it unless ``async_op``
+        (-> UNSHARDED); nothing to do unless SHARDED."""
+
+    @abc.abstractmethod
+    def wait_unshard(self) -> None:
+        """Finish an unshard (issuing it first if nobody did): the modules hold full tensors."""
+
+    @abc.abstractmethod
+    def reshard(self) -> None:
+        """Free the gathered storage; the modules hold their local pieces again (-> SHARDED)."""
+
+    @property
+    def gathers_on_copies(self) -> bool:
+        """Whether an all-gather of it in flight holds a second copy of the gathered buffer (gloo on
+        the CPU: [Note: gloo's copies]), so a prefetch issued in backward is waited for at once."""
+        return False
+
+    def check_forward(self) -> None:
+        """Raise before a forward if the modules' tensors changed in a way the engine cannot follow."""
+        return None  # nothing the engine cannot follow, unless a kind says otherwise
+
+    def reset_step(self) -> None:
+        """Drop what an interrupted step left ([Note: buffer sets]); the caller reshards next."""
+        return None  # no per-step state, unless a kind keeps some
+
+    # -- gradients: only a buffer set that ``trains`` is asked to reduce ---------------------------
+    @property
+    def trains(self) -> bool:
+        """Whether backward reduces this buffer set's gradients (its tensors may train)."""
+        return False
+
+    def accumulate_grads(self) -> None:
+        """Backward without gradient sync: keep the unsharded gradients for the next backward."""
+        raise self._frozen("accumulate_grads")
+
+    def reduce_grads(self) -> None:
+        """Issue the reduce-scatter of the unsharded gradients (asynchronously)."""
+        raise self._frozen("reduce_grads")
+
+    @property
+    def reducing(self) -> bool:
+        """A reduce-scatter of this buffer set is in flight (issued, not waited for)."""
+        return False
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter in flight and point the sharded ``.grad`` at the result."""
+        raise self._frozen("finish_reduce")
+
+    def _frozen(self, what: str) -> EngineStateError:
+        return EngineStateError(f"{what} of buffer set {self.described}, which does not train (a bug in the engine)")
