@@ -22,11 +22,12 @@ import threading
 import _inproc
 import pytest
 import torch
+from _ckpt_models import sharded_odd_mlp as _sharded
 from safetensors.torch import save_file
 from torch import nn
 
 import blockshard
-from blockshard._tiny import OddMLP, mlp_batches
+from blockshard._tiny import mlp_batches
 from blockshard.cli import main
 from blockshard.runtime import CheckpointError, load_checkpoint, load_safetensors, save_checkpoint
 
@@ -36,14 +37,6 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(autouse=True)
 def _w1(gloo_w1):
     return gloo_w1
-
-
-def _sharded(seed: int = 0) -> nn.Module:
-    with _inproc.serial():
-        model = OddMLP(seed)
-    for block in model.blocks:
-        blockshard.fully_shard(block, semantics="bnb8bit")
-    return blockshard.fully_shard(model)
 
 
 def _trained(steps: int) -> nn.Module:

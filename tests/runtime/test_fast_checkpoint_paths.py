@@ -13,10 +13,9 @@ import os
 import _inproc
 import pytest
 import torch
-from torch import nn
+from _ckpt_models import sharded_odd_mlp as _sharded
 
 import blockshard
-from blockshard._tiny import OddMLP
 from blockshard.runtime import CheckpointError, describe_checkpoint, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,14 +26,6 @@ USER_FILES = {"train.log": b"step 1 loss 2.3\n", "sub/notes.txt": b"keep me\x00\
 @pytest.fixture(autouse=True)
 def _w1(gloo_w1):
     return gloo_w1
-
-
-def _sharded(seed: int = 0) -> nn.Module:
-    with _inproc.serial():
-        model = OddMLP(seed)
-    for block in model.blocks:
-        blockshard.fully_shard(block, semantics="bnb8bit")
-    return blockshard.fully_shard(model)
 
 
 def _user_dir(root) -> str:
