@@ -245,7 +245,7 @@ def fully_shard(
     for m in modules:
         if (done := state_of(m)) is not None:
             raise ShardingError(
-                f"this {done.buffers.name} is already sharded: call fully_shard once per module "
+                f"this {done.name} is already sharded: call fully_shard once per module "
                 "(bottom-up: layers first, then the root)"
             )
     alignment_bytes = _check_alignment(alignment_bytes)

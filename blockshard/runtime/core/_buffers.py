@@ -1,7 +1,8 @@
-"""``ParamBuffers``: the persistent buffers of one ``fully_shard`` call and the work on them.
+"""``ParamBuffers``: the persistent buffers of a group's parameters of one dtype and the work on them.
 
 [Note: buffers]
-Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
+Per buffer set of parameters (a group has one per dtype, [Note: buffer sets] in _buffer_set.py),
+on every rank (``S = sum of bucket segments``, ``W`` ranks):
   * ``local``  [S], original dtype: the persistent shard. Sharded parameters are views into it
     with their block shapes, so the optimizer updates it in place. Never reallocated.
   * ``send``   [S], param dtype: only under mixed precision (the cast of ``local`` that is sent)
@@ -10,7 +11,7 @@ Per group, on every rank (``S = sum of bucket segments``, ``W`` ranks):
     Unsharded parameters are views into it; its storage is resized to 0 on reshard and back
     before the next all-gather, so the views (and autograd's saved references) stay valid.
   * the local gradient [S], original dtype: sharded ``.grad`` are views of it. The reduce-scatter
-    allocates it and the group keeps only a weak reference (``grad_buffer()``), so it lives exactly
+    allocates it and the buffer set keeps only a weak reference (``grad_buffer()``), so it lives exactly
     as long as a piece's ``.grad`` does: ``optimizer.zero_grad()`` (``set_to_none=True``, the
     default) frees it, and between steps gradients take no memory, as under FSDP2. Kept gradients
     (``set_to_none=False``, accumulation across steps) keep it, and the next reduce-scatter adds
@@ -131,14 +132,14 @@ class ParamBuffers(BufferSet):
                 sp.local_start, sp.local_numel, sp.local_offset = piece.start, piece.numel, piece.local_offset
 
     def tag_views(self) -> None:
-        """Tag the parameter objects this group made ([Note: optimizer guard], clipping)."""
+        """Tag the parameter objects this buffer set made ([Note: optimizer guard], clipping)."""
         for sp in self.params:
             tag_managed(sp.sharded, self.name, process_group=self.process_group, group=weakref.ref(self))
             tag_managed(sp.unsharded, self.name)
 
     @torch.no_grad()
     def materialize(self, device: torch.device) -> None:
-        """A group sharded on the meta device gets real, uninitialized buffers on ``device`` (as
+        """A buffer set sharded on the meta device gets real, uninitialized buffers on ``device`` (as
         ``model.to_empty(device=...)`` asks) and new parameter objects over them; the meta ones
         are tagged as replaced, so an optimizer built over them raises. See [Note: meta init]."""
         expect(f"materialize group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
@@ -185,7 +186,7 @@ class ParamBuffers(BufferSet):
 
     @torch.no_grad()
     def relayout(self, layout: GroupLayout, k: int) -> None:
-        """Move to ``layout``: this group's layout rotated by ``k`` segments (rank ``r``'s content
+        """Move to ``layout``: this buffer set's layout rotated by ``k`` segments (rank ``r``'s content
         moves to rank ``(r + k) % W``, see [Note: rotation]), one shift of ``local`` across ranks,
         then new parameter objects. ``k = 0`` with another layout: the caller moved ``local``
         already (``apply_shifts`` in _owners.py, [Note: shifts]); only the parameter objects are
@@ -282,7 +283,7 @@ class ParamBuffers(BufferSet):
         self.check_materialized()  # FSDP2: "should be materialized from meta device before training"
 
     def check_registered(self) -> None:
-        """Raise if a module's parameter is no longer this group's (replaced after ``fully_shard``)."""
+        """Raise if a module's parameter is no longer this buffer set's (replaced after ``fully_shard``)."""
         for sp in self.params:
             mine = sp.unsharded if self.sharded_state is ShardedState.UNSHARDED else sp.sharded
             for ref in sp.refs:
@@ -297,7 +298,7 @@ class ParamBuffers(BufferSet):
                     )
 
     def check_materialized(self) -> None:
-        """Raise if the group is still on the meta device at a forward (FSDP2 checks at lazy init)."""
+        """Raise if the buffer set is still on the meta device at a forward (FSDP2 checks at lazy init)."""
         if self._layout is not None and self.device.type == "meta":
             names = [sp.fqn if not self.path else f"{self.path}.{sp.fqn}" for sp in self.params]
             raise ShardingError(

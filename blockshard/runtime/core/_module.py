@@ -161,7 +161,7 @@ class ShardedModule(nn.Module):
         state = self._bs_state()
         if state.ctx is not None and not state.is_root:
             raise ShardingError(
-                f"reset_iter_state() on {state.buffers.name!r}, which is not the root: call it on the module "
+                f"reset_iter_state() on {state.name!r}, which is not the root: call it on the module "
                 "fully_shard was applied to last (the one whose forward runs first)"
             )
         if state.ctx is not None:
@@ -213,7 +213,7 @@ class ShardedModule(nn.Module):
 
     def __deepcopy__(self, memo: dict) -> NoReturn:
         raise ShardingError(
-            f"copy.deepcopy of a sharded {self._bs_state().buffers.name} is not supported: the copy would share "
+            f"copy.deepcopy of a sharded {self._bs_state().name} is not supported: the copy would share "
             "the original's buffers and collectives (its unshard() would unshard the original). Fix: "
             "deepcopy the model before fully_shard and shard the copy, or build a second model"
         )

@@ -195,7 +195,7 @@ class ModuleState:
 
     def _context(self) -> RootContext:
         if self.ctx is None:
-            raise AssertionError(f"group {self.buffers.name!r} runs before its root initialized it")
+            raise AssertionError(f"group {self.name!r} runs before its root initialized it")
         return self.ctx
 
     def _cast_inputs(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
@@ -223,7 +223,7 @@ class ModuleState:
         if self.is_root:
             self._reset_if_interrupted(ctx)
             ctx.remember_order()
-        expect(f"pre-forward of group {self.buffers.name!r}", self.training_state, TrainingState.IDLE)
+        expect(f"pre-forward of group {self.name!r}", self.training_state, TrainingState.IDLE)
         for b in self.buffer_sets:
             b.check_forward()
         check_trainable_dtypes(self.buffers, self.param_buffers)  # [Note: mixed dtypes]
@@ -301,7 +301,7 @@ class ModuleState:
             if self.training_state is TrainingState.IDLE:
                 self._hook_outputs(output)  # a reentrant checkpoint backpropagates through these
         else:
-            expect(f"post-forward of group {self.buffers.name!r}", self.training_state, TrainingState.FORWARD)
+            expect(f"post-forward of group {self.name!r}", self.training_state, TrainingState.FORWARD)
             self._backward_follows |= self._hook_outputs(output)
             if not self.method_depth:  # a forward nested in a registered method: the method finishes
                 self._to_run.discard(id(module))
@@ -353,7 +353,7 @@ class ModuleState:
     def finish_backward(self) -> None:
         """All gradients are in: reshard, then issue the reduce-scatter unless accumulating
         without sync ([Note: async reduce-scatter])."""
-        expect(f"post-backward of group {self.buffers.name!r}", self.training_state, TrainingState.PRE_BACKWARD)
+        expect(f"post-backward of group {self.name!r}", self.training_state, TrainingState.PRE_BACKWARD)
         self.training_state = TrainingState.POST_BACKWARD
         if self.controls.reshard_after_backward:
             self.reshard()  # free the gathered parameters before the reduce-scatter needs its output
