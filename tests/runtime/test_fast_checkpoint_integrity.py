@@ -63,6 +63,7 @@ def _load(rank: int, world: int, paths: list[str]) -> object:
     return blockshard.full_state_dict(model)
 
 
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_ranks_that_resolve_different_checkpoints_raise_on_every_rank(tmp_path):
     _inproc.run_ranks(_save_two, 2, args=(str(tmp_path),))
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -87,6 +88,7 @@ def _flip(path: str, n: int = 16) -> str:
     return name
 
 
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_flipped_bytes_in_a_shard_file_raise_naming_the_file_on_every_rank(tmp_path):
     _inproc.run_ranks(_save_two, 2, args=(str(tmp_path),))
     a = str(tmp_path / "a")
@@ -176,6 +178,7 @@ def _export(rank: int, world: int, path: str) -> str:
     return "exported"
 
 
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_save_pretrained_failures_raise_on_every_rank(tmp_path, monkeypatch):
     (tmp_path / "file").write_bytes(b"x")
     under_file = str(tmp_path / "file" / "export")
@@ -274,6 +277,7 @@ def _flip_file(full: str, n: int = 16) -> None:
     open(full, "wb").write(bytes(data))
 
 
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_flipped_bytes_in_an_exported_safetensors_file_raise_naming_the_file(tmp_path):
     got = _inproc.run_ranks(_export_and_load, 2, args=(str(tmp_path / "export"), True))
     for g in got:

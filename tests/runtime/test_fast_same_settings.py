@@ -41,8 +41,12 @@ def _shard(rank: int, world: int, per_rank: dict) -> str:
             {1: {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16)}},
             r"mp_policy: rank 0: None, rank 1: MixedPrecisionPolicy\(param_dtype=torch.bfloat16",
         ),
-        ({0: {"reshard_after_forward": False}}, r"reshard_after_forward: rank 0: False, rank 1: None"),
-        ({1: {"policy": "whole"}}, r"policy: rank 0: 'auto', rank 1: 'whole'"),
+        pytest.param(  # heavy: in process, seconds: out of `make test-fast` (its one-minute budget)
+            {0: {"reshard_after_forward": False}},
+            r"reshard_after_forward: rank 0: False, rank 1: None",
+            marks=pytest.mark.heavy,
+        ),
+        pytest.param({1: {"policy": "whole"}}, r"policy: rank 0: 'auto', rank 1: 'whole'", marks=pytest.mark.heavy),
     ],
     ids=["mp_policy", "reshard_after_forward", "policy"],
 )
