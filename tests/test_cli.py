@@ -387,6 +387,7 @@ def test_plan_quantized_gather_bad_input_is_one_error_line(tmp_path, capsys, sem
         assert f in err, f
 
 
+@pytest.mark.slow  # spawns the CLI as processes, one per case
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
 @pytest.mark.parametrize(
     "args",
@@ -413,6 +414,7 @@ def test_output_to_a_full_device_is_one_error_line(args):
     assert control.returncode == 0 and control.stdout and not control.stderr
 
 
+@pytest.mark.slow  # spawns the CLI as processes, one per case
 def test_a_reader_that_closes_the_pipe_ends_quietly():
     """``blockshard plan --list-models | head -1``: no traceback and no message (the reader chose to
     stop), exit 1, as rich does for a table."""

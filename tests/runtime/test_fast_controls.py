@@ -148,6 +148,7 @@ def _grads(rank: int, world: int, factor: float | None) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_a_divide_factor_divides_the_sum_of_the_ranks_gradients():
     avg = _inproc.run_ranks(_grads, 2, args=(None,))
     summed = _inproc.run_ranks(_grads, 2, args=(1.0,))

@@ -38,6 +38,7 @@ def _grad_buffers(model: nn.Module) -> int:
     return sum("grad" in b for b in local_buffers(model).values())
 
 
+@pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
 def test_zero_grad_frees_the_gradient_buffers_and_the_next_step_allocates_new_ones():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
