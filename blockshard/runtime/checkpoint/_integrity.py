@@ -13,8 +13,8 @@ fresh per save): the content id of the checkpoint.
 (file ``i`` of the sorted list to rank ``i % W``), each rank re-hashes its share, and a file whose
 size or hash differs raises :class:`CheckpointError` naming it, on every rank, before ``dcp.load``
 reads a byte. The cost is one extra read of the checkpoint spread over the ranks
-(``benchmarks/checkpoint.py`` reports the load with and without it, docs/engine.md the numbers). In the same collective every rank shares the content id of the checkpoint it
-resolved (the record's ``checkpoint_id``; for a plain ``dcp.save`` checkpoint, the checksum of
+(``benchmarks/checkpoint.py`` reports the load with and without it, docs/engine.md the numbers).
+In the same collective every rank shares the content id of the checkpoint it resolved (the record's ``checkpoint_id``; for a plain ``dcp.save`` checkpoint, the checksum of
 its ``.metadata``): ranks that resolved different checkpoints (each picking "latest" while a save
 lands) raise on every rank instead of each loading its own.
 """
@@ -87,8 +87,8 @@ def verify_share(path: str, record: dict | None, rank: int, world_size: int) -> 
 
 
 def content_id(path: str, record: dict | None) -> str:
-    """The id of the checkpoint at ``path``: the record's ``checkpoint_id``, else the SHA-256 of
-    its ``.metadata``'s checksum (a plain ``dcp.save`` checkpoint)."""
+    """The id of the checkpoint at ``path``: the record's ``checkpoint_id``, else the size and
+    CRC-32 of its ``.metadata`` (a plain ``dcp.save`` checkpoint)."""
     if record and isinstance(record.get("checkpoint_id"), str):
         return record["checkpoint_id"]
     metadata = os.path.join(path, ".metadata")
