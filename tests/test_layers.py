@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("optim", ("blockshard.optim",)),
     ("facade", ("blockshard",)),  # blockshard/__init__.py only
     ("integrations", ("blockshard.integrations",)),
-    ("test and demo helpers", ("blockshard._launch", "blockshard._tiny")),
+    ("test and demo helpers", ("blockshard._launch", "blockshard._tiny", "blockshard.launch", "blockshard.tiny")),
     ("entry points", ("blockshard.cli", "blockshard.__main__", "blockshard._demo", "blockshard._render")),
 )
 

@@ -79,3 +79,21 @@ def test_block_runs(block, tmp_path):
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.not_run is None and b.spawns], ids=lambda b: f"line{b.line}")
 def test_block_runs_on_spawned_ranks(block, tmp_path):
     _run(block, tmp_path, timeout=300)
+
+
+def test_the_docs_name_no_private_module():
+    """Users copy what README.md and docs/ import: only public names (``blockshard.launch``, not
+    ``blockshard._launch``). Control: the pattern finds a private name in a made-up line."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    private = re.compile(r"\bblockshard(?:\.\w+)*\._\w+")
+    assert private.search("from blockshard._launch import spawn_gloo")  # the control
+    found = [
+        f"{p.relative_to(root)}:{i}: {line.strip()}"
+        for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if private.search(line)
+    ]
+    assert found == [], "\n".join(found)

@@ -17,7 +17,7 @@ from blockshard.semantics._registry import (
 from blockshard.semantics._rule import Rule
 from blockshard.semantics._rules import ResolvedSemantics, SemanticsRules
 from blockshard.semantics._spec import DTYPE_ITEMSIZE, DTypeLike, TensorSpec, itemsize_of, normalize_dtype
-from blockshard.semantics._storage import ByteSection, ByteStream, QuantizedStorage
+from blockshard.semantics._storage import ByteSection, ByteStream, QuantizedStorage, storage_with_companions
 
 __all__ = [
     "DTYPE_ITEMSIZE",
@@ -43,5 +43,6 @@ __all__ = [
     "register_semantics",
     "registered_semantics",
     "reload_entry_points",
+    "storage_with_companions",
     "unregister_semantics",
 ]
