@@ -19,7 +19,7 @@ from blockshard.optim._owner_compute import (
     local_region,
     named_groups,
 )
-from blockshard.runtime.core._collectives import wait
+from blockshard.runtime.core._collectives import agree, wait
 from blockshard.runtime.core._owners import tensor_owner_plan
 from blockshard.runtime.core._param import managed_tag
 
@@ -155,6 +155,8 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
 
     # -- communication ----------------------------------------------------------------------------
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_sizes, in_sizes, what: str) -> None:
+        # [Note: collective headers]: the sizes are each rank's own, so the header compares the call and dtype
+        agree(self.process_group, f"the owner-compute all_to_all ({what})", dtype=inp.dtype)
         work = dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group, async_op=True)
         _wait(work, f"the owner-compute all_to_all ({what})", self.process_group)
 

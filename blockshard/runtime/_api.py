@@ -28,7 +28,7 @@ from blockshard.runtime._placement import check_shard_placements
 from blockshard.runtime.checkpoint._extra_dtypes import install_extra_state_dict_hooks
 from blockshard.runtime.core._buffer_set import BufferSet, GroupControls
 from blockshard.runtime.core._buffers import ParamBuffers
-from blockshard.runtime.core._collectives import check_same_layout, engine_group
+from blockshard.runtime.core._collectives import check_same_layout, engine_group, uses_headers
 from blockshard.runtime.core._dtypes import split_by_dtype
 from blockshard.runtime.core._inspect import global_shapes, group_layouts, local_buffers
 from blockshard.runtime.core._list_groups import bind_below, collect_all, listed_modules
@@ -262,6 +262,7 @@ def fully_shard(
         quantized_gather=quantized_gather,
         policy=policy,
         alignment_bytes=alignment_bytes,
+        collective_headers=uses_headers(process_group),  # BLOCKSHARD_COLLECTIVE_HEADERS ([Note: collective headers])
     )
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
     install_torch_routes()  # clip_grad_norm_, register_fsdp_forward_method, DCP's state-dict helpers ([Note: torch routes])

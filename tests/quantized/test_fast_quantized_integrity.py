@@ -91,13 +91,28 @@ def test_aligned_ranks_count_every_quantized_all_gather():
         assert out["float_groups"] == 1  # the control: what was counted before
 
 
-def test_quantized_all_gathers_out_of_order_raise_on_every_rank():
+def test_quantized_all_gathers_out_of_order_raise_on_every_rank(monkeypatch):
+    """Without headers ([Note: collective headers]) the swapped all-gathers pair: the end-of-step
+    check is what raises."""
+    monkeypatch.setenv("BLOCKSHARD_COLLECTIVE_HEADERS", "0")
     outs = _inproc.run_ranks(_run, 2, args=(True,))
     assert not outs[0]["same_bytes"]  # the control: rank 0's layer 1 was gathered with rank 1's layer 2
     for rank, out in enumerate(outs):
         assert out["outcome"].startswith("CollectiveIntegrityError"), (rank, out["outcome"])
         assert "did not line up" in out["outcome"] and "Fix:" in out["outcome"], out["outcome"]
         assert len(out["losses"]) == 2, out["losses"]  # raised in step 1, before its optimizer step
+
+
+def test_with_headers_quantized_all_gathers_out_of_order_raise_before_pairing():
+    """With headers (the default on gloo) every rank raises at the swapped all-gather itself, naming
+    both ranks' groups, before any byte of it is exchanged."""
+    for out in _inproc.run_ranks(_run, 2, args=(True,)):
+        msg = out["outcome"]
+        assert msg.startswith("CollectiveIntegrityError: blockshard: the ranks' collectives do not line up"), msg
+        assert "rank 0: the all-gather of the quantized weights of group 'Linear4bit' (layers.1)" in msg, msg
+        assert "rank 1: the all-gather of the quantized weights of group 'Linear4bit' (layers.2)" in msg, msg
+        assert "Nothing was exchanged" in msg and "Fix:" in msg, msg
+        assert len(out["losses"]) == 1, out["losses"]  # step 1 raised at the unshard, before its forward
 
 
 def _mixed(rank: int, world: int) -> dict:

@@ -35,24 +35,49 @@ class Tower(nn.Module):
         return x
 
 
-def _setup():
+class Funnel(Tower):
+    """Three layers of other sizes (24, 8, 4 outputs): a rank out of step pairs buffers of other
+    sizes, which gloo answers with ``abort()`` unless the headers stop it first ([Note: collective
+    headers] in blockshard/runtime/core/_collectives.py)."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList([nn.Linear(16, 24), nn.Linear(24, 8), nn.Linear(8, 4)])
+        self.skip = None
+
+
+def _setup(funnel: bool = False):
     import blockshard
 
     os.environ["BLOCKSHARD_COLLECTIVE_TIMEOUT_S"] = str(TIMEOUT_S)
-    model = Tower()
+    model = Funnel() if funnel else Tower()
     for layer in model.layers:
         blockshard.fully_shard(layer)
     blockshard.fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def case(rank: int, world: int, name: str, out_dir: str, odd_rank: int = 1) -> dict:
-    """``STEPS`` steps; in step ``MISBEHAVING_STEP`` rank ``odd_rank`` misbehaves as ``name`` says."""
-    model, opt = _setup()
+def case(rank: int, world: int, name: str, out_dir: str, odd_rank: int = 1, funnel: bool = False) -> dict:
+    """``STEPS`` steps; in step ``MISBEHAVING_STEP`` rank ``odd_rank`` misbehaves as ``name`` says
+    (``funnel``: on :class:`Funnel`, whose layers differ in size)."""
+    import blockshard
+
+    model, opt = _setup(funnel)
     start = time.monotonic()
+    checkpoint = os.path.join(out_dir, "checkpoint")
     try:
+        if name == "load_checkpoint_alone":
+            blockshard.save_checkpoint(model, checkpoint)  # on every rank: a checkpoint to load
         for step in range(STEPS):
             odd = rank == odd_rank and step == MISBEHAVING_STEP
+            if odd and name == "load_checkpoint_alone":
+                blockshard.load_checkpoint(model, checkpoint)
+            if odd and name == "full_state_dict_alone":
+                blockshard.full_state_dict(model)
+            if odd and name == "gradient_sync_off":
+                model.set_requires_gradient_sync(False)
             if odd and name == "skipped_step":
                 continue
             if odd and name == "dead_peer":
@@ -64,17 +89,23 @@ def case(rank: int, world: int, name: str, out_dir: str, odd_rank: int = 1) -> d
             x = torch.ones(4, 16)
             if odd and name == "extra_forward":
                 model(x)
+            if odd and name == "no_grad_forward":
+                with torch.no_grad():
+                    model(x)  # e.g. an evaluation on one rank
             if odd and name == "raised_in_forward":
                 try:  # the rank catches an error of its own in the middle of a forward and goes on
                     model.layers[0](x)
                     raise ValueError("a bad batch")
                 except ValueError:
                     pass
-            model(x).square().mean().backward()
-            if not (odd and name == "skipped_optimizer_step"):
+            loss = model(x).square().mean()
+            if not (odd and name == "skipped_backward"):
+                loss.backward()
+            if not (odd and name == "skipped_optimizer_step") and not (rank == odd_rank and name == "never_steps"):
                 opt.step()
             opt.zero_grad()
             model.skip = None
+            model.set_requires_gradient_sync(True)
         outcome = "no error"
     except Exception as exc:  # the test asserts the type and the text
         outcome = f"{type(exc).__name__}: {exc}"

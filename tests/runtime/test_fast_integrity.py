@@ -75,7 +75,84 @@ def test_the_mismatch_message_names_differing_optimizer_steps():
 
 
 def test_a_rank_that_never_steps_an_optimizer_is_not_a_mismatch():
-    """Ranks that hold no element to step (empty pieces filtered out) build no optimizer."""
-    msg = _mismatch("Tower", [[3, 7, 11, 5, 2], [3, 7, 11, 5, 0], [3, 6, 11, 5, 2]])
+    """Ranks that hold no element to step (empty pieces filtered out) build no optimizer: their
+    record carries the ``never`` mark, and they are left out."""
+    never = 1 << 62
+    msg = _mismatch("Tower", [[3, 7, 11, 5, 2], [3, 7, 11, 5, never], [3, 6, 11, 5, 2]], never=never)
     differs = msg.split("did not line up")[1].split(". A rank")[0]
     assert "optimizer steps" not in differs and "collectives issued" in differs, differs
+
+
+def test_a_rank_that_holds_trainable_elements_and_never_stepped_is_a_mismatch():
+    """The control of the one above: zero steps on a rank that holds something to step (optimizer.step()
+    on rank 0 only) is named, the rank holding nothing shown as '-'."""
+    never = 1 << 62
+    msg = _mismatch("Tower", [[3, 7, 11, 5, 2], [3, 7, 11, 5, 0], [3, 7, 11, 5, never]], never=never)
+    differs = msg.split("did not line up")[1].split(". A rank")[0]
+    assert differs == " in this step: optimizer steps (rank 0: 2, rank 1: 0, rank 2: -)", differs
+
+
+# -- [Note: collective headers] ----------------------------------------------------------------------
+def test_the_header_message_names_each_ranks_collective_and_the_cause():
+    from blockshard.runtime.core._collectives import header_mismatch
+
+    said = [
+        ("the all-gather of group 'Linear' (c)", "in the backward of step 2", 20, "torch.float32", True),
+        (
+            "the all-gather of group 'Linear' (a)",
+            "in the forward (2nd since the last backward) of step 2",
+            204,
+            "torch.float32",
+            True,
+        ),
+    ]
+    msg = header_mismatch(said, 0)
+    assert msg.startswith("blockshard: the ranks' collectives do not line up (seen on rank 0 of 2): rank 0: the ")
+    assert "rank 1: the all-gather of group 'Linear' (a) (204 elements of float32) in the forward (2nd" in msg
+    assert "Likely cause: rank 1 ran a forward where the others ran the backward" in msg
+    assert "gradient sync" not in msg.split("Likely cause:")[1].split(". Nothing")[0]
+
+
+def test_the_header_message_names_gradient_sync_and_calls_on_some_ranks_only():
+    from blockshard.runtime.core._collectives import header_mismatch
+
+    rs = ("the reduce-scatter of group 'Linear' (c)", "in the backward of step 2", 20, "torch.float32", True)
+    ag = ("the all-gather of group 'Linear' (a)", "in the backward of step 2", 204, "torch.float32", False)
+    assert "gradient sync is off on rank 1 only" in header_mismatch([rs, ag], 1)
+    load = ("a call of blockshard.load_checkpoint", "", 0, "None", None)
+    msg = header_mismatch([ag, load, load], 2)
+    assert "Likely cause: blockshard.load_checkpoint was called on ranks 1, 2 only" in msg, msg
+    assert "rank 1: a call of blockshard.load_checkpoint," in msg  # no element count for a call
+
+
+def test_the_headers_setting_is_validated(monkeypatch):
+    from blockshard.runtime.core._collectives import HEADERS_ENV, headers_on
+
+    for raw, on in (("", True), ("1", True), ("0", False)):
+        monkeypatch.setenv(HEADERS_ENV, raw)
+        assert headers_on() is on
+    monkeypatch.setenv(HEADERS_ENV, "off")
+    with pytest.raises(BlockshardError, match=rf"{HEADERS_ENV}='off' must be 1 .* or 0"):
+        headers_on()
+
+
+def _headers_then_train(rank: int, world: int) -> list[bool]:
+    from blockshard.runtime.core._collectives import uses_headers
+    from blockshard.runtime.core._state import state_of
+
+    with _inproc.serial():
+        torch.manual_seed(0)
+        model = nn.Linear(8, 8)
+    blockshard.fully_shard(model)
+    model(torch.ones(2, 8)).sum().backward()
+    return [uses_headers(state_of(model).buffers.process_group)]
+
+
+def test_the_headers_setting_reaches_the_engine_group(monkeypatch):
+    """BLOCKSHARD_COLLECTIVE_HEADERS is read when fully_shard makes the group (threads share one
+    environment, so both ranks agree; ranks that differ are refused by check_same_settings, as
+    collective_headers)."""
+    monkeypatch.setenv("BLOCKSHARD_COLLECTIVE_HEADERS", "0")
+    assert _inproc.run_ranks(_headers_then_train, 2) == [[False], [False]]
+    monkeypatch.delenv("BLOCKSHARD_COLLECTIVE_HEADERS")
+    assert _inproc.run_ranks(_headers_then_train, 2) == [[True], [True]]

@@ -35,6 +35,7 @@ from blockshard.runtime.checkpoint._files import (
 )
 from blockshard.runtime.checkpoint._integrity import content_id, verify_share
 from blockshard.runtime.checkpoint._optim_state import load_optimizer_state_dict, optimizer_state_dict
+from blockshard.runtime.core._inspect import agree_on_call
 
 __all__ = ["CheckpointError", "describe_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -107,6 +108,7 @@ def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimize
     import torch.distributed.checkpoint as dcp
 
     path = _check_save_arguments(model, checkpoint_id, optimizer)
+    agree_on_call(model, "blockshard.save_checkpoint")  # [Note: collective headers]
     optimizers = _optimizers(optimizer)
     atomic_save(
         path,
@@ -131,6 +133,7 @@ def load_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     path = resolve(_check_save_arguments(model, checkpoint_id, optimizer, "load_checkpoint"))
+    agree_on_call(model, "blockshard.load_checkpoint")  # [Note: collective headers]
     state = _state(model, optimizer)
     alone = optimizer is None and _saved_with_optimizer(path)  # the model alone, e.g. to fine-tune from it
     check_on_every_rank(

@@ -42,7 +42,7 @@ from blockshard.runtime.checkpoint._files import raise_on_every_rank
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._quantized_state import StateEntry, _module_names, _prefixes
 from blockshard.runtime.checkpoint._state_dict import _names
-from blockshard.runtime.core._inspect import join_name, states_under
+from blockshard.runtime.core._inspect import agree_on_call, join_name, states_under
 from blockshard.runtime.core._param import ShardedParam
 from blockshard.runtime.quantized._frozen import frozen_buffers
 
@@ -144,6 +144,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None
     chunks (collective: call on every rank; see [Note: streamed export]). ``from_pretrained``
     loads it."""
     path = os.fspath(save_directory)
+    agree_on_call(model, "blockshard.save_pretrained")  # [Note: collective headers]
     rank = _rank(model)
     states = states_under(model)
     _check_exportable(states)  # before any collective or file

@@ -47,7 +47,7 @@ from torch import nn
 from blockshard._errors import CheckpointError
 from blockshard.runtime.checkpoint._optim_codecs import decode_state, encode_state
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
-from blockshard.runtime.core._inspect import join_name, states_under
+from blockshard.runtime.core._inspect import agree_on_call, join_name, states_under
 from blockshard.runtime.core._inspect import state_name as _name
 from blockshard.runtime.core._optim_guard import uncounted_steps
 from blockshard.runtime.core._param import ShardedParam
@@ -117,7 +117,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     State that does not exist yet is created first (:func:`init_optimizer_state`). Collective
     (every rank calls it) when the model is sharded over more than one rank: the ranks' parameter
     names are gathered."""
-
+    agree_on_call(model, "blockshard.optimizer_state_dict")  # [Note: collective headers]
     init_optimizer_state(optimizer)
     params = _optimizer_params(model, optimizer)
     state: dict[str, dict[str, Any]] = {}
@@ -226,7 +226,7 @@ def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | Non
 def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     """Copy a state dict of :func:`optimizer_state_dict`'s form into the optimizer (the entries
     ``dcp.load`` filled in place are copied onto themselves; other pieces must match this rank's)."""
-
+    agree_on_call(model, "blockshard.load_optimizer_state_dict")  # [Note: collective headers]
     params = _optimizer_params(model, optimizer)
     saved_groups = state["param_groups"]
     mine = _by_group(params, optimizer)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from blockshard._errors import PieceTensorError
-from blockshard.runtime.core._collectives import all_gather_into
+from blockshard.runtime.core._collectives import agree, all_gather_into
 
 __all__ = ["Box", "PieceTensor", "PieceTensorError", "flat_run_boxes"]
 
@@ -191,6 +191,7 @@ class PieceTensor(torch.Tensor):
             return self._local.clone().view(self.shape)
         pg: Any = self._process_group or dist.group.WORLD
         W = dist.get_world_size(pg)
+        agree(pg, f"PieceTensor.full_tensor() of a {tuple(self.shape)} {str(self.dtype).removeprefix('torch.')} tensor")
         places = torch.empty(2 * W, dtype=torch.int64, device=self.device)
         mine = torch.tensor([self._start, self._local.numel()], dtype=torch.int64, device=self.device)
         all_gather_into(places, mine, pg)

@@ -21,8 +21,8 @@ from blockshard.runtime.checkpoint._quantized_state import (
     quantized_pieces,
 )
 from blockshard.runtime.core._buffers import ParamBuffers
-from blockshard.runtime.core._collectives import all_gather_into
-from blockshard.runtime.core._inspect import join_name, state_name, states_under
+from blockshard.runtime.core._collectives import agree_call, all_gather_into
+from blockshard.runtime.core._inspect import agree_on_call, join_name, state_name, states_under
 from blockshard.runtime.core._param import ShardedParam
 from blockshard.runtime.core._state import state_of
 from blockshard.runtime.quantized._frozen import frozen_buffers
@@ -67,6 +67,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     (tied parameters under each of their names, as one tensor; buffers included), so a strict
     ``load_state_dict`` into an unsharded model works. One all-gather of the local buffers per
     group, in the parameters' original dtype; everything else is cloned as it is."""
+    agree_on_call(model, "blockshard.full_state_dict")  # [Note: collective headers]
     gathered = _gather_groups(model)
     quantized, owned = full_quantized_entries(model, states_under(model))  # [Note: quantized state dicts]
     gathered |= quantized
@@ -308,6 +309,7 @@ def _check_same_pieces(pieces: list[tuple[str, PieceTensor]]) -> None:
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    agree_call(None, "gathering full tensors (gather_pieces)")  # [Note: collective headers]
     mine = [(path, tuple(p.shape), str(p.dtype)) for path, p in pieces]
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)

@@ -31,9 +31,11 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from blockshard._errors import EngineStateError
+from blockshard.runtime.core._collectives import agree
 from blockshard.runtime.core._common import CollectiveTally, ShardedState
 
 __all__ = ["BufferSet", "GroupControls"]
@@ -69,6 +71,14 @@ class BufferSet(abc.ABC):
         """The buffer set in messages: its name and, once known, its module's path under the root."""
         where = "" if self.path is None else f" ({self.path or 'the root'})"
         return f"{self.name!r}{where}"
+
+    def agree(self, what: str, numel: int, dtype: torch.dtype, group: dist.ProcessGroup | None = None) -> None:
+        """Before issuing ``what`` (on ``group``, by default this buffer set's): every rank is about
+        to issue the same, in the same phase of the step ([Note: collective headers])."""
+        phase = "" if self.tally is None else self.tally.phase_text
+        controls: GroupControls | None = getattr(self, "controls", None)  # buffer sets that train have them
+        sync = None if controls is None else controls.requires_gradient_sync
+        agree(self.process_group if group is None else group, what, numel=numel, dtype=dtype, phase=phase, sync=sync)
 
     def count(self, kind: int) -> None:
         """Count one collective of ``kind`` (0 all-gather, 1 reduce-scatter, 2 all-reduce)."""

@@ -216,6 +216,7 @@ class ParamBuffers(BufferSet):
             self.sharded_state = ShardedState.UNSHARDED
             return
         layout, W = self._layout, self.world_size
+        self.agree(f"the all-gather of group {self.described}", self.local.numel(), self.send.dtype)
         self._start_gather()
         with self.streams.on("all_gather"):  # [Note: streams]
             if self.send is not self.local:  # mixed precision: the one cast of the step; offload: to the device

@@ -56,7 +56,9 @@ guards make every such case an error on every rank, in bounded time, at next to 
 The cost is one 80-byte all-reduce per step, whatever the number of groups (measured in
 docs/engine_benchmark.md), and nothing per collective beyond the count.
 
-  4. **The end of training.** A rank that skips a whole step (forward, backward and optimizer
+  4. **Headers** ([Note: collective headers] below) keep gloo from pairing buffers of other sizes,
+     which aborts the process instead of raising.
+  5. **The end of training.** A rank that skips a whole step (forward, backward and optimizer
      step) issues exactly the collectives of a rank that ran one step fewer, so the two pair up;
      the ranks diverge only where one runs a step the other never reaches: that rank raises
      within the bound, naming the peer that never reported, while the one that skipped finishes
@@ -66,6 +68,40 @@ docs/engine_benchmark.md), and nothing per collective beyond the count.
      plus 2 s, for its peers' counts or failure reports; a peer that failed, ran another number of
      steps or never finishes raises :class:`CollectiveIntegrityError` (a rank that failed itself
      has raised already and checks nothing).
+
+[Note: collective headers]
+Where two ranks issue collectives of other sizes on one gloo group (one rank runs an extra forward,
+skips a backward, turns gradient sync off, or calls ``load_checkpoint`` alone), gloo pairs the
+mismatched buffers and ``abort()``s the receiving process ("Received data size doesn't match
+expected size"): no Python error, no message. So before every collective the engine issues on a gloo
+group during training (each buffer set's all-gather, each reduce-scatter and all-reduce, the
+end-of-step check, the gradient-norm all-reduce, the collectives of state dicts, checkpoints and
+owner-compute) and at the start of every public call that issues collectives (``load_checkpoint``,
+``save_checkpoint``, ``full_state_dict``, ...), every rank contributes a *header* to one all-gather
+of ``_HEADER_FIELDS`` int64 on a third group over the same ranks (:func:`agree`): a CRC-32 of what
+it is about to issue (the collective and its group, e.g. "the all-gather of group 'Linear'
+(layers.0)"), the phase (forward, backward, end of step, between steps), its element count and
+dtype. Headers have one size on every rank, so they always pair; the data collective is issued only
+after every rank's header matched, so the ``n``-th data collectives always agree in size. Where the
+headers differ, every rank has seen the same rows: the ranks exchange what each was about to issue
+(one ``all_gather_object`` on the header group) and every rank raises
+:class:`CollectiveIntegrityError` naming each rank's collective and the likely cause (an extra
+forward or a skipped backward, gradient sync on some ranks only, a call on some ranks only).
+Nothing of the data was exchanged. A rank that issues a collective without a header (a peer that
+calls torch directly) leaves its peers waiting on the header group: bounded by the timeout as any
+other wait (point 1).
+
+The headers' group is separate from the engine's so a header never pairs with a data collective:
+a rank that skipped a header blocks its peers in the header's all-gather instead of feeding gloo a
+buffer of another size. It is created with the engine's group (:func:`engine_group`), on gloo with
+W > 1 only. Cost: one blocking all-gather of 40 bytes per engine collective (a prefetch's header is
+sent when the prefetch is issued); measured in docs/engine_benchmark.md ("Collective headers").
+``BLOCKSHARD_COLLECTIVE_HEADERS=0`` (read once per group, when ``fully_shard`` creates it; every
+rank must agree, and ``fully_shard`` checks it) turns them off: mismatched collectives then abort
+the process again, and the end-of-step check still catches those that paired silently. On NCCL
+there are no headers (a header would wait for the GPU at every collective): mismatched
+collectives there hang until NCCL's own timeout (``init_process_group(timeout=...)``), and the
+end-of-step check catches those that paired.
 """
 
 from __future__ import annotations
@@ -74,26 +110,34 @@ import datetime
 import os
 import time
 import weakref
+import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from blockshard._errors import BlockshardError, CollectiveIntegrityError, LayoutMismatchError
+from blockshard.runtime.core._common import phase_kind
 
 __all__ = [
+    "HEADERS_ENV",
     "TIMEOUT_ENV",
     "CollectiveIntegrityError",
     "LayoutMismatchError",
+    "agree",
+    "agree_call",
     "all_gather_into",
     "check_finished",
     "check_same_layout",
     "collective_timeout_s",
     "engine_group",
+    "headers_on",
     "holds_copies",
     "note_step",
     "reduce_scatter_avg",
     "shift_ranks",
     "step_mismatch",
+    "uses_headers",
     "wait",
 ]
 
@@ -115,6 +159,23 @@ _STEPS: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDicti
 _FAILED: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
 _FINISHED: weakref.WeakKeyDictionary[dist.ProcessGroup, int] = weakref.WeakKeyDictionary()
 _DONE_PREFIX = "blockshard/done/"
+
+#: Set to 0 to turn off the headers of [Note: collective headers] (on by default on gloo).
+HEADERS_ENV = "BLOCKSHARD_COLLECTIVE_HEADERS"
+_HEADER_FIELDS = 5  # CRC-32 of what, CRC-32 of the phase, numel, CRC-32 of the dtype, one spare (0)
+
+
+@dataclass(eq=False)
+class _Headers:
+    """[Note: collective headers] The header group of one engine group (and of its user group)."""
+
+    group: dist.ProcessGroup  # where the headers are all-gathered
+    engine: dist.ProcessGroup  # the engine's group they guard (its store takes the failure reports)
+    on: bool  # BLOCKSHARD_COLLECTIVE_HEADERS when the group was made
+
+
+# user group and engine group -> their headers; weak keys, as _ENGINE_GROUPS
+_HEADERS: weakref.WeakKeyDictionary[dist.ProcessGroup, _Headers] = weakref.WeakKeyDictionary()
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -138,22 +199,143 @@ def collective_timeout_s() -> float:
     return value
 
 
+def headers_on() -> bool:
+    """[Note: collective headers] Whether new engine groups send headers (``BLOCKSHARD_COLLECTIVE_HEADERS``)."""
+    raw = os.environ.get(HEADERS_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise BlockshardError(
+            f"environment variable {HEADERS_ENV}={raw!r} must be 1 (check every collective's size before it is "
+            "issued, the default) or 0 (no check: mismatched collectives abort the process), e.g. unset it"
+        )
+    return raw != "0"
+
+
 def engine_group(process_group: dist.ProcessGroup) -> dist.ProcessGroup:
     """The group the engine issues its collectives on for ``process_group`` (point 1 of
     [Note: collective integrity]): on gloo with W > 1 a group of its own over the same ranks,
-    whose timeout is :func:`collective_timeout_s`; otherwise ``process_group`` itself."""
+    whose timeout is :func:`collective_timeout_s`; otherwise ``process_group`` itself. With it, the
+    group of its headers ([Note: collective headers])."""
     if process_group.size() == 1 or dist.get_backend(process_group) != "gloo":
         return process_group
     found = _ENGINE_GROUPS.get(process_group)
     if found is None:
-        found = dist.new_group(
-            dist.get_process_group_ranks(process_group),
-            timeout=datetime.timedelta(seconds=collective_timeout_s()),
-            backend="gloo",
-            use_local_synchronization=True,
+        on = headers_on()
+        ranks, timeout = dist.get_process_group_ranks(process_group), collective_timeout_s()
+        found, header = (
+            dist.new_group(
+                ranks, timeout=datetime.timedelta(seconds=timeout), backend="gloo", use_local_synchronization=True
+            )
+            for _ in range(2)  # made on every rank in this order, whether headers are on or not
         )
         _ENGINE_GROUPS[process_group] = found
+        _HEADERS[process_group] = _HEADERS[found] = _HEADERS[header] = _Headers(header, found, on)
     return found
+
+
+def uses_headers(group: dist.ProcessGroup) -> bool:
+    """Whether collectives on ``group`` (an engine group or its user group) send headers."""
+    headers = _HEADERS.get(group)
+    return headers is not None and headers.on
+
+
+def agree(
+    group: dist.ProcessGroup,
+    what: str,
+    *,
+    numel: int = 0,
+    dtype: torch.dtype | None = None,
+    phase: str = "",
+    sync: bool | None = None,
+) -> None:
+    """[Note: collective headers] Before issuing ``what`` on ``group`` (an engine group or the user
+    group it serves): check that every rank is about to issue the same collective (``what``, the
+    ``phase`` it runs in, its element count and dtype); else raise :class:`CollectiveIntegrityError`
+    on every rank, naming each rank's (``sync``: the group's gradient sync, named in the message
+    where it differs). A no-op where the group has no headers (NCCL, W = 1, off)."""
+    headers = _HEADERS.get(group)
+    if headers is None or not headers.on:
+        return
+    pg, W = headers.group, headers.group.size()
+    kind = phase_kind(phase)  # "in the forward (2nd since the last backward) of step 3": "forward"
+    fields = [_crc(what), _crc(kind), numel, _crc(str(dtype)), 0]
+    mine = torch.tensor(fields, dtype=torch.int64)
+    everyone = torch.empty(W * _HEADER_FIELDS, dtype=torch.int64)
+    wait(_all_gather(everyone, mine, group=pg, async_op=True), f"the header of {what}", pg)
+    rows = everyone.view(W, _HEADER_FIELDS).tolist()
+    if all(row == fields for row in rows):
+        return
+    said: list = [None] * W  # every rank saw the same rows: all of them exchange their descriptions
+    dist.all_gather_object(said, (what, phase, numel, str(dtype), sync), group=pg)
+    _FAILED.add(headers.engine)  # this rank raised: check_finished has nothing to add
+    raise CollectiveIntegrityError(header_mismatch(said, pg.rank()))
+
+
+def agree_call(group: dist.ProcessGroup | None, call: str) -> None:
+    """[Note: collective headers] At the start of the public call ``call`` (e.g.
+    ``"blockshard.load_checkpoint"``), which issues collectives of its own (some on the default
+    group): every rank of ``group`` (default: the default group) makes it now; else every rank raises."""
+    group = dist.group.WORLD if group is None else group
+    if group is not None:
+        agree(group, _ENTRY + call)
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+_ENTRY = "a call of "  # how agree_entry's descriptions begin: a public call, not a collective
+
+
+def header_mismatch(said: list[tuple[str, str, int, str, bool | None]], rank: int) -> str:
+    """The message for headers that differ ([Note: collective headers]): each rank's collective
+    and the likely cause."""
+
+    def shown(r: int) -> str:
+        what, phase, numel, dtype, _ = said[r]
+        size = "" if what.startswith(_ENTRY) else f" ({numel} elements of {dtype.removeprefix('torch.')})"
+        return f"rank {r}: {what}{size}{' ' + phase if phase else ''}"
+
+    W = len(said)
+    ranks = ", ".join(shown(r) for r in range(W))
+    kinds = [phase_kind(phase) for _, phase, _, _, _ in said]
+    causes = []
+    calls = {r: what[len(_ENTRY) :] for r, (what, *_) in enumerate(said) if what.startswith(_ENTRY)}
+    if calls and len(calls) < W:
+        for call in sorted(set(calls.values())):
+            on = [r for r, c in calls.items() if c == call]
+            causes.append(f"{call} was called on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} only")
+    if "forward" in kinds and "backward" in kinds:
+        fwd = [r for r, k in enumerate(kinds) if k == "forward"]
+        causes.append(
+            f"rank{'s' if len(fwd) > 1 else ''} {', '.join(map(str, fwd))} ran a forward where the others ran the "
+            "backward: an extra forward on those ranks (e.g. an evaluation under torch.no_grad() on some ranks "
+            "only) or a backward() they skipped"
+        )
+    if "end" in kinds and "backward" in kinds:
+        done = [r for r, k in enumerate(kinds) if k == "end"]
+        causes.append(
+            f"rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} finished the backward with fewer "
+            "collectives: a module that did not run there, or gradient sync off there"
+        )
+    syncs = {r: s for r, (*_, s) in enumerate(said) if s is not None}
+    if len(set(syncs.values())) > 1:
+        off = [r for r, s in syncs.items() if not s]
+        causes.append(
+            f"gradient sync is off on rank{'s' if len(off) > 1 else ''} {', '.join(map(str, off))} only "
+            "(set_requires_gradient_sync(False) on some ranks)"
+        )
+    if not causes:
+        causes.append(
+            "the ranks ran different modules or passes (a module unused on some ranks, data-dependent control "
+            "flow, other requires_grad flags)"
+        )
+    return (
+        f"blockshard: the ranks' collectives do not line up (seen on rank {rank} of {W}): {ranks}. Likely cause: "
+        f"{'; '.join(causes)}. Nothing was exchanged: every rank raises here instead of pairing buffers of other "
+        "sizes (which aborts the process). Fix: run the same forward, backward and optimizer step on every rank, "
+        "with the same modules, gradient sync and trainable parameters, and call checkpoint and state-dict "
+        "functions on every rank"
+    )
 
 
 def wait(work: dist.Work, what: str, group: dist.ProcessGroup) -> None:
@@ -170,10 +352,12 @@ def failure(what: str, group: dist.ProcessGroup, exc: BaseException, timeout: fl
     """The error for a collective ``what`` that failed with ``exc`` (point 2 of the Note)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     rank, W = group.rank(), group.size()
+    headers = _HEADERS.get(group)
+    engine = headers.engine if headers is not None and headers.group is group else group
     for user, mine in list(_ENGINE_GROUPS.items()):  # a failed gloo group stays broken: fully_shard makes anew
-        if mine is group:
+        if mine is engine:
             del _ENGINE_GROUPS[user]
-    peers = _peer_reports(group, f"{what}: {first[:200]}")
+    peers = _peer_reports(engine, f"{what}: {first[:200]}")  # the headers' peers report there too
     return CollectiveIntegrityError(
         f"blockshard: {what} on rank {rank} of {W} did not complete ({first}; waited at most {timeout:g} s, "
         f"{TIMEOUT_ENV}).{peers} A peer rank failed or exited, or the ranks' collectives do not line up: every "
@@ -325,14 +509,19 @@ def shift_ranks(local: torch.Tensor, k: int, group: dist.ProcessGroup) -> torch.
     return out
 
 
-def step_mismatch(name: str, rows: list[list[int]]) -> str:
-    """What differs between the ranks' end-of-step records (step, collectives, order, trainable)."""
+def step_mismatch(name: str, rows: list[list[int]], never: int = -1) -> str:
+    """What differs between the ranks' end-of-step records (step, collectives, order, trainable,
+    optimizer steps; ``never`` in the last: a rank holding nothing to step, left out)."""
     what = []
     labels = ("step", "collectives issued", "collective order", "requires_grad flags", "optimizer steps")
     for col, label in enumerate(labels):
         values = [row[col] for row in rows]
-        if len(set(values) - ({0} if col == 4 else set())) > 1:
-            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)) if col in (0, 1, 4) else "differ"
+        if len(set(values) - ({never} if col == 4 else set())) > 1:
+            shown = (
+                ", ".join(f"rank {r}: {'-' if v == never and col == 4 else v}" for r, v in enumerate(values))
+                if col in (0, 1, 4)
+                else "differ"
+            )
             what.append(f"{label} ({shown})")
     return (
         f"blockshard: the ranks' collectives for the model rooted at group {name!r} did not line up in this "

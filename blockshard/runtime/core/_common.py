@@ -113,6 +113,27 @@ class CollectiveTally:
         self.hash = 0
         self.optimizer_steps = 0  # end-of-step checks after which an optimizer had stepped
         self.optimizer_stepped = False  # set by the optimizer guard's step pre-hook (_optim_guard.py)
+        # where the root's step is, for the headers ([Note: collective headers] in _collectives.py)
+        self.phase = "between"  # "forward", "backward", "end" (the end-of-step check) or "between"
+        self.forwards = 0  # the root's forwards since the last end-of-step check
+
+    @property
+    def phase_text(self) -> str:
+        """The phase in headers and messages; the ranks compare its kind (:func:`phase_kind`)."""
+        step = self.steps + 1
+        if self.phase == "forward":
+            return f"in the forward ({_ordinal(self.forwards)} since the last backward) of step {step}"
+        if self.phase == "backward":
+            return f"in the backward of step {step}"
+        if self.phase == "end":
+            return f"at the end of step {step}"
+        return f"between steps ({self.steps} done)"
+
+    def forward_started(self) -> None:
+        self.phase, self.forwards = "forward", self.forwards + 1
+
+    def backward_started(self) -> None:
+        self.phase = "backward"
 
     def record(self, index: int, kind: int) -> None:
         self.count += 1
@@ -120,6 +141,21 @@ class CollectiveTally:
 
     def reset(self) -> None:
         self.count, self.hash = 0, 0
+        self.phase, self.forwards = "between", 0
+
+
+def phase_kind(phase_text: str) -> str:
+    """What the ranks compare of a :attr:`CollectiveTally.phase_text`: forward, backward, end or
+    between (not the forward's number: a forward that issues no collective, all gathered already,
+    pairs with nothing)."""
+    for kind in ("forward", "backward", "end", "between"):
+        if kind in phase_text.split(" ", 3)[:3]:
+            return kind
+    return phase_text
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 class DeviceStreams:

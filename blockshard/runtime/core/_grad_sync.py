@@ -134,6 +134,7 @@ class GradientSync:
         buf = self._new_grad_buffer() if direct else self.grad_buffer() if accumulate else None
         out = buf if direct else torch.empty(S, dtype=self.reduce_dtype, device=b.device)
         assert out is not None
+        b.agree(f"the reduce-scatter of group {b.described}", S, self.reduce_dtype)  # [Note: collective headers]
         b.count(1)
         works = []
         with b.streams.on("reduce_scatter"):  # [Note: streams]
@@ -211,6 +212,7 @@ class GradientSync:
         pg = self.replicate_group
         assert pg is not None
         op = dist.ReduceOp.SUM if b.controls.divide_factor is not None else dist.ReduceOp.AVG
+        b.agree(f"the all-reduce of group {b.described}", out.numel(), out.dtype, pg)
         b.count(2)
         wait(dist.all_reduce(out, op=op, group=pg, async_op=True), f"the all-reduce of group {b.described}", pg)
         return True

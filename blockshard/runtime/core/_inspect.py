@@ -9,10 +9,24 @@ from torch import nn
 
 from blockshard.planner import GroupLayout
 from blockshard.runtime.core._buffers import ParamBuffers
+from blockshard.runtime.core._collectives import agree_call
 from blockshard.runtime.core._list_groups import bind_names
 from blockshard.runtime.core._state import ModuleState, state_of
 
-__all__ = ["global_shapes", "group_layouts", "local_buffers"]
+__all__ = ["agree_on_call", "global_shapes", "group_layouts", "local_buffers"]
+
+
+def agree_on_call(model: nn.Module, call: str) -> None:
+    """[Note: collective headers] in _collectives.py: at the start of the public call ``call`` on
+    ``model``, every rank of each process group ``model`` is sharded over makes it (one header per
+    group); else every rank raises, before a collective of the call could pair with a peer's
+    forward or backward."""
+    seen: list = []
+    for _, st in states_under(model):
+        pg = st.buffers.process_group
+        if all(pg is not other for other in seen):
+            seen.append(pg)
+            agree_call(pg, call)
 
 
 def states_under(model: nn.Module) -> list[tuple[str, ModuleState | BuffersView]]:

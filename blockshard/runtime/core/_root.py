@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from blockshard._errors import CollectiveIntegrityError
 from blockshard.runtime.core._buffer_set import BufferSet
-from blockshard.runtime.core._collectives import all_gather_into, note_step, step_mismatch, wait
+from blockshard.runtime.core._collectives import agree, all_gather_into, note_step, step_mismatch, wait
 from blockshard.runtime.core._common import CollectiveTally, TrainingState
 
 if TYPE_CHECKING:
@@ -83,21 +83,25 @@ class RootContext:
         parameters, and every rank that steps an optimizer must have stepped as often; else every
         rank raises before the optimizer step uses the gradients."""
         tally, group = self.tally, self.states[0].buffers
-        trainable = 0
+        trainable, holds = 0, False
         for st in self.states:
             for sp in (sp for g in st.param_buffers for sp in g.params):  # every buffer set's flags
                 trainable = (trainable * 3 + 1 + sp.sharded.requires_grad) % CollectiveTally._MOD
+                holds |= sp.sharded.requires_grad and sp.sharded.numel() > 0
         pg, W = group.process_group, group.world_size
+        tally.phase = "end"
+        fields = [tally.steps + 1, tally.count, tally.hash, trainable, tally.optimizer_steps + tally.optimizer_stepped]
+        n = len(fields)
+        what = f"the end-of-step check of the model rooted at group {group.name!r}"
+        agree(pg, what, numel=2 * n, dtype=torch.int64, phase=tally.phase_text)  # [Note: collective headers]
         tally.steps += 1
         tally.optimizer_steps += tally.optimizer_stepped
         tally.optimizer_stepped = False
         note_step(pg)
-        fields = [tally.steps, tally.count, tally.hash, trainable, tally.optimizer_steps]
-        n = len(fields)
-        what = f"the end-of-step check of the model rooted at group {group.name!r}"
-        # one all-reduce (MAX) of the fields and their negatives gives every field's max and min;
-        # a rank that never stepped an optimizer (it holds nothing to step) is left out of the min
-        lows = fields[:-1] + [fields[-1] or _NEVER]
+        # one all-reduce (MAX) of the fields and their negatives gives every field's max and min; a
+        # rank that never stepped an optimizer and holds no trainable element is left out of the
+        # min (it has nothing to step); one that holds some must have stepped as often as the rest
+        lows = fields[:-1] + [fields[-1] or (0 if holds else _NEVER)]
         device = next((st.buffers.device for st in self.states if st.buffers.layout is not None), None)
         extremes = torch.tensor(fields + [-v for v in lows], dtype=torch.int64, device=device)  # NCCL: on the GPU
         wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg, async_op=True), what, pg)
@@ -106,11 +110,11 @@ class RootContext:
         highs, mins = top[:n], [-v for v in top[n:]]
         if highs[:-1] == mins[:-1] and mins[-1] in (highs[-1], _NEVER):
             return
-        mine = torch.tensor(fields, dtype=torch.int64, device=device)
+        mine = torch.tensor(lows, dtype=torch.int64, device=device)
         everyone = torch.empty(W * n, dtype=torch.int64, device=device)  # every rank saw the mismatch: the details
         wait(all_gather_into(everyone, mine, pg, async_op=True), what, pg)
         rows = everyone.view(W, n).tolist()
-        raise CollectiveIntegrityError(step_mismatch(group.name, rows))
+        raise CollectiveIntegrityError(step_mismatch(group.name, rows, never=_NEVER))
 
 
 _NEVER = 1 << 62  # "never stepped an optimizer", in the min of the end-of-step check

@@ -223,6 +223,7 @@ class ModuleState:
         if self.is_root:
             self._reset_if_interrupted(ctx)
             ctx.remember_order()
+            ctx.tally.forward_started()  # [Note: collective headers]
         expect(f"pre-forward of group {self.name!r}", self.training_state, TrainingState.IDLE)
         for b in self.buffer_sets:
             b.check_forward()
@@ -339,6 +340,7 @@ class ModuleState:
         ctx = self._context()
         if not ctx.callback_queued:
             ctx.callback_queued = True
+            ctx.tally.backward_started()  # [Note: collective headers]
             torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
         self.training_state = TrainingState.PRE_BACKWARD
         if self.unshard_in_backward:

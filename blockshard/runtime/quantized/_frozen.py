@@ -202,6 +202,7 @@ class FrozenQuantizedBuffers(BufferSet):
         """Every tensor's whole byte sections (collective: one all-gather of the segments)."""
         S, W = self.layout.segment_bytes, self.world_size
         buf = torch.empty(W * S, dtype=torch.uint8, device=self.device)
+        self.agree(f"the all-gather of the whole quantized tensors of group {self.described}", S, torch.uint8)
         all_gather_into(buf, self.local, self.process_group)
         out = [[torch.empty(s.nbytes, dtype=torch.uint8, device=self.device) for s in t.sections] for t in self.tensors]
         for r, pieces in enumerate(self.layout.pieces):
@@ -223,6 +224,7 @@ class FrozenQuantizedBuffers(BufferSet):
                 self.wait_unshard()
             return
         S, W = self.layout.segment_bytes, self.world_size
+        self.agree(f"the all-gather of the quantized weights of group {self.described}", S, torch.uint8)
         self._gathered_bytes = torch.empty(W * S, dtype=torch.uint8, device=self.device)
         self._pending.append(all_gather_into(self._gathered_bytes, self.local, self.process_group, async_op=True))
         self.sharded_state = ShardedState.UNSHARDING

@@ -200,6 +200,7 @@ class QuantizedGatherBuffers(ParamBuffers):
             super().unshard(async_op=async_op)
             return
         self.quantize_pieces()
+        self.agree(f"the quantized all-gather of group {self.described}", self.payload.numel(), self.payload.dtype)
         self._start_gather()
         W, Sq = self.world_size, self.segment_bytes
         # allocated on the current stream, freed after it waited ([Note: streams])
@@ -240,6 +241,7 @@ class QuantizedGatherBuffers(ParamBuffers):
         self.quantize_pieces()
         W, Sq = self.world_size, self.segment_bytes
         buf = torch.empty(W * Sq, dtype=torch.uint8, device=self.device)
+        self.agree(f"the all-gather of the quantized payloads of group {self.described}", Sq, torch.uint8)
         all_gather_into(buf, self.payload, self.process_group)
         parts: dict[int, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         for r, pieces in enumerate(self.plan):

@@ -18,6 +18,7 @@ from blockshard.runtime.checkpoint._optim_codecs import _pg
 from blockshard.runtime.checkpoint._optim_state import _by_param, _name, load_optimizer_state_dict, optimizer_state_dict
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._state_dict import gather_pieces
+from blockshard.runtime.core._collectives import agree_call
 from blockshard.runtime.core._inspect import states_under
 from blockshard.runtime.core._param import ShardedParam
 
@@ -62,6 +63,7 @@ def _with_every_rank_state(model: nn.Module, osd: dict[str, Any]) -> dict[str, A
 
     state, pg = osd["state"], _process_group(model)
     if pg is not None and dist.get_world_size(pg) > 1:
+        agree_call(pg, "torch's get_optimizer_state_dict on a blockshard model")  # [Note: collective headers]
         names: list[Any] = [None] * dist.get_world_size(pg)
         dist.all_gather_object(names, sorted(state), group=pg)
         held = [set(n) for n in names]
