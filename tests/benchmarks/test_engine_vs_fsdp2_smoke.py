@@ -52,6 +52,10 @@ def test_engine_vs_fsdp2_smallest_run(tmp_path, monkeypatch):
     # Same model, data and collectives per step, so the same training.
     for kind in ("_allgather_base_", "_reduce_scatter_base_"):
         assert f["collectives_rank0"][kind]["count"] == b["collectives_rank0"][kind]["count"] > 0
+    # blockshard on gloo: one header before each of its collectives ([Note: collective headers])
+    data = sum(c["count"] for k, c in b["collectives_rank0"].items() if k != "header_allgather")
+    assert b["collectives_rank0"]["header_allgather"]["count"] == data, b["collectives_rank0"]
+    assert "header_allgather" not in f["collectives_rank0"]
     assert report["loss_max_abs_diff"] < 1e-4
 
 
