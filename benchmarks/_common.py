@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import shlex
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -110,6 +111,20 @@ def split_bytes(t: torch.Tensor, splits, rank: int, w: int) -> int:
     return int(splits[rank]) * per_row
 
 
+HEADER = "header_allgather"  # blockshard's headers ([Note: collective headers]), counted apart
+
+
+def in_header() -> bool:
+    """Whether the collective being dispatched is a header of blockshard's ``agree``
+    ([Note: collective headers] in blockshard/runtime/core/_collectives.py)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "agree" and frame.f_code.co_filename.endswith("_collectives.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class CollectiveCounter(TorchDispatchMode):
     """A dispatch mode with a per-kind tally of collectives: ``{kind: {count, bytes_sent, bytes_received}}``."""
 
@@ -124,11 +139,9 @@ class CollectiveCounter(TorchDispatchMode):
         rec["bytes_received"] += received
 
     def totals(self) -> tuple[int, int]:
-        """``(bytes sent, bytes received)`` over every collective counted."""
-        return (
-            sum(c["bytes_sent"] for c in self.collectives.values()),
-            sum(c["bytes_received"] for c in self.collectives.values()),
-        )
+        """``(bytes sent, bytes received)`` over every collective counted but the headers."""
+        data = [c for kind, c in self.collectives.items() if kind != HEADER]
+        return sum(c["bytes_sent"] for c in data), sum(c["bytes_received"] for c in data)
 
 
 class StepCounter(CollectiveCounter):
@@ -153,7 +166,8 @@ class StepCounter(CollectiveCounter):
             kind = name.split("::", 1)[1]
             if kind in ("wait_tensor", "barrier", "_wrap_tensor_autograd"):  # no data of their own
                 return func(*args, **kwargs)
-            self.record(kind, *self._directions(kind, args))
+            sent_received = self._directions(kind, args)
+            self.record(HEADER if kind == "_allgather_base_" and in_header() else kind, *sent_received)
         return func(*args, **kwargs)
 
     def _directions(self, kind: str, args) -> tuple[int, int]:

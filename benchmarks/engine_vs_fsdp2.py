@@ -61,10 +61,12 @@ import time
 import torch
 import torch.distributed as dist
 from _common import (  # benchmarks/_common.py (scripts run with benchmarks/ on sys.path)
+    HEADER,
     CollectiveCounter,
     add_output_args,
     command,
     emit,
+    in_header,
     machine_facts,
     nbytes,
     parser,
@@ -93,21 +95,10 @@ _AG_PATH, _RS_PATH = re.compile(r"all_gather|unshard"), re.compile(r"reduce|grad
 # For c10d ops: (index of the argument this rank sends, index of the one it receives into).
 _C10D_ARGS = {
     "_allgather_base_": (1, 0),
-    "header_allgather": (1, 0),
+    HEADER: (1, 0),
     "_reduce_scatter_base_": (1, 0),
     "alltoall_base_": (1, 0),
 }
-
-
-def _in_header() -> bool:
-    """Whether the collective being dispatched is a header of blockshard's ``agree``
-    ([Note: collective headers] in blockshard/runtime/core/_collectives.py)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "agree" and frame.f_code.co_filename.endswith("_collectives.py"):
-            return True
-        frame = frame.f_back
-    return False
 
 
 _MARK = "engine_vs_fsdp2.measured_step"
@@ -165,8 +156,8 @@ class OpCounter(CollectiveCounter):
         name = func._schema.name
         if func.namespace == "c10d":
             kind = name.split("::", 1)[1]
-            if kind == "_allgather_base_" and _in_header():
-                kind = "header_allgather"  # blockshard's [Note: collective headers], counted apart
+            if kind == "_allgather_base_" and in_header():
+                kind = HEADER  # blockshard's [Note: collective headers], counted apart
             i_in, i_out = _C10D_ARGS.get(kind, (0, 0))
             sent = nbytes(args[i_in]) if len(args) > i_in else 0
             self.record(kind, sent, nbytes(args[i_out]) if len(args) > i_out else 0)
