@@ -20,6 +20,7 @@ from blockshard.optim._owner_compute import (
     named_groups,
 )
 from blockshard.runtime.core._collectives import agree, wait
+from blockshard.runtime.core._optim_guard import mark_stepped
 from blockshard.runtime.core._owners import tensor_owner_plan
 from blockshard.runtime.core._param import managed_tag
 
@@ -259,6 +260,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable | None = None):
         """Gradients to owners, inner step on whole units and local pieces, new values back."""
+        mark_stepped(q.param for q in self._params)  # a rank that owns nothing steps its pieces too
         loss = None
         if closure is not None:
             with torch.enable_grad():

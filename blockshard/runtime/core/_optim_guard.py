@@ -45,7 +45,7 @@ from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._owners import compute_of
 from blockshard.runtime.core._param import managed_tag
 
-__all__ = ["check_optimizer", "install_optimizer_guard", "uncounted_steps"]
+__all__ = ["check_optimizer", "install_optimizer_guard", "mark_stepped", "uncounted_steps"]
 
 _handle: RemovableHandle | None = None  # the registered hook: installed once per process
 # optimizer -> (the number of parameters it held when last checked, weak references to the groups
@@ -84,6 +84,19 @@ def uncounted_steps() -> Iterator[None]:
         yield
     finally:
         _UNCOUNTED.depth -= 1
+
+
+def mark_stepped(tensors: Any) -> None:
+    """An optimizer that steps ``tensors`` (the model's pieces) through tensors of its own (owner
+    compute: whole units on their owners) stepped them: their groups' end-of-step checks count it,
+    as the step pre-hook counts an optimizer that holds the pieces ([Note: optimizer guard])."""
+    if _UNCOUNTED.depth:
+        return
+    for p in tensors:
+        tag = managed_tag(p)
+        group = None if tag is None or tag.group is None else cast(Callable[[], Any], tag.group)()  # a weakref.ref
+        if group is not None and group.tally is not None:
+            group.tally.optimizer_stepped = True
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
