@@ -272,6 +272,18 @@ _KINDS = {
 }
 
 
+def _in_header() -> bool:
+    """Whether the collective being dispatched is a header of blockshard's ``agree`` ([Note:
+    collective headers] in blockshard/runtime/core/_collectives.py): logged as ``"header"``, so the
+    engine's own collectives count as they do without headers."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "agree" and frame.f_code.co_filename.endswith("_collectives.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class CollectiveLog(TorchDispatchMode):
     """Records every c10d collective issued in this thread while active, in issue order.
 
@@ -283,7 +295,8 @@ class CollectiveLog(TorchDispatchMode):
     (``blockshard.runtime.local_buffers``: an all-gather sends from ``local``, a reduce-scatter lands in
     the gradient buffer, which it allocates; see [Note: buffers]); :meth:`label_groups` registers a
     sharded model, whose buffers are looked up again when a collective's tensor is not known yet.
-    ``events`` is a list of ``(kind, label)`` and of ``("mark", text)`` added with :meth:`mark`.
+    ``events`` is a list of ``(kind, label)`` and of ``("mark", text)`` added with :meth:`mark`;
+    blockshard's headers are logged as kind ``"header"``.
     The first use of a dispatch mode in a process imports ``torch._dynamo`` (about 1-2 s).
     """
 
@@ -311,7 +324,7 @@ class CollectiveLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
-            kind = _KINDS.get(func._opname, func._opname)
+            kind = "header" if _in_header() else _KINDS.get(func._opname, func._opname)
             label = None
             self._refresh()  # gradient buffers come and go with the step
             for t in args[:2]:
