@@ -99,7 +99,9 @@ def _add_accelerate_config(sub) -> None:
 
 
 def _cmd_accelerate_config(args: argparse.Namespace) -> int:
-    from blockshard.integrations.accelerate._files import write_configs
+    # mypy checks integrations/ as the package `integrations` (pyproject's [tool.mypy]): it cannot
+    # resolve the installed name, which setuptools' package-dir maps at import time.
+    from blockshard.integrations.accelerate._files import write_configs  # type: ignore[import-not-found]
 
     argv = (
         f"--engine {args.engine} --num-processes {args.num_processes}{' --cpu' if args.cpu else ''} --semantics "

@@ -52,7 +52,7 @@ the config file (a test or a notebook).
 See docs/accelerate.md for what each method does (and [Note: what the subclass changes]).
 """
 
-from blockshard.integrations.accelerate._settings import (
+from ._settings import (
     CONFIG_ENV,
     ENGINES,
     AccelerateConfigError,
@@ -77,11 +77,11 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in ("Accelerator", "CHECKPOINT_DIR"):  # imports accelerate and torch: only when used
-        from blockshard.integrations.accelerate import _accelerator
+        from . import _accelerator
 
         return getattr(_accelerator, name)
     if name in ("Trainer", "follow_overrides"):  # imports transformers: only when used
-        from blockshard.integrations.accelerate import _trainer
+        from . import _trainer
 
         return getattr(_trainer, name)
     raise AttributeError(f"module 'blockshard.integrations.accelerate' has no attribute {name!r}")

@@ -38,15 +38,16 @@ import torch
 from torch import nn
 
 import blockshard
-from blockshard.integrations import deepspeed as bs_deepspeed
-from blockshard.integrations.accelerate._settings import (
+
+from .. import deepspeed as bs_deepspeed
+from ._settings import (
     AccelerateConfigError,
     AccelerateSettings,
     accelerate_launch_argv,
     load_settings,
 )
-from blockshard.integrations.accelerate._shard import checkpoint_layers, load_model, save_model, shard_model
-from blockshard.integrations.accelerate._weights import on_meta
+from ._shard import checkpoint_layers, load_model, save_model, shard_model
+from ._weights import on_meta
 
 __all__ = ["CHECKPOINT_DIR", "Accelerator"]
 

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 from blockshard._limits import MAX_LOCAL_PROCESSES
-from blockshard.integrations.accelerate._settings import ENGINES, AccelerateConfigError, layer_names
 from blockshard.planner._policy import check_policy
 from blockshard.semantics import SemanticsRules
+
+from ._settings import ENGINES, AccelerateConfigError, layer_names
 
 __all__ = ["write_configs"]
 

@@ -22,11 +22,12 @@ from typing import Any
 
 from blockshard._errors import BlockshardError
 from blockshard._limits import MAX_WORLD_SIZE
-from blockshard.integrations.accelerate import _config_file as cf
-from blockshard.integrations.accelerate._config_file import AccelerateConfigError, layer_names
 from blockshard.planner._policy import check_policy
 from blockshard.planner._units import check_alignment_bytes
 from blockshard.semantics import SemanticsRules
+
+from . import _config_file as cf
+from ._config_file import AccelerateConfigError, layer_names
 
 __all__ = [
     "CONFIG_ENV",

@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 import blockshard
-from blockshard.integrations import fsdp2
-from blockshard.integrations.accelerate import _weights
-from blockshard.integrations.accelerate._settings import AccelerateConfigError, AccelerateSettings
 from blockshard.runtime.checkpoint._dcp import check_on_every_rank
 from blockshard.runtime.checkpoint._files import atomic_save, base_record
+
+from .. import fsdp2
+from . import _weights
+from ._settings import AccelerateConfigError, AccelerateSettings
 
 __all__ = ["checkpoint_layers", "load_model", "save_model", "shard_model"]
 

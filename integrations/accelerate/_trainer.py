@@ -42,9 +42,10 @@ import transformers.trainer as hf_trainer
 from torch import nn
 
 import blockshard
-from blockshard.integrations.accelerate._accelerator import CHECKPOINT_DIR, Accelerator, _no_device
-from blockshard.integrations.accelerate._settings import AccelerateConfigError, AccelerateSettings
-from blockshard.integrations.accelerate._shard import load_model, save_model
+
+from ._accelerator import CHECKPOINT_DIR, Accelerator, _no_device
+from ._settings import AccelerateConfigError, AccelerateSettings
+from ._shard import load_model, save_model
 
 __all__ = ["Trainer", "follow_overrides"]
 

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 import blockshard
-from blockshard.integrations.accelerate._settings import AccelerateConfigError
+
+from ._settings import AccelerateConfigError
 
 __all__ = ["broadcast_module_states", "check_same_model", "fill_from_rank0", "full_tensors", "on_meta"]
 

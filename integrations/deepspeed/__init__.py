@@ -34,7 +34,7 @@ import contextlib
 import logging
 import threading
 
-from blockshard.integrations.deepspeed._config import (
+from ._config import (
     ALLOW_UNTESTED_ENV,
     SECTION,
     TESTED_DEEPSPEED_VERSIONS,
@@ -45,7 +45,7 @@ from blockshard.integrations.deepspeed._config import (
     load_config,
     parse_section,
 )
-from blockshard.integrations.deepspeed._hook import LAYOUT_KEY, ZERO3_REFUSAL, hooked_classes
+from ._hook import LAYOUT_KEY, ZERO3_REFUSAL, hooked_classes
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -148,7 +148,7 @@ def _initialize(kwargs: dict, *, require_section: bool):
     import deepspeed.runtime.engine as ds_engine
     import deepspeed.runtime.zero.stage3 as ds_stage3
 
-    from blockshard.integrations.deepspeed import _hook
+    from . import _hook
 
     classes = hooked_classes()
     with _LOCK:

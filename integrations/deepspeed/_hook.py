@@ -55,11 +55,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockshard.integrations.deepspeed._bnb_overrides import follow_overrides, resolve_module_overrides
-from blockshard.integrations.deepspeed._config import DeepSpeedHookError, HookConfig
 from blockshard.planner import OrderedLayout, alignment_numel, ordered_layout
 from blockshard.planner._units import layout_hash
 from blockshard.semantics import TensorSpec
+
+from ._bnb_overrides import follow_overrides, resolve_module_overrides
+from ._config import DeepSpeedHookError, HookConfig
 
 __all__ = ["LAYOUT_KEY", "ZERO3_REFUSAL", "BlockshardZeroOptimizer", "hooked_classes", "pending"]  # noqa: F822 (created lazily by __getattr__)
 

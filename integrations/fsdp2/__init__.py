@@ -25,8 +25,8 @@ A DTensor's ``ndim`` is its global one, so ``p.ndim == 2`` would hand Muon the e
 output head; ``muon_param_groups`` leaves them to AdamW (tests/optim/test_selection.py runs this).
 """
 
-from blockshard.integrations.fsdp2._owner_compute import OwnerComputeError, OwnerComputeOptimizer, build_exchange
-from blockshard.integrations.fsdp2._placement import (
+from ._owner_compute import OwnerComputeError, OwnerComputeOptimizer, build_exchange
+from ._placement import (
     FSDP2PlacementError,
     ParamPlacement,
     block_placement_fn,

@@ -19,7 +19,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from blockshard.integrations.fsdp2._placement import decide, dim_split_keeps_units, spec_of
 from blockshard.optim._owner_compute import (
     Exchange,
     Holding,
@@ -33,6 +32,8 @@ from blockshard.planner import PlanItem, plan_owners
 from blockshard.planner._owner import unit_rows
 from blockshard.planner._units import ceil_div, rows_cols
 from blockshard.semantics import SemanticsRules, TensorSpec
+
+from ._placement import decide, dim_split_keeps_units, spec_of
 
 __all__ = ["OwnerComputeError", "OwnerComputeOptimizer", "build_exchange"]
 
