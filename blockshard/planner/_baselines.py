@@ -40,8 +40,9 @@ count is O(1) arithmetic per tensor (:func:`progression_split_count`); the flat 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -82,7 +83,7 @@ class BaselineResult:
         p = self.padded_numel
         object.__setattr__(self, "padding_fraction", (p - self.total_numel) / p if p else 0.0)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "world_size": self.world_size,
@@ -172,7 +173,9 @@ def progression_split_count(grid: UnitGrid, step: int) -> int:
     return count
 
 
-def progression_splits(grid: UnitGrid, step: int, cache: dict | None = None) -> np.ndarray:
+def progression_splits(
+    grid: UnitGrid, step: int, cache: dict[tuple[UnitGrid, int], np.ndarray] | None = None
+) -> np.ndarray:
     """Split unit indices for boundaries at every multiple of ``step`` strictly inside the tensor."""
     key = (grid, step)
     if cache is not None and key in cache:
@@ -261,7 +264,8 @@ def _flat_splits(items: Sequence[PlanItem], part: int, world_size: int) -> int:
     return int(splits)
 
 
-def _runs(t: np.ndarray):
+def _runs(t: np.ndarray) -> Iterator[tuple[int, int, int]]:
+
     if t.size == 0:
         return
     cuts = np.flatnonzero(np.diff(t)) + 1

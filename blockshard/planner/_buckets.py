@@ -76,7 +76,13 @@ def plan_buckets(
     return tuple(p[0] for p in planned), bucket_of, offsets, lb
 
 
-def _move_tensors(grids, buckets: list[list[int]], planned: list, world_size: int, alignment_numel: int) -> None:
+def _move_tensors(
+    grids: Sequence[UnitGrid],
+    buckets: list[list[int]],
+    planned: list[tuple[int, list[int], int]],
+    world_size: int,
+    alignment_numel: int,
+) -> None:
     """One pass, smallest tensors first: move a tensor to another bucket where that lowers the sum
     of segments (e.g. into the slack a bucket of large stripes leaves on some ranks)."""
     if len(buckets) < 2:

@@ -454,7 +454,7 @@ def supported_model_types() -> list[str]:
     return list(_GENERATORS)
 
 
-def _read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+def _read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     p = os.fspath(path)
     if os.path.isdir(p):
         p = os.path.join(p, "config.json")
@@ -510,7 +510,7 @@ def _model_type_of(data: Mapping[str, Any], source: str) -> str:
 
 
 def tensors_from_hf_config(
-    config: Mapping[str, Any] | str | os.PathLike, *, _source: str | None = None
+    config: Mapping[str, Any] | str | os.PathLike[str], *, _source: str | None = None
 ) -> list[TensorSpec]:
     """The parameter list of the model a Hugging Face config describes.
 

@@ -19,17 +19,18 @@ and :meth:`OwnerAssignment.owner_hash` is checked like a layout hash.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
 import numpy as np
 
 from blockshard.planner._balance import best_rotation, rank_costs, rotate, rotation_peak, rotations_to_try
-from blockshard.planner._layout import GroupLayout
+from blockshard.planner._layout import GroupLayout, TensorPlacement
 from blockshard.planner._moves import tensor_moves
 from blockshard.planner._owner import _assign, unit_rows
 from blockshard.planner._refine import refine_owners
-from blockshard.planner._units import layout_hash, rank_overlap
+from blockshard.planner._units import Memo, layout_hash, rank_overlap
 from blockshard.semantics import UnitGrid
 
 __all__ = ["ComputeTally", "OwnerAssignment", "OwnerPlanBuilder", "straddling_units"]
@@ -41,8 +42,17 @@ SHIFT_WORTH = 0.05
 #: At most this many shifts are tried per distinct group layout.
 MAX_SHIFTS = 16
 
+#: ``(proportional cost, fixed cost, loads in bytes, largest unit cost)`` of a group (``_geometry``).
+_Geometry: TypeAlias = tuple[np.ndarray, np.ndarray, np.ndarray, float]
+#: ``(offsets, fixed cost, loads, loaded ranks, rotations to try)`` of a candidate (``_table``).
+_Candidate: TypeAlias = tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
+#: The candidates, how many are shifts, and the loaded ranks and their costs of all (``_table``).
+_Table: TypeAlias = tuple[list[_Candidate], int, np.ndarray, np.ndarray]
+#: A tensor's cut units: ``(kind, tensor, starts, ends, offset, S, density, itemsize)``.
+_CutUnits: TypeAlias = tuple[str, str, np.ndarray, np.ndarray, int, int, float, int]
 
-def tensor_shifts(layout: GroupLayout, memo: dict | None = None) -> list[GroupLayout]:
+
+def tensor_shifts(layout: GroupLayout, memo: Memo | None = None) -> list[GroupLayout]:
     """[Note: shifts] ``layout`` re-based so that another tensor starts the gathered buffer.
 
     Rotating by whole segments (``_balance.py``) needs a segment boundary outside every tensor,
@@ -63,7 +73,7 @@ def tensor_shifts(layout: GroupLayout, memo: dict | None = None) -> list[GroupLa
     starts = sorted({t.offset for t in layout.tensors if t.numel and t.offset})
     if len(starts) > MAX_SHIFTS:
         starts = [starts[int(i)] for i in np.linspace(0, len(starts) - 1, MAX_SHIFTS)]
-    found = []
+    found: list[tuple[int, ...]] = []
     for d in starts:
         offs = tuple((t.offset - d) % total for t in layout.tensors)
         if all(
@@ -101,12 +111,12 @@ def _loads(layout: GroupLayout) -> np.ndarray:
     return (out + np.cumsum(diff))[:W]
 
 
-def straddling_units(grid: UnitGrid, offset: int, S: int, memo: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+def straddling_units(grid: UnitGrid, offset: int, S: int, memo: Memo | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(starts, ends)``, in the tensor's flattening, of the units of ``grid`` that a rank boundary
     cuts when the tensor starts at ``offset`` of a bucket with segment ``S`` (rank ``r`` holds
     ``[r * S, (r + 1) * S)``). Rotations move ``offset`` by multiples of ``S``: same answer."""
     key = ("straddle", grid, offset % S, S)
-    hit = memo.get(key) if memo is not None else None
+    hit: tuple[np.ndarray, np.ndarray] | None = memo.get(key) if memo is not None else None
     if hit is not None:
         return hit
     n = grid.numel
@@ -145,7 +155,7 @@ class OwnerAssignment:
     def num_units(self) -> int:
         return int(self.unit_owner.size)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         names = self.tensor_names
         return {
             "world_size": self.world_size,
@@ -185,7 +195,7 @@ class ComputeTally:
         lb = self.cost_lower_bound
         return float(self.cost.max()) / lb if lb > 0 else 1.0
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "owner_tensors": self.owner_tensors,
             "all_to_all_bytes_per_rank_max": int(self.all_to_all_bytes.max(initial=0)),
@@ -213,9 +223,9 @@ class OwnerPlanBuilder:
     """Collects groups in order (rotating each), then assigns every cut unit an owner (:meth:`finish`)."""
 
     world_size: int
-    memo: dict
+    memo: Memo
     kinds: dict[str, _Kind] = field(default_factory=dict)
-    units: list[tuple] = field(default_factory=list)  # (kind, tensor, starts, ends, offset, S, density, itemsize)
+    units: list[_CutUnits] = field(default_factory=list)
     total: float = 0.0  # cost of the groups added so far, whole and cut units alike
 
     def add_group(
@@ -250,7 +260,7 @@ class OwnerPlanBuilder:
         tally.largest = max(tally.largest, largest)
         return layout
 
-    def _geometry(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]):
+    def _geometry(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> _Geometry:
         """``(proportional cost, fixed cost, loads in bytes, largest unit cost)``; identical blocks share one."""
         key = (
             "group",
@@ -258,7 +268,7 @@ class OwnerPlanBuilder:
             layout.buckets,
             tuple((t.offset, t.bucket, t.grid, costs.get(t.name), compute.get(t.name)) for t in layout.tensors),
         )
-        hit = self.memo.get(key)
+        hit: _Geometry | None = self.memo.get(key)
         if hit is None:
             proportional = rank_costs(layout, costs)
             base = self._fixed(layout, compute, costs, proportional.copy())
@@ -269,7 +279,14 @@ class OwnerPlanBuilder:
     def _total(self, layout: GroupLayout, costs: Mapping[str, float]) -> float:
         return sum(costs.get(t.name, float(t.numel)) for t in layout.tensors)
 
-    def _best_shift(self, layout, compute, costs, running, current):
+    def _best_shift(
+        self,
+        layout: GroupLayout,
+        compute: Mapping[str, UnitGrid],
+        costs: Mapping[str, float],
+        running: np.ndarray,
+        current: tuple[np.ndarray, np.ndarray, int],
+    ) -> tuple[GroupLayout, np.ndarray, np.ndarray, int]:
         """Among ``layout``, its tensor shifts (see [Note: shifts]) and its tensor moves ([Note: tensor
         moves]), the one whose fixed cost, at its best rotation, leaves the lowest peak on ``running``
         (the first on ties: ``layout`` itself, then the shifts, then the moves). Moves are compared
@@ -278,7 +295,13 @@ class OwnerPlanBuilder:
         fixed costs, and a move would only change which units are cut."""
         base, loads, k = current
         nz = np.flatnonzero(base)
-        best = (rotation_peak(nz, base[nz], None if k == 0 else np.asarray([k]), running)[1], layout, base, loads, k)
+        best: tuple[float, GroupLayout, np.ndarray, np.ndarray, int] = (
+            rotation_peak(nz, base[nz], None if k == 0 else np.asarray([k]), running)[1],
+            layout,
+            base,
+            loads,
+            k,
+        )
         table, shifts, fixed_nz, fixed_vals = self._table(layout, compute, costs)
         if table:
             top = running.max(initial=0.0)
@@ -301,7 +324,7 @@ class OwnerPlanBuilder:
                 best = (low, _with_offsets(layout, offs), b, ld, int(ks[pick]))
         return best[1:]
 
-    def _table(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> tuple:
+    def _table(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> _Table:
         """``(offsets, fixed cost, loads, loaded ranks, rotations to try)`` of every candidate (offsets
         per tensor of ``layout``; the shifts first), how many are shifts, and the loaded ranks and
         their costs of all, padded to one array; identical groups share one table."""
@@ -310,25 +333,27 @@ class OwnerPlanBuilder:
             layout.buckets,
             tuple((t.offset, t.grid, costs.get(t.name), compute.get(t.name)) for t in layout.tensors),
         )
-        hit = self.memo.get(key)
+        hit: _Table | None = self.memo.get(key)
         if hit is None:
-            hit = []
+            table: list[_Candidate] = []
             shifts = 0
             for offs, moved in self._candidates(layout, compute, costs):
                 _, b, ld, _ = self._geometry(_with_offsets(layout, offs), compute, costs)
                 nz = np.flatnonzero(b)
-                hit.append((offs, b, ld, nz, rotations_to_try(_with_offsets(layout, offs), b, nz)))
+                table.append((offs, b, ld, nz, rotations_to_try(_with_offsets(layout, offs), b, nz)))
                 shifts += not moved
-            m = max((len(e[3]) for e in hit), default=0)
-            fixed_nz = np.zeros((len(hit), m), dtype=np.int64)  # padding: rank 0, cost 0 (never a peak)
-            fixed_vals = np.zeros((len(hit), m))
-            for i, e in enumerate(hit):
+            m = max((len(e[3]) for e in table), default=0)
+            fixed_nz = np.zeros((len(table), m), dtype=np.int64)  # padding: rank 0, cost 0 (never a peak)
+            fixed_vals = np.zeros((len(table), m))
+            for i, e in enumerate(table):
                 fixed_nz[i, : len(e[3])] = e[3]
                 fixed_vals[i, : len(e[3])] = e[1][e[3]]
-            hit = self.memo[key] = (hit, shifts, fixed_nz, fixed_vals)
+            hit = self.memo[key] = (table, shifts, fixed_nz, fixed_vals)
         return hit
 
-    def _candidates(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]):
+    def _candidates(
+        self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]
+    ) -> Iterator[tuple[tuple[int, ...], bool]]:
         """Offsets (per tensor of ``layout``) of its tensor shifts, then of its tensor moves ([Note:
         tensor moves]) and their shifts."""
         index = {t.name: i for i, t in enumerate(layout.tensors)}
@@ -348,7 +373,7 @@ class OwnerPlanBuilder:
             for shifted in tensor_shifts(_with_offsets(layout, offs), self.memo):
                 yield offsets(shifted), True
 
-    def _uncut(self, t, offset: int, S: int) -> bool:
+    def _uncut(self, t: TensorPlacement, offset: int, S: int) -> bool:
         return straddling_units(t.grid, offset, S, self.memo)[0].size == 0
 
     @staticmethod
@@ -361,7 +386,9 @@ class OwnerPlanBuilder:
                 out = max(out, costs.get(t.name, float(t.numel)) * grid.largest_unit / t.numel)
         return out
 
-    def _cut(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]):
+    def _cut(
+        self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]
+    ) -> Iterator[tuple[TensorPlacement, np.ndarray, np.ndarray, int, float]]:
         """``(tensor, starts, ends, S, density)`` of every owner-computed tensor with cut compute units."""
         for t in layout.tensors:
             grid = compute.get(t.name)
@@ -372,17 +399,21 @@ class OwnerPlanBuilder:
             if starts.size:
                 yield t, starts, ends, S, costs.get(t.name, float(t.numel)) / t.numel
 
-    def _fixed(self, layout, compute, costs, base: np.ndarray) -> np.ndarray:
+    def _fixed(
+        self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float], base: np.ndarray
+    ) -> np.ndarray:
         """Cost per rank of what each rank computes itself (``base``, the proportional cost, less the cut units)."""
         for t, starts, ends, S, density in self._cut(layout, compute, costs):
             base -= density * rank_overlap(t.offset + starts, t.offset + ends, S, self.world_size)
         return base
 
-    def _collect(self, layout, compute, costs, kind: str) -> None:
+    def _collect(
+        self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float], kind: str
+    ) -> None:
         for t, starts, ends, S, density in self._cut(layout, compute, costs):
             self.units.append((kind, t.name, starts, ends, t.offset, S, density, layout.itemsize))
 
-    def _columns(self, units: list[tuple]) -> tuple[list[np.ndarray], list[str]]:
+    def _columns(self, units: list[_CutUnits]) -> tuple[list[np.ndarray], list[str]]:
         """Per cut unit: tensor index, start, end (tensor), start, end (bucket), S, cost, itemsize; and its kind."""
         names = {n: i for i, n in enumerate(dict.fromkeys(u[1] for u in self.units))}
         parts = [
@@ -405,7 +436,19 @@ class OwnerPlanBuilder:
         kinds = {kd: self._tally(kd, kind_of, owner, own_piece, ua, ub, steps, uc, item) for kd in self.kinds}
         return OwnerAssignment(W, names, ut, us, ue - us, owner), kinds
 
-    def _tally(self, kind, kind_of, owner, own_piece, ua, ub, steps, uc, item) -> ComputeTally:
+    def _tally(
+        self,
+        kind: str,
+        kind_of: list[str],
+        owner: np.ndarray,
+        own_piece: np.ndarray,
+        ua: np.ndarray,
+        ub: np.ndarray,
+        steps: np.ndarray,
+        uc: np.ndarray,
+        item: np.ndarray,
+    ) -> ComputeTally:
+
         W, t = self.world_size, self.kinds[kind]
         m = np.asarray([k == kind for k in kind_of], dtype=bool)
         a2a = np.zeros(W)

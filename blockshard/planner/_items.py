@@ -45,7 +45,8 @@ class PlanItem:
 def resolve_items(specs: Iterable[TensorSpec], rules: object = None) -> list[PlanItem]:
     """Give every spec its semantics (``rules`` as :meth:`SemanticsRules.coerce` accepts)."""
     r = SemanticsRules.coerce(rules)
-    cache: dict[tuple, ResolvedSemantics] = {}
+    cache: dict[tuple[object, ...], ResolvedSemantics] = {}
+
     out: list[PlanItem] = []
     for spec in specs:
         sems = r.matching(spec)

@@ -11,7 +11,7 @@ from blockshard._limits import MAX_GROUP_TENSORS, MAX_PADDED_NUMEL
 from blockshard.planner._buckets import plan_buckets
 from blockshard.planner._items import PlanItem
 from blockshard.planner._layout import GroupLayout, TensorPlacement
-from blockshard.planner._units import check_alignment_bytes, check_world_size
+from blockshard.planner._units import Memo, check_alignment_bytes, check_world_size
 
 __all__ = ["DEFAULT_ALIGNMENT_BYTES", "alignment_numel", "plan_group"]
 
@@ -30,7 +30,7 @@ def plan_group(
     *,
     name: str = "",
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
-    _memo: dict | None = None,
+    _memo: Memo | None = None,
 ) -> GroupLayout:
     """Lay out one group (the tensors gathered by one collective) on ``world_size`` ranks."""
     world_size = check_world_size(world_size)
@@ -53,7 +53,7 @@ def plan_group(
     align = alignment_numel(alignment_bytes, itemsize)
     grids = tuple(it.grid for it in items)
     key = (grids, world_size, align)
-    hit = _memo.get(key) if _memo is not None else None
+    hit: tuple[tuple[int, ...], list[int], list[int], int] | None = _memo.get(key) if _memo is not None else None
     if hit is None:
         hit = plan_buckets(grids, world_size, align)
         if _memo is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from blockshard._errors import PlanError
 from blockshard.planner._units import layout_hash, rank_overlap
@@ -71,7 +72,7 @@ class GroupLayout:
     lower_bound: int
     buckets: tuple[int, ...]  # S_b per bucket
     tensors: tuple[TensorPlacement, ...]  # sorted by (bucket, offset)
-    _ends: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    _ends: dict[int, tuple[int, list[int]]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # -- geometry ---------------------------------------------------------------------------------
     @property
@@ -160,7 +161,8 @@ class GroupLayout:
         """Real (non-padding) elements of every rank, in O(tensors + W)."""
         ts = self.tensors
         starts, ends = [t.offset for t in ts], [t.end for t in ts]
-        return rank_overlap(starts, ends, [self.buckets[t.bucket] for t in ts], self.world_size).tolist()
+        loads: list[int] = rank_overlap(starts, ends, [self.buckets[t.bucket] for t in ts], self.world_size).tolist()
+        return loads
 
     # -- invariants -------------------------------------------------------------------------------
     def check(self) -> None:
@@ -185,7 +187,7 @@ class GroupLayout:
         assert self.segment_numel >= self.lower_bound, (self.segment_numel, self.lower_bound)
 
     # -- serialization ----------------------------------------------------------------------------
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "format": LAYOUT_FORMAT_VERSION,
             "name": self.name,
@@ -209,7 +211,8 @@ class GroupLayout:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> GroupLayout:
+    def from_json(cls, data: dict[str, Any]) -> GroupLayout:
+
         if not isinstance(data, dict) or data.get("format") != LAYOUT_FORMAT_VERSION:
             got = data.get("format") if isinstance(data, dict) else f"a {type(data).__name__}"
             raise PlanError(

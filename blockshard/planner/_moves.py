@@ -19,11 +19,11 @@ builds the same candidates, and the engine moves a group's values once, before t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from blockshard.planner._layout import GroupLayout
+from blockshard.planner._layout import GroupLayout, TensorPlacement
 
 __all__ = ["MAX_MOVES", "tensor_moves"]
 
@@ -31,7 +31,9 @@ __all__ = ["MAX_MOVES", "tensor_moves"]
 MAX_MOVES = 16
 
 
-def tensor_moves(layout: GroupLayout, movable: Sequence[bool], valid) -> list[tuple[int, ...]]:
+def tensor_moves(
+    layout: GroupLayout, movable: Sequence[bool], valid: Callable[[TensorPlacement, int, int], bool]
+) -> list[tuple[int, ...]]:
     """Offsets, per tensor of ``layout``, of every layout with one tensor (``movable[i]``) moved
     before another block. ``valid(tensor, offset, S)``: whether a tensor may start at ``offset``."""
     if len(layout.buckets) != 1 or layout.world_size == 1 or not any(movable):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from blockshard.planner._units import ceil_div, check_alignment_numel, check_world_size, round_up
 from blockshard.semantics import UnitGrid
@@ -77,7 +78,7 @@ class OrderedLayout:
                 out.append((t, a - s, a - lo, b - a))
         return out
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "world_size": self.world_size,
             "segment": self.segment_numel,

@@ -28,7 +28,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeAlias
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from blockshard._errors import PlanError
 from blockshard.planner._baselines import check_name, progression_splits, shard_step, unit_bounds
 from blockshard.planner._items import PlanItem
 from blockshard.planner._units import check_world_size, rank_overlap
+from blockshard.semantics import UnitGrid
 
 __all__ = ["OWNER_ENGINES", "OwnerPlan", "StraddlingUnit", "plan_owners", "unit_rows"]
 
@@ -99,7 +100,8 @@ class OwnerPlan:
         b = a + int(self.unit_numel[i])
         return [(r, min(b, (r + 1) * s) - max(a, r * s)) for r in range(a // s, (b - 1) // s + 1)]
 
-    def _holder_arrays(self):
+    def _holder_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per straddling unit: its tensor's shard numel, start, end, and the first and last holder rank."""
         s = self.tensor_shard_numel[self.unit_tensor]
         a = self.unit_start
         b = a + self.unit_numel
@@ -130,7 +132,7 @@ class OwnerPlan:
             recv[rank] = 0
         return send.tolist(), recv.tolist()
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "engine": self.engine,
             "world_size": self.world_size,
@@ -142,7 +144,17 @@ class OwnerPlan:
         }
 
 
-def _tensor_layout(item: PlanItem, s: int, w: int, cache: dict, splits_cache: dict):
+#: One tensor's ``(unit starts, unit ends, bulk numel per rank, straddled numel per rank)``.
+_TensorLayout: TypeAlias = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _tensor_layout(
+    item: PlanItem,
+    s: int,
+    w: int,
+    cache: dict[tuple[UnitGrid, int], _TensorLayout],
+    splits_cache: dict[tuple[UnitGrid, int], np.ndarray],
+) -> _TensorLayout:
     """``(unit starts, unit ends, bulk numel per rank, straddled numel per rank)`` of one tensor."""
     key = (item.grid, s)
     if key not in cache:
@@ -172,8 +184,8 @@ def plan_owners(items: Sequence[PlanItem], world_size: int, *, engine: str = "fs
     straddled_total = np.zeros(w, dtype=np.int64)
     steps = np.zeros(len(items), dtype=np.int64)
     u_t, u_a, u_b, u_c = [], [], [], []
-    cache: dict = {}
-    splits_cache: dict = {}
+    cache: dict[tuple[UnitGrid, int], _TensorLayout] = {}
+    splits_cache: dict[tuple[UnitGrid, int], np.ndarray] = {}
     for t, it in enumerate(items):
         if not (math.isfinite(it.cost) and it.cost >= 0):
             raise PlanError(
@@ -219,7 +231,9 @@ def plan_owners(items: Sequence[PlanItem], world_size: int, *, engine: str = "fs
     )
 
 
-def _assign(cost: np.ndarray, ut, ua, ub, uc, steps) -> tuple[np.ndarray, np.ndarray]:
+def _assign(
+    cost: np.ndarray, ut: np.ndarray, ua: np.ndarray, ub: np.ndarray, uc: np.ndarray, steps: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Greedy owners of straddling units (updates ``cost`` in place); returns owners and their own pieces."""
     n = ut.size
     owner = np.zeros(n, dtype=np.int64)

@@ -6,6 +6,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from blockshard.planner._qgather import (
     tile_semantics,
 )
 from blockshard.planner._quantized import QuantizedGroupBytes, plan_quantized_group, quantized_totals
-from blockshard.planner._units import check_model_tensors, check_world_size
+from blockshard.planner._units import Memo, check_model_tensors, check_world_size
 from blockshard.semantics import TensorSpec
 
 __all__ = ["ModelPlan", "alignment_numel", "group_kind", "plan_group", "plan_model"]
@@ -183,7 +184,7 @@ class ModelPlan:
     def rank_loads(self) -> list[int]:
         """Real (non-padding) elements per rank summed over groups (for plots of per-rank load)."""
         loads = [0] * self.world_size
-        seen: dict[tuple, list[int]] = {}
+        seen: dict[tuple[object, ...], list[int]] = {}
         for g in self.groups:  # identical blocks share one computation
             key = (g.buckets, tuple((t.bucket, t.offset, t.numel) for t in g.tensors))
             per = seen.get(key)
@@ -237,9 +238,9 @@ class ModelPlan:
             data |= self.quantized_groups_json()
         return data
 
-    def quantized_groups_json(self) -> dict[str, list[dict]]:
+    def quantized_groups_json(self) -> dict[str, list[dict[str, Any]]]:
         """Every group's quantized bytes (``quantized_groups``, ``quantized_gather_groups``), where any."""
-        data: dict[str, list[dict]] = {}
+        data: dict[str, list[dict[str, Any]]] = {}
         if self.quantized_groups:
             data["quantized_groups"] = [q.to_json() for q in self.quantized_groups]
         if self.quantized_gather_groups:
@@ -312,7 +313,7 @@ def _plan_groups(
 ) -> ModelPlan:
     """Lay out every group of ``items`` (the tensors in ``tiles`` gathered quantized) and balance them."""
     grouped = group_items(items)
-    memo: dict = {}
+    memo: Memo = {}
     layouts = []
     costs = {it.name: it.cost for it in items}
     running = np.zeros(world_size)  # compute cost per rank so far (see [Note: rotation])

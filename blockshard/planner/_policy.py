@@ -37,6 +37,7 @@ from blockshard.planner._compute import straddling_units
 from blockshard.planner._items import PlanItem
 from blockshard.planner._lay_out import plan_group
 from blockshard.planner._layout import GroupLayout
+from blockshard.planner._units import Memo
 
 __all__ = ["POLICIES", "check_policy", "choose_layout", "modeled_cost_bytes"]
 
@@ -52,7 +53,7 @@ def check_policy(policy: object, name: str = "policy") -> str:
     return policy
 
 
-def modeled_cost_bytes(layout: GroupLayout, owner_items: Sequence[PlanItem], memo: dict | None = None) -> float:
+def modeled_cost_bytes(layout: GroupLayout, owner_items: Sequence[PlanItem], memo: Memo | None = None) -> float:
     """The modeled bytes per rank per step of ``layout`` with ``owner_items`` under ``owner``."""
     W = layout.world_size
     compute = {it.name: it.grid for it in owner_items}
@@ -84,14 +85,15 @@ def choose_layout(
     *,
     name: str,
     alignment_bytes: int,
-    memo: dict,
+    memo: Memo,
 ) -> tuple[GroupLayout, frozenset[str], float]:
     """``(layout, names of the tensors under owner, modeled cost in bytes)`` of one group under ``policy``.
 
     ``memo`` is shared by the groups of one model: identical groups choose once.
     """
     key = ("policy", policy, world_size, alignment_bytes, tuple((it.grid, it.placement) for it in items))
-    chosen = memo.get(key)
+    chosen: tuple[float, tuple[int, ...]] | None = memo.get(key)
+
     if chosen is not None:  # an identical group chose already
         cost, owners = chosen
         layout = plan_group(

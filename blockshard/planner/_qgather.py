@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from blockshard._arith import ceil_div, round_up
 from blockshard._errors import PlanError, QuantizedWeightError
@@ -31,6 +31,7 @@ from blockshard.planner._items import PlanItem
 from blockshard.planner._layout import GroupLayout
 from blockshard.planner._policy import choose_layout
 from blockshard.planner._quantized import BF16_BYTES, byte_totals
+from blockshard.planner._units import Memo
 from blockshard.semantics import SemanticsRules, TensorSpec
 from blockshard.semantics._quantizers import MX, FP8Block
 
@@ -157,7 +158,7 @@ class QuantizedGatherBytes:
         """One all-gather of the masters as floats (what ``quantized_gather=False`` moves)."""
         return self.world_size * self.master_bytes
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "group": self.group,
             "layout": self.layout.name,
@@ -185,14 +186,14 @@ def plan_quantized_gather(
     tiles: dict[str, Tile],
     *,
     gathers_per_step: int = 2,
-    memo: dict | None = None,
+    memo: Memo | None = None,
 ) -> QuantizedGatherBytes:
     """The quantized segments of ``layout`` (the masters of ``items``, in the group's order), as the
     engine's ``plan_payload`` builds them; raises where a piece cuts a tile. Identical groups share
     one computation through ``memo``."""
     shapes = {it.name: it.spec.shape for it in items}
     key = ("qgather", layout.buckets, tuple((t.offset, t.bucket, t.shape, tiles[t.name].spec) for t in layout.tensors))
-    hit = memo.get(key) if memo is not None else None
+    hit: tuple[tuple[int, ...], int] | None = memo.get(key) if memo is not None else None
     if hit is None:
         hit = _segments(group, layout, shapes, tiles)
         if memo is not None:
@@ -230,7 +231,9 @@ def _segments(
     return tuple(rank_bytes), max(SECTION_ALIGN_BYTES, *sizes)
 
 
-def _check_whole_tiles(group: str, rank: int, name: str, shape: tuple, tile: Tile, start: int, numel: int) -> None:
+def _check_whole_tiles(
+    group: str, rank: int, name: str, shape: tuple[int, ...], tile: Tile, start: int, numel: int
+) -> None:
     unit, end = _tile_unit(tile, shape), start + numel
     if start % unit or (end % unit and end != math.prod(shape)):
         raise QuantizedWeightError(
@@ -249,7 +252,7 @@ def plan_gather_buffers(
     policy: str,
     alignment_bytes: int,
     gathers: int,
-    memo: dict,
+    memo: Memo,
 ) -> QuantizedGatherBytes:
     """The layout of group ``gname``'s quantized-gather buffer set (its weights gathered quantized)
     and their quantized segments (not rotated: the engine balances the primary layouts only)."""

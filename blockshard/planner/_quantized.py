@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from blockshard._arith import ceil_div
+from blockshard.planner._units import Memo
 from blockshard.semantics._storage import QuantizedStorage
 
 __all__ = ["BF16_BYTES", "QuantizedGroupBytes", "plan_quantized_group", "quantized_totals"]
@@ -62,7 +63,7 @@ class QuantizedGroupBytes:
     def bf16_bytes(self) -> int:
         return BF16_BYTES * self.numel
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "group": self.group,
             "tensors": list(self.tensors),
@@ -113,13 +114,13 @@ def plan_quantized_group(
     alignment_bytes: int,
     *,
     gathers_per_step: int = 2,
-    memo: dict | None = None,
+    memo: Memo | None = None,
 ) -> QuantizedGroupBytes:
     """The frozen quantized bytes of ``tensors`` (name, storage; in the group's order) on ``world_size`` ranks;
     groups of the same storages share one computation through ``memo``."""
     storages = [st for _, st in tensors]
     key = ("quantized", tuple(storages), world_size, alignment_bytes)
-    hit = memo.get(key) if memo is not None else None
+    hit: tuple[tuple[int, ...], int] | None = memo.get(key) if memo is not None else None
     if hit is None:
         rank_bytes = tuple(np.diff(_cuts(storages, world_size)).tolist())
         largest = max(rank_bytes, default=0)

@@ -51,7 +51,9 @@ def refine_owners(cost: np.ndarray, owner: np.ndarray, uc: np.ndarray) -> bool:
     return True
 
 
-def _refine_step(cost, owner, uc, held: dict[int, list[int]], floor: float) -> tuple[int, int] | None:
+def _refine_step(
+    cost: np.ndarray, owner: np.ndarray, uc: np.ndarray, held: dict[int, list[int]], floor: float
+) -> tuple[int, int] | None:
     """One move or swap off the busiest rank (see :func:`refine_owners`); ``None`` when none helps."""
     r = int(np.argmax(cost))
     top = float(cost[r])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from blockshard.planner._baselines import BASELINES, BaselineResult, baseline, combine
 from blockshard.planner._compute import ComputeTally
@@ -28,7 +29,7 @@ class KindRow:
     baselines: dict[str, BaselineResult]
     compute: ComputeTally | None = None  # per-rank optimizer facts of the kind's groups
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             **(self.compute.to_json() if self.compute is not None else {}),
             "kind": self.kind,
@@ -43,7 +44,7 @@ class KindRow:
         }
 
 
-def _baseline_json(b: BaselineResult) -> dict:
+def _baseline_json(b: BaselineResult) -> dict[str, Any]:
     return {
         "padding_fraction": b.padding_fraction,
         "splits_units": b.splits_units,
@@ -58,7 +59,7 @@ class Comparison:
     kinds: tuple[KindRow, ...]
     baselines: dict[str, BaselineResult]  # whole model
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         data = self.plan.to_json()
         data["baselines"] = {k: _baseline_json(v) for k, v in self.baselines.items()}
         data["groups_by_kind"] = [k.to_json() for k in self.kinds]
@@ -69,7 +70,7 @@ def compare(plan: ModelPlan, baselines: Sequence[str] = BASELINES) -> Comparison
     """Compute every baseline for every group of ``plan`` (identical groups computed once)."""
     W = plan.world_size
     items_by_group = plan.items_by_group()
-    memo: dict[tuple, BaselineResult] = {}
+    memo: dict[tuple[object, ...], BaselineResult] = {}
 
     def base(name: str, items: list[PlanItem]) -> BaselineResult:
         key = (name, tuple((it.spec.shape, it.grid) for it in items))

@@ -82,7 +82,7 @@ def _entry(path: str, index: int, entry: Any) -> TensorSpec:
         raise ShapesError(f"{where}: {e}") from None
 
 
-def tensors_from_shapes_file(path: str | os.PathLike) -> list[TensorSpec]:
+def tensors_from_shapes_file(path: str | os.PathLike[str]) -> list[TensorSpec]:
     """Read a shapes file (``{"tensors": [{"name", "shape", "dtype", "group"}, ...]}``)."""
     p = os.fspath(path)
     data = read_json_file(
@@ -124,8 +124,8 @@ def tensors_from_shapes_file(path: str | os.PathLike) -> list[TensorSpec]:
 def load_model_tensors(
     *,
     model: str | None = None,
-    config: str | os.PathLike | dict | None = None,
-    shapes: str | os.PathLike | None = None,
+    config: str | os.PathLike[str] | dict[str, Any] | None = None,
+    shapes: str | os.PathLike[str] | None = None,
 ) -> list[TensorSpec]:
     """The parameter list from exactly one of: a catalog ``model`` name, an HF ``config``
     (``config.json`` path or dict), or a ``shapes`` file path."""

@@ -12,14 +12,16 @@ module re-exports them and adds what only the layers from ``planner`` up need:
   :func:`check_alignment_numel` the same bound for the packer's alignment in elements;
 * :func:`rank_overlap`: how many elements of each span every rank holds when rank ``r`` owns
   ``[r * S, (r + 1) * S)``, accumulated with a difference array in ``O(spans + W)``;
-* :func:`layout_hash`: the stable hash of a layout's JSON that every rank must agree on.
+* :func:`layout_hash`: the stable hash of a layout's JSON that every rank must agree on;
+* :data:`Memo`: the planning memo that identical groups of one model share.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -28,6 +30,7 @@ from blockshard._errors import BlockshardError, PlanError, WorldSizeError
 from blockshard._limits import MAX_ALIGNMENT_BYTES, MAX_MODEL_TENSORS, MAX_WORLD_SIZE, big_number
 
 __all__ = [
+    "Memo",
     "block_shape",
     "ceil_div",
     "check_alignment_bytes",
@@ -39,6 +42,12 @@ __all__ = [
     "round_up",
     "rows_cols",
 ]
+
+#: One plan's memo, shared by its groups: each key is a tuple of a computation's inputs, most led by a
+#: tag naming it (``("straddle", grid, offset, S)``); the value is that computation's result, which
+#: its one reader annotates (the values differ in type, so the mapping holds ``Any``).
+
+Memo: TypeAlias = dict[tuple[Hashable, ...], Any]
 
 
 def check_world_size(value: object, name: str = "world_size") -> int:
