@@ -35,7 +35,7 @@ from blockshard._errors import SemanticsError
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
 from blockshard.semantics._grid import UnitGrid
 from blockshard.semantics._registry import register_semantics
-from blockshard.semantics._storage import storage_with_companions
+from blockshard.semantics._storage import QuantizedStorage, storage_with_companions
 
 __all__ = [
     "NF4",
@@ -82,7 +82,7 @@ def newton_schulz_flops(shape: tuple[int, ...], steps: int = 5) -> float:
 class Elementwise(BlockSemantics):
     """Every element is its own unit (AdamW, SGD, Adam): any cut is exact."""
 
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         return UnitGrid.units(math.prod(shape), 1)
 
 
@@ -98,13 +98,13 @@ class Matrix(BlockSemantics):
     min_ndim = 2
     per_expert = True
 
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         return UnitGrid.whole(math.prod(shape))
 
-    def placement_grid(self, shape, dtype, *, tensor="<tensor>"):
+    def placement_grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         return _fine(shape)
 
-    def cost(self, shape, dtype):
+    def cost(self, shape: tuple[int, ...], dtype: str) -> float:
         return newton_schulz_flops(shape)
 
 
@@ -122,11 +122,11 @@ class Rows(BlockSemantics):
         self.k = _positive("rows", k)
         self.spec = f"rows:{k}"
 
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         _, cols = rows_cols(shape)
         return UnitGrid.units(math.prod(shape), self.k * cols)
 
-    def placement_grid(self, shape, dtype, *, tensor="<tensor>"):
+    def placement_grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         return _fine(shape)
 
 
@@ -149,17 +149,17 @@ class Shampoo(BlockSemantics):
         self.dim = _positive("shampoo", max_preconditioner_dim)
         self.spec = f"shampoo:{self.dim}"
 
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         numel = math.prod(shape)
         if len(shape) <= 1:
             return UnitGrid.units(numel, self.dim)
         _, cols = rows_cols(shape)
         return UnitGrid.units(numel, self.dim * cols)
 
-    def placement_grid(self, shape, dtype, *, tensor="<tensor>"):
+    def placement_grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         return _fine(shape)
 
-    def cost(self, shape, dtype):
+    def cost(self, shape: tuple[int, ...], dtype: str) -> float:
         rows, cols = rows_cols(shape)
         if len(shape) <= 1:
             rows, cols = math.prod(shape), 1
@@ -178,7 +178,7 @@ class Flat(BlockSemantics):
         self.n = _positive("flat", n)
         self.spec = f"flat:{n}"
 
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         return UnitGrid.units(math.prod(shape), self.n)
 
 
@@ -189,7 +189,7 @@ class _QuantizedState(BlockSemantics):
     block = 256
     needs_divisible = False
 
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         numel = math.prod(shape)
         if numel < MIN_8BIT_NUMEL or (self.needs_divisible and numel % self.block):
             # One process keeps fp32 state for this tensor: keep it whole so the rank holding it does too.
@@ -248,7 +248,7 @@ class NF4(BlockSemantics):
     block_numel = 64  # values per quantization block (one absmax each)
     quant_type = "nf4"
 
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         return UnitGrid.units(self._blocks(shape, tensor) * self.block_numel, self.block_numel)
 
     def _blocks(self, shape: tuple[int, ...], tensor: str) -> int:
@@ -264,11 +264,11 @@ class NF4(BlockSemantics):
             )
         return numel // self.block_numel
 
-    def companions(self, shape, dtype):
+    def companions(self, shape: tuple[int, ...], dtype: str) -> tuple[Companion, ...]:
         numel = math.prod(shape)
         return (Companion(suffix="absmax", numel=numel // self.block_numel, dtype="float32", per_unit=1),)
 
-    def storage(self, shape, dtype):
+    def storage(self, shape: tuple[int, ...], dtype: str) -> QuantizedStorage:
         code = (f"bitsandbytes {self.quant_type} code", 16 * 4)
         return storage_with_companions(
             f"bitsandbytes {self.quant_type} (fp32 absmax)",
@@ -290,7 +290,7 @@ class Expert(BlockSemantics):
 
     min_ndim = 2
 
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         if len(shape) < 2:
             raise self.error(
                 tensor,
@@ -300,6 +300,6 @@ class Expert(BlockSemantics):
             )
         return UnitGrid.units(math.prod(shape), math.prod(shape[1:]))
 
-    def placement_grid(self, shape, dtype, *, tensor="<tensor>"):
+    def placement_grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         self.grid(shape, dtype, tensor=tensor)  # the same shape check
         return _fine(shape)

@@ -27,7 +27,7 @@ from blockshard.semantics._builtins import NF4, _positive
 from blockshard.semantics._grid import UnitGrid
 from blockshard.semantics._registry import register_semantics
 from blockshard.semantics._spec import itemsize_of, normalize_dtype
-from blockshard.semantics._storage import storage_with_companions
+from blockshard.semantics._storage import QuantizedStorage, storage_with_companions
 
 __all__ = ["FP4", "MX", "AoNF4", "FP4Nested", "FP8Block", "NF4Nested"]
 
@@ -52,18 +52,18 @@ class NF4Nested(NF4):
 
     nested_block = 256
 
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         blocks = self._blocks(shape, tensor)
         return UnitGrid.units(blocks * self.block_numel, self.block_numel * self.nested_block)
 
-    def companions(self, shape, dtype):
+    def companions(self, shape: tuple[int, ...], dtype: str) -> tuple[Companion, ...]:
         blocks = math.prod(shape) // self.block_numel
         return (
             Companion(suffix="absmax", numel=blocks, dtype="uint8", per_unit=self.nested_block),
             Companion(suffix="state2.absmax", numel=ceil_div(blocks, self.nested_block), dtype="float32", per_unit=1),
         )
 
-    def storage(self, shape, dtype):
+    def storage(self, shape: tuple[int, ...], dtype: str) -> QuantizedStorage:
         return storage_with_companions(
             f"bitsandbytes {self.quant_type} (nested absmax)",
             math.prod(shape),
@@ -98,7 +98,7 @@ class AoNF4(BlockSemantics):
     block = 64
     scaler_block = 256
 
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         numel = math.prod(shape)
         sb = self.block * self.scaler_block
         if numel % self.block:
@@ -122,7 +122,7 @@ class AoNF4(BlockSemantics):
             )
         return UnitGrid.units(numel, sb)
 
-    def companions(self, shape, dtype):
+    def companions(self, shape: tuple[int, ...], dtype: str) -> tuple[Companion, ...]:
         numel = math.prod(shape)
         sb = self.block * self.scaler_block
         return (
@@ -130,7 +130,7 @@ class AoNF4(BlockSemantics):
             Companion(suffix="quantization_factor", numel=numel // sb, dtype=normalize_dtype(dtype), per_unit=1),
         )
 
-    def storage(self, shape, dtype):
+    def storage(self, shape: tuple[int, ...], dtype: str) -> QuantizedStorage:
         size = itemsize_of(dtype)
         return storage_with_companions(
             "torchao NF4Tensor",
@@ -165,7 +165,7 @@ class MX(BlockSemantics):
         self.bits = bits
         self.spec = "mx" if bits == 8 else f"mx:{bits}"
 
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         last = shape[-1] if shape else 1
         if last % self.block:
             raise self.error(
@@ -176,11 +176,11 @@ class MX(BlockSemantics):
             )
         return UnitGrid.units(math.prod(shape), self.block)
 
-    def companions(self, shape, dtype):
+    def companions(self, shape: tuple[int, ...], dtype: str) -> tuple[Companion, ...]:
         numel = math.prod(shape)
         return (Companion(suffix="scale", numel=numel // self.block, dtype="uint8", per_unit=1),)
 
-    def storage(self, shape, dtype):
+    def storage(self, shape: tuple[int, ...], dtype: str) -> QuantizedStorage:
         fmt = f"MX ({'MXFP4' if self.bits == 4 else 'MXFP8'}, 1 x {self.block})"
         return storage_with_companions(fmt, math.prod(shape), self.block, self.bits, self.companions(shape, dtype))
 
@@ -203,7 +203,7 @@ class FP8Block(BlockSemantics):
         self.tile = _positive("fp8_block", tile)
         self.spec = f"fp8_block:{self.tile}"
 
-    def grid(self, shape, dtype, *, tensor="<tensor>"):
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
         if len(shape) not in (2, 3):
             raise self.error(
                 tensor,
@@ -217,7 +217,7 @@ class FP8Block(BlockSemantics):
             return UnitGrid.units(math.prod(shape), rows * cols)
         return UnitGrid.units(math.prod(shape), self.tile * cols)
 
-    def companions(self, shape, dtype):
+    def companions(self, shape: tuple[int, ...], dtype: str) -> tuple[Companion, ...]:
         *lead, rows, cols = shape
         t, experts = self.tile, math.prod(lead)
         per_stripe = ceil_div(cols, t)  # each stripe of t rows carries one scale per tile
@@ -225,7 +225,7 @@ class FP8Block(BlockSemantics):
         per_unit = per_stripe if not lead or rows % t == 0 else ceil_div(rows, t) * per_stripe
         return (Companion(suffix="scale_inv", numel=n_scales, dtype="float32", per_unit=per_unit),)
 
-    def storage(self, shape, dtype):
+    def storage(self, shape: tuple[int, ...], dtype: str) -> QuantizedStorage:
         unit = self.grid(shape, dtype).unit_numel
         fmt = f"blockwise FP8 ({self.tile} x {self.tile} tiles)"
         return storage_with_companions(fmt, math.prod(shape), unit, 8, self.companions(shape, dtype))

@@ -32,7 +32,11 @@ class _CallableRaised(SemanticsError):
 
 
 def call_user_semantics(
-    fn: Callable, args: tuple, name: str, shape: tuple[int, ...], role: str = "semantics callable"
+    fn: Callable[..., object],
+    args: tuple[object, ...],
+    name: str,
+    shape: tuple[int, ...],
+    role: str = "semantics callable",
 ) -> object:
     """``fn(*args)`` for parameter ``name``; an exception from it becomes a :class:`SemanticsError` naming
     the callable, the parameter and its shape (``role``: what the callable is to the user)."""

@@ -33,7 +33,7 @@ from blockshard.semantics._storage import QuantizedStorage
 __all__ = ["ResolvedSemantics", "SemanticsRules"]
 
 
-def _returned_semantics(rule: Callable, out: object, spec: TensorSpec) -> BlockSemantics:
+def _returned_semantics(rule: Callable[..., object], out: object, spec: TensorSpec) -> BlockSemantics:
     try:
         return get_semantics(out)  # type: ignore[arg-type]
     except SemanticsError as exc:
