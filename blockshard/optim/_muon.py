@@ -15,14 +15,14 @@ bitwise the same (bfloat16 ``O`` travels as its exact float32 value).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
 from torch.optim._muon import _zeropower_via_newtonschulz as _newton_schulz
 
-from blockshard.optim._owner_compute import OwnerComputeError, named_groups
+from blockshard.optim._owner_compute import NamedGroups, OwnerComputeError, ParamsArg, named_groups
 from blockshard.optim._owner_optimizer import OwnerComputeOptimizer, _ragged_holdings
 
 __all__ = ["Muon"]
@@ -32,7 +32,7 @@ class _MomentumOnShards(torch.optim.Optimizer):
     """The inner optimizer of :class:`Muon`: its ``param_groups`` hold the local pieces and its state
     their momentum; its ``step`` is the element-wise part, with the owner exchange in between."""
 
-    def __init__(self, groups: list[dict], defaults: dict, outer: Muon) -> None:
+    def __init__(self, groups: list[dict[str, Any]], defaults: dict[str, Any], outer: Muon) -> None:
         super().__init__(groups, defaults)
         self._outer = outer
 
@@ -76,7 +76,7 @@ class Muon(OwnerComputeOptimizer):
 
     def __init__(
         self,
-        params,
+        params: ParamsArg,
         lr: float = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
@@ -114,7 +114,7 @@ class Muon(OwnerComputeOptimizer):
         factory = lambda gs: _MomentumOnShards(gs, defaults, self)  # noqa: E731
         self._setup(factory, groups, holdings, group, W, group.rank() if group is not None else 0)
 
-    def _inner_groups(self, groups: Sequence) -> list[dict]:
+    def _inner_groups(self, groups: NamedGroups) -> list[dict[str, Any]]:
         """The local pieces (momentum lives with them), not the compute tensors."""
         self._index = {id(q.param): t for t, q in enumerate(self._params)}
         return [
@@ -149,7 +149,7 @@ class Muon(OwnerComputeOptimizer):
         """Nothing to resync: owners hold no copy of the parameters (only directions, per step)."""
         self._refresh_views()
 
-    def step(self, closure: Any = None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():

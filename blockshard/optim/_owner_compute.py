@@ -27,8 +27,9 @@ know, so no index travels:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
@@ -108,9 +109,21 @@ class Exchange:
     recv_sizes: list[int] = field(default_factory=list)
 
 
+#: A unit this rank owns: ``(unit index, tensor index, start, numel, own slice or None)``, the own
+#: slice ``(local offset, unit offset, n)``.
+OwnedUnit: TypeAlias = tuple[int, int, int, int, tuple[int, int, int] | None]
+#: ``[(param_group options, [(name, param), ...])]``, as :func:`named_groups` normalizes them.
+NamedGroups: TypeAlias = list[tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]]
+#: What a user passes as ``params``: a module, one param_group, or an iterable of (name, param)
+#: pairs or of param_groups (:func:`named_groups` checks the entries).
+ParamsArg: TypeAlias = nn.Module | Mapping[str, Any] | Iterable[Any]
+#: ``inner_optimizer_factory``: this rank's param_groups of compute tensors -> the inner optimizer.
+InnerFactory: TypeAlias = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
 def exchange_lists(
     holdings: Sequence[Holding], dtypes: Sequence[str], rank: int, world_size: int
-) -> tuple[dict[str, Exchange], list[tuple]]:
+) -> tuple[dict[str, Exchange], list[OwnedUnit]]:
     """Pure: this rank's all_to_all lists per dtype, and the units it owns.
 
     Units are taken tensor by tensor, in each tensor's order (the same on every rank). Returns
@@ -118,7 +131,7 @@ def exchange_lists(
     or None)`` where the own slice is ``(local offset, unit offset, n)``; ``recvs`` index ``owned``.
     """
     ex: dict[str, Exchange] = {}
-    owned: list[tuple] = []
+    owned: list[OwnedUnit] = []
     i = 0
     for t, q in enumerate(holdings):
         for a, n, o in q.units:
@@ -160,7 +173,7 @@ def add_module_types(mtypes: dict[int, str], root: nn.Module) -> None:
             mtypes.setdefault(id(p), type(mod).__name__)
 
 
-def named_groups(params) -> tuple[list[tuple[dict, list[tuple[str, torch.Tensor]]]], dict[int, str]]:
+def named_groups(params: ParamsArg) -> tuple[NamedGroups, dict[int, str]]:
     """Normalize ``params`` to ``[(param_group options, [(name, param), ...])]`` and module types by id."""
     mtypes: dict[int, str] = {}
     if isinstance(params, nn.Module):
@@ -175,7 +188,7 @@ def named_groups(params) -> tuple[list[tuple[dict, list[tuple[str, torch.Tensor]
             "pairs or param_groups {'params': [(name, param), ...], ...}"
         )
     groups = params if isinstance(params[0], Mapping) else [{"params": params}]
-    out = []
+    out: NamedGroups = []
     for gi, g in enumerate(groups):
         if not isinstance(g, Mapping) or "params" not in g:
             raise OwnerComputeError(
@@ -204,7 +217,8 @@ class _Piece:
     """A compute tensor: a view of a local piece (or the parameter itself), or an owned unit."""
 
     p: int
-    key: tuple
+    key: tuple[object, ...]
+
     tensor: torch.Tensor
     lo: int = 0  # element range of the view within the local piece
     hi: int = 0

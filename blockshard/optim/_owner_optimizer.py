@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -13,7 +13,10 @@ import torch.distributed as dist
 from blockshard._arith import block_shape, rows_cols
 from blockshard.optim._owner_compute import (
     Holding,
+    InnerFactory,
+    NamedGroups,
     OwnerComputeError,
+    ParamsArg,
     _Piece,
     exchange_lists,
     local_region,
@@ -52,7 +55,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
     as on it. If parameter values change outside :meth:`step`, call :meth:`resync_params`.
     """
 
-    def __init__(self, inner_optimizer_factory: Callable, params, *, process_group: Any = None) -> None:
+    def __init__(self, inner_optimizer_factory: InnerFactory, params: ParamsArg, *, process_group: Any = None) -> None:
         groups, _ = named_groups(params)
         holdings, found = _ragged_holdings(groups)
         group = process_group if process_group is not None else found
@@ -60,7 +63,9 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         self._setup(inner_optimizer_factory, groups, holdings, group, W, group.rank() if group is not None else 0)
 
     # -- setup ------------------------------------------------------------------------------------
-    def _setup(self, factory: Callable, groups: Sequence, holdings: list[Holding], process_group, W: int, rank: int):
+    def _setup(
+        self, factory: InnerFactory, groups: NamedGroups, holdings: list[Holding], process_group: Any, W: int, rank: int
+    ) -> None:
         if not callable(factory):
             raise OwnerComputeError(
                 f"inner_optimizer_factory={factory!r} must be callable: "
@@ -84,7 +89,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         """Every rank must hold the same owner-computed tensors (else the all_to_alls would not pair)."""
         mine = [(q.name, q.units) for q in self._params if q.planned]
         digest = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
-        everyone: list = [None] * self.world_size
+        everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, (digest, len(mine)), group=self.process_group)
         if len(set(everyone)) > 1:
             by_rank = ", ".join(f"rank {r}: {n} tensors, plan {h}" for r, (h, n) in enumerate(everyone))
@@ -94,7 +99,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
                 "pass model.named_parameters() or blockshard.optim.muon_param_groups(model), unfiltered"
             )
 
-    def _inner_groups(self, groups: Sequence) -> list[dict]:
+    def _inner_groups(self, groups: NamedGroups) -> list[dict[str, Any]]:
         """The inner optimizer's ``param_groups``: this rank's compute tensors, group by group."""
         return [
             {**opts, "params": [pc.tensor for pc in self._pieces if self._params[pc.p].group == gi]}
@@ -104,9 +109,10 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
     def _build_pieces(self) -> None:
         dtypes = [str(q.param.dtype).removeprefix("torch.") for q in self._params]
         self._exchanges, owned = exchange_lists(self._params, dtypes, self.rank, self.world_size)
-        owned_by_param: dict[int, list[tuple]] = {}
-        for k, (_, t, a, n, own) in enumerate(owned):
-            owned_by_param.setdefault(t, []).append((k, a, n, own))
+        owned_by_param: dict[int, list[tuple[int, int, int, tuple[int, int, int] | None]]] = {}
+        for k, (_, p, a, n, own) in enumerate(owned):
+            owned_by_param.setdefault(p, []).append((k, a, n, own))
+
         self._pieces: list[_Piece] = []
         self._unit_piece: dict[int, int] = {}  # position in `owned` -> index in self._pieces
         for i, q in enumerate(self._params):
@@ -155,7 +161,9 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
             self._pieces.append(_Piece(i, (q.name, "matrix", start + lo), view, lo, lo + mn, split=split))
 
     # -- communication ----------------------------------------------------------------------------
-    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_sizes, in_sizes, what: str) -> None:
+    def _all_to_all(
+        self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int], what: str
+    ) -> None:
         # [Note: collective headers]: the sizes are each rank's own, so the header compares the call and dtype
         agree(self.process_group, f"the owner-compute all_to_all ({what})", dtype=inp.dtype)
         work = dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group, async_op=True)
@@ -230,7 +238,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
 
     # -- optimizer surface -------------------------------------------------------------------------
     @property
-    def param_groups(self) -> list[dict]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.inner.param_groups
 
     @property
@@ -238,10 +246,10 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         return self.inner.state
 
     @property
-    def defaults(self) -> dict:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.inner.defaults
 
-    def add_param_group(self, param_group: dict) -> None:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise OwnerComputeError("add_param_group is not supported: build a new OwnerComputeOptimizer with every group")
 
     @torch.no_grad()
@@ -258,7 +266,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
                 sliced = q.planned or pc.split
                 pc.tensor.data = local.reshape(-1)[pc.lo : pc.hi].view(pc.tensor.shape) if sliced else local
 
-    def step(self, closure: Callable | None = None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Gradients to owners, inner step on whole units and local pieces, new values back."""
         mark_stepped(q.param for q in self._params)  # a rank that owns nothing steps its pieces too
         loss = None
@@ -293,7 +301,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
                 else:
                     q.param.grad.zero_()
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """This rank's state: the inner optimizer's state dict and the layout it belongs to."""
         return {
             "inner": self.inner.state_dict(),
@@ -330,11 +338,11 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
             f"rank={self.rank}, compute_tensors={len(self._pieces)}, owned_units={len(self._unit_piece)})"
         )
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         raise OwnerComputeError("an OwnerComputeOptimizer cannot be pickled; save its state_dict() instead")
 
 
-def _ragged_holdings(groups: Sequence) -> tuple[list[Holding], Any]:
+def _ragged_holdings(groups: NamedGroups) -> tuple[list[Holding], Any]:
     """Every parameter as a :class:`Holding`: owner-computed where the engine's owner plan cuts it."""
 
     holdings: list[Holding] = []

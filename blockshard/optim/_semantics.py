@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import nn
@@ -95,7 +96,7 @@ def semantics_for_optimizer(optimizer: object) -> str:
     )
 
 
-def optimizer_semantics(param_groups: Iterable[Mapping]) -> Callable[[str, torch.Tensor], str | None]:
+def optimizer_semantics(param_groups: Iterable[Mapping[str, Any]]) -> Callable[[str, torch.Tensor], str | None]:
     """``(name, param) -> semantics`` for ``fully_shard``, from ``{"params": [...], "optimizer": ...}`` dicts.
 
     A parameter in no ``param_group`` gets ``None`` (element-wise); one in two ``param_groups``
@@ -124,7 +125,7 @@ def optimizer_semantics(param_groups: Iterable[Mapping]) -> Callable[[str, torch
     return rule
 
 
-def muon_param_groups(model: nn.Module, *, other: str = "adamw") -> list[dict]:
+def muon_param_groups(model: nn.Module, *, other: str = "adamw") -> list[dict[str, Any]]:
     """Muon on 2-D hidden weights; embeddings, the output head, norms and biases to ``other``.
 
     Returns ``[muon_group, other_group]``, each ``{"params": [...], "param_names": [...],

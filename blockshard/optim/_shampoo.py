@@ -52,10 +52,12 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from blockshard._errors import BlockshardError
 from blockshard.optim._shampoo_codec import ShampooBlocksCodec
@@ -156,7 +158,8 @@ def _inverse_root(factor: torch.Tensor, exponent: float, epsilon: float) -> torc
     """``Q diag((max(lam, 0) + epsilon)^(-exponent)) Q^T`` for the symmetric ``factor``."""
     lam, q = torch.linalg.eigh(factor)
     lam = lam.clamp_min(0.0).add_(epsilon).pow_(-exponent)
-    return (q * lam) @ q.T
+    root: torch.Tensor = (q * lam) @ q.T
+    return root
 
 
 class BlockedShampoo(torch.optim.Optimizer):
@@ -182,7 +185,7 @@ class BlockedShampoo(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params,
+        params: ParamsT,
         *,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -219,7 +222,7 @@ class BlockedShampoo(torch.optim.Optimizer):
         _validate(self.param_groups[-1])  # per-group overrides are checked too
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -265,7 +268,9 @@ class BlockedShampoo(torch.optim.Optimizer):
             p.copy_(work)
 
     @staticmethod
-    def _new_block(p, idx, sdt, fdt) -> dict[str, torch.Tensor]:
+    def _new_block(
+        p: torch.Tensor, idx: tuple[slice, ...], sdt: torch.dtype, fdt: torch.dtype
+    ) -> dict[str, torch.Tensor]:
         dims = [s.stop - s.start for s in idx]
         block = {
             "exp_avg": torch.zeros(dims, dtype=sdt, device=p.device),
@@ -276,10 +281,13 @@ class BlockedShampoo(torch.optim.Optimizer):
         return block
 
     @staticmethod
-    def _block_update(g: torch.Tensor, block: dict[str, torch.Tensor], group: dict[str, Any], t: int):
+    def _block_update(g: torch.Tensor, block: dict[str, torch.Tensor], group: dict[str, Any], t: int) -> torch.Tensor:
         """Update one block's state with its gradient ``g``; return the direction ``U``."""
+        beta1: float
+        beta2: float
         beta1, beta2 = group["betas"]
-        gb2 = group["grafting_beta2"]
+        gb2: float = group["grafting_beta2"]
+
         m, v = block["exp_avg"], block["exp_avg_sq"]
         m.mul_(beta1).add_(g, alpha=1.0 - beta1)
         v.mul_(gb2).addcmul_(g, g, value=1.0 - gb2)

@@ -49,7 +49,7 @@ def tag_managed(
     setattr(param, _TAG_ATTR, ManagedTag(group_name, original, process_group, group))
 
 
-def managed_tag(param: nn.Parameter) -> ManagedTag | None:
+def managed_tag(param: torch.Tensor) -> ManagedTag | None:
     tag = getattr(param, _TAG_ATTR, None)
     return tag if isinstance(tag, ManagedTag) else None
 
