@@ -117,7 +117,7 @@ def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
 def _rules(semantics: object, params_by_name: Mapping[str, nn.Parameter]) -> object:
     """``semantics`` as fully_shard takes it; a plain callable gets ``(name, param)``."""
     if callable(semantics) and not isinstance(semantics, (BlockSemantics, SemanticsRules, type)):
-        user: Callable = semantics
+        user: Callable[..., object] = semantics
 
         def rule(name: str, _spec: TensorSpec) -> object:
             p = params_by_name[name]
@@ -273,7 +273,7 @@ def fully_shard(
     names, params, refs = collect_all(modules, ignored | {i for f in quantized for i in f.ids})
     _check_params(names, params)
     if shard_placement_fn is not None:  # checked as FSDP2 does; the layout follows semantics ([Note: shard placements])
-        check_shard_placements(cast(Callable, shard_placement_fn), names, params)
+        check_shard_placements(cast(Callable[[nn.Parameter], object], shard_placement_fn), names, params)
     offload = type(offload_policy).__name__ == "CPUOffloadPolicy"  # [Note: CPU offload] in _buffers.py
     if offload and (dev := next((p.device for p in params if p.device.type not in ("cpu", "meta")), None)):
         raise ShardingError(
@@ -284,7 +284,10 @@ def fully_shard(
         )
     name = type(module).__name__ if len(modules) == 1 else f"[{', '.join(type(m).__name__ for m in modules)}]"
     # (name suffix, parameters, buffer set class, whether they may train) per buffer set
-    parts: list[tuple[str | None, tuple, Callable[..., ParamBuffers], bool]] = []
+    parts: list[
+        tuple[str | None, tuple[list[str], list[nn.Parameter], list[list[ParamRef]]], Callable[..., ParamBuffers], bool]
+    ] = []
+
     if quantized_gather:  # [Note: quantized gather]: a buffer set of its own, after the dtypes' ones
         by_name = dict(zip(names, params, strict=True))
         q_part, (names, params, refs), quantizers = split_quantized_gather(

@@ -4,6 +4,7 @@ parameters, HSDP's replicate group, and ``quantized_gather`` with nothing to qua
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -120,7 +121,7 @@ def check_same_settings(name: str, process_group: dist.ProcessGroup, **settings:
     other times (a bf16 all-gather against an fp32 one: gloo aborts the process), so they are
     refused here, before the first collective of a step."""
     mine = {k: repr(v) for k, v in settings.items()}
-    every: list = [None] * process_group.size()
+    every: list[Any] = [None] * process_group.size()
     dist.all_gather_object(every, mine, group=process_group)
     differ = [k for k in mine if len({str(e.get(k)) for e in every}) > 1]
     if differ:

@@ -94,7 +94,7 @@ def _check_save_arguments(model: object, checkpoint_id: object, optimizer: objec
     return path
 
 
-def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: Optimizers = None) -> None:
+def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike[str], optimizer: Optimizers = None) -> None:
     """Save ``model.state_dict()`` (with ``optimizer``: ``{"model": ..., "optimizer":
     blockshard.optimizer_state_dict(model, optimizer)}``) with DCP, atomically (collective: call
     on every rank). The directory appears complete, with a ``blockshard.json`` record of the world
@@ -118,7 +118,7 @@ def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike, optimize
 
 
 def load_checkpoint(
-    model: nn.Module, checkpoint_id: str | os.PathLike, optimizer: Optimizers = None, *, verify: bool = True
+    model: nn.Module, checkpoint_id: str | os.PathLike[str], optimizer: Optimizers = None, *, verify: bool = True
 ) -> None:
     """Load a checkpoint of :func:`save_checkpoint` (or of ``dcp.save(model.state_dict())``) at any
     world size or semantics (collective).
@@ -283,7 +283,7 @@ def _saved_with_optimizer(path: str) -> bool:
     )
 
 
-def check_checkpoint(state: Mapping[str, object], checkpoint_id: str | os.PathLike, *, under: str = "") -> None:
+def check_checkpoint(state: Mapping[str, object], checkpoint_id: str | os.PathLike[str], *, under: str = "") -> None:
     """Raise :class:`CheckpointError` unless the checkpoint is complete and holds every entry of
     ``state`` with the same global shape (no collective: each rank reads the metadata itself);
     ``under``: compare ``state`` with the checkpoint's entries under this prefix only."""
@@ -327,7 +327,7 @@ def _few(items: list[str], n: int = 5) -> str:
     return ", ".join(items[:n]) + more
 
 
-def describe_checkpoint(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
+def describe_checkpoint(checkpoint_id: str | os.PathLike[str]) -> dict[str, Any]:
     """What a DCP checkpoint directory holds (no process group needed): the ranks that wrote
     data, every tensor's global shape, dtype, bytes and number of chunks, completeness, and for a
     checkpoint of :func:`save_checkpoint` its record: world size, groups with their layouts and
@@ -372,7 +372,7 @@ def describe_checkpoint(checkpoint_id: str | os.PathLike) -> dict[str, Any]:
     }
 
 
-def _group_summaries(record: dict | None) -> list[dict[str, Any]]:
+def _group_summaries(record: dict[str, Any] | None) -> list[dict[str, Any]]:
     """Per group of the record: module, world size, layout (buckets, segment, hash), the semantics
     of its tensors (``{semantics: count}``) and each tensor's pieces."""
     out = []

@@ -42,8 +42,9 @@ from blockshard.runtime.checkpoint._files import raise_on_every_rank
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._quantized_state import StateEntry, _module_names, _prefixes
 from blockshard.runtime.checkpoint._state_dict import _names
-from blockshard.runtime.core._inspect import agree_on_call, join_name, states_under
+from blockshard.runtime.core._inspect import BuffersView, agree_on_call, join_name, states_under
 from blockshard.runtime.core._param import ShardedParam
+from blockshard.runtime.core._state import ModuleState
 from blockshard.runtime.quantized._frozen import frozen_buffers
 
 __all__ = ["save_pretrained"]
@@ -138,7 +139,7 @@ def _rank(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def save_pretrained(model: nn.Module, save_directory: str | os.PathLike) -> None:
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike[str]) -> None:
     """Write the full weights of a sharded model as Hugging Face safetensors shards (plus the index
     and, for a Hugging Face model, ``config.json``) from rank 0, one group at a time, streamed in
     chunks (collective: call on every rank; see [Note: streamed export]). ``from_pretrained``
@@ -201,7 +202,7 @@ def _export_error(path: str, e: OSError) -> str:
     )
 
 
-def _check_exportable(states: list) -> None:
+def _check_exportable(states: list[tuple[str, ModuleState | BuffersView]]) -> None:
     """Raise before anything is written if a quantized weight's full entry is a tensor subclass
     (torchao ``NF4Tensor``, ``MXTensor``), which safetensors cannot hold."""
     for prefix, st in states:
@@ -260,7 +261,9 @@ def _stream_group(sink: _Sink, path: str, g: Any, tensors: dict[str, ShardedPara
     return total
 
 
-def _quantized_entries(model: nn.Module, states: list) -> list[tuple[str, Any, Any, StateEntry]]:
+def _quantized_entries(
+    model: nn.Module, states: list[tuple[str, ModuleState | BuffersView]]
+) -> list[tuple[str, Any, Any, StateEntry]]:
     """``(full name, frozen quantized buffers, tensor, entry)`` of every quantized weight's entry under
     ``model``, in ``full_state_dict``'s order (a tensor's entries under each of its names)."""
     names = _module_names(model)

@@ -3,6 +3,8 @@ is a group of its own under the module's prefix, as the primary buffer set is in
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
@@ -26,7 +28,7 @@ def _extra_buffers(module: nn.Module) -> list[ParamBuffers]:
     return [] if st is None else [g for g in st.extra_param_buffers if g.layout is not None]
 
 
-def _post_hook(module: nn.Module, state_dict: dict, prefix: str, _local_metadata: dict) -> None:
+def _post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _local_metadata: dict[str, Any]) -> None:
     for g in _extra_buffers(module):
         made: dict[int, PieceTensor] = {}
         for name, sp in _names(module, g.params):
@@ -40,7 +42,9 @@ def _post_hook(module: nn.Module, state_dict: dict, prefix: str, _local_metadata
                 state_dict[key] = made[id(sp)]
 
 
-def _pre_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *_args: object) -> None:
+def _pre_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], *_args: object
+) -> None:
     for g in _extra_buffers(module):
         if g.sharded_state is not ShardedState.SHARDED:
             g.reshard()

@@ -29,7 +29,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -91,7 +91,7 @@ def _rank(pg: Any) -> int:
     return dist.get_rank(pg) if pg is not None else 0
 
 
-def atomic_save(path: str, write: Callable[[str], None], record: Callable[[], dict]) -> None:
+def atomic_save(path: str, write: Callable[[str], None], record: Callable[[], dict[str, Any]]) -> None:
     """[Note: atomic checkpoints]: ``write(partial)`` (every rank: ``dcp.save`` into the partial
     directory), then ``record()`` is written and the partial directory swapped in (collective).
     Any failure raises :class:`CheckpointError` (an ``Exception``) on every rank that is still
@@ -151,7 +151,7 @@ def abandon_save(partial: str) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def finish_save(path: str, partial: str, record: dict) -> None:
+def finish_save(path: str, partial: str, record: dict[str, Any]) -> None:
     """Step 3 of [Note: atomic checkpoints] (collective): every rank's checksums of the files it
     wrote reach rank 0 ([Note: checkpoint integrity]), which writes the record and swaps; a
     failure anywhere raises on every rank."""
@@ -159,7 +159,7 @@ def finish_save(path: str, partial: str, record: dict) -> None:
 
     pg = _process_group()
     rank = dist.get_rank() if pg is not None else 0  # DCP names shard files by global rank
-    mine: tuple[dict, str | None]
+    mine: tuple[dict[str, Any], str | None]
     try:
         mine = (own_sums(partial, rank), None)
     except OSError as e:
@@ -180,7 +180,7 @@ def finish_save(path: str, partial: str, record: dict) -> None:
     raise_on_every_rank(pg, error)
 
 
-def _swap_in(path: str, partial: str, record: dict) -> None:
+def _swap_in(path: str, partial: str, record: dict[str, Any]) -> None:
     tmp = os.path.join(partial, f".{RECORD}.tmp")
     with open(tmp, "w") as f:
         json.dump(record | {"complete": True}, f, indent=1)
@@ -316,7 +316,7 @@ def _few(items: list[str], n: int = 5) -> str:
 SAVERS = ("blockshard.save_checkpoint", "blockshard.integrations.accelerate")  # who writes records
 
 
-def _is_record(record: Any) -> bool:
+def _is_record(record: Any) -> TypeGuard[dict[str, Any]]:
     return isinstance(record, dict) and record.get("saved_by") in SAVERS
 
 
@@ -336,7 +336,7 @@ def resolve(path: str) -> str:
     return path
 
 
-def read_record(path: str) -> dict | None:
+def read_record(path: str) -> dict[str, Any] | None:
     """The checkpoint's record, ``None`` if it has none; a record that cannot be read or is not a
     blockshard record raises :class:`CheckpointError` naming the file."""
     file = os.path.join(path, RECORD)
@@ -360,7 +360,7 @@ def read_record(path: str) -> dict | None:
     return data
 
 
-def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict:
+def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     """What ``blockshard.json`` records: world size, groups (layouts, semantics, every rank's
     pieces), frozen quantized weights (formats, units, every rank's units and pieces of every entry),
     optimizers, versions. The same on every rank (layouts are checked equal)."""
@@ -370,7 +370,8 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
         layout = st.buffers.layout
         if layout is None:
             continue
-        pieces: dict[int, list] = {i: [] for i in range(len(layout.tensors))}
+        pieces: dict[int, list[list[int]]] = {i: [] for i in range(len(layout.tensors))}
+
         for rank in range(layout.world_size):
             for p in layout.pieces(rank):
                 if p.numel:
@@ -400,7 +401,7 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
     }
 
 
-def base_record(saved_by: str, optimizers: list[torch.optim.Optimizer]) -> dict:
+def base_record(saved_by: str, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     """What every record holds: who saved it, versions, world size, optimizer classes."""
     import torch.distributed as dist
 
@@ -414,7 +415,7 @@ def base_record(saved_by: str, optimizers: list[torch.optim.Optimizer]) -> dict:
     }
 
 
-def _quantized_record(prefix: str, st: Any) -> dict:
+def _quantized_record(prefix: str, st: Any) -> dict[str, Any]:
     """The layout of a group's frozen quantized weights ([Note: quantized layout]): segment, every
     tensor's format, unit grid, sections (under the key ``streams``, as records have always named
     them), every rank's units, and every state-dict entry that holds a section with every rank's

@@ -65,7 +65,7 @@ def file_sums(directory: str, gathered: list[dict[str, dict[str, Any]]]) -> dict
     return dict(sorted(sums.items()))
 
 
-def verify_share(path: str, record: dict | None, rank: int, world_size: int) -> list[str]:
+def verify_share(path: str, record: dict[str, Any] | None, rank: int, world_size: int) -> list[str]:
     """What is wrong with this rank's share of the recorded files (``[]``: nothing, or no record)."""
     files = (record or {}).get("files")
     if not isinstance(files, dict):
@@ -86,11 +86,13 @@ def verify_share(path: str, record: dict | None, rank: int, world_size: int) -> 
     return problems
 
 
-def content_id(path: str, record: dict | None) -> str:
+def content_id(path: str, record: dict[str, Any] | None) -> str:
     """The id of the checkpoint at ``path``: the record's ``checkpoint_id``, else the size and
     CRC-32 of its ``.metadata`` (a plain ``dcp.save`` checkpoint)."""
     if record and isinstance(record.get("checkpoint_id"), str):
-        return record["checkpoint_id"]
+        checkpoint_id: str = record["checkpoint_id"]
+        return checkpoint_id
+
     metadata = os.path.join(path, ".metadata")
     if not os.path.isfile(metadata):
         return f"(no .metadata at {path})"

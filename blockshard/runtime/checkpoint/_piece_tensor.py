@@ -29,13 +29,18 @@ Parameters outside any group stay plain tensors.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
 import torch
 
 from blockshard._errors import PieceTensorError
 from blockshard.runtime.core._collectives import agree, all_gather_into
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = ["Box", "PieceTensor", "PieceTensorError", "flat_run_boxes"]
 
@@ -124,7 +129,13 @@ class PieceTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Callable[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         x = args[0]
         if func in (aten.detach.default, aten.alias.default):
@@ -230,10 +241,10 @@ class PieceTensor(torch.Tensor):
         )
 
     # Writers of whole tensors (safetensors, HF ``save_pretrained``) read storages: refuse by name.
-    def untyped_storage(self):
+    def untyped_storage(self) -> NoReturn:
         raise PieceTensorError(self._needs_whole("its storage"))
 
-    def storage(self):
+    def storage(self) -> NoReturn:
         raise PieceTensorError(self._needs_whole("its storage"))
 
     def data_ptr(self) -> int:
@@ -250,16 +261,19 @@ class PieceTensor(torch.Tensor):
             "time); or checkpoint with torch.distributed.checkpoint (dcp.save(model.state_dict()))"
         )
 
-    def __deepcopy__(self, memo: dict) -> PieceTensor:
+    def __deepcopy__(self, memo: dict[int, Any]) -> PieceTensor:
         if id(self) not in memo:
             memo[id(self)] = self._like(self._local.clone())
-        return memo[id(self)]
+        copied: PieceTensor = memo[id(self)]
+        return copied
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(
+        self, protocol: SupportsIndex
+    ) -> tuple[type[PieceTensor], tuple[torch.Tensor, int, tuple[int, ...], str]]:
         return (PieceTensor, (self._local, self._start, tuple(self.shape), self._name))
 
     # -- DCP's checkpointable protocol ---------------------------------------------------------
-    def __create_write_items__(self, fqn: str, obj: object) -> list:
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
@@ -277,7 +291,8 @@ class PieceTensor(torch.Tensor):
             for b in self._boxes
         ]
 
-    def __create_chunk_list__(self) -> list:
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
         return [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)) for b in self._boxes]

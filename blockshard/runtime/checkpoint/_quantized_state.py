@@ -32,7 +32,7 @@ model; sharded, their inner tensors become entries of their own (``weight`` the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -101,7 +101,7 @@ def _pieces(qg: Any, t: QuantizedTensor, key_prefix: str) -> dict[str, torch.Ten
     return out
 
 
-def quantized_entries(module: nn.Module, qg: Any, state_dict: dict, prefix: str) -> None:
+def quantized_entries(module: nn.Module, qg: Any, state_dict: dict[str, Any], prefix: str) -> None:
     """Put every quantized tensor's entries into ``module``'s ``state_dict`` (post hook): existing
     names replaced in place, new ones after their module's own parameters and buffers (where
     bitsandbytes puts its quant state)."""
@@ -262,7 +262,9 @@ def _check_constants(t: QuantizedTensor, values: dict[str, Any], p: str) -> None
             )
 
 
-def _placed(module: nn.Module, qg: Any, state: Mapping[str, Any], prefix: str):
+def _placed(
+    module: nn.Module, qg: Any, state: Mapping[str, Any], prefix: str
+) -> Iterator[tuple[QuantizedTensor, list[str], str]]:
     """``(tensor, its state-dict prefixes, the one its entries are found under in state)`` for every
     quantized tensor of ``module``'s group."""
     names = _module_names(module)
@@ -273,7 +275,9 @@ def _placed(module: nn.Module, qg: Any, state: Mapping[str, Any], prefix: str):
 
 
 @torch.no_grad()
-def load_quantized(module: nn.Module, qg: Any, state_dict: dict, prefix: str, missing_keys: list[str]) -> None:
+def load_quantized(
+    module: nn.Module, qg: Any, state_dict: dict[str, Any], prefix: str, missing_keys: list[str]
+) -> None:
     """Load pre hook: copy every quantized tensor's bytes from ``state_dict`` into this rank's
     segment, then leave the module's own parameters their current values (so ``nn.Module`` copies
     nothing) and drop the other entries. The group must be sharded."""
@@ -296,7 +300,7 @@ def load_quantized(module: nn.Module, qg: Any, state_dict: dict, prefix: str, mi
             _settle(t, state_dict, q)
 
 
-def _settle(t: QuantizedTensor, state_dict: dict, p: str) -> None:
+def _settle(t: QuantizedTensor, state_dict: dict[str, Any], p: str) -> None:
     """After loading: the module's parameters' entries hold their own values, the others are gone."""
     params = {ref.attr: ref.module._parameters[ref.attr] for ref in t.refs} | {
         ref.attr: ref.module._parameters[ref.attr] for refs, _ in t.extra for ref in refs

@@ -48,7 +48,7 @@ class LoadReport:
     loaded: tuple[str, ...]
 
 
-def _files(path: str | os.PathLike) -> tuple[dict[str, str], dict[str, Any]]:
+def _files(path: str | os.PathLike[str]) -> tuple[dict[str, str], dict[str, Any]]:
     """Checkpoint tensor name -> file, from one file, a directory's index, or its files; and the
     files' recorded checksums (a blockshard export's index holds them; else none)."""
     path = os.fspath(path)
@@ -155,7 +155,7 @@ class _Reader:
         self.files, self.read_bytes, self.sums = files, 0, sums
         self._open: dict[str, object] = {}
 
-    def _handle(self, name: str):
+    def _handle(self, name: str) -> Any:  # a safetensors safe_open (its methods are unannotated)
         from safetensors import safe_open
 
         path = self.files[name]
@@ -181,7 +181,8 @@ class _Reader:
 
     def whole(self, name: str) -> torch.Tensor:
         with _named(self.files[name]):
-            t = self._handle(name).get_tensor(name)
+            t: torch.Tensor = self._handle(name).get_tensor(name)
+
         self.read_bytes += t.numel() * t.element_size()
         return t
 
@@ -198,7 +199,7 @@ def _verify(file: str, want: Any) -> None:
 
 @torch.no_grad()
 def load_safetensors(
-    model: nn.Module, path: str | os.PathLike, *, strict: bool = True, verify: bool = True
+    model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True, verify: bool = True
 ) -> LoadReport:
     """Fill a sharded model from Hugging Face safetensors, each rank reading only its pieces (see
     [Note: sharded loading]). ``strict``: every parameter and persistent buffer of the model must

@@ -4,9 +4,9 @@ see [Note: state dict entries]), full tensors by name, or each rank's pieces wit
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -35,6 +35,8 @@ __all__ = [
     "load_sharded_state_dict",
     "sharded_state_dict",
 ]
+
+_V = TypeVar("_V")  # the value type of a state dict
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     quantized, owned = full_quantized_entries(model, states_under(model))  # [Note: quantized state dicts]
     gathered |= quantized
     out: dict[str, torch.Tensor] = {}
-    clones: dict[tuple, torch.Tensor] = {}  # tied tensors outside any group stay one tensor
+    clones: dict[tuple[object, ...], torch.Tensor] = {}  # tied tensors outside any group stay one tensor
     for name, value in model.state_dict().items():
         if name in owned and name not in gathered:
             continue  # a sharded-only entry (torchao's inner tensors): the full one holds it
@@ -123,7 +125,9 @@ def install_state_dict_hooks(module: nn.Module) -> None:
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
 
 
-def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+def _state_dict_post_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
+) -> None:
     """Replace each of the group's entries (the local piece, or the gathered view after a forward
     with ``reshard_after_forward=False``) by a :class:`PieceTensor` of its global shape."""
     st = state_of(module)
@@ -142,7 +146,7 @@ def _state_dict_post_hook(module: nn.Module, state_dict: dict, prefix: str, loca
 
 
 def _load_state_dict_pre_hook(
-    module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], *args: Any
 ) -> None:
     """Turn each of the group's entries into this rank's piece with its block shape, which
     ``nn.Module`` then copies into the sharded parameter. The group is resharded first (as FSDP2
@@ -164,7 +168,9 @@ def _load_state_dict_pre_hook(
     load_pieces(module, st.buffers, state_dict, prefix, assign=assign)
 
 
-def load_pieces(module: nn.Module, group: ParamBuffers, state_dict: dict, prefix: str, *, assign: bool) -> None:
+def load_pieces(
+    module: nn.Module, group: ParamBuffers, state_dict: dict[str, Any], prefix: str, *, assign: bool
+) -> None:
     """Turn the entries of ``group``'s parameters into this rank's pieces, which ``nn.Module``
     then copies into the sharded parameters. ``assign=True`` (FSDP2 code loading a meta-device
     model, [Note: meta init]): a group still on the meta device is materialized on the entries'
@@ -211,7 +217,7 @@ def _local_piece(name: str, sp: ShardedParam, value: object) -> object:
     return value.detach().reshape(-1)[lo:hi].view(sp.sharded.shape)
 
 
-def _entries(model: nn.Module, state: Mapping[str, object]):
+def _entries(model: nn.Module, state: Mapping[str, _V]) -> Iterator[tuple[str, ShardedParam, _V]]:
     """``(name, sharded param, saved entry)`` for every parameter of every group under ``model``."""
     for prefix, st in states_under(model):
         for sp in st.buffers.params:
@@ -284,7 +290,7 @@ def gather_pieces(state: Any, *, keep: bool = True) -> Any:
     return _map(state, full)
 
 
-def _leaves(state: Any, path: str = ""):
+def _leaves(state: Any, path: str = "") -> Iterator[tuple[str, PieceTensor]]:
     """``(path, PieceTensor)`` for every PieceTensor in ``state``, in traversal order."""
     if isinstance(state, PieceTensor):
         yield path, state

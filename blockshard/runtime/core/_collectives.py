@@ -111,7 +111,9 @@ import os
 import time
 import weakref
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -178,8 +180,10 @@ class _Headers:
 _HEADERS: weakref.WeakKeyDictionary[dist.ProcessGroup, _Headers] = weakref.WeakKeyDictionary()
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather: Callable[..., dist.Work | None] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter: Callable[..., dist.Work | None] = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 def collective_timeout_s() -> float:
@@ -467,14 +471,37 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
-def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+@overload
+def all_gather_into(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: Literal[True]
+) -> dist.Work: ...
+@overload
+def all_gather_into(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: Literal[False] = False
+) -> None: ...
+def all_gather_into(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False
+) -> dist.Work | None:
     assert out.numel() == inp.numel() * group.size() and out.dtype == inp.dtype, (out.shape, inp.shape)
     return _all_gather(_wire(out), _wire(inp), group=group, async_op=async_op)
 
 
+@overload
+def reduce_scatter_avg(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: Literal[True], summed: bool = False
+) -> dist.Work: ...
+@overload
+def reduce_scatter_avg(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    async_op: Literal[False] = False,
+    summed: bool = False,
+) -> None: ...
 def reduce_scatter_avg(
     out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False, summed: bool = False
-):
+) -> dist.Work | None:
     """The average over ranks (``summed``: the sum, for a custom divide factor)."""
     assert inp.numel() == out.numel() * group.size() and out.dtype == inp.dtype, (out.shape, inp.shape)
     op = dist.ReduceOp.SUM if summed else dist.ReduceOp.AVG
@@ -484,7 +511,8 @@ def reduce_scatter_avg(
 def check_same_layout(group_name: str, layout_hash: str, group: dist.ProcessGroup) -> None:
     """Raise :class:`LayoutMismatchError` on every rank unless all ranks computed ``layout_hash``."""
     mine = (group_name, layout_hash)
-    everyone: list = [None] * group.size()
+    everyone: list[Any] = [None] * group.size()
+
     dist.all_gather_object(everyone, mine, group=group)
     if len(set(everyone)) > 1:
         by_rank = ", ".join(f"rank {r}: group {n!r} hash {h}" for r, (n, h) in enumerate(everyone))

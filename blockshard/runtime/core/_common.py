@@ -78,7 +78,10 @@ def in_backward() -> bool:
 def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook`` run eagerly under ``torch.compile``: a compiled module's graph holds its forward
     alone, the engine's hooks run around it (what FSDP2's ``_dynamo_disable`` does for its hooks)."""
-    return torch._dynamo.disable(hook, recursive=True, reason="blockshard's engine hooks run eagerly")
+    disabled: Callable[..., Any] = torch._dynamo.disable(
+        hook, recursive=True, reason="blockshard's engine hooks run eagerly"
+    )
+    return disabled
 
 
 def tensors_in(obj: object) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ modules are being visited (the root's group, whose modules come first and last i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -101,7 +101,8 @@ def init_parameters(
     return model
 
 
-def _post_order(module: nn.Module):
+def _post_order(module: nn.Module) -> Iterator[nn.Module]:
+
     for child in module.children():
         yield from _post_order(child)
     yield module

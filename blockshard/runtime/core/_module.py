@@ -167,13 +167,14 @@ class ShardedModule(nn.Module):
         if state.ctx is not None:
             state.ctx.reset_step()
 
-    def _apply(self, fn: Callable, recurse: bool = True) -> ShardedModule:
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ShardedModule:
         """``.to()``, ``.double()``, ``.cuda()``...: allowed only when they change nothing about the
         parameters (the sharded parameters are views of the engine's buffers; a converted copy
         would be trained while the engine gathers the old buffer), and to materialize a model
         sharded on the meta device (``model.to_empty(device=...)``, [Note: meta init])."""
         if self._bs_state().applying:  # an enclosing sharded module's _apply has handled this one's groups
-            return super()._apply(fn, recurse)
+            applied: ShardedModule = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch's is unannotated
+            return applied
         states = self._states(True)
         groups = [(st, g) for st in states for g in st.param_buffers if g.layout is not None]
         # a list's group ([Note: a list of modules]) is checked and materialized with its first
@@ -204,14 +205,16 @@ class ShardedModule(nn.Module):
         for st in states:  # torch's _apply recurses into them next: their groups are handled here
             st.applying = True
         try:
-            return super()._apply(fn, recurse)
+            applied = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch's is unannotated
+            return applied
         finally:
             for st in states:
                 st.applying = False
             for ref, p in hidden:
                 ref.module._parameters[ref.attr] = p
 
-    def __deepcopy__(self, memo: dict) -> NoReturn:
+    def __deepcopy__(self, memo: dict[int, object]) -> NoReturn:
+
         raise ShardingError(
             f"copy.deepcopy of a sharded {self._bs_state().name} is not supported: the copy would share "
             "the original's buffers and collectives (its unshard() would unshard the original). Fix: "

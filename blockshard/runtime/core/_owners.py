@@ -115,7 +115,14 @@ class EngineOwnerPlanBuilder(OwnerPlanBuilder):
     shifted: dict[str, GroupLayout] = dataclasses.field(default_factory=dict)
     _chose_shift: bool = False
 
-    def _best_shift(self, layout, compute, costs, running, current):
+    def _best_shift(
+        self,
+        layout: GroupLayout,
+        compute: Mapping[str, UnitGrid],
+        costs: Mapping[str, float],
+        running: np.ndarray,
+        current: tuple[np.ndarray, np.ndarray, int],
+    ) -> tuple[GroupLayout, np.ndarray, np.ndarray, int]:
         best = super()._best_shift(layout, compute, costs, running, current)
         self._chose_shift = best[0] is not layout
         return best
@@ -129,7 +136,12 @@ class EngineOwnerPlanBuilder(OwnerPlanBuilder):
         return layout
 
     def add_fixed(
-        self, layout: GroupLayout, kind: str, compute: Mapping[str, UnitGrid], costs: Mapping[str, float], running
+        self,
+        layout: GroupLayout,
+        kind: str,
+        compute: Mapping[str, UnitGrid],
+        costs: Mapping[str, float],
+        running: np.ndarray,
     ) -> None:
         """A group balanced by an earlier call: its own cost and cut units, not rotated again."""
         _, base, _, _ = self._geometry(layout, compute, costs)
@@ -147,7 +159,7 @@ def qualified(layout: GroupLayout, prefix: str) -> GroupLayout:
     )
 
 
-def qualified_group(st: Any, prefix: str) -> tuple[GroupLayout, str, dict, dict[str, float]]:
+def qualified_group(st: Any, prefix: str) -> tuple[GroupLayout, str, dict[str, UnitGrid], dict[str, float]]:
     """A group's state as the owner builder sees it: tensor names prefixed by its module's path."""
     layout = st.buffers.layout
     compute = {prefix + n: g for n, g in compute_of(st.buffers).items()}
@@ -186,7 +198,9 @@ def apply_shifts(what: str, named: Sequence[tuple[str, Any]], builder: EngineOwn
         check_same_layout(f"{what} (shifted)", ",".join(moved), named[-1][1].buffers.process_group)
 
 
-def move_lists(old: GroupLayout, new: GroupLayout, rank: int) -> tuple[list, list, list, list]:
+def move_lists(
+    old: GroupLayout, new: GroupLayout, rank: int
+) -> tuple[list[tuple[int, int]], list[int], list[tuple[int, int]], list[int]]:
     """Pure: ``(send pieces, send sizes, receive pieces, receive sizes)`` of ``rank`` for moving a
     one-bucket group from ``old`` to ``new`` (same tensors and segment ``S``). A piece is
     ``(local offset, numel)``; sends are ordered by destination rank, then by position there, and

@@ -202,7 +202,8 @@ class ModuleState:
         if self.param_dtype is None or not self.cast_forward_inputs:
             return args, kwargs
         dtype = self.param_dtype
-        return tree_map(lambda x: _cast(x, dtype), (args, kwargs))
+        cast_args: tuple[Any, Any] = tree_map(lambda x: _cast(x, dtype), (args, kwargs))
+        return cast_args
 
     def pre_forward(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if in_backward():  # [Note: recompute]
@@ -273,10 +274,11 @@ class ModuleState:
             torch.autograd.graph.register_multi_grad_hook(nested, self._inputs_done, mode="all")
         if slots:
             self._inputs_pending += 1
-            routed = _PostBackward.apply(self, *(leaves[i] for i in slots))
+            routed = _PostBackward.apply(self, *(leaves[i] for i in slots))  # type: ignore[no-untyped-call]  # torch's Function.apply is unannotated
             for i, t in zip(slots, routed, strict=True):
                 leaves[i] = t
-        return tree_unflatten(leaves, spec)
+        routed_args: tuple[Any, Any] = tree_unflatten(leaves, spec)
+        return routed_args
 
     def _inputs_done(self, _grads: Any) -> None:
         self._inputs_pending -= 1

@@ -15,7 +15,7 @@ State dicts ([Note: quantized state dicts]): sharded, ``weight`` (the payload),
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,7 +23,10 @@ from torch import nn
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime.core._param import ParamRef
 from blockshard.runtime.quantized._layout import SectionShape
-from blockshard.runtime.quantized._tensor import QuantizedTensor, StateEntry, byte_view
+from blockshard.runtime.quantized._tensor import QuantizedTensor, SharedConstants, StateEntry, byte_view
+
+if TYPE_CHECKING:  # torchao ships no type information: NF4Tensor is Any to mypy
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
 __all__ = ["ao_nf4_tensor", "is_ao_nf4"]
 
@@ -33,7 +36,8 @@ def _nf4_class() -> type | None:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
     except ImportError:  # torchao is an optional extra
         return None
-    return NF4Tensor
+    cls: type = NF4Tensor
+    return cls
 
 
 def is_ao_nf4(param: object) -> bool:
@@ -47,8 +51,9 @@ def _error(fqn: str, what: str, fix: str) -> QuantizedWeightError:
     return QuantizedWeightError(f"quantized weight {fqn!r} (torchao NF4Tensor): {what}. Fix: {fix}")
 
 
-def _check(fqn: str, p) -> int:
-    numel, bs, sbs = math.prod(p.shape), p.block_size, p.scaler_block_size
+def _check(fqn: str, p: NF4Tensor) -> int:
+    numel: int = math.prod(p.shape)
+    bs, sbs = p.block_size, p.scaler_block_size
     if p.requires_grad:
         raise _error(fqn, "it requires grad; NF4 weights are frozen", "freeze it (p.requires_grad_(False))")
     if numel % (bs * sbs) or p.n_blocks * bs != numel:
@@ -70,7 +75,7 @@ def _check(fqn: str, p) -> int:
     return numel
 
 
-def ao_nf4_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.Tensor]) -> QuantizedTensor:
+def ao_nf4_tensor(fqn: str, refs: list[ParamRef], p: NF4Tensor, constants: SharedConstants) -> QuantizedTensor:
     """The :class:`QuantizedTensor` of a torchao ``NF4Tensor`` parameter (validated, see ``_check``)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
 

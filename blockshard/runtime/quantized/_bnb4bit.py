@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,7 +25,11 @@ from torch import nn
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime.core._param import ParamRef
 from blockshard.runtime.quantized._layout import SectionShape
-from blockshard.runtime.quantized._tensor import QuantizedTensor, StateEntry, byte_view
+from blockshard.runtime.quantized._tensor import QuantizedTensor, SharedConstants, StateEntry, byte_view
+
+if TYPE_CHECKING:
+    from bitsandbytes.functional import QuantState
+    from bitsandbytes.nn import Params4bit
 
 __all__ = ["bnb_tensor", "is_params4bit"]
 
@@ -43,7 +48,7 @@ def _error(fqn: str, what: str, fix: str) -> QuantizedWeightError:
     return QuantizedWeightError(f"quantized weight {fqn!r} (bitsandbytes Params4bit): {what}. Fix: {fix}")
 
 
-def _check(fqn: str, p, qs) -> tuple[int, int]:
+def _check(fqn: str, p: Params4bit, qs: QuantState | None) -> tuple[int, int]:
     """Validate ``p`` and its quant state; return (numel, number of quantization blocks)."""
     if qs is None or not p.bnb_quantized:
         raise _error(
@@ -97,7 +102,7 @@ def _check(fqn: str, p, qs) -> tuple[int, int]:
     return numel, n_blocks
 
 
-def _shared(t: torch.Tensor, constants: dict[tuple, torch.Tensor]) -> tuple[torch.Tensor, int]:
+def _shared(t: torch.Tensor, constants: SharedConstants) -> tuple[torch.Tensor, int]:
     """One copy per group of equal constants (every NF4 tensor has the same 16-value code, every
     nested one the same 256-value dynamic map): the tensor to use and the bytes it adds."""
     key = (t.dtype, tuple(t.shape), byte_view(t.detach().contiguous()).cpu().numpy().tobytes())
@@ -107,7 +112,7 @@ def _shared(t: torch.Tensor, constants: dict[tuple, torch.Tensor]) -> tuple[torc
     return t, t.numel() * t.element_size()
 
 
-def bnb_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.Tensor]) -> QuantizedTensor:
+def bnb_tensor(fqn: str, refs: list[ParamRef], p: Params4bit, constants: SharedConstants) -> QuantizedTensor:
     """The :class:`QuantizedTensor` of a bitsandbytes ``Params4bit`` (validated, see ``_check``);
     ``constants``: the group's shared constants (see ``_shared``)."""
     from bitsandbytes.nn import Params4bit
@@ -169,7 +174,7 @@ def bnb_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.T
     )
 
 
-def _entries(attr: str, state, gathered: list[torch.Tensor]) -> list[StateEntry]:
+def _entries(attr: str, state: QuantState, gathered: list[torch.Tensor]) -> list[StateEntry]:
     """The state-dict entries ``Linear4bit._save_to_state_dict`` writes (the payload, then
     ``QuantState.as_dict(packed=True)`` under ``weight.``): gathered tensors as sections, the rest
     (code tables, the packed non-tensor state with the nested offset) as constants."""

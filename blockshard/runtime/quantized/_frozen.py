@@ -41,7 +41,7 @@ from blockshard.runtime.quantized._bnb4bit import bnb_tensor, is_params4bit, pre
 from blockshard.runtime.quantized._fp8_block import fp8_block_pair, fp8_block_tensor
 from blockshard.runtime.quantized._layout import QuantizedLayout, QuantizedPiece, plan_quantized
 from blockshard.runtime.quantized._mx import is_mx, mx_tensor
-from blockshard.runtime.quantized._tensor import QuantizedTensor
+from blockshard.runtime.quantized._tensor import QuantizedTensor, SharedConstants
 
 __all__ = [
     "Found",
@@ -80,7 +80,7 @@ class Found:
     def ids(self) -> set[int]:
         return {id(self.param)} | ({id(self.scale[2])} if self.scale else set())
 
-    def build(self, constants: dict[tuple, torch.Tensor]) -> QuantizedTensor:
+    def build(self, constants: SharedConstants) -> QuantizedTensor:
         if self.scale is not None:
             return fp8_block_tensor(self.name, self.refs, self.param, self.scale, self.block)
         adapter = _adapter(self.param)
@@ -144,7 +144,7 @@ class FrozenQuantizedBuffers(BufferSet):
         alignment_bytes: int,
     ) -> None:
         super().__init__(name, process_group)
-        constants: dict[tuple, torch.Tensor] = {}  # code tables shared by the group's tensors
+        constants: SharedConstants = {}  # code tables shared by the group's tensors
         self.tensors = [f.build(constants) for f in found]
         devices = {f.param.device for f in found}
         if len(devices) > 1:
@@ -157,7 +157,8 @@ class FrozenQuantizedBuffers(BufferSet):
         check_same_layout(f"{name} (quantized weights)", self.layout.layout_hash(), process_group)
         self.local = torch.zeros(self.layout.segment_bytes, dtype=torch.uint8, device=self.device)  # [S]
         self._gathered_bytes: torch.Tensor | None = None  # [W * S] while an all-gather is in flight
-        self._pending: list = []  # the all-gather's work, while UNSHARDING
+        self._pending: list[dist.Work] = []  # the all-gather's work, while UNSHARDING
+
         with torch.no_grad():
             for piece in self.layout.pieces[self.rank]:
                 t = self.tensors[piece.tensor]

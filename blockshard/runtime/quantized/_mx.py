@@ -11,7 +11,7 @@ blocks. The unsharded parameter is a new ``MXTensor`` over the gathered tensors
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,7 +19,10 @@ from torch import nn
 from blockshard._errors import QuantizedWeightError
 from blockshard.runtime.core._param import ParamRef
 from blockshard.runtime.quantized._layout import SectionShape
-from blockshard.runtime.quantized._tensor import QuantizedTensor, StateEntry, byte_view
+from blockshard.runtime.quantized._tensor import QuantizedTensor, SharedConstants, StateEntry, byte_view
+
+if TYPE_CHECKING:  # torchao ships no type information: MXTensor is Any to mypy
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
 
 __all__ = ["is_mx", "mx_tensor"]
 
@@ -38,7 +41,7 @@ def _error(fqn: str, what: str, fix: str) -> QuantizedWeightError:
     return QuantizedWeightError(f"quantized weight {fqn!r} (torchao MXTensor): {what}. Fix: {fix}")
 
 
-def mx_tensor(fqn: str, refs: list[ParamRef], p, constants: dict[tuple, torch.Tensor]) -> QuantizedTensor:
+def mx_tensor(fqn: str, refs: list[ParamRef], p: MXTensor, constants: SharedConstants) -> QuantizedTensor:
     """The :class:`QuantizedTensor` of a torchao ``MXTensor`` parameter (frozen, row-major scales)."""
     names, ctx = p.__tensor_flatten__()
     qdata, scale = p.qdata, p.scale

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import torch
 from torch import nn
@@ -20,7 +21,11 @@ from torch import nn
 from blockshard.runtime.core._param import ParamRef
 from blockshard.runtime.quantized._layout import SectionShape
 
-__all__ = ["QuantizedTensor", "StateEntry", "byte_view"]
+__all__ = ["QuantizedTensor", "SharedConstants", "StateEntry", "byte_view"]
+
+#: A group's constants shared by its quantized tensors (code tables), keyed by what identifies one
+#: (its dtype, shape and bytes: each adapter builds its own key).
+SharedConstants: TypeAlias = dict[tuple[object, ...], torch.Tensor]
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,8 @@ class MXQuantizer(TileQuantizer):
         if self.bits == 8:
             data = data.view(self.elem_dtype)
         scale = scales.view(torch.float8_e8m0fnu).view(-1, 1)
-        return to_dtype(data, scale, self.elem_dtype, self.block, dtype).reshape(-1)
+        values: torch.Tensor = to_dtype(data, scale, self.elem_dtype, self.block, dtype)
+        return values.reshape(-1)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def _check() -> list[str]:
 
 def _install() -> Callable[[], None]:
     cell = _cell()
-    torch_impl = cell.cell_contents
+    torch_impl: Callable[..., torch.Tensor] = cell.cell_contents
 
     @functools.wraps(torch_impl)
     def clip_grad_norm_routed(

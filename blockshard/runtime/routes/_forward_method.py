@@ -54,7 +54,9 @@ def _install() -> Callable[[], None]:
     impl = _impl()
     fn = impl.register_fsdp_forward_method
     original = fn.__code__
-    torch_code = types.FunctionType(original, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    torch_code: Callable[[nn.Module, str], None] = types.FunctionType(
+        original, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
 
     def route(module: nn.Module, method_name: str) -> None:
         if state_of(module) is not None:
@@ -74,7 +76,7 @@ def _install() -> Callable[[], None]:
 def _routed(module: nn.Module, method_name: str) -> None:
     """The code torch's ``register_fsdp_forward_method`` runs once routed: the name resolves in
     torch's module namespace, where the route was put."""
-    return _blockshard_forward_method_route(module, method_name)  # type: ignore[name-defined] # noqa: F821
+    return _blockshard_forward_method_route(module, method_name)  # type: ignore[name-defined,no-any-return] # noqa: F821
 
 
 FORWARD_METHOD_ROUTE = Route(

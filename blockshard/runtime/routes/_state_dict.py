@@ -91,6 +91,9 @@ def _install() -> Callable[[], None]:
     dsd = _dsd()
     originals = {name: getattr(dsd, name) for name in ("_get_model_state_dict", "_get_optim_state_dict")}
     originals |= {name: getattr(dsd, name) for name in ("_load_optim_state_dict", "_get_fqns")}
+    get_model: Callable[[nn.Module, Any], dict[str, Any]]
+    get_optim: Callable[[nn.Module, tuple[torch.optim.Optimizer, ...], Any], dict[str, Any]]
+    load_optim: Callable[[nn.Module, tuple[torch.optim.Optimizer, ...], dict[str, Any], Any], None]
     get_model, get_optim = originals["_get_model_state_dict"], originals["_get_optim_state_dict"]
     load_optim, get_fqns = originals["_load_optim_state_dict"], originals["_get_fqns"]
 
@@ -100,16 +103,22 @@ def _install() -> Callable[[], None]:
             return get_model(model, info)
         state = get_model(model, dataclasses.replace(info, full_state_dict=False, cpu_offload=False))
         state = full_entries_of(model, gather_pieces(state, keep=_keeps(info)), states_under(model))  # quantized
-        return dsd._maybe_full_or_cpu_state_dict(state, info)
+        full: dict[str, Any] = dsd._maybe_full_or_cpu_state_dict(state, info)
+        return full
 
     @functools.wraps(get_optim)
-    def _get_optim_state_dict(model: nn.Module, optimizers: tuple, info: Any) -> dict[str, Any]:
+    def _get_optim_state_dict(
+        model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], info: Any
+    ) -> dict[str, Any]:
         if not states_under(model) or not info.handle_optim:
             return get_optim(model, optimizers, info)
         return torch_optimizer_state_dict(model, optimizers, info, keep=_keeps(info))
 
     @functools.wraps(load_optim)
-    def _load_optim_state_dict(model: nn.Module, optimizers: tuple, state_dict: dict, info: Any) -> None:
+    def _load_optim_state_dict(
+        model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], state_dict: dict[str, Any], info: Any
+    ) -> None:
+
         if not states_under(model) or not info.handle_optim:
             return load_optim(model, optimizers, state_dict, info)
         return torch_load_optimizer_state_dict(model, optimizers, state_dict, info)

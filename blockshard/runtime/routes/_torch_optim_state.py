@@ -15,10 +15,11 @@ from torch import nn
 
 from blockshard._errors import CheckpointError
 from blockshard.runtime.checkpoint._optim_codecs import _pg
-from blockshard.runtime.checkpoint._optim_state import _by_param, _name, load_optimizer_state_dict, optimizer_state_dict
+from blockshard.runtime.checkpoint._optim_state import _by_param, load_optimizer_state_dict, optimizer_state_dict
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._state_dict import gather_pieces
 from blockshard.runtime.core._collectives import agree_call
+from blockshard.runtime.core._inspect import state_name as _name
 from blockshard.runtime.core._inspect import states_under
 from blockshard.runtime.core._param import ShardedParam
 
@@ -33,7 +34,9 @@ class _PieceSpec:
     dtype: torch.dtype
 
 
-def torch_optimizer_state_dict(model: nn.Module, optimizers: tuple, info: Any, *, keep: bool) -> dict[str, Any]:
+def torch_optimizer_state_dict(
+    model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], info: Any, *, keep: bool
+) -> dict[str, Any]:
     """What ``get_optimizer_state_dict`` returns for a blockshard model: every optimizer's
     :func:`optimizer_state_dict` (state by name, ``param_groups`` in order), under
     ``full_state_dict=True`` with every PieceTensor gathered (only rank 0 keeps the values with
@@ -105,7 +108,9 @@ def _empty_pieces(spec: Any, name: str, sp: ShardedParam | None) -> Any:
     return spec
 
 
-def torch_load_optimizer_state_dict(model: nn.Module, optimizers: tuple, state_dict: dict, info: Any) -> None:
+def torch_load_optimizer_state_dict(
+    model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], state_dict: dict[str, Any], info: Any
+) -> None:
     """What ``set_optimizer_state_dict`` does for a blockshard model: each optimizer takes its
     ``param_groups`` (in order) and its parameters' state by name, from a sharded state dict
     (PieceTensors, e.g. filled by ``dcp.load``), a full one (each rank copies its piece out of
@@ -163,7 +168,9 @@ def _bnb_flat(entries: Any) -> Any:
     return {k: v for k, v in entries.items() if k != _BNB_NESTED} | dict(entries[_BNB_NESTED])
 
 
-def _from_rank0(model: nn.Module, optimizers: tuple, state_dict: dict[str, Any]) -> dict[str, Any]:
+def _from_rank0(
+    model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], state_dict: dict[str, Any]
+) -> dict[str, Any]:
     """Rank 0's full optimizer state dict on every rank, as far as each rank's optimizers hold it:
     torch's broadcast (one tensor at a time) into this rank's entries, the names every rank's
     ``param_groups`` list kept (collective)."""
