@@ -4,6 +4,8 @@
 process group (the pure layers do not even import torch).
 """
 
+from typing import TYPE_CHECKING
+
 from blockshard._errors import (
     BlockshardError,
     ComputeUnitError,
@@ -54,7 +56,31 @@ _RUNTIME = (
 )
 
 
-def __getattr__(name: str):
+if TYPE_CHECKING:  # what __getattr__ loads, as mypy sees it (`X as X`: exported)
+    from blockshard.runtime import check_finished as check_finished
+    from blockshard.runtime import clip_grad_norm_ as clip_grad_norm_
+    from blockshard.runtime import full_state_dict as full_state_dict
+    from blockshard.runtime import fully_shard as fully_shard
+    from blockshard.runtime import group_layouts as group_layouts
+    from blockshard.runtime import init_parameters as init_parameters
+    from blockshard.runtime import install_torch_routes as install_torch_routes
+    from blockshard.runtime import installed_torch_routes as installed_torch_routes
+    from blockshard.runtime import is_sharded as is_sharded
+    from blockshard.runtime import load_checkpoint as load_checkpoint
+    from blockshard.runtime import load_optimizer_state_dict as load_optimizer_state_dict
+    from blockshard.runtime import load_safetensors as load_safetensors
+    from blockshard.runtime import optimizer_state_dict as optimizer_state_dict
+    from blockshard.runtime import precompute_quantized_gather as precompute_quantized_gather
+    from blockshard.runtime import quantized_gather_stats as quantized_gather_stats
+    from blockshard.runtime import quantized_stats as quantized_stats
+    from blockshard.runtime import register_forward_method as register_forward_method
+    from blockshard.runtime import save_checkpoint as save_checkpoint
+    from blockshard.runtime import save_pretrained as save_pretrained
+    from blockshard.runtime import sharded_state_dict as sharded_state_dict
+    from blockshard.runtime import uninstall_torch_routes as uninstall_torch_routes
+
+
+def __getattr__(name: str) -> object:
     if name in _RUNTIME:
         from blockshard import runtime
 

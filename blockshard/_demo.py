@@ -26,7 +26,23 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:  # annotations only: the heavy imports happen inside the functions
+    from queue import Queue
+
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
+    from rich.table import Table
+    from torch import nn
+    from torch.optim.optimizer import ParamsT
+
+    from blockshard.planner import GroupLayout, ModelPlan
+
+_T = TypeVar("_T")
 
 __all__ = ["MODEL", "DemoRun", "run_demo"]
 
@@ -73,7 +89,7 @@ def _is_hidden_matrix(name: str) -> bool:
     return ".layers." in name and name.endswith("_proj.weight")
 
 
-def _optimizers(model, run: DemoRun, world_size: int) -> list:
+def _optimizers(model: nn.Module, run: DemoRun, world_size: int) -> list[torch.optim.Optimizer]:
     """AdamW on every local piece; with ``muon``, torch's Muon on the hidden matrices and AdamW on
     the rest, chosen by ``muon_param_groups`` (by name and global shape). Sharded, Muon runs inside
     ``OwnerComputeOptimizer``: unmodified, on whole matrices, at the owner of every matrix a rank
@@ -86,10 +102,10 @@ def _optimizers(model, run: DemoRun, world_size: int) -> list:
 
     named = list(model.named_parameters())
 
-    def adamw(params) -> torch.optim.Optimizer:
+    def adamw(params: ParamsT) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=run.lr, weight_decay=run.weight_decay)
 
-    def muon(params) -> torch.optim.Optimizer:
+    def muon(params: ParamsT) -> torch.optim.Optimizer:
         return torch.optim.Muon(params, lr=run.muon_lr, weight_decay=run.weight_decay)
 
     if run.optimizer == "adamw":
@@ -104,25 +120,25 @@ def _optimizers(model, run: DemoRun, world_size: int) -> list:
     return [OwnerComputeOptimizer(muon, [muon_group]), adamw([rest])]
 
 
-def _engine_hashes(model) -> dict[str, str]:
+def _engine_hashes(model: nn.Module) -> dict[str, str]:
     """The hash of every group layout the engine built, renamed to full parameter names (as planned)."""
     from blockshard.runtime import group_layouts
 
-    out = {}
+    out: dict[str, str] = {}
     for prefix, lay in group_layouts(model).items():
         full = tuple(replace(t, name=f"{prefix}.{t.name}" if prefix else t.name) for t in lay.tensors)
         out[prefix] = replace(lay, name=prefix, tensors=full).layout_hash()
     return out
 
 
-def _engine_owner_hash(model) -> str | None:
+def _engine_owner_hash(model: nn.Module) -> str | None:
     """The hash of the owner plan the engine built (``None`` without owner-computed tensors)."""
     from blockshard.runtime import owner_plan
 
     return next((t.owner_hash for t in owner_plan(model).values() if t.units), None)
 
 
-def _train(rank: int, world_size: int, run: DemoRun, queue) -> dict:
+def _train(rank: int, world_size: int, run: DemoRun, queue: Queue[tuple[int, float]] | None) -> dict[str, Any]:
     """One process of the demo: W > 1 is a blockshard rank, W = 1 the single-process reference."""
     import logging
 
@@ -161,7 +177,7 @@ def _train(rank: int, world_size: int, run: DemoRun, queue) -> dict:
 
 
 # -- the parent: plan, progress, check --------------------------------------------------------
-def _plan(world_size: int, semantics: str):
+def _plan(world_size: int, semantics: str) -> ModelPlan:
     """The tiny model's plan from shapes alone (float32, one group per layer plus the root)."""
     from blockshard.planner import plan_model, tensors_from_hf_config
 
@@ -170,7 +186,7 @@ def _plan(world_size: int, semantics: str):
     return plan_model(specs, world_size, semantics=semantics)  # policy "auto", as fully_shard
 
 
-def _planned_shapes(plan) -> list[dict[str, tuple[int, ...]]]:
+def _planned_shapes(plan: ModelPlan) -> list[dict[str, tuple[int, ...]]]:
     """Per rank: the block shape of every parameter's local piece, as the engine will make it."""
     from blockshard.planner._units import block_shape
 
@@ -184,7 +200,7 @@ def _planned_shapes(plan) -> list[dict[str, tuple[int, ...]]]:
     return out
 
 
-def _geometry(layout) -> tuple:
+def _geometry(layout: GroupLayout) -> tuple[object, ...]:
     return layout.buckets, tuple((t.shape, t.offset, t.grid, t.bucket) for t in layout.tensors)
 
 
@@ -195,13 +211,13 @@ def _fmt_shape(shape: tuple[int, ...], full: tuple[int, ...]) -> str:
     return f"[bold]{text}[/]" if shape == tuple(full) else text
 
 
-def _plan_tables(plan, per_rank: list[dict]) -> list[tuple]:
+def _plan_tables(plan: ModelPlan, per_rank: list[dict[str, tuple[int, ...]]]) -> list[tuple[str, Table]]:
     """(title, table) per distinct group layout (identical decoder layers share one)."""
     from rich.table import Table
 
     W = plan.world_size
     ranks = range(W) if W <= 8 else ()
-    shown: list[tuple] = []
+    shown: list[tuple[GroupLayout, list[str]]] = []
     for g in sorted(plan.groups, key=lambda g: not g.name):  # layers first, the root last
         same = next((s for s in shown if _geometry(s[0]) == _geometry(g)), None)
         if same:
@@ -240,7 +256,7 @@ _LEGEND = (
 )
 
 
-def _owner_lines(plan) -> list[str]:
+def _owner_lines(plan: ModelPlan) -> list[str]:
     """One line per owner-computed tensor: which ranks' boundary cuts it and which rank computes it."""
     from blockshard.planner._owner import unit_rows
 
@@ -258,7 +274,7 @@ def _owner_lines(plan) -> list[str]:
     return lines
 
 
-def _fsdp2_line(plan) -> str:
+def _fsdp2_line(plan: ModelPlan) -> str:
     from blockshard.planner import compare
 
     f = compare(plan, baselines=("fsdp2",)).baselines["fsdp2"]
@@ -269,11 +285,18 @@ def _fsdp2_line(plan) -> str:
     )
 
 
-def _launch(call, progress, task, queue, steps: int, label: str):
+def _launch(
+    call: Callable[[], _T],
+    progress: Progress,
+    task: TaskID,
+    queue: Queue[tuple[int, float]],
+    steps: int,
+    label: str,
+) -> _T:
     """Run ``call`` in a thread while drawing rank 0's streamed losses; return its result."""
     import queue as queue_mod
 
-    box: dict = {}
+    box: dict[str, Any] = {}
 
     def target() -> None:
         try:
@@ -293,10 +316,11 @@ def _launch(call, progress, task, queue, steps: int, label: str):
     if "error" in box:
         raise box["error"]
     progress.update(task, completed=steps)
-    return box["result"]
+    result: _T = box["result"]
+    return result
 
 
-def _loss_table(sharded: list[float], single: list[float], W: int, rows: int = 10):
+def _loss_table(sharded: list[float], single: list[float], W: int, rows: int = 10) -> Table:
     from rich.table import Table
 
     table = Table(
@@ -324,11 +348,11 @@ def _loss_table(sharded: list[float], single: list[float], W: int, rows: int = 1
     return table
 
 
-def _diff_table(got: dict, ref: dict):
+def _diff_table(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> Table:
     """Max |difference| per parameter, identical decoder layers folded into one row."""
     from rich.table import Table
 
-    rows: dict[str, list] = {}
+    rows: dict[str, list[Any]] = {}  # [shape, count, max |diff|, bitwise]
     for name, want in ref.items():
         key = re.sub(r"\.\d+\.", ".*.", name)
         diff = (got[name] - want).abs().max().item() if want.numel() else 0.0
@@ -352,7 +376,12 @@ def _diff_table(got: dict, ref: dict):
 
 
 def run_demo(
-    *, world_size: int = 2, steps: int = 30, semantics: str = "muon", optimizer: str = "muon", console=None
+    *,
+    world_size: int = 2,
+    steps: int = 30,
+    semantics: str = "muon",
+    optimizer: str = "muon",
+    console: Console | None = None,
 ) -> int:
     """Plan, train on ``world_size`` gloo ranks and on one process, compare; 0 on PASS, 1 on FAIL.
 

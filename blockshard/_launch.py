@@ -26,7 +26,10 @@ import socket
 import tempfile
 import time
 import traceback
-from multiprocessing.connection import wait
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar
 
 import torch
 import torch.multiprocessing as mp
@@ -36,6 +39,7 @@ from blockshard.planner._units import check_world_size
 __all__ = ["run_single", "spawn_gloo"]
 
 _GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' errors (root cause)
+_R = TypeVar("_R")  # what fn returns
 
 
 def _check_finished() -> None:
@@ -53,7 +57,14 @@ def _loopback_ifname() -> str | None:
 
 
 def _worker(
-    fn, rank: int, world_size: int, args: tuple, store_path: str | None, gloo_timeout_s: float, threads: int, conn
+    fn: Callable[..., object],
+    rank: int,
+    world_size: int,
+    args: tuple[object, ...],
+    store_path: str | None,
+    gloo_timeout_s: float,
+    threads: int,
+    conn: Connection,
 ) -> None:
     """Child entry point: set threads, join the group, run fn, send ("ok", value) or ("err", text)."""
     payload = None
@@ -103,7 +114,7 @@ def _worker(
         conn.close()
 
 
-def _check(fn, world_size: int, args: tuple, timeout: float, threads: int) -> None:
+def _check(fn: object, world_size: int, args: tuple[object, ...], timeout: float, threads: int) -> None:
     if not callable(fn):
         raise ValueError(f"fn={fn!r} is not callable; pass a top-level function fn(rank, world_size, *args)")
     check_world_size(world_size)
@@ -123,7 +134,7 @@ def _check(fn, world_size: int, args: tuple, timeout: float, threads: int) -> No
             ) from None
 
 
-def _stop(procs: list) -> None:
+def _stop(procs: list[BaseProcess]) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -135,12 +146,21 @@ def _stop(procs: list) -> None:
             p.join()
 
 
-def _run(fn, world_size: int, args: tuple, timeout: float, threads: int, group: bool, grace: float = _GRACE_S) -> list:
+def _run(
+    fn: Callable[..., _R],
+    world_size: int,
+    args: tuple[object, ...],
+    timeout: float,
+    threads: int,
+    group: bool,
+    grace: float = _GRACE_S,
+) -> list[_R]:
     _check(fn, world_size, args, timeout, threads)
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="blockshard-gloo-") if group else None
     store_path = os.path.join(tmp, "store") if tmp else None
-    procs, conns = [], {}
+    procs: list[BaseProcess] = []
+    conns: dict[int, Connection] = {}
     try:
         for rank in range(world_size):
             recv, send = ctx.Pipe(duplex=False)
@@ -153,7 +173,7 @@ def _run(fn, world_size: int, args: tuple, timeout: float, threads: int, group: 
             send.close()  # the child holds its own end; EOF here then means the child is gone
             procs.append(p)
             conns[rank] = recv
-        results: dict[int, object] = {}
+        results: dict[int, Any] = {}  # unpickled return values of fn
         errors: dict[int, tuple[float, str]] = {}
         deadline = time.monotonic() + timeout
         while len(results) + len(errors) < world_size:
@@ -217,8 +237,14 @@ def _run(fn, world_size: int, args: tuple, timeout: float, threads: int, group: 
 
 
 def spawn_gloo(
-    fn, world_size: int, *, args: tuple = (), timeout: float = 300.0, threads: int = 1, grace: float = _GRACE_S
-) -> list:
+    fn: Callable[..., _R],
+    world_size: int,
+    *,
+    args: tuple[object, ...] = (),
+    timeout: float = 300.0,
+    threads: int = 1,
+    grace: float = _GRACE_S,
+) -> list[_R]:
     """Run fn(rank, world_size, *args) in `world_size` spawned processes, each with an initialized
     gloo process group, and return the per-rank return values (picklable) in rank order.
 
@@ -231,7 +257,7 @@ def spawn_gloo(
     return _run(fn, world_size, args, timeout, threads, group=True, grace=grace)
 
 
-def run_single(fn, *, args: tuple = (), threads: int = 1, timeout: float = 300.0):
+def run_single(fn: Callable[..., _R], *, args: tuple[object, ...] = (), threads: int = 1, timeout: float = 300.0) -> _R:
     """Run fn(0, 1, *args) in one spawned process without a process group and return its value.
 
     The single-process reference for sharding-invariance tests: same start method and thread setting

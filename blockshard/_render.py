@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from types import ModuleType
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -11,6 +13,7 @@ from rich.table import Table
 
 from blockshard._errors import BlockshardError
 from blockshard.planner import GroupLayout, ModelPlan
+from blockshard.planner._baselines import BaselineResult
 from blockshard.planner._compute import ComputeTally
 from blockshard.planner._report import Comparison
 
@@ -145,7 +148,7 @@ def quantized_table(plan: ModelPlan) -> Table:
     return table
 
 
-def _quantized_cells(row: dict) -> list[str]:
+def _quantized_cells(row: dict[str, Any]) -> list[str]:
     return [
         f"{row['num_tensors']:,}",
         human(row["payload_bytes"]) + "B",
@@ -186,7 +189,7 @@ def quantized_gather_table(plan: ModelPlan) -> Table:
     return table
 
 
-def _gather_cells(row: dict) -> list[str]:
+def _gather_cells(row: dict[str, Any]) -> list[str]:
     return [
         f"{row['num_tensors']:,}",
         human(row["master_bytes_per_rank"]) + "B",
@@ -200,7 +203,7 @@ def _gather_cells(row: dict) -> list[str]:
     ]
 
 
-def _base_cell(b) -> str:
+def _base_cell(b: BaselineResult) -> str:
     split = f" ({b.splits_units:,})" if not b.block_respecting else ""
     style = "red" if b.splits_units else ""
     return f"[{style}]{_pct(b.padding_fraction)}{split}[/]" if style else f"{_pct(b.padding_fraction)}{split}"
@@ -233,7 +236,7 @@ def layout_table(layout: GroupLayout, rank: int | None = None) -> Table:
     return table
 
 
-def _pieces_text(pieces: list, most: int = 6) -> str:
+def _pieces_text(pieces: list[list[int]], most: int = 6) -> str:
     """``rank:start+numel`` of a tensor's pieces, the middle elided past ``most``."""
     text = [f"{r}:{a}+{n}" for r, a, n in pieces]
     if len(text) > most:
@@ -241,7 +244,7 @@ def _pieces_text(pieces: list, most: int = 6) -> str:
     return " ".join(text)
 
 
-def checkpoint_table(info: dict) -> Table:
+def checkpoint_table(info: dict[str, Any]) -> Table:
     """What ``describe_checkpoint`` found in a DCP checkpoint directory."""
     status = "complete" if info["complete"] else "INCOMPLETE: " + "; ".join(info["problems"])
     saved = (
@@ -289,7 +292,8 @@ def checkpoint_table(info: dict) -> Table:
     return table
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
+
     try:
         import matplotlib
 

@@ -12,8 +12,13 @@ so the same seed gives identical weights in every process and the caller's globa
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 __all__ = ["TEXT", "OddMLP", "mlp_batches", "text_batches", "tiny_llama"]
 
@@ -61,7 +66,7 @@ def tiny_llama(
     num_hidden_layers: int = 2,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
-):
+) -> LlamaForCausalLM:
     """A tiny ``transformers.LlamaForCausalLM`` (float32, eager attention, no dropout, untied head).
 
     The config is built in code; ``vocab_size=257`` covers the byte tokens of :func:`text_batches`.
@@ -92,7 +97,8 @@ def tiny_llama(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    return model.float().train()
+    trained: LlamaForCausalLM = model.float().train()  # transformers' float() is unannotated
+    return trained
 
 
 class OddMLP(nn.Module):
@@ -124,7 +130,8 @@ class OddMLP(nn.Module):
         return x
 
 
-def _check_int(name: str, value, minimum: int) -> None:
+def _check_int(name: str, value: object, minimum: int) -> None:
+
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 

@@ -7,8 +7,13 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from blockshard._errors import BlockshardError
+
+if TYPE_CHECKING:
+    from blockshard.planner import ModelPlan
+
 
 __all__ = ["main"]
 
@@ -84,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_accelerate_config(sub) -> None:
+def _add_accelerate_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     acc = sub.add_parser(
         "accelerate-config",
         help="write the Accelerate config files that make `accelerate launch` train with blockshard",
@@ -127,7 +132,7 @@ def _check_args(args: argparse.Namespace) -> None:
     check_policy(args.policy, "--policy")
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace) -> ModelPlan:
     """Read the model and plan it, under a progress bar on stderr (a large shapes file takes a while)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -156,7 +161,8 @@ def _load(args: argparse.Namespace):
 
 
 def _source(args: argparse.Namespace) -> str:
-    return args.model or args.config or args.shapes
+    source: str = args.model or args.config or args.shapes
+    return source
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
