@@ -52,6 +52,8 @@ the config file (a test or a notebook).
 See docs/accelerate.md for what each method does (and [Note: what the subclass changes]).
 """
 
+from typing import TYPE_CHECKING
+
 from ._settings import (
     CONFIG_ENV,
     ENGINES,
@@ -74,8 +76,14 @@ __all__ = [
     "load_settings",
 ]
 
+if TYPE_CHECKING:  # what __getattr__ loads, as mypy sees it (`X as X`: exported)
+    from ._accelerator import CHECKPOINT_DIR as CHECKPOINT_DIR
+    from ._accelerator import Accelerator as Accelerator
+    from ._trainer import Trainer as Trainer
+    from ._trainer import follow_overrides as follow_overrides
 
-def __getattr__(name: str):
+
+def __getattr__(name: str) -> object:
     if name in ("Accelerator", "CHECKPOINT_DIR"):  # imports accelerate and torch: only when used
         from . import _accelerator
 

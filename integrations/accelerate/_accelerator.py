@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import accelerate
@@ -59,7 +60,7 @@ def _no_device() -> bool:
 
 
 @contextlib.contextmanager
-def _env(**values: str):
+def _env(**values: str) -> Iterator[None]:
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -239,38 +240,49 @@ class Accelerator(accelerate.Accelerator):
             for group in opt.param_groups:
                 group["params"] = [new[names[id(p)]] for p in group["params"]]
 
-    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
         if not self._is_blockshard(model):
-            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+            prepared: nn.Module = super().prepare_model(
+                model, device_placement=device_placement, evaluation_mode=evaluation_mode
+            )
+            return prepared
         if not any(model is m for m in self._models):
             self._models.append(model)
         return model
 
     # -- training -----------------------------------------------------------------------------------
-    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor | float | None:  # accelerate's: None or a float where DeepSpeed clips
         if self._deepspeed_clipping is not None and float(max_norm) != self._deepspeed_clipping:
             raise AccelerateConfigError(
                 f"accelerator.clip_grad_norm_(max_norm={max_norm}) would be ignored: DeepSpeed clips at its config's "
                 f'"gradient_clipping" ({self._deepspeed_clipping}); set that value in the DeepSpeed JSON or pass it here'
             )
+        norm: torch.Tensor | float | None
         if not self._blockshard_models or self.blockshard_settings is None:
-            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+            norm = super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+            return norm
         if self.blockshard_settings.engine == "fsdp2":  # DTensor gradients: accelerate reduces the norm
-            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+            norm = super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+            return norm
 
         self.unscale_gradients()
         return blockshard.clip_grad_norm_(list(parameters), max_norm, norm_type)
 
     # -- state ----------------------------------------------------------------------------------------
-    def get_state_dict(self, model, unwrap=True):
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         if not self._is_blockshard(model):
-            return super().get_state_dict(model, unwrap=unwrap)
+            state: dict[str, Any] = super().get_state_dict(model, unwrap=unwrap)
+            return state
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
     @contextlib.contextmanager
-    def _without_blockshard(self):
+    def _without_blockshard(self) -> Iterator[tuple[list[nn.Module], list[torch.optim.Optimizer]]]:
         """accelerate's save/load of everything but the sharded model and its optimizers."""
         models: list[Any] = self._models
         optimizers: list[Any] = self._optimizers
@@ -281,18 +293,23 @@ class Accelerator(accelerate.Accelerator):
         finally:
             self._models, self._optimizers = models, optimizers
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any):
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        location: str
         if not self._blockshard_models:
-            return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+            location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+            return location
 
         with self._without_blockshard() as (models, optimizers):
             location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         save_model(models[0], os.path.join(location, CHECKPOINT_DIR), optimizers, self.blockshard_settings)
         return location
 
-    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any):
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         if not self._blockshard_models:
-            return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+            super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)  # accelerate's returns None
+            return
 
         found: list[str] = []
         handle = self.register_load_state_pre_hook(lambda _models, where: found.append(where))

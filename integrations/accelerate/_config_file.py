@@ -61,7 +61,7 @@ def _loader() -> type:
     import yaml  # type: ignore[import-untyped]
 
     class StrictLoader(yaml.SafeLoader):
-        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[str, Any]:
             seen: dict[object, int] = {}
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
@@ -75,12 +75,13 @@ def _loader() -> type:
                 if first is not None:
                     raise _DuplicateKey(key, first, line)
                 seen[key] = line
-            return super().construct_mapping(node, deep)
+            mapping: dict[str, Any] = super().construct_mapping(node, deep)
+            return mapping
 
     return StrictLoader
 
 
-def read_config(path: str) -> dict:
+def read_config(path: str) -> dict[str, Any]:
     """The YAML mapping in ``path``, or :class:`AccelerateConfigError` (see [Note: strict config files])."""
     import yaml
 
@@ -122,7 +123,7 @@ def read_config(path: str) -> dict:
     return config
 
 
-def mapping(parent: dict, key: str, path: str, prefix: str = "") -> dict:
+def mapping(parent: dict[str, Any], key: str, path: str, prefix: str = "") -> dict[str, Any]:
     """``parent[key]`` when it is a mapping (``{}`` when absent or empty), else :class:`AccelerateConfigError`
     (``prefix`` names the mapping ``parent`` is, e.g. ``"fsdp_config."``)."""
     value = parent.get(key)
@@ -167,7 +168,7 @@ def check_section(section: object, keys: tuple[str, ...], path: str) -> None:
         )
 
 
-def num_processes(config: dict, path: str) -> int:
+def num_processes(config: dict[str, Any], path: str) -> int:
     """``num_processes``: an integer from 1 to ``MAX_WORLD_SIZE`` (1 when absent)."""
     value = config.get("num_processes", 1)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -186,7 +187,7 @@ def num_processes(config: dict, path: str) -> int:
     return value
 
 
-def check_distributed(config: dict, path: str) -> None:
+def check_distributed(config: dict[str, Any], path: str) -> None:
     if config.get("distributed_type") != "FSDP":
         raise AccelerateConfigError(
             f"distributed_type={shown(config.get('distributed_type'))} in {path} ignores fsdp_config (accelerate "
@@ -197,7 +198,7 @@ def check_distributed(config: dict, path: str) -> None:
 _WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "NO_WRAP")
 
 
-def layers(section: dict, fsdp: dict, path: str) -> tuple[str, ...]:
+def layers(section: dict[str, Any], fsdp: dict[str, Any], path: str) -> tuple[str, ...]:
     """The layer classes of ``fsdp_transformer_layer_cls_to_wrap`` under ``TRANSFORMER_BASED_WRAP``."""
     classes = layer_names(
         fsdp.get("fsdp_transformer_layer_cls_to_wrap"), "fsdp_transformer_layer_cls_to_wrap", f" in {path}"
@@ -211,7 +212,7 @@ def layers(section: dict, fsdp: dict, path: str) -> tuple[str, ...]:
     return classes if wrap == "TRANSFORMER_BASED_WRAP" else ()
 
 
-def flag(fsdp: dict, key: str, path: str) -> bool:
+def flag(fsdp: dict[str, Any], key: str, path: str) -> bool:
     """A true/false key of ``fsdp_config`` (false when absent or empty; ``'true'`` / ``'false'`` as accelerate writes them)."""
     value = fsdp.get(key, False)
     if isinstance(value, str) and value.lower() in ("true", "false"):
@@ -221,7 +222,7 @@ def flag(fsdp: dict, key: str, path: str) -> bool:
     raise AccelerateConfigError(f"{key}={shown(value)} in {path} must be true or false")
 
 
-def reshard(fsdp: dict, path: str) -> bool:
+def reshard(fsdp: dict[str, Any], path: str) -> bool:
     """``fsdp_reshard_after_forward``: true / false (or FSDP1's FULL_SHARD / SHARD_GRAD_OP); true when absent."""
     value = fsdp.get("fsdp_reshard_after_forward", True)
     if isinstance(value, bool):
@@ -236,7 +237,7 @@ def reshard(fsdp: dict, path: str) -> bool:
     )
 
 
-def mixed_precision(config: dict, path: str) -> str:
+def mixed_precision(config: dict[str, Any], path: str) -> str:
     """``mixed_precision``: a string; absent, empty or YAML's unquoted ``no`` (false) is ``"no"``."""
     value = config.get("mixed_precision")
     if value is None or value is False:
@@ -269,7 +270,7 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-def check_unsupported(config: dict, fsdp: dict, path: str) -> None:
+def check_unsupported(config: dict[str, Any], fsdp: dict[str, Any], path: str) -> None:
     for key, (neutral, what) in _UNSUPPORTED.items():
         if key in fsdp and not any(type(fsdp[key]) is type(n) and fsdp[key] == n for n in neutral):
             raise AccelerateConfigError(

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import blockshard
-from blockshard.runtime.checkpoint._dcp import check_on_every_rank
+from blockshard.runtime.checkpoint._dcp import Optimizers, check_on_every_rank
 from blockshard.runtime.checkpoint._files import atomic_save, base_record
 
 from .. import fsdp2
@@ -75,11 +75,13 @@ def shard_model(model: nn.Module, settings: AccelerateSettings, device: torch.de
         full.clear()
 
 
-def _optimizer_arg(optimizers: list[torch.optim.Optimizer]):
+def _optimizer_arg(optimizers: list[torch.optim.Optimizer]) -> Optimizers:
     return None if not optimizers else optimizers[0] if len(optimizers) == 1 else optimizers
 
 
-def save_model(model: nn.Module, path: str, optimizers: list, settings: AccelerateSettings | None) -> None:
+def save_model(
+    model: nn.Module, path: str, optimizers: list[torch.optim.Optimizer], settings: AccelerateSettings | None
+) -> None:
     """The model's and optimizers' sharded state as one atomic DCP checkpoint at ``path``."""
     if settings is not None and settings.engine == "ragged":
         blockshard.save_checkpoint(model, path, _optimizer_arg(optimizers))
@@ -95,7 +97,10 @@ def save_model(model: nn.Module, path: str, optimizers: list, settings: Accelera
     )
 
 
-def load_model(model: nn.Module, path: str, optimizers: list, settings: AccelerateSettings | None) -> None:
+def load_model(
+    model: nn.Module, path: str, optimizers: list[torch.optim.Optimizer], settings: AccelerateSettings | None
+) -> None:
+
     if not os.path.isdir(path):
         raise AccelerateConfigError(
             f"load_state found no blockshard checkpoint at {path}; load a directory written by save_state of a "

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 import transformers
@@ -125,8 +126,12 @@ class Trainer(transformers.Trainer):
         self._names_before_sharding = _names_of(target)
         return optimizer
 
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        out = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | bool | None
+    ) -> tuple[nn.Module, Any]:  # transformers': (model, train_dataloader)
+        out: tuple[nn.Module, Any] = super()._prepare_for_training(  # type: ignore[no-untyped-call]  # unannotated there
+            max_steps, train_dataloader, resume_from_checkpoint
+        )
         if self._blockshard() is not None:
             self._after_sharding()
         return out
@@ -150,11 +155,12 @@ class Trainer(transformers.Trainer):
         output_dir = output_dir if output_dir is not None else str(self.args.output_dir)
         settings = acc.blockshard_settings
         assert settings is not None
+        model = cast(nn.Module, self.model)  # Trainer.__init__ set it (from model or model_init)
         if settings.engine == "ragged":
-            blockshard.save_pretrained(self.model, output_dir)  # collective; rank 0 writes
+            blockshard.save_pretrained(model, output_dir)  # collective; rank 0 writes
             self._save_extras(output_dir)
         else:
-            self._save(output_dir, state_dict=acc.get_state_dict(self.model))  # collective gather, rank 0 writes
+            self._save(output_dir, state_dict=acc.get_state_dict(model))  # collective gather, rank 0 writes
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -190,7 +196,8 @@ class Trainer(transformers.Trainer):
 
 
 @contextlib.contextmanager
-def _patched(module: Any, name: str, value: Any):
+def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
+
     old = getattr(module, name)
     setattr(module, name, value)
     try:

@@ -33,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from ._config import (
     ALLOW_UNTESTED_ENV,
@@ -46,6 +48,11 @@ from ._config import (
     parse_section,
 )
 from ._hook import LAYOUT_KEY, ZERO3_REFUSAL, hooked_classes
+
+if TYPE_CHECKING:  # DeepSpeed ships no type information: its classes are Any to mypy
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch import nn
+
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
@@ -68,16 +75,17 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 _LOCK = threading.RLock()
-_ORIGINAL = None  # deepspeed.initialize before install()
+_ORIGINAL: Callable[..., Any] | None = None  # deepspeed.initialize before install()
 
 
-def _original_initialize():
+def _original_initialize() -> Callable[..., Any]:
     import deepspeed
 
-    return _ORIGINAL if _ORIGINAL is not None else deepspeed.initialize
+    original: Callable[..., Any] = _ORIGINAL if _ORIGINAL is not None else deepspeed.initialize
+    return original
 
 
-def _module_types(model) -> dict[int, str]:
+def _module_types(model: object) -> dict[int, str]:
     out: dict[int, str] = {}
     if model is not None and hasattr(model, "modules"):
         for mod in model.modules():
@@ -87,20 +95,20 @@ def _module_types(model) -> dict[int, str]:
 
 
 def initialize(
-    args=None,
-    model=None,
-    optimizer=None,
-    model_parameters=None,
-    training_data=None,
-    lr_scheduler=None,
-    distributed_port=None,
-    mpu=None,
-    dist_init_required=None,
-    collate_fn=None,
-    config=None,
-    mesh_param=None,
-    config_params=None,
-):
+    args: object = None,
+    model: nn.Module | None = None,
+    optimizer: object = None,
+    model_parameters: object = None,
+    training_data: object = None,
+    lr_scheduler: object = None,
+    distributed_port: int | None = None,
+    mpu: object = None,
+    dist_init_required: bool | None = None,
+    collate_fn: object = None,
+    config: object = None,
+    mesh_param: object = None,
+    config_params: object = None,
+) -> Any:  # deepspeed.initialize's (engine, optimizer, dataloader, lr_scheduler); DeepSpeed is untyped
     """``deepspeed.initialize`` with blockshard's ZeRO-1/2 hook for this engine (same arguments, same returns).
 
     Reads the ``"blockshard"`` section of the config (``config``, ``config_params`` or
@@ -128,7 +136,7 @@ def initialize(
     return _initialize(kwargs, require_section=False)
 
 
-def _initialize(kwargs: dict, *, require_section: bool):
+def _initialize(kwargs: dict[str, Any], *, require_section: bool) -> Any:
     original = _original_initialize()
     which, value = find_config(kwargs.get("args"), kwargs.get("config"), kwargs.get("config_params"))
     if value is None:
@@ -175,18 +183,18 @@ def _initialize(kwargs: dict, *, require_section: bool):
     return out
 
 
-def is_hooked(engine) -> bool:
+def is_hooked(engine: object) -> bool:
     """Whether ``engine``'s ZeRO optimizer is blockshard's."""
     return isinstance(getattr(engine, "optimizer", None), hooked_classes()["zero12"])
 
 
-def layout_report(engine) -> list[dict]:
+def layout_report(engine: DeepSpeedEngine) -> list[dict[str, Any]]:
     """Per ``param_group`` of a hooked engine: layout (segment, starts), names, semantics, padding."""
     if not is_hooked(engine):
         raise DeepSpeedHookError(
             "layout_report needs an engine made by blockshard.integrations.deepspeed.initialize with ZeRO stage 1 or 2"
         )
-    out = []
+    out: list[dict[str, Any]] = []
     for g in engine.optimizer.blockshard_layout():
         total = g["world_size"] * g["segment"]
         data = sum(g["numels"])
@@ -202,7 +210,7 @@ def layout_report(engine) -> list[dict]:
 
 
 # -- process-wide patch ---------------------------------------------------------------------------
-def _patched_initialize(*args, **kwargs):
+def _patched_initialize(*args: object, **kwargs: object) -> Any:
     if args:  # deepspeed.initialize's parameters in order
         names = [
             "args",
@@ -261,7 +269,7 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed(*, allow_untested_deepspeed: bool = False):
+def installed(*, allow_untested_deepspeed: bool = False) -> Iterator[None]:
     """Context manager: :func:`install` on entry, :func:`uninstall` on exit (if it installed)."""
     was = is_installed()
     install(allow_untested_deepspeed=allow_untested_deepspeed)

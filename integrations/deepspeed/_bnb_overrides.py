@@ -23,18 +23,23 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from bitsandbytes.optim import GlobalOptimManager
 
 __all__ = ["follow_overrides"]
 
 
-def _manager(optimizer: torch.optim.Optimizer):
+def _manager(optimizer: torch.optim.Optimizer) -> GlobalOptimManager | None:
     """The ``GlobalOptimManager`` of a bitsandbytes optimizer; ``None`` for any other optimizer."""
     bnb_optimizer = sys.modules.get("bitsandbytes.optim.optimizer")
     if bnb_optimizer is None or not isinstance(optimizer, bnb_optimizer.Optimizer8bit):
         return None
-    return optimizer.mng
+    mng: GlobalOptimManager = optimizer.mng
+    return mng
 
 
 def resolve_module_overrides(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:

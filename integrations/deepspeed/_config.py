@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from blockshard._errors import BlockshardError
 from blockshard.planner._units import check_alignment_bytes
@@ -111,7 +112,7 @@ def parse_section(section: object) -> HookConfig:
     return HookConfig(enabled, raw, rules, alignment, allow)
 
 
-def load_config(config: object) -> dict:
+def load_config(config: object) -> dict[str, Any]:
     """A DeepSpeed config as a dict: a dict as is, a path (str or ``os.PathLike``) read by DeepSpeed's loader."""
     if isinstance(config, Mapping):
         return config if isinstance(config, dict) else dict(config)
@@ -119,10 +120,13 @@ def load_config(config: object) -> dict:
         config = os.fspath(config)
     from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
-    return load_ds_config(config)
+    loaded: dict[str, Any] = load_ds_config(config)
+    return loaded
 
 
-def find_config(args: object = None, config: object = None, config_params: object = None):
+def find_config(
+    args: object = None, config: object = None, config_params: object = None
+) -> tuple[str, object] | tuple[None, None]:
     """The config ``deepspeed.initialize`` will use: ``config``, ``config_params`` or ``args.deepspeed_config``.
 
     Returns ``(which, value)`` with ``which`` one of ``"config"``, ``"config_params"``, ``"args"`` or

@@ -52,6 +52,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -129,23 +130,23 @@ def hooked_classes() -> dict[str, type]:
     return _CLASSES
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     if name == "BlockshardZeroOptimizer":
         return hooked_classes()["zero12"]
     raise AttributeError(name)
 
 
-def _make_zero3():
+def _make_zero3() -> type:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     class BlockshardRefusedStage3(DeepSpeedZeroOptimizer_Stage3):
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args: object, **kwargs: object) -> None:
             raise DeepSpeedHookError(ZERO3_REFUSAL)
 
     return BlockshardRefusedStage3
 
 
-def _refuse_unsupported(init_optimizer, kwargs: dict) -> None:
+def _refuse_unsupported(init_optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
     off = kwargs.get("offload_optimizer_config")
@@ -178,14 +179,14 @@ def _refuse_unsupported(init_optimizer, kwargs: dict) -> None:
                 )
 
 
-def _make_zero12():
+def _make_zero12() -> type:
     from deepspeed import comm as dist
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     class BlockshardZeroOptimizer(DeepSpeedZeroOptimizer):
         """DeepSpeedZeroOptimizer with a block-aligned layout and per-parameter views (module docstring)."""
 
-        def __init__(self, init_optimizer, *args, **kwargs):
+        def __init__(self, init_optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
             p = pending()
             if p is None:
                 raise DeepSpeedHookError(
@@ -203,9 +204,18 @@ def _make_zero12():
             self._bs_finish()
 
         # -- layout ------------------------------------------------------------------------------
-        def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
+        def flatten_dense_tensors_aligned(
+            self,
+            tensor_list: list[torch.Tensor],
+            alignment: int,
+            use_cpu_data: bool = False,
+            param_padding: list[int] | None = None,
+        ) -> torch.Tensor:
             if not getattr(self, "_bs_building", False) or param_padding is None:
-                return super().flatten_dense_tensors_aligned(tensor_list, alignment, use_cpu_data, param_padding)
+                stock: torch.Tensor = super().flatten_dense_tensors_aligned(
+                    tensor_list, alignment, use_cpu_data, param_padding
+                )
+                return stock
             i = len(self.bit16_groups_flat)
             params = self.round_robin_bit16_groups[i]
             metas = self.round_robin_bit16_meta[i]
@@ -241,7 +251,8 @@ def _make_zero12():
                 if pad:
                     pieces.append(torch.zeros(pad, dtype=t.dtype, device=t.device))
             self._bs_groups.append(_GroupState(layout, names, labels))
-            return self.flatten(pieces)
+            flat: torch.Tensor = self.flatten(pieces)
+            return flat
 
         def _bs_finish(self) -> None:
             inner_name = type(self.optimizer).__name__.lower()
@@ -283,7 +294,7 @@ def _make_zero12():
                     v.tensor.data = nv.view(v.tensor.shape)
 
         # -- step ---------------------------------------------------------------------------------
-        def _optimizer_step(self, group_no):
+        def _optimizer_step(self, group_no: int) -> None:
             self._bs_refresh_views(group_no)
             grad = self.single_partition_of_fp32_groups[group_no].grad
             views = self._bs_groups[group_no].views
@@ -295,38 +306,39 @@ def _make_zero12():
                 for v in views:
                     v.tensor.grad = None if grad is None else grad.narrow(0, v.seg_offset, v.numel).view(v.tensor.shape)
                 with follow_overrides(self.optimizer, params, [(v.tensor, v.param_index) for v in views]):
-                    return super()._optimizer_step(group_no)
+                    super()._optimizer_step(group_no)  # DeepSpeed's returns None
             finally:
                 for v in views:
                     v.tensor.grad = None
 
-        def _lazy_init_hp_params_optimizer_state(self):
+        def _lazy_init_hp_params_optimizer_state(self) -> None:
             # DeepSpeed links optimizer state of the one flat tensor per param_group to the parameters
             # (safe_get_full_optimizer_state); with per-parameter views there is no such tensor.
             self._hp_optimizer_states_linked = True
 
         # -- checkpoints ----------------------------------------------------------------------------
-        def blockshard_layout(self) -> list[dict]:
+        def blockshard_layout(self) -> list[dict[str, Any]]:
             """Per ``param_group``: the layout (JSON), parameter names and semantics labels."""
             return [{**gs.layout.to_json(), "names": gs.names, "semantics": gs.labels} for gs in self._bs_groups]
 
         def blockshard_layout_hash(self) -> str:
             return layout_hash(self.blockshard_layout())
 
-        def state_dict(self):
-            sd = super().state_dict()
+        def state_dict(self) -> dict[str, Any]:
+            sd: dict[str, Any] = super().state_dict()
             sd[LAYOUT_KEY] = {"hash": self.blockshard_layout_hash(), "layout": self.blockshard_layout()}
             return sd
 
         def load_state_dict(
             self,
-            state_dict_list,
-            load_optimizer_states=True,
-            load_from_fp32_weights=False,
-            checkpoint_folder=None,
-            load_serial=None,
-            param_shapes=None,
-        ):
+            state_dict_list: list[dict[str, Any]],
+            load_optimizer_states: bool = True,
+            load_from_fp32_weights: bool = False,
+            checkpoint_folder: str | None = None,
+            load_serial: object = None,
+            param_shapes: object = None,
+        ) -> None:
+
             if checkpoint_folder:
                 raise DeepSpeedHookError(
                     "universal checkpoints are not supported with blockshard's DeepSpeed hook "
@@ -353,7 +365,7 @@ def _make_zero12():
                         "ones, or pass load_optimizer_states=False (and zero_optimization.load_from_fp32_weights="
                         "false) for a module-only warm start"
                     )
-            return super().load_state_dict(
+            super().load_state_dict(  # DeepSpeed's returns None
                 state_dict_list,
                 load_optimizer_states=load_optimizer_states,
                 load_from_fp32_weights=load_from_fp32_weights,

@@ -11,7 +11,7 @@ engine uses; this module only reads FSDP2's DTensors and checks their placements
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from blockshard.optim._owner_compute import (
     Exchange,
     Holding,
+    InnerFactory,
+    OwnedUnit,
     OwnerComputeError,
+    ParamsArg,
     add_module_types,
     exchange_lists,
     named_groups,
@@ -35,16 +38,19 @@ from blockshard.semantics import SemanticsRules, TensorSpec
 
 from ._placement import decide, dim_split_keeps_units, spec_of
 
+if TYPE_CHECKING:
+    from blockshard.planner import OwnerPlan
+
 __all__ = ["OwnerComputeError", "OwnerComputeOptimizer", "build_exchange"]
 
 
-def build_exchange(plan, rank: int, dtypes: list[str]) -> tuple[dict[str, Exchange], list[tuple]]:
+def build_exchange(plan: OwnerPlan, rank: int, dtypes: list[str]) -> tuple[dict[str, Exchange], list[OwnedUnit]]:
     """Pure: this rank's all_to_all lists per dtype from an FSDP2 owner plan, and its owned units
     (see :func:`blockshard.optim._owner_compute.exchange_lists`); ``dtypes[t]`` names plan tensor ``t``'s dtype."""
     return exchange_lists(_plan_holdings(plan, [None] * len(plan.tensor_names)), dtypes, rank, plan.world_size)
 
 
-def _plan_holdings(plan, holdings: list[Holding | None]) -> list[Holding]:
+def _plan_holdings(plan: OwnerPlan, holdings: list[Holding | None]) -> list[Holding]:
     """``holdings`` (one per plan tensor, ``None``: a stand-in) with the plan's geometry and cut units."""
     units: dict[int, list[tuple[int, int, int]]] = {}
     for t, a, n, o in unit_rows(plan):
@@ -87,8 +93,8 @@ class OwnerComputeOptimizer(_Core):
 
     def __init__(
         self,
-        inner_optimizer_factory: Callable,
-        params,
+        inner_optimizer_factory: InnerFactory,
+        params: ParamsArg,
         *,
         semantics: object = None,
         process_group: dist.ProcessGroup | None = None,

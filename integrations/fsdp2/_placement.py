@@ -30,8 +30,9 @@ For each parameter, :func:`place` picks, in this order:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 from torch import nn
@@ -40,6 +41,10 @@ from torch.distributed.tensor import DTensor, Shard
 from blockshard._errors import BlockshardError
 from blockshard.planner._units import ceil_div, check_world_size, rows_cols
 from blockshard.semantics import ResolvedSemantics, SemanticsKind, SemanticsRules, TensorSpec, UnitGrid, normalize_dtype
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
     "FSDP2PlacementError",
@@ -117,7 +122,9 @@ def dim_split_keeps_units(grid: UnitGrid, shape: tuple[int, ...], dim: int, worl
     return all(grid.allows_cut(x) for x in (*gens, last))
 
 
-def owner_computable(res: ResolvedSemantics, shape: tuple[int, ...], split_quantizers=()) -> tuple[bool, str]:
+def owner_computable(
+    res: ResolvedSemantics, shape: tuple[int, ...], split_quantizers: Sequence[str] = ()
+) -> tuple[bool, str]:
     """Whether an owner can reassemble the units ``Shard(0)`` splits (and, if not, why).
 
     ``split_quantizers``: names of quantizer semantics whose quantization blocks ``Shard(0)`` splits.
@@ -247,7 +254,7 @@ class BlockPlacementFn:
 
 
 def block_placement_fn(
-    semantics: object, world_size: int, *, names: nn.Module | Mapping | None = None
+    semantics: object, world_size: int, *, names: nn.Module | Mapping[int, str] | None = None
 ) -> BlockPlacementFn:
     """A ``shard_placement_fn`` for ``torch.distributed.fsdp.fully_shard`` that keeps units whole.
 
@@ -274,7 +281,7 @@ def block_placement_fn(
     return BlockPlacementFn(rules, world_size, specs, named)
 
 
-def _shard_world_size(mesh) -> int:
+def _shard_world_size(mesh: DeviceMesh | None) -> int:
     import torch.distributed as dist
 
     if mesh is None:
@@ -289,7 +296,32 @@ def _shard_world_size(mesh) -> int:
     return mesh.size(mesh.ndim - 1)
 
 
-def fully_shard(module, *, semantics: object = None, mesh=None, root: nn.Module | None = None, **fsdp_kwargs):
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    semantics: object = None,
+    mesh: DeviceMesh | None = None,
+    root: nn.Module | None = None,
+    **fsdp_kwargs: Any,
+) -> FSDPModule: ...
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    semantics: object = None,
+    mesh: DeviceMesh | None = None,
+    root: nn.Module | None = None,
+    **fsdp_kwargs: Any,
+) -> list[FSDPModule]: ...
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    semantics: object = None,
+    mesh: DeviceMesh | None = None,
+    root: nn.Module | None = None,
+    **fsdp_kwargs: Any,
+) -> FSDPModule | list[FSDPModule]:
     """``torch.distributed.fsdp.fully_shard`` with a block-aware ``shard_placement_fn``.
 
     Same use as torch's (bottom-up, returns the module); ``semantics`` gives each parameter its
