@@ -293,7 +293,6 @@ def checkpoint_table(info: dict[str, Any]) -> Table:
 
 
 def _pyplot() -> ModuleType:
-
     try:
         import matplotlib
 

@@ -131,7 +131,6 @@ class OddMLP(nn.Module):
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
-
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 

@@ -218,7 +218,6 @@ class _Piece:
 
     p: int
     key: tuple[object, ...]
-
     tensor: torch.Tensor
     lo: int = 0  # element range of the view within the local piece
     hi: int = 0

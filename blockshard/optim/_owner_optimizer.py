@@ -112,7 +112,6 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         owned_by_param: dict[int, list[tuple[int, int, int, tuple[int, int, int] | None]]] = {}
         for k, (_, p, a, n, own) in enumerate(owned):
             owned_by_param.setdefault(p, []).append((k, a, n, own))
-
         self._pieces: list[_Piece] = []
         self._unit_piece: dict[int, int] = {}  # position in `owned` -> index in self._pieces
         for i, q in enumerate(self._params):

@@ -287,7 +287,6 @@ class BlockedShampoo(torch.optim.Optimizer):
         beta2: float
         beta1, beta2 = group["betas"]
         gb2: float = group["grafting_beta2"]
-
         m, v = block["exp_avg"], block["exp_avg_sq"]
         m.mul_(beta1).add_(g, alpha=1.0 - beta1)
         v.mul_(gb2).addcmul_(g, g, value=1.0 - gb2)

@@ -265,7 +265,6 @@ def _flat_splits(items: Sequence[PlanItem], part: int, world_size: int) -> int:
 
 
 def _runs(t: np.ndarray) -> Iterator[tuple[int, int, int]]:
-
     if t.size == 0:
         return
     cuts = np.flatnonzero(np.diff(t)) + 1

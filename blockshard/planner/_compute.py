@@ -448,7 +448,6 @@ class OwnerPlanBuilder:
         uc: np.ndarray,
         item: np.ndarray,
     ) -> ComputeTally:
-
         W, t = self.world_size, self.kinds[kind]
         m = np.asarray([k == kind for k in kind_of], dtype=bool)
         a2a = np.zeros(W)

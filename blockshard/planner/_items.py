@@ -46,7 +46,6 @@ def resolve_items(specs: Iterable[TensorSpec], rules: object = None) -> list[Pla
     """Give every spec its semantics (``rules`` as :meth:`SemanticsRules.coerce` accepts)."""
     r = SemanticsRules.coerce(rules)
     cache: dict[tuple[object, ...], ResolvedSemantics] = {}
-
     out: list[PlanItem] = []
     for spec in specs:
         sems = r.matching(spec)

@@ -212,7 +212,6 @@ class GroupLayout:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GroupLayout:
-
         if not isinstance(data, dict) or data.get("format") != LAYOUT_FORMAT_VERSION:
             got = data.get("format") if isinstance(data, dict) else f"a {type(data).__name__}"
             raise PlanError(

@@ -93,7 +93,6 @@ def choose_layout(
     """
     key = ("policy", policy, world_size, alignment_bytes, tuple((it.grid, it.placement) for it in items))
     chosen: tuple[float, tuple[int, ...]] | None = memo.get(key)
-
     if chosen is not None:  # an identical group chose already
         cost, owners = chosen
         layout = plan_group(

@@ -46,7 +46,6 @@ __all__ = [
 #: One plan's memo, shared by its groups: each key is a tuple of a computation's inputs, most led by a
 #: tag naming it (``("straddle", grid, offset, S)``); the value is that computation's result, which
 #: its one reader annotates (the values differ in type, so the mapping holds ``Any``).
-
 Memo: TypeAlias = dict[tuple[Hashable, ...], Any]
 
 

@@ -287,7 +287,6 @@ def fully_shard(
     parts: list[
         tuple[str | None, tuple[list[str], list[nn.Parameter], list[list[ParamRef]]], Callable[..., ParamBuffers], bool]
     ] = []
-
     if quantized_gather:  # [Note: quantized gather]: a buffer set of its own, after the dtypes' ones
         by_name = dict(zip(names, params, strict=True))
         q_part, (names, params, refs), quantizers = split_quantized_gather(

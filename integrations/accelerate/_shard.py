@@ -100,7 +100,6 @@ def save_model(
 def load_model(
     model: nn.Module, path: str, optimizers: list[torch.optim.Optimizer], settings: AccelerateSettings | None
 ) -> None:
-
     if not os.path.isdir(path):
         raise AccelerateConfigError(
             f"load_state found no blockshard checkpoint at {path}; load a directory written by save_state of a "

@@ -197,7 +197,6 @@ class Trainer(transformers.Trainer):
 
 @contextlib.contextmanager
 def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
-
     old = getattr(module, name)
     setattr(module, name, value)
     try:

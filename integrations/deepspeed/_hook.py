@@ -338,7 +338,6 @@ def _make_zero12() -> type:
             load_serial: object = None,
             param_shapes: object = None,
         ) -> None:
-
             if checkpoint_folder:
                 raise DeepSpeedHookError(
                     "universal checkpoints are not supported with blockshard's DeepSpeed hook "

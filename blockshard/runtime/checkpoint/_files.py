@@ -371,7 +371,6 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
         if layout is None:
             continue
         pieces: dict[int, list[list[int]]] = {i: [] for i in range(len(layout.tensors))}
-
         for rank in range(layout.world_size):
             for p in layout.pieces(rank):
                 if p.numel:

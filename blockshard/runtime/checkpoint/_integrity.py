@@ -92,7 +92,6 @@ def content_id(path: str, record: dict[str, Any] | None) -> str:
     if record and isinstance(record.get("checkpoint_id"), str):
         checkpoint_id: str = record["checkpoint_id"]
         return checkpoint_id
-
     metadata = os.path.join(path, ".metadata")
     if not os.path.isfile(metadata):
         return f"(no .metadata at {path})"

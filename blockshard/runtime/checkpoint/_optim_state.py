@@ -193,7 +193,6 @@ def _check_one_kind(gathered: list[tuple[list[list[str]], Kinds]]) -> None:
 def _by_group(
     params: list[tuple[str, nn.Parameter, Any]], optimizer: torch.optim.Optimizer
 ) -> list[list[tuple[str, nn.Parameter, Any]]]:
-
     it = iter(params)
     return [[next(it) for _ in g["params"]] for g in optimizer.param_groups]
 

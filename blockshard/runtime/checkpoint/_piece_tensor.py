@@ -292,7 +292,6 @@ class PieceTensor(torch.Tensor):
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
         return [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)) for b in self._boxes]

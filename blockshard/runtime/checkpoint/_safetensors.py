@@ -182,7 +182,6 @@ class _Reader:
     def whole(self, name: str) -> torch.Tensor:
         with _named(self.files[name]):
             t: torch.Tensor = self._handle(name).get_tensor(name)
-
         self.read_bytes += t.numel() * t.element_size()
         return t
 

@@ -87,7 +87,6 @@ class ParamBuffers(BufferSet):
         self.trainable = trainable
         self.controls = controls
         self._pending: list[dist.Work] = []  # async all-gather works, while UNSHARDING
-
         self.offload = offload  # CPUOffloadPolicy: local shard and gradient on the host ([Note: CPU offload])
         self._version_guard: torch.autograd._unsafe_preserve_version_counter | None = None
         self.owner_computed: OwnerComputed | None = None  # [Note: engine owner plan], set by fully_shard

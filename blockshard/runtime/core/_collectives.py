@@ -113,7 +113,7 @@ import weakref
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -264,11 +264,11 @@ def agree(
     fields = [_crc(what), _crc(kind), numel, _crc(str(dtype)), 0]
     mine = torch.tensor(fields, dtype=torch.int64)
     everyone = torch.empty(W * _HEADER_FIELDS, dtype=torch.int64)
-    wait(_all_gather(everyone, mine, group=pg, async_op=True), f"the header of {what}", pg)
+    wait(cast(dist.Work, _all_gather(everyone, mine, group=pg, async_op=True)), f"the header of {what}", pg)
     rows = everyone.view(W, _HEADER_FIELDS).tolist()
     if all(row == fields for row in rows):
         return
-    said: list = [None] * W  # every rank saw the same rows: all of them exchange their descriptions
+    said: list[Any] = [None] * W  # every rank saw the same rows: all of them exchange their descriptions
     dist.all_gather_object(said, (what, phase, numel, str(dtype), sync), group=pg)
     _FAILED.add(headers.engine)  # this rank raised: check_finished has nothing to add
     raise CollectiveIntegrityError(header_mismatch(said, pg.rank()))
@@ -512,7 +512,6 @@ def check_same_layout(group_name: str, layout_hash: str, group: dist.ProcessGrou
     """Raise :class:`LayoutMismatchError` on every rank unless all ranks computed ``layout_hash``."""
     mine = (group_name, layout_hash)
     everyone: list[Any] = [None] * group.size()
-
     dist.all_gather_object(everyone, mine, group=group)
     if len(set(everyone)) > 1:
         by_rank = ", ".join(f"rank {r}: group {n!r} hash {h}" for r, (n, h) in enumerate(everyone))

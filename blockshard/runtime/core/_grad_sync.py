@@ -224,7 +224,6 @@ class _Reduction:
     (but on gloo, whose works own a copy of it: [Note: gloo's copies])."""
 
     works: list[dist.Work]
-
     rs_in: torch.Tensor | None  # [W*S], reduce dtype; None where the backend copied it (gloo)
     out: torch.Tensor  # [S], reduce dtype: the local gradient itself when ``direct``
     buf: torch.Tensor | None  # the local gradient to point .grad at (None: allocated when needed)

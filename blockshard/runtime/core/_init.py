@@ -102,7 +102,6 @@ def init_parameters(
 
 
 def _post_order(module: nn.Module) -> Iterator[nn.Module]:
-
     for child in module.children():
         yield from _post_order(child)
     yield module

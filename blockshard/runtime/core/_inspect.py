@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from blockshard.planner import GroupLayout
@@ -21,7 +22,7 @@ def agree_on_call(model: nn.Module, call: str) -> None:
     ``model``, every rank of each process group ``model`` is sharded over makes it (one header per
     group); else every rank raises, before a collective of the call could pair with a peer's
     forward or backward."""
-    seen: list = []
+    seen: list[dist.ProcessGroup] = []
     for _, st in states_under(model):
         pg = st.buffers.process_group
         if all(pg is not other for other in seen):

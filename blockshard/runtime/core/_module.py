@@ -214,7 +214,6 @@ class ShardedModule(nn.Module):
                 ref.module._parameters[ref.attr] = p
 
     def __deepcopy__(self, memo: dict[int, object]) -> NoReturn:
-
         raise ShardingError(
             f"copy.deepcopy of a sharded {self._bs_state().name} is not supported: the copy would share "
             "the original's buffers and collectives (its unshard() would unshard the original). Fix: "

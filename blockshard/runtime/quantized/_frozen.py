@@ -158,7 +158,6 @@ class FrozenQuantizedBuffers(BufferSet):
         self.local = torch.zeros(self.layout.segment_bytes, dtype=torch.uint8, device=self.device)  # [S]
         self._gathered_bytes: torch.Tensor | None = None  # [W * S] while an all-gather is in flight
         self._pending: list[dist.Work] = []  # the all-gather's work, while UNSHARDING
-
         with torch.no_grad():
             for piece in self.layout.pieces[self.rank]:
                 t = self.tensors[piece.tensor]

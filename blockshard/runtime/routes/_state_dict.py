@@ -118,7 +118,6 @@ def _install() -> Callable[[], None]:
     def _load_optim_state_dict(
         model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...], state_dict: dict[str, Any], info: Any
     ) -> None:
-
         if not states_under(model) or not info.handle_optim:
             return load_optim(model, optimizers, state_dict, info)
         return torch_load_optimizer_state_dict(model, optimizers, state_dict, info)
