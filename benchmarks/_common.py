@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import shlex
-import sys
 from collections.abc import Callable, Sequence
 
 import torch
@@ -31,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from blockshard.runtime.core._collectives import issuing_header
 
 
 # -- arguments and the report -----------------------------------------------------------------------
@@ -114,17 +115,6 @@ def split_bytes(t: torch.Tensor, splits, rank: int, w: int) -> int:
 HEADER = "header_allgather"  # blockshard's headers ([Note: collective headers]), counted apart
 
 
-def in_header() -> bool:
-    """Whether the collective being dispatched is a header of blockshard's ``agree``
-    ([Note: collective headers] in blockshard/runtime/core/_collectives.py)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "agree" and frame.f_code.co_filename.endswith("_collectives.py"):
-            return True
-        frame = frame.f_back
-    return False
-
-
 class CollectiveCounter(TorchDispatchMode):
     """A dispatch mode with a per-kind tally of collectives: ``{kind: {count, bytes_sent, bytes_received}}``."""
 
@@ -167,7 +157,7 @@ class StepCounter(CollectiveCounter):
             if kind in ("wait_tensor", "barrier", "_wrap_tensor_autograd"):  # no data of their own
                 return func(*args, **kwargs)
             sent_received = self._directions(kind, args)
-            self.record(HEADER if kind == "_allgather_base_" and in_header() else kind, *sent_received)
+            self.record(HEADER if kind == "_allgather_base_" and issuing_header() else kind, *sent_received)
         return func(*args, **kwargs)
 
     def _directions(self, kind: str, args) -> tuple[int, int]:

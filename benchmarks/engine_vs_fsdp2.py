@@ -66,7 +66,7 @@ from _common import (  # benchmarks/_common.py (scripts run with benchmarks/ on 
     add_output_args,
     command,
     emit,
-    in_header,
+    issuing_header,
     machine_facts,
     nbytes,
     parser,
@@ -156,7 +156,7 @@ class OpCounter(CollectiveCounter):
         name = func._schema.name
         if func.namespace == "c10d":
             kind = name.split("::", 1)[1]
-            if kind == "_allgather_base_" and in_header():
+            if kind == "_allgather_base_" and issuing_header():
                 kind = HEADER  # blockshard's [Note: collective headers], counted apart
             i_in, i_out = _C10D_ARGS.get(kind, (0, 0))
             sent = nbytes(args[i_in]) if len(args) > i_in else 0

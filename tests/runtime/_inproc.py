@@ -83,6 +83,8 @@ import torch.distributed.distributed_c10d as c10d
 from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from blockshard.runtime.core._collectives import issuing_header
+
 __all__ = [
     "CollectiveLog",
     "hidden_process_group",
@@ -272,18 +274,6 @@ _KINDS = {
 }
 
 
-def _in_header() -> bool:
-    """Whether the collective being dispatched is a header of blockshard's ``agree`` ([Note:
-    collective headers] in blockshard/runtime/core/_collectives.py): logged as ``"header"``, so the
-    engine's own collectives count as they do without headers."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "agree" and frame.f_code.co_filename.endswith("_collectives.py"):
-            return True
-        frame = frame.f_back
-    return False
-
-
 class CollectiveLog(TorchDispatchMode):
     """Records every c10d collective issued in this thread while active, in issue order.
 
@@ -324,7 +314,7 @@ class CollectiveLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
-            kind = "header" if _in_header() else _KINDS.get(func._opname, func._opname)
+            kind = "header" if issuing_header() else _KINDS.get(func._opname, func._opname)
             label = None
             self._refresh()  # gradient buffers come and go with the step
             for t in args[:2]:

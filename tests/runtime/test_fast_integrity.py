@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import _inproc
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import blockshard
 from blockshard import BlockshardError
-from blockshard.runtime.core._collectives import DEFAULT_TIMEOUT_S, TIMEOUT_ENV, collective_timeout_s
+from blockshard.runtime.core._collectives import (
+    _HEADERS,
+    DEFAULT_TIMEOUT_S,
+    TIMEOUT_ENV,
+    collective_timeout_s,
+    engine_group,
+)
 from blockshard.runtime.core._collectives import step_mismatch as _mismatch
 from blockshard.runtime.core._common import CollectiveTally
 
@@ -156,3 +166,19 @@ def test_the_headers_setting_reaches_the_engine_group(monkeypatch):
     assert _inproc.run_ranks(_headers_then_train, 2) == [[False], [False]]
     monkeypatch.delenv("BLOCKSHARD_COLLECTIVE_HEADERS")
     assert _inproc.run_ranks(_headers_then_train, 2) == [[True], [True]]
+
+
+def _engine_and_header_groups(rank: int, world: int) -> list:
+    engine = engine_group(dist.group.WORLD)
+    refs = [weakref.ref(engine), weakref.ref(_HEADERS[engine].group)]
+    _shard_and_step(rank, world)  # a model that ran its collectives on them, dropped on return
+    return refs
+
+
+def test_the_engine_and_header_groups_are_freed_with_the_world():
+    """Once the user's group is destroyed and the models are dropped, the engine's gloo groups go
+    too (their TCP pairs close, so a failed rank's peers see it at once; the header entries once
+    held their own keys and kept both groups for the process)."""
+    refs = _inproc.run_ranks(_engine_and_header_groups, 2)
+    gc.collect()
+    assert [[r() is None for r in rank] for rank in refs] == [[True, True], [True, True]]

@@ -106,12 +106,14 @@ end-of-step check catches those that paired.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import threading
 import time
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, cast, overload
 
@@ -172,12 +174,23 @@ class _Headers:
     """[Note: collective headers] The header group of one engine group (and of its user group)."""
 
     group: dist.ProcessGroup  # where the headers are all-gathered
-    engine: dist.ProcessGroup  # the engine's group they guard (its store takes the failure reports)
+    engine_ref: weakref.ref[dist.ProcessGroup]  # the engine group they guard (its store takes the reports)
     on: bool  # BLOCKSHARD_COLLECTIVE_HEADERS when the group was made
 
+    @property
+    def engine(self) -> dist.ProcessGroup:
+        found = self.engine_ref()
+        return self.group if found is None else found  # (an entry outlives its engine group only while it dies)
 
-# user group and engine group -> their headers; weak keys, as _ENGINE_GROUPS
+
+# user group and engine group -> their headers, and header group -> its engine group. Weak keys, as
+# _ENGINE_GROUPS, and nothing in a value refers to its key strongly: a value that did would keep its
+# key, and the gloo group's TCP pairs, alive for the process (a failed thread rank's peers then
+# waited out the timeout instead of seeing the connection close).
 _HEADERS: weakref.WeakKeyDictionary[dist.ProcessGroup, _Headers] = weakref.WeakKeyDictionary()
+_HEADER_ENGINE: weakref.WeakKeyDictionary[dist.ProcessGroup, weakref.ref[dist.ProcessGroup]] = (
+    weakref.WeakKeyDictionary()
+)
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
 _all_gather: Callable[..., dist.Work | None] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -232,8 +245,29 @@ def engine_group(process_group: dist.ProcessGroup) -> dist.ProcessGroup:
             for _ in range(2)  # made on every rank in this order, whether headers are on or not
         )
         _ENGINE_GROUPS[process_group] = found
-        _HEADERS[process_group] = _HEADERS[found] = _HEADERS[header] = _Headers(header, found, on)
+        _HEADERS[process_group] = _HEADERS[found] = _Headers(header, weakref.ref(found), on)
+        _HEADER_ENGINE[header] = weakref.ref(found)
     return found
+
+
+# Per thread (thread ranks issue headers at once): set while agree() issues a header all-gather.
+_issuing = threading.local()
+
+
+@contextlib.contextmanager
+def _as_header() -> Iterator[None]:
+    _issuing.header = True
+    try:
+        yield
+    finally:
+        _issuing.header = False
+
+
+def issuing_header() -> bool:
+    """Whether the collective this thread is issuing now is a header of [Note: collective headers]:
+    for tools that count the engine's collectives (the benchmarks, the tests' collective log),
+    which leave the headers out, or count them apart."""
+    return bool(getattr(_issuing, "header", False))
 
 
 def uses_headers(group: dist.ProcessGroup) -> bool:
@@ -264,12 +298,15 @@ def agree(
     fields = [_crc(what), _crc(kind), numel, _crc(str(dtype)), 0]
     mine = torch.tensor(fields, dtype=torch.int64)
     everyone = torch.empty(W * _HEADER_FIELDS, dtype=torch.int64)
-    wait(cast(dist.Work, _all_gather(everyone, mine, group=pg, async_op=True)), f"the header of {what}", pg)
+    with _as_header():
+        work = cast(dist.Work, _all_gather(everyone, mine, group=pg, async_op=True))
+    wait(work, f"the header of {what}", pg)
     rows = everyone.view(W, _HEADER_FIELDS).tolist()
     if all(row == fields for row in rows):
         return
     said: list[Any] = [None] * W  # every rank saw the same rows: all of them exchange their descriptions
-    dist.all_gather_object(said, (what, phase, numel, str(dtype), sync), group=pg)
+    with _as_header():
+        dist.all_gather_object(said, (what, phase, numel, str(dtype), sync), group=pg)
     _FAILED.add(headers.engine)  # this rank raised: check_finished has nothing to add
     raise CollectiveIntegrityError(header_mismatch(said, pg.rank()))
 
@@ -356,8 +393,8 @@ def failure(what: str, group: dist.ProcessGroup, exc: BaseException, timeout: fl
     """The error for a collective ``what`` that failed with ``exc`` (point 2 of the Note)."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     rank, W = group.rank(), group.size()
-    headers = _HEADERS.get(group)
-    engine = headers.engine if headers is not None and headers.group is group else group
+    engine_ref = _HEADER_ENGINE.get(group)  # a header's failure is reported in its engine group's store
+    engine = (engine_ref() if engine_ref is not None else None) or group
     for user, mine in list(_ENGINE_GROUPS.items()):  # a failed gloo group stays broken: fully_shard makes anew
         if mine is engine:
             del _ENGINE_GROUPS[user]
