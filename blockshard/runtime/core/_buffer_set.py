@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from blockshard._errors import EngineStateError
-from blockshard.runtime.core._collectives import agree
+from blockshard.runtime.core._collectives import agree, wait
 from blockshard.runtime.core._common import CollectiveTally, ShardedState
 
 __all__ = ["BufferSet", "GroupControls"]
@@ -65,6 +65,7 @@ class BufferSet(abc.ABC):
         self.path: str | None = None
         self.tally: CollectiveTally | None = None
         self.tally_index = 0
+        self._pending: list[dist.Work] = []  # the unshard's all-gathers in flight, while UNSHARDING
 
     @property
     def described(self) -> str:
@@ -91,9 +92,27 @@ class BufferSet(abc.ABC):
         """Issue the all-gather (SHARDED -> UNSHARDING) and wait for it unless ``async_op``
         (-> UNSHARDED); nothing to do unless SHARDED."""
 
-    @abc.abstractmethod
     def wait_unshard(self) -> None:
         """Finish an unshard (issuing it first if nobody did): the modules hold full tensors."""
+        if self.sharded_state is ShardedState.UNSHARDED:
+            return
+        if self.sharded_state is ShardedState.SHARDED:
+            self.unshard()
+            return
+        for work in self._pending:
+            wait(work, self.gather_what, self.process_group)
+        self._pending.clear()
+        self._finish_unshard()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    @property
+    def gather_what(self) -> str:
+        """The all-gather in messages (a timeout, a failed peer)."""
+        return f"the all-gather of {self.described}"
+
+    @abc.abstractmethod
+    def _finish_unshard(self) -> None:
+        """Once the all-gathers completed: fill what the modules read, give them the full tensors."""
 
     @abc.abstractmethod
     def reshard(self) -> None:

@@ -48,7 +48,7 @@ from blockshard._errors import ShardingError
 from blockshard.planner import GroupLayout
 from blockshard.planner._units import block_shape
 from blockshard.runtime.core._buffer_set import BufferSet, GroupControls
-from blockshard.runtime.core._collectives import all_gather_into, holds_copies, shift_ranks, wait
+from blockshard.runtime.core._collectives import all_gather_into, holds_copies, shift_ranks
 from blockshard.runtime.core._common import DeviceStreams, ShardedState, expect
 from blockshard.runtime.core._grad_sync import GradientSync
 from blockshard.runtime.core._param import ShardedParam, tag_managed
@@ -86,7 +86,6 @@ class ParamBuffers(BufferSet):
         # and never reduced ([Note: mixed dtypes] in _dtypes.py)
         self.trainable = trainable
         self.controls = controls
-        self._pending: list[dist.Work] = []  # async all-gather works, while UNSHARDING
         self.offload = offload  # CPUOffloadPolicy: local shard and gradient on the host ([Note: CPU offload])
         self._version_guard: torch.autograd._unsafe_preserve_version_counter | None = None
         self.owner_computed: OwnerComputed | None = None  # [Note: engine owner plan], set by fully_shard
@@ -242,16 +241,11 @@ class ParamBuffers(BufferSet):
         if not async_op:
             self.wait_unshard()
 
-    def wait_unshard(self) -> None:
-        """Finish an unshard (issuing it first if nobody did): the module holds full parameters."""
-        if self.sharded_state is ShardedState.UNSHARDED:
-            return
-        if self.sharded_state is ShardedState.SHARDED:
-            self.unshard()
-            return
-        for work in self._pending:
-            wait(work, f"the all-gather of group {self.described}", self.process_group)
-        self._pending.clear()
+    @property
+    def gather_what(self) -> str:
+        return f"the all-gather of group {self.described}"
+
+    def _finish_unshard(self) -> None:
         if self._layout is not None:
             self.streams.current_waits("all_gather")
         if self._version_guard is not None:
@@ -261,7 +255,6 @@ class ParamBuffers(BufferSet):
             if sp.unsharded.requires_grad != sp.sharded.requires_grad:
                 sp.unsharded.requires_grad_(sp.sharded.requires_grad)  # frozen or unfrozen since
             sp.set_module_params(sp.unsharded)
-        self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
         """Free the gathered storage and give the module its local pieces back (-> SHARDED)."""

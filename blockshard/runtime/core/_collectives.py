@@ -81,7 +81,7 @@ owner-compute) and at the start of every public call that issues collectives (``
 of ``_HEADER_FIELDS`` int64 on a third group over the same ranks (:func:`agree`): a CRC-32 of what
 it is about to issue (the collective and its group, e.g. "the all-gather of group 'Linear'
 (layers.0)"), the phase (forward, backward, end of step, between steps), its element count and
-dtype. Headers have one size on every rank, so they always pair; the data collective is issued only
+dtype, and its group's gradient sync (on, off, or none for buffer sets that do not train). Headers have one size on every rank, so they always pair; the data collective is issued only
 after every rank's header matched, so the ``n``-th data collectives always agree in size. Where the
 headers differ, every rank has seen the same rows: the ranks exchange what each was about to issue
 (one ``all_gather_object`` on the header group) and every rank raises
@@ -166,7 +166,7 @@ _DONE_PREFIX = "blockshard/done/"
 
 #: Set to 0 to turn off the headers of [Note: collective headers] (on by default on gloo).
 HEADERS_ENV = "BLOCKSHARD_COLLECTIVE_HEADERS"
-_HEADER_FIELDS = 5  # CRC-32 of what, CRC-32 of the phase, numel, CRC-32 of the dtype, one spare (0)
+_HEADER_FIELDS = 5  # CRC-32 of what, CRC-32 of the phase, numel, CRC-32 of the dtype, sync (1, 0; -1: none)
 
 
 @dataclass(eq=False)
@@ -295,7 +295,7 @@ def agree(
         return
     pg, W = headers.group, headers.group.size()
     kind = phase_kind(phase)  # "in the forward (2nd since the last backward) of step 3": "forward"
-    fields = [_crc(what), _crc(kind), numel, _crc(str(dtype)), 0]
+    fields = [_crc(what), _crc(kind), numel, _crc(str(dtype)), -1 if sync is None else int(sync)]
     mine = torch.tensor(fields, dtype=torch.int64)
     everyone = torch.empty(W * _HEADER_FIELDS, dtype=torch.int64)
     with _as_header():

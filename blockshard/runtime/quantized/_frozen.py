@@ -31,7 +31,7 @@ from torch import nn
 
 from blockshard._errors import ShardingError
 from blockshard.runtime.core._buffer_set import BufferSet
-from blockshard.runtime.core._collectives import all_gather_into, check_same_layout, holds_copies, wait
+from blockshard.runtime.core._collectives import all_gather_into, check_same_layout, holds_copies
 from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._inspect import BuffersView
 from blockshard.runtime.core._param import ParamRef
@@ -157,7 +157,6 @@ class FrozenQuantizedBuffers(BufferSet):
         check_same_layout(f"{name} (quantized weights)", self.layout.layout_hash(), process_group)
         self.local = torch.zeros(self.layout.segment_bytes, dtype=torch.uint8, device=self.device)  # [S]
         self._gathered_bytes: torch.Tensor | None = None  # [W * S] while an all-gather is in flight
-        self._pending: list[dist.Work] = []  # the all-gather's work, while UNSHARDING
         with torch.no_grad():
             for piece in self.layout.pieces[self.rank]:
                 t = self.tensors[piece.tensor]
@@ -236,16 +235,12 @@ class FrozenQuantizedBuffers(BufferSet):
     def gathers_on_copies(self) -> bool:
         return holds_copies(self.process_group, self.device)
 
-    def wait_unshard(self) -> None:
-        """Finish the all-gather: fill the gathered tensors, give the modules the unsharded weights."""
-        if self.sharded_state is ShardedState.UNSHARDED:
-            return
-        if self.sharded_state is ShardedState.SHARDED:
-            self.unshard()
-            return
-        for work in self._pending:
-            wait(work, f"the all-gather of the quantized weights of group {self.name!r}", self.process_group)
-        self._pending.clear()
+    @property
+    def gather_what(self) -> str:
+        return f"the all-gather of the quantized weights of group {self.name!r}"
+
+    def _finish_unshard(self) -> None:
+        """Fill the gathered tensors from the gathered bytes, give the modules the unsharded weights."""
         buf, S = self._gathered_bytes, self.layout.segment_bytes
         assert buf is not None
         self._alloc_gathered()
@@ -260,7 +255,6 @@ class FrozenQuantizedBuffers(BufferSet):
         self._gathered_bytes = None
         for t in self.tensors:
             t.set_module_params(unsharded=True)
-        self.sharded_state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
         """Give the modules their payload pieces back and free the gathered tensors."""

@@ -41,7 +41,7 @@ from torch import nn
 from blockshard._errors import QuantizedWeightError
 from blockshard.planner import GroupLayout
 from blockshard.runtime.core._buffers import ParamBuffers
-from blockshard.runtime.core._collectives import all_gather_into, wait
+from blockshard.runtime.core._collectives import all_gather_into
 from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._inspect import BuffersView, states_under
 from blockshard.runtime.core._param import ParamRef, ShardedParam
@@ -209,15 +209,17 @@ class QuantizedGatherBuffers(ParamBuffers):
             self._pending.append(all_gather_into(self._gathered_bytes, self.payload, self.process_group, async_op=True))
         self._issued(async_op)
 
-    def wait_unshard(self) -> None:
-        if self.sharded_state is ShardedState.UNSHARDING and self._gathered_bytes is not None:
-            for work in self._pending:
-                wait(work, f"the quantized all-gather of group {self.described}", self.process_group)
-            self._pending.clear()
+    @property
+    def gather_what(self) -> str:
+        quantized = "" if self._gathered_bytes is None else "quantized "  # else the float all-gather of ParamBuffers
+        return f"the {quantized}all-gather of group {self.described}"
+
+    def _finish_unshard(self) -> None:
+        if self._gathered_bytes is not None:
             self.streams.current_waits("all_gather")
             self._dequantize_into_gathered(self._gathered_bytes)
             self._gathered_bytes = None
-        super().wait_unshard()
+        super()._finish_unshard()
 
     @torch.no_grad()
     def _dequantize_into_gathered(self, buf: torch.Tensor) -> None:
