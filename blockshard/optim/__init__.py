@@ -5,12 +5,14 @@
 for the optimizers you plan to run. ``Muon``: ``torch.optim.Muon`` with its momentum on the storage shards (only directions and
 updates move). ``OwnerComputeOptimizer``: an unmodified optimizer on whole
 compute units of cut storage (the ragged engine's ``policy="owner" | "auto"``; FSDP2's adapter,
-``blockshard.integrations.fsdp2``, uses the same implementation).
+``blockshard.integrations.fsdp2``, uses the same implementation). ``rebind_optimizer``: an
+optimizer built before sharding, pointed at the pieces (Accelerate's ``prepare`` calls it).
 """
 
 from blockshard.optim._muon import Muon
 from blockshard.optim._owner_compute import OwnerComputeError
 from blockshard.optim._owner_optimizer import OwnerComputeOptimizer
+from blockshard.optim._rebind import rebind_optimizer
 from blockshard.optim._semantics import (
     OPTIMIZER_SEMANTICS,
     muon_param_groups,
@@ -27,5 +29,6 @@ __all__ = [
     "OwnerComputeOptimizer",
     "muon_param_groups",
     "optimizer_semantics",
+    "rebind_optimizer",
     "semantics_for_optimizer",
 ]

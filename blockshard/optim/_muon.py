@@ -22,8 +22,8 @@ import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
 from torch.optim._muon import _zeropower_via_newtonschulz as _newton_schulz
 
-from blockshard.optim._owner_compute import NamedGroups, OwnerComputeError, ParamsArg, named_groups
-from blockshard.optim._owner_optimizer import OwnerComputeOptimizer, _ragged_holdings
+from blockshard.optim._owner_compute import Holding, NamedGroups, OwnerComputeError, ParamsArg, named_groups
+from blockshard.optim._owner_optimizer import OwnerComputeOptimizer
 
 __all__ = ["Muon"]
 
@@ -101,7 +101,11 @@ class Muon(OwnerComputeOptimizer):
         )
         defaults = dict(probe.defaults)
         groups, _ = named_groups(params)
-        holdings, found = _ragged_holdings(groups)
+        self._factory = lambda gs: _MomentumOnShards(gs, defaults, self)
+        self._process_group_arg = process_group
+        self._build(groups)
+
+    def _check_holdings(self, holdings: list[Holding]) -> None:
         for q in holdings:
             if len(q.shape) != 2:
                 raise OwnerComputeError(
@@ -109,10 +113,6 @@ class Muon(OwnerComputeOptimizer):
                     "Fix: pass Muon's matrices by name, e.g. blockshard.optim.muon_param_groups(model)[0], "
                     "and the rest to AdamW"
                 )
-        group = process_group if process_group is not None else found
-        W = group.size() if group is not None else 1
-        factory = lambda gs: _MomentumOnShards(gs, defaults, self)  # noqa: E731
-        self._setup(factory, groups, holdings, group, W, group.rank() if group is not None else 0)
 
     def _inner_groups(self, groups: NamedGroups) -> list[dict[str, Any]]:
         """The local pieces (momentum lives with them), not the compute tensors."""
@@ -143,6 +143,20 @@ class Muon(OwnerComputeOptimizer):
                 updates[pc.p][pc.lo : pc.hi].copy_(self._ns(pc.p, d).reshape(-1))
         self._from_owners(lambda t: updates[t])
         return updates
+
+    @torch.no_grad()
+    def piece_view(self) -> torch.optim.Optimizer:
+        """The momentum lives on the pieces already: the inner optimizer is what checkpoints save
+        (missing momentum is created as the first step would, zeros, with no exchange)."""
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                if "momentum_buffer" not in self.inner.state.get(p, {}):
+                    self.inner.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return self.inner
+
+    def load_piece_view(self, view: torch.optim.Optimizer) -> None:
+        if view is not self.inner:
+            raise OwnerComputeError("load_piece_view takes what piece_view returns (the inner optimizer)")
 
     @torch.no_grad()
     def resync_params(self) -> None:

@@ -22,6 +22,7 @@ from blockshard.optim._owner_compute import (
     local_region,
     named_groups,
 )
+from blockshard.optim._owner_state import PieceView, load_piece_view, piece_view
 from blockshard.runtime.core._collectives import agree, wait
 from blockshard.runtime.core._optim_guard import mark_stepped
 from blockshard.runtime.core._owners import tensor_owner_plan
@@ -57,12 +58,60 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, inner_optimizer_factory: InnerFactory, params: ParamsArg, *, process_group: Any = None) -> None:
         groups, _ = named_groups(params)
-        holdings, found = _ragged_holdings(groups)
-        group = process_group if process_group is not None else found
-        W = group.size() if group is not None else 1
-        self._setup(inner_optimizer_factory, groups, holdings, group, W, group.rank() if group is not None else 0)
+        self._factory, self._process_group_arg = inner_optimizer_factory, process_group
+        self._build(groups)
 
     # -- setup ------------------------------------------------------------------------------------
+    def _build(self, groups: NamedGroups) -> None:
+        """Lay out ``groups`` (``(options, [(name, param)])``) as the engine shards them now."""
+        holdings, found = _ragged_holdings(groups)
+        self._check_holdings(holdings)
+        group = self._process_group_arg if self._process_group_arg is not None else found
+        W = group.size() if group is not None else 1
+        self._setup(self._factory, groups, holdings, group, W, group.rank() if group is not None else 0)
+
+    def _check_holdings(self, holdings: list[Holding]) -> None:
+        """Refuse parameters the inner optimizer cannot step (a subclass's constraint)."""
+        return None
+
+    def follow(self, params: Mapping[str, torch.Tensor], names: Mapping[int, str] | None = None) -> bool:
+        """Collective (every rank): rebuild over the current tensors ``params`` (name -> tensor, e.g.
+        ``dict(model.named_parameters())`` after ``fully_shard``) of the parameters this optimizer
+        was built over, found by name (``names``: ``id(old tensor) -> name``, where the names it
+        was given are not the model's). For an optimizer built before sharding (Accelerate's
+        order: build, then ``prepare``); it must not have stepped. Hyperparameters set on
+        ``param_groups`` since (an LR scheduler's) are kept. Returns whether anything changed."""
+        names = names or {}
+        rebuilt: NamedGroups = []
+        stale = False
+        for opts, named in self._groups:
+            pairs = []
+            for name, p in named:
+                key = names.get(id(p), name)
+                now = params.get(key)
+                if now is None:
+                    raise OwnerComputeError(
+                        f"parameter {name!r} of shape {tuple(p.shape)} is not a parameter of the model being "
+                        "sharded; build the optimizer over model.named_parameters() (or "
+                        "blockshard.optim.muon_param_groups(model)) of the model you prepare"
+                    )
+                stale |= now is not p
+                pairs.append((key, now))
+            rebuilt.append((opts, pairs))
+        if not stale:
+            return False
+        if any(self.inner.state.values()):
+            raise OwnerComputeError(
+                f"{type(self).__name__} has stepped already, and fully_shard replaced its parameters since: its "
+                "state cannot move onto the pieces. Fix: shard (accelerator.prepare) before the first step"
+            )
+        hyper = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in self.inner.param_groups]
+        self._build(rebuilt)
+        if len(hyper) == len(self.inner.param_groups):
+            for g, h in zip(self.inner.param_groups, hyper, strict=True):
+                g.update(h)
+        return True
+
     def _setup(
         self, factory: InnerFactory, groups: NamedGroups, holdings: list[Holding], process_group: Any, W: int, rank: int
     ) -> None:
@@ -72,6 +121,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
                 "groups -> optimizer, e.g. lambda groups: torch.optim.Muon(groups, lr=0.02)"
             )
         self._params, self.process_group, self.world_size, self.rank = holdings, process_group, W, rank
+        self._factory, self._groups, self._stepping_inner = factory, groups, False
         # A rank may hold none of the parameters (muon_param_groups leaves out the empty pieces of
         # whole-placed matrices): it has no exchanges, so no device is needed for them.
         self._device = holdings[0].local().device if holdings else torch.device("cpu")
@@ -168,11 +218,19 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         work = dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group, async_op=True)
         _wait(work, f"the owner-compute all_to_all ({what})", self.process_group)
 
-    def _to_owners(self, source: Callable[[int], torch.Tensor | None], grads: bool) -> None:
+    def _to_owners(
+        self,
+        source: Callable[[int], torch.Tensor | None],
+        grads: bool,
+        *,
+        target: Callable[[int], torch.Tensor] | None = None,
+        dtypes: Mapping[str, torch.dtype] | None = None,
+    ) -> None:
         """Slices of cut units (``source(t)``: tensor ``t``'s local piece, flat, or ``None``: zeros) ->
-        their owners' full-unit tensors (``grads``: their ``.grad``)."""
+        their owners' full-unit tensors (``grads``: their ``.grad``; ``target(k)``: unit ``k``'s flat
+        tensor to fill instead, in ``dtypes[param dtype]``, e.g. optimizer state)."""
         for dt, e in self._exchanges.items():
-            dtype = getattr(torch, dt)
+            dtype = dtypes[dt] if dtypes is not None else getattr(torch, dt)
             chunks = []
             for peer in range(self.world_size):
                 for t, off, n in e.sends[peer]:
@@ -186,25 +244,31 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
             pos = 0
             for peer in range(self.world_size):
                 for k, uoff, n in e.recvs[peer]:
-                    self._unit_target(k, grads)[uoff : uoff + n].copy_(out[pos : pos + n])
+                    (target(k) if target is not None else self._unit_target(k, grads))[uoff : uoff + n].copy_(
+                        out[pos : pos + n]
+                    )
                     pos += n
         for k, j in self._unit_piece.items():
             pc = self._pieces[j]
             if pc.own is not None:
                 off, uoff, n = pc.own
                 src = source(pc.p)
-                dst = self._unit_target(k, grads)
+                dst = target(k) if target is not None else self._unit_target(k, grads)
                 dst[uoff : uoff + n].copy_(src[off : off + n]) if src is not None else dst[uoff : uoff + n].zero_()
 
-    def _from_owners(self, dest: Callable[[int], torch.Tensor]) -> None:
-        """Values of owned units -> every holder's ``dest(t)`` (tensor ``t``'s local piece, flat)."""
+    def _from_owners(
+        self,
+        dest: Callable[[int], torch.Tensor],
+        *,
+        source: Callable[[int], torch.Tensor] | None = None,
+        dtypes: Mapping[str, torch.dtype] | None = None,
+    ) -> None:
+        """Values of owned units (``source(k)``: unit ``k``'s flat tensor to send instead, in
+        ``dtypes[param dtype]``) -> every holder's ``dest(t)`` (tensor ``t``'s local piece, flat)."""
+        unit = source if source is not None else (lambda k: self._unit_target(k, False))
         for dt, e in self._exchanges.items():
-            dtype = getattr(torch, dt)
-            chunks = [
-                self._unit_target(k, False)[uoff : uoff + n]
-                for peer in range(self.world_size)
-                for k, uoff, n in e.recvs[peer]
-            ]
+            dtype = dtypes[dt] if dtypes is not None else getattr(torch, dt)
+            chunks = [unit(k)[uoff : uoff + n] for peer in range(self.world_size) for k, uoff, n in e.recvs[peer]]
             inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype, device=self._device)
             out = torch.empty(sum(e.send_sizes), dtype=dtype, device=self._device)
             self._all_to_all(out, inp, e.send_sizes, e.recv_sizes, "new values back")
@@ -213,11 +277,11 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
                 for t, off, n in e.sends[peer]:
                     dest(t)[off : off + n].copy_(out[pos : pos + n])
                     pos += n
-        for j in self._unit_piece.values():
+        for k, j in self._unit_piece.items():
             pc = self._pieces[j]
             if pc.own is not None:
                 off, uoff, n = pc.own
-                dest(pc.p)[off : off + n].copy_(pc.tensor.view(-1)[uoff : uoff + n])
+                dest(pc.p)[off : off + n].copy_(unit(k)[uoff : uoff + n])
 
     def _flat(self, t: int) -> torch.Tensor:
         """Tensor ``t``'s local piece: a flat view, written in place."""
@@ -285,7 +349,11 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
             for j in self._unit_piece.values():  # a unit whose parameter has no gradient is skipped
                 if self._params[self._pieces[j].p].param.grad is None:
                     self._pieces[j].tensor.grad = None
-            self.inner.step()
+            self._stepping_inner = True  # [Note: a reused optimizer] in _rebind.py
+            try:
+                self.inner.step()
+            finally:
+                self._stepping_inner = False
             self._from_owners(self._flat)
             for pc in self._pieces:
                 if not pc.direct:
@@ -323,6 +391,19 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
                 "the same world size, semantics and parameter shapes"
             )
         self.inner.load_state_dict(state_dict["inner"])
+        self.resync_params()
+
+    def piece_view(self) -> torch.optim.Optimizer:
+        """Collective: this optimizer's state as an element-wise optimizer's over the model's
+        pieces, what checkpoints save ([Note: owner-compute state in checkpoints])."""
+        return piece_view(self)
+
+    def load_piece_view(self, view: torch.optim.Optimizer) -> None:
+        """Collective: load the state of a :meth:`piece_view` (filled from a checkpoint), then
+        re-read the owned units' values from the pieces (loaded with it)."""
+        if not isinstance(view, PieceView):
+            raise OwnerComputeError(f"load_piece_view takes what piece_view returns, not a {type(view).__name__}")
+        load_piece_view(self, view)
         self.resync_params()
 
     def owned_units(self) -> list[tuple[str, int, int]]:

@@ -13,7 +13,11 @@
   ``fsdp_plugin`` / ``deepspeed_plugin`` arguments.
 * ``prepare``: shards the model (each ``fsdp_transformer_layer_cls_to_wrap`` module bottom-up, then
   the root) with ``blockshard.fully_shard`` or ``blockshard.integrations.fsdp2.fully_shard``, and
-  points the optimizers passed with it at the sharded parameters (by name; they must not have stepped).
+  points the optimizers passed with it at the sharded parameters (by name; they must not have stepped;
+  ``blockshard.optim.rebind_optimizer``: one that computes on whole matrices, such as torch's Muon,
+  is returned inside an ``OwnerComputeOptimizer`` that reuses it, so cut matrices are computed at
+  their owners; an ``OwnerComputeOptimizer`` built before is rebuilt over the pieces). An optimizer
+  prepared after the model gets the same treatment.
   Before sharding it wraps the layers for ``fsdp_activation_checkpointing`` and broadcasts rank 0's
   weights for ``fsdp_sync_module_states``; with ``fsdp_cpu_ram_efficient_loading`` it fills the shards
   from rank 0 after sharding ([Note: weights from rank 0] in ``_weights.py``). One process
@@ -39,6 +43,7 @@ import torch
 from torch import nn
 
 import blockshard
+from blockshard.optim import rebind_optimizer
 
 from .. import deepspeed as bs_deepspeed
 from ._settings import (
@@ -202,15 +207,20 @@ class Accelerator(accelerate.Accelerator):
                     f"prepare() got {len(models)} models; blockshard's accelerate plugin shards one model per "
                     "Accelerator: prepare the others with another Accelerator, or combine them in one nn.Module"
                 )
-            if models:
-                optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
-                self._shard(models[0], optimizers)
+            names = self._shard(models[0], [a for a in args if isinstance(a, torch.optim.Optimizer)]) if models else {}
+            if self._blockshard_models:  # [Note: a reused optimizer] in blockshard/optim/_rebind.py
+                model = self._blockshard_models[0]
+                args = tuple(
+                    rebind_optimizer(a, model, names=names) if isinstance(a, torch.optim.Optimizer) else a for a in args
+                )
         return super().prepare(*args, device_placement=device_placement)
 
     def _is_blockshard(self, model: nn.Module) -> bool:
         return any(model is m for m in self._blockshard_models)
 
-    def _shard(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    def _shard(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[int, str]:
+        """Shard ``model``; return its parameters' names before sharding (``id -> name``), by which
+        the optimizers passed with it follow the pieces."""
         settings = self.blockshard_settings
         assert settings is not None
         names = {id(p): n for n, p in model.named_parameters()}
@@ -235,10 +245,7 @@ class Accelerator(accelerate.Accelerator):
             model.to(self.device)  # shard where it trains (a no-op on CPU); meta ranks materialize their shards there
         shard_model(model, settings, self.device)
         self._blockshard_models.append(model)
-        new = dict(model.named_parameters())
-        for opt in optimizers:  # every piece, empty ones too ([Note: empty pieces hold no state] in _optim_state.py)
-            for group in opt.param_groups:
-                group["params"] = [new[names[id(p)]] for p in group["params"]]
+        return names
 
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False

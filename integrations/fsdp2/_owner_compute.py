@@ -23,6 +23,7 @@ from blockshard.optim._owner_compute import (
     Exchange,
     Holding,
     InnerFactory,
+    NamedGroups,
     OwnedUnit,
     OwnerComputeError,
     ParamsArg,
@@ -145,6 +146,15 @@ class OwnerComputeOptimizer(_Core):
         self.plan = plan_owners([self._item(holdings[i], self._specs[i]) for i in shard0], W, engine="fsdp2")
         _plan_holdings(self.plan, [holdings[i] for i in shard0])
         self._setup(inner_optimizer_factory, groups, holdings, group, W, rank)
+
+    def _build(self, groups: NamedGroups) -> None:
+        """(``follow``) FSDP2's pieces are DTensors laid out when this optimizer is built: it cannot
+        rebuild over a model sharded since."""
+        raise OwnerComputeError(
+            "blockshard.integrations.fsdp2.OwnerComputeOptimizer was built before fully_shard replaced its "
+            "parameters and cannot follow them: build it after fully_shard (with Accelerate's fsdp2 engine: "
+            "after accelerator.prepare(model), then prepare the optimizer)"
+        )
 
     def _classify(self, rules: SemanticsRules, holdings: list[Holding], w: int, r: int) -> list[int]:
         """Check every placement; mark FSDP2 ``Shard(0)`` parameters as planned. Returns their indices."""

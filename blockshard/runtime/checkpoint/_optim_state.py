@@ -39,7 +39,7 @@ on every rank, naming the parameter and the ranks.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -52,7 +52,19 @@ from blockshard.runtime.core._inspect import state_name as _name
 from blockshard.runtime.core._optim_guard import uncounted_steps
 from blockshard.runtime.core._param import ShardedParam
 
-__all__ = ["load_optimizer_state_dict", "optimizer_state_dict"]
+__all__ = ["HasPieceView", "load_optimizer_state_dict", "optimizer_state_dict"]
+
+
+@runtime_checkable
+class HasPieceView(Protocol):
+    """An optimizer whose state lives on tensors other than the model's pieces (owner compute:
+    whole units at their owners) and that presents it as an element-wise optimizer's over the
+    pieces, which is what is saved and loaded (blockshard/optim/_owner_state.py,
+    [Note: owner-compute state in checkpoints]). Both methods are collective."""
+
+    def piece_view(self) -> torch.optim.Optimizer: ...
+
+    def load_piece_view(self, view: torch.optim.Optimizer) -> None: ...
 
 
 def _by_param(model: nn.Module) -> dict[int, tuple[str, ShardedParam | None]]:
@@ -118,6 +130,8 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     (every rank calls it) when the model is sharded over more than one rank: the ranks' parameter
     names are gathered."""
     agree_on_call(model, "blockshard.optimizer_state_dict")  # [Note: collective headers]
+    if isinstance(optimizer, HasPieceView):
+        optimizer = optimizer.piece_view()
     init_optimizer_state(optimizer)
     params = _optimizer_params(model, optimizer)
     state: dict[str, dict[str, Any]] = {}
@@ -229,6 +243,11 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     """Copy a state dict of :func:`optimizer_state_dict`'s form into the optimizer (the entries
     ``dcp.load`` filled in place are copied onto themselves; other pieces must match this rank's)."""
     agree_on_call(model, "blockshard.load_optimizer_state_dict")  # [Note: collective headers]
+    if isinstance(optimizer, HasPieceView):
+        view = optimizer.piece_view()
+        load_optimizer_state_dict(model, view, state)
+        optimizer.load_piece_view(view)
+        return
     params = _optimizer_params(model, optimizer)
     saved_groups = state["param_groups"]
     mine = _by_group(params, optimizer)

@@ -1,0 +1,194 @@
+"""``blockshard.optim.rebind_optimizer`` ([Note: a reused optimizer]): Muon in any of its three forms,
+built before or after ``fully_shard``, steps the pieces and equals one process bitwise.
+
+Two gloo thread ranks; a tiny Llama whose MLP matrices ``policy="auto"`` cuts and computes at their
+owners at W = 2 (the README's shapes), the rest whole. Reference: ``torch.optim.Muon`` and AdamW on the
+unsharded model, one process. Control: torch's Muon handed the pieces as they are (what the
+Accelerate plugin did before) refuses them at its first step.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # the engine tier's thread ranks
+import _inproc
+
+import blockshard
+from blockshard.optim import Muon, OwnerComputeError, OwnerComputeOptimizer, muon_param_groups, rebind_optimizer
+from blockshard.tiny import text_batches, tiny_llama
+
+SHAPES = {"hidden_size": 32, "intermediate_size": 777, "num_hidden_layers": 2}  # auto: MLP at owners at W = 2
+STEPS = 3
+
+
+def _muon(form: str, group: dict):
+    if form == "torch":
+        return torch.optim.Muon([group], lr=0.02)
+    if form == "blockshard":
+        return Muon([group], lr=0.02)
+    return OwnerComputeOptimizer(lambda g: torch.optim.Muon(g, lr=0.02), [group])
+
+
+def _train(rank: int, world: int, variants: list[tuple[str, str, str]]) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for form, order, policy in variants:
+        with _inproc.serial():
+            model = tiny_llama(**SHAPES)
+        names = {id(p): n for n, p in model.named_parameters()}
+        if order == "before":  # Accelerate's order: build, then prepare (which shards)
+            muon_group, rest = muon_param_groups(model)
+            muon, adamw = _muon(form, muon_group), torch.optim.AdamW([rest], lr=1e-3)
+        if world > 1:
+            for layer in model.model.layers:
+                blockshard.fully_shard(layer, semantics="muon", policy=policy)
+            blockshard.fully_shard(model, semantics="muon", policy=policy)
+        if order == "after":
+            muon_group, rest = muon_param_groups(model)
+            muon, adamw = _muon(form, muon_group), torch.optim.AdamW([rest], lr=1e-3)
+        muon, adamw = (rebind_optimizer(o, model, names=names) for o in (muon, adamw))
+        sched = torch.optim.lr_scheduler.StepLR(muon, step_size=1, gamma=0.5)  # built on what is stepped
+        for input_ids, labels in text_batches(STEPS, batch_size=2, seq_len=16):
+            model(input_ids=input_ids, labels=labels).loss.backward()
+            for opt in (muon, adamw):
+                opt.step()
+                opt.zero_grad()
+            sched.step()
+        out.append({k: v.clone() for k, v in blockshard.full_state_dict(model).items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    with _inproc.single_thread():
+        return _train(0, 1, [("torch", "after", "auto")])[0]
+
+
+VARIANTS = [
+    ("torch", "before", "auto"),
+    ("blockshard", "before", "auto"),
+    ("owner", "before", "auto"),
+    ("torch", "before", "whole"),
+    ("blockshard", "after", "auto"),
+    ("owner", "after", "whole"),
+]
+
+
+def test_every_muon_form_built_before_or_after_sharding_equals_one_process(reference):
+    results = _inproc.run_ranks(_train, 2, args=(VARIANTS,))
+    for rank in results:
+        for variant, got in zip(VARIANTS, rank, strict=True):
+            assert sorted(got) == sorted(reference), variant
+            diff = max((got[k] - reference[k]).abs().max().item() for k in reference)
+            assert diff == 0.0, (variant, diff)
+
+
+def _stepped_directly(rank: int, world: int) -> str:
+    with _inproc.serial():
+        model = tiny_llama(**SHAPES)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = torch.optim.Muon([muon_param_groups(model)[0]], lr=0.02)
+    blockshard.fully_shard(model, semantics="muon")
+    wrapper = rebind_optimizer(muon, model, names=names)
+    assert isinstance(wrapper, OwnerComputeOptimizer) and wrapper.inner is muon
+    input_ids, labels = next(iter(text_batches(1, batch_size=2, seq_len=16)))
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    with pytest.raises(OwnerComputeError, match="step the optimizer that prepare returned"):
+        muon.step()
+    wrapper.step()  # the wrapper's step is fine
+    return "ok"
+
+
+def test_the_reused_optimizer_refuses_a_step_of_its_own():
+    assert _inproc.run_ranks(_stepped_directly, 2) == ["ok", "ok"]
+
+
+def _control(rank: int, world: int) -> str:
+    with _inproc.serial():
+        model = tiny_llama(**SHAPES)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = torch.optim.Muon([muon_param_groups(model)[0]], lr=0.02)
+    blockshard.fully_shard(model, semantics="muon")
+    new = dict(model.named_parameters())
+    for group in muon.param_groups:  # the pieces as they are: what prepare() did before
+        group["params"] = [new[names[id(p)]] for p in group["params"]]
+    input_ids, labels = next(iter(text_batches(1, batch_size=2, seq_len=16)))
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    try:
+        muon.step()
+    except (ValueError, RuntimeError) as e:  # torch's "must be a 2D matrix" or blockshard's guard
+        return type(e).__name__
+    return "stepped"
+
+
+def test_control_torch_muon_on_the_pieces_as_they_are_fails():
+    assert "stepped" not in _inproc.run_ranks(_control, 2)
+
+
+def _stepped_then_rebound(rank: int, world: int) -> str:
+    with _inproc.serial():
+        model = tiny_llama(**SHAPES)
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    input_ids, labels = next(iter(text_batches(1, batch_size=2, seq_len=16)))
+    model(input_ids=input_ids, labels=labels).loss.backward()
+    opt.step()
+    blockshard.fully_shard(model, semantics="muon")
+    with pytest.raises(OwnerComputeError, match="has stepped already"):
+        rebind_optimizer(opt, model, names=names)
+    stranger = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    assert rebind_optimizer(stranger, model) is stranger  # another model's: left alone
+    return "ok"
+
+
+def test_a_stepped_optimizer_cannot_follow_the_pieces():
+    assert _inproc.run_ranks(_stepped_then_rebound, 2) == ["ok", "ok"]
+
+
+# -- checkpoints: [Note: owner-compute state in checkpoints] ----------------------------------------
+def _resumable(rank: int, world: int, form: str, policy: str, path: str, phase: str) -> dict[str, torch.Tensor]:
+    """``phase="save"``: 2 steps, save, 2 more; ``"load"``: load the checkpoint, the last 2 steps."""
+    with _inproc.serial():
+        model = tiny_llama(**SHAPES)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_group, rest = muon_param_groups(model)
+    muon, adamw = _muon(form, muon_group), torch.optim.AdamW([rest], lr=1e-3)
+    for layer in model.model.layers:
+        blockshard.fully_shard(layer, semantics="muon", policy=policy)
+    blockshard.fully_shard(model, semantics="muon", policy=policy)
+    muon, adamw = (rebind_optimizer(o, model, names=names) for o in (muon, adamw))
+    batches = list(text_batches(4, batch_size=2, seq_len=16))
+    if phase == "load":
+        blockshard.load_checkpoint(model, path, [muon, adamw])
+        batches = batches[2:]
+    for i, (input_ids, labels) in enumerate(batches):
+        if phase == "save" and i == 2:
+            blockshard.save_checkpoint(model, path, [muon, adamw])
+        model(input_ids=input_ids, labels=labels).loss.backward()
+        for opt in (muon, adamw):
+            opt.step()
+            opt.zero_grad()
+    return {k: v.clone() for k, v in blockshard.full_state_dict(model).items()}
+
+
+@pytest.mark.parametrize(
+    ("form", "policy"),
+    [
+        ("torch", "auto"),
+        pytest.param("blockshard", "auto", marks=pytest.mark.heavy),  # seconds each: make test runs them
+        pytest.param("owner", "whole", marks=pytest.mark.heavy),
+    ],
+)
+def test_every_muon_form_resumes_bitwise_at_w2_w1_and_w4(tmp_path, form, policy):
+    """Saved at W = 2 after 2 steps; loaded at W = 2, 1 and 4 (DCP reshards the piece-shaped state,
+    which then goes to the new owners), the last 2 steps equal the uninterrupted run bitwise."""
+    path = str(tmp_path / "ck")
+    want = _inproc.run_ranks(_resumable, 2, args=(form, policy, path, "save"))[0]
+    for world in (2, 1, 4):
+        got = _inproc.run_ranks(_resumable, world, args=(form, policy, path, "load"))[0]
+        diff = max((got[k] - want[k]).abs().max().item() for k in want)
+        assert diff == 0.0, (form, policy, world, diff)
