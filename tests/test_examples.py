@@ -32,6 +32,7 @@ SCRIPTS = [
     "hf_trainer_deepspeed.py",
     "custom_block_type/train.py",
     "accelerate/train.py",  # run by tests/integrations/test_accelerate.py
+    "accelerate/muon.py",  # run by tests/integrations/test_accelerate_muon.py
     "hf_trainer_ragged.py",  # run by tests/integrations/test_trainer_ragged.py
 ]
 

@@ -98,3 +98,54 @@ def test_every_muon_form_in_every_order_equals_one_process_and_resumes_at_w2_and
     for w in (2, 1):
         resumed = torch.load(tmp_path / f"resumed{w}.pt")
         assert _diffs(resumed, reference) == dict.fromkeys(kinds, 0.0), w
+
+
+def test_the_docs_recipe_is_the_example():
+    """docs/accelerate.md's Muon block is examples/accelerate/muon.py's recipe (which the slow test
+    runs), with the imports the example has."""
+    import textwrap
+
+    docs = (
+        (ROOT / "docs" / "accelerate.md").read_text().split("## Muon", 1)[1].split("```python\n", 1)[1].split("```")[0]
+    )
+    example = (ROOT / "examples" / "accelerate" / "muon.py").read_text()
+    recipe = textwrap.dedent(example.split("# -- the recipe (docs/accelerate.md) --\n")[1].split("    # -- end of")[0])
+    assert docs.endswith("\n\n" + recipe)
+    imports = [line.split("#")[0].strip() for line in docs.split("\n\n" + recipe)[0].splitlines() if line]
+    assert imports and all(line in example for line in imports)
+
+
+@pytest.mark.slow
+def test_the_muon_example_equals_one_process(tmp_path):
+    example = ROOT / "examples" / "accelerate" / "muon.py"
+    assert (
+        cli_main(
+            [
+                "accelerate-config",
+                "--cpu",
+                "--semantics",
+                "muon",
+                "--layers",
+                "LlamaDecoderLayer",
+                "--out",
+                str(tmp_path / "cfg"),
+            ]
+        )
+        == 0
+    )
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(tmp_path / "cfg" / "accelerate.yaml")]
+    run = Background(
+        [*cmd, str(example), "--out", str(tmp_path / "run")], tmp_path / "run.log", env=_env(), cwd=ROOT, timeout=300
+    )
+    ref = Background(
+        [sys.executable, str(example), "--out", str(tmp_path / "ref")],
+        tmp_path / "ref.log",
+        env=_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
+    run.wait()
+    ref.wait()
+    got, want = torch.load(tmp_path / "run.pt"), torch.load(tmp_path / "ref.pt")
+    assert sorted(got) == sorted(want)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) == 0.0
