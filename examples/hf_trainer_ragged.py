@@ -2,12 +2,17 @@
 
     blockshard accelerate-config --cpu --semantics bnb8bit --out cfg     # LlamaDecoderLayer groups, 2 processes
     accelerate launch --config_file cfg/accelerate.yaml examples/hf_trainer_ragged.py --runs adamw,bnb
+    blockshard accelerate-config --cpu --semantics muon --out muon-cfg
+    accelerate launch --config_file muon-cfg/accelerate.yaml examples/hf_trainer_ragged.py --runs muon
 
 The one changed line: ``from blockshard.integrations.accelerate import Trainer`` instead of
 transformers' (a subclass that builds blockshard's ``Accelerator``; docs/accelerate.md, "The
 Hugging Face Trainer"). Run without a launcher (``python examples/hf_trainer_ragged.py --stock``) it
 is the stock Trainer in one process: the reference the tests compare with. Each run (``RUNS``)
-trains 3 steps, writes a checkpoint after step 2 and then ``trainer.save_model``.
+trains 3 steps, writes a checkpoint after step 2 and then ``trainer.save_model``. The ``muon`` run
+passes the Trainer an optimizer it built itself, ``optimizers=(torch.optim.Muon(...), None)``, over the
+hidden matrices (the rest is not trained): the Trainer prepares it with the model, so its cut
+matrices are computed at their owners (shard it with ``--semantics muon``; docs/accelerate.md, "Muon").
 
 A tiny Llama built in code (no downloads), an in-memory dataset. Every rank trains on the whole
 batch (``RankReplicated`` below), so W processes compute exactly what one process computes
@@ -91,6 +96,7 @@ RUNS = {
     "bnb_no_override": ("adamw_bnb_8bit", 10.0, False, 1),  # a control: the embedding loses its fp32 state
     "adamw_clip": ("adamw_torch", 1.0, True, 1),
     "adamw_accum": ("adamw_torch", 10.0, True, 2),  # the same batches as 2 micro-batches of 2
+    "muon": ("adamw_torch", 10.0, True, 1),  # optim ignored: torch's Muon passed in (optimizers=...)
 }
 
 
@@ -156,7 +162,17 @@ def train(
     model = tiny_llama()
     total = local_numel(model)
     cls = transformers.Trainer if stock else Trainer
-    trainer = cls(model=model, args=training_args, train_dataset=RankReplicated(Tokens(), world_size, batch))
+    optimizers: tuple = (None, None)
+    if name == "muon":  # built over the unsharded model, as a user does; prepare() shards both
+        from blockshard.optim import muon_param_groups
+
+        optimizers = (torch.optim.Muon([muon_param_groups(model)[0]], lr=1e-3, weight_decay=0.01), None)
+    trainer = cls(
+        model=model,
+        args=training_args,
+        train_dataset=RankReplicated(Tokens(), world_size, batch),
+        optimizers=optimizers,
+    )
     if not keep_override:
         trainer.create_optimizer()  # registers the override; the control forgets it
         from bitsandbytes.optim import GlobalOptimManager

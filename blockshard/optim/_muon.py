@@ -105,6 +105,9 @@ class Muon(OwnerComputeOptimizer):
         self._process_group_arg = process_group
         self._build(groups)
 
+    def _whole_units(self) -> bool:
+        return True  # Newton-Schulz on whole matrices
+
     def _check_holdings(self, holdings: list[Holding]) -> None:
         for q in holdings:
             if len(q.shape) != 2:

@@ -76,6 +76,7 @@ class Holding:
     local_numel: int = 0
     direct: bool = False
     matrix_numel: int = 0
+    cut: bool = False  # the storage cuts it between ranks (on every rank alike: from the layout)
 
     def local(self) -> torch.Tensor:
         p = self.param

@@ -23,6 +23,7 @@ from blockshard.optim._owner_compute import (
     named_groups,
 )
 from blockshard.optim._owner_state import PieceView, load_piece_view, piece_view
+from blockshard.optim._semantics import computes_on_whole_units
 from blockshard.runtime.core._collectives import agree, wait
 from blockshard.runtime.core._optim_guard import mark_stepped
 from blockshard.runtime.core._owners import tensor_owner_plan
@@ -69,6 +70,26 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         group = self._process_group_arg if self._process_group_arg is not None else found
         W = group.size() if group is not None else 1
         self._setup(self._factory, groups, holdings, group, W, group.rank() if group is not None else 0)
+        if self._whole_units():
+            self._check_whole(holdings)
+
+    def _whole_units(self) -> bool:
+        """Whether the inner optimizer computes on whole matrices / tiles (not element-wise)."""
+        return computes_on_whole_units(self.inner)
+
+    def _check_whole(self, holdings: list[Holding]) -> None:
+        """A piece that cuts a matrix and has no owner would be computed alone: refuse it (every
+        rank finds the same: the layouts are the same everywhere)."""
+        for q in holdings:
+            if q.cut and not q.planned and not q.matrix_numel:
+                raise OwnerComputeError(
+                    f"parameter {q.name!r} of shape {q.shape} is cut between ranks, and "
+                    f"{type(self.inner).__name__} computes on whole matrices, but fully_shard laid it out without "
+                    "an owner for the cut matrix (its semantics are not Muon's). It would be computed on the "
+                    "piece alone. Fix: shard with semantics='muon' (or "
+                    "blockshard.optim.optimizer_semantics(muon_param_groups(model))); with Accelerate, "
+                    "blockshard accelerate-config --semantics muon"
+                )
 
     def _check_holdings(self, holdings: list[Holding]) -> None:
         """Refuse parameters the inner optimizer cannot step (a subclass's constraint)."""
@@ -457,7 +478,12 @@ def _ragged_holdings(groups: NamedGroups) -> tuple[list[Holding], Any]:
             mn = math.prod(sp.shape[-2:]) if len(sp.shape) >= 3 else 0
             matrix_numel = mn if mn and grid.unit_numel == mn else 0  # stacked experts: one matrix each
             if plan is None or not plan.units:
-                holdings.append(Holding(name, p, tuple(sp.shape), gi, direct=True, matrix_numel=matrix_numel))
+                placed = group.layout.tensors[sp.index]
+                S = group.layout.buckets[placed.bucket]
+                cut = placed.numel > 0 and placed.offset // S != (placed.end - 1) // S
+                holdings.append(
+                    Holding(name, p, tuple(sp.shape), gi, direct=True, matrix_numel=matrix_numel, cut=cut)
+                )
                 continue
             holdings.append(
                 Holding(

@@ -37,23 +37,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from blockshard._errors import SemanticsError
 from blockshard.optim._owner_compute import OwnerComputeError
 from blockshard.optim._owner_optimizer import OwnerComputeOptimizer
-from blockshard.optim._semantics import semantics_for_optimizer
+from blockshard.optim._semantics import computes_on_whole_units
 from blockshard.runtime.core._param import managed_tag
 
-__all__ = ["computes_on_whole_units", "rebind_optimizer"]
-
-
-def computes_on_whole_units(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` computes on units larger than an element that a piece may cut
-    (``torch.optim.Muon``'s matrices, BlockedShampoo's tiles)."""
-    try:
-        semantics = semantics_for_optimizer(optimizer)
-    except SemanticsError:  # an optimizer blockshard does not know: stepped as it is, as before
-        return False
-    return semantics == "matrix" or semantics.startswith("shampoo")
+__all__ = ["rebind_optimizer"]
 
 
 def rebind_optimizer(

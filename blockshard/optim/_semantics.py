@@ -33,7 +33,13 @@ from blockshard.runtime import global_shapes, owner_plan
 from blockshard.semantics import TensorSpec, get_semantics, normalize_dtype
 from blockshard.semantics._rule import is_embedding_or_head
 
-__all__ = ["OPTIMIZER_SEMANTICS", "muon_param_groups", "optimizer_semantics", "semantics_for_optimizer"]
+__all__ = [
+    "OPTIMIZER_SEMANTICS",
+    "computes_on_whole_units",
+    "muon_param_groups",
+    "optimizer_semantics",
+    "semantics_for_optimizer",
+]
 
 #: Optimizer name -> the block semantics it needs (read-only).
 OPTIMIZER_SEMANTICS: Mapping[str, str] = MappingProxyType(
@@ -94,6 +100,17 @@ def semantics_for_optimizer(optimizer: object) -> str:
         f"optimizer {module}.{name} is not one blockshard knows; pass its block semantics directly "
         f"(fully_shard(..., semantics=...)), or one of the names {sorted(OPTIMIZER_SEMANTICS)}"
     )
+
+
+def computes_on_whole_units(optimizer: object) -> bool:
+    """Whether ``optimizer`` computes on units larger than an element that a piece may cut
+    (``torch.optim.Muon``'s matrices, BlockedShampoo's tiles); False for optimizers blockshard does
+    not know (stepped as they are)."""
+    try:
+        semantics = semantics_for_optimizer(optimizer)
+    except SemanticsError:
+        return False
+    return semantics == "matrix" or semantics.startswith("shampoo")
 
 
 def optimizer_semantics(param_groups: Iterable[Mapping[str, Any]]) -> Callable[[str, torch.Tensor], str | None]:

@@ -196,6 +196,31 @@ def test_checkpoints_hold_the_full_model_and_resume_bitwise(runs):
 
 
 @pytest.mark.slow
+def test_trainer_with_torch_muon_passed_in_equals_one_process_and_resumes_bitwise(tmp_path):
+    """``Trainer(..., optimizers=(torch.optim.Muon(...), None))`` built over the unsharded model (the
+    example's ``muon`` run), under the config ``accelerate-config --semantics muon`` writes (``policy:
+    auto``: the MLP matrices cut, computed at their owners): losses and the saved model **bitwise**
+    equal to the stock Trainer in one process; a new Trainer resumed from checkpoint-2 (blockshard's
+    DCP state of the owner-computed Muon) ends bitwise like the uninterrupted run."""
+    assert cli_main(["accelerate-config", "--cpu", "--semantics", "muon", "--out", str(tmp_path / "cfg")]) == 0
+    ref = [sys.executable, str(EXAMPLE), "--stock", "--runs", "muon", "--out", str(tmp_path / "ref")]
+    launch = [str(BIN / "accelerate"), "launch", "--config_file", str(tmp_path / "cfg" / "accelerate.yaml")]
+    sharded = [*launch, str(EXAMPLE), "--runs", "muon", "--then-resume", "muon", "--out", str(tmp_path / "run")]
+    procs = [subprocess.Popen(c, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in (ref, sharded)]  # fmt: skip
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-6000:]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    (ref_info,) = _infos(ref_dir, "muon", 1)
+    infos = _infos(run_dir, "muon", 2)
+    _check_sharded(infos)
+    assert infos[0]["losses"] == infos[1]["losses"] == ref_info["losses"]
+    assert _max_diff(_model(run_dir / "muon" / "final"), _model(ref_dir / "muon" / "final")) == 0.0
+    assert _max_diff(_model(run_dir / "muon_resumed" / "final"), _model(run_dir / "muon" / "final")) == 0.0
+
+
+@pytest.mark.slow
 def test_cpu_launch_without_use_cpu_says_so(tmp_path):
     """``TrainingArguments`` sets up accelerate before the Trainer: without ``use_cpu=True`` on a CPU
     machine accelerate reports one process; blockshard's Trainer says what to pass."""

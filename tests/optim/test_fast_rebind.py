@@ -192,3 +192,24 @@ def test_every_muon_form_resumes_bitwise_at_w2_w1_and_w4(tmp_path, form, policy)
         got = _inproc.run_ranks(_resumable, world, args=(form, policy, path, "load"))[0]
         diff = max((got[k] - want[k]).abs().max().item() for k in want)
         assert diff == 0.0, (form, policy, world, diff)
+
+
+def _elementwise_layout(rank: int, world: int, form: str) -> str:
+    with _inproc.serial():
+        model = tiny_llama(**SHAPES)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = _muon(form, muon_param_groups(model)[0])
+    blockshard.fully_shard(model, semantics="bnb8bit")  # 256-element blocks: matrices cut, no owners
+    try:
+        rebind_optimizer(muon, model, names=names)
+    except OwnerComputeError as e:
+        return str(e)
+    return "rebound"
+
+
+@pytest.mark.parametrize("form", ["torch", "blockshard", "owner"])
+def test_muon_over_matrices_cut_without_owners_raises_on_every_rank(form):
+    """Sharded with semantics that are not Muon's, a cut matrix would be orthogonalized per piece
+    (silently wrong): every rank raises, naming the parameter and the semantics to shard with."""
+    for msg in _inproc.run_ranks(_elementwise_layout, 2, args=(form,)):
+        assert "is cut between ranks" in msg and "semantics='muon'" in msg, msg
