@@ -481,9 +481,7 @@ def _ragged_holdings(groups: NamedGroups) -> tuple[list[Holding], Any]:
                 placed = group.layout.tensors[sp.index]
                 S = group.layout.buckets[placed.bucket]
                 cut = placed.numel > 0 and placed.offset // S != (placed.end - 1) // S
-                holdings.append(
-                    Holding(name, p, tuple(sp.shape), gi, direct=True, matrix_numel=matrix_numel, cut=cut)
-                )
+                holdings.append(Holding(name, p, tuple(sp.shape), gi, direct=True, matrix_numel=matrix_numel, cut=cut))
                 continue
             holdings.append(
                 Holding(
