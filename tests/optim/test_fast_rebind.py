@@ -213,3 +213,45 @@ def test_muon_over_matrices_cut_without_owners_raises_on_every_rank(form):
     (silently wrong): every rank raises, naming the parameter and the semantics to shard with."""
     for msg in _inproc.run_ranks(_elementwise_layout, 2, args=(form,)):
         assert "is cut between ranks" in msg and "semantics='muon'" in msg, msg
+
+
+def _resumable_dcp(rank: int, world: int, path: str, phase: str) -> dict[str, torch.Tensor]:
+    """As :func:`_resumable` (torch's Muon reused, ``auto``), through torch's ``get_state_dict`` /
+    ``set_state_dict`` and ``dcp.save`` / ``dcp.load`` (the route blockshard gives them)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    with _inproc.serial():
+        model = tiny_llama(**SHAPES)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_group, rest = muon_param_groups(model)
+    opts = [torch.optim.Muon([muon_group], lr=0.02), torch.optim.AdamW([rest], lr=1e-3)]
+    for layer in model.model.layers:
+        blockshard.fully_shard(layer, semantics="muon")
+    blockshard.fully_shard(model, semantics="muon")
+    opts = [rebind_optimizer(o, model, names=names) for o in opts]
+    batches = list(text_batches(4, batch_size=2, seq_len=16))
+    if phase == "load":
+        msd, osd = get_state_dict(model, opts)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opts, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        batches = batches[2:]
+    for i, (input_ids, labels) in enumerate(batches):
+        if phase == "save" and i == 2:
+            msd, osd = get_state_dict(model, opts)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        model(input_ids=input_ids, labels=labels).loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return {k: v.clone() for k, v in blockshard.full_state_dict(model).items()}
+
+
+@pytest.mark.heavy  # seconds: make test runs it
+def test_torch_get_and_set_state_dict_of_a_reused_muon_reshard_bitwise(tmp_path):
+    path = str(tmp_path / "dcp")
+    want = _inproc.run_ranks(_resumable_dcp, 2, args=(path, "save"))[0]
+    for world in (2, 1):
+        got = _inproc.run_ranks(_resumable_dcp, world, args=(path, "load"))[0]
+        assert max((got[k] - want[k]).abs().max().item() for k in want) == 0.0, world
