@@ -8,7 +8,10 @@ weights set to seeded values, sharded layer by layer at W = 2 on threads:
   are equal byte for byte), an equal ``adapter_config.json``; only rank 0 writes; the all-gathers
   carry the adapter's values and nothing of the base model.
 * ``set_peft_model_state_dict`` and ``load_adapter`` into the sharded PeftModel give the pieces
-  that loading the unsharded model and then sharding gives.
+  that loading the unsharded model and then sharding gives; ``PeftModel.from_pretrained`` onto a
+  sharded base keeps the adapter whole on every rank (inference equals one process).
+* a rank that does something else instead of saving fails every rank (no hang); bad input and the
+  PiSSA / OLoRA conversion raise naming the fix; the route is checked against peft and undone.
 
 Controls: the sharded model's ``state_dict()`` holds PieceTensors for the LoRA weights, and with
 the route off ``save_pretrained`` raises ``PieceTensorError`` naming the explicit call, which works.
@@ -29,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import blockshard
 from blockshard import TorchRouteError
+from blockshard._tiny import text_batches
 from blockshard.runtime import PieceTensorError, ShardingError
 from blockshard.runtime.routes import ROUTES_ENV, installed_torch_routes
 
@@ -249,3 +253,62 @@ def test_the_route_checks_peft_and_is_undone(gloo_w1, monkeypatch):
         blockshard.uninstall_torch_routes()
         blockshard.install_torch_routes()
     assert PeftModel.__dict__["save_pretrained"] is not original
+
+
+def _mismatched(rank: int, world: int, root: str) -> str:
+    model = _model()
+    _qlora._shard(model, world)
+    try:
+        if rank == 0:
+            model.save_pretrained(root)
+        else:
+            blockshard.full_state_dict(model)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def test_a_rank_that_does_not_save_fails_every_rank_instead_of_a_hang(tmp_path):
+    got = _inproc.run_ranks(_mismatched, 2, args=(str(tmp_path),))
+    for text in got:
+        assert text.startswith("CollectiveIntegrityError"), got
+        assert "blockshard.peft_state_dict" in text and "blockshard.full_state_dict" in text, text
+    assert not (tmp_path / ADAPTER).exists()
+
+
+def _from_pretrained(rank: int, world: int, path: str, root: str) -> dict:
+    from peft import PeftModel
+
+    with _inproc.serial():
+        base = _qlora.qlora_llama(lora=False)
+    _qlora._shard(base, world)
+    model = PeftModel.from_pretrained(base, path)
+    ids, _ = next(iter(text_batches(1, 4, 16)))
+    logits = model(input_ids=ids).logits.detach().clone()
+    model.save_pretrained(os.path.join(root, f"rank{rank}"))
+    lora = {n: tuple(p.shape) for n, p in model.named_parameters() if "lora_" in n}
+    return {"logits": logits, "lora": lora}
+
+
+def test_from_pretrained_onto_a_sharded_base_keeps_the_adapter_whole_on_every_rank(tmp_path):
+    """peft injects the LoRA layers after fully_shard: their weights are outside every group (each
+    rank holds them whole, frozen: is_trainable=False), so inference equals one process and the
+    adapter saves as it was loaded. Training them needs them in a group: build the PeftModel first,
+    then shard, and load into it (the test above)."""
+    from peft import PeftModel
+
+    with _inproc.single_thread():
+        _model(7).save_pretrained(str(tmp_path / "saved"))
+        one = PeftModel.from_pretrained(_qlora.qlora_llama(lora=False), str(tmp_path / "saved"))
+        ids, _ = next(iter(text_batches(1, 4, 16)))
+        want = one(input_ids=ids).logits
+        shapes = {n: tuple(p.shape) for n, p in one.named_parameters() if "lora_" in n}
+    got = _inproc.run_ranks(_from_pretrained, 2, args=(str(tmp_path / "saved"), str(tmp_path)))
+    for r in got:
+        assert torch.equal(r["logits"], want)
+        assert r["lora"] == shapes  # whole tensors on every rank, no pieces
+    saved, again = _files(str(tmp_path / "saved")), _files(str(tmp_path / "rank0"))
+    assert again[ADAPTER] == saved[ADAPTER]
+    assert json.loads(again["adapter_config.json"]) == json.loads(saved["adapter_config.json"]) | {
+        "inference_mode": True
+    }
