@@ -92,6 +92,7 @@ def _save_sharded(rank: int, world: int, root: str, second: bool, kwargs: dict) 
     base = sum(math.prod(v.shape) for k, v in state.items() if "lora_" not in k and v.is_floating_point())
     with _Gathered() as gathered:
         model.save_pretrained(os.path.join(root, f"rank{rank}"), **kwargs)
+    model.save_pretrained(os.path.join(root, "shared"), **kwargs)  # one path on every rank, as users call it
     return {"pieces": pieces, "gathered": gathered.numel, "adapter_numel": adapter, "base_numel": base}
 
 
@@ -113,6 +114,7 @@ def test_save_pretrained_at_w2_writes_what_peft_writes_unsharded(tmp_path, secon
     mine = _files(str(tmp_path / "rank0"))
     assert set(mine) == set(want)
     assert _files(str(tmp_path / "rank1")) == {}  # rank 0 writes
+    assert _files(str(tmp_path / "shared")) == mine
     for name in want:
         if name.endswith(".safetensors"):
             a, b = load_file(str(tmp_path / "rank0" / name)), load_file(str(tmp_path / "one" / name))

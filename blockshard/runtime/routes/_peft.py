@@ -14,7 +14,7 @@ it, checked):
 * ``blockshard.peft_state_dict`` gathers the entries peft saves, and only those;
 * peft's own method then writes them from ``state_dict=``, so the files are what peft writes for
   the unsharded model;
-* only rank 0 writes unless ``is_main_process`` is passed (peft's default ``True`` would have every
+* only rank 0 (of the default group) writes unless ``is_main_process`` is passed (peft's default ``True`` would have every
   rank write the same files at once);
 * ``path_initial_model_for_weight_conversion`` (PiSSA / OLoRA conversion, which loads the initial
   adapter into the model) is refused with the fix.
@@ -40,7 +40,6 @@ from typing import Any
 from torch import nn
 
 from blockshard._errors import ShardingError
-from blockshard.runtime.checkpoint._export import _rank
 from blockshard.runtime.checkpoint._peft import peft_state_dict
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.core._inspect import states_under
@@ -71,6 +70,14 @@ def _peft_model() -> Any:
     from peft.peft_model import PeftModel
 
     return PeftModel
+
+
+def _global_rank() -> int:
+    """The writer is the default group's rank 0: every rank holds the gathered adapter, and with
+    several replicas of a sharded group (HSDP) each group's rank 0 would write the same files."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _check() -> list[str]:
@@ -125,7 +132,7 @@ def _save_sharded(
     state = peft_state_dict(
         model, a["selected_adapters"], save_embedding_layers=a["save_embedding_layers"], state_dict=given
     )
-    main = a["is_main_process"] if "is_main_process" in explicit else _rank(model) == 0
+    main = a["is_main_process"] if "is_main_process" in explicit else _global_rank() == 0
     original(
         model,
         a["save_directory"],
