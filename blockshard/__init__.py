@@ -46,6 +46,7 @@ _RUNTIME = (
     "init_parameters",
     "check_finished",
     "save_pretrained",
+    "peft_state_dict",
     "quantized_stats",
     "precompute_quantized_gather",
     "quantized_gather_stats",
@@ -70,6 +71,7 @@ if TYPE_CHECKING:  # what __getattr__ loads, as mypy sees it (`X as X`: exported
     from blockshard.runtime import load_optimizer_state_dict as load_optimizer_state_dict
     from blockshard.runtime import load_safetensors as load_safetensors
     from blockshard.runtime import optimizer_state_dict as optimizer_state_dict
+    from blockshard.runtime import peft_state_dict as peft_state_dict
     from blockshard.runtime import precompute_quantized_gather as precompute_quantized_gather
     from blockshard.runtime import quantized_gather_stats as quantized_gather_stats
     from blockshard.runtime import quantized_stats as quantized_stats

@@ -22,6 +22,7 @@ from blockshard.runtime._api import (
 from blockshard.runtime.checkpoint._dcp import describe_checkpoint, load_checkpoint, save_checkpoint
 from blockshard.runtime.checkpoint._export import save_pretrained
 from blockshard.runtime.checkpoint._optim_state import load_optimizer_state_dict, optimizer_state_dict
+from blockshard.runtime.checkpoint._peft import peft_state_dict
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._safetensors import LoadReport, load_safetensors
 from blockshard.runtime.checkpoint._state_dict import (
@@ -80,6 +81,7 @@ __all__ = [
     "local_buffers",
     "optimizer_state_dict",
     "owner_plan",
+    "peft_state_dict",
     "precompute_quantized_gather",
     "quantized_gather_stats",
     "quantized_stats",

@@ -258,7 +258,9 @@ class PieceTensor(torch.Tensor):
             "whole tensor. Fix: export full tensors with blockshard.full_state_dict(model) (collective: every rank "
             "calls it), e.g. model.save_pretrained(path, state_dict=blockshard.full_state_dict(model), "
             "is_main_process=rank == 0), or stream it with blockshard.save_pretrained(model, path) (one group at a "
-            "time); or checkpoint with torch.distributed.checkpoint (dcp.save(model.state_dict()))"
+            "time); or checkpoint with torch.distributed.checkpoint (dcp.save(model.state_dict())); a peft "
+            "adapter only: model.save_pretrained(path, state_dict=blockshard.peft_state_dict(model), "
+            "is_main_process=rank == 0)"
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PieceTensor:

@@ -1,5 +1,6 @@
-"""The torch routes: every place blockshard changes a torch function, each checked against the
-installed torch, switchable and undoable ([Note: torch routes] in _route.py).
+"""The torch routes: every place blockshard changes a torch function (or peft's
+``PeftModel.save_pretrained``), each checked against the installed release, switchable and
+undoable ([Note: torch routes] in _route.py).
 
 ``fully_shard`` calls :func:`install_torch_routes`; ``BLOCKSHARD_TORCH_ROUTES`` chooses which
 (unset or ``all``: every route; ``none``: none; else a comma list of route names);
@@ -17,6 +18,7 @@ import torch
 from blockshard._errors import TorchRouteError
 from blockshard.runtime.routes._clip import CLIP_ROUTE
 from blockshard.runtime.routes._forward_method import FORWARD_METHOD_ROUTE
+from blockshard.runtime.routes._peft import PEFT_ROUTE
 from blockshard.runtime.routes._route import Route
 from blockshard.runtime.routes._state_dict import STATE_DICT_ROUTE
 
@@ -31,7 +33,7 @@ __all__ = [
     "uninstall_torch_routes",
 ]
 
-ROUTES: tuple[Route, ...] = (CLIP_ROUTE, FORWARD_METHOD_ROUTE, STATE_DICT_ROUTE)
+ROUTES: tuple[Route, ...] = (CLIP_ROUTE, FORWARD_METHOD_ROUTE, STATE_DICT_ROUTE, PEFT_ROUTE)
 ROUTES_ENV = "BLOCKSHARD_TORCH_ROUTES"
 TESTED_TORCH = ("2.13", "2.14")  # the releases the suite runs on (pyproject.toml: torch>=2.13,<2.15)
 
@@ -60,24 +62,36 @@ def enabled_torch_routes() -> tuple[Route, ...]:
 
 
 def install_torch_routes() -> tuple[str, ...]:
-    """Check and install every enabled route not installed yet (idempotent, thread-safe); a route
-    whose torch object differs from what it was written for raises :class:`TorchRouteError` and
-    changes nothing. Returns the names installed now."""
+    """Check and install every enabled route that applies and is not installed yet (idempotent,
+    thread-safe); a route whose object differs from what it was written for raises
+    :class:`TorchRouteError` and changes nothing. Returns the names installed now."""
     routes = enabled_torch_routes()
     with _LOCK:
-        todo = [r for r in routes if r.name not in _installed]
+        todo = [r for r in routes if r.name not in _installed and r.applies()]
         for route in todo:
             problems = route.check()
             if problems:
+                lib, tested = route.library, route.tested or TESTED_TORCH
                 raise TorchRouteError(
-                    f"blockshard's torch route {route.name!r} ({route.replaces}) does not fit torch "
-                    f"{torch.__version__}: {'; '.join(problems)}. blockshard is tested on torch "
-                    f"{' and '.join(TESTED_TORCH)}. Fix: install a tested torch, or set {ROUTES_ENV} to the routes "
+                    f"blockshard's torch route {route.name!r} ({route.replaces}) does not fit {lib} "
+                    f"{_version(lib)}: {'; '.join(problems)}. blockshard is tested on {lib} "
+                    f"{' and '.join(tested)}. Fix: install a tested {lib}, or set {ROUTES_ENV} to the routes "
                     f"to keep (e.g. {ROUTES_ENV}=none) and do without this one: {route.without}"
                 )
         for route in todo:
             _installed[route.name] = route.install()
     return tuple(r.name for r in todo)
+
+
+def _version(library: str) -> str:
+    if library == "torch":
+        return str(torch.__version__)
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(library)
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 def uninstall_torch_routes() -> tuple[str, ...]:

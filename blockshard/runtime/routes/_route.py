@@ -21,6 +21,11 @@ through :func:`~blockshard.runtime.routes.install_torch_routes`, which ``fully_s
   :func:`~blockshard.runtime.routes.uninstall_torch_routes` runs them, leaving torch's functions
   as they were (tests/runtime/test_fast_routes.py checks the objects are torch's own again).
 
+A route may change a library on top of torch (``Route.library``): the peft route (_peft.py)
+wraps ``PeftModel.save_pretrained``. Such a route applies only once its library is imported
+(``Route.applies``; importing peft takes seconds, so ``fully_shard`` never imports it): each
+``fully_shard`` installs the routes that apply by then.
+
 Every route keeps torch's own behaviour for everything that is not a blockshard model. The
 installed set is process-wide state, because the torch functions it changes are: ranks on threads
 share one interpreter and one torch, so installing is idempotent and under a lock.
@@ -35,15 +40,23 @@ from dataclasses import dataclass
 __all__ = ["Route", "parameter_names", "signature_problem"]
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Route:
-    """A change blockshard makes to torch, with its check and its undo."""
+    """A change blockshard makes to torch (or to a library on top of it, ``library``), with its
+    check and its undo."""
 
     name: str  # what BLOCKSHARD_TORCH_ROUTES names
-    replaces: str  # the torch object it changes, for messages
+    replaces: str  # the object it changes, for messages
     without: str  # what a user loses with it off, and the explicit call to make instead
-    check: Callable[[], list[str]]  # what differs from the torch this route was written for; [] if it fits
-    install: Callable[[], Callable[[], None]]  # changes torch; returns the undo
+    check: Callable[[], list[str]]  # what differs from the release this route was written for; [] if it fits
+    install: Callable[[], Callable[[], None]]  # changes the library; returns the undo
+    library: str = "torch"  # the distribution whose object it changes (its version goes into messages)
+    tested: tuple[str, ...] = ()  # that library's releases the suite runs on (empty: torch's, TESTED_TORCH)
+    applies: Callable[[], bool] = _always  # False: not installed now (its library is not imported yet)
 
 
 def parameter_names(fn: object) -> tuple[str, ...] | None:
