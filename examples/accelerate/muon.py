@@ -30,18 +30,20 @@ def main() -> None:
     torch.set_num_threads(1)
 
     # -- the recipe (docs/accelerate.md) --
-    accelerator = Accelerator()
+    accelerator = Accelerator(step_scheduler_with_optimizer=False)  # one schedule step per step ("LR schedulers")
     model = tiny_llama(hidden_size=32, intermediate_size=777, num_hidden_layers=2)
     muon_group, rest = muon_param_groups(model)  # by name and global shape: hidden matrices to Muon
     muon = torch.optim.Muon([muon_group], lr=0.02)
     adamw = torch.optim.AdamW([rest], lr=1e-3)
-    model, muon, adamw = accelerator.prepare(model, muon, adamw)  # step what prepare returns
+    decay = torch.optim.lr_scheduler.LambdaLR(muon, lambda step: 1 / (1 + step))
+    model, muon, adamw, decay = accelerator.prepare(model, muon, adamw, decay)  # step what prepare returns
     for input_ids, labels in text_batches(5, batch_size=2, seq_len=16):
         loss = model(input_ids=input_ids, labels=labels).loss
         accelerator.backward(loss)
         for opt in (muon, adamw):
             opt.step()
             opt.zero_grad()
+        decay.step()
         accelerator.print(f"loss {loss.item():.4f}")
     state = accelerator.get_state_dict(model)  # full tensors (collective: every rank)
     # -- end of the recipe --
