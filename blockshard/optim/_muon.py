@@ -22,8 +22,9 @@ import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
 from torch.optim._muon import _zeropower_via_newtonschulz as _newton_schulz
 
-from blockshard.optim._owner_compute import NamedGroups, OwnerComputeError, ParamsArg, named_groups
-from blockshard.optim._owner_optimizer import OwnerComputeOptimizer, _ragged_holdings
+from blockshard.optim._owner_compute import Holding, NamedGroups, OwnerComputeError, ParamsArg, named_groups
+from blockshard.optim._owner_optimizer import OwnerComputeOptimizer, _process_group, _ragged_holdings
+from blockshard.runtime.core._param import managed_tag
 
 __all__ = ["Muon"]
 
@@ -58,7 +59,7 @@ class _MomentumOnShards(torch.optim.Optimizer):
                 t = outer._index[id(p)]
                 if t not in dirs:
                     continue
-                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(outer._params[t].shape))
+                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(outer._params[t].shape[-2:]))
                 p.mul_(1 - lr * wd)
                 p.add_(updates[t].view(p.shape), alpha=-adjusted)
 
@@ -88,28 +89,29 @@ class Muon(OwnerComputeOptimizer):
         *,
         process_group: Any = None,
     ) -> None:
-        probe = torch.optim.Muon(  # torch's own checks of the arguments, and its defaults
-            [torch.zeros(1, 1)],
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-        )
+        kwargs = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+        }
+        try:  # torch's own checks of the arguments, and its defaults
+            probe = torch.optim.Muon([torch.zeros(1, 1)], **kwargs)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise OwnerComputeError(
+                f"Muon's arguments {kwargs} are not of the types torch.optim.Muon takes ({exc}). Fix: pass numbers "
+                "(lr=0.02, momentum=0.95), a 3-tuple of ns_coefficients and an int ns_steps"
+            ) from None
         defaults = dict(probe.defaults)
-        groups, _ = named_groups(params)
-        holdings, found = _ragged_holdings(groups)
+        groups, mtypes = named_groups(params)
+        holdings, found = _ragged_holdings(groups, mtypes)
         for q in holdings:
-            if len(q.shape) != 2:
-                raise OwnerComputeError(
-                    f"parameter {q.name!r} has global shape {q.shape}; Muon orthogonalizes 2-D matrices only. "
-                    "Fix: pass Muon's matrices by name, e.g. blockshard.optim.muon_param_groups(model)[0], "
-                    "and the rest to AdamW"
-                )
-        group = process_group if process_group is not None else found
+            _per_expert(q)
+        group = _process_group(process_group, found)
         W = group.size() if group is not None else 1
         factory = lambda gs: _MomentumOnShards(gs, defaults, self)  # noqa: E731
         self._setup(factory, groups, holdings, group, W, group.rank() if group is not None else 0)
@@ -157,3 +159,26 @@ class Muon(OwnerComputeOptimizer):
         self._refresh_views()
         self.inner.step()
         return loss
+
+
+def _per_expert(q: Holding) -> None:
+    """Muon's compute units of ``q``: a 2-D matrix whole; a stacked ``(E, m, n)`` tensor one ``(m, n)``
+    matrix per expert (the engine's per-expert grid, or the whole tensor when it is not sharded)."""
+    if len(q.shape) == 2:
+        return
+    if len(q.shape) == 3 and not q.matrix_numel and q.param.ndim == 3 and managed_tag(q.param) is None:
+        q.matrix_numel = q.shape[1] * q.shape[2]  # not sharded: every expert's matrix is here
+    if len(q.shape) == 3 and q.matrix_numel:
+        return
+    if len(q.shape) == 3:
+        raise OwnerComputeError(
+            f"parameter {q.name!r} has global shape {q.shape}, and fully_shard gave it compute units that are not "
+            f"one expert's {q.shape[1]} x {q.shape[2]} matrix: Muon orthogonalizes each expert's matrix. Fix: shard "
+            "with semantics='muon' or optimizer_semantics(muon_param_groups(model)) (a stacked expert tensor: its "
+            "module's class ends in 'Experts' or the module is named 'experts'; else add the 'expert' semantics)"
+        )
+    raise OwnerComputeError(
+        f"parameter {q.name!r} has global shape {q.shape}; Muon orthogonalizes 2-D matrices (and stacked "
+        "(E, m, n) experts, per expert) only. Fix: pass Muon's matrices by name, e.g. "
+        "blockshard.optim.muon_param_groups(model)[0], and the rest to AdamW"
+    )

@@ -23,9 +23,11 @@ from blockshard.optim._owner_compute import (
     named_groups,
 )
 from blockshard.runtime.core._collectives import agree, wait
-from blockshard.runtime.core._optim_guard import mark_stepped
+from blockshard.runtime.core._optim_guard import mark_stepped, note_inner
 from blockshard.runtime.core._owners import tensor_owner_plan
 from blockshard.runtime.core._param import managed_tag
+from blockshard.semantics import TensorSpec
+from blockshard.semantics._experts import is_stacked_experts
 
 __all__ = ["OwnerComputeOptimizer"]
 
@@ -56,9 +58,9 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, inner_optimizer_factory: InnerFactory, params: ParamsArg, *, process_group: Any = None) -> None:
-        groups, _ = named_groups(params)
-        holdings, found = _ragged_holdings(groups)
-        group = process_group if process_group is not None else found
+        groups, mtypes = named_groups(params)
+        holdings, found = _ragged_holdings(groups, mtypes)
+        group = _process_group(process_group, found)
         W = group.size() if group is not None else 1
         self._setup(inner_optimizer_factory, groups, holdings, group, W, group.rank() if group is not None else 0)
 
@@ -83,6 +85,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         self.inner = factory(self._inner_groups(groups))
         if not all(hasattr(self.inner, a) for a in ("step", "state_dict", "load_state_dict", "param_groups")):
             raise OwnerComputeError(f"inner_optimizer_factory returned {self.inner!r}, not a torch.optim.Optimizer")
+        note_inner(self.inner, type(self).__name__)
         self.resync_params()
 
     def _check_same_plan(self) -> None:
@@ -341,7 +344,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         raise OwnerComputeError("an OwnerComputeOptimizer cannot be pickled; save its state_dict() instead")
 
 
-def _ragged_holdings(groups: NamedGroups) -> tuple[list[Holding], Any]:
+def _ragged_holdings(groups: NamedGroups, mtypes: Mapping[int, str] | None = None) -> tuple[list[Holding], Any]:
     """Every parameter as a :class:`Holding`: owner-computed where the engine's owner plan cuts it."""
 
     holdings: list[Holding] = []
@@ -361,7 +364,16 @@ def _ragged_holdings(groups: NamedGroups) -> tuple[list[Holding], Any]:
             ref = tag.group if tag is not None else None
             group: Any = ref() if callable(ref) else None
             if tag is None or group is None:  # not sharded by the ragged engine: stepped as it is
-                holdings.append(Holding(name, p, tuple(p.shape), gi, direct=True))
+                holdings.append(
+                    Holding(
+                        name,
+                        p,
+                        tuple(p.shape),
+                        gi,
+                        direct=True,
+                        matrix_numel=_expert_numel(name, p, (mtypes or {}).get(id(p))),
+                    )
+                )
                 continue
             process_group = process_group if process_group is not None else tag.process_group
             sp = next((sp for sp in group.params if sp.sharded is p), None)
@@ -371,6 +383,7 @@ def _ragged_holdings(groups: NamedGroups) -> tuple[list[Holding], Any]:
                     "forward, or before the group was rebalanced); build the optimizer after the last "
                     "fully_shard, outside forward/backward, over model.named_parameters()"
                 )
+            _check_name(name, sp, group.name)
             plan = tensor_owner_plan(group, sp.fqn, name)
             grid = plan.compute if plan is not None else group.layout.tensors[sp.index].grid
             mn = math.prod(sp.shape[-2:]) if len(sp.shape) >= 3 else 0
@@ -395,3 +408,39 @@ def _ragged_holdings(groups: NamedGroups) -> tuple[list[Holding], Any]:
                 )
             )
     return holdings, process_group
+
+
+def _process_group(given: object, found: Any) -> Any:
+    """``process_group=`` if given (checked), else the one the parameters' group was sharded over."""
+    if given is None:
+        return found
+    if not isinstance(given, dist.ProcessGroup):
+        raise OwnerComputeError(
+            f"process_group={given!r} is a {type(given).__name__}, not a torch.distributed.ProcessGroup. Fix: pass "
+            "the group the model was sharded over (fully_shard's mesh group), or None to take it from the parameters"
+        )
+    return given
+
+
+def _expert_numel(name: str, p: torch.Tensor, module_type: str | None) -> int:
+    """``m * n`` for a stacked ``(E, m, n)`` expert tensor the engine does not shard, as [Note: stacked
+    experts] recognises one (its module's class, when ``params`` was a module, or its name); else 0."""
+    spec = TensorSpec(name=name, shape=tuple(p.shape), dtype="float32", module_type=module_type)
+    if p.ndim < 3 or not is_stacked_experts(spec):
+        return 0
+    return math.prod(p.shape[-2:])
+
+
+def _check_name(name: str, sp: Any, group_name: str) -> None:
+    """The name a ``param_group`` gives a piece must be its own: ``sp.fqn`` (relative to the sharded
+    module) at the end of it, or, for a tied weight, one of the attributes it is registered as."""
+    if name == sp.fqn or name.endswith("." + sp.fqn):
+        return
+    if len(sp.refs) > 1 and name.rpartition(".")[2] in {r.attr for r in sp.refs}:
+        return
+    raise OwnerComputeError(
+        f"parameter {name!r} (a piece of shape {tuple(sp.sharded.shape)}) is the piece of {sp.fqn!r} (global shape "
+        f"{sp.shape}) in the group of a {group_name}: its param_names entry names another tensor. Fix: take names "
+        "and parameters together, from model.named_parameters() or blockshard.optim.muon_param_groups(model), "
+        "called after the last fully_shard"
+    )
