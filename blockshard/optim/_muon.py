@@ -22,8 +22,9 @@ import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
 from torch.optim._muon import _zeropower_via_newtonschulz as _newton_schulz
 
+from blockshard.optim._holdings import process_group_of, ragged_holdings
 from blockshard.optim._owner_compute import Holding, NamedGroups, OwnerComputeError, ParamsArg, named_groups
-from blockshard.optim._owner_optimizer import OwnerComputeOptimizer, _process_group, _ragged_holdings
+from blockshard.optim._owner_optimizer import OwnerComputeOptimizer
 from blockshard.runtime.core._param import managed_tag
 
 __all__ = ["Muon"]
@@ -69,7 +70,9 @@ class Muon(OwnerComputeOptimizer):
 
     ``params``: named matrices as :class:`OwnerComputeOptimizer` takes them (``(name, param)``
     pairs, or param_groups such as ``blockshard.optim.muon_param_groups(model)[0]``); every one 2-D
-    in its *global* shape. The other arguments are ``torch.optim.Muon``'s, with its defaults.
+    in its *global* shape, or a stacked ``(E, m, n)`` expert tensor, stepped per expert's ``(m, n)``
+    matrix (sharded with a per-expert grid: [Note: experts under Muon] in ``_semantics.py``). The
+    other arguments are ``torch.optim.Muon``'s, with its defaults.
     Shard with ``semantics="matrix"`` (or the ``"muon"`` preset) and ``policy="owner"`` or
     ``"auto"``: a matrix the storage cuts is orthogonalized at its owner; see
     [Note: momentum-sharded Muon].
@@ -106,12 +109,17 @@ class Muon(OwnerComputeOptimizer):
                 f"Muon's arguments {kwargs} are not of the types torch.optim.Muon takes ({exc}). Fix: pass numbers "
                 "(lr=0.02, momentum=0.95), a 3-tuple of ns_coefficients and an int ns_steps"
             ) from None
+        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+            raise OwnerComputeError(
+                f"Muon(ns_steps={ns_steps!r}): the number of Newton-Schulz steps must be an int >= 1. Fix: pass "
+                f"ns_steps={DEFAULT_NS_STEPS} (torch's default)"
+            )
         defaults = dict(probe.defaults)
         groups, mtypes = named_groups(params)
-        holdings, found = _ragged_holdings(groups, mtypes)
+        holdings, found = ragged_holdings(groups, mtypes)
         for q in holdings:
             _per_expert(q)
-        group = _process_group(process_group, found)
+        group = process_group_of(process_group, found)
         W = group.size() if group is not None else 1
         factory = lambda gs: _MomentumOnShards(gs, defaults, self)  # noqa: E731
         self._setup(factory, groups, holdings, group, W, group.rank() if group is not None else 0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from blockshard._arith import block_shape, rows_cols
+from blockshard.optim._holdings import process_group_of, ragged_holdings
 from blockshard.optim._owner_compute import (
     Holding,
     InnerFactory,
@@ -24,10 +24,6 @@ from blockshard.optim._owner_compute import (
 )
 from blockshard.runtime.core._collectives import agree, wait
 from blockshard.runtime.core._optim_guard import mark_stepped, note_inner
-from blockshard.runtime.core._owners import tensor_owner_plan
-from blockshard.runtime.core._param import managed_tag
-from blockshard.semantics import TensorSpec
-from blockshard.semantics._experts import is_stacked_experts
 
 __all__ = ["OwnerComputeOptimizer"]
 
@@ -59,8 +55,8 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, inner_optimizer_factory: InnerFactory, params: ParamsArg, *, process_group: Any = None) -> None:
         groups, mtypes = named_groups(params)
-        holdings, found = _ragged_holdings(groups, mtypes)
-        group = _process_group(process_group, found)
+        holdings, found = ragged_holdings(groups, mtypes)
+        group = process_group_of(process_group, found)
         W = group.size() if group is not None else 1
         self._setup(inner_optimizer_factory, groups, holdings, group, W, group.rank() if group is not None else 0)
 
@@ -315,7 +311,18 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Collective: load a state dict saved by this rank at the same world size, then resync."""
         mine = {"world_size": self.world_size, "rank": self.rank, "layout": [pc.key for pc in self._pieces]}
+        if not isinstance(state_dict, Mapping) or not {*mine, "inner"} <= set(state_dict):
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise OwnerComputeError(
+                f"{type(self).__name__}.load_state_dict got {keys}; it needs 'inner', 'world_size', 'rank' and "
+                f"'layout'. Fix: pass what {type(self).__name__}.state_dict() returned on this rank"
+            )
         got = {k: state_dict.get(k) for k in mine}
+        if not isinstance(got["layout"], (list, tuple)) or not all(isinstance(x, (list, tuple)) for x in got["layout"]):
+            raise OwnerComputeError(
+                f"state_dict['layout'] is {got['layout']!r:.80}, not a list of compute-tensor keys. Fix: pass what "
+                f"{type(self).__name__}.state_dict() returned on this rank"
+            )
         if [got["world_size"], got["rank"]] != [mine["world_size"], mine["rank"]] or [
             tuple(x) for x in (got["layout"] or [])
         ] != mine["layout"]:
@@ -342,105 +349,3 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise OwnerComputeError("an OwnerComputeOptimizer cannot be pickled; save its state_dict() instead")
-
-
-def _ragged_holdings(groups: NamedGroups, mtypes: Mapping[int, str] | None = None) -> tuple[list[Holding], Any]:
-    """Every parameter as a :class:`Holding`: owner-computed where the engine's owner plan cuts it."""
-
-    holdings: list[Holding] = []
-    process_group = None
-    seen: dict[int, str] = {}
-    for gi, (_, named) in enumerate(groups):
-        for name, p in named:
-            if id(p) in seen:
-                raise OwnerComputeError(f"parameter {name!r} is the same tensor as {seen[id(p)]!r}; pass each once")
-            seen[id(p)] = name
-            tag = managed_tag(p)
-            if tag is not None and tag.original:
-                raise OwnerComputeError(
-                    f"parameter {name!r} of shape {tuple(p.shape)} was replaced by fully_shard (in the group of a "
-                    f"{tag.group_name}); build the optimizer after the last fully_shard, over model.named_parameters()"
-                )
-            ref = tag.group if tag is not None else None
-            group: Any = ref() if callable(ref) else None
-            if tag is None or group is None:  # not sharded by the ragged engine: stepped as it is
-                holdings.append(
-                    Holding(
-                        name,
-                        p,
-                        tuple(p.shape),
-                        gi,
-                        direct=True,
-                        matrix_numel=_expert_numel(name, p, (mtypes or {}).get(id(p))),
-                    )
-                )
-                continue
-            process_group = process_group if process_group is not None else tag.process_group
-            sp = next((sp for sp in group.params if sp.sharded is p), None)
-            if sp is None:
-                raise OwnerComputeError(
-                    f"parameter {name!r} is not a current local piece of its group {group.name!r} (taken during "
-                    "forward, or before the group was rebalanced); build the optimizer after the last "
-                    "fully_shard, outside forward/backward, over model.named_parameters()"
-                )
-            _check_name(name, sp, group.name)
-            plan = tensor_owner_plan(group, sp.fqn, name)
-            grid = plan.compute if plan is not None else group.layout.tensors[sp.index].grid
-            mn = math.prod(sp.shape[-2:]) if len(sp.shape) >= 3 else 0
-            matrix_numel = mn if mn and grid.unit_numel == mn else 0  # stacked experts: one matrix each
-            if plan is None or not plan.units:
-                holdings.append(Holding(name, p, tuple(sp.shape), gi, direct=True, matrix_numel=matrix_numel))
-                continue
-            holdings.append(
-                Holding(
-                    name,
-                    p,
-                    tuple(sp.shape),
-                    gi,
-                    planned=True,
-                    offset=plan.offset,
-                    segment=plan.segment_numel,
-                    units=plan.units,
-                    local_start=sp.local_start,
-                    local_numel=sp.local_numel,
-                    direct=True,
-                    matrix_numel=matrix_numel,
-                )
-            )
-    return holdings, process_group
-
-
-def _process_group(given: object, found: Any) -> Any:
-    """``process_group=`` if given (checked), else the one the parameters' group was sharded over."""
-    if given is None:
-        return found
-    if not isinstance(given, dist.ProcessGroup):
-        raise OwnerComputeError(
-            f"process_group={given!r} is a {type(given).__name__}, not a torch.distributed.ProcessGroup. Fix: pass "
-            "the group the model was sharded over (fully_shard's mesh group), or None to take it from the parameters"
-        )
-    return given
-
-
-def _expert_numel(name: str, p: torch.Tensor, module_type: str | None) -> int:
-    """``m * n`` for a stacked ``(E, m, n)`` expert tensor the engine does not shard, as [Note: stacked
-    experts] recognises one (its module's class, when ``params`` was a module, or its name); else 0."""
-    spec = TensorSpec(name=name, shape=tuple(p.shape), dtype="float32", module_type=module_type)
-    if p.ndim < 3 or not is_stacked_experts(spec):
-        return 0
-    return math.prod(p.shape[-2:])
-
-
-def _check_name(name: str, sp: Any, group_name: str) -> None:
-    """The name a ``param_group`` gives a piece must be its own: ``sp.fqn`` (relative to the sharded
-    module) at the end of it, or, for a tied weight, one of the attributes it is registered as."""
-    if name == sp.fqn or name.endswith("." + sp.fqn):
-        return
-    if len(sp.refs) > 1 and name.rpartition(".")[2] in {r.attr for r in sp.refs}:
-        return
-    raise OwnerComputeError(
-        f"parameter {name!r} (a piece of shape {tuple(sp.sharded.shape)}) is the piece of {sp.fqn!r} (global shape "
-        f"{sp.shape}) in the group of a {group_name}: its param_names entry names another tensor. Fix: take names "
-        "and parameters together, from model.named_parameters() or blockshard.optim.muon_param_groups(model), "
-        "called after the last fully_shard"
-    )

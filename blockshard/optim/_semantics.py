@@ -4,13 +4,13 @@ Build the ``param_groups`` you would give your optimizers *before* sharding, nam
 of each one, and pass :func:`optimizer_semantics` to ``fully_shard(..., semantics=...)``; after
 sharding, :func:`muon_param_groups` gives the same split over the rank's pieces::
 
-    param_groups = muon_param_groups(model)       # Muon on hidden matrices, AdamW on the rest
+    param_groups = muon_param_groups(model)       # Muon on hidden matrices and experts, AdamW on the rest
     semantics = optimizer_semantics(param_groups) # matched by parameter identity, not by name
     for layer in model.model.layers:
         blockshard.fully_shard(layer, semantics=semantics)
     blockshard.fully_shard(model, semantics=semantics)
     muon_group, rest = muon_param_groups(model)   # by name and global shape: this rank's pieces
-    muon = torch.optim.Muon([muon_group], lr=0.02)
+    muon = blockshard.optim.Muon([muon_group], lr=0.02)  # per matrix, per expert of a stack
     adamw = torch.optim.AdamW([rest], lr=1e-3)
 
 Matching by identity works at every level of bottom-up sharding (names there are relative to the
@@ -104,15 +104,32 @@ def optimizer_semantics(param_groups: Iterable[Mapping[str, Any]]) -> Callable[[
     with different needs raises :class:`~blockshard.SemanticsError` naming both.
     """
     by_id: dict[int, str] = {}
+    example = "{'params': [...], 'optimizer': 'muon'}"
+    if isinstance(param_groups, (Mapping, str, torch.Tensor)) or not isinstance(param_groups, Iterable):
+        raise SemanticsError(
+            f"param_groups is {type(param_groups).__name__}, not a list of param_groups. Fix: pass a list of dicts "
+            f"{example}, e.g. muon_param_groups(model)"
+        )
     for i, group in enumerate(param_groups):
-        if "params" not in group or "optimizer" not in group:
+        if not isinstance(group, Mapping) or "params" not in group or "optimizer" not in group:
+            keys = sorted(group) if isinstance(group, Mapping) else type(group).__name__
             raise SemanticsError(
-                f"param_groups[{i}] has keys {sorted(group)}; each param_group needs 'params' and 'optimizer' "
-                "(e.g. {'params': [...], 'optimizer': 'muon'})"
+                f"param_groups[{i}] has keys {keys}; each param_group needs 'params' and 'optimizer' (e.g. {example})"
             )
         spec = semantics_for_optimizer(group["optimizer"])
         get_semantics(spec)  # fail now on a bad semantics string, not inside fully_shard
-        for p in group["params"]:
+        params = group["params"]
+        if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
+            raise SemanticsError(
+                f"param_groups[{i}]['params'] is {type(params).__name__}, not a list of parameters. Fix: "
+                "'params': [the group's parameters], e.g. muon_param_groups(model)"
+            )
+        for j, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise SemanticsError(
+                    f"param_groups[{i}]['params'][{j}] is {type(p).__name__}, not a parameter. Fix: list the "
+                    "model's parameters themselves (matched by identity), e.g. muon_param_groups(model)"
+                )
             if id(p) in by_id and by_id[id(p)] != spec:
                 raise SemanticsError(
                     f"a parameter of shape {tuple(p.shape)} is in two param_groups ({by_id[id(p)]!r} "
