@@ -30,15 +30,9 @@ CONTROL_MIN = 1e-3  # Muon on the flattened stack against per expert (measured 1
 
 def _mixtral() -> nn.Module:
     """One decoder layer, 3 experts: gate_up_proj (3, 48, 16), down_proj (3, 16, 24)."""
-    import transformers as T
+    from blockshard._tiny import tiny_mixtral
 
-    config = T.MixtralConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=16, num_local_experts=3, num_experts_per_tok=2,
-    )  # fmt: skip
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return T.MixtralForCausalLM(config)
+    return tiny_mixtral(0)
 
 
 def _batches() -> list[torch.Tensor]:
