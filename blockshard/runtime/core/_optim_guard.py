@@ -11,6 +11,13 @@ gradient again, so ``step()`` silently trains nothing. The replaced objects carr
 :class:`~blockshard.runtime.ShardingError` naming the first replaced one. Every rank builds its
 optimizer the same way, so every rank raises.
 
+Each message's fix is for what the user built: an ``OwnerComputeOptimizer`` or
+``blockshard.optim.Muon`` notes its inner optimizer (:func:`note_inner`, a weak map that only
+chooses message text), so a user of the wrapper is told what fixes it (build it after the last
+``fully_shard`` / ``accelerator.prepare(model)``, over every rank's pieces), never to use it. A
+whole-unit optimizer (torch's Muon, ``BlockedShampoo``) is refused only a piece that cuts one of its
+compute units; a piece of whole units (Shampoo stripes, experts) of an owner-computed tensor is fine.
+
 The same hook notes on each group's root context that an optimizer stepped its pieces
 (``CollectiveTally.optimizer_stepped``): each end-of-step check counts the backwards after which
 some optimizer had stepped the model, and compares the counts of the ranks that step at all, so an
