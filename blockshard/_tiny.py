@@ -7,7 +7,8 @@ not multiples of 256-element quantization blocks.
 
 Every constructor seeds its own RNG stream (``torch.manual_seed(seed)`` inside ``torch.random.fork_rng``)
 so the same seed gives identical weights in every process and the caller's global RNG is untouched.
-``import blockshard._tiny`` is cheap: transformers is imported only inside :func:`tiny_llama`.
+``import blockshard._tiny`` is cheap: transformers is imported only inside :func:`tiny_llama` and
+:func:`tiny_mixtral`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, MixtralForCausalLM
 
-__all__ = ["TEXT", "OddMLP", "mlp_batches", "text_batches", "tiny_llama"]
+__all__ = ["TEXT", "OddMLP", "mlp_batches", "text_batches", "tiny_llama", "tiny_mixtral"]
 
 # Self-written English text (ASCII), tokenized byte-level: list(TEXT.encode()).
 TEXT = """\
@@ -98,6 +99,33 @@ def tiny_llama(
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     trained: LlamaForCausalLM = model.float().train()  # transformers' float() is unannotated
+    return trained
+
+
+def tiny_mixtral(seed: int = 0) -> MixtralForCausalLM:
+    """A tiny ``transformers.MixtralForCausalLM`` (float32, eager attention): one decoder layer, vocabulary
+    64, 3 experts stacked as ``mlp.experts.gate_up_proj`` ``(3, 48, 16)`` and ``down_proj`` ``(3, 16, 24)``
+    (module class ``MixtralExperts``). The config is built in code; the same ``seed`` gives identical
+    weights in every process. Returns the model in train mode."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        num_local_experts=3,
+        num_experts_per_tok=2,
+        attn_implementation="eager",  # type: ignore[call-arg]  # popped from **kwargs, as in tiny_llama
+        dtype=torch.float32,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MixtralForCausalLM(config)
+    trained: MixtralForCausalLM = model.float().train()  # transformers' float() is unannotated
     return trained
 
 

@@ -24,6 +24,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz as _newton_schulz
 
 from blockshard.optim._owner_compute import Holding, NamedGroups, OwnerComputeError, ParamsArg, named_groups
 from blockshard.optim._owner_optimizer import OwnerComputeOptimizer
+from blockshard.runtime.core._param import managed_tag
 
 __all__ = ["Muon"]
 
@@ -58,7 +59,7 @@ class _MomentumOnShards(torch.optim.Optimizer):
                 t = outer._index[id(p)]
                 if t not in dirs:
                     continue
-                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(outer._params[t].shape))
+                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(outer._params[t].shape[-2:]))
                 p.mul_(1 - lr * wd)
                 p.add_(updates[t].view(p.shape), alpha=-adjusted)
 
@@ -68,7 +69,9 @@ class Muon(OwnerComputeOptimizer):
 
     ``params``: named matrices as :class:`OwnerComputeOptimizer` takes them (``(name, param)``
     pairs, or param_groups such as ``blockshard.optim.muon_param_groups(model)[0]``); every one 2-D
-    in its *global* shape. The other arguments are ``torch.optim.Muon``'s, with its defaults.
+    in its *global* shape, or a stacked ``(E, m, n)`` expert tensor, stepped per expert's ``(m, n)``
+    matrix (sharded with a per-expert grid: [Note: experts under Muon] in ``_semantics.py``). The
+    other arguments are ``torch.optim.Muon``'s, with its defaults.
     Shard with ``semantics="matrix"`` (or the ``"muon"`` preset) and ``policy="owner"`` or
     ``"auto"``: a matrix the storage cuts is orthogonalized at its owner; see
     [Note: momentum-sharded Muon].
@@ -88,34 +91,40 @@ class Muon(OwnerComputeOptimizer):
         *,
         process_group: Any = None,
     ) -> None:
-        probe = torch.optim.Muon(  # torch's own checks of the arguments, and its defaults
-            [torch.zeros(1, 1)],
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-        )
+        kwargs = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+        }
+        try:  # torch's own checks of the arguments, and its defaults
+            probe = torch.optim.Muon([torch.zeros(1, 1)], **kwargs)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise OwnerComputeError(
+                f"Muon's arguments {kwargs} are not of the types torch.optim.Muon takes ({exc}). Fix: pass numbers "
+                "(lr=0.02, momentum=0.95), a 3-tuple of ns_coefficients and an int ns_steps"
+            ) from None
+        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+            raise OwnerComputeError(
+                f"Muon(ns_steps={ns_steps!r}): the number of Newton-Schulz steps must be an int >= 1. Fix: pass "
+                f"ns_steps={DEFAULT_NS_STEPS} (torch's default)"
+            )
         defaults = dict(probe.defaults)
-        groups, _ = named_groups(params)
+        groups, mtypes = named_groups(params)
         self._factory = lambda gs: _MomentumOnShards(gs, defaults, self)
-        self._process_group_arg = process_group
+        self._process_group_arg, self._mtypes = process_group, mtypes
         self._build(groups)
 
-    def _whole_units(self) -> bool:
-        return True  # Newton-Schulz on whole matrices
+    def _unit_semantics(self) -> str | None:
+        return "matrix"  # Newton-Schulz on whole matrices
 
     def _check_holdings(self, holdings: list[Holding]) -> None:
         for q in holdings:
-            if len(q.shape) != 2:
-                raise OwnerComputeError(
-                    f"parameter {q.name!r} has global shape {q.shape}; Muon orthogonalizes 2-D matrices only. "
-                    "Fix: pass Muon's matrices by name, e.g. blockshard.optim.muon_param_groups(model)[0], "
-                    "and the rest to AdamW"
-                )
+            _per_expert(q)
 
     def _inner_groups(self, groups: NamedGroups) -> list[dict[str, Any]]:
         """The local pieces (momentum lives with them), not the compute tensors."""
@@ -174,3 +183,26 @@ class Muon(OwnerComputeOptimizer):
         self._refresh_views()
         self.inner.step()
         return loss
+
+
+def _per_expert(q: Holding) -> None:
+    """Muon's compute units of ``q``: a 2-D matrix whole; a stacked ``(E, m, n)`` tensor one ``(m, n)``
+    matrix per expert (the engine's per-expert grid, or the whole tensor when it is not sharded)."""
+    if len(q.shape) == 2:
+        return
+    if len(q.shape) == 3 and not q.matrix_numel and q.param.ndim == 3 and managed_tag(q.param) is None:
+        q.matrix_numel = q.shape[1] * q.shape[2]  # not sharded: every expert's matrix is here
+    if len(q.shape) == 3 and q.matrix_numel:
+        return
+    if len(q.shape) == 3:
+        raise OwnerComputeError(
+            f"parameter {q.name!r} has global shape {q.shape}, and fully_shard gave it compute units that are not "
+            f"one expert's {q.shape[1]} x {q.shape[2]} matrix: Muon orthogonalizes each expert's matrix. Fix: shard "
+            "with semantics='muon' or optimizer_semantics(muon_param_groups(model)) (a stacked expert tensor: its "
+            "module's class ends in 'Experts' or the module is named 'experts'; else add the 'expert' semantics)"
+        )
+    raise OwnerComputeError(
+        f"parameter {q.name!r} has global shape {q.shape}; Muon orthogonalizes 2-D matrices (and stacked "
+        "(E, m, n) experts, per expert) only. Fix: pass Muon's matrices by name, e.g. "
+        "blockshard.optim.muon_param_groups(model)[0], and the rest to AdamW"
+    )

@@ -76,7 +76,7 @@ class Holding:
     local_numel: int = 0
     direct: bool = False
     matrix_numel: int = 0
-    cut: bool = False  # the storage cuts it between ranks (on every rank alike: from the layout)
+    cuts: tuple[int, ...] = ()  # where the storage cuts it between ranks (element offsets; the same on every rank)
 
     def local(self) -> torch.Tensor:
         p = self.param
@@ -175,14 +175,18 @@ def add_module_types(mtypes: dict[int, str], root: nn.Module) -> None:
 
 
 def named_groups(params: ParamsArg) -> tuple[NamedGroups, dict[int, str]]:
-    """Normalize ``params`` to ``[(param_group options, [(name, param), ...])]`` and module types by id."""
+    """Normalize ``params`` to ``[(param_group options, [(name, param), ...])]`` and module types by id.
+
+    Checks what a hand-built ``param_group`` can get wrong, naming the parameter: ``params`` not a
+    list, ``param_names`` of another length or not strings, one name given to two tensors.
+    """
     mtypes: dict[int, str] = {}
     if isinstance(params, nn.Module):
         add_module_types(mtypes, params)
         params = list(params.named_parameters())
     if isinstance(params, Mapping):  # one param_group, e.g. the first of muon_param_groups(model)
         params = [params]
-    params = list(params)
+    params = _as_list(params, "params")
     if not params:
         raise OwnerComputeError(
             "params is empty: pass model.named_parameters(), a list of (name, param) "
@@ -190,27 +194,69 @@ def named_groups(params: ParamsArg) -> tuple[NamedGroups, dict[int, str]]:
         )
     groups = params if isinstance(params[0], Mapping) else [{"params": params}]
     out: NamedGroups = []
+    named_by: dict[str, int] = {}
     for gi, g in enumerate(groups):
         if not isinstance(g, Mapping) or "params" not in g:
             raise OwnerComputeError(
                 f"param_groups[{gi}] ({g!r}) must be a dict with a 'params' list of (name, param) pairs"
             )
-        named = list(g["params"])
+        named = _as_list(g["params"], f"param_groups[{gi}]['params']")
         if "param_names" in g:  # torch's named param_groups, e.g. blockshard.optim.muon_param_groups(model)
-            names = list(g["param_names"])
-            if len(names) != len(named):
-                raise OwnerComputeError(
-                    f"param_groups[{gi}] has {len(named)} params but {len(names)} param_names; give one name per parameter"
-                )
-            named = list(zip(names, named, strict=True))
-        for x in named:
+            named = list(zip(_param_names(g, gi, named), named, strict=True))
+        for j, x in enumerate(named):
             if not (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)):
+                what = f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
                 raise OwnerComputeError(
-                    f"param_groups[{gi}]: {type(x).__name__} entry is not a (name, parameter) pair; rules match "
-                    "parameter names, so pass model.named_parameters() or [(name, param), ...]"
+                    f"param_groups[{gi}]['params'][{j}] is {what}, not a (name, parameter) pair: owner-compute "
+                    "needs every parameter's name. Fix: pass model.named_parameters(), [(name, param), ...], or "
+                    "param_groups with 'param_names' (blockshard.optim.muon_param_groups(model) returns them)"
+                )
+            first = named_by.setdefault(x[0], id(x[1]))
+            if first != id(x[1]):
+                raise OwnerComputeError(
+                    f"param_groups[{gi}]: the name {x[0]!r} is given to two different tensors (this one of shape "
+                    f"{tuple(x[1].shape)}); every parameter needs its own model.named_parameters() name. Fix: take "
+                    "names and parameters together (model.named_parameters() or muon_param_groups(model))"
                 )
         out.append(({k: v for k, v in g.items() if k not in ("params", "param_names")}, named))
     return out, mtypes
+
+
+_PARAMS_FIX = "a list of (name, param) pairs, e.g. list(model.named_parameters()), or of param_groups"
+
+
+def _as_list(value: object, what: str, fix: str = _PARAMS_FIX) -> list[Any]:
+    """``list(value)`` for an iterable that is not a tensor or a string; else a clear error."""
+    if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Iterable):
+        raise OwnerComputeError(f"{what} is {type(value).__name__} {value!r:.80}, not a list. Fix: pass {fix}")
+    return list(value)
+
+
+def _param_names(g: Mapping[str, Any], gi: int, params: list[Any]) -> list[str]:
+    """``g["param_names"]``, checked: one string per parameter."""
+    names = _as_list(g["param_names"], f"param_groups[{gi}]['param_names']", "a list of one name (str) per parameter")
+    if len(names) != len(params):
+        k = min(len(names), len(params))
+        odd = (
+            f"param_groups[{gi}]['params'][{k}] (shape {_shape_of(params[k])}) has no name"
+            if len(params) > len(names)
+            else f"the name {names[k]!r} names no parameter"
+        )
+        raise OwnerComputeError(
+            f"param_groups[{gi}] has {len(params)} params but {len(names)} param_names: {odd}. Fix: give one "
+            "name per parameter, in order (blockshard.optim.muon_param_groups(model) returns such groups)"
+        )
+    for j, n in enumerate(names):
+        if not isinstance(n, str):
+            raise OwnerComputeError(
+                f"param_groups[{gi}]['param_names'][{j}] is {n!r} ({type(n).__name__}), not a parameter name. "
+                "Fix: give each parameter its model.named_parameters() name (a str)"
+            )
+    return names
+
+
+def _shape_of(x: object) -> str:
+    return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 @dataclass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from blockshard._arith import block_shape, rows_cols
+from blockshard.optim._holdings import process_group_of, ragged_holdings
 from blockshard.optim._owner_compute import (
     Holding,
     InnerFactory,
@@ -23,11 +23,10 @@ from blockshard.optim._owner_compute import (
     named_groups,
 )
 from blockshard.optim._owner_state import PieceView, load_piece_view, piece_view
-from blockshard.optim._semantics import computes_on_whole_units
+from blockshard.optim._semantics import computes_on_whole_units, semantics_for_optimizer
 from blockshard.runtime.core._collectives import agree, wait
-from blockshard.runtime.core._optim_guard import mark_stepped
-from blockshard.runtime.core._owners import tensor_owner_plan
-from blockshard.runtime.core._param import managed_tag
+from blockshard.runtime.core._optim_guard import mark_stepped, note_inner
+from blockshard.semantics import get_semantics
 
 __all__ = ["OwnerComputeOptimizer"]
 
@@ -58,37 +57,45 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, inner_optimizer_factory: InnerFactory, params: ParamsArg, *, process_group: Any = None) -> None:
-        groups, _ = named_groups(params)
-        self._factory, self._process_group_arg = inner_optimizer_factory, process_group
+        groups, mtypes = named_groups(params)
+        self._factory, self._process_group_arg, self._mtypes = inner_optimizer_factory, process_group, mtypes
         self._build(groups)
 
     # -- setup ------------------------------------------------------------------------------------
     def _build(self, groups: NamedGroups) -> None:
         """Lay out ``groups`` (``(options, [(name, param)])``) as the engine shards them now."""
-        holdings, found = _ragged_holdings(groups)
+        holdings, found = ragged_holdings(groups, getattr(self, "_mtypes", None))
         self._check_holdings(holdings)
-        group = self._process_group_arg if self._process_group_arg is not None else found
+        group = process_group_of(self._process_group_arg, found)
         W = group.size() if group is not None else 1
         self._setup(self._factory, groups, holdings, group, W, group.rank() if group is not None else 0)
-        if self._whole_units():
-            self._check_whole(holdings)
+        units = self._unit_semantics()
+        if units is not None:
+            self._check_whole(holdings, units)
 
-    def _whole_units(self) -> bool:
-        """Whether the inner optimizer computes on whole matrices / tiles (not element-wise)."""
-        return computes_on_whole_units(self.inner)
+    def _unit_semantics(self) -> str | None:
+        """The semantics of the inner optimizer's compute units where they are larger than an
+        element (``"matrix"``, ``"shampoo:D"``); None for element-wise or unknown optimizers."""
+        return semantics_for_optimizer(self.inner) if computes_on_whole_units(self.inner) else None
 
-    def _check_whole(self, holdings: list[Holding]) -> None:
-        """A piece that cuts a matrix and has no owner would be computed alone: refuse it (every
-        rank finds the same: the layouts are the same everywhere)."""
+    def _check_whole(self, holdings: list[Holding], units: str) -> None:
+        """A piece whose storage cut falls inside one of the inner optimizer's compute units (a Muon
+        matrix, a Shampoo stripe), with no owner for it, would be computed alone: refuse it. The
+        cuts come from the layout, so every rank that passes the parameter raises alike."""
+        semantics = get_semantics(units)
         for q in holdings:
-            if q.cut and not q.planned and not q.matrix_numel:
+            if q.planned or q.matrix_numel or not q.cuts:
+                continue
+            grid = semantics.grid(q.shape, str(q.param.dtype).removeprefix("torch."), tensor=q.name)
+            inside = [c for c in q.cuts if not (grid.min_cut <= c <= grid.max_cut and c % grid.unit_numel == 0)]
+            if inside:
                 raise OwnerComputeError(
-                    f"parameter {q.name!r} of shape {q.shape} is cut between ranks, and "
-                    f"{type(self.inner).__name__} computes on whole matrices, but fully_shard laid it out without "
-                    "an owner for the cut matrix (its semantics are not Muon's). It would be computed on the "
-                    "piece alone. Fix: shard with semantics='muon' (or "
-                    "blockshard.optim.optimizer_semantics(muon_param_groups(model))); with Accelerate, "
-                    "blockshard accelerate-config --semantics muon"
+                    f"parameter {q.name!r} of shape {q.shape} is cut between ranks at element {inside[0]}, inside "
+                    f"one of {type(self.inner).__name__}'s compute units, and fully_shard gave that unit no owner "
+                    "(the model was sharded with other semantics): it would be computed on the piece alone. Fix: "
+                    "shard with the optimizer's semantics (semantics='muon', "
+                    "blockshard.optim.optimizer_semantics(param_groups)); with Accelerate, blockshard "
+                    "accelerate-config --semantics muon"
                 )
 
     def _check_holdings(self, holdings: list[Holding]) -> None:
@@ -154,6 +161,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         self.inner = factory(self._inner_groups(groups))
         if not all(hasattr(self.inner, a) for a in ("step", "state_dict", "load_state_dict", "param_groups")):
             raise OwnerComputeError(f"inner_optimizer_factory returned {self.inner!r}, not a torch.optim.Optimizer")
+        note_inner(self.inner, type(self).__name__)
         self.resync_params()
 
     def _check_same_plan(self) -> None:
@@ -401,7 +409,18 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Collective: load a state dict saved by this rank at the same world size, then resync."""
         mine = {"world_size": self.world_size, "rank": self.rank, "layout": [pc.key for pc in self._pieces]}
+        if not isinstance(state_dict, Mapping) or not {*mine, "inner"} <= set(state_dict):
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise OwnerComputeError(
+                f"{type(self).__name__}.load_state_dict got {keys}; it needs 'inner', 'world_size', 'rank' and "
+                f"'layout'. Fix: pass what {type(self).__name__}.state_dict() returned on this rank"
+            )
         got = {k: state_dict.get(k) for k in mine}
+        if not isinstance(got["layout"], (list, tuple)) or not all(isinstance(x, (list, tuple)) for x in got["layout"]):
+            raise OwnerComputeError(
+                f"state_dict['layout'] is {got['layout']!r:.80}, not a list of compute-tensor keys. Fix: pass what "
+                f"{type(self).__name__}.state_dict() returned on this rank"
+            )
         if [got["world_size"], got["rank"]] != [mine["world_size"], mine["rank"]] or [
             tuple(x) for x in (got["layout"] or [])
         ] != mine["layout"]:
@@ -441,62 +460,3 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         raise OwnerComputeError("an OwnerComputeOptimizer cannot be pickled; save its state_dict() instead")
-
-
-def _ragged_holdings(groups: NamedGroups) -> tuple[list[Holding], Any]:
-    """Every parameter as a :class:`Holding`: owner-computed where the engine's owner plan cuts it."""
-
-    holdings: list[Holding] = []
-    process_group = None
-    seen: dict[int, str] = {}
-    for gi, (_, named) in enumerate(groups):
-        for name, p in named:
-            if id(p) in seen:
-                raise OwnerComputeError(f"parameter {name!r} is the same tensor as {seen[id(p)]!r}; pass each once")
-            seen[id(p)] = name
-            tag = managed_tag(p)
-            if tag is not None and tag.original:
-                raise OwnerComputeError(
-                    f"parameter {name!r} of shape {tuple(p.shape)} was replaced by fully_shard (in the group of a "
-                    f"{tag.group_name}); build the optimizer after the last fully_shard, over model.named_parameters()"
-                )
-            ref = tag.group if tag is not None else None
-            group: Any = ref() if callable(ref) else None
-            if tag is None or group is None:  # not sharded by the ragged engine: stepped as it is
-                holdings.append(Holding(name, p, tuple(p.shape), gi, direct=True))
-                continue
-            process_group = process_group if process_group is not None else tag.process_group
-            sp = next((sp for sp in group.params if sp.sharded is p), None)
-            if sp is None:
-                raise OwnerComputeError(
-                    f"parameter {name!r} is not a current local piece of its group {group.name!r} (taken during "
-                    "forward, or before the group was rebalanced); build the optimizer after the last "
-                    "fully_shard, outside forward/backward, over model.named_parameters()"
-                )
-            plan = tensor_owner_plan(group, sp.fqn, name)
-            grid = plan.compute if plan is not None else group.layout.tensors[sp.index].grid
-            mn = math.prod(sp.shape[-2:]) if len(sp.shape) >= 3 else 0
-            matrix_numel = mn if mn and grid.unit_numel == mn else 0  # stacked experts: one matrix each
-            if plan is None or not plan.units:
-                placed = group.layout.tensors[sp.index]
-                S = group.layout.buckets[placed.bucket]
-                cut = placed.numel > 0 and placed.offset // S != (placed.end - 1) // S
-                holdings.append(Holding(name, p, tuple(sp.shape), gi, direct=True, matrix_numel=matrix_numel, cut=cut))
-                continue
-            holdings.append(
-                Holding(
-                    name,
-                    p,
-                    tuple(sp.shape),
-                    gi,
-                    planned=True,
-                    offset=plan.offset,
-                    segment=plan.segment_numel,
-                    units=plan.units,
-                    local_start=sp.local_start,
-                    local_numel=sp.local_numel,
-                    direct=True,
-                    matrix_numel=matrix_numel,
-                )
-            )
-    return holdings, process_group

@@ -4,13 +4,13 @@ Build the ``param_groups`` you would give your optimizers *before* sharding, nam
 of each one, and pass :func:`optimizer_semantics` to ``fully_shard(..., semantics=...)``; after
 sharding, :func:`muon_param_groups` gives the same split over the rank's pieces::
 
-    param_groups = muon_param_groups(model)       # Muon on hidden matrices, AdamW on the rest
+    param_groups = muon_param_groups(model)       # Muon on hidden matrices and experts, AdamW on the rest
     semantics = optimizer_semantics(param_groups) # matched by parameter identity, not by name
     for layer in model.model.layers:
         blockshard.fully_shard(layer, semantics=semantics)
     blockshard.fully_shard(model, semantics=semantics)
     muon_group, rest = muon_param_groups(model)   # by name and global shape: this rank's pieces
-    muon = torch.optim.Muon([muon_group], lr=0.02)
+    muon = blockshard.optim.Muon([muon_group], lr=0.02)  # per matrix, per expert of a stack
     adamw = torch.optim.AdamW([rest], lr=1e-3)
 
 Matching by identity works at every level of bottom-up sharding (names there are relative to the
@@ -31,6 +31,7 @@ from torch import nn
 from blockshard._errors import SemanticsError
 from blockshard.runtime import global_shapes, owner_plan
 from blockshard.semantics import TensorSpec, get_semantics, normalize_dtype
+from blockshard.semantics._experts import is_stacked_experts
 from blockshard.semantics._rule import is_embedding_or_head
 
 __all__ = [
@@ -120,15 +121,32 @@ def optimizer_semantics(param_groups: Iterable[Mapping[str, Any]]) -> Callable[[
     with different needs raises :class:`~blockshard.SemanticsError` naming both.
     """
     by_id: dict[int, str] = {}
+    example = "{'params': [...], 'optimizer': 'muon'}"
+    if isinstance(param_groups, (Mapping, str, torch.Tensor)) or not isinstance(param_groups, Iterable):
+        raise SemanticsError(
+            f"param_groups is {type(param_groups).__name__}, not a list of param_groups. Fix: pass a list of dicts "
+            f"{example}, e.g. muon_param_groups(model)"
+        )
     for i, group in enumerate(param_groups):
-        if "params" not in group or "optimizer" not in group:
+        if not isinstance(group, Mapping) or "params" not in group or "optimizer" not in group:
+            keys = sorted(group) if isinstance(group, Mapping) else type(group).__name__
             raise SemanticsError(
-                f"param_groups[{i}] has keys {sorted(group)}; each param_group needs 'params' and 'optimizer' "
-                "(e.g. {'params': [...], 'optimizer': 'muon'})"
+                f"param_groups[{i}] has keys {keys}; each param_group needs 'params' and 'optimizer' (e.g. {example})"
             )
         spec = semantics_for_optimizer(group["optimizer"])
         get_semantics(spec)  # fail now on a bad semantics string, not inside fully_shard
-        for p in group["params"]:
+        params = group["params"]
+        if isinstance(params, torch.Tensor) or not isinstance(params, Iterable):
+            raise SemanticsError(
+                f"param_groups[{i}]['params'] is {type(params).__name__}, not a list of parameters. Fix: "
+                "'params': [the group's parameters], e.g. muon_param_groups(model)"
+            )
+        for j, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise SemanticsError(
+                    f"param_groups[{i}]['params'][{j}] is {type(p).__name__}, not a parameter. Fix: list the "
+                    "model's parameters themselves (matched by identity), e.g. muon_param_groups(model)"
+                )
             if id(p) in by_id and by_id[id(p)] != spec:
                 raise SemanticsError(
                     f"a parameter of shape {tuple(p.shape)} is in two param_groups ({by_id[id(p)]!r} "
@@ -142,54 +160,104 @@ def optimizer_semantics(param_groups: Iterable[Mapping[str, Any]]) -> Callable[[
     return rule
 
 
-def muon_param_groups(model: nn.Module, *, other: str = "adamw") -> list[dict[str, Any]]:
-    """Muon on 2-D hidden weights; embeddings, the output head, norms and biases to ``other``.
+def muon_param_groups(model: nn.Module, *, other: str = "adamw", experts: bool = True) -> list[dict[str, Any]]:
+    """Muon on 2-D hidden weights and stacked experts; embeddings, the output head, norms and biases to ``other``.
 
     Returns ``[muon_group, other_group]``, each ``{"params": [...], "param_names": [...],
     "optimizer": name}``, holding the parameter objects current in ``model`` when called. Chosen
-    by parameter name and *global* shape, never by a piece's shape, so the split is the same
-    before and after ``fully_shard`` (ragged engine or FSDP2), on every rank and every layout:
+    by parameter name, global shape and owning module's class, never by a piece's shape, so the
+    split is the same before and after ``fully_shard`` (ragged engine or FSDP2), on every rank and
+    every layout:
 
     * before sharding: the model's parameters (for :func:`optimizer_semantics`);
     * after sharding: this rank's pieces, to build the optimizers over (a rank may hold none of
       Muon's matrices: ``torch.optim.Muon([muon_group])`` takes an empty ``param_group``)::
 
           muon_group, rest = muon_param_groups(model)
-          muon = torch.optim.Muon([muon_group], lr=0.02)
+          muon = blockshard.optim.Muon([muon_group], lr=0.02)  # torch.optim.Muon on each matrix
           adamw = torch.optim.AdamW([rest], lr=1e-3)
 
-    An empty piece ``(0,)`` of one of Muon's matrices is left out (``torch.optim.Muon`` takes
-    only 2-D tensors, and there is nothing to update); empty pieces of the rest stay with
-    ``other``. A non-empty piece of Muon's that is not its whole matrix raises
+    [Note: experts under Muon]
+    ``experts=True`` (the default) puts every **stacked expert tensor** ``(E, m, n)`` in the Muon
+    group, as [Note: stacked experts] (``semantics/_experts.py``) recognises one from the model:
+    3-D, and its module's class name ends in ``Experts`` (``MixtralExperts``; ``BlockShard`` /
+    ``FSDP`` class swaps keep the suffix) or the module is named ``experts``. Exactly those are the
+    tensors ``optimizer_semantics`` then gives per-expert ``matrix`` grids (one compute unit per
+    expert's ``(m, n)`` matrix), so the split and the semantics agree. Muon computes on each
+    expert's matrix: :class:`blockshard.optim.Muon` and :class:`blockshard.optim.OwnerComputeOptimizer`
+    step them so; ``torch.optim.Muon`` itself takes only 2-D tensors (pass ``experts=False`` to
+    leave the experts with ``other``, the behaviour before). Any other 3-D weight (a convolution's
+    ``(out, in, k)``) and every 2-D tensor named ``*bias`` (GPT-OSS stacks expert biases as
+    ``(E, n)``) go to ``other``.
+
+    An empty piece ``(0,)`` of one of Muon's tensors is left out (there is nothing to update, and
+    ``torch.optim.Muon`` takes only 2-D tensors); empty pieces of the rest stay with ``other``. A
+    non-empty piece of Muon's that is not its whole matrix (or whole experts) raises
     :class:`~blockshard.SemanticsError` (the model was sharded without ``matrix`` semantics),
-    unless the matrix is owner-computed (``fully_shard(..., policy="owner" | "auto")``): then its
+    unless the tensor is owner-computed (``fully_shard(..., policy="owner" | "auto")``): then its
     piece, empty or not, stays in the Muon group, for :class:`blockshard.optim.Muon` or
     :class:`blockshard.optim.OwnerComputeOptimizer` (which need every rank's pieces).
     """
-
+    _check_args(model, other, experts)
     shapes = global_shapes(model)
     owner_computed = owner_plan(model)
     groups: dict[bool, tuple[list[nn.Parameter], list[str]]] = {True: ([], []), False: ([], [])}
     for name, p in model.named_parameters():
         shape = shapes[name]
-        module_type = "Embedding" if isinstance(_owner(model, name), nn.Embedding) else None
-        spec = TensorSpec(name=name, shape=shape, dtype=normalize_dtype(p.dtype), module_type=module_type)
-        is_muon = len(shape) == 2 and not is_embedding_or_head(spec)
-        if is_muon and p.numel() == 0 and name not in owner_computed:
-            continue  # another rank holds this matrix
-        if is_muon and tuple(p.shape) != shape and name not in owner_computed:
-            raise SemanticsError(
-                f"parameter {name!r} of shape {shape} is one of Muon's matrices, but this rank holds a piece "
-                f"of shape {tuple(p.shape)}: Muon must see whole matrices. Fix: shard with "
-                "semantics=optimizer_semantics(muon_param_groups(model)) computed before fully_shard "
-                "(or semantics='muon')"
-            )
+        is_muon = _is_muon(model, name, shape, p, experts)
+        if is_muon and name not in owner_computed:
+            if p.numel() == 0:
+                continue  # another rank holds this matrix (these experts)
+            _check_whole(name, shape, tuple(p.shape))
         groups[is_muon][0].append(p)
         groups[is_muon][1].append(name)
     return [
         {"params": groups[True][0], "param_names": groups[True][1], "optimizer": "muon"},
         {"params": groups[False][0], "param_names": groups[False][1], "optimizer": other},
     ]
+
+
+def _check_args(model: object, other: object, experts: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise SemanticsError(
+            f"muon_param_groups(model={type(model).__name__}): model must be a torch.nn.Module. Fix: pass the "
+            "model itself (the one you shard), not its parameters"
+        )
+    if not isinstance(other, str):
+        raise SemanticsError(
+            f"muon_param_groups(other={other!r}): other must be the name of the second param_group's optimizer "
+            f"(a str). Fix: pass e.g. other='adamw' (known: {sorted(OPTIMIZER_SEMANTICS)})"
+        )
+    if not isinstance(experts, bool):
+        raise SemanticsError(
+            f"muon_param_groups(experts={experts!r}): experts must be True or False. Fix: experts=True gives "
+            "stacked (E, m, n) experts to Muon per expert, experts=False leaves them with other"
+        )
+
+
+def _is_muon(model: nn.Module, name: str, shape: tuple[int, ...], p: torch.Tensor, experts: bool) -> bool:
+    """Whether Muon steps parameter ``name`` (by name, global shape and its module's class)."""
+    owner = _owner(model, name)
+    module_type = "Embedding" if isinstance(owner, nn.Embedding) else type(owner).__name__
+    spec = TensorSpec(name=name, shape=shape, dtype=normalize_dtype(p.dtype), module_type=module_type)
+    if is_embedding_or_head(spec) or name.endswith("bias"):
+        return False
+    if len(shape) == 2:
+        return True
+    return experts and len(shape) == 3 and is_stacked_experts(spec)
+
+
+def _check_whole(name: str, shape: tuple[int, ...], piece: tuple[int, ...]) -> None:
+    """A piece of one of Muon's tensors must be its whole matrix, or whole experts ``(k, m, n)``."""
+    if piece == shape or (len(shape) == 3 and len(piece) == 3 and piece[1:] == shape[1:]):
+        return
+    what = "matrices" if len(shape) == 2 else f"each expert's {shape[1]} x {shape[2]} matrix whole"
+    raise SemanticsError(
+        f"parameter {name!r} of shape {shape} is one of Muon's matrices, but this rank holds a piece "
+        f"of shape {piece}: Muon must see whole {what}. Fix: shard with "
+        "semantics=optimizer_semantics(muon_param_groups(model)) computed before fully_shard "
+        "(or semantics='muon')" + (", or pass experts=False to leave the experts to AdamW" if len(shape) == 3 else "")
+    )
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from itertools import chain
 from typing import Any
 
@@ -331,6 +331,7 @@ class BlockedShampoo(torch.optim.Optimizer):
         alias the caller's tensors); the per-block state is taken out, the rest loaded by the base
         class, and the blocks put back as copies in the group's dtypes.
         """
+        _check_state_dict(state_dict)
         state_dict = copy.deepcopy(state_dict)
         blocks = {pid: st.pop("blocks") for pid, st in state_dict["state"].items() if "blocks" in st}
         super().load_state_dict(state_dict)
@@ -347,3 +348,24 @@ class BlockedShampoo(torch.optim.Optimizer):
                 }
                 for block in blocks[pid]
             ]
+
+
+def _check_state_dict(state_dict: object) -> None:
+    """What :meth:`BlockedShampoo.load_state_dict` reads: ``state`` (per parameter, ``blocks`` a list of
+    dicts of tensors) and ``param_groups``; anything else raises naming the entry."""
+    fix = "pass what BlockedShampoo.state_dict() returned, unchanged"
+    if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        raise BlockshardError(f"BlockedShampoo.load_state_dict got {got}; it needs 'state' and 'param_groups': {fix}")
+    if not isinstance(state_dict["state"], Mapping):
+        raise BlockshardError(f"BlockedShampoo state_dict['state'] is {type(state_dict['state']).__name__}: {fix}")
+    for pid, st in state_dict["state"].items():
+        blocks = st.get("blocks", []) if isinstance(st, Mapping) else None
+        ok = isinstance(blocks, list) and all(
+            isinstance(b, Mapping) and all(isinstance(v, torch.Tensor) for v in b.values()) for b in blocks
+        )
+        if not ok:
+            raise BlockshardError(
+                f"BlockedShampoo state_dict['state'][{pid!r}] is not a dict whose 'blocks' is a list of dicts of "
+                f"tensors (got {type(st).__name__}): {fix}"
+            )

@@ -11,6 +11,7 @@ engine uses; this module only reads FSDP2's DTensors and checks their placements
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -163,6 +164,9 @@ class OwnerComputeOptimizer(_Core):
         for i, (q, spec) in enumerate(zip(holdings, self._specs, strict=True)):
             res = rules.resolve(spec)
             self._resolved[q.name] = res
+            mn = math.prod(spec.shape[-2:]) if len(spec.shape) >= 3 else 0
+            if mn and res.grid.unit_numel == mn:  # stacked experts: the inner optimizer gets each (m, n) matrix
+                q.matrix_numel = mn
             p = q.param
             if not isinstance(p, DTensor) or w == 1:
                 continue

@@ -81,7 +81,7 @@ def _optimizers(model: torch.nn.Module, muon: bool, sharded: bool) -> list[torch
         return [torch.optim.AdamW(params, lr=1e-2)]
     from blockshard.optim import OwnerComputeOptimizer, muon_param_groups
 
-    muon_group, rest = muon_param_groups(model)
+    muon_group, rest = muon_param_groups(model, experts=False)  # the case: a rank holds no 2-D matrix
     if sharded:
         opt = OwnerComputeOptimizer(lambda groups: torch.optim.Muon(groups, lr=0.02), [muon_group])
     else:
@@ -104,7 +104,7 @@ def train(arch: str, engine: str, *, semantics: object = None, mp: bool = False,
     if semantics == "muon_groups":
         from blockshard.optim import muon_param_groups, optimizer_semantics
 
-        semantics = optimizer_semantics(muon_param_groups(model))
+        semantics = optimizer_semantics(muon_param_groups(model, experts=False))  # as before issue 22
     if semantics is not None:
         kw["semantics"] = semantics
     if engine != "single":

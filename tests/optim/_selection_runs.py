@@ -128,3 +128,65 @@ def fsdp2_recipe(rank: int, world: int) -> dict:
     _train(model, [muon, adamw])  # type: ignore[list-item]  # OwnerComputeOptimizer steps like one
     params = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}  # type: ignore[attr-defined]
     return {"before": before, "after": names, "params": params}
+
+
+# -- stacked experts (issue 22, item 3): a tiny Mixtral, Muon per expert ------------------------------
+EXPERTS = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
+
+
+def _mixtral_train(model, opts, before_step=None) -> dict:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        ids = torch.randint(0, 64, (2, 8), generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        if before_step is not None:
+            before_step()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    return {}
+
+
+def experts_reference(_rank: int, _world: int, per_expert: bool = True) -> dict:
+    """One process: torch's Muon on every expert's (m, n) matrix (views of the stack and of its
+    gradient); ``per_expert=False``, the control: on the stack flattened to ``(E * m, n)``."""
+    from blockshard._tiny import tiny_mixtral
+    from blockshard.optim import muon_param_groups
+
+    model = tiny_mixtral(0)
+    muon_group, rest = muon_param_groups(model)
+    named = dict(zip(muon_group["param_names"], muon_group["params"], strict=True))
+    stacks = [named.pop(n) for n in EXPERTS]
+    with torch.no_grad():
+        views = [[w[e] for e in range(w.shape[0])] if per_expert else [w.view(-1, w.shape[-1])] for w in stacks]
+    muon = torch.optim.Muon([*named.values(), *(v for vs in views for v in vs)], lr=MUON_LR)
+
+    def grads_to_views() -> None:
+        for w, vs in zip(stacks, views, strict=True):
+            for v, gr in zip(vs, w.grad if per_expert else [w.grad.view(-1, w.shape[-1])], strict=True):
+                v.grad = gr
+            w.grad = None
+
+    _mixtral_train(model, [muon, torch.optim.AdamW([rest], lr=ADAMW_LR)], grads_to_views)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def fsdp2_experts(rank: int, world: int) -> dict:
+    """Stock FSDP2 through the adapter (``semantics="muon"``: per-expert grids), ``muon_param_groups``
+    after sharding, torch's Muon inside ``fsdp2.OwnerComputeOptimizer``: each expert's matrix."""
+    from blockshard._tiny import tiny_mixtral
+    from blockshard.integrations import fsdp2
+    from blockshard.optim import muon_param_groups
+
+    model = tiny_mixtral(0)
+    before = muon_param_groups(model)[0]["param_names"]
+    for layer in model.model.layers:
+        fsdp2.fully_shard(layer, semantics="muon", root=model)
+    fsdp2.fully_shard(model, semantics="muon")
+    muon_group, rest = muon_param_groups(model)
+    muon = fsdp2.OwnerComputeOptimizer(lambda g: torch.optim.Muon(g, lr=MUON_LR), [muon_group], semantics="matrix")
+    adamw = fsdp2.OwnerComputeOptimizer(lambda g: torch.optim.AdamW(g, lr=ADAMW_LR), [rest])
+    shapes = sorted({tuple(p.shape) for g in muon.inner.param_groups for p in g["params"]})
+    _mixtral_train(model, [muon, adamw])
+    params = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}  # type: ignore[attr-defined]
+    return {"before": before, "after": muon_group["param_names"], "params": params, "inner_shapes": shapes}

@@ -6,6 +6,8 @@ at W = 2 with every rank the whole batch (bitwise against one process).
   holds it whole (measured 4.2e-2 from one process after 3 steps).
 * ``muon_param_groups`` chooses the same names before and after sharding.
 * An optimizer over the pre-sharding parameters raises at its first step on every rank.
+* Stacked experts (issue 22, item 3): a tiny Mixtral on stock FSDP2, torch's Muon per expert through
+  ``fsdp2.OwnerComputeOptimizer``, bitwise against one process (control: the flattened stack).
 """
 
 from __future__ import annotations
@@ -76,5 +78,20 @@ def test_the_fsdp2_docstring_recipe_chooses_the_same_names_and_is_bitwise_one_pr
     for res in spawn_gloo(_selection_runs.fsdp2_recipe, 2, timeout=600):
         assert res["after"] == res["before"]  # DTensors have global shapes: nothing left out
         assert EMBED in res["after"][1] and "lm_head.weight" in res["after"][1]
+        bad = [n for n in want if not torch.equal(res["params"][n], want[n])]
+        assert not bad, f"{bad} differ, max {_max_diff(res['params'], want):.3e}"
+
+
+def test_stacked_experts_on_stock_fsdp2_are_stepped_per_expert_bitwise_one_process():
+    """Issue 22, item 3: muon_param_groups offers a tiny Mixtral's stacked experts to Muon (the same
+    names before and after sharding); fsdp2.OwnerComputeOptimizer gives torch's Muon each expert's
+    (m, n) matrix and equals one process running torch's Muon on every expert's matrix, bitwise.
+    Control: Muon on the stack flattened to (E * m, n) differs by more than 1e-3."""
+    want = run_single(_selection_runs.experts_reference, timeout=300)
+    flat = run_single(_selection_runs.experts_reference, args=(False,), timeout=300)
+    assert max((flat[n] - want[n]).abs().max().item() for n in _selection_runs.EXPERTS) > 1e-3
+    for res in spawn_gloo(_selection_runs.fsdp2_experts, 2, timeout=300):
+        assert set(_selection_runs.EXPERTS) <= set(res["before"]) and res["after"] == res["before"]
+        assert all(len(s) == 2 for s in res["inner_shapes"]), res["inner_shapes"]
         bad = [n for n in want if not torch.equal(res["params"][n], want[n])]
         assert not bad, f"{bad} differ, max {_max_diff(res['params'], want):.3e}"

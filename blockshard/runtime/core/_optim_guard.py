@@ -11,6 +11,13 @@ gradient again, so ``step()`` silently trains nothing. The replaced objects carr
 :class:`~blockshard.runtime.ShardingError` naming the first replaced one. Every rank builds its
 optimizer the same way, so every rank raises.
 
+Each message's fix is for what the user built: an ``OwnerComputeOptimizer`` or
+``blockshard.optim.Muon`` notes its inner optimizer (:func:`note_inner`, a weak map that only
+chooses message text), so a user of the wrapper is told what fixes it (build it after the last
+``fully_shard`` / ``accelerator.prepare(model)``, over every rank's pieces), never to use it. A
+whole-unit optimizer (torch's Muon, ``BlockedShampoo``) is refused only a piece that cuts one of its
+compute units; a piece of whole units (Shampoo stripes, experts) of an owner-computed tensor is fine.
+
 The same hook notes on each group's root context that an optimizer stepped its pieces
 (``CollectiveTally.optimizer_stepped``): each end-of-step check counts the backwards after which
 some optimizer had stepped the model, and compares the counts of the ranks that step at all, so an
@@ -45,12 +52,16 @@ from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._owners import compute_of
 from blockshard.runtime.core._param import managed_tag
 
-__all__ = ["check_optimizer", "install_optimizer_guard", "mark_stepped", "uncounted_steps"]
+__all__ = ["check_optimizer", "install_optimizer_guard", "mark_stepped", "note_inner", "uncounted_steps"]
 
 _handle: RemovableHandle | None = None  # the registered hook: installed once per process
 # optimizer -> (the number of parameters it held when last checked, weak references to the groups
 # of its sharded pieces): a cache, not state
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+
+
+# inner optimizer -> the class name of the wrapper that made it: only for the messages, never a result
+_inner_of: weakref.WeakKeyDictionary[torch.optim.Optimizer, str] = weakref.WeakKeyDictionary()
 
 
 _INSTALL_LOCK = threading.Lock()
@@ -115,29 +126,78 @@ def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> Non
             group.tally.optimizer_stepped = True
 
 
+def note_inner(inner: torch.optim.Optimizer, outer: str) -> None:
+    """``inner`` is the inner optimizer of an ``outer`` (``OwnerComputeOptimizer``, ``Muon``): the
+    guard's messages then name what fixes the wrapper, not the wrapper itself."""
+    if isinstance(inner, torch.optim.Optimizer):  # the guard sees only optimizers
+        _inner_of[inner] = outer
+
+
 def _whole_unit_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """torch's Muon or blockshard's BlockedShampoo: they compute on whole matrices / tiles."""
     cls = type(optimizer)
     return (cls.__name__ == "Muon" and cls.__module__.startswith("torch.optim")) or cls.__name__ == "BlockedShampoo"
 
 
+def _wrapped_fix(optimizer: torch.optim.Optimizer) -> str:
+    """The fix for a whole-unit optimizer that holds a cut piece, for what the user built."""
+    outer = _inner_of.get(optimizer)
+    if outer is not None:  # the user already wraps it: what fixes the wrapper
+        return (
+            f"build the {outer} after the last fully_shard (with Accelerate: after accelerator.prepare(model)), "
+            "on every rank, over every rank's pieces (model.named_parameters() or muon_param_groups(model), "
+            "unfiltered: it keeps the empty pieces of owner-computed tensors), or shard with policy='whole'"
+        )
+    name = type(optimizer).__name__
+    if name == "BlockedShampoo":
+        wrap = "blockshard.optim.OwnerComputeOptimizer(lambda groups: BlockedShampoo(groups, ...), model.named_parameters())"
+    else:
+        wrap = (
+            "blockshard.optim.Muon([muon_group], ...) or blockshard.optim.OwnerComputeOptimizer(lambda groups: "
+            "torch.optim.Muon(groups, ...), [muon_group]), muon_group = muon_param_groups(model)[0]"
+        )
+    return f"step it with {wrap}, built after the last fully_shard, or shard with policy='whole'"
+
+
+def _cuts_a_unit(sp: Any, grid: Any) -> bool:
+    """Whether this rank's piece ``[local_start, local_start + local_numel)`` cuts a compute unit."""
+    if sp.local_numel in (0, sp.numel):
+        return False
+    return not (grid.allows_cut(sp.local_start) and grid.allows_cut(sp.local_start + sp.local_numel))
+
+
 def _check_not_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
     """A piece of an owner-computed tensor (``fully_shard(..., policy="owner" | "auto")``) that
-    is not its whole tensor must not reach an optimizer that computes on whole units: it would
-    orthogonalize (precondition) this rank's stripe alone, silently."""
+    cuts one of its compute units must not reach an optimizer that computes on whole units: it would
+    orthogonalize (precondition) this rank's part of the unit alone, silently. A piece made of whole
+    units (whole Shampoo stripes, whole experts) is fine."""
 
     if group is None:
         return
     compute = compute_of(group)
     for sp in group.params:
-        if sp.sharded is p and sp.fqn in compute and sp.local_numel not in (0, sp.numel):
+        if sp.sharded is p and sp.fqn in compute and _cuts_a_unit(sp, compute[sp.fqn]):
             raise ShardingError(
                 f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of "
                 f"{name or sp.fqn!r} (global shape {sp.shape}), which fully_shard(policy='owner'/'auto') "
-                "cut and gave an owner rank: it would compute on the piece alone. Fix: step it with "
-                "blockshard.optim.OwnerComputeOptimizer(lambda groups: torch.optim.Muon(groups, ...), "
-                "model.named_parameters()) or blockshard.optim.Muon, or shard with policy='whole'"
+                f"cut inside a compute unit and gave an owner rank: it would compute on the piece alone. Fix: "
+                f"{_wrapped_fix(optimizer)}"
             )
+
+
+def _stale_fix(optimizer: torch.optim.Optimizer) -> str:
+    """The fix for an optimizer over parameters that fully_shard replaced, for what the user built."""
+    outer = _inner_of.get(optimizer)
+    what = f"the {outer}" if outer is not None else "the optimizer"
+    over = (
+        "muon_param_groups(model) called after sharding"
+        if outer is not None or _whole_unit_optimizer(optimizer)
+        else "model.parameters() (or blockshard.optim.muon_param_groups(model) called after sharding)"
+    )
+    return (
+        f"build {what} after fully_shard, over {over}; after the last fully_shard if you shard bottom-up "
+        "(with Accelerate: after accelerator.prepare(model))"
+    )
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
@@ -146,6 +206,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
     groups: dict[int, Any] = {}
     for i, group in enumerate(optimizer.param_groups):
         names = group.get("param_names")
+        names = list(names) if isinstance(names, (list, tuple)) and len(names) == len(group["params"]) else None
         for j, p in enumerate(group["params"]):
             tag = managed_tag(p)
             if tag is not None and tag.original:
@@ -153,9 +214,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
                 raise ShardingError(
                     f"{type(optimizer).__name__} holds {what} of shape {tuple(p.shape)} "
                     f"(param_groups[{i}]['params'][{j}]) that fully_shard replaced by its local piece "
-                    f"(in the group of a {tag.group_name}): stepping it would train nothing. Fix: build the "
-                    "optimizer after fully_shard, over model.parameters() (or "
-                    "blockshard.optim.muon_param_groups(model) called after sharding)"
+                    f"(in the group of a {tag.group_name}): stepping it would train nothing. Fix: "
+                    f"{_stale_fix(optimizer)}"
                 )
             if tag is not None and tag.group is not None:
                 groups.setdefault(id(tag.group), tag.group)
