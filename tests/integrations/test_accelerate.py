@@ -697,7 +697,9 @@ def test_cpu_ram_efficient_loading_fills_the_shards_from_rank0_and_resumes_on_on
         ranks=1,
     )
     assert resumed_infos[0]["world_size"] == 1 and resumed_infos[0]["sharded"]
-    assert resumed_infos[0]["norms"] == infos[0]["norms"][2:]
+    # one rank sums the squares of its one piece per tensor, two ranks sum two pieces' and add: the
+    # norms can be an ulp apart (1.5768685 vs 1.5768687 on one machine), clipping is inactive
+    assert resumed_infos[0]["norms"] == pytest.approx(infos[0]["norms"][2:], rel=1e-6)
     assert _max_diff(resumed, state) == 0.0
 
 

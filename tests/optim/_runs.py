@@ -10,8 +10,14 @@ were cut.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # spawned ranks import this module
+from _average import average_of
 
 STEPS = 3
 
@@ -58,17 +64,22 @@ def make_optimizers(name: str, params: list[nn.Parameter]) -> list[torch.optim.O
 SEMANTICS = {"muon": "matrix", "bnb8bit": "bnb8bit", "ao8bit": "ao8bit", "shampoo": "shampoo:32"}
 
 
-def _train(m: nn.Module, opts: list[torch.optim.Optimizer]) -> None:
+def _train(m: nn.Module, opts: list[torch.optim.Optimizer], averaged_over: int = 1) -> None:
     for x, y in batches():
         ((m(x) - y) ** 2).mean().backward()
+        if averaged_over > 1:
+            for p in m.parameters():
+                if p.grad is not None:
+                    average_of(averaged_over, p.grad)
         for o in opts:
             o.step()
             o.zero_grad()
 
 
-def reference(_rank: int, _world: int, name: str) -> dict:
+def reference(_rank: int, _world: int, name: str, averaged_over: int = 1) -> dict:
+    """One process; ``averaged_over=W``: with each gradient averaged as W ranks average it."""
     m = model()
-    _train(m, make_optimizers(name, list(m.parameters())))
+    _train(m, make_optimizers(name, list(m.parameters())), averaged_over)
     return {n: p.detach().clone() for n, p in m.named_parameters()}
 
 
@@ -94,8 +105,8 @@ def sharded_cases(rank: int, world: int, cases: tuple) -> dict:
     return {case: sharded(rank, world, *case) for case in cases}
 
 
-def references(_rank: int, _world: int, names: tuple) -> dict:
-    return {name: reference(0, 1, name) for name in names}
+def references(_rank: int, _world: int, names: tuple, averaged_over: int = 1) -> dict:
+    return {name: reference(0, 1, name, averaged_over) for name in names}
 
 
 def resume(rank: int, world: int, name: str) -> dict:

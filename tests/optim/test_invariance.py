@@ -3,8 +3,11 @@
 Unmodified torch.optim.Muon, bitsandbytes AdamW8bit and torchao AdamW8bit (and blockshard's
 BlockedShampoo) step the local pieces blockshard hands them. With the whole batch on every rank:
 bitwise equal to one process at W in {2, 4}. At W = 3 the average of three identical gradients
-is off by an ulp in places and 8-bit quantization / Newton-Schulz amplify it, so W = 3 is held to
-a tolerance (below). Controls run the same optimizer on element-wise (or row-sliced) pieces.
+is off by an ulp in places, which 8-bit quantization and Newton-Schulz amplify by an amount that
+depends on the CPU's kernels (measured 1.2e-8 on one machine, 5e-4 for Muon on another): so W = 3
+is compared **bitwise** with one process whose gradients are averaged as three ranks average them
+(``tests/runtime/_average.py``): sharding alone must change nothing. Controls run the same optimizer on
+element-wise (or row-sliced) pieces.
 """
 
 from __future__ import annotations
@@ -20,23 +23,18 @@ from blockshard._launch import run_single, spawn_gloo
 pytestmark = pytest.mark.slow
 
 OPTIMIZERS = ["muon", "bnb8bit", "ao8bit", "shampoo"]
-# W = 3: the average of three identical gradients is off by an ulp in places; after 3 steps the
-# parameters were measured within 1.2e-8 of one process (muon 7.5e-9, bnb8bit and ao8bit 1.1e-8).
-# Shampoo amplifies that ulp through the inverse 4th roots of nearly singular float32 factors
-# (first steps, epsilon 1e-12): measured 1.6e-4, so it is held to 1e-3.
-W3_TOLERANCE = {"muon": 1e-6, "bnb8bit": 1e-6, "ao8bit": 1e-6, "shampoo": 1e-3}
 
 
 CONTROLS = {"muon": "rows:1", "bnb8bit": "elementwise", "ao8bit": "elementwise", "shampoo": "rows:1"}
 
 
 @functools.cache
-def _references() -> dict:
-    return run_single(_runs.references, args=(tuple(OPTIMIZERS),), timeout=600)
+def _references(averaged_over: int = 1) -> dict:
+    return run_single(_runs.references, args=(tuple(OPTIMIZERS), averaged_over), timeout=600)
 
 
-def reference(name: str) -> dict:
-    return _references()[name]
+def reference(name: str, averaged_over: int = 1) -> dict:
+    return _references(averaged_over)[name]
 
 
 @functools.cache
@@ -66,10 +64,12 @@ def test_bitwise_equal_to_one_process(name, world):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_three_ranks_within_tolerance(name):
-    want = reference(name)
+def test_three_ranks_equal_one_process_averaging_as_three_ranks_do(name):
+    want = reference(name, averaged_over=3)
     for res in sharded(name, 3):
-        assert _max_diff(res["params"], want) <= W3_TOLERANCE[name]
+        assert "error" not in res, res.get("error")
+        bad = [n for n in want if not torch.equal(res["params"][n], want[n])]
+        assert not bad, f"{name} W=3: {bad} differ, max {_max_diff(res['params'], want):.3e}"
 
 
 def test_muon_sees_whole_matrices():

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
+from _average import average_of
 from torch import nn
 
 import blockshard
@@ -73,9 +74,14 @@ def build(name: str, seed: int, sharded: bool, semantics: object = "default") ->
     return m
 
 
-def train(m: nn.Module, opts: list, data: list) -> None:
+def train(m: nn.Module, opts: list, data: list, averaged_over: int = 1) -> None:
+    """``averaged_over=W``: each gradient averaged as W ranks average it (``_average.average_of``)."""
     for x, y in data:
         ((m(x) - y) ** 2).mean().backward()
+        if averaged_over > 1:
+            for p in m.parameters():
+                if p.grad is not None:
+                    average_of(averaged_over, p.grad)
         for o in opts:
             o.step()
             o.zero_grad()
@@ -100,12 +106,15 @@ def _flat(entries: dict, prefix: str = ""):
             yield f"{prefix}{k}", v
 
 
-def reference(rank: int, world: int) -> dict:
-    """One process, no sharding, uninterrupted."""
+def reference(rank: int, world: int, resumed_over: int = 1) -> dict:
+    """One process, no sharding, uninterrupted; ``resumed_over=W``: the steps after the save with
+    gradients averaged as W ranks average them (what a resume at W = 3 must equal bitwise)."""
     out = {}
     for name in NAMES:
         m = build(name, 0, sharded=False)
-        train(m, optimizers(name, m), batches())
+        opts = optimizers(name, m)
+        train(m, opts, batches()[:STEPS_BEFORE])
+        train(m, opts, batches()[STEPS_BEFORE:], resumed_over)
         out[name] = {k: v.detach().clone() for k, v in m.state_dict().items()}
     return out
 
