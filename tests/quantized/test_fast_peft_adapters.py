@@ -284,7 +284,8 @@ def _from_pretrained(rank: int, world: int, path: str, root: str) -> dict:
     with _inproc.serial():
         base = _qlora.qlora_llama(lora=False)
     _qlora._shard(base, world)
-    model = PeftModel.from_pretrained(base, path)
+    with _inproc.serial():  # builds the LoRA layers (torch's process-wide generator; no collective)
+        model = PeftModel.from_pretrained(base, path)
     ids, _ = next(iter(text_batches(1, 4, 16)))
     logits = model(input_ids=ids).logits.detach().clone()
     model.save_pretrained(os.path.join(root, f"rank{rank}"))
