@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from blockshard._errors import CheckpointError
-from blockshard.runtime.core._optim_guard import uncounted_steps
+from blockshard.runtime.checkpoint._optim_state import init_optimizer_state
 
 if TYPE_CHECKING:
     from blockshard.optim._owner_optimizer import OwnerComputeOptimizer
@@ -104,34 +104,15 @@ def _dtype_keys(opt: OwnerComputeOptimizer, schema: Schema) -> dict[tuple[str, s
     return dict(sorted(out.items()))
 
 
-@torch.no_grad()
 def _ensure_state(opt: OwnerComputeOptimizer) -> None:
-    """Create the inner optimizer's missing state: one step at learning rate 0 that sees a zero
-    gradient on the compute tensors without state (the others' hidden), as the checkpoint layer's
-    ``init_optimizer_state`` does for an optimizer over the pieces; here for every compute tensor
-    (the owned units and views do not require grad, so that function would pass them by)."""
+    """Create the inner optimizer's missing state (a learning-rate-0 step, as for an optimizer over
+    the pieces), for every compute tensor: the owned units and views do not require grad."""
     opt._refresh_views()
-    inner = opt.inner
-    tensors = [pc.tensor for pc in opt._pieces]
-    missing = {id(t) for t in tensors if not inner.state.get(t)}
-    if not missing:
-        return
-    grads = [t.grad for t in tensors]
-    lrs = [g["lr"] for g in inner.param_groups]
-    for g in inner.param_groups:
-        g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
-    for t in tensors:
-        t.grad = torch.zeros_like(t) if id(t) in missing else None
     opt._stepping_inner = True  # a reused optimizer refuses other steps ([Note: a reused optimizer])
     try:
-        with uncounted_steps():  # not a training step ([Note: collective integrity])
-            inner.step()
+        init_optimizer_state(opt.inner, every=True)
     finally:
         opt._stepping_inner = False
-        for t, grad in zip(tensors, grads, strict=True):
-            t.grad = grad
-        for g, lr in zip(inner.param_groups, lrs, strict=True):
-            g["lr"] = lr
 
 
 @torch.no_grad()

@@ -37,6 +37,13 @@ def _env() -> dict:
     return env
 
 
+def _config(tmp_path: pathlib.Path) -> pathlib.Path:
+    """The config ``blockshard accelerate-config --cpu --semantics muon --layers LlamaDecoderLayer`` writes."""
+    assert cli_main(["accelerate-config", "--cpu", "--semantics", "muon", "--layers", "LlamaDecoderLayer",
+                     "--out", str(tmp_path / "cfg")]) == 0  # fmt: skip
+    return tmp_path / "cfg" / "accelerate.yaml"
+
+
 def _launch(config: pathlib.Path, out: pathlib.Path, ranks: int, *args: str) -> Background:
     cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(config), "--num_processes", str(ranks)]
     return Background(
@@ -54,22 +61,7 @@ def _diffs(results: dict, reference: dict) -> dict[str, float]:
 
 @pytest.mark.slow
 def test_every_muon_form_in_every_order_equals_one_process_and_resumes_at_w2_and_w1(tmp_path):
-    assert (
-        cli_main(
-            [
-                "accelerate-config",
-                "--cpu",
-                "--semantics",
-                "muon",
-                "--layers",
-                "LlamaDecoderLayer",
-                "--out",
-                str(tmp_path / "cfg"),
-            ]
-        )
-        == 0
-    )
-    config = tmp_path / "cfg" / "accelerate.yaml"
+    config = _config(tmp_path)
     ckpt = ["--ckpt", str(tmp_path / "ck")]
     run = _launch(config, tmp_path / "run", 2, "--save-at", "3", *ckpt)
     ref = Background(
@@ -118,22 +110,8 @@ def test_the_docs_recipe_is_the_example():
 @pytest.mark.slow
 def test_the_muon_example_equals_one_process(tmp_path):
     example = ROOT / "examples" / "accelerate" / "muon.py"
-    assert (
-        cli_main(
-            [
-                "accelerate-config",
-                "--cpu",
-                "--semantics",
-                "muon",
-                "--layers",
-                "LlamaDecoderLayer",
-                "--out",
-                str(tmp_path / "cfg"),
-            ]
-        )
-        == 0
-    )
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(tmp_path / "cfg" / "accelerate.yaml")]
+    config = _config(tmp_path)
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(config)]
     run = Background(
         [*cmd, str(example), "--out", str(tmp_path / "run")], tmp_path / "run.log", env=_env(), cwd=ROOT, timeout=300
     )

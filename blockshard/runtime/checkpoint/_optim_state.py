@@ -97,14 +97,15 @@ def _optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> lis
     return out
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer, *, every: bool = False) -> None:
     """Create the state of trainable parameters that have none yet (a fresh optimizer, or a
     parameter that never had a gradient) with one step at learning rate 0 that sees a zero
     gradient for those parameters only (the others' gradients are hidden, so their state is not
     touched), as torch's ``set_optimizer_state_dict`` does; a fresh optimizer then has tensors
-    for ``dcp.load`` to fill. The parameters do not change (an update scaled by 0)."""
+    for ``dcp.load`` to fill. The parameters do not change (an update scaled by 0). ``every``: of
+    every tensor it holds, whether it requires grad or not (owner compute's compute tensors)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    missing = {id(p) for p in params if p.requires_grad and not optimizer.state.get(p)}
+    missing = {id(p) for p in params if (every or p.requires_grad) and not optimizer.state.get(p)}
     if not missing:
         return
     grads = [p.grad for p in params]
