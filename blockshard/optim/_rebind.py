@@ -97,11 +97,14 @@ def rebind_optimizer(
     return outer
 
 
-_REUSED: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Reused] = weakref.WeakKeyDictionary()
+# optimizer -> its factory, weakly both ways (the optimizer's step hook and its wrapper keep the
+# factory alive): a value that held its key would keep every reused optimizer for the process
+_REUSED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[_Reused]] = weakref.WeakKeyDictionary()
 
 
 def _outer_of(optimizer: torch.optim.Optimizer) -> OwnerComputeOptimizer | None:
-    reused = _REUSED.get(optimizer)
+    ref = _REUSED.get(optimizer)
+    reused = None if ref is None else ref()
     return None if reused is None or reused.outer is None else reused.outer()
 
 
@@ -126,7 +129,7 @@ class _Reused:
         if not self._hooked:
             opt.register_step_pre_hook(self._pre_step)
             self._hooked = True
-        _REUSED[opt] = self
+        _REUSED[opt] = weakref.ref(self)
         return opt
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:

@@ -255,3 +255,26 @@ def test_torch_get_and_set_state_dict_of_a_reused_muon_reshard_bitwise(tmp_path)
     for world in (2, 1):
         got = _inproc.run_ranks(_resumable_dcp, world, args=(path, "load"))[0]
         assert max((got[k] - want[k]).abs().max().item() for k in want) == 0.0, world
+
+
+def _dropped(rank: int, world: int) -> list:
+    import weakref
+
+    with _inproc.serial():
+        model = tiny_llama(**SHAPES)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = torch.optim.Muon([muon_param_groups(model)[0]], lr=0.02)
+    blockshard.fully_shard(model, semantics="muon")
+    wrapper = rebind_optimizer(muon, model, names=names)
+    assert rebind_optimizer(muon, model) is muon  # prepared again: already reused, left as it is
+    return [weakref.ref(muon), weakref.ref(wrapper)]
+
+
+def test_a_reused_optimizer_and_its_wrapper_are_freed_with_the_model():
+    """(Collected in the test thread: a gc.collect() in one rank thread returns at once while
+    another thread's runs.)"""
+    import gc
+
+    refs = _inproc.run_ranks(_dropped, 2)
+    gc.collect()
+    assert [[r() is None for r in rank] for rank in refs] == [[True, True], [True, True]]
