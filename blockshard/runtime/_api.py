@@ -26,6 +26,7 @@ from blockshard.runtime._arguments import (
 )
 from blockshard.runtime._placement import check_shard_placements
 from blockshard.runtime.checkpoint._extra_dtypes import install_extra_state_dict_hooks
+from blockshard.runtime.core._added import install_registration_count
 from blockshard.runtime.core._buffer_set import BufferSet, GroupControls
 from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import check_same_layout, engine_group, uses_headers
@@ -265,6 +266,7 @@ def fully_shard(
         collective_headers=uses_headers(process_group),  # BLOCKSHARD_COLLECTIVE_HEADERS ([Note: collective headers])
     )
     install_optimizer_guard()  # an optimizer over replaced (pre-sharding) parameters raises at its first step
+    install_registration_count()  # [Note: parameters added after fully_shard]
     install_torch_routes()  # clip_grad_norm_, register_fsdp_forward_method, DCP's state-dict helpers ([Note: torch routes])
     ignored = ignored_ids(ignored_params)
     quantized = [
@@ -333,6 +335,7 @@ def fully_shard(
         buffer_sets=buffer_sets,
     )
     state.order = next(_ORDER)  # see [Note: cost tally]
+    state.ignored_ids = frozenset(ignored)  # left as they are: [Note: parameters added after fully_shard]
     record_compute(group, {it.name: it.grid for it in items if it.name in owned})
     for orig in params:
         tag_managed(orig, name, original=True)

@@ -315,3 +315,30 @@ def test_from_pretrained_onto_a_sharded_base_keeps_the_adapter_whole_on_every_ra
     assert json.loads(again["adapter_config.json"]) == json.loads(saved["adapter_config.json"]) | {
         "inference_mode": True
     }
+
+
+def _trainable_from_pretrained(rank: int, world: int, path: str) -> str:
+    from peft import PeftModel
+
+    with _inproc.serial():
+        base = _qlora.qlora_llama(lora=False)
+    _qlora._shard(base, world)
+    with _inproc.serial():
+        model = PeftModel.from_pretrained(base, path, is_trainable=True)
+    ids, _ = next(iter(text_batches(1, 4, 16)))
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    except blockshard.runtime.ShardingError as e:
+        return str(e)
+    return "trained"
+
+
+def test_a_trainable_adapter_injected_after_fully_shard_raises_on_every_rank(tmp_path):
+    """[Note: parameters added after fully_shard]: is_trainable=True would train each rank's LoRA
+    copy on its own batch, unaveraged (measured: the ranks' weights differ after one step); every
+    rank raises at the forward, naming a LoRA weight and the fix (build the PeftModel first)."""
+    with _inproc.single_thread():
+        _model(7).save_pretrained(str(tmp_path / "saved"))
+    for msg in _inproc.run_ranks(_trainable_from_pretrained, 2, args=(str(tmp_path / "saved"),)):
+        assert "added under a sharded module after fully_shard" in msg and "lora_A" in msg, msg
+        assert "build the PeftModel first" in msg

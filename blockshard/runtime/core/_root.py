@@ -33,6 +33,7 @@ class RootContext:
     callback_queued: bool = False
     tally: CollectiveTally = field(default_factory=CollectiveTally)
     reducing: list[BufferSet] = field(default_factory=list)  # reduce-scatters in flight, oldest first
+    registrations_seen: int = -1  # [Note: parameters added after fully_shard]: the count at the last look
 
     def finish_reductions(self) -> None:
         """Wait for the reduce-scatters in flight and set their gradients ([Note: async reduce-scatter])."""

@@ -52,9 +52,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from blockshard.runtime.core._added import check_no_added_parameters, registrations
 from blockshard.runtime.core._buffer_set import BufferSet, GroupControls
 from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._common import TrainingState, eager, expect, in_backward, tensors_in
@@ -133,6 +135,7 @@ class ModuleState:
         self.is_root: bool | None = None  # decided at the first forward
         self.ctx: RootContext | None = None
         self.balanced = False  # whether its layout took part in cost balancing ([Note: cost tally])
+        self.ignored_ids: frozenset[int] = frozenset()  # ignored_params: [Note: parameters added after fully_shard]
         self.order = 0  # position among fully_shard calls ([Note: cost tally] in _api.py)
         # inside an enclosing sharded module's ``_apply`` (``model.to_empty``), which handles this
         # state's groups (ShardedModule._apply): on the state, so two thread ranks never share it
@@ -222,6 +225,9 @@ class ModuleState:
             self._lazy_init()
         ctx = self._context()
         if self.is_root:
+            if ctx.registrations_seen != registrations():  # [Note: parameters added after fully_shard]
+                check_no_added_parameters(ctx.states, dist.get_world_size() if dist.is_initialized() else 1)
+                ctx.registrations_seen = registrations()
             self._reset_if_interrupted(ctx)
             ctx.remember_order()
             ctx.tally.forward_started()  # [Note: collective headers]
