@@ -74,9 +74,16 @@ def _schema(opt: OwnerComputeOptimizer) -> Schema:
     return out
 
 
+def _exchanges_units(opt: OwnerComputeOptimizer) -> bool:
+    """Whether any unit is owner-computed: only then do ranks need each other's state kinds (the
+    same answer on every rank: every rank passes the owner-computed tensors, its empty pieces too,
+    while a rank may hold none of the others and so have no process group to gather on)."""
+    return opt.process_group is not None and opt.world_size > 1 and any(q.planned for q in opt._params)
+
+
 def _every_rank_schema(opt: OwnerComputeOptimizer, error: str | None) -> Schema:
     mine: tuple[Schema, str | None] = ({}, error) if error else (_schema(opt), None)
-    if opt.process_group is None or opt.world_size == 1:
+    if not _exchanges_units(opt):
         if error:
             raise CheckpointError(error)
         return mine[0]
@@ -93,15 +100,11 @@ def _every_rank_schema(opt: OwnerComputeOptimizer, error: str | None) -> Schema:
     return merged
 
 
-def _dtype_keys(opt: OwnerComputeOptimizer, schema: Schema) -> dict[tuple[str, str], list[str]]:
-    """Per element-wise ``(key, state dtype)``: the parameter dtypes (exchange groups) it crosses."""
-    out: dict[tuple[str, str], list[str]] = {}
-    for q in opt._params:
-        dt = str(q.param.dtype).removeprefix("torch.")
-        for key, (kind, value) in schema.get(q.name, {}).items():
-            if kind == "elementwise" and dt not in out.setdefault((key, value), []):
-                out[(key, value)].append(dt)
-    return dict(sorted(out.items()))
+def _dtype_keys(schema: Schema) -> list[tuple[str, str]]:
+    """The element-wise state ``(key, state dtype)`` pairs of every rank's ``schema`` (gathered where
+    units are exchanged), in one order on every rank: one exchange each."""
+    pairs = {(key, value) for keys in schema.values() for key, (kind, value) in keys.items() if kind == "elementwise"}
+    return sorted(pairs)
 
 
 def _ensure_state(opt: OwnerComputeOptimizer) -> None:
@@ -138,7 +141,7 @@ def piece_view(opt: OwnerComputeOptimizer) -> PieceView:
                 if key in flats[pc.p]:
                     flats[pc.p][key][pc.lo : pc.hi].copy_(value.reshape(-1))
     scratch: dict[str, torch.Tensor] = {}
-    for (key, sdt), _ in _dtype_keys(opt, schema).items():
+    for key, sdt in _dtype_keys(schema):
         dtype = getattr(torch, sdt)
 
         def unit(k: int, key: str = key, dtype: torch.dtype = dtype) -> torch.Tensor:
@@ -189,7 +192,7 @@ def load_piece_view(opt: OwnerComputeOptimizer, view: PieceView) -> None:
                 else:
                     live[key] = _copy(value)
     kinds = _every_rank_schema(opt, None)  # the inner state's kinds (piece_view created all of it)
-    for (key, sdt), _ in _dtype_keys(opt, kinds).items():
+    for key, sdt in _dtype_keys(kinds):
         dtype = getattr(torch, sdt)
 
         def source(t: int, key: str = key) -> torch.Tensor | None:
@@ -216,7 +219,7 @@ def _every_rank_scalars(opt: OwnerComputeOptimizer, view: PieceView) -> dict[str
         for key, value in view.state.get(q.param, {}).items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 mine.setdefault(q.name, {})[key] = value.detach().cpu() if isinstance(value, torch.Tensor) else value
-    if opt.process_group is None or opt.world_size == 1:
+    if not _exchanges_units(opt):
         return mine
     everyone: list[Any] = [None] * opt.world_size
     dist.all_gather_object(everyone, mine, group=opt.process_group)

@@ -278,3 +278,34 @@ def test_a_reused_optimizer_and_its_wrapper_are_freed_with_the_model():
     refs = _inproc.run_ranks(_dropped, 2)
     gc.collect()
     assert [[r() is None for r in rank] for rank in refs] == [[True, True], [True, True]]
+
+
+class _TwoMatrices(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False)
+        self.norm = torch.nn.LayerNorm(64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.b(self.a(x)))
+
+
+def _holding_none(rank: int, world: int, path: str) -> tuple[int, bool]:
+    with _inproc.serial():
+        torch.manual_seed(0)
+        model = _TwoMatrices()
+    blockshard.fully_shard(model, semantics="muon", policy="whole")
+    group = muon_param_groups(model)[0]  # after sharding: ranks 2 and 3 hold neither matrix
+    muon = OwnerComputeOptimizer(lambda g: torch.optim.Muon(g, lr=0.02), [group])
+    model(torch.ones(2, 64)).sum().backward()
+    muon.step()
+    blockshard.save_checkpoint(model, path, [muon])
+    blockshard.load_checkpoint(model, path, [muon])
+    return len(group["params"]), muon.process_group is None
+
+
+def test_ranks_whose_owner_compute_optimizer_holds_nothing_checkpoint_with_the_others(tmp_path):
+    """A rank may hold none of Muon's matrices (whole placement), so its OwnerComputeOptimizer has
+    no process group: nothing is owner-computed, so no rank gathers state kinds (it hung before)."""
+    got = _inproc.run_ranks(_holding_none, 4, args=(str(tmp_path / "ck"),), timeout=60)
+    assert [n for n, _ in got].count(0) >= 1 and any(none for _, none in got), got
