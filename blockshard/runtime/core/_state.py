@@ -52,7 +52,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -226,7 +225,7 @@ class ModuleState:
         ctx = self._context()
         if self.is_root:
             if ctx.registrations_seen != registrations():  # [Note: parameters added after fully_shard]
-                check_no_added_parameters(ctx.states, dist.get_world_size() if dist.is_initialized() else 1)
+                check_no_added_parameters(ctx.states, self._averaged_over())
                 ctx.registrations_seen = registrations()
             self._reset_if_interrupted(ctx)
             ctx.remember_order()
@@ -244,6 +243,11 @@ class ModuleState:
         if torch.is_grad_enabled():
             args, kwargs = self._hook_inputs(args, kwargs)
         return self._cast_inputs(args, kwargs)
+
+    def _averaged_over(self) -> int:
+        """The ranks a gradient of this group is averaged over (its shard group, times HSDP's replicas)."""
+        replicas = getattr(self.buffers.grads, "replicate_group", None)
+        return self.buffers.world_size * (replicas.size() if replicas is not None else 1)
 
     def unshard(self, *, async_op: bool = False) -> None:
         """All-gather every buffer set of the group (issued together, then waited for)."""
