@@ -21,7 +21,9 @@ import blockshard
 from blockshard._errors import SemanticsError
 from blockshard.optim import Muon, OwnerComputeError, OwnerComputeOptimizer, muon_param_groups, optimizer_semantics
 
-pytestmark = pytest.mark.timeout(60)  # in-process ranks: a hang fails the test, never the run
+# in-process ranks: a hang fails the test, never the run; heavy: building the tiny Mixtral (transformers'
+# lazy import of its modeling) costs seconds, so `make test-fast` leaves the file to `make test`
+pytestmark = [pytest.mark.timeout(60), pytest.mark.heavy]
 
 STEPS, LR = 2, 0.02
 EXPERTS = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]

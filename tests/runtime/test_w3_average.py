@@ -6,6 +6,7 @@ places), which is why those tests average their one-process reference the same w
 from __future__ import annotations
 
 import _inproc
+import pytest
 import torch
 import torch.distributed as dist
 from _average import average_of
@@ -27,6 +28,7 @@ def test_gloo_average_of_three_equal_gradients_is_average_of():
         assert off > 1000  # the control: about 5% of the values are an ulp off the gradient itself
 
 
+@pytest.mark.heavy  # a second pair of thread worlds: make test runs it
 def test_at_two_and_four_ranks_the_average_is_the_gradient():
     for world in (2, 4):
         for exact, off in _inproc.run_ranks(_average, world):
