@@ -54,14 +54,20 @@ _RUNTIME = (
     "install_torch_routes",
     "uninstall_torch_routes",
     "installed_torch_routes",
+    "global_shape",
+    "global_shapes",
 )
+_OPTIM = ("param_groups_by",)
 
 
 if TYPE_CHECKING:  # what __getattr__ loads, as mypy sees it (`X as X`: exported)
+    from blockshard.optim import param_groups_by as param_groups_by
     from blockshard.runtime import check_finished as check_finished
     from blockshard.runtime import clip_grad_norm_ as clip_grad_norm_
     from blockshard.runtime import full_state_dict as full_state_dict
     from blockshard.runtime import fully_shard as fully_shard
+    from blockshard.runtime import global_shape as global_shape
+    from blockshard.runtime import global_shapes as global_shapes
     from blockshard.runtime import group_layouts as group_layouts
     from blockshard.runtime import init_parameters as init_parameters
     from blockshard.runtime import install_torch_routes as install_torch_routes
@@ -87,6 +93,10 @@ def __getattr__(name: str) -> object:
         from blockshard import runtime
 
         return getattr(runtime, name)
+    if name in _OPTIM:
+        from blockshard import optim
+
+        return getattr(optim, name)
     raise AttributeError(f"module 'blockshard' has no attribute {name!r}")
 
 
@@ -110,4 +120,5 @@ __all__ = [
     "register_semantics",
     "registered_semantics",
     *_RUNTIME,
+    *_OPTIM,
 ]

@@ -18,6 +18,7 @@ __all__ = [
     "ComputeUnitError",
     "EngineStateError",
     "LayoutMismatchError",
+    "OptimizerSetupError",
     "PieceTensorError",
     "PlanError",
     "QuantizedWeightError",
@@ -65,6 +66,11 @@ class CheckpointError(BlockshardError):
 
 class ShardingError(BlockshardError):
     """``fully_shard`` was used in a way the engine does not support (with the fix in the message)."""
+
+
+class OptimizerSetupError(ShardingError):
+    """An optimizer over sharded pieces would step them otherwise than one process would
+    ([Note: first-step optimizer checks] in runtime/core/_optim_checks.py); raised on every rank."""
 
 
 class EngineStateError(RuntimeError):

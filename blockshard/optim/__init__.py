@@ -7,8 +7,10 @@ updates move). ``OwnerComputeOptimizer``: an unmodified optimizer on whole
 compute units of cut storage (the ragged engine's ``policy="owner" | "auto"``; FSDP2's adapter,
 ``blockshard.integrations.fsdp2``, uses the same implementation). ``rebind_optimizer``: an
 optimizer built before sharding, pointed at the pieces (Accelerate's ``prepare`` calls it).
+``param_groups_by``: param_groups by name and global shape, as on one process.
 """
 
+from blockshard.optim._groups import param_groups_by
 from blockshard.optim._muon import Muon
 from blockshard.optim._owner_compute import OwnerComputeError
 from blockshard.optim._owner_optimizer import OwnerComputeOptimizer
@@ -29,6 +31,7 @@ __all__ = [
     "OwnerComputeOptimizer",
     "muon_param_groups",
     "optimizer_semantics",
+    "param_groups_by",
     "rebind_optimizer",
     "semantics_for_optimizer",
 ]

@@ -31,7 +31,7 @@ from blockshard.runtime.core._buffer_set import BufferSet, GroupControls
 from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import check_same_layout, engine_group, uses_headers
 from blockshard.runtime.core._dtypes import split_by_dtype
-from blockshard.runtime.core._inspect import global_shapes, group_layouts, local_buffers
+from blockshard.runtime.core._inspect import global_shape, global_shapes, group_layouts, local_buffers
 from blockshard.runtime.core._list_groups import bind_below, collect_all, listed_modules
 from blockshard.runtime.core._optim_guard import install_optimizer_guard
 from blockshard.runtime.core._owners import (
@@ -53,6 +53,7 @@ __all__ = [
     "ShardingError",
     "UnshardHandle",
     "fully_shard",
+    "global_shape",
     "global_shapes",
     "group_layouts",
     "is_sharded",

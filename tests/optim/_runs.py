@@ -18,6 +18,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # spawned ranks import this module
 from _average import average_of
+from _unchecked import unchecked
 
 STEPS = 3
 
@@ -94,7 +95,8 @@ def sharded(rank: int, world: int, name: str, semantics: str | None) -> dict:
         blockshard.fully_shard(block, semantics=rules, policy="whole")
     blockshard.fully_shard(m, semantics=rules, policy="whole")
     try:
-        _train(m, make_optimizers(name, list(m.parameters())))
+        with unchecked(semantics is not None):  # a control: what stock-style sharding computes
+            _train(m, make_optimizers(name, list(m.parameters())))
     except Exception as exc:  # a control may not even run
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"params": blockshard.full_state_dict(m), "shapes": [tuple(p.shape) for p in m.parameters()]}

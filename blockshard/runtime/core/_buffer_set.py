@@ -29,7 +29,9 @@ others) are one :class:`GroupControls` shared by the group's state and its buffe
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,6 +67,7 @@ class BufferSet(abc.ABC):
         self.path: str | None = None
         self.tally: CollectiveTally | None = None
         self.tally_index = 0
+        self.root: Callable[[], Any] | None = None  # a weakref.ref to the RootContext (the optimizer checks)
         self._pending: list[dist.Work] = []  # the unshard's all-gathers in flight, while UNSHARDING
 
     @property

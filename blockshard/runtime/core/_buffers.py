@@ -134,6 +134,7 @@ class ParamBuffers(BufferSet):
         """Tag the parameter objects this buffer set made ([Note: optimizer guard], clipping)."""
         for sp in self.params:
             tag_managed(sp.sharded, self.name, process_group=self.process_group, group=weakref.ref(self))
+            sp.sharded.global_shape = torch.Size(sp.shape)  # type: ignore[attr-defined]  # blockshard.global_shape
             tag_managed(sp.unsharded, self.name)
 
     @torch.no_grad()

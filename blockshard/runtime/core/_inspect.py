@@ -12,9 +12,10 @@ from blockshard.planner import GroupLayout
 from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import agree_call
 from blockshard.runtime.core._list_groups import bind_names
+from blockshard.runtime.core._param import managed_tag
 from blockshard.runtime.core._state import ModuleState, state_of
 
-__all__ = ["agree_on_call", "global_shapes", "group_layouts", "local_buffers"]
+__all__ = ["agree_on_call", "global_shape", "global_shapes", "group_layouts", "local_buffers"]
 
 
 def agree_on_call(model: nn.Module, call: str) -> None:
@@ -92,6 +93,25 @@ def global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
         id(p): sp.shape for _, st in states_under(model) for sp in st.buffers.params for p in (sp.sharded, sp.unsharded)
     }
     return {n: managed.get(id(p), tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def global_shape(p: torch.Tensor) -> torch.Size:
+    """The shape of the whole tensor ``p`` is a piece of (its own shape for anything else: a
+    parameter that is not sharded, or an FSDP2 DTensor, whose ``shape`` is global already).
+
+    For code written for one process that chooses by shape (``p.ndim >= 2`` for weight decay,
+    ``p.ndim == 2`` for Muon): on a sharded model a piece's own shape is its block shape here
+    (flat, a row stripe, empty), so choose by ``len(blockshard.global_shape(p)) >= 2``. A sharded
+    piece also carries it as ``p.global_shape``.
+    """
+    tag = managed_tag(p)
+    if tag is not None and not tag.original and tag.group is not None:
+        buffers = tag.group()  # type: ignore[operator]  # a weakref.ref to the ParamBuffers
+        if buffers is not None:
+            for sp in buffers.params:
+                if sp.sharded is p:
+                    return torch.Size(sp.shape)
+    return p.shape
 
 
 def local_buffers(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:

@@ -49,6 +49,7 @@ from torch.utils.hooks import RemovableHandle
 
 from blockshard._errors import ShardingError
 from blockshard.runtime.core._common import ShardedState
+from blockshard.runtime.core._optim_checks import check_first_step, check_still_one, checks_on
 from blockshard.runtime.core._owners import compute_of
 from blockshard.runtime.core._param import managed_tag
 
@@ -59,6 +60,9 @@ _handle: RemovableHandle | None = None  # the registered hook: installed once pe
 # of its sharded pieces): a cache, not state
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
 
+
+# optimizer -> the number of parameters it held at its first-step checks ([Note: first-step optimizer checks])
+_first_checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
 # inner optimizer -> the class name of the wrapper that made it: only for the messages, never a result
 _inner_of: weakref.WeakKeyDictionary[torch.optim.Optimizer, str] = weakref.WeakKeyDictionary()
@@ -116,6 +120,13 @@ def _pre_step(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> Non
     if seen is None or seen[0] != count:
         seen = (count, check_optimizer(optimizer))
         _checked[optimizer] = seen
+    # [Note: first-step optimizer checks]: at the first training step (an uncounted step, e.g. the
+    # state-creating one of a checkpoint load, runs on the ranks that need it only), never for an
+    # inner optimizer (it holds the pieces whole on their owners: ranks hold other pieces)
+    if not _UNCOUNTED.depth and _first_checked.get(optimizer) != count and optimizer not in _inner_of:
+        check_first_step(optimizer)
+        _first_checked[optimizer] = count
+    check_still_one(optimizer)
     for ref in seen[1]:
         group = ref()
         if group is None:
@@ -137,6 +148,11 @@ def _whole_unit_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """torch's Muon or blockshard's BlockedShampoo: they compute on whole matrices / tiles."""
     cls = type(optimizer)
     return (cls.__name__ == "Muon" and cls.__module__.startswith("torch.optim")) or cls.__name__ == "BlockedShampoo"
+
+
+def _is_torch_muon(optimizer: torch.optim.Optimizer) -> bool:
+    cls = type(optimizer)
+    return cls.__name__ == "Muon" and cls.__module__.startswith("torch.optim")
 
 
 def _wrapped_fix(optimizer: torch.optim.Optimizer) -> str:
@@ -176,6 +192,20 @@ def _check_not_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any
         return
     compute = compute_of(group)
     for sp in group.params:
+        if (
+            sp.sharded is p
+            and sp.fqn not in compute
+            and 0 < sp.local_numel < sp.numel
+            and _is_torch_muon(optimizer)
+            and checks_on()  # BLOCKSHARD_OPTIMIZER_CHECKS=0 (a control that shows what Muon on stripes computes)
+        ):
+            raise ShardingError(
+                f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r} (global "
+                f"shape {sp.shape}), a part of the matrix (its semantics cut it): Newton-Schulz on a part is not "
+                f"Muon of the matrix, as one process computes it. Fix: shard the matrices Muon steps with Muon's "
+                f"semantics (fully_shard(..., semantics=blockshard.optim.optimizer_semantics("
+                f"muon_param_groups(model)))), or {_wrapped_fix(optimizer)}"
+            )
         if sp.sharded is p and sp.fqn in compute and _cuts_a_unit(sp, compute[sp.fqn]):
             raise ShardingError(
                 f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of "

@@ -15,6 +15,7 @@ from blockshard._errors import CollectiveIntegrityError
 from blockshard.runtime.core._buffer_set import BufferSet
 from blockshard.runtime.core._collectives import agree, all_gather_into, note_step, step_mismatch, wait
 from blockshard.runtime.core._common import CollectiveTally, TrainingState
+from blockshard.runtime.core._optim_checks import checks_on, compare_across_ranks
 
 if TYPE_CHECKING:
     from blockshard.runtime.core._state import ModuleState
@@ -34,6 +35,11 @@ class RootContext:
     tally: CollectiveTally = field(default_factory=CollectiveTally)
     reducing: list[BufferSet] = field(default_factory=list)  # reduce-scatters in flight, oldest first
     registrations_seen: int = -1  # [Note: parameters added after fully_shard]: the count at the last look
+    # [Note: first-step optimizer checks]: id(piece) -> the (optimizer, param_group) classes stepping
+    # it on this rank, their texts (and whether the optimizer is element-wise), compared once
+    optimizer_classes: dict[int, set[int]] = field(default_factory=dict)
+    optimizer_texts: dict[int, tuple[str, bool]] = field(default_factory=dict)
+    optimizers_compared: bool = False
 
     def finish_reductions(self) -> None:
         """Wait for the reduce-scatters in flight and set their gradients ([Note: async reduce-scatter])."""
@@ -110,6 +116,10 @@ class RootContext:
         top = extremes.tolist()
         highs, mins = top[:n], [-v for v in top[n:]]
         if highs[:-1] == mins[:-1] and mins[-1] in (highs[-1], _NEVER):
+            if highs[-1] >= 1 and not self.optimizers_compared:  # every rank knows: some optimizer stepped
+                self.optimizers_compared = True
+                if checks_on():
+                    compare_across_ranks(self, pg)
             return
         mine = torch.tensor(lows, dtype=torch.int64, device=device)
         everyone = torch.empty(W * n, dtype=torch.int64, device=device)  # every rank saw the mismatch: the details

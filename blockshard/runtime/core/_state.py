@@ -48,6 +48,7 @@ checkpoint those outputs never receive a gradient, so the hook never fires).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -192,6 +193,7 @@ class ModuleState:
                     st.ctx, st.is_root = ctx, st is self
                     for g in st.buffer_sets:
                         g.path, g.tally, g.tally_index = path, ctx.tally, sum(len(o.buffer_sets) for o in ctx.states)
+                        g.root = weakref.ref(ctx)
                     ctx.states.append(st)
         return ctx
 
