@@ -7,6 +7,7 @@ from blockshard._errors import (
     EngineStateError,
     LayoutMismatchError,
     PieceTensorError,
+    ReportError,
     ShardingError,
     TorchRouteError,
 )
@@ -19,6 +20,7 @@ from blockshard.runtime._api import (
     is_sharded,
     local_buffers,
 )
+from blockshard.runtime._report import Report, report
 from blockshard.runtime.checkpoint._dcp import describe_checkpoint, load_checkpoint, save_checkpoint
 from blockshard.runtime.checkpoint._export import save_pretrained
 from blockshard.runtime.checkpoint._optim_state import load_optimizer_state_dict, optimizer_state_dict
@@ -53,6 +55,8 @@ __all__ = [
     "PieceTensor",
     "PieceTensorError",
     "QuantizedStats",
+    "Report",
+    "ReportError",
     "ShardedModule",
     "ShardedState",
     "ShardingError",
@@ -86,6 +90,7 @@ __all__ = [
     "quantized_gather_stats",
     "quantized_stats",
     "register_forward_method",
+    "report",
     "save_checkpoint",
     "save_pretrained",
     "sharded_state_dict",

@@ -1,0 +1,125 @@
+"""The optimizer section of the report: what each optimizer steps, its state tensors, and who is left out.
+
+This rank's figures only (``StateRow.bytes`` of length 1); ``_build.py`` joins the ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from blockshard._errors import ReportError
+from blockshard.runtime._report._external import PartitionSource
+from blockshard.runtime._report._model import OptimizerRow, StateRow
+from blockshard.runtime.core._inspect import state_name
+
+__all__ = ["LocalOptimizers", "as_one_process", "optimizer_rows", "state_kind"]
+
+_KINDS = {"uint8": "8-bit", "int8": "8-bit", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def state_kind(dtype: str) -> str:
+    """A state tensor's kind by its dtype (``8-bit``, ``fp32``, ``bf16``, ...)."""
+    return _KINDS.get(dtype, dtype)
+
+
+def as_one_process(optimizer: torch.optim.Optimizer, name: str, key: str, state: torch.Tensor) -> bool | None:
+    """Whether ``state`` (``optimizer``'s state ``key`` of parameter ``name``) has the kind one process
+    would keep for the whole parameter (8-bit vs fp32: bitsandbytes' ``min_8bit_size``, torchao's
+    block fallback); ``None``: not checked.
+
+    TODO(optimizer facts): call the "optimizer facts" helper of blockshard/runtime/core/ (being
+    written on main) here; until it lands the report gives only the dtypes (``StateRow.kind``).
+    """
+    del optimizer, name, key, state
+    return None
+
+
+@dataclass
+class LocalOptimizers:
+    rows: list[OptimizerRow] = field(default_factory=list)
+    stepped: set[str] = field(default_factory=set)
+    trainable: list[str] = field(default_factory=list)
+
+
+def optimizer_rows(model: nn.Module, optimizers: Sequence[object]) -> LocalOptimizers:
+    names = {id(p): state_name(n) for n, p in model.named_parameters(remove_duplicate=False)}
+    out = LocalOptimizers(trainable=[state_name(n) for n, p in model.named_parameters() if p.requires_grad])
+    for i, opt in enumerate(optimizers):
+        inner, tensor_names, note = _resolve(opt, names)
+        steps: list[str] = []
+        for group in inner.param_groups:
+            for p in group["params"]:
+                n = tensor_names.get(id(p), f"<not a parameter of the model: shape {tuple(p.shape)}>")
+                if n not in steps:
+                    steps.append(n)
+        out.stepped |= set(steps)
+        states: list[StateRow] = []
+        for p, st in inner.state.items():
+            if not isinstance(p, torch.Tensor):
+                continue
+            pname = tensor_names.get(id(p), f"<not a parameter of the model: shape {tuple(p.shape)}>")
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    states.append(_state_row(inner, pname, str(key), v))
+        out.rows.append(
+            OptimizerRow(index=i, name=type(opt).__name__, steps=tuple(steps), states=_summed(states), note=note)
+        )
+    return out
+
+
+def _resolve(opt: object, names: dict[int, str]) -> tuple[torch.optim.Optimizer, dict[int, str], str]:
+    """The optimizer that holds the state and the names of the tensors it steps."""
+    if isinstance(opt, PartitionSource):
+        inner = opt.blockshard_inner_optimizer()
+        by_view: dict[int, str] = {}
+        for g in opt.blockshard_partitions():
+            for t, view in g.views:
+                by_view[id(view)] = names.get(id(g.params[t]), g.names[t])
+        return (
+            inner,
+            by_view,
+            f"{opt.blockshard_engine()}: its inner {type(inner).__name__} steps the partitions' views",
+        )
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ReportError(
+            f"optimizers=[..., {type(opt).__name__} ...]: each must be a torch.optim.Optimizer (or a DeepSpeed "
+            "engine's optimizer made by blockshard.integrations.deepspeed); pass the optimizers you step"
+        )
+    return opt, names, ""
+
+
+def _state_row(opt: torch.optim.Optimizer, name: str, key: str, v: torch.Tensor) -> StateRow:
+    dtype = str(v.dtype).removeprefix("torch.")
+    return StateRow(
+        param=name,
+        key=key,
+        dtype=dtype,
+        bytes=(v.numel() * v.element_size(),),
+        kind=state_kind(dtype),
+        as_one_process=as_one_process(opt, name, key, v),
+    )
+
+
+def _summed(rows: list[StateRow]) -> tuple[StateRow, ...]:
+    """One row per (parameter, key): several tensors of one name (views of one parameter) added."""
+    out: dict[tuple[str, str], StateRow] = {}
+    for r in rows:
+        k = (r.param, r.key)
+        if k in out:
+            prev = out[k]
+            dtype = prev.dtype if prev.dtype == r.dtype else f"{prev.dtype}|{r.dtype}"
+            out[k] = StateRow(
+                param=r.param,
+                key=r.key,
+                dtype=dtype,
+                bytes=(prev.bytes[0] + r.bytes[0],),
+                kind="|".join(state_kind(d) for d in dtype.split("|")),
+                as_one_process=prev.as_one_process if prev.as_one_process == r.as_one_process else None,
+            )
+        else:
+            out[k] = r
+    return tuple(out.values())
