@@ -3,6 +3,7 @@
 from blockshard._errors import ReportError
 from blockshard.runtime._report._build import report
 from blockshard.runtime._report._external import (
+    ComputeTensors,
     PartitionGroup,
     PartitionSource,
     PlacementNote,
@@ -13,6 +14,7 @@ from blockshard.runtime._report._model import GroupRow, OptimizerRow, ParamRow, 
 from blockshard.runtime._report._show import plot, render
 
 __all__ = [
+    "ComputeTensors",
     "GroupRow",
     "OptimizerRow",
     "ParamRow",

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from blockshard.planner import OrderedLayout
 
-__all__ = ["PartitionGroup", "PartitionSource", "PlacementNote", "placement_note", "tag_placement"]
+__all__ = ["ComputeTensors", "PartitionGroup", "PartitionSource", "PlacementNote", "placement_note", "tag_placement"]
 
 _NOTE_ATTR = "_blockshard_placement_note"
 
@@ -67,3 +67,15 @@ class PartitionSource(Protocol):
     def blockshard_engine(self) -> str: ...  # e.g. "DeepSpeed ZeRO-2"
 
     def blockshard_inner_optimizer(self) -> torch.optim.Optimizer: ...
+
+
+@runtime_checkable
+class ComputeTensors(Protocol):
+    """An optimizer that steps other tensors than the model's parameters (blockshard.optim's
+    owner-compute optimizers: pieces, whole units at their owners)."""
+
+    def blockshard_compute_tensors(
+        self,
+    ) -> tuple[torch.optim.Optimizer, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """``(inner optimizer, the model parameters it steps, [(compute tensor, its parameter)])``."""
+        ...

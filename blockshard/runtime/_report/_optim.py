@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from blockshard._errors import ReportError
-from blockshard.runtime._report._external import PartitionSource
+from blockshard.runtime._report._external import ComputeTensors, PartitionSource
 from blockshard.runtime._report._model import OptimizerRow, StateRow
 from blockshard.runtime.core._inspect import state_name
 
@@ -49,13 +49,12 @@ def optimizer_rows(model: nn.Module, optimizers: Sequence[object]) -> LocalOptim
     names = {id(p): state_name(n) for n, p in model.named_parameters(remove_duplicate=False)}
     out = LocalOptimizers(trainable=[state_name(n) for n, p in model.named_parameters() if p.requires_grad])
     for i, opt in enumerate(optimizers):
-        inner, tensor_names, note = _resolve(opt, names)
+        inner, tensor_names, stepped, note = _resolve(opt, names)
         steps: list[str] = []
-        for group in inner.param_groups:
-            for p in group["params"]:
-                n = tensor_names.get(id(p), f"<not a parameter of the model: shape {tuple(p.shape)}>")
-                if n not in steps:
-                    steps.append(n)
+        for p in stepped:
+            n = tensor_names.get(id(p), f"<not a parameter of the model: shape {tuple(p.shape)}>")
+            if n not in steps:
+                steps.append(n)
         out.stepped |= set(steps)
         states: list[StateRow] = []
         for p, st in inner.state.items():
@@ -71,25 +70,33 @@ def optimizer_rows(model: nn.Module, optimizers: Sequence[object]) -> LocalOptim
     return out
 
 
-def _resolve(opt: object, names: dict[int, str]) -> tuple[torch.optim.Optimizer, dict[int, str], str]:
-    """The optimizer that holds the state and the names of the tensors it steps."""
+def _resolve(
+    opt: object, names: dict[int, str]
+) -> tuple[torch.optim.Optimizer, dict[int, str], list[torch.Tensor], str]:
+    """The optimizer that holds the state, the names of the tensors it steps (by id) and those tensors."""
     if isinstance(opt, PartitionSource):
         inner = opt.blockshard_inner_optimizer()
         by_view: dict[int, str] = {}
         for g in opt.blockshard_partitions():
             for t, view in g.views:
                 by_view[id(view)] = names.get(id(g.params[t]), g.names[t])
-        return (
-            inner,
-            by_view,
-            f"{opt.blockshard_engine()}: its inner {type(inner).__name__} steps the partitions' views",
-        )
+        note = f"{opt.blockshard_engine()}: its inner {type(inner).__name__} steps the partitions' views"
+        return inner, by_view, _params_of(inner), note
+    if isinstance(opt, ComputeTensors):
+        inner, params, pairs = opt.blockshard_compute_tensors()
+        by_tensor = {**names, **{id(t): names.get(id(p), "") for t, p in pairs if id(p) in names}}
+        note = f"its inner {type(inner).__name__} steps compute tensors (pieces, whole units at owners)"
+        return inner, by_tensor, params, note
     if not isinstance(opt, torch.optim.Optimizer):
         raise ReportError(
             f"optimizers=[..., {type(opt).__name__} ...]: each must be a torch.optim.Optimizer (or a DeepSpeed "
             "engine's optimizer made by blockshard.integrations.deepspeed); pass the optimizers you step"
         )
-    return opt, names, ""
+    return opt, names, _params_of(opt), ""
+
+
+def _params_of(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in opt.param_groups for p in group["params"]]
 
 
 def _state_row(opt: torch.optim.Optimizer, name: str, key: str, v: torch.Tensor) -> StateRow:
