@@ -128,8 +128,9 @@ class Report:
 
     @property
     def total_bytes(self) -> int:
-        """Unpadded physical bytes of the model's parameters (each once), sharded and replicated."""
-        return sum(p.total_bytes for p in self.params) + sum(g.total_bytes for g in self.groups if g.num_params == 0)
+        """Unpadded physical bytes of every row (each parameter once, sharded or replicated; a ZeRO
+        partition's fp32 masters beside the whole parameters)."""
+        return sum(p.total_bytes for p in self.params)
 
     @property
     def held_bytes(self) -> tuple[int, ...]:
