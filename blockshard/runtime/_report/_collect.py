@@ -106,8 +106,14 @@ def _ragged(model: nn.Module, out: Collected) -> None:
                 held_bytes=(held,),
                 data_bytes=(data,),
                 padding_bytes=(layout.padded_numel - layout.total_numel) * itemsize,
+                note=_QGATHER_NOTE if isinstance(b, QuantizedGatherBuffers) else "",
             )
         )
+
+
+_QGATHER_NOTE = (
+    "the float masters; the quantized segment each rank also keeps is blockshard.quantized_gather_stats' local_bytes"
+)
 
 
 def _compute(entry: OwnerComputed | None, fqn: str, placement: int) -> dict[str, object]:
