@@ -102,6 +102,8 @@ _C10D_ARGS = {
 
 
 _MARK = "engine_vs_fsdp2.measured_step"
+# what every entry of "ratios" divides by ([Note: honest ratios] in blockshard/planner/_qgather.py)
+RATIOS_DIVIDE = "blockshard's figure / FSDP2's, both measured in the same run"
 CATEGORIES = ("all_gather_path", "reduce_scatter_path", "engine_other", "inside_collective", "outside_engine")
 
 
@@ -390,7 +392,7 @@ def _aggregate(per_rank: list[dict], opts: dict) -> dict:
                   "cpu_time": b["cpu_s_all_ranks"]["median"] / f["cpu_s_all_ranks"]["median"], **ratios}  # fmt: skip
     targets = {"step_time_ratio_le_1": ratios["step_time"] <= 1.0} if timed else {}
     return {
-        "engines": engines, "ratios": ratios, "loss_max_abs_diff": max(diffs),
+        "engines": engines, "ratios": ratios, "ratios_divide": RATIOS_DIVIDE, "loss_max_abs_diff": max(diffs),
         "targets": {**targets, "peak_memory_ratio_le_1": ratios["peak_memory"] <= 1.0,
                     "blockshard_engine_copy_bytes": engine_copies(b), "fsdp2_engine_copy_bytes": engine_copies(f)},
     }  # fmt: skip

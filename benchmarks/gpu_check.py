@@ -109,6 +109,7 @@ def main(argv: list[str]) -> int:
             "step_time": b["median_step_s"] / f["median_step_s"],
             "peak_memory": (b["peak_bytes"] / f["peak_bytes"]) if f["peak_bytes"] else None,
         }
+        report["ratios_divide"] = "blockshard's figure / FSDP2's, both measured in the same run"
         report["atol"] = atol
         ok = b["max_abs_diff_from_one_process"] <= atol
         report["ok"] = ok

@@ -160,10 +160,14 @@ class _nothing:
         return False
 
 
+_FLOATS = ("bfloat16", "float16", "float32")
+
+
 def _aggregate(per_rank: list[dict], W: int) -> dict:
     variants = {v: {"per_rank": [r[v] for r in per_rank]} for v in VARIANTS}
     r0 = {v: per_rank[0][v] for v in VARIANTS}
-    float_bytes_4bit = sum(b for d, b in r0["blockshard-4bit"]["gathered_bytes_by_dtype"].items() if d != "uint8")
+    # the float groups' bytes (norms, embeddings); not the engine's int64 collective headers
+    float_bytes_4bit = sum(b for d, b in r0["blockshard-4bit"]["gathered_bytes_by_dtype"].items() if d in _FLOATS)
     base_gather = {
         "blockshard-4bit-nested": r0["blockshard-4bit-nested"]["gathered_bytes_by_dtype"].get("uint8", 0),
         "blockshard-4bit": r0["blockshard-4bit"]["gathered_bytes_by_dtype"].get("uint8", 0),
@@ -176,7 +180,11 @@ def _aggregate(per_rank: list[dict], W: int) -> dict:
     ratios, targets = {}, {}
     for v in ("blockshard-4bit-nested", "blockshard-4bit"):
         total = r0[v]["quantized_total_bytes"]
+        # over the bf16 run's measured gather of the same weights (its layout's few padding bytes included)
         ratios[f"{v}_gathered_over_bf16"] = base_gather[v] / base_gather["blockshard-bf16"]
+        # the honest one: over the payload and scales themselves (unpadded), for as many all-gathers
+        gathers = base_gather[v] / (W * r0[v]["segment_bytes"])
+        ratios[f"{v}_gathered_over_physical"] = base_gather[v] / (gathers * total)
         ratios[f"{v}_persistent_max_rank_over_total_over_W"] = variants[v]["base_persistent_bytes_max_rank"] / (
             total / W
         )

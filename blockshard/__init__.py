@@ -56,12 +56,15 @@ _RUNTIME = (
     "installed_torch_routes",
     "global_shape",
     "global_shapes",
+    "report",
+    "Report",
 )
 _OPTIM = ("param_groups_by",)
 
 
 if TYPE_CHECKING:  # what __getattr__ loads, as mypy sees it (`X as X`: exported)
     from blockshard.optim import param_groups_by as param_groups_by
+    from blockshard.runtime import Report as Report
     from blockshard.runtime import check_finished as check_finished
     from blockshard.runtime import clip_grad_norm_ as clip_grad_norm_
     from blockshard.runtime import full_state_dict as full_state_dict
@@ -82,6 +85,7 @@ if TYPE_CHECKING:  # what __getattr__ loads, as mypy sees it (`X as X`: exported
     from blockshard.runtime import quantized_gather_stats as quantized_gather_stats
     from blockshard.runtime import quantized_stats as quantized_stats
     from blockshard.runtime import register_forward_method as register_forward_method
+    from blockshard.runtime import report as report
     from blockshard.runtime import save_checkpoint as save_checkpoint
     from blockshard.runtime import save_pretrained as save_pretrained
     from blockshard.runtime import sharded_state_dict as sharded_state_dict

@@ -22,6 +22,7 @@ __all__ = [
     "PieceTensorError",
     "PlanError",
     "QuantizedWeightError",
+    "ReportError",
     "SemanticsError",
     "ShapesError",
     "ShardingError",
@@ -96,3 +97,7 @@ class PieceTensorError(BlockshardError):
 class TorchRouteError(BlockshardError):
     """A torch function blockshard routes ([Note: torch routes]) differs on the installed torch from
     what the route was written for, or ``BLOCKSHARD_TORCH_ROUTES`` names no route."""
+
+
+class ReportError(BlockshardError):
+    """A run report that cannot be built or read (a bad file, a model sharded over mixed process groups)."""

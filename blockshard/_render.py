@@ -131,9 +131,9 @@ def quantized_table(plan: ModelPlan) -> Table:
     title = "quantized weights per rank · payload and scales: the model's, the rest per rank"
     table = Table(title=title, title_justify="left", header_style="bold")
     cols = ("group kind", "groups", "tensors", "payload", "scales", "held max", "held mean", "S",
-            "gather/step", "bf16/step", "ratio")  # fmt: skip
+            "gather/step", "bf16/step", "g/bf16", "g/phys")  # fmt: skip
     for col in cols:
-        table.add_column(col, justify="right" if col != "group kind" else "left", no_wrap=True)
+        table.add_column(col, justify="right" if col != "group kind" else "left", no_wrap=True, min_width=len(col))
     for kind, row in plan.quantized_by_kind().items():
         table.add_row(escape(kind), str(row["num_groups"]), *_quantized_cells(row))
     table.add_section()
@@ -142,8 +142,9 @@ def quantized_table(plan: ModelPlan) -> Table:
         "Bytes of the quantized weights as fully_shard stores them: payload and scales (absmax, scalers, "
         "factors) of every group of the kind. held: what a rank holds (max and mean over ranks); S: its segment (held + padding: "
         "quantized_stats' local_bytes). gather/step: all-gather output per rank, forward and backward (the root "
-        "once); bf16/step: the same weights gathered in bf16; ratio: gather over bf16. Code tables (replicated) "
-        "are left out."
+        "once); bf16/step: the same weights in bf16, unpadded; g/bf16: gather over that; g/phys: "
+        "gather over the payload and scales themselves (unpadded, the same gathers): 1.0 moves no padding. Code "
+        "tables (replicated) are left out."
     )
     return table
 
@@ -159,6 +160,7 @@ def _quantized_cells(row: dict[str, Any]) -> list[str]:
         human(row["gathered_bytes_per_step_per_rank"]) + "B",
         human(row["bf16_gathered_bytes_per_step_per_rank"]) + "B",
         f"{row['gathered_over_bf16']:.4f}",
+        f"{row['gathered_over_physical']:.4f}",
     ]
 
 
@@ -169,9 +171,9 @@ def quantized_gather_table(plan: ModelPlan) -> Table:
     title = "weights gathered quantized · float masters per rank, quantized tiles all-gathered"
     table = Table(title=title, title_justify="left", header_style="bold")
     cols = ("group kind", "groups", "tensors", "masters", "payload", "scales", "held max", "S_q",
-            "gather/step", "float/step", "ratio")  # fmt: skip
+            "gather/step", "f+pad/step", "g/f+pad", "g/phys")  # fmt: skip
     for col in cols:
-        table.add_column(col, justify="right" if col != "group kind" else "left", no_wrap=True)
+        table.add_column(col, justify="right" if col != "group kind" else "left", no_wrap=True, min_width=len(col))
     for kind, row in plan.quantized_gather_by_kind().items():
         table.add_row(escape(kind), str(row["num_groups"]), *_gather_cells(row))
     table.add_section()
@@ -184,7 +186,9 @@ def quantized_gather_table(plan: ModelPlan) -> Table:
         "the engine's cost balance does). payload and scales: of every weight of the "
         "kind. held: payload and scales a rank quantizes (max over ranks); S_q: its quantized segment "
         "(quantized_gather_stats' local_bytes). gather/step: all-gather output per rank, forward and backward "
-        "(the root once); float/step: the masters gathered as floats; ratio: gather over float."
+        "(the root once); f+pad/step: the float masters' layout (its padding included) gathered as floats; "
+        "g/f+pad: gather over that; g/phys: gather over the payload and scales themselves "
+        "(unpadded, the same gathers): 1.0 moves no padding."
     )
     return table
 
@@ -199,7 +203,8 @@ def _gather_cells(row: dict[str, Any]) -> list[str]:
         human(row["segment_bytes_per_rank"]) + "B",
         human(row["gathered_bytes_per_step_per_rank"]) + "B",
         human(row["float_gathered_bytes_per_step_per_rank"]) + "B",
-        f"{row['gathered_over_float']:.4f}",
+        f"{row['gathered_over_padded_float']:.4f}",
+        f"{row['gathered_over_physical']:.4f}",
     ]
 
 

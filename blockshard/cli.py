@@ -1,4 +1,4 @@
-"""``blockshard`` command line: ``plan``, ``inspect``, ``demo`` and ``accelerate-config``."""
+"""``blockshard`` command line: ``plan``, ``inspect``, ``report``, ``demo`` and ``accelerate-config``."""
 
 from __future__ import annotations
 
@@ -71,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--group", help="group name (default: the first group that is not the root)")
     inspect.add_argument("--rank", type=int, help="show the pieces this rank holds")
     inspect.add_argument("--json", action="store_true", help="print the layout as JSON")
+    rep = sub.add_parser("report", help="show a run report saved from blockshard.report(model).to_json()")
+    rep.add_argument(
+        "file", metavar="FILE.json", help="a report written by json.dump(blockshard.report(...).to_json(), f)"
+    )
+    rep.add_argument("--json", action="store_true", help="print the report as JSON instead of the tables")
+    rep.add_argument("--plot", metavar="FILE.png", help="draw the bytes held per rank (and total / W) to this file")
     demo = sub.add_parser(
         "demo", help="the main job: train a tiny Llama on W gloo ranks and check it equals one process bitwise"
     )
@@ -255,6 +261,29 @@ def _cmd_inspect_checkpoint(args: argparse.Namespace) -> int:
     return 0 if info["complete"] else 1
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from blockshard._errors import ReportError
+    from blockshard._render import console
+    from blockshard.runtime._report import Report
+
+    with open(args.file, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ReportError(
+                f"{args.file!r} is not JSON ({e}); pass a file written by json.dump(blockshard.report(...).to_json(), f)"
+            ) from None
+    rep = Report.from_json(data)
+    if args.json:
+        json.dump(rep.to_json(), sys.stdout, indent=2)
+        print()
+    else:
+        rep.render(console())
+    if args.plot:
+        rep.plot(args.plot)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from blockshard._demo import run_demo
 
@@ -296,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "list_models", False):
             code = _cmd_list(args)
         else:
-            commands = {"plan": _cmd_plan, "inspect": _cmd_inspect, "demo": _cmd_demo}
+            commands = {"plan": _cmd_plan, "inspect": _cmd_inspect, "report": _cmd_report, "demo": _cmd_demo}
             code = {**commands, "accelerate-config": _cmd_accelerate_config}[args.command](args)
         sys.stdout.flush()  # a write that fails fails here, not at exit
         return code

@@ -286,7 +286,8 @@ def test_bad_policy_is_one_error_line(bad, capsys):
 def test_plan_table_reports_quantized_bytes(sem, capsys):
     assert main(["plan", "--model", "llama3-8b", "-W", "64", "--semantics", sem]) == 0
     out = capsys.readouterr().out
-    for word in ("quantized weights per rank", "held max", "held mean", "gather/step", "bf16/step", "ratio"):
+    for word in ("quantized weights per rank", "held max", "held mean", "gather/step", "bf16/step", "g/bf16",
+                 "g/phys"):  # fmt: skip
         assert word in out, word
     assert re.search(r"model\.layers\.\*\s+│\s+32\s+│\s+224\b", out), out  # 32 groups, 7 linears each
 
@@ -345,7 +346,7 @@ def test_plan_quantized_gather_table_and_json(tmp_path, capsys):
     args = ["plan", "--shapes", _two_fp8_layers(tmp_path), "-W", "3", "--semantics", "*.weight=fp8_block:128"]
     assert main([*args, "--quantized-gather"]) == 0
     out = capsys.readouterr().out
-    for word in ("weights gathered quantized", "masters", "S_q", "gather/step", "float/step", "quantized gather"):
+    for word in ("weights gathered quantized", "masters", "S_q", "gather/step", "f+pad/step", "g/phys"):
         assert word in out, word
     assert re.search(r"layers\.\*\[quantized gather\]\s+│\s+2\s+│", out), out  # the layouts of the masters, by kind
     assert main([*args, "--quantized-gather", "--json", "--layouts"]) == 0
@@ -354,7 +355,11 @@ def test_plan_quantized_gather_table_and_json(tmp_path, capsys):
     assert q["num_tensors"] == 2 and q["payload_bytes"] == 2 * 320 * 192
     assert q["scale_bytes"] == 2 * 4 * 3 * 2  # 3 x 2 tiles of 128 x 128 per weight, 4 bytes each
     assert q["gathered_bytes_per_step_per_rank"] == 2 * 2 * 3 * data["quantized_gather_groups"][0]["segment_bytes"]
-    assert q["gathered_over_float"] < 0.26
+    assert q["gathered_over_padded_float"] < 0.26
+    # the honest ratio: the bytes gathered over the weights' own payload and scales, the same 2 gathers
+    assert q["physical_bytes_per_step_per_rank"] == 2 * (q["payload_bytes"] + q["scale_bytes"])
+    assert q["gathered_over_physical"] == q["gathered_bytes_per_step_per_rank"] / q["physical_bytes_per_step_per_rank"]
+    assert q["gathered_over_physical"] > 1  # W = 3 segments of whole 128-row stripes: padding moves too
     assert [g["layout"] for g in data["quantized_gather_groups"]] == [
         "layers.0[quantized gather]",
         "layers.1[quantized gather]",

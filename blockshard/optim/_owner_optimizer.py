@@ -102,6 +102,14 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         """Refuse parameters the inner optimizer cannot step (a subclass's constraint)."""
         return None
 
+    def blockshard_compute_tensors(
+        self,
+    ) -> tuple[torch.optim.Optimizer, list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """For ``blockshard.report`` (a ``ComputeTensors``): the inner optimizer, the parameters this
+        optimizer steps and each compute tensor of the inner one with its parameter."""
+        params = [q.param for q in self._params]
+        return self.inner, params, [(pc.tensor, self._params[pc.p].param) for pc in self._pieces]
+
     def follow(self, params: Mapping[str, torch.Tensor], names: Mapping[int, str] | None = None) -> bool:
         """Collective (every rank): rebuild over the current tensors ``params`` (name -> tensor, e.g.
         ``dict(model.named_parameters())`` after ``fully_shard``) of the parameters this optimizer

@@ -269,14 +269,22 @@ def plan_gather_buffers(
 
 def quantized_gather_totals(groups: Sequence[QuantizedGatherBytes], world_size: int) -> dict[str, int | float]:
     """Bytes of ``groups`` together: masters and quantized segments per rank, gathered per step, and
-    what a float (the masters' dtype) or bf16 all-gather of the same weights moves."""
+    what a float (the masters' dtype) or bf16 all-gather of the same weights moves.
+
+    [Note: honest ratios] Every ratio names what it divides by. ``gathered_over_physical``: the
+    bytes gathered per step over the weights' own payload and scales (unpadded) times the gathers
+    per step: 1.0 means no padding moves. ``gathered_over_padded_float``: over gathering the float
+    masters' *padded* layout (``W * S`` of the masters, which pads where tiles are coarse against
+    ``total / W``, so it can read well while the quantized gather is mostly padding);
+    ``gathered_over_bf16``: over the weights' unpadded bf16 bytes (2 per value) per gather.
+    """
     out = byte_totals(groups, world_size)
     gathered = out["gathered_bytes_per_step_per_rank"]
     floats = sum(g.gathers_per_step * g.float_gathered_bytes for g in groups)
     bf16 = sum(g.gathers_per_step * BF16_BYTES * g.numel for g in groups)
     out["master_bytes_per_rank"] = sum(g.master_bytes for g in groups)
-    out["float_gathered_bytes_per_step_per_rank"] = floats
-    out["gathered_over_float"] = gathered / floats if floats else 0.0
-    out["bf16_gathered_bytes_per_step_per_rank"] = bf16
+    out["float_gathered_bytes_per_step_per_rank"] = floats  # padded: W * S of the masters' layout
+    out["gathered_over_padded_float"] = gathered / floats if floats else 0.0
+    out["bf16_gathered_bytes_per_step_per_rank"] = bf16  # unpadded: 2 bytes per value
     out["gathered_over_bf16"] = gathered / bf16 if bf16 else 0.0
     return out

@@ -153,6 +153,7 @@ def byte_totals(groups: Sequence[Any], world_size: int) -> dict[str, int | float
         held += np.asarray(g.rank_bytes, dtype=np.int64)
     gathered = sum(g.gathers_per_step * g.gathered_bytes for g in groups)
     total = sum(g.total_bytes for g in groups)
+    physical = sum(g.gathers_per_step * g.total_bytes for g in groups)  # payload and scales, unpadded
     return {
         "num_tensors": sum(len(g.tensors) for g in groups),
         "numel": sum(g.numel for g in groups),
@@ -164,6 +165,9 @@ def byte_totals(groups: Sequence[Any], world_size: int) -> dict[str, int | float
         "segment_bytes_per_rank": sum(g.segment_bytes for g in groups),
         "gathered_bytes_per_step_per_rank": gathered,
         "gathered_bytes_per_step_total": world_size * gathered,
+        # what the gathers would move without padding, and the honest ratio ([Note: honest ratios] in _qgather.py)
+        "physical_bytes_per_step_per_rank": physical,
+        "gathered_over_physical": gathered / physical if physical else 0.0,
     }
 
 

@@ -8,6 +8,7 @@ from blockshard._errors import (
     LayoutMismatchError,
     OptimizerSetupError,
     PieceTensorError,
+    ReportError,
     ShardingError,
     TorchRouteError,
 )
@@ -21,6 +22,7 @@ from blockshard.runtime._api import (
     is_sharded,
     local_buffers,
 )
+from blockshard.runtime._report import Report, report
 from blockshard.runtime.checkpoint._dcp import describe_checkpoint, load_checkpoint, save_checkpoint
 from blockshard.runtime.checkpoint._export import save_pretrained
 from blockshard.runtime.checkpoint._optim_state import load_optimizer_state_dict, optimizer_state_dict
@@ -56,6 +58,8 @@ __all__ = [
     "PieceTensor",
     "PieceTensorError",
     "QuantizedStats",
+    "Report",
+    "ReportError",
     "ShardedModule",
     "ShardedState",
     "ShardingError",
@@ -90,6 +94,7 @@ __all__ = [
     "quantized_gather_stats",
     "quantized_stats",
     "register_forward_method",
+    "report",
     "save_checkpoint",
     "save_pretrained",
     "sharded_state_dict",

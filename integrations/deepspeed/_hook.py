@@ -58,6 +58,7 @@ import torch
 
 from blockshard.planner import OrderedLayout, alignment_numel, ordered_layout
 from blockshard.planner._units import layout_hash
+from blockshard.runtime._report import PartitionGroup
 from blockshard.semantics import TensorSpec
 
 from ._bnb_overrides import follow_overrides, resolve_module_overrides
@@ -116,6 +117,7 @@ class _GroupState:
     layout: OrderedLayout
     names: list[str]
     labels: list[str]
+    unit_numels: list[int] = field(default_factory=list)
     views: list[_View] = field(default_factory=list)
 
 
@@ -250,7 +252,7 @@ def _make_zero12() -> type:
                 pieces.append(t.contiguous().view(-1))
                 if pad:
                     pieces.append(torch.zeros(pad, dtype=t.dtype, device=t.device))
-            self._bs_groups.append(_GroupState(layout, names, labels))
+            self._bs_groups.append(_GroupState(layout, names, labels, [g.unit_numel for g in grids]))
             flat: torch.Tensor = self.flatten(pieces)
             return flat
 
@@ -320,6 +322,30 @@ def _make_zero12() -> type:
         def blockshard_layout(self) -> list[dict[str, Any]]:
             """Per ``param_group``: the layout (JSON), parameter names and semantics labels."""
             return [{**gs.layout.to_json(), "names": gs.names, "semantics": gs.labels} for gs in self._bs_groups]
+
+        # -- blockshard.report (a PartitionSource) -------------------------------------------------
+        def blockshard_partitions(self) -> list[PartitionGroup]:
+            return [
+                PartitionGroup(
+                    layout=gs.layout,
+                    names=tuple(gs.names),
+                    params=tuple(self.round_robin_bit16_groups[i]),
+                    semantics=tuple(gs.labels),
+                    unit_numels=tuple(gs.unit_numels),
+                    shapes=tuple(tuple(m.shape) for m in self.round_robin_bit16_meta[i]),
+                    partition=self.single_partition_of_fp32_groups[i],
+                    process_group=self.real_dp_process_group[i],
+                    views=[(v.param_index, v.tensor) for v in gs.views],
+                )
+                for i, gs in enumerate(self._bs_groups)
+            ]
+
+        def blockshard_engine(self) -> str:
+            return f"DeepSpeed ZeRO-{2 if self.partition_gradients else 1}"
+
+        def blockshard_inner_optimizer(self) -> torch.optim.Optimizer:
+            inner: torch.optim.Optimizer = self.optimizer
+            return inner
 
         def blockshard_layout_hash(self) -> str:
             return layout_hash(self.blockshard_layout())

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from blockshard._errors import BlockshardError
 from blockshard.planner._units import ceil_div, check_world_size, rows_cols
+from blockshard.runtime._report import PlacementNote, tag_placement
 from blockshard.semantics import ResolvedSemantics, SemanticsKind, SemanticsRules, TensorSpec, UnitGrid, normalize_dtype
 
 if TYPE_CHECKING:
@@ -242,14 +243,18 @@ class BlockPlacementFn:
     ) -> None:
         self._rules, self._world_size, self._specs, self._named = rules, world_size, specs, named
         self.placements: dict[str, ParamPlacement] = {}
+        self.notes: dict[int, PlacementNote] = {}  # by id(param): what blockshard.report shows of it
 
     def __call__(self, param: nn.Parameter) -> Shard:
         spec = self._specs.get(id(param))
         if spec is None:
             name = self._named.get(id(param))
             spec = spec_of(name or f"<parameter of shape {tuple(param.shape)}>", param)
-        p = place(spec, self._rules, self._world_size)
+        res = self._rules.resolve(spec)
+        p = decide(spec, res, self._world_size)
         self.placements[p.name] = p
+        self.notes[id(param)] = PlacementNote(p.semantics, res.placement.unit_numel, res.grid.unit_numel,
+                                              p.owner_compute, p.reason)  # fmt: skip
         return p.placement
 
 
@@ -351,7 +356,12 @@ def fully_shard(
         for p in m.parameters():
             if not isinstance(p, DTensor):  # DTensors were sharded by an earlier (child) call
                 fn(p)
+    slots = [(sub, attr, fn.notes[id(p)]) for m in modules for sub in m.modules()
+             for attr, p in sub._parameters.items() if p is not None and id(p) in fn.notes]  # fmt: skip
     out = torch_fully_shard(module, mesh=mesh, shard_placement_fn=fn, **fsdp_kwargs)
+    for sub, attr, note in slots:  # the DTensors FSDP2 registered in their place tell blockshard.report
+        if isinstance(param := sub._parameters.get(attr), DTensor):
+            tag_placement(param, note)
     for m in modules:
         prev = getattr(m, _ATTR, {})
         setattr(m, _ATTR, {**prev, **fn.placements})

@@ -157,10 +157,15 @@ def train_case(
     _train(engine, batches(steps), rank, world_size, split)
     out = {"params": _params(model)}
     if hooked:
+        import blockshard
         from blockshard.integrations import deepspeed as bsd
 
         out["layout"] = bsd.layout_report(engine)
         out["state_bytes"] = _state_bytes(engine.optimizer.optimizer)
+        out["report"] = blockshard.report(engine, optimizers=[engine.optimizer])  # a collective: every rank
+        out["partition_bytes"] = [
+            t.numel() * t.element_size() for t in engine.optimizer.single_partition_of_fp32_groups
+        ]
     return out
 
 

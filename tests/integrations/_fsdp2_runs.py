@@ -214,10 +214,15 @@ def muon_owner(mesh, steps: int = STEPS) -> dict:
         _loss(model, batch).backward()
         muon.step(), adamw.step()
         muon.zero_grad(), adamw.zero_grad()
+    import blockshard
+    from blockshard.integrations import fsdp2
+
     return {
         "params": _full(model),
         "owned": muon.owned_units(),
         "a2a": {dt: (e.send_sizes, e.recv_sizes) for dt, e in muon._exchanges.items()},
+        "report": blockshard.report(model, optimizers=[muon, adamw]),  # a collective: every rank
+        "placements": {n: (p.dim, p.semantics) for n, p in fsdp2.placements(model).items()},
     }
 
 

@@ -287,6 +287,42 @@ def test_muon_momentum_is_sharded(request, w):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_blockshard_report_on_the_hooked_engine(request, w):
+    """``blockshard.report(engine, optimizers=[engine.optimizer])``: the partition each rank holds is
+    the hook's fp32 partition (the engine's buffer) and the layout's segment; per parameter the
+    layout's pieces and holes; the parameters replicated (ZeRO-1/2); the optimizer's state bytes per
+    rank are bnb's own (8-bit for large tensors, fp32 for small ones) and every parameter is stepped."""
+    out = _world(request, w)
+    rep = out[0]["cases"]["z2_bnb"]["report"]
+    assert all(out[r]["cases"]["z2_bnb"]["report"] == rep for r in range(w))
+    assert rep.engine == "deepspeed" and rep.world_size == w
+    (lay,) = out[0]["cases"]["z2_bnb"]["layout"]
+    (g,) = rep.groups
+    S = lay["segment"]
+    assert g.held_bytes == tuple(out[r]["cases"]["z2_bnb"]["partition_bytes"][0] for r in range(w)) == (4 * S,) * w
+    pieces = [
+        [max(0, min(s + n, (r + 1) * S) - max(s, r * S)) for s, n in zip(lay["starts"], lay["numels"], strict=True)]
+        for r in range(w)
+    ]
+    assert g.data_bytes == tuple(4 * sum(p) for p in pieces)
+    assert g.padding_bytes == 4 * lay["padding_numel"] and g.how == "DeepSpeed ZeRO-2 partition"
+    masters = [p for p in rep.params if p.sharded]
+    assert [p.name for p in masters] == [f"module.{n} [masters]" for n in lay["names"]]
+    for t, p in enumerate(masters):
+        assert p.held_bytes == tuple(4 * pieces[r][t] for r in range(w)) and p.semantics == "bnb8bit", p.name
+    assert sorted(p.name for p in rep.replicated) == sorted(f"module.{n}" for n in lay["names"])
+    (opt,) = rep.optimizers
+    for key in ("state1", "state2"):
+        for r in range(w):
+            got = sum(s.bytes[r] for s in opt.states if s.key == key)
+            assert got == out[r]["cases"]["z2_bnb"]["state_bytes"][key], (key, r)
+    kinds = {s.param: s.kind for s in opt.states if s.key == "state1"}
+    assert kinds["module.fc2.weight"] == "8-bit" and kinds["module.head.bias"] == "fp32"
+    assert rep.not_stepped == ()
+
+
+@pytest.mark.slow
 def test_layout_report(world2):
     rep = world2[0]["cases"]["z2_bnb"]["layout"]
     assert len(rep) == 1

@@ -340,6 +340,27 @@ def test_muon_owner_compute_w3_within_tolerance():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("w", [2, 3, 4])
+def test_report_bytes_are_fsdp2_shards_and_padding(w):
+    """``blockshard.report`` on the adapter's DTensors: per parameter the bytes each rank holds are
+    torch.chunk's rows (FSDP2's Shard(0)), the padding FSDP2's ceil(rows / W) rounding, the semantics
+    the adapter's; the same report on every rank; both optimizers together step every parameter."""
+    outs = by_w(w)
+    rep = outs[0]["muon"]["report"]
+    assert all(out["muon"]["report"] == rep for out in outs) and rep.engine == "fsdp2" and rep.world_size == w
+    placed = outs[0]["muon"]["placements"]
+    assert {p.name for p in rep.params} == set(placed) and not rep.replicated
+    for p in rep.params:
+        dim, sem = placed[p.name]
+        rows, rest = p.shape[dim], math.prod(p.shape) // p.shape[dim]
+        chunks = [len(c) for c in torch.chunk(torch.arange(rows), w)] + [0] * w
+        assert p.held_bytes == tuple(4 * rest * n for n in chunks[:w]), p.name
+        assert p.padding_bytes == 4 * rest * (w * -(-rows // w) - rows), p.name
+        assert p.semantics == sem and p.how == f"FSDP2 Shard({dim})", p.name
+    assert rep.not_stepped == () and rep.optimizers_given
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 3, 4])
 def test_every_split_matrix_has_one_owner_and_plan_counts(w):
     outs = by_w(w)
     owned = sorted(u[0] for out in outs for u in out["muon"]["owned"])

@@ -57,7 +57,7 @@ def _engine(rank: int, world: int, build, layers: str | None) -> dict:
     blockshard.fully_shard(model)
     held = {p: frozen_buffers(st).layout.rank_bytes(rank) for p, m in model.named_modules() if (st := state_of(m))
             and frozen_buffers(st) is not None}  # fmt: skip
-    return {"stats": quantized_stats(model), "held": held}
+    return {"stats": quantized_stats(model), "held": held, "report": blockshard.report(model)}
 
 
 def _specs(model: nn.Module, layers: str | None, dtype: torch.dtype) -> list[TensorSpec]:
@@ -83,6 +83,15 @@ def _check(ranks: list[dict], plan) -> None:
             assert stats.constant_bytes == q.constant_bytes, (rank, group)
             assert stats.numel == q.numel, (rank, group)
             assert got["held"][group] == q.rank_bytes[rank], (rank, group)
+        # blockshard.report's rows of the frozen quantized weights: the same bytes, per rank
+        rows = {g.name: g for g in got["report"].groups if g.name.endswith("[quantized weights]")}
+        assert set(rows) == {f"{g}[quantized weights]" for g in predicted}, rank
+        for group, q in predicted.items():
+            row = rows[f"{group}[quantized weights]"]
+            assert row.held_bytes == (q.segment_bytes,) * len(ranks) and row.data_bytes == q.rank_bytes, group
+            assert (
+                row.total_bytes == q.total_bytes and row.padding_bytes == len(ranks) * q.segment_bytes - q.total_bytes
+            )
 
 
 # -- bitsandbytes 4-bit on the tiny Llama ----------------------------------------------------------

@@ -54,7 +54,7 @@ def _loss(model: nn.Module, step: int) -> torch.Tensor:
     return model(input_ids=ids, labels=labels).loss
 
 
-def _train(model: nn.Module, opts: list[torch.optim.Optimizer], steps: int = STEPS) -> dict[str, torch.Tensor]:
+def _train(model: nn.Module, opts: list[torch.optim.Optimizer], steps: int = STEPS) -> dict[str, Any]:
     for step in range(steps):
         _loss(model, step).backward()
         for o in opts:
@@ -63,6 +63,12 @@ def _train(model: nn.Module, opts: list[torch.optim.Optimizer], steps: int = STE
     if blockshard.is_sharded(model):
         return {k: v.clone() for k, v in blockshard.full_state_dict(model).items()}
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _kinds(model: nn.Module, opts: list[torch.optim.Optimizer]) -> dict[str, bool | None]:
+    """blockshard.report's "state kind as on one process" per (parameter, state key) of 8-bit state."""
+    rep = blockshard.report(model, optimizers=opts)
+    return {f"{s.param}/{s.key}": s.as_one_process for o in rep.optimizers for s in o.states if s.key == "state1"}
 
 
 # -- the optimizers of each scenario: (model) -> optimizers ----------------------------------------
@@ -151,10 +157,11 @@ def run(name: str) -> dict[str, Any]:
     start = time.monotonic()
     try:
         with unchecked(expected == DIFFERS):
-            state = _train(model, build(model))
+            opts = build(model)
+            state = _train(model, opts)
     except Exception as e:  # OptimizerSetupError (a ShardingError) where a check trips; anything else fails the test
         return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
-    return {"state": state}
+    return {"state": state, "kinds": _kinds(model, opts) if "bnb" in name else {}}
 
 
 def all_scenarios(rank: int, world: int) -> dict[str, dict[str, Any]]:

@@ -43,3 +43,14 @@ def test_each_scenario_raises_on_every_rank_or_equals_one_process(outcomes, name
         assert len({re.sub(r"rank \d+'s piece", "rank r's piece", e) for e in errors}) == 1, errors
         assert "Fix:" in errors[0]
         assert all(g["seconds"] < 10 for g in got), [g["seconds"] for g in got]
+
+
+def test_the_report_says_whether_8bit_state_is_as_on_one_process(outcomes):
+    """blockshard.report's state rows: fp32 state on the unchecked run's 3072-element pieces is not
+    what one process keeps (8-bit); bnb8bit's semantics keep it 8-bit, as one process does."""
+    ranks, _ = outcomes
+    for r in ranks:
+        unchecked = r["bnb state below min_8bit_size, checks off (control)"]["kinds"]
+        aligned = r["bnb with bnb8bit semantics (control)"]["kinds"]
+        assert unchecked == {"0.weight/state1": False, "2.weight/state1": False}, unchecked
+        assert aligned and all(v is True for v in aligned.values()), aligned

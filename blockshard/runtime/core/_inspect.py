@@ -15,7 +15,7 @@ from blockshard.runtime.core._list_groups import bind_names
 from blockshard.runtime.core._param import managed_tag
 from blockshard.runtime.core._state import ModuleState, state_of
 
-__all__ = ["agree_on_call", "global_shape", "global_shapes", "group_layouts", "local_buffers"]
+__all__ = ["agree_on_call", "global_shape", "global_shapes", "group_layouts", "local_buffers", "named_groups"]
 
 
 def agree_on_call(model: nn.Module, call: str) -> None:
@@ -64,16 +64,23 @@ class BuffersView:
     modules: tuple[nn.Module, ...]
 
 
-def _keyed(model: nn.Module) -> list[tuple[str, ModuleState | BuffersView]]:
-    """Every group by the sharded module's name (a list's: its modules' names joined by ``+``)."""
+def named_groups(model: nn.Module) -> list[tuple[str, str, ModuleState | BuffersView]]:
+    """Every group as ``(key, prefix, state)``: ``key`` the sharded module's name (a list's: its
+    modules' names joined by ``+``; another buffer set's ends in ``[<dtype>]``), ``prefix`` the
+    path its tensor names are relative to (as :func:`states_under`)."""
     paths = {id(m): p for p, m in reversed(list(model.named_modules()))}
-    out: list[tuple[str, ModuleState | BuffersView]] = []
+    out: list[tuple[str, str, ModuleState | BuffersView]] = []
     for prefix, st in states_under(model):
         key = "+".join(paths[id(m)] for m in st.modules) if len(st.modules) > 1 else prefix
         if isinstance(st, BuffersView):  # the group's name ends in its dtype: "<group>[bfloat16]"
             key += st.buffers.name[st.buffers.name.rindex("[") :]
-        out.append((key, st))
+        out.append((key, prefix, st))
     return out
+
+
+def _keyed(model: nn.Module) -> list[tuple[str, ModuleState | BuffersView]]:
+    """Every group by the sharded module's name (a list's: its modules' names joined by ``+``)."""
+    return [(key, st) for key, _, st in named_groups(model)]
 
 
 def group_layouts(model: nn.Module) -> dict[str, GroupLayout]:
