@@ -8,7 +8,13 @@ bitwise equal to one process at W = 2.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # spawned ranks import this module
+from _experts import per_expert_muon
 
 STEPS = 3
 MUON_LR, ADAMW_LR = 0.02, 1e-3
@@ -131,7 +137,6 @@ def fsdp2_recipe(rank: int, world: int) -> dict:
 
 
 # -- stacked experts (issue 22, item 3): a tiny Mixtral, Muon per expert ------------------------------
-EXPERTS = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
 
 
 def _mixtral_train(model, opts, before_step=None) -> dict:
@@ -148,26 +153,13 @@ def _mixtral_train(model, opts, before_step=None) -> dict:
 
 
 def experts_reference(_rank: int, _world: int, per_expert: bool = True) -> dict:
-    """One process: torch's Muon on every expert's (m, n) matrix (views of the stack and of its
-    gradient); ``per_expert=False``, the control: on the stack flattened to ``(E * m, n)``."""
+    """One process: torch's Muon on every expert's (m, n) matrix (tests/runtime/_experts.py);
+    ``per_expert=False``, the control: on the stack flattened to ``(E * m, n)``."""
     from blockshard._tiny import tiny_mixtral
-    from blockshard.optim import muon_param_groups
 
     model = tiny_mixtral(0)
-    muon_group, rest = muon_param_groups(model)
-    named = dict(zip(muon_group["param_names"], muon_group["params"], strict=True))
-    stacks = [named.pop(n) for n in EXPERTS]
-    with torch.no_grad():
-        views = [[w[e] for e in range(w.shape[0])] if per_expert else [w.view(-1, w.shape[-1])] for w in stacks]
-    muon = torch.optim.Muon([*named.values(), *(v for vs in views for v in vs)], lr=MUON_LR)
-
-    def grads_to_views() -> None:
-        for w, vs in zip(stacks, views, strict=True):
-            for v, gr in zip(vs, w.grad if per_expert else [w.grad.view(-1, w.shape[-1])], strict=True):
-                v.grad = gr
-            w.grad = None
-
-    _mixtral_train(model, [muon, torch.optim.AdamW([rest], lr=ADAMW_LR)], grads_to_views)
+    opts, grads_to_views = per_expert_muon(model, MUON_LR, ADAMW_LR, per_expert)
+    _mixtral_train(model, opts, grads_to_views)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

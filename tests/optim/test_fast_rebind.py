@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # the engine tier's thread ranks
 import _inproc
@@ -84,12 +85,19 @@ def test_every_muon_form_built_before_or_after_sharding_equals_one_process(refer
             assert diff == 0.0, (variant, diff)
 
 
-def _stepped_directly(rank: int, world: int) -> str:
+def _muon_before_sharding() -> tuple[nn.Module, torch.optim.Optimizer, dict[int, str]]:
+    """A tiny Llama, torch's Muon over its matrices built before sharding (Accelerate's order), the
+    model sharded whole with Muon's semantics, and the names of the parameters Muon was built over."""
     with _inproc.serial():
         model = tiny_llama(**SHAPES)
     names = {id(p): n for n, p in model.named_parameters()}
     muon = torch.optim.Muon([muon_param_groups(model)[0]], lr=0.02)
     blockshard.fully_shard(model, semantics="muon")
+    return model, muon, names
+
+
+def _stepped_directly(rank: int, world: int) -> str:
+    model, muon, names = _muon_before_sharding()
     wrapper = rebind_optimizer(muon, model, names=names)
     assert isinstance(wrapper, OwnerComputeOptimizer) and wrapper.inner is muon
     input_ids, labels = next(iter(text_batches(1, batch_size=2, seq_len=16)))
@@ -105,11 +113,7 @@ def test_the_reused_optimizer_refuses_a_step_of_its_own():
 
 
 def _control(rank: int, world: int) -> str:
-    with _inproc.serial():
-        model = tiny_llama(**SHAPES)
-    names = {id(p): n for n, p in model.named_parameters()}
-    muon = torch.optim.Muon([muon_param_groups(model)[0]], lr=0.02)
-    blockshard.fully_shard(model, semantics="muon")
+    model, muon, names = _muon_before_sharding()
     new = dict(model.named_parameters())
     for group in muon.param_groups:  # the pieces as they are: what prepare() did before
         group["params"] = [new[names[id(p)]] for p in group["params"]]
@@ -257,11 +261,7 @@ def test_torch_get_and_set_state_dict_of_a_reused_muon_reshard_bitwise(tmp_path)
 def _dropped(rank: int, world: int) -> list:
     import weakref
 
-    with _inproc.serial():
-        model = tiny_llama(**SHAPES)
-    names = {id(p): n for n, p in model.named_parameters()}
-    muon = torch.optim.Muon([muon_param_groups(model)[0]], lr=0.02)
-    blockshard.fully_shard(model, semantics="muon")
+    model, muon, names = _muon_before_sharding()
     wrapper = rebind_optimizer(muon, model, names=names)
     assert rebind_optimizer(muon, model) is muon  # prepared again: already reused, left as it is
     return [weakref.ref(muon), weakref.ref(wrapper)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import _inproc
 import pytest
 import torch
+from _experts import EXPERTS, per_expert_muon
 from torch import nn
 
 import blockshard
@@ -26,7 +27,6 @@ from blockshard.optim import Muon, OwnerComputeError, OwnerComputeOptimizer, muo
 pytestmark = [pytest.mark.timeout(60), pytest.mark.heavy]
 
 STEPS, LR = 2, 0.02
-EXPERTS = ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"]
 CONTROL_MIN = 1e-3  # Muon on the flattened stack against per expert (measured 1.5e-2 after 2 steps)
 
 
@@ -54,23 +54,11 @@ def _train(model: nn.Module, opts: list, before_step=None) -> dict[str, torch.Te
 
 
 def _reference(per_expert: bool = True) -> dict[str, torch.Tensor]:
-    """One process, torch's own Muon on every expert's 2-D matrix (views of the stacked tensor and of
-    its gradient); ``per_expert=False``, the control: on the stack flattened to ``(E * m, n)``."""
+    """One process, torch's own Muon on every expert's 2-D matrix (_experts.py); ``per_expert=False``,
+    the control: on the stack flattened to ``(E * m, n)``."""
     model = _mixtral()
-    muon_group, rest = muon_param_groups(model)
-    named = dict(zip(muon_group["param_names"], muon_group["params"], strict=True))
-    stacks = [named.pop(n) for n in EXPERTS]
-    with torch.no_grad():
-        views = [[w[e] for e in range(w.shape[0])] if per_expert else [w.view(-1, w.shape[-1])] for w in stacks]
-    muon = torch.optim.Muon([*named.values(), *(v for vs in views for v in vs)], lr=LR)
-
-    def grads_to_views() -> None:
-        for w, vs in zip(stacks, views, strict=True):
-            for v, g in zip(vs, w.grad if per_expert else [w.grad.view(-1, w.shape[-1])], strict=True):
-                v.grad = g
-            w.grad = None  # the stacked tensor itself is in no optimizer
-
-    return _train(model, [muon, torch.optim.AdamW([rest], lr=1e-3)], grads_to_views)
+    opts, grads_to_views = per_expert_muon(model, LR, 1e-3, per_expert)
+    return _train(model, opts, grads_to_views)
 
 
 @pytest.fixture(scope="module")
