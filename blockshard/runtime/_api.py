@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -33,6 +34,7 @@ from blockshard.runtime.core._collectives import check_same_layout, engine_group
 from blockshard.runtime.core._dtypes import split_by_dtype
 from blockshard.runtime.core._inspect import global_shape, global_shapes, group_layouts, local_buffers
 from blockshard.runtime.core._list_groups import bind_below, collect_all, listed_modules
+from blockshard.runtime.core._optim_checks import STRICT_ENV, strict
 from blockshard.runtime.core._optim_guard import install_optimizer_guard
 from blockshard.runtime.core._owners import (
     EngineOwnerPlanBuilder,
@@ -43,7 +45,7 @@ from blockshard.runtime.core._owners import (
 )
 from blockshard.runtime.core._param import ParamRef, ShardedParam, check_plain, managed_tag, tag_managed
 from blockshard.runtime.core._state import STATE_ATTR, ModuleState, state_of
-from blockshard.runtime.quantized._frozen import FrozenQuantizedBuffers, collect_quantized
+from blockshard.runtime.quantized._frozen import FrozenQuantizedBuffers, collect_quantized, ignored_quantized
 from blockshard.runtime.quantized._gather import QuantizedGatherBuffers, split_quantized_gather
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
 from blockshard.semantics._rule import call_user_semantics
@@ -61,7 +63,7 @@ __all__ = [
 ]
 
 
-from blockshard._errors import ShardingError
+from blockshard._errors import QuantizedWeightError, ShardingError
 from blockshard.runtime.checkpoint._state_dict import install_state_dict_hooks
 from blockshard.runtime.core._module import ShardedModule, UnshardHandle
 from blockshard.runtime.routes import install_torch_routes
@@ -86,6 +88,22 @@ def is_sharded(module: nn.Module) -> bool:
 
 def _state_of(module: nn.Module) -> ModuleState | None:
     return state_of(module)
+
+
+def _warn_replicated_quantized(names: list[str]) -> None:
+    """Quantized weights in ``ignored_params`` stay whole on every rank: said, never silent (a
+    warning; an error under ``BLOCKSHARD_STRICT=1``)."""
+    if not names:
+        return
+    text = (
+        f"fully_shard(ignored_params=...): the quantized weight{'s' if len(names) > 1 else ''} "
+        f"{', '.join(repr(n) for n in names[:3])}{' ...' if len(names) > 3 else ''} stay whole on every rank "
+        "(replicated: no memory saved). Fix: leave them out of ignored_params (blockshard shards 4-bit, MX and "
+        "FP8 weights in whole quantization groups: docs/quantized.md)"
+    )
+    if strict():
+        raise QuantizedWeightError(text + f" ({STRICT_ENV}=1)")
+    warnings.warn(text, stacklevel=3)
 
 
 def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
@@ -273,6 +291,7 @@ def fully_shard(
     quantized = [
         f for m in modules for f in collect_quantized(m, ignored, is_sharded)
     ]  # [Note: frozen quantized buffers]
+    _warn_replicated_quantized(ignored_quantized(modules, ignored))
     names, params, refs = collect_all(modules, ignored | {i for f in quantized for i in f.ids})
     _check_params(names, params)
     if shard_placement_fn is not None:  # checked as FSDP2 does; the layout follows semantics ([Note: shard placements])

@@ -93,3 +93,18 @@ def test_a_block_of_one_linear_trains_at_w1():
     x = torch.randn(3, 128)
     assert torch.equal(block(x), plain(x))
     assert type(block.proj.weight) is nn.Parameter and block.proj.weight.dtype == torch.uint8
+
+
+def test_a_quantized_weight_left_replicated_is_said_and_refused_under_strict(monkeypatch, recwarn):
+    """ignored_params keeps a 4-bit weight whole on every rank: a warning naming it (no silent
+    replication), an error under BLOCKSHARD_STRICT=1; the control, nothing ignored, says nothing."""
+    block = Block()
+    with pytest.warns(UserWarning, match=r"quantized weight 'proj\.weight' stay whole on every rank"):
+        blockshard.fully_shard(block, ignored_params={block.proj.weight})
+    monkeypatch.setenv("BLOCKSHARD_STRICT", "1")
+    block = Block()
+    with pytest.raises(QuantizedWeightError, match=r"'proj\.weight' stay whole.*BLOCKSHARD_STRICT=1"):
+        blockshard.fully_shard(block, ignored_params={block.proj.weight})
+    recwarn.clear()
+    blockshard.fully_shard(Block())  # the control
+    assert not [w for w in recwarn if "stay whole" in str(w.message)]

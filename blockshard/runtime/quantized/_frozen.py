@@ -22,7 +22,7 @@ No gradients, no reduce-scatter, no optimizer state: these weights never change.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +49,7 @@ __all__ = [
     "QuantizedStats",
     "collect_quantized",
     "frozen_buffers",
+    "ignored_quantized",
     "quantized_stats",
 ]
 
@@ -116,6 +117,19 @@ def collect_quantized(module: nn.Module, ignored: set[int], is_sharded: Callable
             if child is not None:
                 stack.append((f"{prefix}{cname}.", child))
     return list(found.values())
+
+
+def ignored_quantized(modules: Sequence[nn.Module], ignored: set[int]) -> list[str]:
+    """The names of quantized weights under ``modules`` that ``ignored_params`` leaves replicated
+    (whole on every rank: no memory saved, the silent failure of 4-bit weights under FSDP)."""
+    if not ignored:
+        return []
+    out = []
+    for m in modules:
+        for name, p in m.named_parameters():
+            if id(p) in ignored and _adapter(p) is not None and name not in out:
+                out.append(name)
+    return out
 
 
 @dataclass(frozen=True)
