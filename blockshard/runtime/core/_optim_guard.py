@@ -26,6 +26,11 @@ some optimizer had stepped the model, and compares the counts of the ranks that 
 run several optimizers, or none over a tensor it holds no element of (ranks that filter out
 empty pieces build different optimizers), so one rank stepping twice is not caught.
 
+The same hook runs the first-step optimizer checks (param_groups chosen by the pieces' shape, two
+optimizers over one parameter, 8-bit state that would turn fp32: [Note: first-step optimizer
+checks] in _optim_checks.py) once per optimizer, outside ``uncounted_steps`` and never for an inner
+optimizer.
+
 Cost: an optimizer is checked once per number of parameters it holds (``add_param_group`` makes
 it check again); afterwards a step costs one weak-dictionary lookup and a sum over its
 ``param_groups``: measured 0.9 us (10 parameters) and 1.2 us (300) per step on this machine's CPU,
@@ -146,8 +151,7 @@ def note_inner(inner: torch.optim.Optimizer, outer: str) -> None:
 
 def _whole_unit_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     """torch's Muon or blockshard's BlockedShampoo: they compute on whole matrices / tiles."""
-    cls = type(optimizer)
-    return (cls.__name__ == "Muon" and cls.__module__.startswith("torch.optim")) or cls.__name__ == "BlockedShampoo"
+    return _is_torch_muon(optimizer) or type(optimizer).__name__ == "BlockedShampoo"
 
 
 def _is_torch_muon(optimizer: torch.optim.Optimizer) -> bool:
