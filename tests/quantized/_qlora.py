@@ -139,6 +139,18 @@ def _linears4bit(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
 
 
+def canonical_kernel(model: nn.Module) -> nn.Module:
+    """``model`` with bitsandbytes' eval-mode AVX512-BF16 path off (on CPUs that have it, an eval
+    forward repacks each ``Linear4bit`` weight in place and runs a bf16 kernel: other numerics, and
+    it fails for ``in_features`` that are not a multiple of the blocksize, e.g. down_proj's 352).
+    The engine turns it off for the modules it manages (``prepare_module`` in
+    blockshard/runtime/quantized/_bnb4bit.py; docs/quantized.md), so a
+    one-process reference in eval mode turns it off too; on other CPUs this changes nothing."""
+    for _, m in _linears4bit(model):
+        m.support_avx512bf16_for_cpu = False
+    return model
+
+
 def quantized_bytes(weight) -> dict[str, torch.Tensor]:
     """A Params4bit's payload and scales as bytes (what must be identical after a gather)."""
     from blockshard.runtime.quantized._tensor import byte_view
@@ -277,8 +289,7 @@ def qlora_variants(rank: int, world: int, variant: str) -> dict:
                 layer.set_modules_to_forward_prefetch([])
                 layer.set_modules_to_backward_prefetch([])
     elif variant == "eval":  # the engine keeps bitsandbytes' canonical packing (no AVX512 repack)
-        for _, m in _linears4bit(model):
-            m.support_avx512bf16_for_cpu = False
+        canonical_kernel(model)
     ids, labels = next(iter(text_batches(1, 4, 16)))
     out: dict = {}
     if variant == "eval":
