@@ -58,6 +58,8 @@ _RUNTIME = (
     "global_shapes",
     "report",
     "Report",
+    "collective_counts",
+    "set_step_log",
 )
 _OPTIM = ("param_groups_by",)
 
@@ -67,6 +69,7 @@ if TYPE_CHECKING:  # what __getattr__ loads, as mypy sees it (`X as X`: exported
     from blockshard.runtime import Report as Report
     from blockshard.runtime import check_finished as check_finished
     from blockshard.runtime import clip_grad_norm_ as clip_grad_norm_
+    from blockshard.runtime import collective_counts as collective_counts
     from blockshard.runtime import full_state_dict as full_state_dict
     from blockshard.runtime import fully_shard as fully_shard
     from blockshard.runtime import global_shape as global_shape
@@ -88,6 +91,7 @@ if TYPE_CHECKING:  # what __getattr__ loads, as mypy sees it (`X as X`: exported
     from blockshard.runtime import report as report
     from blockshard.runtime import save_checkpoint as save_checkpoint
     from blockshard.runtime import save_pretrained as save_pretrained
+    from blockshard.runtime import set_step_log as set_step_log
     from blockshard.runtime import sharded_state_dict as sharded_state_dict
     from blockshard.runtime import uninstall_torch_routes as uninstall_torch_routes
 

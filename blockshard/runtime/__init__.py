@@ -40,8 +40,10 @@ from blockshard.runtime.core._clip import clip_grad_norm_
 from blockshard.runtime.core._collectives import check_finished
 from blockshard.runtime.core._common import ShardedState, TrainingState
 from blockshard.runtime.core._init import init_parameters
+from blockshard.runtime.core._inspect import collective_counts
 from blockshard.runtime.core._module import register_forward_method
 from blockshard.runtime.core._owners import TensorOwnerPlan, TensorOwners, owner_plan
+from blockshard.runtime.core._traffic import CollectiveCount, StepLogError, TrafficMismatchError, set_step_log
 from blockshard.runtime.quantized._frozen import QuantizedStats, quantized_stats
 from blockshard.runtime.quantized._gather import full_quantized, precompute_quantized_gather, quantized_gather_stats
 from blockshard.runtime.routes import install_torch_routes, installed_torch_routes, uninstall_torch_routes
@@ -49,6 +51,7 @@ from blockshard.runtime.routes import install_torch_routes, installed_torch_rout
 __all__ = [
     "CheckpointError",
     "ClipError",
+    "CollectiveCount",
     "CollectiveIntegrityError",
     "EngineStateError",
     "LayoutMismatchError",
@@ -63,13 +66,16 @@ __all__ = [
     "ShardedModule",
     "ShardedState",
     "ShardingError",
+    "StepLogError",
     "TensorOwnerPlan",
     "TensorOwners",
     "TorchRouteError",
+    "TrafficMismatchError",
     "TrainingState",
     "UnshardHandle",
     "check_finished",
     "clip_grad_norm_",
+    "collective_counts",
     "describe_checkpoint",
     "full_quantized",
     "full_state_dict",
@@ -97,6 +103,7 @@ __all__ = [
     "report",
     "save_checkpoint",
     "save_pretrained",
+    "set_step_log",
     "sharded_state_dict",
     "uninstall_torch_routes",
 ]

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from blockshard._errors import EngineStateError
 from blockshard.runtime.core._collectives import agree, wait
 from blockshard.runtime.core._common import CollectiveTally, ShardedState
+from blockshard.runtime.core._traffic import CollectiveCount, Traffic
 
 __all__ = ["BufferSet", "GroupControls"]
 
@@ -69,6 +70,7 @@ class BufferSet(abc.ABC):
         self.tally_index = 0
         self.root: Callable[[], Any] | None = None  # a weakref.ref to the RootContext (the optimizer checks)
         self._pending: list[dist.Work] = []  # the unshard's all-gathers in flight, while UNSHARDING
+        self.traffic = Traffic()  # [Note: traffic]
 
     @property
     def described(self) -> str:
@@ -88,6 +90,16 @@ class BufferSet(abc.ABC):
         """Count one collective of ``kind`` (0 all-gather, 1 reduce-scatter, 2 all-reduce)."""
         if self.tally is not None:
             self.tally.record(self.tally_index, kind)
+
+    def sent(self, kind: int, nbytes: int, predicted: int, dtype: torch.dtype, wire: str = "float") -> None:
+        """Record one collective of ``kind`` that moves ``nbytes`` where the plan predicts
+        ``predicted`` ([Note: traffic]); call it where the collective is issued."""
+        step = 1 if self.tally is None else self.tally.steps + 1
+        self.traffic.record(self.described, kind, nbytes, predicted, dtype, wire, step)
+
+    def collective_counts(self) -> list[CollectiveCount]:
+        """This buffer set's collectives since it was built ([Note: traffic])."""
+        return self.traffic.counts(self.path if self.path is not None else self.name, self.name)
 
     # -- all-gather -------------------------------------------------------------------------------
     @abc.abstractmethod

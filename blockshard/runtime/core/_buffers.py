@@ -221,10 +221,13 @@ class ParamBuffers(BufferSet):
         with self.streams.on("all_gather"):  # [Note: streams]
             if self.send is not self.local:  # mixed precision: the one cast of the step; offload: to the device
                 self.send.copy_(self.local, non_blocking=self.streams.pinned)
+            moved = 0
             for b, S_b in enumerate(layout.buckets):
                 off = layout.bucket_local_offset(b)
                 gathered, local = self.gathered[W * off : W * (off + S_b)], self.send[off : off + S_b]
                 self._pending.append(all_gather_into(gathered, local, self.process_group, async_op=True))
+                moved += gathered.numel() * gathered.element_size()
+        self.sent(0, moved, layout.padded_numel * _itemsize(self.param_dtype), self.send.dtype)  # [Note: traffic]
         self._issued(async_op)
 
     def _start_gather(self) -> None:
@@ -368,3 +371,8 @@ def _describe(param: object) -> str:
     if isinstance(param, torch.Tensor):
         return f"a {type(param).__name__} of shape {tuple(param.shape)}"
     return repr(param)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (what the plan multiplies its element counts by)."""
+    return torch.empty((), dtype=dtype).element_size()

@@ -136,19 +136,23 @@ class GradientSync:
         assert out is not None
         b.agree(f"the reduce-scatter of group {b.described}", S, self.reduce_dtype)  # [Note: collective headers]
         b.count(1)
-        works = []
+        works, moved = [], 0
         with b.streams.on("reduce_scatter"):  # [Note: streams]
             for k, S_k in enumerate(layout.buckets):
                 off = layout.bucket_local_offset(k)
+                unreduced = rs_in[W * off : W * (off + S_k)]
                 works.append(
                     reduce_scatter_avg(
                         out[off : off + S_k],
-                        rs_in[W * off : W * (off + S_k)],
+                        unreduced,
                         b.process_group,
                         async_op=True,
                         summed=b.controls.divide_factor is not None,
                     )
                 )
+                moved += unreduced.numel() * unreduced.element_size()
+        planned = layout.padded_numel * torch.empty((), dtype=self.reduce_dtype).element_size()
+        b.sent(1, moved, planned, rs_in.dtype)  # [Note: traffic]
         # gloo reduce-scatters a copy of its input that the work owns: ours is not read again,
         # so it is freed now, not while the next group's backward runs ([Note: gloo's copies])
         keep = None if holds_copies(b.process_group, rs_in.device) else rs_in
@@ -214,6 +218,9 @@ class GradientSync:
         op = dist.ReduceOp.SUM if b.controls.divide_factor is not None else dist.ReduceOp.AVG
         b.agree(f"the all-reduce of group {b.described}", out.numel(), out.dtype, pg)
         b.count(2)
+        assert b.layout is not None
+        planned = b.layout.segment_numel * torch.empty((), dtype=self.reduce_dtype).element_size()
+        b.sent(2, out.numel() * out.element_size(), planned, out.dtype)  # [Note: traffic]
         wait(dist.all_reduce(out, op=op, group=pg, async_op=True), f"the all-reduce of group {b.described}", pg)
         return True
 

@@ -14,8 +14,17 @@ from blockshard.runtime.core._collectives import agree_call
 from blockshard.runtime.core._list_groups import bind_names
 from blockshard.runtime.core._param import managed_tag
 from blockshard.runtime.core._state import ModuleState, state_of
+from blockshard.runtime.core._traffic import CollectiveCount
 
-__all__ = ["agree_on_call", "global_shape", "global_shapes", "group_layouts", "local_buffers", "named_groups"]
+__all__ = [
+    "agree_on_call",
+    "collective_counts",
+    "global_shape",
+    "global_shapes",
+    "group_layouts",
+    "local_buffers",
+    "named_groups",
+]
 
 
 def agree_on_call(model: nn.Module, call: str) -> None:
@@ -87,6 +96,18 @@ def group_layouts(model: nn.Module) -> dict[str, GroupLayout]:
     """The layout of every group under ``model``, by the sharded module's name (a list's group:
     its modules' names joined by ``+``, e.g. ``"model.norm+lm_head"``)."""
     return {key: st.buffers.layout for key, st in _keyed(model) if st.buffers.layout is not None}
+
+
+def collective_counts(model: nn.Module) -> list[CollectiveCount]:
+    """This rank's collectives of every buffer set under ``model`` since it was sharded: per kind,
+    wire format and dtype, the calls, the bytes they moved and the bytes the plan predicts for them
+    ([Note: traffic] in _traffic.py). Reads counters only: no collective."""
+    out: list[CollectiveCount] = []
+    for _, st in states_under(model):
+        if isinstance(st, ModuleState):
+            for b in st.buffer_sets:
+                out.extend(b.collective_counts())
+    return out
 
 
 def global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -16,6 +16,7 @@ from blockshard.runtime.core._buffer_set import BufferSet
 from blockshard.runtime.core._collectives import agree, all_gather_into, note_step, step_mismatch, wait
 from blockshard.runtime.core._common import CollectiveTally, TrainingState
 from blockshard.runtime.core._optim_checks import checks_on, compare_across_ranks
+from blockshard.runtime.core._traffic import log_step_summary
 
 if TYPE_CHECKING:
     from blockshard.runtime.core._state import ModuleState
@@ -84,6 +85,19 @@ class RootContext:
         self.reducing.clear()
         self.tally.reset()
 
+    def _summarize(self, step: int, root: str) -> None:
+        """The step's bytes by kind over every buffer set, against the plan ([Note: traffic])."""
+        totals: dict[str, int] = {}
+        predicted: dict[str, int] = {}
+        for st in self.states:
+            for b in st.buffer_sets:
+                moved, planned = b.traffic.take_step()
+                for kind, n in moved.items():
+                    totals[kind] = totals.get(kind, 0) + n
+                for kind, n in planned.items():
+                    predicted[kind] = predicted.get(kind, 0) + n
+        log_step_summary(root, step, totals, predicted)
+
     def check_step(self) -> None:
         """[Note: collective integrity] One small all-reduce per step: every rank must have issued
         the same collectives (count and order), at the same step, with the same trainable
@@ -102,6 +116,7 @@ class RootContext:
         what = f"the end-of-step check of the model rooted at group {group.name!r}"
         agree(pg, what, numel=2 * n, dtype=torch.int64, phase=tally.phase_text)  # [Note: collective headers]
         tally.steps += 1
+        self._summarize(tally.steps, group.name)  # [Note: traffic]
         tally.optimizer_steps += tally.optimizer_stepped
         tally.optimizer_stepped = False
         note_step(pg)

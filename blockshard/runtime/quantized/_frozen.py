@@ -240,6 +240,7 @@ class FrozenQuantizedBuffers(BufferSet):
         self.agree(f"the all-gather of the quantized weights of group {self.described}", S, torch.uint8)
         self._gathered_bytes = torch.empty(W * S, dtype=torch.uint8, device=self.device)
         self._pending.append(all_gather_into(self._gathered_bytes, self.local, self.process_group, async_op=True))
+        self.sent(0, self._gathered_bytes.numel(), W * self.layout.segment_bytes, torch.uint8, "quantized bytes")
         self.sharded_state = ShardedState.UNSHARDING
         self.count(0)
         if not async_op:

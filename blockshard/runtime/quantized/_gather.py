@@ -207,6 +207,7 @@ class QuantizedGatherBuffers(ParamBuffers):
         self._gathered_bytes = torch.empty(W * Sq, dtype=torch.uint8, device=self.device)
         with self.streams.on("all_gather"):
             self._pending.append(all_gather_into(self._gathered_bytes, self.payload, self.process_group, async_op=True))
+        self.sent(0, self._gathered_bytes.numel(), W * Sq, torch.uint8, "quantized payload")  # [Note: traffic]
         self._issued(async_op)
 
     @property
