@@ -44,6 +44,7 @@ from torch import nn
 
 import blockshard
 from blockshard.optim import rebind_optimizer
+from blockshard.runtime._report._engaged import log_engaged
 
 from .. import deepspeed as bs_deepspeed
 from ._settings import (
@@ -176,6 +177,7 @@ class Accelerator(accelerate.Accelerator):
     def __init__(self, *args: Any, blockshard_settings: AccelerateSettings | None = None, **kwargs: Any) -> None:
         settings = blockshard_settings if blockshard_settings is not None else load_settings()
         self.blockshard_settings = settings
+        self.blockshard_source = "accelerate"  # what the engage line names ([Note: engage line]); the Trainer's says so
         self._blockshard_models: list[nn.Module] = []
         self._deepspeed_clipping: float | None = None
         if settings is None:
@@ -213,6 +215,19 @@ class Accelerator(accelerate.Accelerator):
                 args = tuple(
                     rebind_optimizer(a, model, names=names) if isinstance(a, torch.optim.Optimizer) else a for a in args
                 )
+            prepared = super().prepare(*args, device_placement=device_placement)
+            if models:  # the prepare that sharded: [Note: engage line]
+                s = self.blockshard_settings
+                optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+                log_engaged(
+                    models[0],
+                    self.blockshard_source,
+                    engine=s.engine,
+                    semantics=s.semantics,
+                    policy=s.policy,
+                    optimizers=optimizers,
+                )
+            return prepared
         return super().prepare(*args, device_placement=device_placement)
 
     def _is_blockshard(self, model: nn.Module) -> bool:

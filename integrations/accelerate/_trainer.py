@@ -93,7 +93,9 @@ class Trainer(transformers.Trainer):
         settings = self._blockshard_settings_arg
 
         def build(**kwargs: Any) -> Accelerator:
-            return Accelerator(blockshard_settings=settings, **kwargs)
+            acc = Accelerator(blockshard_settings=settings, **kwargs)
+            acc.blockshard_source = "HF Trainer"  # [Note: engage line]
+            return acc
 
         with _patched(hf_trainer, "Accelerator", build):
             super().create_accelerator_and_postprocess()

@@ -36,6 +36,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from blockshard.runtime._report._engaged import log_engaged
+
 from ._config import (
     ALLOW_UNTESTED_ENV,
     SECTION,
@@ -180,6 +182,10 @@ def _initialize(kwargs: dict[str, Any], *, require_section: bool) -> Any:
         )
     if stage == 0:
         _log.info("blockshard: ZeRO stage 0 keeps whole parameters on every rank; nothing to align")
+    else:  # [Note: engage line] in blockshard/runtime/_report/_engaged.py
+        log_engaged(
+            engine, "the DeepSpeed hook", engine=f"DeepSpeed ZeRO-{stage}", semantics=hc.semantics, policy="whole"
+        )
     return out
 
 

@@ -391,9 +391,16 @@ def test_cli_out_that_cannot_be_written_is_one_line_exit_2(tmp_path, monkeypatch
 
 # -- real launches ----------------------------------------------------------------------------------------
 def _env() -> dict:
-    env = dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    # BLOCKSHARD_LOG=info: the engage line and the first steps' collectives ([Note: engage line])
+    env = dict(os.environ, DS_ACCELERATOR="cpu", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", BLOCKSHARD_LOG="info")
     env.pop("BLOCKSHARD_ACCELERATE_CONFIG", None)
     return env
+
+
+def _engaged(out: pathlib.Path) -> list[str]:
+    """The launch's engage lines (rank 0 logs one, then the report) and its step summaries."""
+    log = pathlib.Path(f"{out}.log").read_text()
+    return [line for line in log.splitlines() if "blockshard engaged (" in line or " of the model rooted at " in line]
 
 
 def _results(out: pathlib.Path, ranks: int) -> tuple[list[dict], dict]:
@@ -491,6 +498,10 @@ def test_ragged_engine_equals_one_process_and_resumes_bitwise(tmp_path, referenc
     )
     ref_info, ref_state = reference()
     _check_sharded(infos)
+    lines = _engaged(tmp_path / "run")
+    assert [x for x in lines if "blockshard engaged (accelerate): engine ragged," in x and "over 2 ranks" in x], lines
+    steps = [x for x in lines if "of the model rooted at" in x]
+    assert steps and all(x.endswith("as planned") for x in steps), steps  # bytes sent = the plan's ([Note: traffic])
     total = infos[0]["total_numel"]
     assert infos[0]["norms"] == pytest.approx(ref_info["norms"], rel=1e-6)
     assert _max_diff(state, ref_state) == 0.0
@@ -526,6 +537,8 @@ def test_fsdp2_engine_accumulates_equals_one_process_and_resumes_bitwise(tmp_pat
     infos, state = _launch(config, tmp_path / "run", "--seed-per-rank", "--save-at", "2", *ckpt)
     ref_info, ref_state = reference_accumulating()
     _check_sharded(infos)
+    lines = _engaged(tmp_path / "run")
+    assert [x for x in lines if "blockshard engaged (accelerate): engine fsdp2," in x], lines
     assert len(infos[0]["norms"]) == 4 and infos[0]["norms"] == pytest.approx(ref_info["norms"], rel=1e-6)
     assert _max_diff(state, ref_state) <= FSDP2_ATOL
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")) == []  # no .partial left
@@ -537,6 +550,8 @@ def test_fsdp2_engine_accumulates_equals_one_process_and_resumes_bitwise(tmp_pat
 def test_deepspeed_engine_is_hooked_and_equals_one_process(tmp_path, reference):
     infos, state = _launch(EXAMPLES / "deepspeed.yaml", tmp_path / "run")
     assert [i["world_size"] for i in infos] == [2, 2] and infos[0]["distributed_type"] == "DistributedType.DEEPSPEED"
+    lines = _engaged(tmp_path / "run")
+    assert len([x for x in lines if "blockshard engaged (the DeepSpeed hook): engine DeepSpeed ZeRO-" in x]) == 1, lines
     assert any(name.startswith("blockshard.integrations.deepspeed") for name in infos[0]["optimizers"]), infos[0]
     total = infos[0]["total_numel"]
     assert all(0 < i["state_numel"] < total for i in infos)  # ZeRO-2: each rank holds part of the optimizer state
@@ -550,6 +565,7 @@ def test_control_stock_accelerate_does_not_shard(tmp_path):
     lines = (EXAMPLES / "train.py").read_text().splitlines(keepends=True)
     script.write_text("".join(line for line in lines if "blockshard.integrations.accelerate import" not in line))
     infos, _ = _launch(EXAMPLES / "ragged.yaml", tmp_path / "run", script=script)
+    assert _engaged(tmp_path / "run") == []  # nothing engaged, nothing said
     # accelerate reports one process on each of the two, and each holds every parameter
     assert [i["world_size"] for i in infos] == [1, 1] and {i["distributed_type"] for i in infos} == {
         "DistributedType.NO"

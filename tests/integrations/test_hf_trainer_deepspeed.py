@@ -80,6 +80,7 @@ def _env() -> dict:
         DS_ACCELERATOR="cpu",
         GLOO_SOCKET_IFNAME="lo",
         OMP_NUM_THREADS="1",
+        BLOCKSHARD_LOG="info",  # the engage line ([Note: engage line])
         PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     )
 
@@ -115,6 +116,7 @@ def launched(tmp_path_factory):
         out = tmp / f"{name}.json"
         return json.loads(out.read_text()), torch.load(f"{out}.pt")
 
+    result.log = lambda name: (tmp / f"{name}.log").read_text()  # type: ignore[attr-defined]
     yield result
     for job in started.values():
         job.kill()
@@ -131,6 +133,9 @@ def test_trainer_zero_equals_one_process_bitwise(launched, run):
     info, params = launched(run)
     ref_info, ref = launched("single")
     assert info["world_size"] == 2 and info["hooked"] and not ref_info["hooked"]
+    engaged = [x for x in launched.log(run).splitlines() if "blockshard engaged (the DeepSpeed hook)" in x]
+    assert len(engaged) == 1 and f"engine DeepSpeed ZeRO-{run[4]}" in engaged[0], engaged
+    assert "blockshard engaged" not in launched.log("single")  # stage 0 on one process: not hooked
     assert _max_diff(params, ref) == {}
     assert info["losses"] == ref_info["losses"]
 

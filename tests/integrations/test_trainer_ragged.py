@@ -94,7 +94,8 @@ def test_without_a_blockshard_config_it_is_the_stock_trainer(tmp_path, monkeypat
 
 
 def _env() -> dict:
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    # BLOCKSHARD_LOG=info: the engage line ([Note: engage line]) and the first steps' collectives
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", BLOCKSHARD_LOG="info")
     env.pop("BLOCKSHARD_ACCELERATE_CONFIG", None)
     return env
 
@@ -110,10 +111,22 @@ def runs(tmp_path_factory):
     sharded = [*launch, str(EXAMPLE), *runs, "--out", str(tmp / "run")]
     procs = [subprocess.Popen(c, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for c in (ref, sharded)]  # fmt: skip
-    for proc in procs:
+    for proc, name in zip(procs, ("ref", "run"), strict=True):
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out[-6000:]
+        (tmp / f"{name}.log").write_text(out)
     return tmp / "ref", tmp / "run"
+
+
+@pytest.mark.slow
+def test_the_trainer_says_it_engaged(runs):
+    """Under BLOCKSHARD_LOG=info the launched Trainer logs one engage line per run (rank 0) and the
+    report after it; the stock Trainer, the control, says nothing."""
+    ref, run = runs
+    engaged = [x for x in (run.parent / "run.log").read_text().splitlines() if "blockshard engaged (" in x]
+    assert engaged and all("blockshard engaged (HF Trainer): engine ragged, semantics bnb8bit," in x for x in engaged)
+    assert all("over 2 ranks" in x for x in engaged), engaged
+    assert "blockshard engaged" not in (ref.parent / "ref.log").read_text()
 
 
 def _infos(out: pathlib.Path, run: str, ranks: int) -> list[dict]:

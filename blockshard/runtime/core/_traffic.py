@@ -42,6 +42,7 @@ __all__ = [
     "StepLogError",
     "Traffic",
     "TrafficMismatchError",
+    "log_on",
     "set_step_log",
     "step_log_steps",
 ]
@@ -146,6 +147,7 @@ class Traffic:
 class _StepLog:
     steps: int = 0  # log the first this many steps (0: off)
     read_env: bool = False
+    on: bool = False  # BLOCKSHARD_LOG=info (or set_step_log(n > 0)): the engage lines and reports too
 
 
 _state = _StepLog()
@@ -162,22 +164,32 @@ def set_step_log(steps: int | None = _DEFAULT_STEPS) -> None:
             f"set_step_log(steps={steps!r}): steps must be an int >= 0 (the number of first steps to log; 0 turns "
             "the log off), e.g. set_step_log(3)"
         )
-    _state.steps, _state.read_env = steps, True
+    step_log_steps()  # the environment's handler, if it asks for one
+    _state.steps, _state.on = steps, steps > 0
 
 
 def step_log_steps() -> int:
     """The number of first steps the step log covers (0: off); reads the environment once."""
     if not _state.read_env:
         _state.read_env = True
+        _state.on = os.environ.get(LOG_ENV, "").strip().lower() in ("info", "debug", "1")
         _state.steps = _steps_from_env()
-        if _state.steps and not logging.getLogger("blockshard").handlers and not logging.getLogger().handlers:
+        if _state.on and not logging.getLogger("blockshard").handlers and not logging.getLogger().handlers:
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter("[blockshard %(rank)s] %(message)s"))
             handler.addFilter(_RankFilter())
             logger.addHandler(handler)
-        if _state.steps and logger.getEffectiveLevel() > logging.INFO:
+        if _state.on and logger.getEffectiveLevel() > logging.INFO:
             logger.setLevel(logging.INFO)
     return _state.steps
+
+
+def log_on() -> bool:
+    """Whether ``BLOCKSHARD_LOG=info`` (or :func:`set_step_log` with steps) asks for the log: the
+    integrations' engage lines and their report at the end of ``prepare`` too. The environment
+    is the launcher's, the same on every rank, so a collective behind it runs on every rank."""
+    step_log_steps()
+    return _state.on
 
 
 def _steps_from_env() -> int:
