@@ -26,6 +26,7 @@ from blockshard.optim._owner_state import PieceView, load_piece_view, piece_view
 from blockshard.optim._semantics import computes_on_whole_units, semantics_for_optimizer
 from blockshard.runtime.core._collectives import agree, wait
 from blockshard.runtime.core._optim_guard import mark_stepped, note_inner
+from blockshard.runtime.core._traffic import CollectiveCount, Traffic
 from blockshard.semantics import get_semantics
 
 __all__ = ["OwnerComputeOptimizer"]
@@ -59,6 +60,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
     def __init__(self, inner_optimizer_factory: InnerFactory, params: ParamsArg, *, process_group: Any = None) -> None:
         groups, mtypes = named_groups(params)
         self._factory, self._process_group_arg, self._mtypes = inner_optimizer_factory, process_group, mtypes
+        self._traffic, self._steps_taken = Traffic(), 0  # [Note: traffic]: the all_to_alls, for collective_counts
         self._build(groups)
 
     # -- setup ------------------------------------------------------------------------------------
@@ -252,6 +254,11 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
     ) -> None:
         # [Note: collective headers]: the sizes are each rank's own, so the header compares the call and dtype
         agree(self.process_group, f"the owner-compute all_to_all ({what})", dtype=inp.dtype)
+        planned = sum(in_sizes) * inp.element_size()  # the exchange plan's sends ([Note: traffic])
+        where = f"{type(self).__name__}({type(self.inner).__name__}) ({what})"
+        self._traffic.record(
+            where, 3, inp.numel() * inp.element_size(), planned, inp.dtype, "float", self._steps_taken + 1
+        )
         work = dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.process_group, async_op=True)
         _wait(work, f"the owner-compute all_to_all ({what})", self.process_group)
 
@@ -366,9 +373,15 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
                 sliced = q.planned or pc.split
                 pc.tensor.data = local.reshape(-1)[pc.lo : pc.hi].view(pc.tensor.shape) if sliced else local
 
+    def collective_counts(self) -> list[CollectiveCount]:
+        """This rank's owner-compute all_to_alls since it was built (gradients to owners, values back,
+        and a checkpoint's state), bytes sent against the exchange plan ([Note: traffic])."""
+        return self._traffic.counts("", f"{type(self).__name__}({type(self.inner).__name__})")
+
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Gradients to owners, inner step on whole units and local pieces, new values back."""
         mark_stepped(q.param for q in self._params)  # a rank that owns nothing steps its pieces too
+        self._steps_taken += 1
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -32,6 +32,7 @@ def _train(rank: int, world: int) -> tuple[list[CollectiveCount], dict[str, int]
     return collective_counts(model), stats
 
 
+@pytest.mark.heavy  # seconds: make test runs it
 def test_frozen_4bit_weights_move_their_quantized_segments():
     for rows, stats in _inproc.run_ranks(_train, 2):
         assert all(r.agrees for r in rows), rows

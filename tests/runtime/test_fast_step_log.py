@@ -173,6 +173,7 @@ def test_the_step_log_writes_the_first_steps():
     assert not [x for x in lines if x.startswith("step 2")]  # only the first step
 
 
+@pytest.mark.heavy  # a subprocess importing torch: seconds
 def test_blockshard_log_env_prints_to_stderr_in_a_script():
     code = textwrap.dedent(
         """
@@ -237,3 +238,36 @@ def test_bad_environment_values_are_named(monkeypatch):
     monkeypatch.setenv("BLOCKSHARD_LOG_STEPS", "two")
     with pytest.raises(StepLogError, match="BLOCKSHARD_LOG_STEPS='two' must be a whole number"):
         _traffic.step_log_steps()
+
+
+def _owner(rank: int, world: int) -> list[CollectiveCount]:
+    from blockshard.optim import OwnerComputeOptimizer, muon_param_groups
+
+    with _inproc.serial():
+        model = Net()
+    kw = {"semantics": {"*weight": "matrix"}, "policy": "owner"}
+    for b in model.blocks:
+        blockshard.fully_shard(b, **kw)
+    blockshard.fully_shard(model, **kw)
+    muon_group, rest = muon_param_groups(model)
+    muon = OwnerComputeOptimizer(lambda g: torch.optim.Muon(g, lr=0.02), [muon_group])
+    adamw = torch.optim.AdamW([rest], lr=1e-3)
+    for _ in range(STEPS):
+        model(torch.ones(3, 13)).sum().backward()
+        for opt in (muon, adamw):
+            opt.step()
+            opt.zero_grad()
+    return muon.collective_counts()
+
+
+def test_owner_compute_all_to_alls_are_counted():
+    """At W = 3 the matrices are cut and computed at their owners: one all_to_all of values when the
+    optimizer is built (``resync_params``), then per step one of gradients to the owners and one of
+    values back, each as the exchange plan sends (the elements of cut units a rank holds but does
+    not own, so some rank sends)."""
+    ranks = _inproc.run_ranks(_owner, 3)
+    for rows in ranks:
+        (row,) = rows
+        assert (row.kind, row.wire, row.dtype, row.calls) == ("all-to-all", "float", "float32", 1 + 2 * STEPS)
+        assert row.agrees, row
+    assert sum(rows[0].bytes for rows in ranks) > 0

@@ -47,7 +47,7 @@ __all__ = [
     "step_log_steps",
 ]
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce")  # the tally's kinds 0, 1, 2
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")  # the tally's kinds 0, 1, 2; owner compute's 3
 LOG_ENV, STEPS_ENV = "BLOCKSHARD_LOG", "BLOCKSHARD_LOG_STEPS"
 _DEFAULT_STEPS = 3
 logger = logging.getLogger("blockshard")
@@ -67,7 +67,7 @@ class CollectiveCount:
 
     group: str  # the module's path under the root ("" for the root), or the buffer set's name before the first forward
     buffer_set: str
-    kind: str  # "all-gather", "reduce-scatter" or "all-reduce"
+    kind: str  # "all-gather", "reduce-scatter", "all-reduce" or "all-to-all" (owner compute)
     wire: str  # "float", "quantized payload" or "quantized bytes"
     dtype: str
     calls: int
