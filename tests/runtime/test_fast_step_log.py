@@ -271,3 +271,12 @@ def test_owner_compute_all_to_alls_are_counted():
         assert (row.kind, row.wire, row.dtype, row.calls) == ("all-to-all", "float", "float32", 1 + 2 * STEPS)
         assert row.agrees, row
     assert sum(rows[0].bytes for rows in ranks) > 0
+
+
+def test_a_quantized_gather_that_sends_floats_is_a_mismatch(monkeypatch):
+    """A buffer set planned to gather quantized payloads that gathers floats moves bytes its plan
+    does not predict, whatever their number."""
+    monkeypatch.setenv("BLOCKSHARD_STRICT", "1")
+    with pytest.raises(TrafficMismatchError, match=r"predicts none as float \(it gathers quantized payload\)"):
+        Traffic().record("'g'", 0, 64, 64, torch.float32, "float", 1, "quantized payload")
+    Traffic().record("'g'", 0, 64, 64, torch.uint8, "quantized payload", 1, "quantized payload")  # the control

@@ -95,7 +95,13 @@ class BufferSet(abc.ABC):
         """Record one collective of ``kind`` that moves ``nbytes`` where the plan predicts
         ``predicted`` ([Note: traffic]); call it where the collective is issued."""
         step = 1 if self.tally is None else self.tally.steps + 1
-        self.traffic.record(self.described, kind, nbytes, predicted, dtype, wire, step)
+        planned = self.gather_wire if kind == 0 else None
+        self.traffic.record(self.described, kind, nbytes, predicted, dtype, wire, step, planned)
+
+    @property
+    def gather_wire(self) -> str:
+        """The wire format this buffer set's all-gather is planned in ([Note: traffic])."""
+        return "float"
 
     def collective_counts(self) -> list[CollectiveCount]:
         """This buffer set's collectives since it was built ([Note: traffic])."""

@@ -96,8 +96,20 @@ class Traffic:
     warned: bool = False
 
     def record(
-        self, where: str, kind: int, nbytes: int, predicted: int, dtype: torch.dtype, wire: str, step: int
+        self,
+        where: str,
+        kind: int,
+        nbytes: int,
+        predicted: int,
+        dtype: torch.dtype,
+        wire: str,
+        step: int,
+        planned_wire: str | None = None,
     ) -> None:
+        """Count one collective; ``planned_wire``: the wire format its plan gathers in (a quantized
+        gather planned, floats sent: the plan predicts none of these bytes)."""
+        if planned_wire is not None and wire != planned_wire:
+            predicted = 0
         name, dt = KINDS[kind], str(dtype).removeprefix("torch.")
         row = self.rows.setdefault((name, wire, dt), _Row())
         row.calls, row.nbytes, row.predicted = row.calls + 1, row.nbytes + nbytes, row.predicted + predicted
@@ -116,11 +128,14 @@ class Traffic:
                 f"{predicted:,}",
             )
         if nbytes != predicted:
-            self._mismatch(where, name, wire, dt, nbytes, predicted)
+            self._mismatch(where, name, wire, dt, nbytes, predicted, planned_wire)
 
-    def _mismatch(self, where: str, kind: str, wire: str, dtype: str, nbytes: int, predicted: int) -> None:
+    def _mismatch(
+        self, where: str, kind: str, wire: str, dtype: str, nbytes: int, predicted: int, planned_wire: str | None
+    ) -> None:
+        plan = f"{predicted:,}" if planned_wire in (None, wire) else f"none as {wire} (it gathers {planned_wire})"
         text = (
-            f"the {kind} of {where} moved {nbytes:,} bytes ({dtype}, {wire}) where its plan predicts {predicted:,}: "
+            f"the {kind} of {where} moved {nbytes:,} bytes ({dtype}, {wire}) where its plan predicts {plan}: "
             "the engine sent other bytes than it planned (a bug in blockshard; please report it with "
             "blockshard.report(model) and blockshard.collective_counts(model))"
         )

@@ -251,6 +251,10 @@ class FrozenQuantizedBuffers(BufferSet):
         return holds_copies(self.process_group, self.device)
 
     @property
+    def gather_wire(self) -> str:
+        return "quantized bytes"
+
+    @property
     def gather_what(self) -> str:
         return f"the all-gather of the quantized weights of group {self.name!r}"
 

@@ -211,6 +211,10 @@ class QuantizedGatherBuffers(ParamBuffers):
         self._issued(async_op)
 
     @property
+    def gather_wire(self) -> str:
+        return "quantized payload"  # a float all-gather of these masters is a mismatch ([Note: traffic])
+
+    @property
     def gather_what(self) -> str:
         quantized = "" if self._gathered_bytes is None else "quantized "  # else the float all-gather of ParamBuffers
         return f"the {quantized}all-gather of group {self.described}"
