@@ -45,6 +45,7 @@ from blockshard.runtime.core._owners import (
 )
 from blockshard.runtime.core._param import ParamRef, ShardedParam, check_plain, managed_tag, tag_managed
 from blockshard.runtime.core._state import STATE_ATTR, ModuleState, state_of
+from blockshard.runtime.core._traffic import step_log_steps
 from blockshard.runtime.quantized._frozen import FrozenQuantizedBuffers, collect_quantized, ignored_quantized
 from blockshard.runtime.quantized._gather import QuantizedGatherBuffers, split_quantized_gather
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
@@ -270,6 +271,7 @@ def fully_shard(
             )
     alignment_bytes = _check_alignment(alignment_bytes)
     policy = check_policy(policy)
+    step_log_steps()  # a bad BLOCKSHARD_LOG / BLOCKSHARD_LOG_STEPS raises here, not at the first collective
     process_group = engine_group(process_group_of(mesh))  # [Note: collective integrity], point 1
     reshard_after_forward = reshard_after_forward_of(reshard_after_forward, process_group.size())
     replicate_group = replicate_group_of(mesh)

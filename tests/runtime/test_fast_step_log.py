@@ -280,3 +280,34 @@ def test_a_quantized_gather_that_sends_floats_is_a_mismatch(monkeypatch):
     with pytest.raises(TrafficMismatchError, match=r"predicts none as float \(it gathers quantized payload\)"):
         Traffic().record("'g'", 0, 64, 64, torch.float32, "float", 1, "quantized payload")
     Traffic().record("'g'", 0, 64, 64, torch.uint8, "quantized payload", 1, "quantized payload")  # the control
+
+
+def _engage(rank: int, world: int) -> None:
+    from blockshard.runtime._report._engaged import log_engaged
+
+    with _inproc.serial():
+        model = Net()
+    blockshard.fully_shard(model)
+    log_engaged(model, "a test", engine="ragged", semantics="elementwise", policy="auto")
+
+
+def test_the_engage_line_and_report_come_once_from_rank_0():
+    log, seen = logging.getLogger("blockshard"), _Lines()
+    level = log.level
+    log.addHandler(seen)
+    log.setLevel(logging.INFO)
+    try:
+        set_step_log(0)
+        _inproc.run_ranks(_engage, 2)  # off: nothing said, no report built
+        assert seen.lines == []
+        set_step_log(1)
+        _inproc.run_ranks(_engage, 2)
+    finally:
+        set_step_log(0)
+        log.removeHandler(seen)
+        log.setLevel(level)
+    engaged = [x for x in seen.lines if x.startswith("blockshard engaged (a test)")]
+    assert engaged == [
+        "blockshard engaged (a test): engine ragged, semantics elementwise, policy auto, 1 group over 2 ranks"
+    ]
+    assert len([x for x in seen.lines if x.startswith("blockshard report at the end of a test:")]) == 1

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
+from blockshard._errors import BlockshardError
 from blockshard.runtime._report._build import report
 from blockshard.runtime.core._traffic import log_on, logger
 
@@ -32,7 +33,11 @@ def log_engaged(
         return
     from rich.console import Console
 
-    rep = report(model, optimizers=list(optimizers))
+    try:
+        rep = report(model, optimizers=list(optimizers))
+    except BlockshardError as e:  # every rank alike (the report's rows are gathered): say so, do not stop prepare
+        logger.warning("blockshard engaged (%s), but its report could not be built: %s", source, e)
+        return
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     groups = len(rep.groups)

@@ -227,7 +227,7 @@ class ParamBuffers(BufferSet):
                 gathered, local = self.gathered[W * off : W * (off + S_b)], self.send[off : off + S_b]
                 self._pending.append(all_gather_into(gathered, local, self.process_group, async_op=True))
                 moved += gathered.numel() * gathered.element_size()
-        self.sent(0, moved, layout.padded_numel * _itemsize(self.param_dtype), self.send.dtype)  # [Note: traffic]
+        self.sent(0, moved, layout.padded_numel * self.param_dtype.itemsize, self.send.dtype)  # [Note: traffic]
         self._issued(async_op)
 
     def _start_gather(self) -> None:
@@ -371,8 +371,3 @@ def _describe(param: object) -> str:
     if isinstance(param, torch.Tensor):
         return f"a {type(param).__name__} of shape {tuple(param.shape)}"
     return repr(param)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype`` (what the plan multiplies its element counts by)."""
-    return torch.empty((), dtype=dtype).element_size()

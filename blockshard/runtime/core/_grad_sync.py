@@ -151,7 +151,7 @@ class GradientSync:
                     )
                 )
                 moved += unreduced.numel() * unreduced.element_size()
-        planned = layout.padded_numel * torch.empty((), dtype=self.reduce_dtype).element_size()
+        planned = layout.padded_numel * self.reduce_dtype.itemsize
         b.sent(1, moved, planned, rs_in.dtype)  # [Note: traffic]
         # gloo reduce-scatters a copy of its input that the work owns: ours is not read again,
         # so it is freed now, not while the next group's backward runs ([Note: gloo's copies])
@@ -219,7 +219,7 @@ class GradientSync:
         b.agree(f"the all-reduce of group {b.described}", out.numel(), out.dtype, pg)
         b.count(2)
         assert b.layout is not None
-        planned = b.layout.segment_numel * torch.empty((), dtype=self.reduce_dtype).element_size()
+        planned = b.layout.segment_numel * self.reduce_dtype.itemsize
         b.sent(2, out.numel() * out.element_size(), planned, out.dtype)  # [Note: traffic]
         wait(dist.all_reduce(out, op=op, group=pg, async_op=True), f"the all-reduce of group {b.described}", pg)
         return True
