@@ -4,7 +4,7 @@ Threaded gloo ranks, two training steps each. What every collective moved (the b
 tensors the engine handed to gloo, counted where they are issued) must equal what the planner
 predicts from the shapes alone (``plan_model``: the layout's padded size times the dtype the policy
 moves; the quantized segments of ``plan_model(..., quantized_gather=True)``), per group and kind:
-float groups at W = 2 and 3, mixed precision (bf16 gathered, fp32 reduced), FP8-block weights
+float groups at W = 2, 3 and 4, mixed precision (bf16 gathered, fp32 reduced), FP8-block weights
 gathered quantized (frozen bitsandbytes 4-bit weights: tests/quantized/test_fast_quantized_traffic.py).
 The counts are FSDP2's: a layer's group
 gathers twice per step (forward, and again for backward after resharding), the root once, and each
@@ -83,7 +83,9 @@ def _gathers_per_step(group: str) -> int:
     return 1 if group == "" else 2  # FSDP2's: the root stays gathered from forward to backward
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.heavy)])
+@pytest.mark.parametrize(
+    "world", [2, pytest.param(3, marks=pytest.mark.heavy), pytest.param(4, marks=pytest.mark.heavy)]
+)
 def test_float_groups_move_what_the_plan_predicts(world):
     kw = {"semantics": {"*weight": "matrix"}, "policy": "owner"}
     ranks = _inproc.run_ranks(_train, world, args=(kw, 13, 29))
