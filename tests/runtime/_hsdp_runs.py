@@ -56,7 +56,12 @@ def sharded(rank: int, world: int, mode: str) -> dict:
     blockshard.fully_shard(model, mesh=use)
     split = None if mode == "whole" else rank
     _train(model, split, world, micro=mode == "micro")
-    return {"params": blockshard.full_state_dict(model), "shapes": [tuple(p.shape) for p in model.parameters()]}
+    counts = blockshard.collective_counts(model)  # before full_state_dict's gathers: training's only
+    return {
+        "params": blockshard.full_state_dict(model),
+        "shapes": [tuple(p.shape) for p in model.parameters()],
+        "counts": counts,
+    }
 
 
 def cases(rank: int, world: int) -> dict:

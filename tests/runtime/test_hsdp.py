@@ -38,6 +38,22 @@ def test_hsdp_with_the_batch_split_matches_one_process(mode):
             torch.testing.assert_close(res[mode]["params"][n], v, rtol=0, atol=SPLIT_ATOL)
 
 
+@pytest.mark.parametrize("mode", ["whole", "micro"])
+def test_the_replicate_all_reduce_moves_the_shard_as_planned(mode):
+    """[Note: traffic]: each group all-reduces its local gradient segment across replicas once per
+    step (the micro-batch that turns it off does not), as its plan predicts; the 1-D control none."""
+    _, got = _runs()
+    for res in got:
+        rows = res[mode]["counts"]
+        assert all(r.agrees for r in rows), rows
+        reduced = [r for r in rows if r.kind == "all-reduce"]
+        assert all(r.calls == _hsdp_runs.STEPS and r.bytes > 0 for r in reduced), reduced
+        scattered = {r.group: r.calls for r in rows if r.kind == "reduce-scatter"}
+        assert {r.group for r in reduced} == set(scattered) and len(scattered) == 3  # the three Linears' groups
+        assert set(scattered.values()) == {_hsdp_runs.STEPS * (2 if mode == "micro" else 1)}
+        assert not [r for r in res["shard_only"]["counts"] if r.kind == "all-reduce"]
+
+
 def test_control_sharding_without_the_replicate_all_reduce_drifts():
     want, got = _runs()
     diff = max((got[r]["shard_only"]["params"][n] - v).abs().max().item() for r in range(4) for n, v in want.items())
