@@ -60,7 +60,6 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
     def __init__(self, inner_optimizer_factory: InnerFactory, params: ParamsArg, *, process_group: Any = None) -> None:
         groups, mtypes = named_groups(params)
         self._factory, self._process_group_arg, self._mtypes = inner_optimizer_factory, process_group, mtypes
-        self._traffic, self._steps_taken = Traffic(), 0  # [Note: traffic]: the all_to_alls, for collective_counts
         self._build(groups)
 
     # -- setup ------------------------------------------------------------------------------------
@@ -160,6 +159,9 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
             )
         self._params, self.process_group, self.world_size, self.rank = holdings, process_group, W, rank
         self._factory, self._groups, self._stepping_inner = factory, groups, False
+        # [Note: traffic]: the all_to_alls since this layout was built (every constructor, subclasses'
+        # too, ends here), for collective_counts; the steps number the log's lines
+        self._traffic, self._steps_taken = Traffic(), 0
         # A rank may hold none of the parameters (muon_param_groups leaves out the empty pieces of
         # whole-placed matrices): it has no exchanges, so no device is needed for them.
         self._device = holdings[0].local().device if holdings else torch.device("cpu")
