@@ -48,8 +48,15 @@ def _slice(batch, rank: int, world: int):
 
 
 # -- single process references ----------------------------------------------------------------
-def reference(_rank: int, _world: int, kind: str, batch_size: int, micro: int = 1, bf16: bool = False) -> dict:
-    """Plain training on one process: AdamW, ``micro`` micro-batches accumulated per step."""
+def reference(
+    _rank: int, _world: int, kind: str, batch_size: int, micro: int = 1, bf16: bool = False, split: int = 0
+) -> dict:
+    """Plain training on one process: AdamW, ``micro`` micro-batches accumulated per step. With
+    ``split=W``: each step's gradient is the average of the W slices' gradients (``_slice``: rank r's
+    share), summed in rank order and divided by W, as gloo's reduce-scatter ``AVG`` averages W
+    ranks' (tests/runtime/_average.py), which the split-batch run must then equal bitwise."""
+    if split:
+        return _split_reference(kind, batch_size, split)
     model = _model(kind)
     loss_fn = _loss_fn(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -71,6 +78,26 @@ def reference(_rank: int, _world: int, kind: str, batch_size: int, micro: int = 
             for p16, p32 in zip(low.parameters(), model.parameters(), strict=True):
                 p32.grad = p16.grad.float()
                 p16.grad = None
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _split_reference(kind: str, batch_size: int, world: int) -> dict:
+    model = _model(kind)
+    loss_fn = _loss_fn(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    params = list(model.parameters())
+    for batch in _batches(kind, batch_size):
+        total: list[torch.Tensor] | None = None
+        for r in range(world):  # rank r's gradient, as that rank computes it alone
+            loss_fn(model, _slice(batch, r, world)).backward()
+            grads = [p.grad.clone() for p in params]
+            total = grads if total is None else [t + g for t, g in zip(total, grads, strict=True)]
+            opt.zero_grad()
+        assert total is not None
+        for p, t in zip(params, total, strict=True):
+            p.grad = t / world
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
