@@ -24,9 +24,12 @@ OPTIMIZERS = ["muon", "bsmuon", "shampoo", "bnb8bit"]
 REFERENCE = {"bsmuon": "muon"}  # blockshard.optim.Muon computes torch.optim.Muon
 POLICIES = ["owner", "whole", "auto"]
 # W = 3, batch split: per-rank means averaged by the reduce-scatter differ from one process's mean
-# by ulps. Measured after 3 steps (every policy): muon 7.5e-9, bnb8bit 1.5e-8; Shampoo amplifies
-# the ulps through the inverse 4th roots of nearly singular float32 factors: 5.0e-4 to 5.9e-4.
-W3_TOLERANCE = {"muon": 1e-6, "bsmuon": 1e-6, "shampoo": 2e-3, "bnb8bit": 1e-6}
+# by ulps. Measured after 3 steps (every policy): bnb8bit 1.5e-8; Shampoo amplifies the ulps
+# through the inverse 4th roots of nearly singular float32 factors: 5.0e-4 to 5.9e-4; torch's Muon
+# runs Newton-Schulz in bfloat16, where an ulp of the gradient can flip a rounding: 7.5e-9 on one
+# CPU, 1.4e-3 on another (AVX512), the same for every policy and form. (Across policies the runs
+# differ by ulps, 2.9e-10 for Muon: the layout decides which elements share a reduce-scatter chunk.)
+W3_TOLERANCE = {"muon": 5e-3, "bsmuon": 5e-3, "shampoo": 2e-3, "bnb8bit": 1e-6}
 CONTROL_MIN = 1e-3
 
 
