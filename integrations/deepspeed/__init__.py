@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from blockshard.runtime._report._engaged import log_engaged
+from blockshard.runtime.core._traffic import tag_traffic
 
 from ._config import (
     ALLOW_UNTESTED_ENV,
@@ -183,6 +184,7 @@ def _initialize(kwargs: dict[str, Any], *, require_section: bool) -> Any:
     if stage == 0:
         _log.info("blockshard: ZeRO stage 0 keeps whole parameters on every rank; nothing to align")
     else:  # [Note: engage line] in blockshard/runtime/_report/_engaged.py
+        tag_traffic(engine, engine.optimizer.blockshard_engine(), engine.optimizer._bs_traffic.traffic)
         log_engaged(
             engine, "the DeepSpeed hook", engine=f"DeepSpeed ZeRO-{stage}", semantics=hc.semantics, policy="whole"
         )

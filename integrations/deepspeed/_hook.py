@@ -63,6 +63,7 @@ from blockshard.semantics import TensorSpec
 
 from ._bnb_overrides import follow_overrides, resolve_module_overrides
 from ._config import DeepSpeedHookError, HookConfig
+from ._traffic import HookTraffic
 
 __all__ = ["LAYOUT_KEY", "ZERO3_REFUSAL", "BlockshardZeroOptimizer", "hooked_classes", "pending"]  # noqa: F822 (created lazily by __getattr__)
 
@@ -119,6 +120,7 @@ class _GroupState:
     labels: list[str]
     unit_numels: list[int] = field(default_factory=list)
     views: list[_View] = field(default_factory=list)
+    dtype: torch.dtype = torch.float32  # the flat buffer's (the 16-bit parameters')
 
 
 _CLASSES: dict[str, type] = {}
@@ -204,6 +206,9 @@ def _make_zero12() -> type:
             super().__init__(init_optimizer, *args, **kwargs)
             self._bs_building = False
             self._bs_finish()
+            # [Note: traffic]: which collective DeepSpeed reduces gradient buckets with (average_tensor)
+            by_reduce = self.reduce_scatter and self.contiguous_gradients and not self.use_multi_rank_bucket_allreduce
+            self._bs_traffic = HookTraffic(self.blockshard_engine(), reduce_kind_is_reduce=by_reduce)
 
         # -- layout ------------------------------------------------------------------------------
         def flatten_dense_tensors_aligned(
@@ -252,7 +257,7 @@ def _make_zero12() -> type:
                 pieces.append(t.contiguous().view(-1))
                 if pad:
                     pieces.append(torch.zeros(pad, dtype=t.dtype, device=t.device))
-            self._bs_groups.append(_GroupState(layout, names, labels, [g.unit_numel for g in grids]))
+            self._bs_groups.append(_GroupState(layout, names, labels, [g.unit_numel for g in grids], dtype=dtype))
             flat: torch.Tensor = self.flatten(pieces)
             return flat
 
@@ -312,6 +317,37 @@ def _make_zero12() -> type:
             finally:
                 for v in views:
                     v.tensor.grad = None
+
+        # -- counters (integrations/deepspeed/_traffic.py) -----------------------------------------
+        def reduce_independent_p_g_buckets_and_remove_grads(self, param: torch.Tensor, i: int) -> None:
+            if param.numel() and getattr(param, "ds_grad_is_ready", True):  # DeepSpeed's own conditions
+                self._bs_traffic.handed(param, self.get_param_comm_dtype(param))
+            with self._bs_traffic.tap("gradients"):
+                super().reduce_independent_p_g_buckets_and_remove_grads(param, i)
+
+        def independent_gradient_partition_epilogue(self) -> None:
+            with self._bs_traffic.tap("gradients"):
+                super().independent_gradient_partition_epilogue()
+            self._bs_traffic.end_round()
+
+        def step(self, closure: object = None) -> None:
+            self._bs_traffic.plan_gathers(
+                [
+                    (
+                        self.bit16_groups_flat[i],
+                        gs.layout.padded_numel * gs.dtype.itemsize,
+                        f"{self.blockshard_engine()} param_group {i}",
+                    )
+                    for i, gs in enumerate(self._bs_groups)
+                ]
+            )
+            with self._bs_traffic.tap("gather"):
+                super().step(closure)  # DeepSpeed's returns None
+            self._bs_traffic.end_step()
+
+        def update_lp_params(self) -> None:
+            with self._bs_traffic.tap("gather"):
+                super().update_lp_params()
 
         def _lazy_init_hp_params_optimizer_state(self) -> None:
             # DeepSpeed links optimizer state of the one flat tensor per param_group to the parameters

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 from torch import nn
@@ -42,6 +42,8 @@ from blockshard._errors import BlockshardError
 from blockshard.planner._units import ceil_div, check_world_size, rows_cols
 from blockshard.runtime._report import PlacementNote, tag_placement
 from blockshard.semantics import ResolvedSemantics, SemanticsKind, SemanticsRules, TensorSpec, UnitGrid, normalize_dtype
+
+from ._traffic import count_collectives
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -359,9 +361,14 @@ def fully_shard(
     slots = [(sub, attr, fn.notes[id(p)]) for m in modules for sub in m.modules()
              for attr, p in sub._parameters.items() if p is not None and id(p) in fn.notes]  # fmt: skip
     out = torch_fully_shard(module, mesh=mesh, shard_placement_fn=fn, **fsdp_kwargs)
+    sharded: list[DTensor] = []
     for sub, attr, note in slots:  # the DTensors FSDP2 registered in their place tell blockshard.report
         if isinstance(param := sub._parameters.get(attr), DTensor):
             tag_placement(param, note)
+            sharded.append(param)
+    first = out[0] if isinstance(out, list) else out  # a list shares one FSDP2 state
+    top = root if root is not None else cast(nn.Module, first)
+    count_collectives(first, sharded, top, w, fsdp_kwargs.get("mp_policy"))  # [Note: traffic]
     for m in modules:
         prev = getattr(m, _ATTR, {})
         setattr(m, _ATTR, {**prev, **fn.placements})

@@ -163,6 +163,8 @@ def train_case(
         out["layout"] = bsd.layout_report(engine)
         out["state_bytes"] = _state_bytes(engine.optimizer.optimizer)
         out["report"] = blockshard.report(engine, optimizers=[engine.optimizer])  # a collective: every rank
+        out["counts"] = blockshard.collective_counts(engine)
+        out["handed_numel"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
         out["partition_bytes"] = [
             t.numel() * t.element_size() for t in engine.optimizer.single_partition_of_fp32_groups
         ]
@@ -239,6 +241,7 @@ VARIANTS = {  # name: (gradient_accumulation_steps, two param groups, zero_optim
     "no_contiguous_gradients": (1, False, {"contiguous_gradients": False}),
     "overlap_comm": (1, False, {"overlap_comm": True}),
     "small_buckets": (1, False, {"reduce_bucket_size": 5000, "allgather_bucket_size": 6000}),
+    "reduce_to_owners": (1, False, {"use_multi_rank_bucket_allreduce": False}),
 }
 
 
@@ -265,9 +268,10 @@ def variant_reference(name: str) -> list[torch.Tensor]:
     return _params(model)
 
 
-def variant_case(rank: int, world_size: int, name: str) -> list[torch.Tensor]:
+def variant_case(rank: int, world_size: int, name: str) -> dict:
     import bitsandbytes as bnb
 
+    import blockshard
     from blockshard.integrations import deepspeed as bsd
 
     ga, grouped, zero = VARIANTS[name]
@@ -278,7 +282,12 @@ def variant_case(rank: int, world_size: int, name: str) -> list[torch.Tensor]:
     cfg["zero_optimization"].update(zero)
     engine, _, _, _ = bsd.initialize(model=model, optimizer=opt, config=cfg)
     _train(engine, batches(STEPS * ga), rank, world_size, False)
-    return _params(model)
+    return {
+        "params": _params(model),
+        "counts": blockshard.collective_counts(engine),
+        "layout": bsd.layout_report(engine),
+        "handed_numel": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
 
 
 def run_world(rank: int, world_size: int, spec: dict) -> dict:
@@ -295,7 +304,11 @@ def run_world(rank: int, world_size: int, spec: dict) -> dict:
         out["ckpt"][(stage, kind)] = checkpoint_case(rank, world_size, stage, kind, d)
     for what in spec.get("errors", []):
         out["errors"][what] = error_case(rank, world_size, what)
-    out["variants"] = {name: variant_case(rank, world_size, name) for name in spec.get("variants", [])}
+    variants = {name: variant_case(rank, world_size, name) for name in spec.get("variants", [])}
+    out["variants"] = {name: v["params"] for name, v in variants.items()}
+    out["variant_counts"] = {
+        name: {k: v[k] for k in ("counts", "layout", "handed_numel")} for name, v in variants.items()
+    }
     if rank == 0:
         for kind in spec.get("refs", []):
             out["refs"][kind] = reference(kind)

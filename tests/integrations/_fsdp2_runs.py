@@ -223,6 +223,8 @@ def muon_owner(mesh, steps: int = STEPS) -> dict:
         "a2a": {dt: (e.send_sizes, e.recv_sizes) for dt, e in muon._exchanges.items()},
         "report": blockshard.report(model, optimizers=[muon, adamw]),  # a collective: every rank
         "placements": {n: (p.dim, p.semantics) for n, p in fsdp2.placements(model).items()},
+        "counts": blockshard.collective_counts(model),
+        "owner_counts": muon.collective_counts() + adamw.collective_counts(),
     }
 
 

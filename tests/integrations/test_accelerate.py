@@ -400,7 +400,8 @@ def _env() -> dict:
 def _engaged(out: pathlib.Path) -> list[str]:
     """The launch's engage lines (rank 0 logs one, then the report) and its step summaries."""
     log = pathlib.Path(f"{out}.log").read_text()
-    return [line for line in log.splitlines() if "blockshard engaged (" in line or " of the model rooted at " in line]
+    said = ("blockshard engaged (", " of the model rooted at ", " of the DeepSpeed ZeRO-")
+    return [line for line in log.splitlines() if any(s in line for s in said)]
 
 
 def _results(out: pathlib.Path, ranks: int) -> tuple[list[dict], dict]:
@@ -539,6 +540,8 @@ def test_fsdp2_engine_accumulates_equals_one_process_and_resumes_bitwise(tmp_pat
     _check_sharded(infos)
     lines = _engaged(tmp_path / "run")
     assert [x for x in lines if "blockshard engaged (accelerate): engine fsdp2," in x], lines
+    steps = [x for x in lines if "of the model rooted at" in x]  # FSDP2's collectives, counted by the adapter
+    assert steps and all(x.endswith("as planned") for x in steps), steps
     assert len(infos[0]["norms"]) == 4 and infos[0]["norms"] == pytest.approx(ref_info["norms"], rel=1e-6)
     assert _max_diff(state, ref_state) <= FSDP2_ATOL
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")) == []  # no .partial left
@@ -552,6 +555,8 @@ def test_deepspeed_engine_is_hooked_and_equals_one_process(tmp_path, reference):
     assert [i["world_size"] for i in infos] == [2, 2] and infos[0]["distributed_type"] == "DistributedType.DEEPSPEED"
     lines = _engaged(tmp_path / "run")
     assert len([x for x in lines if "blockshard engaged (the DeepSpeed hook): engine DeepSpeed ZeRO-" in x]) == 1, lines
+    steps = [x for x in lines if " engine: all-gather " in x]  # DeepSpeed's collectives, counted by the hook
+    assert steps and all(x.endswith("as planned") for x in steps), steps
     assert any(name.startswith("blockshard.integrations.deepspeed") for name in infos[0]["optimizers"]), infos[0]
     total = infos[0]["total_numel"]
     assert all(0 < i["state_numel"] < total for i in infos)  # ZeRO-2: each rank holds part of the optimizer state

@@ -322,6 +322,51 @@ def test_blockshard_report_on_the_hooked_engine(request, w):
     assert rep.not_stepped == ()
 
 
+def _check_counts(got: dict, report_group_bytes: int | None, steps: int, rounds: int, reduce_kind: str) -> None:
+    """[Note: traffic] for one hooked engine on one rank: one all-gather per param_group and step of
+    ``W * S * 4`` bytes (the planner's ordered layout, padded) -- the report's partitions over all
+    ranks where given -- and ``rounds`` gradient reductions of every gradient once (``4 * numel``),
+    as ``reduce_kind``; every counter agrees with its plan."""
+    by_kind = {c.kind: c for c in got["counts"]}
+    assert set(by_kind) == {"all-gather", reduce_kind}, got["counts"]
+    assert all(c.agrees and c.dtype == "float32" and c.wire == "float" for c in got["counts"]), got["counts"]
+    planned = sum(4 * g["world_size"] * g["segment"] for g in got["layout"])
+    assert planned == 4 * sum(g["total_numel"] for g in got["layout"])
+    if report_group_bytes is not None:
+        assert planned == report_group_bytes
+    ag = by_kind["all-gather"]
+    assert ag.calls == steps * len(got["layout"]) and ag.bytes == steps * planned, ag
+    assert by_kind[reduce_kind].bytes == rounds * 4 * got["handed_numel"], by_kind[reduce_kind]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_counters_equal_the_report_and_the_planner(request, w):
+    """``blockshard.collective_counts(engine)`` on every hooked case and rank: the parameter
+    all-gathers move what the report shows the ranks holding (and the planner's layout predicts),
+    the gradient all-reduces every gradient once per step; the stock engine (control) has none."""
+    out = _world(request, w)
+    hooked = [name for name in out[0]["cases"] if "counts" in out[0]["cases"][name]]
+    assert "z2_bnb" in hooked and "z2_bnb_stock" not in hooked
+    for name in hooked:
+        for r in range(w):
+            case = out[r]["cases"][name]
+            held = sum(sum(g.held_bytes) for g in case["report"].groups)
+            _check_counts(case, held, runs.STEPS, runs.STEPS, "all-reduce")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(runs.VARIANTS))
+def test_counters_under_deepspeed_options(world2, name):
+    """The same with gradient accumulation (ZeRO-2 reduces every micro-step: 2 rounds a step), two
+    param_groups, round-robin order, no contiguous gradients, overlap, small buckets, and reduces
+    to the owning rank (``use_multi_rank_bucket_allreduce: false``)."""
+    ga = runs.VARIANTS[name][0]
+    kind = "reduce" if name == "reduce_to_owners" else "all-reduce"
+    for r in range(2):
+        _check_counts(world2[r]["variant_counts"][name], None, runs.STEPS, runs.STEPS * ga, kind)
+
+
 @pytest.mark.slow
 def test_layout_report(world2):
     rep = world2[0]["cases"]["z2_bnb"]["layout"]

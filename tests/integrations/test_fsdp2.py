@@ -67,7 +67,7 @@ from blockshard.integrations.fsdp2 import (
     plan_placements,
     shard0_boundaries,
 )
-from blockshard.planner import PlanItem, plan_owners
+from blockshard.planner import PlanItem, baseline, plan_owners
 from blockshard.semantics import SemanticsRules, TensorSpec, UnitGrid
 
 W3_ATOL = 1e-5
@@ -357,6 +357,57 @@ def test_report_bytes_are_fsdp2_shards_and_padding(w):
         assert p.padding_bytes == 4 * rest * (w * -(-rows // w) - rows), p.name
         assert p.semantics == sem and p.how == f"FSDP2 Shard({dim})", p.name
     assert rep.not_stepped == () and rep.optimizers_given
+
+
+def test_the_counters_subclass_torchs_default_comms():
+    """The adapter counts through subclasses of FSDP2's default comms, so FSDP2's checks that a
+    group's comm is its default (``set_allocate_memory_from_process_group_for_comm``,
+    ``set_symm_mem_for_comm``) still pass: the classes must exist on every tested torch."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    from blockshard.integrations.fsdp2._traffic import _comm_classes
+
+    assert _comm_classes() == (DefaultAllGather, DefaultReduceScatter)
+
+
+def _group_of(name: str, groups: set[str]) -> str:
+    """The deepest FSDP2 group (module path; "" the root) whose module holds the parameter ``name``."""
+    return max((g for g in groups if not g or name.startswith(g + ".")), key=len)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 3, 4])
+def test_counters_equal_the_report_and_the_planner(w):
+    """[Note: traffic] on stock FSDP2 under the adapter: on every rank, each group's all-gather and
+    reduce-scatter move per call exactly the bytes ``blockshard.report`` shows that group's
+    parameters holding plus their padding over all ranks, which is also the planner's ``fsdp2``
+    baseline (``padded_numel``, the placement's dim first) times 4 bytes; every counter agrees with
+    its plan; one reduce-scatter per group and step; the owner-compute all-to-alls agree too."""
+    outs = by_w(w)
+    rep = outs[0]["muon"]["report"]
+    placed = outs[0]["muon"]["placements"]
+    groups = {c.group for c in outs[0]["muon"]["counts"]}
+    assert groups == {"", "mlp.blocks.0", "mlp.blocks.1", "mlp.blocks.2"}
+    report_bytes = dict.fromkeys(groups, 0)
+    planner_bytes = dict.fromkeys(groups, 0)
+    for p in rep.params:
+        g = _group_of(p.name, groups)
+        report_bytes[g] += sum(p.held_bytes) + p.padding_bytes
+        dim = placed[p.name][0]
+        shape = (p.shape[dim], *(n for i, n in enumerate(p.shape) if i != dim))
+        item = PlanItem(spec(p.name, shape), UnitGrid.whole(math.prod(shape)), 1.0, "elementwise")
+        planner_bytes[g] += 4 * baseline("fsdp2", [item], w).padded_numel
+    assert report_bytes == planner_bytes
+    for r, out in enumerate(outs):
+        counts = out["muon"]["counts"]
+        assert {(c.group, c.kind) for c in counts} == {(g, k) for g in groups for k in ("all-gather", "reduce-scatter")}
+        for c in counts:
+            assert c.agrees and c.buffer_set == "FSDP2" and c.dtype == "float32" and c.wire == "float", (r, c)
+            assert c.bytes == c.calls * report_bytes[c.group], (r, c)
+            if c.kind == "reduce-scatter":
+                assert c.calls == runs.STEPS, (r, c)
+        (a2a,) = out["muon"]["owner_counts"]
+        assert a2a.kind == "all-to-all" and a2a.agrees and a2a.calls == 1 + 2 * runs.STEPS, (r, a2a)
 
 
 @pytest.mark.slow

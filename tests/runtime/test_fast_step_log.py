@@ -222,6 +222,27 @@ def test_a_mismatch_raises_under_strict_and_warns_once_otherwise(monkeypatch):
     assert len(t.counts("g", "g")) == 2
 
 
+def test_calls_checked_together_settle_against_their_round(monkeypatch):
+    """[Note: traffic] ``predicted=None`` (DeepSpeed's gradient buckets): nothing is checked per
+    call; :meth:`Traffic.settle` checks the round's sum, and a call of another kind or dtype in the
+    round is a mismatch (the plan predicts none of it)."""
+    monkeypatch.setenv("BLOCKSHARD_STRICT", "1")
+    t = Traffic()
+    t.record("'b'", 2, 40, None, torch.float32, "float", 1)
+    t.record("'b'", 2, 24, None, torch.float32, "float", 1)
+    t.settle("'round'", 2, 64, torch.float32)  # the control: 40 + 24 = 64, as planned
+    (row,) = t.counts("g", "g")
+    assert (row.kind, row.calls, row.bytes, row.predicted_bytes, row.agrees) == ("all-reduce", 2, 64, 64, True)
+    assert t.take_step() == ({"all-reduce": 64}, {"all-reduce": 64})
+    t.record("'b'", 2, 40, None, torch.float32, "float", 2)
+    with pytest.raises(TrafficMismatchError, match=r"all-reduce of 'round' moved 40 bytes .* predicts 64"):
+        t.settle("'round'", 2, 64, torch.float32)
+    t.record("'b'", 4, 64, None, torch.bfloat16, "float", 3)
+    with pytest.raises(TrafficMismatchError, match=r"reduce of 'round' moved 64 bytes \(bfloat16"):
+        t.settle("'round'", 2, 0, torch.float32)
+    assert t.unsettled == {}
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
 def test_set_step_log_refuses_what_is_not_a_count(bad):
     with pytest.raises(StepLogError, match=r"set_step_log\(steps=.*\): steps must be an int >= 0"):

@@ -14,7 +14,7 @@ from blockshard.runtime.core._collectives import agree_call
 from blockshard.runtime.core._list_groups import bind_names
 from blockshard.runtime.core._param import managed_tag
 from blockshard.runtime.core._state import ModuleState, state_of
-from blockshard.runtime.core._traffic import CollectiveCount
+from blockshard.runtime.core._traffic import CollectiveCount, tagged_traffic
 
 __all__ = [
     "agree_on_call",
@@ -101,12 +101,18 @@ def group_layouts(model: nn.Module) -> dict[str, GroupLayout]:
 def collective_counts(model: nn.Module) -> list[CollectiveCount]:
     """This rank's collectives of every buffer set under ``model`` since it was sharded: per kind,
     wire format and dtype, the calls, the bytes they moved and the bytes the plan predicts for them
-    ([Note: traffic] in _traffic.py). Reads counters only: no collective."""
+    ([Note: traffic] in _traffic.py). Also another engine's, where an adapter counts them: stock
+    FSDP2 groups sharded by ``blockshard.integrations.fsdp2.fully_shard`` (buffer set ``"FSDP2"``)
+    and a DeepSpeed engine with blockshard's hook (``collective_counts(engine)``). Reads counters
+    only: no collective."""
     out: list[CollectiveCount] = []
     for _, st in states_under(model):
         if isinstance(st, ModuleState):
             for b in st.buffer_sets:
                 out.extend(b.collective_counts())
+    for path, m in model.named_modules():  # another engine's, counted by an adapter (tag_traffic)
+        for name, traffic in tagged_traffic(m):
+            out.extend(traffic.counts(path, name))
     return out
 
 

@@ -15,6 +15,12 @@ a bucket the layout does not hold, a quantized gather that sends floats) is a
 otherwise, once per buffer set. The counters are plain integers, always on (one dict update per
 collective); :func:`collective_counts` reads them.
 
+The adapters count another engine's collectives into the same counters, hung on the module they
+count (:func:`tag_traffic`), against their own plan: the FSDP2 adapter's counting comms
+(``integrations/fsdp2/_traffic.py``), the DeepSpeed hook's ``deepspeed.comm`` tap
+(``integrations/deepspeed/_traffic.py``; its gradient buckets are checked per reduction round,
+:meth:`Traffic.settle`, as DeepSpeed cuts them where it chooses).
+
 The step log (``BLOCKSHARD_LOG=info`` or :func:`set_step_log`) writes each recorded collective of
 the first ``BLOCKSHARD_LOG_STEPS`` (3) steps to the ``blockshard`` logger at INFO, and at each end
 of backward one line per root: the step's bytes gathered and reduced against the plan's prediction
@@ -45,9 +51,12 @@ __all__ = [
     "log_on",
     "set_step_log",
     "step_log_steps",
+    "tag_traffic",
+    "tagged_traffic",
 ]
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")  # the tally's kinds 0, 1, 2; owner compute's 3
+# the tally's kinds 0, 1, 2; owner compute's 3; DeepSpeed's gradient reduce to one rank 4
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "reduce")
 LOG_ENV, STEPS_ENV = "BLOCKSHARD_LOG", "BLOCKSHARD_LOG_STEPS"
 _DEFAULT_STEPS = 3
 logger = logging.getLogger("blockshard")
@@ -67,7 +76,7 @@ class CollectiveCount:
 
     group: str  # the module's path under the root ("" for the root), or the buffer set's name before the first forward
     buffer_set: str
-    kind: str  # "all-gather", "reduce-scatter", "all-reduce" or "all-to-all" (owner compute)
+    kind: str  # "all-gather", "reduce-scatter", "all-reduce", "all-to-all" (owner compute) or "reduce" (DeepSpeed)
     wire: str  # "float", "quantized payload" or "quantized bytes"
     dtype: str
     calls: int
@@ -94,27 +103,40 @@ class Traffic:
     step_bytes: dict[str, int] = field(default_factory=dict)  # kind -> bytes this step
     step_predicted: dict[str, int] = field(default_factory=dict)
     warned: bool = False
+    # What a mismatch means: blockshard's own engine planned and sent the bytes; another engine's
+    # (FSDP2 under the adapter, DeepSpeed under the hook) is counted against the adapter's plan.
+    cause: str = (
+        "the engine sent other bytes than it planned (a bug in blockshard; please report it with "
+        "blockshard.report(model) and blockshard.collective_counts(model))"
+    )
+    unsettled: dict[tuple[str, str, str], int] = field(default_factory=dict)  # bytes of calls checked per step
 
     def record(
         self,
         where: str,
         kind: int,
         nbytes: int,
-        predicted: int,
+        predicted: int | None,
         dtype: torch.dtype,
         wire: str,
         step: int,
         planned_wire: str | None = None,
     ) -> None:
         """Count one collective; ``planned_wire``: the wire format its plan gathers in (a quantized
-        gather planned, floats sent: the plan predicts none of these bytes)."""
+        gather planned, floats sent: the plan predicts none of these bytes). ``predicted=None``:
+        the plan predicts these calls together, not one by one (DeepSpeed's gradient buckets are
+        its own choice; their sum is the plan's): :meth:`settle` checks them."""
         if planned_wire is not None and wire != planned_wire:
             predicted = 0
         name, dt = KINDS[kind], str(dtype).removeprefix("torch.")
         row = self.rows.setdefault((name, wire, dt), _Row())
-        row.calls, row.nbytes, row.predicted = row.calls + 1, row.nbytes + nbytes, row.predicted + predicted
+        row.calls, row.nbytes = row.calls + 1, row.nbytes + nbytes
         self.step_bytes[name] = self.step_bytes.get(name, 0) + nbytes
-        self.step_predicted[name] = self.step_predicted.get(name, 0) + predicted
+        if predicted is None:
+            self.unsettled[(name, wire, dt)] = self.unsettled.get((name, wire, dt), 0) + nbytes
+        else:
+            row.predicted += predicted
+            self.step_predicted[name] = self.step_predicted.get(name, 0) + predicted
         steps = step_log_steps()
         if steps and step <= steps:
             logger.info(
@@ -125,20 +147,32 @@ class Traffic:
                 f"{nbytes:,}",
                 dt,
                 wire,
-                f"{predicted:,}",
+                "checked with the step's other calls" if predicted is None else f"{predicted:,}",
             )
-        if nbytes != predicted:
+        if predicted is not None and nbytes != predicted:
             self._mismatch(where, name, wire, dt, nbytes, predicted, planned_wire)
+
+    def settle(self, where: str, kind: int, predicted: int, dtype: torch.dtype, wire: str = "float") -> None:
+        """Check the calls recorded with ``predicted=None`` since the last settle against the plan's
+        ``predicted`` bytes for all of them together, as calls of ``kind`` in ``dtype`` (one gradient
+        reduction round of DeepSpeed: its buckets, cut where DeepSpeed chooses). Calls of another
+        kind or dtype are a mismatch too: the plan predicts none of them."""
+        name, dt = KINDS[kind], str(dtype).removeprefix("torch.")
+        got = self.unsettled.pop((name, wire, dt), 0)
+        row = self.rows.setdefault((name, wire, dt), _Row())
+        row.predicted += predicted
+        self.step_predicted[name] = self.step_predicted.get(name, 0) + predicted
+        if got != predicted:
+            self._mismatch(where, name, wire, dt, got, predicted, None)
+        for (other, w, d), nbytes in list(self.unsettled.items()):
+            self.unsettled.pop((other, w, d))
+            self._mismatch(where, other, w, d, nbytes, 0, None)
 
     def _mismatch(
         self, where: str, kind: str, wire: str, dtype: str, nbytes: int, predicted: int, planned_wire: str | None
     ) -> None:
         plan = f"{predicted:,}" if planned_wire in (None, wire) else f"none as {wire} (it gathers {planned_wire})"
-        text = (
-            f"the {kind} of {where} moved {nbytes:,} bytes ({dtype}, {wire}) where its plan predicts {plan}: "
-            "the engine sent other bytes than it planned (a bug in blockshard; please report it with "
-            "blockshard.report(model) and blockshard.collective_counts(model))"
-        )
+        text = f"the {kind} of {where} moved {nbytes:,} bytes ({dtype}, {wire}) where its plan predicts {plan}: {self.cause}"
         if strict():
             raise TrafficMismatchError(text + ". BLOCKSHARD_STRICT=0 lets the run go on")
         if not self.warned:
@@ -156,6 +190,23 @@ class Traffic:
             CollectiveCount(group, buffer_set, kind, wire, dt, r.calls, r.nbytes, r.predicted)
             for (kind, wire, dt), r in self.rows.items()
         ]
+
+
+_TAG = "_blockshard_traffic"
+
+
+def tag_traffic(module: torch.nn.Module, name: str, traffic: Traffic) -> None:
+    """Hang counters an adapter keeps for another engine's collectives on the module they count
+    (an FSDP2 module of the adapter, the DeepSpeed hook's engine): :func:`collective_counts`
+    reads them as it reads the engine's buffer sets ([Note: traffic])."""
+    tags: list[tuple[str, Traffic]] = module.__dict__.setdefault(_TAG, [])
+    tags.append((name, traffic))
+
+
+def tagged_traffic(module: torch.nn.Module) -> list[tuple[str, Traffic]]:
+    """The ``(name, counters)`` :func:`tag_traffic` hung on ``module`` (none: ``[]``)."""
+    tags = module.__dict__.get(_TAG)
+    return list(tags) if isinstance(tags, list) else []
 
 
 @dataclass
@@ -232,8 +283,11 @@ class _RankFilter(logging.Filter):
         return True
 
 
-def log_step_summary(root: str, step: int, totals: dict[str, int], predicted: dict[str, int]) -> None:
-    """One line per root and step: bytes by kind against the plan's prediction."""
+def log_step_summary(
+    root: str, step: int, totals: dict[str, int], predicted: dict[str, int], *, subject: str | None = None
+) -> None:
+    """One line per root and step: bytes by kind against the plan's prediction (``subject``: what
+    stepped, default "the model rooted at <root>")."""
     steps = step_log_steps()
     if not (steps and step <= steps):
         return
@@ -242,9 +296,9 @@ def log_step_summary(root: str, step: int, totals: dict[str, int], predicted: di
     ]
     agree = all(totals.get(k, 0) == predicted.get(k, 0) for k in KINDS)
     logger.info(
-        "step %d of the model rooted at %r: %s: %s",
+        "step %d of %s: %s: %s",
         step,
-        root,
+        subject or f"the model rooted at {root!r}",
         ", ".join(parts) or "no collective",
         "as planned" if agree else "NOT as planned",
     )
