@@ -505,3 +505,44 @@ def all_runs(rank: int, world: int) -> dict:
     out["seconds"] = time.perf_counter() - t0
     dist.barrier()
     return out
+
+
+# -- a trainable parameter without a gradient: the counters' mismatch, tripped for real -------------
+class UnusedHead(nn.Module):
+    """A 16 -> 8 -> 1 MLP with a second head that forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head, self.unused = nn.Linear(16, 8), nn.Linear(8, 1), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def unused_param_run(rank: int, world: int) -> dict:
+    """Under ``BLOCKSHARD_STRICT=1``: the control (the unused head frozen) trains two steps without a
+    word; then, the head trainable, FSDP2's reduce-scatter leaves it out and the adapter's
+    counter raises ``TrafficMismatchError`` in backward, on this rank (every rank does the same)."""
+    import os
+
+    from blockshard.integrations import fsdp2
+    from blockshard.runtime import TrafficMismatchError
+
+    os.environ["BLOCKSHARD_STRICT"] = "1"
+    out: dict = {}
+    for case in ("frozen", "trainable"):
+        model = UnusedHead()
+        model.unused.requires_grad_(case == "trainable")
+        fsdp2.fully_shard(model, semantics="elementwise")
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        t0 = time.perf_counter()
+        try:
+            for _ in range(2):
+                model(torch.ones(4, 16)).sum().backward()
+                opt.step(), opt.zero_grad()
+            out[case] = "trained"
+        except TrafficMismatchError as e:
+            out[case] = str(e)
+        out[f"{case}_seconds"] = time.perf_counter() - t0
+    return out

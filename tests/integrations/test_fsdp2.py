@@ -411,6 +411,20 @@ def test_counters_equal_the_report_and_the_planner(w):
 
 
 @pytest.mark.slow
+def test_a_trainable_parameter_without_a_gradient_trips_the_counter_on_every_rank():
+    """The mismatch check on a real run (W = 2, ``BLOCKSHARD_STRICT=1``): a trainable head that
+    forward never uses is left out of FSDP2's reduce-scatter, so the bytes differ from the adapter's
+    plan and every rank raises ``TrafficMismatchError`` naming the group, within seconds; the
+    control (that head frozen) trains."""
+    outs = spawn_gloo(runs.unused_param_run, 2, timeout=120)
+    for out in outs:
+        assert out["frozen"] == "trained", out
+        msg = out["trainable"]
+        assert "reduce-scatter of FSDP2 root group moved" in msg and "got no gradient" in msg, msg
+        assert "BLOCKSHARD_STRICT=0" in msg and out["trainable_seconds"] < 30, out
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("w", [2, 3, 4])
 def test_every_split_matrix_has_one_owner_and_plan_counts(w):
     outs = by_w(w)
