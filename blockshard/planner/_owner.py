@@ -24,6 +24,7 @@ The plan is a pure function of its inputs, so every rank computes the same one.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import math
 from collections.abc import Sequence
@@ -245,30 +246,31 @@ def _assign(
     heap = [(c, r) for r, c in enumerate(costs)]
     heapq.heapify(heap)
     s_all = steps[ut]
-    for i, a, b, c, s in zip(
-        order.tolist(), ua[order].tolist(), ub[order].tolist(), uc[order].tolist(), s_all[order].tolist(), strict=True
+    owners: list[int] = []
+    pieces: list[int] = []
+    for a, b, c, s in zip(
+        ua[order].tolist(), ub[order].tolist(), uc[order].tolist(), s_all[order].tolist(), strict=True
     ):
         while heap[0][0] != costs[heap[0][1]]:  # drop stale entries
             heapq.heappop(heap)
         cmin, rmin = heap[0]
         ra, rb = a // s, (b - 1) // s
-        if rb - ra < 8:
-            best = None
-            for r in range(ra, rb + 1):
-                if costs[r] == cmin:
-                    key = (-(min(b, (r + 1) * s) - max(a, r * s)), r)
-                    best = key if best is None or key < best else best
-            o = rmin if best is None else best[1]
-        else:
-            tied = np.flatnonzero(cost[ra : rb + 1] == cmin) + ra
-            if tied.size:
-                pieces = np.minimum(b, (tied + 1) * s) - np.maximum(a, tied * s)
-                o = int(tied[np.argmax(pieces)])  # first maximum = lowest rank
-            else:
-                o = rmin
+        # Among the ranks the unit straddles at the lowest cost, the one holding most of it (the
+        # lowest such rank); else the lowest-cost rank. The first and last rank hold a part of
+        # their segment, every rank between them the whole segment s.
+        o, best = rmin, -1
+        if costs[ra] == cmin:
+            o, best = ra, min(b, (ra + 1) * s) - a
+        if best < s and rb - ra > 1:
+            with contextlib.suppress(ValueError):  # list.index: a scan in C
+                o, best = costs.index(cmin, ra + 1, rb), s
+        if rb > ra and costs[rb] == cmin and b - rb * s > best:
+            o = rb
         costs[o] += c
-        cost[o] = costs[o]
         heapq.heappush(heap, (costs[o], o))
-        owner[i] = o
-        own_piece[i] = max(0, min(b, (o + 1) * s) - max(a, o * s))
+        owners.append(o)
+        pieces.append(max(0, min(b, (o + 1) * s) - max(a, o * s)))
+    cost[:] = costs
+    owner[order] = owners
+    own_piece[order] = pieces
     return owner, own_piece
