@@ -403,8 +403,11 @@ class OwnerPlanBuilder:
         self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float], base: np.ndarray
     ) -> np.ndarray:
         """Cost per rank of what each rank computes itself (``base``, the proportional cost, less the cut units)."""
-        for t, starts, ends, S, density in self._cut(layout, compute, costs):
-            base -= density * rank_overlap(t.offset + starts, t.offset + ends, S, self.world_size)
+        for t, starts, ends, S, density in self._cut(layout, compute, costs):  # per tensor: the plans' float sums
+            lo, hi = t.offset // S, (t.offset + t.numel - 1) // S  # the ranks the tensor touches
+            base[lo : hi + 1] -= density * rank_overlap(
+                t.offset + starts - lo * S, t.offset + ends - lo * S, S, hi - lo + 1
+            )
         return base
 
     def _collect(

@@ -144,14 +144,15 @@ def rank_overlap(
     keep = b > a
     a, b, s = a[keep], b[keep], s[keep]
     ra, rb = a // s, (b - 1) // s
-    out = np.zeros(world_size + 1, dtype=np.int64)
-    np.add.at(out, ra, np.minimum(b, (ra + 1) * s) - a)  # first piece (the whole span if on one rank)
+    n = world_size + 1
+    # np.bincount sums in float64: exact for the element counts here (below 2**53)
+    out = np.bincount(ra, weights=np.minimum(b, (ra + 1) * s) - a, minlength=n)  # first piece
     multi = rb > ra
-    np.add.at(out, rb[multi], b[multi] - rb[multi] * s[multi])  # last piece
-    diff = np.zeros(world_size + 1, dtype=np.int64)  # whole segments in between
-    np.add.at(diff, ra[multi] + 1, s[multi])
-    np.add.at(diff, rb[multi], -s[multi])
-    return (out + np.cumsum(diff))[:world_size]
+    rbm, sm = rb[multi], s[multi]
+    out += np.bincount(rbm, weights=b[multi] - rbm * sm, minlength=n)  # last piece
+    diff = np.bincount(ra[multi] + 1, weights=sm, minlength=n)  # whole segments in between
+    diff -= np.bincount(rbm, weights=sm, minlength=n)
+    return np.rint(out + np.cumsum(diff))[:world_size].astype(np.int64)
 
 
 def layout_hash(data: object) -> str:
