@@ -32,6 +32,8 @@ from blockshard.planner import catalog_models, compare, model_tensors, plan_mode
 from blockshard.semantics import TensorSpec
 
 WORLD_SIZES = (8, 64, 1024, 16384)
+TILE_WORLD_SIZES = (8, 64, 256, 1024)  # issue 24's targets for fp8_block:128 tile placement
+TILE_SEMANTICS = "fp8_block:128"
 SEMANTICS = ("elementwise", "bnb8bit", "nf4", "mx", "ao_nf4", "muon", "shampoo:1024", "fp8_block:128")
 FINE_TARGET_RATIO, FINE_TARGET_PADDING = 1.02, 0.01
 
@@ -97,6 +99,31 @@ def _scaling(repeats: int) -> list[dict]:
     return rows
 
 
+def _tiles(models: list[str]) -> list[dict]:
+    """fp8_block:128 with B-row stripes (what fully_shard builds) beside the tile-major what-if
+    (``tile_placement=True``, docs/design.md "Tile placement"): padding, and gathered quantized, the
+    bytes gathered per rank over the unpadded physical payload + scales and the masters held."""
+    rows = []
+    for model in models:
+        tensors = model_tensors(model)
+        for W in TILE_WORLD_SIZES:
+            row: dict = {"model": model, "world_size": W, "semantics": TILE_SEMANTICS}
+            for name, tiles in (("stripes", False), ("tiles", True)):
+                plan = plan_model(tensors, W, semantics=TILE_SEMANTICS, tile_placement=tiles)
+                q = plan_model(
+                    tensors, W, semantics=TILE_SEMANTICS, quantized_gather=True, tile_placement=tiles
+                ).quantized_gather_totals()
+                row[name] = {
+                    "padding_fraction": plan.padding_fraction,
+                    "plan_seconds": plan.plan_seconds,
+                    "gathered_over_physical": q["gathered_over_physical"],
+                    "gathered_bytes_per_step_per_rank": q["gathered_bytes_per_step_per_rank"],
+                    "master_bytes_per_rank": q["master_bytes_per_rank"],
+                }
+            rows.append(row)
+    return rows
+
+
 def _timed(tensors: list[TensorSpec]) -> float:
     t0 = time.perf_counter()
     plan_model(tensors, 1024, semantics="bnb8bit")
@@ -128,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         "cases": rows,
         "planning_time": _planning_time(args.repeats),
         "scaling": _scaling(args.repeats),
+        "tile_placement": _tiles(models),
     }
     result["summary"] = _summary(rows)
     _print_summary(result, console)
@@ -186,6 +214,21 @@ def _markdown(result: dict) -> str:
         f"S / LB {m['max_segment_over_lower_bound']:.4f}"
         for m in s["missed"]
     ]
+    lines += [
+        "",
+        f"{TILE_SEMANTICS}, B-row stripes (what fully_shard builds) vs tile placement (the what-if of "
+        '`plan_model(..., tile_placement=True)`, docs/design.md "Tile placement"): padding, and with '
+        "`quantized_gather=True` the bytes gathered per rank per step over the unpadded payload + scales.",
+        "",
+        "| model | W | stripes padding | tiles padding | stripes gathered / physical | tiles gathered / physical |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['world_size']} | {100 * r['stripes']['padding_fraction']:.2f}% | "
+        f"{100 * r['tiles']['padding_fraction']:.2f}% | {r['stripes']['gathered_over_physical']:.3f} | "
+        f"{r['tiles']['gathered_over_physical']:.3f} |"
+        for r in result.get("tile_placement", [])
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -239,6 +282,20 @@ def _print_summary(result: dict, console: Console) -> None:
     )
     s = result["summary"]
     console.print(f"targets met in {s['target_met']} of {s['judged']} judged cases; missed: {len(s['missed'])}")
+    tiles = Table(title=f"{TILE_SEMANTICS}: B-row stripes vs tile placement (what-if): padding, gathered / physical")
+    for col in ("model", "W", "stripes padding", "tiles padding", "stripes g/phys", "tiles g/phys"):
+        tiles.add_column(col, justify="left" if col == "model" else "right")
+    for r in result["tile_placement"]:
+        a, b = r["stripes"], r["tiles"]
+        tiles.add_row(
+            r["model"],
+            str(r["world_size"]),
+            f"{100 * a['padding_fraction']:.2f}%",
+            f"{100 * b['padding_fraction']:.2f}%",
+            f"{a['gathered_over_physical']:.3f}",
+            f"{b['gathered_over_physical']:.3f}",
+        )
+    console.print(tiles)
 
 
 if __name__ == "__main__":

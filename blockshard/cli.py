@@ -51,6 +51,12 @@ def _add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> Non
         "semantics keep float masters in a layout of their own per group and are all-gathered as their "
         "quantized tiles (payload + scales)",
     )
+    p.add_argument(
+        "--tile-placement",
+        action="store_true",
+        help="what-if: plan the fp8_block:B weights in their tile-major order, one tile as the placement unit "
+        "(docs/design.md, 'Tile placement'); fully_shard does not build it yet",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -163,6 +169,7 @@ def _load(args: argparse.Namespace) -> ModelPlan:
             progress=progress,
             policy=args.policy,
             quantized_gather=args.quantized_gather,
+            tile_placement=args.tile_placement,
         )
 
 
@@ -194,6 +201,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     title = f"{_source(args)} · W = {args.world_size} · semantics {args.semantics} · policy {args.policy}"
     if args.quantized_gather:
         title += " · quantized gather"
+    if args.tile_placement:
+        title += " · fp8 tiles placed tile-major (what-if)"
     if args.plot:
         plot_rank_loads(cmp, args.plot, title)
     if args.json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -25,6 +26,7 @@ from blockshard.planner._qgather import (
     tile_semantics,
 )
 from blockshard.planner._quantized import QuantizedGroupBytes, plan_quantized_group, quantized_totals
+from blockshard.planner._tile_placement import tile_placed
 from blockshard.planner._units import Memo, check_model_tensors, check_world_size
 from blockshard.semantics import TensorSpec
 
@@ -65,6 +67,8 @@ class ModelPlan:
     # the weights gathered quantized, one per group that has some ([Note: planned quantized gather]);
     # their float layouts are in ``groups`` too
     quantized_gather_groups: tuple[QuantizedGatherBytes, ...] = ()
+    # tile_placement=True: every tile-major part's name -> its weight's item ([Note: planned tile placement])
+    tile_parts_of: Mapping[str, PlanItem] = field(default_factory=dict)
 
     def policy_of(self, name: str) -> str:
         """``"owner"`` or ``"whole"``: how tensor ``name``'s compute units are placed."""
@@ -140,10 +144,11 @@ class ModelPlan:
     def items_by_group(self) -> dict[str, list[PlanItem]]:
         """The items of every layout in ``groups``, by its name (a group's weights gathered
         quantized under ``<group>[quantized gather]``)."""
-        grouped = group_items(self.items)
+        grouped = {g: self._originals(items) for g, items in group_items(self.items).items()}
         if not self.quantized_gather_groups:
             return grouped
         moved = {name for q in self.quantized_gather_groups for name in q.tensors}
+        moved |= {self.tile_parts_of[n].name for n in moved if n in self.tile_parts_of}
         out: dict[str, list[PlanItem]] = {}
         for name, items in grouped.items():
             if rest := [it for it in items if it.name not in moved]:
@@ -151,6 +156,16 @@ class ModelPlan:
             if gathered := [it for it in items if it.name in moved]:
                 out[gather_buffers_name(name)] = gathered
         return out
+
+    def _originals(self, items: list[PlanItem]) -> list[PlanItem]:
+        """``items`` with tile-major parts replaced by their weights (once each, in order)."""
+        if not self.tile_parts_of:
+            return items
+        out: dict[str, PlanItem] = {}
+        for it in items:
+            orig = self.tile_parts_of.get(it.name, it)
+            out.setdefault(orig.name, orig)
+        return list(out.values())
 
     def quantized_by_kind(self) -> dict[str, dict[str, int | float]]:
         """Quantized bytes per group kind (``model.layers.*``), as :meth:`quantized_totals`."""
@@ -213,6 +228,8 @@ class ModelPlan:
             "num_collectives": sum(len(g.buckets) for g in self.groups),
             "allgather_bytes_per_rank": self.allgather_bytes_per_rank,
             "plan_seconds": self.plan_seconds,
+            # [Note: planned tile placement]: the weights planned in tile-major parts (a what-if)
+            "tile_placed_weights": len({it.name for it in self.tile_parts_of.values()}),
             "max_cost_over_mean": self.max_cost_over_mean,
             "max_cost_over_mean_unrotated": self.max_cost_over_mean_unrotated,
             "optimizer_cost_fixed_max_over_lower_bound": self.fixed_cost_over_lower_bound,
@@ -257,6 +274,7 @@ def plan_model(
     progress: Callable[[int, int], None] | None = None,
     policy: str = "auto",
     quantized_gather: bool = False,
+    tile_placement: bool = False,
 ) -> ModelPlan:
     """Plan every group of a model. Tensors are grouped by ``TensorSpec.group`` (``None`` -> root).
 
@@ -274,6 +292,10 @@ def plan_model(
     tensors whose semantics is ``mx``, ``mx:4`` or ``fp8_block:B`` get a layout of their own per
     group (``<group>[quantized gather]``, in ``groups``) and their quantized segments are in
     ``quantized_gather_groups`` ([Note: planned quantized gather] in ``planner/_qgather.py``).
+
+    ``tile_placement=True`` plans every weight whose only semantics is ``fp8_block:B`` in its
+    tile-major parts, one tile as the placement unit: a what-if of the design, which
+    ``fully_shard`` does not build yet ([Note: planned tile placement] in ``planner/_tile_placement.py``).
     """
     world_size = check_world_size(world_size)
     policy = check_policy(policy)
@@ -298,8 +320,21 @@ def plan_model(
         if it.name in seen:
             raise PlanError(f"tensor name {it.name!r} appears twice; every parameter needs a unique name")
         seen.add(it.name)
+    if not isinstance(tile_placement, bool):
+        raise PlanError(
+            f"tile_placement={tile_placement!r} must be True or False (True: plan fp8_block weights with one tile as "
+            "the placement unit, the what-if of docs/design.md's 'Tile placement')"
+        )
     tiles = tile_semantics(raw, semantics) if quantized_gather else {}
-    return _plan_groups(items, world_size, policy, alignment_bytes, tiles, progress, t0)
+    parts_of: dict[str, PlanItem] = {}
+    if tile_placement:
+        if not specs:
+            raise PlanError(
+                "tile_placement=True needs the tensors as TensorSpec (it reads their semantics), not PlanItem"
+            )
+        items, parts_of, tiles = tile_placed(items, semantics, tiles)
+    plan = _plan_groups(items, world_size, policy, alignment_bytes, tiles, progress, t0)
+    return dataclasses.replace(plan, tile_parts_of=parts_of) if parts_of else plan
 
 
 def _plan_groups(

@@ -31,6 +31,7 @@ from blockshard.planner._items import PlanItem
 from blockshard.planner._layout import GroupLayout
 from blockshard.planner._policy import choose_layout
 from blockshard.planner._quantized import BF16_BYTES, byte_totals
+from blockshard.planner._tile_placement import TileRun
 from blockshard.planner._units import Memo
 from blockshard.semantics import SemanticsRules, TensorSpec
 from blockshard.semantics._quantizers import MX, FP8Block
@@ -47,7 +48,7 @@ __all__ = [
 SECTION_ALIGN_BYTES = 16  # the engine's: every section of a quantized segment starts at a multiple of it
 _MASTER_DTYPES = ("float64", "float32", "bfloat16", "float16")
 
-Tile: TypeAlias = MX | FP8Block
+Tile: TypeAlias = MX | FP8Block | TileRun  # TileRun: a part of a tile-placed weight ([Note: planned tile placement])
 
 
 def gather_buffers_name(group: str) -> str:
@@ -103,6 +104,8 @@ def _tile_unit(tile: Tile, shape: tuple[int, ...]) -> int:
     """The values a rank's piece must hold whole (the engine's ``TileQuantizer.unit_numel``)."""
     if isinstance(tile, MX):
         return tile.block
+    if isinstance(tile, TileRun):
+        return tile.unit
     *lead, rows, cols = shape
     return rows * cols if lead and rows % tile.tile else tile.tile * cols
 
@@ -111,6 +114,8 @@ def _piece_bytes(tile: Tile, shape: tuple[int, ...], numel: int) -> tuple[int, i
     """(payload, scales) bytes of a piece of ``numel`` values made of whole tiles."""
     if isinstance(tile, MX):
         return numel * tile.bits // 8, numel // tile.block
+    if isinstance(tile, TileRun):
+        return numel, 4 * (numel // tile.unit)
     *lead, rows, cols = shape
     experts, r = (numel // (rows * cols), rows) if lead and rows % tile.tile else (1, numel // cols)
     return numel, 4 * experts * ceil_div(r, tile.tile) * ceil_div(cols, tile.tile)

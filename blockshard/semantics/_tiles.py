@@ -1,0 +1,93 @@
+"""The tile-major order of a ``B x B``-tiled weight: one tile as the placement unit.
+
+[Note: tile-major order]
+``fp8_block:B`` quantizes a 2-D weight ``(R, C)`` (or each expert of a stacked ``(E, R, C)``) in
+``B x B`` tiles, the last row and column of tiles partial. In the row-major flattening a tile is
+not contiguous, so the placement unit is a ``B``-row stripe, and once ``W`` exceeds a group's
+stripes ranks hold one stripe or none (``fp8_block:128`` pads 50% on Llama-3-70B at W = 256, 82%
+at W = 1024; GPT-OSS's 2880-row experts are one unit each). In a **tile-major order** every tile is
+contiguous, so a rank's piece can be any run of whole tiles.
+
+The order, with ``nR, rr = divmod(R, B)`` and ``nC, rc = divmod(C, B)``, is four **parts**, each a
+run of equal tiles (so each part is an ordinary flat tensor whose :class:`UnitGrid` is its tile):
+
+1. ``tiles``: the full ``B x B`` tiles, expert by expert, tile-row by tile-row, left to right;
+2. ``right``: the right edge's ``B x rc`` tiles (expert, tile-row);
+3. ``bottom``: the bottom edge's ``rr x B`` tiles (expert, tile-column);
+4. ``corner``: each expert's ``rr x rc`` corner tile.
+
+A part with no tile is left out; each tile's values are row-major within the tile. The order
+depends only on the shape and ``B`` (not on ``W``), so pieces of it reshard across world sizes
+like any flat tensor. :func:`tile_parts` gives the parts; the torch permutation (row-major <->
+tile-major) is ``runtime/quantized/_tile_major.py``. Measured with the parts planned as flat
+tensors (docs/design.md, "Tile placement"): padding 0.000% for ``fp8_block:128`` on Llama-3-70B,
+GPT-OSS-120B, Mixtral-8x7B and DeepSeek-V3 at W = 8 to 1024.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from blockshard._errors import SemanticsError
+from blockshard.semantics._grid import UnitGrid
+
+__all__ = ["PART_NAMES", "TilePart", "tile_parts"]
+
+PART_NAMES = ("tiles", "right", "bottom", "corner")
+
+
+@dataclass(frozen=True)
+class TilePart:
+    """One part of the tile-major order: ``count`` tiles of ``rows x cols`` values, from ``offset``."""
+
+    name: str
+    count: int
+    rows: int
+    cols: int
+    offset: int  # first value of the part in the tile-major flattening
+
+    @property
+    def unit_numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def numel(self) -> int:
+        return self.count * self.unit_numel
+
+    @property
+    def grid(self) -> UnitGrid:
+        """Cuts between any two tiles of the part."""
+        return UnitGrid.units(self.numel, self.unit_numel)
+
+
+def tile_parts(shape: tuple[int, ...], tile: int, *, stacked: bool) -> tuple[TilePart, ...]:
+    """The parts of the tile-major order of a ``shape`` weight in ``tile x tile`` tiles ([Note:
+    tile-major order]); ``stacked``: a ``(E, R, C)`` expert tensor, tiled per expert."""
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
+        raise SemanticsError(f"tile={tile!r} must be an integer >= 1 (the tile's side, e.g. 128)")
+    if len(shape) == 2 and not stacked:
+        experts, (rows, cols) = 1, shape
+    elif len(shape) == 3 and stacked:
+        experts, rows, cols = shape
+    else:
+        raise SemanticsError(
+            f"a tile-major order needs a 2-D weight or a stacked (E, rows, cols) expert tensor, got shape {shape} "
+            f"({'stacked' if stacked else 'not stacked'}); apply fp8_block to such weights only"
+        )
+    n_r, r_r = divmod(rows, tile)
+    n_c, r_c = divmod(cols, tile)
+    sizes = (
+        ("tiles", experts * n_r * n_c, tile, tile),
+        ("right", experts * n_r, tile, r_c),
+        ("bottom", experts * n_c, r_r, tile),
+        ("corner", experts, r_r, r_c),
+    )
+    out: list[TilePart] = []
+    offset = 0
+    for name, count, r, c in sizes:
+        if count and r and c:
+            out.append(TilePart(name, count, r, c, offset))
+            offset += count * r * c
+    assert offset == math.prod(shape), (shape, tile, out)
+    return tuple(out)

@@ -1,0 +1,92 @@
+"""The tile-major order ([Note: tile-major order] in blockshard/semantics/_tiles.py): its parts and
+the torch permutations, on hypothesis-generated shapes (edge tiles of every kind, stacked experts).
+
+Pure (no process group). A control: the row-major flattening cut at a tile boundary of the
+tile-major order does not hold whole tiles (what stripe placement must avoid by cutting rows)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockshard._errors import SemanticsError
+from blockshard.runtime.quantized._tile_major import from_tile_major, to_tile_major
+from blockshard.semantics._tiles import PART_NAMES, tile_parts
+
+shapes = st.tuples(st.integers(1, 3), st.integers(1, 40), st.integers(1, 40), st.integers(1, 12), st.booleans()).map(
+    lambda t: ((t[0], t[1], t[2]) if t[4] else (t[1], t[2]), t[3], t[4])
+)
+
+
+def _tiles_row_major(w3: torch.Tensor, b: int) -> dict[str, list[torch.Tensor]]:
+    """Every tile of ``w3`` (E, R, C), by part, in the documented order, cut by plain indexing."""
+    e, r, c = w3.shape
+    nr, nc = r // b, c // b
+    out: dict[str, list[torch.Tensor]] = {n: [] for n in PART_NAMES}
+    for x in range(e):
+        for i in range(nr):
+            for j in range(nc):
+                out["tiles"].append(w3[x, i * b : (i + 1) * b, j * b : (j + 1) * b])
+    for x in range(e):
+        for i in range(nr):
+            out["right"].append(w3[x, i * b : (i + 1) * b, nc * b :])
+    for x in range(e):
+        for j in range(nc):
+            out["bottom"].append(w3[x, nr * b :, j * b : (j + 1) * b])
+    for x in range(e):
+        out["corner"].append(w3[x, nr * b :, nc * b :])
+    return {n: [t for t in ts if t.numel()] for n, ts in out.items()}
+
+
+@settings(max_examples=120, deadline=None)
+@given(shapes)
+def test_every_tile_is_contiguous_in_its_part_and_the_order_round_trips(case):
+    shape, b, stacked = case
+    w = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    flat = to_tile_major(w, b, stacked=stacked)
+    assert flat.shape == (w.numel(),) and torch.equal(flat.sort().values, w.reshape(-1))  # a permutation
+    assert torch.equal(from_tile_major(flat, shape, b, stacked=stacked), w)
+    out = torch.full(shape, -1.0, dtype=torch.float64)
+    assert from_tile_major(flat, shape, b, stacked=stacked, out=out) is out and torch.equal(out, w)
+    parts = tile_parts(shape, b, stacked=stacked)
+    expected = _tiles_row_major(w.reshape((1, *shape) if not stacked else shape), b)
+    assert [p.name for p in parts] == [n for n in PART_NAMES if expected[n]]
+    assert sum(p.numel for p in parts) == w.numel() and parts[0].offset == 0
+    for p in parts:
+        assert p.grid.unit_numel == p.unit_numel and p.grid.numel == p.numel
+        got = flat[p.offset : p.offset + p.numel].view(p.count, p.unit_numel)
+        want = torch.stack([t.reshape(-1) for t in expected[p.name]])
+        assert torch.equal(got, want), p  # tile k of the part: values k * unit ... (k + 1) * unit
+
+
+def test_the_control_row_major_cuts_split_tiles():
+    """At a 128-row weight with B = 32, a cut after the first tile of the tile-major order holds one
+    whole tile; the same offset in the row-major flattening holds 8 rows of 4 tiles (none whole)."""
+    w = torch.arange(128 * 128, dtype=torch.float64).reshape(128, 128)
+    first = to_tile_major(w, 32, stacked=False)[: 32 * 32]
+    assert torch.equal(first, w[:32, :32].reshape(-1))
+    assert not torch.equal(w.reshape(-1)[: 32 * 32], w[:32, :32].reshape(-1))
+
+
+def test_a_gpt_oss_shaped_expert_stack_has_full_tiles_and_a_short_bottom_edge():
+    """(4, 180, 360) with B = 32 (GPT-OSS's 2880 x 5760 experts scaled down): per expert 5 full
+    tile-rows of 11 full tiles and a 8-column right edge, a 20-row bottom edge and a corner."""
+    parts = {p.name: (p.count, p.rows, p.cols) for p in tile_parts((4, 180, 360), 32, stacked=True)}
+    assert parts == {
+        "tiles": (4 * 5 * 11, 32, 32),
+        "right": (4 * 5, 32, 8),
+        "bottom": (4 * 11, 20, 32),
+        "corner": (4, 20, 8),
+    }
+
+
+@pytest.mark.parametrize(
+    ("shape", "tile", "stacked"), [((4, 5, 6), 2, False), ((8,), 2, False), ((3, 4), 2, True), ((3, 4), 0, False)]
+)
+def test_shapes_without_a_tile_major_order_are_named(shape, tile, stacked):
+    with pytest.raises(SemanticsError, match=r"tile=0 must be|needs a 2-D weight or a stacked"):
+        tile_parts(shape, tile, stacked=stacked)
