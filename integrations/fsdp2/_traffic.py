@@ -12,11 +12,14 @@ put torch's comm in place of the counter, and counting stops there (nothing else
 ``set_custom_all_gather`` after the adapter's does the same.
 
 The plan each call is checked against is the adapter's, not FSDP2's arithmetic: a parameter placed
-``Shard(d)`` over ``W`` ranks is padded along ``d`` to ``W * ceil(size(d) / W)`` rows, so a group's
-all-gather moves ``W * sum(ceil(size(d) / W) * numel / size(d))`` elements in the mixed-precision
-policy's ``param_dtype`` (else the parameter's dtype) -- the bytes ``blockshard.report`` shows as
-held plus padding -- and its reduce-scatter the same over the parameters that require a gradient,
-in ``reduce_dtype`` (else the ``param_dtype``, else the parameter's). A trainable parameter that got
+``Shard(d)`` over ``W`` ranks is padded along ``d`` to ``W * ceil(size(d) / W)``
+rows, so a group's all-gather moves ``W * sum(ceil(size(d) / W) * numel / size(d))`` elements in the
+mixed-precision policy's ``param_dtype`` (else each parameter's own dtype) -- the bytes
+``blockshard.report`` shows as held plus padding -- and its reduce-scatter the same over the
+parameters that require a gradient, in ``reduce_dtype`` (else the ``param_dtype``, else the
+parameter's). ``W`` is the mesh's shard dimension, also for the backward's all-gather over the
+smaller group of an int ``reshard_after_forward`` (FSDP2 keeps the ``W``-padded sizes there: measured
+at W = 4 with 2, the same bytes as a full all-gather). A trainable parameter that got
 no gradient in a step is left out of FSDP2's reduce-scatter and shows as a mismatch.
 
 Steps are counted per root (the adapter's ``root=``, default the sharded module): a step ends with
@@ -128,12 +131,12 @@ def count_collectives(
     def live() -> list[DTensor]:
         return [p for r in refs if (p := r()) is not None]
 
-    def predicted(dtype_of: Callable[[DTensor], torch.dtype], grads_only: bool) -> tuple[int, torch.dtype]:
-        ps = [p for p in live() if p.requires_grad or not grads_only]
-        if not ps:
-            return 0, torch.float32
-        dtype = dtype_of(ps[0])
-        return sum(_padded_numel(p, world_size) for p in ps) * dtype.itemsize, dtype
+    def predicted(dtype_of: Callable[[DTensor], torch.dtype], grads_only: bool) -> int:
+        """The plan's bytes of one collective: each parameter padded over the mesh's shard
+        dimension, in its own dtype (FSDP2 gathers a group of mixed dtypes as bytes)."""
+        return sum(
+            _padded_numel(p, world_size) * dtype_of(p).itemsize for p in live() if p.requires_grad or not grads_only
+        )
 
     def gather_dtype(p: DTensor) -> torch.dtype:
         return param_dtype if isinstance(param_dtype, torch.dtype) else p.dtype
@@ -143,14 +146,14 @@ def count_collectives(
 
     class CountingAllGather(default_ag):  # type: ignore[misc,valid-type]
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            plan, _ = predicted(gather_dtype, grads_only=False)
+            plan = predicted(gather_dtype, grads_only=False)
             nbytes = output_tensor.numel() * output_tensor.element_size()
             traffic.record(where, 0, nbytes, plan, output_tensor.dtype, "float", steps.steps + 1)
             return super().__call__(output_tensor, input_tensor, *args, **kwargs)
 
     class CountingReduceScatter(default_rs):  # type: ignore[misc,valid-type]
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            plan, _ = predicted(grad_dtype, grads_only=True)
+            plan = predicted(grad_dtype, grads_only=True)
             nbytes = input_tensor.numel() * input_tensor.element_size()
             traffic.record(where, 1, nbytes, plan, input_tensor.dtype, "float", steps.steps + 1)
             steps.on_reduce_scatter()

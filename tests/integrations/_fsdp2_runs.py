@@ -546,3 +546,23 @@ def unused_param_run(rank: int, world: int) -> dict:
             out[case] = str(e)
         out[f"{case}_seconds"] = time.perf_counter() - t0
     return out
+
+
+def int_reshard_run(rank: int, world: int) -> list:
+    """Blocks sharded with ``reshard_after_forward=2`` at W = 4 under ``BLOCKSHARD_STRICT=1``: the
+    backward all-gathers within pairs of ranks, and every counter must still agree with the plan."""
+    import os
+
+    import blockshard
+    from blockshard.integrations import fsdp2
+
+    os.environ["BLOCKSHARD_STRICT"] = "1"
+    model = ScaledMLP()
+    for b in model.mlp.blocks:
+        fsdp2.fully_shard(b, semantics="elementwise", root=model, reshard_after_forward=2)
+    fsdp2.fully_shard(model, semantics="elementwise")
+    opt = torch.optim.AdamW(model.parameters(), lr=ADAMW_LR)
+    for batch in mlp_batches(STEPS, 12):
+        _loss(model, batch).backward()
+        opt.step(), opt.zero_grad()
+    return blockshard.collective_counts(model)

@@ -411,6 +411,18 @@ def test_counters_equal_the_report_and_the_planner(w):
 
 
 @pytest.mark.slow
+def test_counters_agree_under_an_int_reshard_after_forward():
+    """``reshard_after_forward=2`` at W = 4 (FSDP2's int: the backward all-gathers within pairs of
+    ranks): FSDP2 keeps the W-padded sizes, so each block's two all-gathers a step move the same
+    planned bytes, on every rank, under ``BLOCKSHARD_STRICT=1``."""
+    for r, counts in enumerate(spawn_gloo(runs.int_reshard_run, 4, timeout=120)):
+        blocks = [c for c in counts if c.group.startswith("mlp.blocks.")]
+        assert len(blocks) == 6 and all(c.agrees for c in counts), (r, counts)
+        for c in blocks:
+            assert c.calls == (2 if c.kind == "all-gather" else 1) * runs.STEPS, (r, c)
+
+
+@pytest.mark.slow
 def test_a_trainable_parameter_without_a_gradient_trips_the_counter_on_every_rank():
     """The mismatch check on a real run (W = 2, ``BLOCKSHARD_STRICT=1``): a trainable head that
     forward never uses is left out of FSDP2's reduce-scatter, so the bytes differ from the adapter's
