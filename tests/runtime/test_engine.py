@@ -66,7 +66,7 @@ def split_references() -> dict:
     return run_single(_split_references, timeout=300)
 
 
-SPLIT_ATOL = 1e-6  # against split_references(): measured 2.5e-8 (W = 3 and 4), bitwise at W = 1 and 2
+SPLIT_ATOL = 1e-5  # against split_references(): measured 3.0e-6 at W = 4 on an AMD EPYC, 2.5e-8 (W = 3 and 4) on an Intel CPU; bitwise at W = 1 and 2
 SPLIT_FULL_BATCH_ATOL = 1e-4  # against full-batch training: measured 2.5e-5 (AVX512 CPU), below 1e-5 elsewhere
 
 
