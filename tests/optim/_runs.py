@@ -10,7 +10,6 @@ were cut.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -98,21 +97,15 @@ def sharded(rank: int, world: int, name: str, semantics: str | None) -> dict:
     try:
         with unchecked(semantics is not None):  # a control: what stock-style sharding computes
             _train(m, make_optimizers(name, list(m.parameters())))
-    except Exception as exc:  # a control may not even run
+    except Exception as exc:  # a control may not even run; a failing real case fails the test
+        if semantics is None:  # (swallowed on some ranks only, the others would wait in the next collective)
+            raise
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"params": blockshard.full_state_dict(m), "shapes": [tuple(p.shape) for p in m.parameters()]}
 
 
-# Four ranks on two cores run nine cases one after another; torchao's AdamW8bit compiles its step
-# once per distinct piece shape, and the ranks hold different shapes, so a rank can reach the next
-# case's first collective tens of seconds after another (CI: past the 30 s default, at W = 4). The
-# bound stays finite: a real hang still fails, after 180 s.
-COLLECTIVE_TIMEOUT_S = "180"
-
-
 def sharded_cases(rank: int, world: int, cases: tuple) -> dict:
     """Several (optimizer, semantics) runs in one process: imports and compiles happen once."""
-    os.environ["BLOCKSHARD_COLLECTIVE_TIMEOUT_S"] = COLLECTIVE_TIMEOUT_S
     return {case: sharded(rank, world, *case) for case in cases}
 
 
