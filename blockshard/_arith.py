@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["block_shape", "ceil_div", "round_up", "rows_cols"]
+__all__ = ["block_shape", "ceil_div", "round_up", "rows_cols", "run_boxes"]
 
 
 def ceil_div(x: int, m: int) -> int:
@@ -52,3 +52,27 @@ def block_shape(shape: Sequence[int], start: int, numel: int) -> tuple[int, ...]
         if row and start % row == 0 and numel % row == 0:
             return (numel // row, *shape[1:])
     return (numel,)
+
+
+def run_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(offsets, sizes)`` of the n-D boxes covering elements ``[lo, hi)`` of the row-major flattening
+    of ``shape``, in order (at most ``2 * ndim - 1``): each box is contiguous in that flattening."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = -(-lo // inner), hi // inner  # whole rows [first, last)
+    rest = shape[1:]
+    if first > last:  # inside one row
+        r = lo // inner
+        return [((r, *o), (1, *s)) for o, s in run_boxes(rest, lo - r * inner, hi - r * inner)]
+    out = []
+    if lo < first * inner:  # the end of row first - 1
+        r = first - 1
+        out += [((r, *o), (1, *s)) for o, s in run_boxes(rest, lo - r * inner, inner)]
+    if first < last:
+        out.append(((first, *(0 for _ in rest)), (last - first, *rest)))
+    if hi > last * inner:  # the start of row last
+        out += [((last, *o), (1, *s)) for o, s in run_boxes(rest, 0, hi - last * inner)]
+    return out

@@ -9,8 +9,11 @@ rank boundary may fall between any two tiles. Its cost is the weight's, split ov
 elements; its stored bytes (frozen FP8) the payload plus one fp32 scale per tile; gathered quantized
 (``quantized_gather=True``), every rank quantizes whole tiles of its parts.
 
-This is a **what-if of the planner**: ``fully_shard`` does not build tile-major layouts yet (issue
-24's engine work), so nothing a run does changes; ``blockshard plan --tile-placement`` reports the
+For **frozen FP8 weights** this is what ``fully_shard(..., tile_placement=True)`` builds ([Note:
+tile placement in the engine] in ``runtime/quantized/_frozen.py``): the bytes each rank holds are
+the plan's, since the parts' units in order are the engine's tile runs. For trainable weights
+(``quantized_gather=True``, and float masters with ``fp8_block`` semantics) it is still a
+**what-if**: the engine keeps their stripes, and ``blockshard plan --tile-placement`` reports the
 padding and bytes the design would reach beside the stripes' (``benchmarks/plan_quality.py``
 reports both). Only a weight whose only semantics is ``fp8_block:B`` is tile-placed (2-D, or a
 stacked ``(E, rows, cols)`` expert tensor); any other keeps its grids. The baselines (FSDP2,

@@ -218,6 +218,7 @@ def fully_shard(
     alignment_bytes: int = 16,
     policy: str = "auto",
     quantized_gather: bool = False,
+    tile_placement: bool = False,
 ) -> Any:
     """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
 
@@ -251,6 +252,12 @@ def fully_shard(
     dequantized (fake quantization; the master pieces train as floats). Call
     :func:`blockshard.precompute_quantized_gather` after ``optimizer.step()`` to quantize outside
     the hooks. See [Note: quantized gather] in _gather.py.
+    ``tile_placement=True``: frozen blockwise-FP8 weights (``FP8Linear``-shaped modules) are placed
+    by whole tiles in a tile-major order instead of by tile stripes, so a rank's piece may be any
+    run of tiles (at most one tile of padding per rank where stripes pad up to one stripe: 50-82%
+    at W >= 256 on 70B-class models). The gathered weight is the same row-major FP8 weight; its
+    state-dict entries name their tiles as boxes, so DCP moves them between world sizes and
+    placements. See [Note: tile placement in the engine] in quantized/_frozen.py.
     """
     arg = module
     modules = listed_modules(module) if isinstance(module, (list, tuple)) else (module,)
@@ -262,6 +269,11 @@ def fully_shard(
         raise ShardingError(
             f"quantized_gather={quantized_gather!r} must be True or False (True: gather the weights with 'mx', "
             "'mx:4' or 'fp8_block:B' semantics as their quantized tiles)"
+        )
+    if not isinstance(tile_placement, bool):
+        raise ShardingError(
+            f"tile_placement={tile_placement!r} must be True or False (True: place frozen blockwise-FP8 weights "
+            "by whole tiles rather than tile stripes)"
         )
     for m in modules:
         if (done := state_of(m)) is not None:
@@ -282,6 +294,7 @@ def fully_shard(
         reshard_after_forward=reshard_after_forward,
         offload_policy=type(offload_policy).__name__,
         quantized_gather=quantized_gather,
+        tile_placement=tile_placement,
         policy=policy,
         alignment_bytes=alignment_bytes,
         collective_headers=uses_headers(process_group),  # BLOCKSHARD_COLLECTIVE_HEADERS ([Note: collective headers])
@@ -345,7 +358,10 @@ def fully_shard(
     group = groups[0]
     buffer_sets: list[BufferSet] = [*groups]  # [Note: buffer sets]: frozen quantized weights first
     if quantized:
-        buffer_sets.insert(0, FrozenQuantizedBuffers(name, quantized, process_group, alignment_bytes=alignment_bytes))
+        frozen = FrozenQuantizedBuffers(
+            name, quantized, process_group, alignment_bytes=alignment_bytes, tile_placement=tile_placement
+        )
+        buffer_sets.insert(0, frozen)
     state = ModuleState(
         module,
         group,

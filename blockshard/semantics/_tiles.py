@@ -32,9 +32,26 @@ from dataclasses import dataclass
 from blockshard._errors import SemanticsError
 from blockshard.semantics._grid import UnitGrid
 
-__all__ = ["PART_NAMES", "TilePart", "tile_parts"]
+__all__ = ["PART_NAMES", "Tile", "TilePart", "tile_dims", "tile_parts"]
 
 PART_NAMES = ("tiles", "right", "bottom", "corner")
+
+#: A tile's side ``B`` (``B x B``, the ``fp8_block:B`` semantics) or ``(rows, cols)`` (a frozen
+#: FP8 module's ``block_size``).
+Tile = int | tuple[int, int]
+
+
+def _side(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def tile_dims(tile: object) -> tuple[int, int]:
+    """``(rows, cols)`` of ``tile`` (a side or a pair), raising :class:`SemanticsError` otherwise."""
+    if _side(tile):
+        return tile, tile  # type: ignore[return-value]
+    if isinstance(tile, (tuple, list)) and len(tile) == 2 and all(_side(x) for x in tile):
+        return int(tile[0]), int(tile[1])
+    raise SemanticsError(f"tile={tile!r} must be an integer >= 1 (the tile's side, e.g. 128) or a (rows, cols) pair")
 
 
 @dataclass(frozen=True)
@@ -61,11 +78,11 @@ class TilePart:
         return UnitGrid.units(self.numel, self.unit_numel)
 
 
-def tile_parts(shape: tuple[int, ...], tile: int, *, stacked: bool) -> tuple[TilePart, ...]:
-    """The parts of the tile-major order of a ``shape`` weight in ``tile x tile`` tiles ([Note:
-    tile-major order]); ``stacked``: a ``(E, R, C)`` expert tensor, tiled per expert."""
-    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
-        raise SemanticsError(f"tile={tile!r} must be an integer >= 1 (the tile's side, e.g. 128)")
+def tile_parts(shape: tuple[int, ...], tile: Tile, *, stacked: bool) -> tuple[TilePart, ...]:
+    """The parts of the tile-major order of a ``shape`` weight in ``tile x tile`` tiles (or
+    ``rows x cols`` ones for a pair; [Note: tile-major order]); ``stacked``: a ``(E, R, C)`` expert
+    tensor, tiled per expert."""
+    t_r, t_c = tile_dims(tile)
     if len(shape) == 2 and not stacked:
         experts, (rows, cols) = 1, shape
     elif len(shape) == 3 and stacked:
@@ -75,12 +92,12 @@ def tile_parts(shape: tuple[int, ...], tile: int, *, stacked: bool) -> tuple[Til
             f"a tile-major order needs a 2-D weight or a stacked (E, rows, cols) expert tensor, got shape {shape} "
             f"({'stacked' if stacked else 'not stacked'}); apply fp8_block to such weights only"
         )
-    n_r, r_r = divmod(rows, tile)
-    n_c, r_c = divmod(cols, tile)
+    n_r, r_r = divmod(rows, t_r)
+    n_c, r_c = divmod(cols, t_c)
     sizes = (
-        ("tiles", experts * n_r * n_c, tile, tile),
-        ("right", experts * n_r, tile, r_c),
-        ("bottom", experts * n_c, r_r, tile),
+        ("tiles", experts * n_r * n_c, t_r, t_c),
+        ("right", experts * n_r, t_r, r_c),
+        ("bottom", experts * n_c, r_r, t_c),
         ("corner", experts, r_r, r_c),
     )
     out: list[TilePart] = []

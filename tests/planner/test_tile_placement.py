@@ -10,10 +10,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from blockshard._errors import PlanError
 from blockshard.cli import main as cli_main
 from blockshard.planner import compare, model_tensors, plan_model
+from blockshard.runtime.quantized._fp8_block import tile_sections
+from blockshard.runtime.quantized._layout import plan_quantized
 from blockshard.semantics import TensorSpec
 
 
@@ -100,3 +104,22 @@ def test_the_cli_plans_the_what_if(capsys):
     )
     data = json.loads(capsys.readouterr().out)
     assert data["tile_placed_weights"] == 7 * 32 and data["padding_fraction"] < 0.01
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=1, max_size=4),
+    st.sampled_from([4, 16, 32, 128]),
+    st.integers(1, 17),
+)
+def test_the_planned_bytes_are_the_engines_under_tile_placement(shapes, tile, world):
+    """The planner's frozen FP8 bytes per rank under ``tile_placement=True`` equal the engine's own
+    pure layout of the same weights placed by tiles (``fully_shard(..., tile_placement=True)``:
+    ``_fp8_block.tile_sections`` cut by ``plan_quantized``), on random shapes with edge tiles."""
+    specs = [TensorSpec(name=f"w{i}", shape=s, dtype="bfloat16") for i, s in enumerate(shapes)]
+    plan = plan_model(specs, world, semantics=f"fp8_block:{tile}", tile_placement=True)
+    (q,) = plan.quantized_groups
+    laid = [tile_sections(s, (tile, tile)) for s in shapes]
+    engine = plan_quantized([(sections, order.n_tiles) for order, sections in laid], world, 16)
+    assert q.rank_bytes == tuple(engine.rank_bytes(r) for r in range(world))
+    assert q.segment_bytes == engine.segment_bytes and q.total_bytes == engine.total_bytes

@@ -17,17 +17,20 @@ def batch(step: int, width: int) -> torch.Tensor:
     return torch.randn(8, width, generator=g).to(torch.bfloat16)
 
 
-def train(model: nn.Module, rank: int, world: int, inputs: Callable[[int], torch.Tensor], steps: int = 2) -> dict:
-    """Shard every layer and the root (unless ``world == 0``); logits and adapter gradients of the
-    first step, adapters after ``steps`` AdamW steps, and this rank's quantized bytes and pieces."""
+def train(
+    model: nn.Module, rank: int, world: int, inputs: Callable[[int], torch.Tensor], steps: int = 2, **shard: object
+) -> dict:
+    """Shard every layer and the root (unless ``world == 0``; ``shard``: ``fully_shard``'s keyword
+    arguments); logits and adapter gradients of the first step, adapters after ``steps`` AdamW
+    steps, and this rank's quantized bytes, pieces and segment."""
     from _qlora import _lora_grads
 
     import blockshard
 
     if world:
         for layer in model.layers:
-            blockshard.fully_shard(layer)
-        blockshard.fully_shard(model)
+            blockshard.fully_shard(layer, **shard)
+        blockshard.fully_shard(model, **shard)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     out: dict = {}
     for step in range(steps):
@@ -48,6 +51,7 @@ def train(model: nn.Module, rank: int, world: int, inputs: Callable[[int], torch
         out["held"] = sum(q.layout.rank_bytes(rank) for q in qs)
         out["total"] = sum(q.layout.total_bytes for q in qs)
         out["pieces"] = [[(p.unit_start, p.unit_stop) for p in q.layout.pieces[rank]] for q in qs]  # units
+        out["segment_bytes"] = sum(q.layout.segment_bytes for q in qs)
     return out
 
 

@@ -63,13 +63,19 @@ class FP8Stack(nn.Module):
         return x
 
 
-def train(rank: int, world: int, steps: int = 2) -> dict:
+def train(rank: int, world: int, steps: int = 2, tile_placement: bool = False) -> dict:
     """Logits and adapter gradients of the first step, adapters after ``steps`` AdamW steps
-    (``_adapters.train``)."""
+    (``_adapters.train``); ``tile_placement``: the FP8 weights placed by tiles."""
     from _adapters import batch
     from _adapters import train as train_adapters
     from _qlora import _serial
 
     with _serial():
         model = FP8Stack()
-    return train_adapters(model, rank, world, lambda step: batch(step, SHAPES[0][0]), steps)
+    shard = {"tile_placement": True} if tile_placement else {}
+    return train_adapters(model, rank, world, lambda step: batch(step, SHAPES[0][0]), steps, **shard)
+
+
+def run(rank: int, world: int, sharded: bool, tile_placement: bool = False) -> dict:
+    """Spawned ranks: :func:`train` sharded (by stripes, or by tiles), or the reference."""
+    return train(rank, world if sharded else 0, tile_placement=tile_placement)

@@ -2,7 +2,8 @@
 
 Every function takes ``(rank, world, kind, ...)`` and builds the model itself (the same on every
 rank and in the reference): ``kind`` is ``"bnb"`` (a tiny Llama with bitsandbytes 4-bit decoder
-linears; ``quant`` picks nf4/fp4, nested, storage), ``"ao_nf4"``, ``"mx"`` or ``"fp8"``.
+linears; ``quant`` picks nf4/fp4, nested, storage), ``"ao_nf4"``, ``"mx"``, ``"fp8"`` or
+``"fp8_tiles"`` (the same FP8 model sharded with ``tile_placement=True``).
 Comparisons run inside the ranks (torchao subclasses do not cross processes), results are plain.
 """
 
@@ -37,9 +38,10 @@ def shard(model: nn.Module, kind: str) -> nn.Module:
     import blockshard
 
     layers = model.model.layers if kind == "bnb" else model.layers
+    options = {"tile_placement": True} if kind == "fp8_tiles" else {}
     for layer in layers:
-        blockshard.fully_shard(layer)
-    blockshard.fully_shard(model)
+        blockshard.fully_shard(layer, **options)
+    blockshard.fully_shard(model, **options)
     return model
 
 
@@ -267,8 +269,9 @@ def blockshard_state_dicts(rank: int, world: int, kind: str, **quant) -> dict:
             (sharded[k].start, sharded[k].global_shape) == (v.local_start, tuple(v.shape))
             and same(sharded[k].tensor.reshape(-1), v.to_local().reshape(-1))  # floats: their block shape
             for k, v in pieces.items()
-            if k in sharded
+            if k in sharded and v.is_run
         ),
+        "orders": {sharded[k].order for k, v in pieces.items() if k in sharded and not v.is_run},
     }
     corrupt(model)
     out["corrupted_differs"] = bool(differences(blockshard.full_state_dict(model), want))  # the control

@@ -1,10 +1,11 @@
 """Blockwise FP8 (128 x 128 tiles) frozen weights sharded by whole 128-row tile stripes with their
-scales (threaded gloo ranks), and why the cut must follow the tiles.
+scales, or (``tile_placement=True``) by whole tiles in tile-major order (threaded gloo ranks), and
+why the cut must follow the tiles.
 
 Three ``FP8Linear``-shaped layers (rows 192, 320, 256: tail stripes in both dims) with bf16 adapters:
 with the whole batch on every rank, logits, first-step adapter gradients and adapters after two
 AdamW steps equal one process bitwise at W in {2, 4}; at W = 3 logits bitwise, gradients within
-one bf16 ulp. Quantizing each rank's whole stripes locally and gathering gives the bytes of
+one bf16 ulp; the same under tile placement, whose segments are smaller at W >= 3 (the control). Quantizing each rank's whole stripes locally and gathering gives the bytes of
 quantizing the whole weight (bitwise); the control cuts at torch.chunk's rows (FSDP2's Shard(0)).
 """
 
@@ -39,6 +40,14 @@ def test_fp8_block_weights_equal_one_process(world):
     for got in results:
         for pieces in got["pieces"]:  # every piece: whole 128-row stripes (the tensor's tail stripe last)
             assert all(stop > start for start, stop in pieces)
+    # tile placement ([Note: tile placement in the engine]): whole tiles, the same numbers
+    tiles = _inproc.run_ranks(_fp8_runs.train, world, args=(2, True))
+    check_equal_one_process(tiles, want, world)
+    stripes_total = sum(len(pieces) for got in results for pieces in got["pieces"])
+    assert stripes_total and all(stop > start for got in tiles for ps in got["pieces"] for start, stop in ps)
+    # the control: at W >= 3 the stripes (2-3 per weight) pad each segment to a whole stripe, the tiles to one tile
+    if world >= 3:
+        assert tiles[0]["segment_bytes"] < results[0]["segment_bytes"], (tiles[0], results[0])
 
 
 def _quantize_pieces(w: torch.Tensor, cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,3 +96,16 @@ def test_a_per_tensor_scale_has_no_tiles():
 
     msg = _inproc.run_ranks(_one_rank, 1, args=(tamper,))[0]
     assert "block_size=None is not a tile" in msg and "ignored_params" in msg
+
+
+def _tile_placement_of(rank, world, value):
+    try:
+        blockshard.fully_shard(_fp8_runs.FP8BlockLinear(192, 320), tile_placement=value)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_tile_placement_takes_a_bool():
+    msg = _inproc.run_ranks(_tile_placement_of, 1, args=("yes",))[0]
+    assert "tile_placement='yes' must be True or False" in msg

@@ -47,14 +47,15 @@ from blockshard.semantics import TensorSpec
 pytestmark = pytest.mark.timeout(300)
 
 
-def _engine(rank: int, world: int, build, layers: str | None) -> dict:
-    """Per quantized group: this rank's ``quantized_stats`` and the bytes it holds of its segment."""
+def _engine(rank: int, world: int, build, layers: str | None, **shard) -> dict:
+    """Per quantized group: this rank's ``quantized_stats`` and the bytes it holds of its segment
+    (``shard``: ``fully_shard``'s keyword arguments)."""
     with _qlora._serial():
         model = build()
     if layers is not None:
         for layer in model.get_submodule(layers):
-            blockshard.fully_shard(layer)
-    blockshard.fully_shard(model)
+            blockshard.fully_shard(layer, **shard)
+    blockshard.fully_shard(model, **shard)
     held = {p: frozen_buffers(st).layout.rank_bytes(rank) for p, m in model.named_modules() if (st := state_of(m))
             and frozen_buffers(st) is not None}  # fmt: skip
     return {"stats": quantized_stats(model), "held": held, "report": blockshard.report(model)}
@@ -164,6 +165,22 @@ def test_torchao_and_fp8_stack_bytes_equal_the_plan(fmt, layers, world):
     plan = plan_model(_specs(_twin(shapes), layers, torch.bfloat16), world, semantics=sem)
     _check(ranks, plan)
     assert len(plan.quantized_groups) == (len(shapes) if layers else 1)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_tile_placed_fp8_bytes_equal_the_plan(world):
+    """``fully_shard(..., tile_placement=True)`` of the FP8 stack holds what ``plan_model(...,
+    tile_placement=True)`` predicts, per rank; the control: the stripes' plan pads more at W >= 3."""
+    build, shapes, sem = STACKS["fp8_block:128"]
+    ranks = _inproc.run_ranks(_engine, world, args=(build, "layers"), kwargs={"tile_placement": True})
+    specs = _specs(_twin(shapes), "layers", torch.bfloat16)
+    tiles = plan_model(specs, world, semantics=sem, tile_placement=True)
+    _check(ranks, tiles)
+    stripes = plan_model(specs, world, semantics=sem)
+    if world >= 3:
+        assert sum(q.segment_bytes for q in tiles.quantized_groups) < sum(
+            q.segment_bytes for q in stripes.quantized_groups
+        )
 
 
 @pytest.mark.parametrize("world", [2, 3])

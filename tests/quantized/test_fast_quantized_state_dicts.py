@@ -59,10 +59,22 @@ def test_bnb_state_dicts_at_w2_are_the_unsharded_models(quant):
 
 
 @pytest.mark.parametrize(
-    ("kind", "sections"), [("ao_nf4", (".quantized_scalers",)), ("mx", (".scale",)), ("fp8", ("weight_scale_inv",))]
+    ("kind", "sections"),
+    [
+        ("ao_nf4", (".quantized_scalers",)),
+        ("mx", (".scale",)),
+        ("fp8", ("weight_scale_inv",)),
+        ("fp8_tiles", ("weight_scale_inv",)),
+    ],
 )
 def test_torchao_mx_and_fp8_state_dicts_at_w2_are_the_unsharded_models(kind, sections):
     _check_entries(_inproc.run_ranks(_state_runs.entries, 2, args=(kind,)), sections)
+
+
+def test_tile_placed_fp8_state_dicts_at_w3_are_the_unsharded_models():
+    """Tile-placed entries are boxes of whole tiles ([Note: tile placement in the engine]):
+    ``full_tensor()`` and loading them back are exact at W = 3 too (three ranks' tile runs)."""
+    _check_entries(_inproc.run_ranks(_state_runs.entries, 3, args=("fp8_tiles",)), ("weight_scale_inv",))
 
 
 @pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
@@ -76,6 +88,7 @@ KINDS = [
     ("ao_nf4", {}),
     ("mx", {}),
     ("fp8", {}),
+    ("fp8_tiles", {}),
 ]
 
 
@@ -90,6 +103,20 @@ def test_checkpoints_of_quantized_weights_reshard(kind, quant, checkpoint, tmp_p
         for rank, out in enumerate(loads):
             assert out["corrupted_differs"], (w_save, w_load, rank)
             assert out["after_load"] == [], (w_save, w_load, rank)
+
+
+# save (placement, W) -> load (placement, W): DCP reads the boxes, so tiles and stripes interchange
+MOVES = [(("fp8_tiles", 4), ("fp8_tiles", 2)), (("fp8", 4), ("fp8_tiles", 3)), (("fp8_tiles", 3), ("fp8", 2))]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["dcp", "save_checkpoint"])
+@pytest.mark.parametrize(("save", "load"), MOVES, ids=lambda x: f"{x[0]}-W{x[1]}")
+def test_fp8_checkpoints_move_between_world_sizes_and_placements(save, load, checkpoint, tmp_path):
+    path = str(tmp_path / "ckpt")
+    _inproc.run_ranks(_state_runs.dcp_save, save[1], args=(save[0], path, checkpoint))
+    for rank, out in enumerate(_inproc.run_ranks(_state_runs.dcp_load, load[1], args=(load[0], path, checkpoint))):
+        assert out["corrupted_differs"], rank  # the control: the overwritten bytes are seen
+        assert out["after_load"] == [], rank
 
 
 def _load_bad(rank: int, world: int, what: str) -> str:
@@ -204,6 +231,20 @@ def test_blockshard_sharded_and_full_state_dicts_carry_quantized_weights(kind, w
         assert f"{outs[0]['payload']!r}" in msg and "this rank holds piece" in msg and "Fix:" in msg, msg
 
 
+@pytest.mark.parametrize("world", [2, 1])
+def test_sharded_state_dicts_of_tile_placed_fp8_name_their_order(world):
+    """``sharded_state_dict`` gives a tile-placed weight's pieces in tile-major order and says so
+    (``LocalShard.order``); both loads restore overwritten segments; a row-major piece of the same
+    numbers (even the whole tensor at W = 1) raises, naming the order."""
+    outs = _inproc.run_ranks(_state_runs.blockshard_state_dicts, world, args=("fp8_tiles",))
+    for out in outs:
+        assert out["missing"] == [] and out["orders"] == {"tile-major 128 x 128"}
+        assert out["corrupted_differs"]  # the control
+        assert out["after_sharded_load"] == [] and out["after_full_load"] == []
+        msg = out["errors"][0]
+        assert f"{out['payload']!r}" in msg and "in row-major order" in msg and "tile-major 128 x 128" in msg, msg
+
+
 def test_the_checkpoint_record_holds_the_quantized_layouts(tmp_path, capsys):
     """``blockshard.json`` records each quantized group's layout (format, units, every rank's units and
     pieces of every entry) for ``blockshard inspect``; before, a group of quantized weights only was left
@@ -229,3 +270,24 @@ def test_the_checkpoint_record_holds_the_quantized_layouts(tmp_path, capsys):
     assert main(["inspect", path]) == 0
     out = capsys.readouterr().out
     assert "quantized group layers.0 (NF4LoRALinear): world size 2" in out and "torchao NF4Tensor x1" in out
+
+
+def test_the_checkpoint_record_names_a_tile_placed_order(tmp_path, capsys):
+    """A tile-placed weight's record says its units are tiles in tile-major order (``tile_major``,
+    the payload's runs of full and edge tiles), its entries' pieces in that order."""
+    from blockshard.cli import main
+    from blockshard.runtime import describe_checkpoint
+
+    path = str(tmp_path / "ckpt")
+    outs = _inproc.run_ranks(_state_runs.record, 2, args=("fp8_tiles", path))
+    groups = describe_checkpoint(path)["quantized_groups"]
+    for g, (_, _, units) in zip(groups, outs[0]["layouts"], strict=True):
+        (t,) = g["tensors"]
+        assert t["tile_major"] == [128, 128] and t["pieces"] == [
+            [r, a, b - a] for r, held in enumerate(units) for a, b in held
+        ]
+        payload, scales = t["streams"]
+        assert sum(n * size for n, size in payload["runs"]) == payload["bytes"] and "runs" not in scales
+        assert sum(n for n, _ in payload["runs"]) == t["units"] == scales["bytes"] // 4
+    assert main(["inspect", path]) == 0
+    assert "quantized group layers.0 (FP8BlockLinear): world size 2" in capsys.readouterr().out

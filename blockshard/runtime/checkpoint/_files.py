@@ -439,7 +439,13 @@ def _quantized_record(prefix: str, st: Any) -> dict[str, Any]:
                 "numel": t.numel,
                 "units": t.n_units,
                 # the sections, under the key earlier records use (a file format: not renamed)
-                "streams": [{"name": s.name, "bytes": s.nbytes, "unit_bytes": s.unit_bytes} for s in t.sections],
+                "streams": [
+                    {"name": s.name, "bytes": s.nbytes, "unit_bytes": s.unit_bytes}
+                    | ({"runs": [list(r) for r in s.runs]} if s.runs else {})
+                    for s in t.sections
+                ],
+                # a tile-placed tensor's units are tiles in tile-major order, its entries' pieces in that order
+                **({"tile_major": list(t.tiles.tile)} if t.tiles is not None else {}),
                 "pieces": [[r, p.unit_start, p.unit_stop - p.unit_start] for r, p in held],  # in units
                 "entries": entries,
             }

@@ -29,12 +29,13 @@ Parameters outside any group stay plain tensors.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
 import torch
 
+from blockshard._arith import run_boxes
 from blockshard._errors import PieceTensorError
 from blockshard.runtime.core._collectives import agree, all_gather_into
 
@@ -60,28 +61,9 @@ class Box:
     def numel(self) -> int:
         return math.prod(self.sizes)
 
-
-def _run_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """``(offsets, sizes)`` of the boxes covering ``[lo, hi)`` of a row-major ``shape``, in order."""
-    if lo >= hi:
-        return []
-    if len(shape) <= 1:
-        return [((lo,), (hi - lo,))] if shape else [((), ())]
-    inner = math.prod(shape[1:])
-    first, last = -(-lo // inner), hi // inner  # whole rows [first, last)
-    rest = shape[1:]
-    if first > last:  # inside one row
-        r = lo // inner
-        return [((r, *o), (1, *s)) for o, s in _run_boxes(rest, lo - r * inner, hi - r * inner)]
-    out = []
-    if lo < first * inner:  # the end of row first - 1
-        r = first - 1
-        out += [((r, *o), (1, *s)) for o, s in _run_boxes(rest, lo - r * inner, inner)]
-    if first < last:
-        out.append(((first, *(0 for _ in rest)), (last - first, *rest)))
-    if hi > last * inner:  # the start of row last
-        out += [((last, *o), (1, *s)) for o, s in _run_boxes(rest, 0, hi - last * inner)]
-    return out
+    @property
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.sizes, strict=True))
 
 
 def flat_run_boxes(shape: tuple[int, ...], start: int, numel: int) -> list[Box]:
@@ -91,10 +73,17 @@ def flat_run_boxes(shape: tuple[int, ...], start: int, numel: int) -> list[Box]:
     if start < 0 or numel < 0 or start + numel > math.prod(shape):
         raise AssertionError(f"run [{start}, {start + numel}) outside a tensor of shape {shape}")
     boxes, pos = [], 0
-    for offsets, sizes in _run_boxes(tuple(shape), start, start + numel):
+    for offsets, sizes in run_boxes(tuple(shape), start, start + numel):
         boxes.append(Box(offsets, sizes, pos))
         pos += math.prod(sizes)
     return boxes
+
+
+def _rebuild(
+    local: torch.Tensor, start: int, shape: tuple[int, ...], name: str, boxes: list[Any] | None = None
+) -> PieceTensor:
+    """Unpickling: the piece again (``torch.save`` of an entry)."""
+    return PieceTensor(local, start, shape, name, boxes=boxes)
 
 
 class PieceTensor(torch.Tensor):
@@ -103,7 +92,9 @@ class PieceTensor(torch.Tensor):
     See [Note: state dict entries]. ``to_local()`` is the piece (1-D, ``local_numel`` elements,
     a view of the engine's buffer when the entry comes from ``model.state_dict()``),
     ``local_start`` its first element in the row-major flattening, ``boxes`` the same piece as
-    n-D boxes of the global tensor.
+    n-D boxes of the global tensor. Made with ``boxes`` (``(offsets, sizes)`` pairs), the piece is
+    those boxes, each row-major, one after another in ``to_local()`` (a tile-placed weight's whole
+    tiles, [Note: tile placement in the engine]); ``local_start`` is then -1.
     """
 
     _local: torch.Tensor
@@ -114,13 +105,28 @@ class PieceTensor(torch.Tensor):
 
     @staticmethod
     def __new__(
-        cls, local: torch.Tensor, start: int, shape: tuple[int, ...], name: str = "", *, process_group: Any = None
+        cls,
+        local: torch.Tensor,
+        start: int,
+        shape: tuple[int, ...],
+        name: str = "",
+        *,
+        process_group: Any = None,
+        boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
     ) -> PieceTensor:
         local = local.detach().reshape(-1)
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device)
-        self._local, self._start, self._name = local, int(start), name
+        self._local, self._start, self._name = local, int(start) if boxes is None else -1, name
         self._process_group = process_group  # over which the pieces are spread (None: the default group)
-        if math.prod(shape) == 0:  # every rank names the empty tensor (DCP keeps one), so it is saved
+        if boxes is not None:
+            at, made = 0, []
+            for offsets, sizes in boxes:
+                made.append(Box(tuple(offsets), tuple(sizes), at))
+                at += math.prod(sizes)
+            if at != local.numel():
+                raise AssertionError(f"boxes of {at} elements for a piece of {local.numel()}")
+            self._boxes = tuple(made)
+        elif math.prod(shape) == 0:  # every rank names the empty tensor (DCP keeps one), so it is saved
             self._boxes = (Box(tuple(0 for _ in shape), tuple(shape), 0),)
         else:
             self._boxes = tuple(flat_run_boxes(tuple(shape), self._start, local.numel()))
@@ -151,7 +157,7 @@ class PieceTensor(torch.Tensor):
         raise PieceTensorError(
             f"{func} on the state-dict entry {x._name or 'of a sharded parameter'} (global shape "
             f"{tuple(x.shape)}): it is a blockshard PieceTensor that holds only this rank's piece "
-            f"[{x._start}, {x._start + x._local.numel()}) of the row-major flattening. Save and load it with "
+            f"{x._where}{' of the row-major flattening' if x.is_run else ''}. Save and load it with "
             "torch.distributed.checkpoint (dcp.save / dcp.load), take the piece with .to_local(), or get full "
             "tensors with blockshard.full_state_dict(model)"
         )
@@ -160,12 +166,15 @@ class PieceTensor(torch.Tensor):
         """What ``copy_(src)`` writes into this piece: the same piece of another entry, this
         piece's elements of a whole tensor of the global shape, or a scalar."""
         if isinstance(src, PieceTensor):
-            if (src._start, src._local.numel(), tuple(src.shape)) == (
+            if (src._start, src._local.numel(), tuple(src.shape), src._boxes) == (
                 self._start,
                 self._local.numel(),
                 tuple(self.shape),
+                self._boxes,
             ):
                 return src._local
+        elif isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(self.shape) and not self.is_run:
+            return torch.cat([src.detach()[b.slices].reshape(-1) for b in self._boxes])
         elif isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(self.shape):
             return src.detach().reshape(-1)[self._start : self._start + self._local.numel()]
         elif isinstance(src, torch.Tensor) and src.numel() == 1:
@@ -175,7 +184,7 @@ class PieceTensor(torch.Tensor):
         )
         raise PieceTensorError(
             f"copy_ into the state-dict entry {self._name or 'of a sharded parameter'} (global shape "
-            f"{tuple(self.shape)}, piece [{self._start}, {self._start + self._local.numel()})) from {described}: "
+            f"{tuple(self.shape)}, piece {self._where}) from {described}: "
             "the source must be the same piece of the same tensor, a whole tensor of the global shape or a "
             "scalar. Fix: copy from an entry of the same model's state_dict(), or from full tensors "
             "(blockshard.full_state_dict(model)); load other layouts with torch.distributed.checkpoint"
@@ -183,7 +192,21 @@ class PieceTensor(torch.Tensor):
 
     def _like(self, local: torch.Tensor) -> PieceTensor:
         """The same piece of the same tensor holding ``local``."""
-        return PieceTensor(local, self._start, tuple(self.shape), self._name, process_group=self._process_group)
+        boxes = None if self.is_run else [(b.offsets, b.sizes) for b in self._boxes]
+        return PieceTensor(
+            local, self._start, tuple(self.shape), self._name, process_group=self._process_group, boxes=boxes
+        )
+
+    @property
+    def is_run(self) -> bool:
+        """Whether the piece is one run of the row-major flattening (else boxes given at construction)."""
+        return self._start >= 0
+
+    @property
+    def _where(self) -> str:
+        if self.is_run:
+            return f"[{self._start}, {self._start + self._local.numel()})"
+        return f"of {len(self._boxes)} boxes {[(b.offsets, b.sizes) for b in self._boxes[:3]]}{'...' if len(self._boxes) > 3 else ''}"
 
     # -- what a ragged piece is ---------------------------------------------------------------
     def to_local(self) -> torch.Tensor:
@@ -203,10 +226,11 @@ class PieceTensor(torch.Tensor):
         pg: Any = self._process_group or dist.group.WORLD
         W = dist.get_world_size(pg)
         agree(pg, f"PieceTensor.full_tensor() of a {tuple(self.shape)} {str(self.dtype).removeprefix('torch.')} tensor")
-        places = torch.empty(2 * W, dtype=torch.int64, device=self.device)
-        mine = torch.tensor([self._start, self._local.numel()], dtype=torch.int64, device=self.device)
+        places = torch.empty(3 * W, dtype=torch.int64, device=self.device)
+        mine = torch.tensor([self._start, self._local.numel(), len(self._boxes)], dtype=torch.int64, device=self.device)
         all_gather_into(places, mine, pg)
-        starts, numels = places[0::2].tolist(), places[1::2].tolist()
+        starts, numels, n_boxes = places[0::3].tolist(), places[1::3].tolist(), places[2::3].tolist()
+        boxes = self._gather_boxes(pg, W, max(n_boxes)) if min(starts) < 0 else None
         most = max(numels)
         wire = torch.uint8 if self.dtype.itemsize == 1 else self.dtype  # float8 as bytes (gloo has no float8)
         padded = torch.zeros(most, dtype=wire, device=self.device)
@@ -222,8 +246,31 @@ class PieceTensor(torch.Tensor):
             )
         full = torch.empty(numel, dtype=self.dtype, device=self.device)
         for r, (a, n) in enumerate(zip(starts, numels, strict=True)):
-            full[a : a + n] = values[r * most : r * most + n]
+            if boxes is None:
+                full[a : a + n] = values[r * most : r * most + n]
+                continue
+            for box in boxes[r][: n_boxes[r]]:
+                at = r * most + box.run_offset
+                full.view(self.shape)[box.slices] = values[at : at + box.numel].view(box.sizes)
         return full.view(self.shape)
+
+    def _gather_boxes(self, pg: Any, W: int, most: int) -> list[list[Box]]:
+        """Every rank's boxes (one all-gather of their offsets and sizes, padded to ``most`` boxes)."""
+        d = len(self.shape)
+        mine = torch.zeros(most * 2 * d, dtype=torch.int64, device=self.device)
+        if self._boxes and d:
+            mine[: len(self._boxes) * 2 * d] = torch.tensor([[*b.offsets, *b.sizes] for b in self._boxes]).reshape(-1)
+        got = torch.empty(W * most * 2 * d, dtype=torch.int64, device=self.device)
+        all_gather_into(got, mine, pg)
+        out = []
+        for row in got.view(W, most, 2 * d).tolist():
+            at, boxes = 0, []
+            for enc in row:
+                box = Box(tuple(enc[:d]), tuple(enc[d:]), at)
+                boxes.append(box)
+                at += box.numel
+            out.append(boxes)
+        return out
 
     @property
     def local_start(self) -> int:
@@ -235,8 +282,9 @@ class PieceTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         end = self._start + self._local.numel()
+        piece = f"piece=[{self._start}, {end}), " if self.is_run else ""
         return (
-            f"PieceTensor(shape={tuple(self.shape)}, dtype={self.dtype}, piece=[{self._start}, {end}), "
+            f"PieceTensor(shape={tuple(self.shape)}, dtype={self.dtype}, {piece}"
             f"boxes={[(b.offsets, b.sizes) for b in self._boxes]})"
         )
 
@@ -254,7 +302,7 @@ class PieceTensor(torch.Tensor):
         return (
             f"{what} was asked of the state-dict entry {self._name or 'of a sharded parameter'} (global shape "
             f"{tuple(self.shape)}), a blockshard PieceTensor that holds only this rank's piece "
-            f"[{self._start}, {self._start + self._local.numel()}): writing it would save one rank's piece as the "
+            f"{self._where}: writing it would save one rank's piece as the "
             "whole tensor. Fix: export full tensors with blockshard.full_state_dict(model) (collective: every rank "
             "calls it), e.g. model.save_pretrained(path, state_dict=blockshard.full_state_dict(model), "
             "is_main_process=rank == 0), or stream it with blockshard.save_pretrained(model, path) (one group at a "
@@ -269,10 +317,9 @@ class PieceTensor(torch.Tensor):
         copied: PieceTensor = memo[id(self)]
         return copied
 
-    def __reduce_ex__(
-        self, protocol: SupportsIndex
-    ) -> tuple[type[PieceTensor], tuple[torch.Tensor, int, tuple[int, ...], str]]:
-        return (PieceTensor, (self._local, self._start, tuple(self.shape), self._name))
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Callable[..., PieceTensor], tuple[Any, ...]]:
+        boxes = None if self.is_run else [(b.offsets, b.sizes) for b in self._boxes]
+        return (_rebuild, (self._local, self._start, tuple(self.shape), self._name, boxes))
 
     # -- DCP's checkpointable protocol ---------------------------------------------------------
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:

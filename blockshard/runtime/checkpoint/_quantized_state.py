@@ -80,25 +80,60 @@ def _error(t: QuantizedTensor, key: str, what: str, fix: str) -> QuantizedWeight
 
 
 # -- model.state_dict() -----------------------------------------------------------------------
+def _in_order(qg: Any, t: QuantizedTensor, e: StateEntry) -> tuple[torch.Tensor, int]:
+    """This rank's values of entry ``e`` in ``t``'s order (tile-major for a tile-placed tensor) and
+    the first one's index: a view of the segment where aligned to the dtype, else a copy."""
+    piece, size = qg.piece_of(t), e.dtype.itemsize
+    if piece is None:
+        return torch.empty(0, dtype=e.dtype, device=qg.device), 0
+    lo, hi, off = piece.ranges[e.section]
+    seg = qg.local[off : off + hi - lo]
+    return (seg if off % size == 0 else seg.clone()).view(e.dtype), lo // size
+
+
+def _boxes(t: QuantizedTensor, e: StateEntry, start: int, numel: int) -> list[Any]:
+    """The boxes of a tile-placed tensor's entry ``e`` that its values ``[start, start + numel)`` fill."""
+    assert t.tiles is not None and e.section is not None
+    if e.section == 0:
+        return t.tiles.boxes(*t.tiles.tile_range(start, start + numel))
+    return t.tiles.scale_boxes(start, start + numel)
+
+
 def _pieces(qg: Any, t: QuantizedTensor, key_prefix: str) -> dict[str, torch.Tensor]:
-    """``t``'s entries on this rank: sections as PieceTensors, constants as they are."""
-    piece = qg.piece_of(t)
+    """``t``'s entries on this rank: sections as PieceTensors (a tile-placed tensor's as boxes of
+    whole tiles, their values copied box by box), constants as they are."""
     out: dict[str, torch.Tensor] = {}
     for e in t.entries:
         if e.section is None:
             assert e.constant is not None
             out[e.name] = e.constant.detach()
             continue
-        size = e.dtype.itemsize
-        if piece is None:
-            local, start = torch.empty(0, dtype=e.dtype, device=qg.device), 0
-        else:
-            lo, hi, off = piece.ranges[e.section]
-            seg = qg.local[off : off + hi - lo]
-            local = (seg if off % size == 0 else seg.clone()).view(e.dtype)
-            start = lo // size
-        out[e.name] = PieceTensor(local, start, e.shape, name=key_prefix + e.name, process_group=qg.process_group)
+        local, start = _in_order(qg, t, e)
+        name, pg = key_prefix + e.name, qg.process_group
+        if t.tiles is None:
+            out[e.name] = PieceTensor(local, start, e.shape, name=name, process_group=pg)
+            continue
+        if e.section == 0:  # float8 values: permuted as bytes
+            first, stop = t.tiles.tile_range(start, start + local.numel())
+            local = t.tiles.to_boxes(local.view(torch.uint8), first, stop).view(e.dtype)
+        boxes = _boxes(t, e, start, local.numel())
+        out[e.name] = PieceTensor(local, 0, e.shape, name=name, process_group=pg, boxes=boxes)
     return out
+
+
+def _ordered(qg: Any, t: QuantizedTensor, e: StateEntry, v: Any) -> Piece | None:
+    """An entry's value as a :data:`Piece` in ``t``'s order: a tile-placed tensor's PieceTensor of
+    this rank's boxes back in tile-major order (None where its boxes are not this rank's)."""
+    if t.tiles is None or not isinstance(v, PieceTensor) or v.is_run:
+        return _as_piece(v)
+    want, start = _in_order(qg, t, e)
+    if [(b.offsets, b.sizes) for b in v.boxes] != [tuple(x) for x in _boxes(t, e, start, want.numel())]:
+        return None
+    local = v.to_local()
+    if e.section == 0 and local.dtype == e.dtype:
+        first, stop = t.tiles.tile_range(start, start + local.numel())
+        local = t.tiles.from_boxes(local.view(torch.uint8), first, stop).view(e.dtype)
+    return local, start, tuple(v.shape)
 
 
 def quantized_entries(module: nn.Module, qg: Any, state_dict: dict[str, Any], prefix: str) -> None:
@@ -244,7 +279,7 @@ def _from_full(qg: Any, t: QuantizedTensor, values: dict[str, Any], p: str) -> l
                 "model's state_dict(), or model.state_dict() through torch.distributed.checkpoint)",
             )
         lo, hi, _ = piece.ranges[k] if piece is not None else (0, 0, 0)
-        out.append(byte_view(v.detach().contiguous())[lo:hi])
+        out.append(t.take_section(k, byte_view(v.detach().contiguous()), lo, hi))
     return out
 
 
@@ -292,7 +327,11 @@ def load_quantized(
             values = {n: state_dict[p + n] for n in {e.name for e in t.entries} | set(wanted) if p + n in state_dict}
             _check_constants(t, values, p)
             if pieces:
-                incoming = _from_pieces(qg, t, values, p, {n: _as_piece(v) for n, v in values.items()}, _PIECES_FIX)
+                by_name = {e.name: e for e in t.entries}
+                ordered = {
+                    n: _ordered(qg, t, by_name[n], v) if n in by_name else _as_piece(v) for n, v in values.items()
+                }
+                incoming = _from_pieces(qg, t, values, p, ordered, _PIECES_FIX)
             else:
                 incoming = _from_full(qg, t, values, p)
             qg.write_piece(t, incoming)
@@ -315,23 +354,34 @@ def _settle(t: QuantizedTensor, state_dict: dict[str, Any], p: str) -> None:
 
 
 # -- blockshard.sharded_state_dict / load_sharded_state_dict / load_full_state_dict ----------------
-def quantized_pieces(module: nn.Module, qg: Any, prefix: str) -> dict[str, Piece]:
+def _order(t: QuantizedTensor) -> str:
+    return t.tiles.name if t.tiles is not None else "row-major"
+
+
+def quantized_pieces(
+    module: nn.Module, qg: Any, prefix: str
+) -> dict[str, tuple[torch.Tensor, int, tuple[int, ...], str]]:
     """This rank's entries of every quantized tensor of ``module``'s group by the names of
-    ``module.state_dict(prefix=prefix)``: sections as this rank's :data:`Piece`, constants whole
-    (their piece is the whole tensor)."""
+    ``module.state_dict(prefix=prefix)``: sections as this rank's :data:`Piece` and its order
+    (``"row-major"``, or ``"tile-major R x C"`` for a tile-placed tensor), constants whole (their
+    piece is the whole tensor)."""
     names = _module_names(module)
-    out: dict[str, Piece] = {}
+    out: dict[str, tuple[torch.Tensor, int, tuple[int, ...], str]] = {}
     for t in qg.tensors:
         for p in _prefixes(t, names, prefix):
-            for name, v in _pieces(qg, t, p).items():
-                out[p + name] = _as_piece(v) or (v, 0, tuple(v.shape))
+            for e in t.entries:
+                if e.section is None:
+                    assert e.constant is not None
+                    out[p + e.name] = (e.constant.detach(), 0, tuple(e.constant.shape), "row-major")
+                else:
+                    out[p + e.name] = (*_in_order(qg, t, e), e.shape, _order(t))
     return out
 
 
 @torch.no_grad()
 def load_quantized_pieces(module: nn.Module, qg: Any, state: Mapping[str, Any], prefix: str, *, full: bool) -> None:
     """Copy this rank's bytes of every quantized tensor of ``module``'s group from ``state``: pieces
-    of the same layout (:data:`Piece` values, as :func:`quantized_pieces` gives them) or, with
+    of the same layout (:data:`Piece` values with their order, as :func:`quantized_pieces` gives them) or, with
     ``full``, the unsharded model's entries (any world size). The group must be sharded."""
     for t, _, p in _placed(module, qg, state, prefix):
         wanted = list(t.full_names) if full and t.full_names else [e.name for e in t.entries]
@@ -346,7 +396,18 @@ def load_quantized_pieces(module: nn.Module, qg: Any, state: Mapping[str, Any], 
             continue
         values = {e.name: state[p + e.name][0] for e in t.entries}
         _check_constants(t, values, p)
-        pieces = {e.name: state[p + e.name] for e in t.entries}
+        for e in t.entries:
+            got = state[p + e.name][3] if len(state[p + e.name]) > 3 else "row-major"
+            if e.section is not None and got != _order(t):
+                raise _error(
+                    t,
+                    p + e.name,
+                    f"it holds a piece in {got} order, this rank's piece of it is in {_order(t)} order (the weight "
+                    "was sharded with another tile_placement)",
+                    "load pieces saved by blockshard.sharded_state_dict of a model sharded the same way, or full "
+                    "entries with load_full_state_dict",
+                )
+        pieces = {e.name: state[p + e.name][:3] for e in t.entries}
         fix = (
             "load the pieces at the world size and layout they were saved at, or full entries with load_full_state_dict"
         )

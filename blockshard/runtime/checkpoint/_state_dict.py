@@ -42,11 +42,14 @@ _V = TypeVar("_V")  # the value type of a state dict
 @dataclass(frozen=True)
 class LocalShard:
     """One rank's piece of a parameter: elements ``[start, start + tensor.numel())`` of the
-    row-major flattening of a tensor of ``global_shape``."""
+    row-major flattening of a tensor of ``global_shape`` (``order`` ``"row-major"``), or of its
+    tile-major order (``"tile-major R x C"``: a tile-placed FP8 weight's whole tiles, [Note: tile
+    placement in the engine])."""
 
     tensor: torch.Tensor
     start: int
     global_shape: tuple[int, ...]
+    order: str = "row-major"
 
 
 def sharded_state_dict(model: nn.Module) -> dict[str, LocalShard]:
@@ -230,9 +233,10 @@ def _entries(model: nn.Module, state: Mapping[str, _V]) -> Iterator[tuple[str, S
 def _load_quantized(model: nn.Module, state: Mapping[str, Any], *, full: bool) -> None:
     """Every group's frozen quantized bytes from ``state`` ([Note: quantized state dicts]); groups
     are resharded first, so no gathered copy outlives the bytes it was gathered from."""
-    if not full:  # LocalShards as (values, start, global shape)
+    if not full:  # LocalShards as (values, start, global shape, order)
         state = {
-            k: (v.tensor, v.start, tuple(v.global_shape)) if isinstance(v, LocalShard) else v for k, v in state.items()
+            k: (v.tensor, v.start, tuple(v.global_shape), v.order) if isinstance(v, LocalShard) else v
+            for k, v in state.items()
         }
     for prefix, st in states_under(model):
         qg = frozen_buffers(st)

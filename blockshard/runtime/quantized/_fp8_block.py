@@ -4,10 +4,14 @@ A module holding a float8 ``weight`` ``[N, K]`` and a fp32 ``weight_scale_inv``
 ``[ceil(N / Br), ceil(K / Bc)]`` (one scale per ``Br x Bc`` tile; transformers' ``FP8Linear`` and
 its ``block_size`` attribute) is sharded by whole ``Br``-row tile stripes (one unit grid, see
 [Note: quantized layout]): a unit is ``Br * K`` payload bytes and its row of ``ceil(K / Bc)``
-scales (the last stripe may be shorter). Both parameters are swapped for gathered ones in forward.
+scales (the last stripe may be shorter); with ``tile_placement=True`` by whole tiles ([Note: tile
+placement in the engine] in ``_frozen.py``): a unit is one tile's payload and its scale, in
+tile-major order. Both parameters are swapped for gathered ones in forward.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -16,6 +20,7 @@ from blockshard._errors import QuantizedWeightError
 from blockshard.runtime.core._param import ParamRef
 from blockshard.runtime.quantized._layout import SectionShape
 from blockshard.runtime.quantized._tensor import QuantizedTensor, StateEntry, byte_view
+from blockshard.runtime.quantized._tile_major import TileOrder
 
 __all__ = ["fp8_block_pair", "fp8_block_tensor"]
 
@@ -59,28 +64,54 @@ def _check(fqn: str, w: torch.Tensor, s: torch.Tensor, block: object) -> tuple[i
     return br, want[1]
 
 
+def tile_sections(shape: tuple[int, int], block: tuple[int, int]) -> tuple[TileOrder, tuple[SectionShape, ...]]:
+    """The tile order of a tile-placed ``shape`` weight in ``block`` tiles, and its sections: the
+    payload (one byte per value) tile by tile, one fp32 scale per tile."""
+    order = TileOrder(tuple(shape), (int(block[0]), int(block[1])))
+    runs = tuple((p.count, p.unit_numel) for p in order.parts)
+    payload = SectionShape("weight", math.prod(shape), block[0] * block[1], runs)
+    return order, (payload, SectionShape("weight_scale_inv", 4 * order.n_tiles, 4))
+
+
 def fp8_block_tensor(
-    fqn: str, refs: list[ParamRef], w: nn.Parameter, scale: tuple[str, ParamRef, nn.Parameter], block: object
+    fqn: str,
+    refs: list[ParamRef],
+    w: nn.Parameter,
+    scale: tuple[str, ParamRef, nn.Parameter],
+    block: object,
+    *,
+    tile_placement: bool = False,
 ) -> QuantizedTensor:
-    """The :class:`QuantizedTensor` of a blockwise FP8 weight and its scales (validated, see ``_check``)."""
+    """The :class:`QuantizedTensor` of a blockwise FP8 weight and its scales (validated, see
+    ``_check``), by stripes or (``tile_placement``) by tiles."""
     _, ref_s, s = scale
     names = (refs[0].attr if refs else "weight", ref_s.attr)
     entries = [StateEntry(n, k, t.dtype, tuple(t.shape)) for k, (n, t) in enumerate(zip(names, (w, s), strict=True))]
     br, k_tiles = _check(fqn, w, s, block)
     N, K = w.shape
-    sections = (SectionShape("weight", N * K, br * K), SectionShape("weight_scale_inv", s.numel() * 4, k_tiles * 4))
+    tiles: TileOrder | None = None
+    if tile_placement:
+        tiles, sections = tile_sections((N, K), block)  # type: ignore[arg-type]
+        n_units = tiles.n_tiles
+        sources = [tiles.take(byte_view(w.detach().contiguous()).view(N, K), 0, n_units)]
+        sources.append(tiles.take_scales(s.detach().contiguous().view(torch.int32), 0, n_units).view(torch.uint8))
+    else:
+        sections = (SectionShape("weight", N * K, br * K), SectionShape("weight_scale_inv", s.numel() * 4, k_tiles * 4))
+        n_units = -(-N // br)
+        sources = [byte_view(t.detach().contiguous()) for t in (w, s)]
     gathered = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (w, s)]
     return QuantizedTensor(
         fqn=fqn,
         refs=refs,
         format=f"blockwise FP8 ({str(w.dtype).removeprefix('torch.')}, {block[0]} x {block[1]} tiles)",  # type: ignore[index]
         numel=N * K,
-        n_units=-(-N // br),
+        n_units=n_units,
         sections=sections,
-        sources=[byte_view(t.detach().contiguous()) for t in (w, s)],
+        sources=sources,
         gathered=gathered,
         targets=[byte_view(t) for t in gathered],
         unsharded=nn.Parameter(gathered[0], requires_grad=False),
         extra=[([ref_s], nn.Parameter(gathered[1], requires_grad=False))],
         entries=entries,
+        tiles=tiles,
     )

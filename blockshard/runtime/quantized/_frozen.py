@@ -18,6 +18,29 @@ prefetch covers it), its wait finishes it, its reshard frees it. Between forward
 frozen ``uint8`` parameter viewing this rank's payload bytes of the tensor (empty where the rank
 holds none).
 No gradients, no reduce-scatter, no optimizer state: these weights never change.
+
+[Note: tile placement in the engine]
+``fully_shard(..., tile_placement=True)`` places a frozen blockwise-FP8 weight ``(R, C)`` in
+``Br x Bc`` tiles by **whole tiles** rather than by ``Br``-row stripes ([Note: tile-major order] in
+``semantics/_tiles.py`` says why stripes pad 50-82% at W >= 256). Its units are its tiles in
+tile-major order (full tiles, right edge, bottom edge, corner: ``SectionShape.runs``), each unit
+its payload bytes and its fp32 scale, so a rank's piece is any run of whole tiles and the cut
+falls at most one tile from the ideal one (``plan_quantized`` is unchanged). What moves and what
+stays:
+  * the segment holds a run's payload in tile-major order, then its scales in the same order;
+  * the all-gather is the same bytes; the wait, which copies each rank's bytes out of the
+    transient buffer into the persistent gathered tensors anyway, writes them at their row-major
+    places (``TileOrder.put`` / ``put_scales``: one indexed copy per part), so the module computes
+    on the same row-major ``weight`` and ``weight_scale_inv`` as under stripes: **no extra copy**;
+  * state dicts: ``model.state_dict()``'s entries are PieceTensors of the global shapes whose
+    pieces are boxes of whole tiles (``TileOrder.boxes``: per part the start of a tile row, whole
+    tile rows, the end of one), their values copied box by box, so DCP saves and reshards them as
+    any entry, between world sizes *and* between placements (a stripe checkpoint loads tile-placed
+    and back); ``blockshard.sharded_state_dict``'s ``LocalShard`` holds the run in tile-major order
+    and says so (``order="tile-major 128 x 128"``: a row-major piece is refused by name);
+    ``full_state_dict`` and ``save_pretrained`` give the unsharded model's entries.
+``plan_model(..., tile_placement=True)`` predicts these bytes per rank ([Note: planned tile
+placement]); tests/planner/test_tile_placement.py checks both on random shapes.
 """
 
 from __future__ import annotations
@@ -81,9 +104,11 @@ class Found:
     def ids(self) -> set[int]:
         return {id(self.param)} | ({id(self.scale[2])} if self.scale else set())
 
-    def build(self, constants: SharedConstants) -> QuantizedTensor:
+    def build(self, constants: SharedConstants, *, tile_placement: bool = False) -> QuantizedTensor:
         if self.scale is not None:
-            return fp8_block_tensor(self.name, self.refs, self.param, self.scale, self.block)
+            return fp8_block_tensor(
+                self.name, self.refs, self.param, self.scale, self.block, tile_placement=tile_placement
+            )
         adapter = _adapter(self.param)
         assert adapter is not None
         return adapter(self.name, self.refs, self.param, constants)
@@ -156,10 +181,11 @@ class FrozenQuantizedBuffers(BufferSet):
         process_group: dist.ProcessGroup,
         *,
         alignment_bytes: int,
+        tile_placement: bool = False,
     ) -> None:
         super().__init__(name, process_group)
         constants: SharedConstants = {}  # code tables shared by the group's tensors
-        self.tensors = [f.build(constants) for f in found]
+        self.tensors = [f.build(constants, tile_placement=tile_placement) for f in found]
         devices = {f.param.device for f in found}
         if len(devices) > 1:
             raise ShardingError(f"the quantized weights of {name!r} are on several devices {sorted(map(str, devices))}")
@@ -220,8 +246,9 @@ class FrozenQuantizedBuffers(BufferSet):
         out = [[torch.empty(s.nbytes, dtype=torch.uint8, device=self.device) for s in t.sections] for t in self.tensors]
         for r, pieces in enumerate(self.layout.pieces):
             for piece in pieces:
-                for (lo, hi, off), dst in zip(piece.ranges, out[piece.tensor], strict=True):
-                    dst[lo:hi].copy_(buf[r * S + off : r * S + off + hi - lo])
+                t = self.tensors[piece.tensor]
+                for k, ((lo, hi, off), dst) in enumerate(zip(piece.ranges, out[piece.tensor], strict=True)):
+                    t.put_section(k, dst, buf[r * S + off : r * S + off + hi - lo], lo, hi)
         return out
 
     def stats(self) -> QuantizedStats:
@@ -267,10 +294,10 @@ class FrozenQuantizedBuffers(BufferSet):
             for r, pieces in enumerate(self.layout.pieces):
                 for piece in pieces:
                     t = self.tensors[piece.tensor]
-                    for (lo, hi, off), dst in zip(piece.ranges, t.targets, strict=True):
+                    for k, ((lo, hi, off), dst) in enumerate(zip(piece.ranges, t.targets, strict=True)):
                         # refilled with the bytes it had: not an in-place change for autograd
                         with torch.autograd._unsafe_preserve_version_counter(dst):
-                            dst[lo:hi].copy_(buf[r * S + off : r * S + off + hi - lo])
+                            t.put_section(k, dst, buf[r * S + off : r * S + off + hi - lo], lo, hi)
         self._gathered_bytes = None
         for t in self.tensors:
             t.set_module_params(unsharded=True)

@@ -27,14 +27,37 @@ __all__ = ["QuantizedLayout", "QuantizedPiece", "SectionShape", "plan_quantized"
 
 @dataclass(frozen=True, slots=True)
 class SectionShape:
-    """One byte section of a quantized tensor: ``nbytes`` in all, ``unit_bytes`` per unit."""
+    """One byte section of a quantized tensor: ``nbytes`` in all, ``unit_bytes`` per unit; or,
+    where units differ by runs (a tile-placed FP8 weight: full tiles, then its edge tiles),
+    ``runs``: ``(units, bytes each)`` in order."""
 
     name: str
     nbytes: int
     unit_bytes: int
+    runs: tuple[tuple[int, int], ...] = ()
+
+    def unit_offset(self, unit: int) -> int:
+        """The first byte of unit ``unit`` (``nbytes`` past the last)."""
+        if not self.runs:
+            return min(unit * self.unit_bytes, self.nbytes)
+        at = 0
+        for n, size in self.runs:
+            if unit <= n:
+                return at + unit * size
+            at, unit = at + n * size, unit - n
+        return at
 
     def byte_range(self, unit_start: int, unit_stop: int) -> tuple[int, int]:
-        return min(unit_start * self.unit_bytes, self.nbytes), min(unit_stop * self.unit_bytes, self.nbytes)
+        return self.unit_offset(unit_start), self.unit_offset(unit_stop)
+
+    def unit_sizes(self, n_units: int) -> np.ndarray:
+        """Every unit's bytes."""
+        if self.runs:
+            sizes = np.concatenate([np.full(n, size, dtype=np.int64) for n, size in self.runs])
+            assert len(sizes) == n_units and int(sizes.sum()) == self.nbytes, (self, n_units)
+            return sizes
+        k = np.arange(n_units, dtype=np.int64)
+        return np.minimum((k + 1) * self.unit_bytes, self.nbytes) - np.minimum(k * self.unit_bytes, self.nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +93,9 @@ class QuantizedLayout:
 
 
 def _unit_sizes(sections: tuple[SectionShape, ...], n_units: int) -> np.ndarray:
-    k = np.arange(n_units, dtype=np.int64)
     out = np.zeros(n_units, dtype=np.int64)
     for s in sections:
-        out += np.minimum((k + 1) * s.unit_bytes, s.nbytes) - np.minimum(k * s.unit_bytes, s.nbytes)
+        out += s.unit_sizes(n_units)
     return out
 
 

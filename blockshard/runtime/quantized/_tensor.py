@@ -20,6 +20,7 @@ from torch import nn
 
 from blockshard.runtime.core._param import ParamRef
 from blockshard.runtime.quantized._layout import SectionShape
+from blockshard.runtime.quantized._tile_major import TileOrder
 
 __all__ = ["QuantizedTensor", "SharedConstants", "StateEntry", "byte_view"]
 
@@ -70,12 +71,45 @@ class QuantizedTensor:
     full_names: tuple[str, ...] = ()  # the unsharded model's entries (default: ``entries``' names)
     to_full: Callable[[list[torch.Tensor]], dict[str, torch.Tensor]] | None = None
     from_full: Callable[[dict[str, torch.Tensor]], list[torch.Tensor]] | None = None
+    # tile-placed ([Note: tile placement in the engine] in _frozen.py): sections 0 (the payload) and 1
+    # (one fp32 scale per tile) in this tile-major order; None: in the row-major order of the tensor
+    tiles: TileOrder | None = None
     sharded: nn.Parameter = field(init=False, repr=False)  # this rank's payload bytes (frozen)
     extra_sharded: list[nn.Parameter] = field(default_factory=list, repr=False)  # empty, frozen
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.sections)
+
+    def _rows(self, k: int, flat: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Section ``k`` (a whole, flat ``uint8`` tensor) in its row-major shape, and its bytes per value."""
+        assert self.tiles is not None
+        if k == 0:
+            return flat.view(self.tiles.shape), 1
+        return flat.view(torch.int32).view(self.tiles.grid_shape), 4
+
+    def put_section(self, k: int, dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
+        """Write ``src``, bytes ``[lo, hi)`` of section ``k`` in this tensor's order, into ``dst``
+        (the whole section, flat ``uint8``, row-major)."""
+        if self.tiles is None:
+            dst[lo:hi].copy_(src)
+            return
+        rows, size = self._rows(k, dst)
+        if k == 0:
+            self.tiles.put(rows, src, self.tiles.tile_range(lo, hi)[0])
+        else:
+            aligned = src if src.storage_offset() % size == 0 else src.clone()
+            self.tiles.put_scales(rows, aligned.view(torch.int32), lo // size)
+
+    def take_section(self, k: int, full: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Bytes ``[lo, hi)`` of section ``k`` in this tensor's order, from ``full`` (the whole
+        section, flat ``uint8``, row-major)."""
+        if self.tiles is None:
+            return full[lo:hi]
+        rows, size = self._rows(k, full)
+        if k == 0:
+            return self.tiles.take(rows, *self.tiles.tile_range(lo, hi))
+        return self.tiles.take_scales(rows, lo // size, hi // size).view(torch.uint8)
 
     def set_module_params(self, unsharded: bool) -> None:
         for ref in self.refs:
