@@ -106,7 +106,7 @@ def test_the_cli_plans_the_what_if(capsys):
     assert data["tile_placed_weights"] == 7 * 32 and data["padding_fraction"] < 0.01
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=1, max_size=4),
     st.sampled_from([4, 16, 32, 128]),
