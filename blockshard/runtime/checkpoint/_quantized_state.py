@@ -250,6 +250,10 @@ def _describe_piece(piece: Piece) -> str:
 
 
 def _describe(v: Any) -> str:
+    if isinstance(v, PieceTensor) and not v.is_run:
+        shown = [(b.offsets, b.sizes) for b in v.boxes[:3]]
+        more = "..." if len(v.boxes) > 3 else ""
+        return f"a piece of {len(v.boxes)} boxes {shown}{more} of a {v.dtype} tensor of shape {tuple(v.shape)}"
     if (piece := _as_piece(v)) is not None:
         return _describe_piece(piece)
     if isinstance(v, torch.Tensor):
