@@ -21,7 +21,19 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM, MixtralForCausalLM
 
-__all__ = ["TEXT", "OddMLP", "mlp_batches", "text_batches", "tiny_llama", "tiny_mixtral"]
+__all__ = [
+    "TEXT",
+    "FP8BlockWeight",
+    "OddMLP",
+    "dequantize_fp8_block",
+    "mlp_batches",
+    "quantize_fp8_block",
+    "text_batches",
+    "tiny_llama",
+    "tiny_mixtral",
+]
+
+E4M3_MAX = 448.0
 
 # Self-written English text (ASCII), tokenized byte-level: list(TEXT.encode()).
 TEXT = """\
@@ -198,3 +210,42 @@ def mlp_batches(num_steps: int, batch_size: int, *, seed: int = 0) -> list[tuple
         y = torch.tanh(x @ teacher) + 0.05 * torch.randn(batch_size, 7, generator=gen)
         batches.append((x, y))
     return batches
+
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pure-torch blockwise FP8 quantizer (DeepSeek-V3's layout): one fp32 scale per
+    ``block`` tile (``amax / 448``), the payload ``float8_e4m3fn``; returns ``(weight, weight_scale_inv)``."""
+    (N, K), (br, bc) = w.shape, block
+    nb, kb = -(-N // br), -(-K // bc)
+    padded = torch.zeros(nb * br, kb * bc, dtype=torch.float32)
+    padded[:N, :K] = w.float()
+    tiles = padded.view(nb, br, kb, bc)
+    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX  # [nb, kb]
+    q = (tiles / scale[:, None, :, None]).view(nb * br, kb * bc)[:N, :K].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
+def dequantize_fp8_block(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """The weight :func:`quantize_fp8_block` quantized, in ``dtype``."""
+    (N, K), (br, bc) = q.shape, block
+    s = scale.repeat_interleave(br, dim=0)[:N].repeat_interleave(bc, dim=1)[:, :K]
+    return (q.float() * s).to(dtype)
+
+
+class FP8BlockWeight(nn.Module):
+    """A frozen linear shaped like transformers' ``FP8Linear`` (float8 ``weight``, fp32
+    ``weight_scale_inv``, ``block_size``) whose forward dequantizes in pure torch (``FP8Linear``'s
+    needs Triton or DeepGEMM): what blockshard shards as a blockwise FP8 weight on the CPU."""
+
+    def __init__(self, weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> None:
+        super().__init__()
+        self.block_size = block
+        q, scale = quantize_fp8_block(weight.detach(), block)
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize_fp8_block(self.weight, self.weight_scale_inv, self.block_size, x.dtype)
+        return torch.nn.functional.linear(x, w)

@@ -1,7 +1,9 @@
 """Smoke test of ``benchmarks/quantized_gather.py``: the smallest run (W = 2, one small layer) gives a
 complete report, and what the full run's numbers rest on holds: the 4-bit base gathers its physical
 bytes (0.258 x bf16 nested, 0.281 x bf16 with fp32 absmax), the replicated path gathers none of them
-and holds everything on every rank, and blockshard's ranks hold about total / W.
+and holds everything on every rank, and blockshard's ranks hold about total / W; blockwise FP8
+(stripes and tiles) holds every byte once, and at this size the tiles pad no more than the stripes
+(in general the nearest-boundary cut of either may pad less by a unit).
 """
 
 from __future__ import annotations
@@ -38,3 +40,10 @@ def test_quantized_gather_smallest_run(tmp_path, monkeypatch):
         assert r[f"{name}_persistent_max_rank_over_total_over_W"] <= 1.05
         assert r[f"replicated_persistent_over_{name}_persistent"] > 1.8
     assert all(report["targets"].values())
+    # blockwise FP8: every byte held once, gathered with its padding
+    for name in ("blockshard-fp8-stripes", "blockshard-fp8-tiles"):
+        ranks = v[name]["per_rank"]
+        assert sum(x["quantized_bytes"] for x in ranks) == ranks[0]["quantized_total_bytes"]
+        assert 0.49 <= r[f"{name}_gathered_over_bf16"] <= 0.6  # 1 byte + 4 per 16384 values, plus padding
+        assert r[f"{name}_gathered_over_physical"] >= 1.0
+    assert r["fp8_tiles_persistent_over_stripes"] <= 1.0 and r["fp8_tiles_gathered_over_stripes"] <= 1.0

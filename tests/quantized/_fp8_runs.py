@@ -9,29 +9,12 @@ import math
 import torch
 from torch import nn
 
-E4M3_MAX = 448.0
+from blockshard._tiny import dequantize_fp8_block, quantize_fp8_block
+
+__all__ = ["SHAPES", "FP8BlockLinear", "FP8Stack", "dequantize_fp8_block", "quantize_fp8_block", "run", "train"]
+
 # rows 320 = 2.5 tile stripes, cols 192 = 1.5 tiles: tails in both dims
 SHAPES = ((192, 320), (320, 256), (256, 192))
-
-
-def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference quantizer: one fp32 scale per tile (amax / 448), float8_e4m3fn payload."""
-    (N, K), (br, bc) = w.shape, block
-    nb, kb = -(-N // br), -(-K // bc)
-    padded = torch.zeros(nb * br, kb * bc, dtype=torch.float32)
-    padded[:N, :K] = w.float()
-    tiles = padded.view(nb, br, kb, bc)
-    scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX  # [nb, kb]
-    q = (tiles / scale[:, None, :, None]).view(nb * br, kb * bc)[:N, :K].to(torch.float8_e4m3fn)
-    return q.contiguous(), scale
-
-
-def dequantize_fp8_block(
-    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
-) -> torch.Tensor:
-    (N, K), (br, bc) = q.shape, block
-    s = scale.repeat_interleave(br, dim=0)[:N].repeat_interleave(bc, dim=1)[:, :K]
-    return (q.float() * s).to(dtype)
 
 
 class FP8BlockLinear(nn.Module):
