@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockshard._errors import SemanticsError
-from blockshard.runtime.quantized._tile_major import from_tile_major, to_tile_major
+from blockshard.runtime.quantized._tile_major import TileOrder, from_tile_major, to_tile_major
 from blockshard.semantics._tiles import PART_NAMES, tile_parts
 
 shapes = st.tuples(st.integers(1, 3), st.integers(1, 40), st.integers(1, 40), st.integers(1, 12), st.booleans()).map(
@@ -90,3 +90,58 @@ def test_a_gpt_oss_shaped_expert_stack_has_full_tiles_and_a_short_bottom_edge():
 def test_shapes_without_a_tile_major_order_are_named(shape, tile, stacked):
     with pytest.raises(SemanticsError, match=r"tile=0 must be|needs a 2-D weight or a stacked"):
         tile_parts(shape, tile, stacked=stacked)
+
+
+runs = st.tuples(
+    st.integers(1, 3), st.integers(1, 24), st.integers(1, 24), st.integers(1, 6), st.integers(1, 6), st.booleans()
+).map(lambda t: ((t[0], t[1], t[2]) if t[5] else (t[1], t[2]), (t[3], t[4]), t[5]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(runs, st.data())
+def test_a_run_of_whole_tiles_goes_to_its_places_and_its_boxes(case, data):
+    """``TileOrder`` on a run of whole tiles ``[a, b)`` (what one rank holds of a tile-placed weight):
+    ``take`` is the tile-major slice, ``put`` writes exactly those elements at their row-major places,
+    ``boxes`` / ``to_boxes`` are boxes of the row-major weight holding those values, ``from_boxes``
+    undoes it, and the scale grid's run is the same tiles (tile k's values lie in scale cell k)."""
+    shape, tile, stacked = case
+    order = TileOrder(shape, tile, stacked)
+    w = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    flat = to_tile_major(w, tile, stacked=stacked)
+    bounds = [0] + [p.offset + (k + 1) * p.unit_numel for p in order.parts for k in range(p.count)]
+    a = data.draw(st.integers(0, order.n_tiles))
+    b = data.draw(st.integers(a, order.n_tiles))
+    lo, hi = bounds[a], bounds[b]
+    assert order.tile_range(lo, hi) == ((a, b) if lo < hi else (0, 0))
+    run = flat[lo:hi]
+    assert torch.equal(order.take(w, a, b), run)
+    dst = torch.full(shape, -1.0, dtype=torch.float64)
+    order.put(dst, run, a)
+    held = dst >= 0
+    assert int(held.sum()) == run.numel() and torch.equal(dst[held], w[held])
+    boxed, at = order.to_boxes(run, a, b), 0
+    for offsets, sizes in order.boxes(a, b):
+        n = math.prod(sizes)
+        assert torch.equal(
+            boxed[at : at + n].view(sizes), w[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+        )
+        at += n
+    assert at == run.numel() and torch.equal(order.from_boxes(boxed, a, b), run)
+    grid = torch.arange(math.prod(order.grid_shape), dtype=torch.float64).reshape(order.grid_shape)
+    scales = order.take_scales(grid, a, b)
+    at = 0
+    for offsets, sizes in order.scale_boxes(a, b):
+        n = math.prod(sizes)
+        assert torch.equal(
+            scales[at : at + n].view(sizes), grid[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+        )
+        at += n
+    assert at == b - a
+    back = torch.full_like(grid, -1.0)
+    order.put_scales(back, scales, a)
+    assert int((back >= 0).sum()) == b - a
+    for k in range(a, b):  # tile k's first value lies in the tile whose scale is the run's k-th
+        first = [int(x) for x in torch.unravel_index(torch.tensor(int(order.take(w, k, k + 1)[0])), shape)]
+        first[-2] //= tile[0]
+        first[-1] //= tile[1]
+        assert grid[tuple(first)] == scales[k - a]

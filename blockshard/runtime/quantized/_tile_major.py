@@ -17,6 +17,7 @@ the run's tile-major values and the boxes' row-major ones.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -106,11 +107,11 @@ class TileOrder:
         """How a piece in this order is named (``LocalShard.order``): ``"tile-major 128 x 128"``."""
         return f"tile-major {self.tile[0]} x {self.tile[1]}"
 
-    @property
+    @functools.cached_property
     def parts(self) -> tuple[TilePart, ...]:
         return tile_parts(self.shape, self.tile, stacked=self.stacked)
 
-    @property
+    @functools.cached_property
     def n_tiles(self) -> int:
         return sum(p.count for p in self.parts)
 
