@@ -106,18 +106,15 @@ def rotation_peak(nz: np.ndarray, vals: np.ndarray, cands: np.ndarray | None, ru
     top = running.max(initial=0.0)
     if cands is None or not len(cands):
         return 0, float(np.max(running[nz] + vals, initial=top))
-    # peak of running + base rolled by k for every candidate k, on the loaded ranks only; running
-    # twice over, so rank (r + k) % W is index r + k (no modulo, the same sums)
-    cands = np.asarray(cands) % W
-    twice = np.concatenate((running, running))
-    if 2 * nz.size >= W:  # most ranks loaded: each rolled running is a window of ``twice``, over all
-        # ranks (an unloaded one adds running + 0 <= top, which the peak never goes below: the same peak)
+    # peak of running + base rolled by k, for every candidate k, on the loaded ranks only
+    if 2 * nz.size >= W:  # most ranks loaded: each rolled running is a window of running twice over,
+        # over all ranks (an unloaded one adds running + 0 <= top, which no peak is below: the same peaks)
         full = np.zeros(W)
         full[nz] = vals
-        windows = np.lib.stride_tricks.sliding_window_view(twice, W)
-        peaks = np.array([(windows[k] + full).max(initial=top) for k in cands.tolist()])
+        windows = np.lib.stride_tricks.sliding_window_view(np.concatenate((running, running)), W)
+        peaks = np.array([(windows[k] + full).max(initial=top) for k in (np.asarray(cands) % W).tolist()])
     else:
-        peaks = (twice[nz[None, :] + cands[:, None]] + vals).max(axis=1, initial=top)
+        peaks = (running[(nz[None, :] + cands[:, None]) % W] + vals).max(axis=1, initial=top)
     peaks = np.maximum(peaks, top)
     j = int(np.argmin(peaks))  # the first (smallest) k on ties
     return int(cands[j]), float(peaks[j])

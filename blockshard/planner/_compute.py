@@ -307,8 +307,14 @@ class OwnerPlanBuilder:
             top = running.max(initial=0.0)
             peaks = np.maximum((running[fixed_nz] + fixed_vals).max(axis=1, initial=top), top)  # rotation 0
             ks = np.zeros(len(table), dtype=np.int64)
+            # a candidate's peak at any rotation is at least its costliest rank's cost on the least
+            # loaded rank: one whose bound reaches the current layout's peak can never be picked (a
+            # pick must be strictly lower), so its rotations are not searched (the same choice)
+            hopeless = np.maximum(fixed_vals.max(axis=1, initial=0.0) + running.min(initial=0.0), top) >= best[0]
             for i, (_, b, _, cnz, rots) in enumerate(table):
-                if rots is not None:
+                if hopeless[i]:
+                    peaks[i] = np.inf
+                elif rots is not None:
                     ks[i], peaks[i] = rotation_peak(cnz, b[cnz], rots, running)
             pick, low = -1, best[0]
             i = int(np.argmin(peaks[:shifts])) if shifts else 0  # the first on ties

@@ -85,6 +85,28 @@ def test_piece_tensor_takes_the_in_place_writes_fsdp2_code_does_to_dtensor_entri
         entry.copy_(PieceTensor(torch.ones(4), 4, (4, 3)))
 
 
+def test_a_piece_of_boxes_is_those_boxes_row_major_one_after_another(tmp_path):
+    """``PieceTensor(..., boxes=...)`` (a tile-placed weight's whole tiles): DCP's chunks are the
+    boxes, ``copy_`` of a whole tensor takes their elements box by box, ``torch.save`` keeps them,
+    and ``full_tensor()`` of a piece holding every element puts each box at its place."""
+    full = torch.arange(24.0).view(4, 6)
+    boxes = [((0, 3), (2, 3)), ((0, 0), (2, 3)), ((2, 0), (2, 6))]  # two tiles of a tile row, then a row
+    local = torch.cat([full[0:2, 3:6].reshape(-1), full[0:2, 0:3].reshape(-1), full[2:4].reshape(-1)])
+    entry = PieceTensor(local.clone(), 0, (4, 6), "w", boxes=boxes)
+    assert [(tuple(c.offsets), tuple(c.sizes)) for c in entry.__create_chunk_list__()] == boxes
+    assert entry.local_start == -1 and not entry.is_run
+    entry.zero_()
+    entry.copy_(full)
+    assert torch.equal(entry.to_local(), local)
+    assert torch.equal(entry.full_tensor(), full)  # no process group: it holds every element
+    torch.save({"w": entry}, tmp_path / "sd.pt")
+    back = torch.load(tmp_path / "sd.pt", weights_only=False)["w"]
+    assert [(b.offsets, b.sizes) for b in back.boxes] == boxes and torch.equal(back.to_local(), local)
+    assert torch.equal(PieceTensor(torch.empty(0), 0, (4, 6), boxes=[]).copy_(full).to_local(), torch.empty(0))
+    with pytest.raises(PieceTensorError, match=r"piece of 3 boxes \[\(\(0, 3\), \(2, 3\)\)"):
+        entry + 1  # the control: whole-tensor work is refused, naming the boxes
+
+
 def test_an_empty_tensor_is_one_empty_box_on_every_rank():
     # every rank writes the same empty box (DCP keeps one), so the name is in the checkpoint
     boxes = PieceTensor(torch.empty(0), 0, (0, 3)).__create_chunk_list__()

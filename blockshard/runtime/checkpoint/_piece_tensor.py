@@ -174,7 +174,7 @@ class PieceTensor(torch.Tensor):
             ):
                 return src._local
         elif isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(self.shape) and not self.is_run:
-            return torch.cat([src.detach()[b.slices].reshape(-1) for b in self._boxes])
+            return torch.cat([src.detach().reshape(-1)[:0], *(src.detach()[b.slices].reshape(-1) for b in self._boxes)])
         elif isinstance(src, torch.Tensor) and tuple(src.shape) == tuple(self.shape):
             return src.detach().reshape(-1)[self._start : self._start + self._local.numel()]
         elif isinstance(src, torch.Tensor) and src.numel() == 1:
@@ -222,7 +222,12 @@ class PieceTensor(torch.Tensor):
         if not dist.is_initialized():
             if self._local.numel() != numel:
                 raise PieceTensorError(self._needs_whole("full_tensor() without a process group"))
-            return self._local.clone().view(self.shape)
+            if self.is_run:
+                return self._local.clone().view(self.shape)
+            whole = torch.empty(tuple(self.shape), dtype=self.dtype, device=self.device)
+            for box in self._boxes:
+                whole[box.slices] = self._box_view(box)
+            return whole
         pg: Any = self._process_group or dist.group.WORLD
         W = dist.get_world_size(pg)
         agree(pg, f"PieceTensor.full_tensor() of a {tuple(self.shape)} {str(self.dtype).removeprefix('torch.')} tensor")
