@@ -163,8 +163,9 @@ def test_save_pretrained_of_blockwise_fp8_writes_the_unsharded_models_entries(tm
     from blockshard.runtime.checkpoint import _export
 
     monkeypatch.setattr(_export, "_CHUNK_BYTES", 8191)
-    got = _inproc.run_ranks(_state_runs.export, 2, args=("fp8", str(tmp_path)))[0]
-    assert got["differs"] == [] and got["not_written"] == []
+    for kind in ("fp8", "fp8_tiles"):  # by stripes and by whole tiles ([Note: tile placement in the engine])
+        got = _inproc.run_ranks(_state_runs.export, 2, args=(kind, str(tmp_path / kind)))[0]
+        assert got["differs"] == [] and got["not_written"] == [], kind
 
 
 @pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)

@@ -147,7 +147,7 @@ def _frozen(key: str, pre: str, fq: FrozenQuantizedBuffers, out: Collected) -> N
                 shape=tuple(t.unsharded.shape),
                 dtype=t.format,
                 sharded=True,
-                how="blockshard ragged (frozen quantized bytes)",
+                how=f"blockshard ragged (frozen quantized bytes{', by whole tiles' if t.tiles is not None else ''})",
                 placement_unit_numel=t.numel // max(t.n_units, 1),
                 held_bytes=(held_by.get(i, 0),),
                 note="padding is per group (the byte layout packs every tensor's sections)",

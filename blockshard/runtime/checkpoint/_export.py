@@ -19,18 +19,22 @@ FP8) go into a shard of their own under the unsharded model's state-dict names (
 serialization keys, [Note: quantized state dicts]), streamed the same way: entry by entry, each
 section's bytes rank after rank (its units are in rank order), rank 0 receiving every other rank's
 piece in chunks of at most ``_CHUNK_BYTES``; replicated constants (code tables, the packed quant
-state) come from rank 0's own. torchao's tensor subclasses raise before anything is written.
+state) come from rank 0's own. A tile-placed FP8 weight's pieces are runs of tiles, not of the
+row-major entry ([Note: tile placement in the engine]), so rank 0 puts each rank's piece at its
+tiles' places in one buffer of the entry (one weight, or its scales) and writes that. torchao's
+tensor subclasses raise before anything is written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -291,21 +295,59 @@ def _stream_quantized(sink: _Sink, path: str, entries: list[tuple[str, Any, Any,
                     _write_bytes(f, e.constant)
                 continue
             index = qg.tensors.index(t)
-            for r, pieces in enumerate(qg.layout.pieces):
-                for lo, hi, off in (p.ranges[e.section] for p in pieces if p.tensor == index):
-                    _stream_bytes(f, qg, off, off + hi - lo, r, rank, bufs)
+            held = [
+                (r, p.ranges[e.section])
+                for r, pieces in enumerate(qg.layout.pieces)
+                for p in pieces
+                if p.tensor == index
+            ]
+            if t.tiles is None:  # row-major: each rank's piece in turn is the next run of the entry
+                for r, (lo, hi, off) in held:
+                    _stream_bytes(functools.partial(_write_bytes, f), qg, off, off + hi - lo, r, rank, bufs)
+                continue
+            # tile-major pieces ([Note: tile placement in the engine]): rank 0 puts every piece's tiles
+            # at their row-major places in one buffer of the entry, then writes it
+            whole = torch.empty(t.sections[e.section].nbytes if rank == 0 else 0, dtype=torch.uint8, device=qg.device)
+            for r, (lo, hi, off) in held:
+                piece = _received(qg, off, off + hi - lo, r, rank, bufs)
+                if rank == 0:
+                    t.put_section(e.section, whole, piece, lo, hi)
+            if f is not None:
+                _write_bytes(f, whole)
     return total
 
 
-def _stream_bytes(f: Any, qg: Any, start: int, stop: int, r: int, rank: int, bufs: dict[int, torch.Tensor]) -> None:
-    """Bytes ``[start, stop)`` of rank ``r``'s segment of ``qg`` into ``f`` on rank 0, in chunks of at
+def _received(qg: Any, start: int, stop: int, r: int, rank: int, bufs: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Bytes ``[start, stop)`` of rank ``r``'s segment of ``qg``, on rank 0 (empty on the others)."""
+    out = torch.empty(stop - start if rank == 0 else 0, dtype=torch.uint8, device=qg.device)
+    at = 0
+
+    def put(b: torch.Tensor) -> None:
+        nonlocal at
+        out[at : at + b.numel()].copy_(b)
+        at += b.numel()
+
+    _stream_bytes(put, qg, start, stop, r, rank, bufs)
+    return out
+
+
+def _stream_bytes(
+    out: Callable[[torch.Tensor], None],
+    qg: Any,
+    start: int,
+    stop: int,
+    r: int,
+    rank: int,
+    bufs: dict[int, torch.Tensor],
+) -> None:
+    """Bytes ``[start, stop)`` of rank ``r``'s segment of ``qg`` to ``out`` on rank 0, in chunks of at
     most ``_CHUNK_BYTES`` (received into one buffer per group, ``bufs``); rank ``r`` sends them."""
     import torch.distributed as dist
 
     for c in range(start, stop, _CHUNK_BYTES):
         local = qg.local[c : min(c + _CHUNK_BYTES, stop)]  # this rank's bytes at rank r's place
         if rank == 0 and r == 0:
-            _write_bytes(f, local)
+            out(local)
         elif rank == 0:
             if id(qg) not in bufs:
                 bufs[id(qg)] = torch.empty(
@@ -313,7 +355,7 @@ def _stream_bytes(f: Any, qg: Any, start: int, stop: int, r: int, rank: int, buf
                 )
             buf = bufs[id(qg)][: local.numel()]
             dist.recv(buf, group=qg.process_group, group_src=r)
-            _write_bytes(f, buf)
+            out(buf)
         elif rank == r:
             dist.send(local, group=qg.process_group, group_dst=0)
 
