@@ -17,6 +17,7 @@ HEAVY_CASES = frozenset(
         # tile-placed FP8 (issue 24): the W = 2 entries and LocalShard orders stay fast
         "tests/quantized/test_fast_quantized_state_dicts.py::test_fp8_checkpoints_move_between_world_sizes_and_placements[fp8_tiles-W4-fp8_tiles-W2-dcp]",
         "tests/quantized/test_fast_quantized_state_dicts.py::test_the_checkpoint_record_names_a_tile_placed_order",
+        "tests/quantized/test_fast_quantized_state_dicts.py::test_torch_get_and_set_model_state_dict[fp8_tiles]",
         "tests/quantized/test_fast_quantized_state_dicts.py::test_tile_placed_fp8_state_dicts_at_w3_are_the_unsharded_models",
         "tests/quantized/test_fast_quantized_state_dicts.py::test_fp8_checkpoints_move_between_world_sizes_and_placements[fp8_tiles-W4-fp8_tiles-W2-save_checkpoint]",
         "tests/quantized/test_fast_quantized_state_dicts.py::test_fp8_checkpoints_move_between_world_sizes_and_placements[fp8-W4-fp8_tiles-W3-dcp]",

@@ -178,7 +178,7 @@ def test_save_pretrained_of_torchao_nf4_raises_before_writing(tmp_path):
         assert out["files"] == []
 
 
-@pytest.mark.parametrize("kind", ["bnb", "ao_nf4"])
+@pytest.mark.parametrize("kind", ["bnb", "ao_nf4", "fp8_tiles"])
 def test_torch_get_and_set_model_state_dict(kind):
     for out in _inproc.run_ranks(_state_runs.torch_helpers, 2, args=(kind,)):
         assert out["sharded_keys"]  # torch resolves the quantized entries' names (weight.absmax, ...)
