@@ -53,10 +53,17 @@ def _add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> Non
     )
     p.add_argument(
         "--tile-placement",
-        action="store_true",
-        help="what-if: plan the fp8_block:B weights in their tile-major order, one tile as the placement unit "
-        "(docs/design.md, 'Tile placement'); fully_shard does not build it yet",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=("on", "off", "auto"),
+        help="plan the fp8_block:B weights in their tile-major order, one tile as the placement unit "
+        "(docs/design.md, 'Tile placement'): what fully_shard(..., tile_placement=True) builds for frozen FP8 "
+        "weights, a what-if for trainable ones; 'auto': frozen ones per group, whichever pads less",
     )
+
+
+_TILE_PLACEMENT: dict[str, bool | str] = {"on": True, "off": False, "auto": "auto"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -169,7 +176,7 @@ def _load(args: argparse.Namespace) -> ModelPlan:
             progress=progress,
             policy=args.policy,
             quantized_gather=args.quantized_gather,
-            tile_placement=args.tile_placement,
+            tile_placement=_TILE_PLACEMENT[args.tile_placement],
         )
 
 
@@ -201,8 +208,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     title = f"{_source(args)} · W = {args.world_size} · semantics {args.semantics} · policy {args.policy}"
     if args.quantized_gather:
         title += " · quantized gather"
-    if args.tile_placement:
-        title += " · fp8 tiles placed tile-major (what-if)"
+    if args.tile_placement != "off":
+        title += " · fp8 tiles placed tile-major" + (" where they pad less" if args.tile_placement == "auto" else "")
     if args.plot:
         plot_rank_loads(cmp, args.plot, title)
     if args.json:

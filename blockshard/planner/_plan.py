@@ -26,7 +26,7 @@ from blockshard.planner._qgather import (
     tile_semantics,
 )
 from blockshard.planner._quantized import QuantizedGroupBytes, plan_quantized_group, quantized_totals
-from blockshard.planner._tile_placement import tile_placed
+from blockshard.planner._tile_placement import auto_tile_placed, tile_placed
 from blockshard.planner._units import Memo, check_model_tensors, check_world_size
 from blockshard.semantics import TensorSpec
 
@@ -274,7 +274,7 @@ def plan_model(
     progress: Callable[[int, int], None] | None = None,
     policy: str = "auto",
     quantized_gather: bool = False,
-    tile_placement: bool = False,
+    tile_placement: bool | str = False,
 ) -> ModelPlan:
     """Plan every group of a model. Tensors are grouped by ``TensorSpec.group`` (``None`` -> root).
 
@@ -294,8 +294,10 @@ def plan_model(
     ``quantized_gather_groups`` ([Note: planned quantized gather] in ``planner/_qgather.py``).
 
     ``tile_placement=True`` plans every weight whose only semantics is ``fp8_block:B`` in its
-    tile-major parts, one tile as the placement unit: a what-if of the design, which
-    ``fully_shard`` does not build yet ([Note: planned tile placement] in ``planner/_tile_placement.py``).
+    tile-major parts, one tile as the placement unit ([Note: planned tile placement] in
+    ``planner/_tile_placement.py``): what ``fully_shard(..., tile_placement=True)`` builds for frozen
+    FP8 weights, a what-if for trainable ones. ``tile_placement="auto"``: as ``fully_shard(...,
+    tile_placement="auto")``, per group the frozen FP8 weights by tiles where that pads less.
     """
     world_size = check_world_size(world_size)
     policy = check_policy(policy)
@@ -320,18 +322,21 @@ def plan_model(
         if it.name in seen:
             raise PlanError(f"tensor name {it.name!r} appears twice; every parameter needs a unique name")
         seen.add(it.name)
-    if not isinstance(tile_placement, bool):
+    if not (isinstance(tile_placement, bool) or tile_placement == "auto"):
         raise PlanError(
-            f"tile_placement={tile_placement!r} must be True or False (True: plan fp8_block weights with one tile as "
-            "the placement unit, the what-if of docs/design.md's 'Tile placement')"
+            f"tile_placement={tile_placement!r} must be True, False or 'auto' (True: plan fp8_block weights with one "
+            "tile as the placement unit, docs/design.md's 'Tile placement'; 'auto': frozen ones per group, whichever "
+            "pads less, as fully_shard builds)"
         )
     tiles = tile_semantics(raw, semantics) if quantized_gather else {}
     parts_of: dict[str, PlanItem] = {}
-    if tile_placement:
-        if not specs:
-            raise PlanError(
-                "tile_placement=True needs the tensors as TensorSpec (it reads their semantics), not PlanItem"
-            )
+    if tile_placement and not specs:
+        raise PlanError(
+            f"tile_placement={tile_placement!r} needs the tensors as TensorSpec (it reads their semantics), not PlanItem"
+        )
+    if tile_placement == "auto":
+        items, parts_of = auto_tile_placed(items, semantics, tiles, world_size, alignment_bytes)
+    elif tile_placement:
         items, parts_of, tiles = tile_placed(items, semantics, tiles)
     plan = _plan_groups(items, world_size, policy, alignment_bytes, tiles, progress, t0)
     return dataclasses.replace(plan, tile_parts_of=parts_of) if parts_of else plan

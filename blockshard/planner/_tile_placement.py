@@ -22,16 +22,17 @@ ZeRO) of a plan are computed on the original weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import TypeVar
 
-from blockshard.planner._items import PlanItem
+from blockshard.planner._items import PlanItem, group_items
+from blockshard.planner._quantized import plan_quantized_group
 from blockshard.semantics import Companion, SemanticsRules, TensorSpec, storage_with_companions
 from blockshard.semantics._experts import is_stacked_experts
 from blockshard.semantics._quantizers import FP8Block
 from blockshard.semantics._tiles import TilePart, tile_parts
 
-__all__ = ["TileRun", "part_name", "tile_placed"]
+__all__ = ["TileRun", "auto_tile_placed", "part_name", "tile_placed"]
 
 _T = TypeVar("_T")
 
@@ -93,3 +94,31 @@ def tile_placed(
             if gathered:
                 new_tiles[name] = TileRun(b, p)
     return out, originals, new_tiles
+
+
+def auto_tile_placed(
+    items: list[PlanItem], semantics: object, gathered: Collection[str], world_size: int, alignment_bytes: int
+) -> tuple[list[PlanItem], dict[str, PlanItem]]:
+    """``plan_model(..., tile_placement="auto")``, as ``fully_shard(..., tile_placement="auto")``
+    builds: per group, its frozen blockwise-FP8 weights (those with quantized storage, not in
+    ``gathered``: the quantized gather's) in tile-major parts where that gives the group's frozen
+    quantized bytes a smaller segment than stripes (ties: stripes); trainable weights keep their
+    stripes. Returns the items and ``{part name: weight's item}``."""
+    chosen: dict[str, list[PlanItem]] = {}  # weight name -> its parts, in the groups that take tiles
+    parts_of: dict[str, PlanItem] = {}
+    for gname, gitems in group_items(items).items():
+        frozen = [it for it in gitems if it.storage is not None and it.name not in gathered]
+        parted, originals, _ = tile_placed(frozen, semantics, {})
+        if not originals:
+            continue
+
+        def segment(group: list[PlanItem], name: str = gname) -> int:
+            stored = [(it.name, it.storage) for it in group if it.storage is not None]
+            return plan_quantized_group(name, stored, world_size, alignment_bytes).segment_bytes
+
+        if segment(parted) < segment(frozen):
+            for part in parted:
+                if part.name in originals:
+                    chosen.setdefault(originals[part.name].name, []).append(part)
+            parts_of |= originals
+    return [x for it in items for x in chosen.get(it.name, [it])], parts_of

@@ -218,7 +218,7 @@ def fully_shard(
     alignment_bytes: int = 16,
     policy: str = "auto",
     quantized_gather: bool = False,
-    tile_placement: bool = False,
+    tile_placement: bool | str = False,
 ) -> Any:
     """Shard ``module``'s parameters (those not in an already sharded submodule) as one group.
 
@@ -257,7 +257,9 @@ def fully_shard(
     run of tiles (at most one tile of padding per rank where stripes pad up to one stripe: 50-82%
     at W >= 256 on 70B-class models). The gathered weight is the same row-major FP8 weight; its
     state-dict entries name their tiles as boxes, so DCP moves them between world sizes and
-    placements. See [Note: tile placement in the engine] in quantized/_frozen.py.
+    placements. ``tile_placement="auto"``: per ``fully_shard`` call, tiles where they give a smaller
+    segment than stripes (stripes on ties; they can pad less at small ``W``). See [Note: tile
+    placement in the engine] in quantized/_frozen.py.
     """
     arg = module
     modules = listed_modules(module) if isinstance(module, (list, tuple)) else (module,)
@@ -270,10 +272,10 @@ def fully_shard(
             f"quantized_gather={quantized_gather!r} must be True or False (True: gather the weights with 'mx', "
             "'mx:4' or 'fp8_block:B' semantics as their quantized tiles)"
         )
-    if not isinstance(tile_placement, bool):
+    if not (isinstance(tile_placement, bool) or tile_placement == "auto"):
         raise ShardingError(
-            f"tile_placement={tile_placement!r} must be True or False (True: place frozen blockwise-FP8 weights "
-            "by whole tiles rather than tile stripes)"
+            f"tile_placement={tile_placement!r} must be True, False or 'auto' (True: place frozen blockwise-FP8 "
+            "weights by whole tiles rather than tile stripes; 'auto': per group, whichever pads less)"
         )
     for m in modules:
         if (done := state_of(m)) is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +18,7 @@ from blockshard._errors import PlanError
 from blockshard.cli import main as cli_main
 from blockshard.planner import compare, model_tensors, plan_model
 from blockshard.runtime.quantized._fp8_block import tile_sections
+from blockshard.runtime.quantized._frozen import Found, _tiles_pad_less
 from blockshard.runtime.quantized._layout import plan_quantized
 from blockshard.semantics import TensorSpec
 
@@ -90,8 +92,8 @@ def test_edge_tiles_and_stacked_experts_become_their_parts():
     assert sum(n for n, _ in parts.values()) == sum(s.numel for s in specs)
 
 
-def test_tile_placement_takes_a_bool():
-    with pytest.raises(PlanError, match=r"tile_placement='yes' must be True or False"):
+def test_tile_placement_takes_a_bool_or_auto():
+    with pytest.raises(PlanError, match=r"tile_placement='yes' must be True, False or 'auto'"):
         plan_model([TensorSpec(name="w", shape=(4, 4))], 2, semantics="fp8_block:2", tile_placement="yes")
 
 
@@ -123,3 +125,51 @@ def test_the_planned_bytes_are_the_engines_under_tile_placement(shapes, tile, wo
     engine = plan_quantized([(sections, order.n_tiles) for order, sections in laid], world, 16)
     assert q.rank_bytes == tuple(engine.rank_bytes(r) for r in range(world))
     assert q.segment_bytes == engine.segment_bytes and q.total_bytes == engine.total_bytes
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=1, max_size=3),
+    st.sampled_from([16, 32, 128]),
+    st.integers(1, 9),
+)
+def test_auto_chooses_as_the_engine_and_never_pads_more(shapes, tile, world):
+    """``tile_placement="auto"``: the planner takes tiles for a group exactly where the engine's
+    ``fully_shard(..., tile_placement="auto")`` does (``_frozen._tiles_pad_less`` on the modules'
+    weights), and the group's segment is the smaller of the two placements' (stripes on ties)."""
+    specs = [TensorSpec(name=f"w{i}", shape=s, dtype="bfloat16") for i, s in enumerate(shapes)]
+    sem = f"fp8_block:{tile}"
+    (auto,), (stripes,), (tiles,) = (
+        plan_model(specs, world, semantics=sem, tile_placement=t).quantized_groups for t in ("auto", False, True)
+    )
+    assert auto.segment_bytes == min(stripes.segment_bytes, tiles.segment_bytes)
+    found = [
+        Found(
+            f"w{i}",
+            [],
+            torch.nn.Parameter(torch.zeros(r, c, dtype=torch.float8_e4m3fn), requires_grad=False),
+            (f"w{i}_scale_inv", None, torch.nn.Parameter(torch.ones(-(-r // tile), -(-c // tile)))),  # type: ignore[arg-type]
+            (tile, tile),
+        )
+        for i, (r, c) in enumerate(shapes)
+    ]
+    engine_tiles = _tiles_pad_less(found, {}, world, 16)
+    assert engine_tiles == (tiles.segment_bytes < stripes.segment_bytes)
+    assert (auto.segment_bytes, auto.rank_bytes) == (
+        (tiles if engine_tiles else stripes).segment_bytes,
+        (tiles if engine_tiles else stripes).rank_bytes,
+    )
+
+
+def test_the_cli_plans_auto_placement(capsys):
+    """``--tile-placement auto`` at W = 1024 takes the tiles (stripes pad most); at W = 1 the stripes (no padding to win)."""
+    args = ["plan", "--model", "llama3-8b", "--semantics", "fp8_block:128", "--tile-placement", "auto", "--json"]
+    assert cli_main([*args, "-W", "1024"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["tile_placed_weights"] == 7 * 32 and data["padding_fraction"] < 0.01
+    assert cli_main([*args, "-W", "1"]) == 0
+    assert json.loads(capsys.readouterr().out).get("tile_placed_weights", 0) == 0
+    bad = ["plan", "--model", "llama3-8b", "--semantics", "fp8_block:128", "--tile-placement", "bogus"]
+    with pytest.raises(SystemExit) as exc:  # argparse's own refusal, exit 2
+        cli_main(bad)
+    assert exc.value.code == 2 and "--tile-placement: invalid choice: 'bogus'" in capsys.readouterr().err

@@ -46,16 +46,16 @@ class FP8Stack(nn.Module):
         return x
 
 
-def train(rank: int, world: int, steps: int = 2, tile_placement: bool = False) -> dict:
+def train(rank: int, world: int, steps: int = 2, tile_placement: bool | str = False) -> dict:
     """Logits and adapter gradients of the first step, adapters after ``steps`` AdamW steps
-    (``_adapters.train``); ``tile_placement``: the FP8 weights placed by tiles."""
+    (``_adapters.train``); ``tile_placement``: fully_shard's (True: the FP8 weights placed by tiles)."""
     from _adapters import batch
     from _adapters import train as train_adapters
     from _qlora import _serial
 
     with _serial():
         model = FP8Stack()
-    shard = {"tile_placement": True} if tile_placement else {}
+    shard = {"tile_placement": tile_placement} if tile_placement else {}
     return train_adapters(model, rank, world, lambda step: batch(step, SHAPES[0][0]), steps, **shard)
 
 

@@ -48,6 +48,11 @@ def test_fp8_block_weights_equal_one_process(world):
     # the control: at W >= 3 the stripes (2-3 per weight) pad each segment to a whole stripe, the tiles to one tile
     if world >= 3:
         assert tiles[0]["segment_bytes"] < results[0]["segment_bytes"], (tiles[0], results[0])
+    # tile_placement="auto": per group the placement that pads less (tests/quantized/test_fast_plan_bytes.py
+    # checks which), the same numbers
+    auto = _inproc.run_ranks(_fp8_runs.train, world, args=(2, "auto"))
+    check_equal_one_process(auto, want, world)
+    assert auto[0]["segment_bytes"] <= min(tiles[0]["segment_bytes"], results[0]["segment_bytes"])
 
 
 def _quantize_pieces(w: torch.Tensor, cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +111,6 @@ def _tile_placement_of(rank, world, value):
     return ""
 
 
-def test_tile_placement_takes_a_bool():
+def test_tile_placement_takes_a_bool_or_auto():
     msg = _inproc.run_ranks(_tile_placement_of, 1, args=("yes",))[0]
-    assert "tile_placement='yes' must be True or False" in msg
+    assert "tile_placement='yes' must be True, False or 'auto'" in msg

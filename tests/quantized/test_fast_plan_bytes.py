@@ -184,6 +184,35 @@ def test_tile_placed_fp8_bytes_equal_the_plan(world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_auto_tile_placement_takes_the_smaller_segment_per_group_as_planned(world):
+    """``tile_placement="auto"``: per group, the FP8 weights by tiles where that gives a smaller segment
+    than stripes (stripes on ties), in the engine as in ``plan_model(..., tile_placement="auto")``. At
+    W = 2 the groups choose differently (the second's stripes pad less), so the model holds less than
+    under either placement throughout; at W = 3 tiles win everywhere."""
+    build, shapes, sem = STACKS["fp8_block:128"]
+    ranks = _inproc.run_ranks(_engine, world, args=(build, "layers"), kwargs={"tile_placement": "auto"})
+    specs = _specs(_twin(shapes), "layers", torch.bfloat16)
+    auto = plan_model(specs, world, semantics=sem, tile_placement="auto")
+    _check(ranks, auto)
+    stripes, tiles = (plan_model(specs, world, semantics=sem, tile_placement=t) for t in (False, True))
+    seg = [[q.segment_bytes for q in p.quantized_groups] for p in (auto, stripes, tiles)]
+    assert seg[0] == [min(s, t) for s, t in zip(seg[1], seg[2], strict=True)]
+    if world == 2:
+        assert sum(seg[0]) < min(sum(seg[1]), sum(seg[2])), seg
+    else:
+        assert seg[0] == seg[2] != seg[1], seg
+    # the report names each weight's placement: tiles exactly in the groups where they pad less
+    hows = {r.name: r.how for r in ranks[0]["report"].params if "frozen quantized" in r.how}
+    tiled = {".".join(n.split(".")[:2]) for n, how in hows.items() if "by whole tiles" in how}
+    chosen = {
+        q.group
+        for q, s in zip(auto.quantized_groups, stripes.quantized_groups, strict=True)
+        if q.segment_bytes < s.segment_bytes
+    }
+    assert len(hows) == len(shapes) and tiled == chosen and chosen, (hows, chosen)
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_one_group_of_three_formats_equals_the_plan(world):
     ranks = _inproc.run_ranks(_engine, world, args=(_mixed, None))
     twin = nn.ModuleDict(

@@ -22,7 +22,7 @@ from blockshard.runtime.quantized._layout import SectionShape
 from blockshard.runtime.quantized._tensor import QuantizedTensor, StateEntry, byte_view
 from blockshard.runtime.quantized._tile_major import TileOrder
 
-__all__ = ["fp8_block_pair", "fp8_block_tensor"]
+__all__ = ["fp8_block_pair", "fp8_block_sections", "fp8_block_tensor"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -73,6 +73,20 @@ def tile_sections(shape: tuple[int, int], block: tuple[int, int]) -> tuple[TileO
     return order, (payload, SectionShape("weight_scale_inv", 4 * order.n_tiles, 4))
 
 
+def fp8_block_sections(
+    fqn: str, w: torch.Tensor, s: torch.Tensor, block: object, *, tile_placement: bool
+) -> tuple[TileOrder | None, tuple[SectionShape, ...], int]:
+    """``(tile order or None, sections, units)`` of a blockwise FP8 weight (validated, see ``_check``)
+    placed by stripes or (``tile_placement``) by tiles: what the layout needs, no bytes copied."""
+    br, k_tiles = _check(fqn, w, s, block)
+    N, K = w.shape
+    if tile_placement:
+        tiles, sections = tile_sections((N, K), block)  # type: ignore[arg-type]
+        return tiles, sections, tiles.n_tiles
+    stripes = (SectionShape("weight", N * K, br * K), SectionShape("weight_scale_inv", s.numel() * 4, k_tiles * 4))
+    return None, stripes, -(-N // br)
+
+
 def fp8_block_tensor(
     fqn: str,
     refs: list[ParamRef],
@@ -87,17 +101,12 @@ def fp8_block_tensor(
     _, ref_s, s = scale
     names = (refs[0].attr if refs else "weight", ref_s.attr)
     entries = [StateEntry(n, k, t.dtype, tuple(t.shape)) for k, (n, t) in enumerate(zip(names, (w, s), strict=True))]
-    br, k_tiles = _check(fqn, w, s, block)
     N, K = w.shape
-    tiles: TileOrder | None = None
-    if tile_placement:
-        tiles, sections = tile_sections((N, K), block)  # type: ignore[arg-type]
-        n_units = tiles.n_tiles
+    tiles, sections, n_units = fp8_block_sections(fqn, w, s, block, tile_placement=tile_placement)
+    if tiles is not None:
         sources = [tiles.take(byte_view(w.detach().contiguous()).view(N, K), 0, n_units)]
         sources.append(tiles.take_scales(s.detach().contiguous().view(torch.int32), 0, n_units).view(torch.uint8))
     else:
-        sections = (SectionShape("weight", N * K, br * K), SectionShape("weight_scale_inv", s.numel() * 4, k_tiles * 4))
-        n_units = -(-N // br)
         sources = [byte_view(t.detach().contiguous()) for t in (w, s)]
     gathered = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in (w, s)]
     return QuantizedTensor(

@@ -61,7 +61,7 @@ from blockshard.runtime.core._param import ParamRef
 from blockshard.runtime.core._state import ModuleState, state_of
 from blockshard.runtime.quantized._ao_nf4 import ao_nf4_tensor, is_ao_nf4
 from blockshard.runtime.quantized._bnb4bit import bnb_tensor, is_params4bit, prepare_module
-from blockshard.runtime.quantized._fp8_block import fp8_block_pair, fp8_block_tensor
+from blockshard.runtime.quantized._fp8_block import fp8_block_pair, fp8_block_sections, fp8_block_tensor
 from blockshard.runtime.quantized._layout import QuantizedLayout, QuantizedPiece, plan_quantized
 from blockshard.runtime.quantized._mx import is_mx, mx_tensor
 from blockshard.runtime.quantized._tensor import QuantizedTensor, SharedConstants
@@ -112,6 +112,27 @@ class Found:
         adapter = _adapter(self.param)
         assert adapter is not None
         return adapter(self.name, self.refs, self.param, constants)
+
+
+def _tiles_pad_less(
+    found: list[Found], others: dict[int, QuantizedTensor], world_size: int, alignment_bytes: int
+) -> bool:
+    """``tile_placement="auto"``: whether placing the group's blockwise-FP8 weights by tiles gives a
+    smaller segment than by stripes (ties: stripes). Stripes can pad less at small ``W`` (a stripe
+    ends where a rank's share does, a tile run's scales are its own units); tiles win once ranks
+    hold few stripes. Only the layouts are planned: no byte is copied for the one not taken."""
+
+    def segment(tiles: bool) -> int:
+        entries = []
+        for i, f in enumerate(found):
+            if f.scale is None:
+                entries.append((others[i].sections, others[i].n_units))
+            else:
+                _, sections, n_units = fp8_block_sections(f.name, f.param, f.scale[2], f.block, tile_placement=tiles)
+                entries.append((sections, n_units))
+        return plan_quantized(entries, world_size, alignment_bytes).segment_bytes
+
+    return segment(True) < segment(False)
 
 
 def collect_quantized(module: nn.Module, ignored: set[int], is_sharded: Callable[[nn.Module], bool]) -> list[Found]:
@@ -181,11 +202,17 @@ class FrozenQuantizedBuffers(BufferSet):
         process_group: dist.ProcessGroup,
         *,
         alignment_bytes: int,
-        tile_placement: bool = False,
+        tile_placement: bool | str = False,
     ) -> None:
         super().__init__(name, process_group)
         constants: SharedConstants = {}  # code tables shared by the group's tensors
-        self.tensors = [f.build(constants, tile_placement=tile_placement) for f in found]
+        others = {i: f.build(constants) for i, f in enumerate(found) if f.scale is None}
+        if tile_placement == "auto":
+            tile_placement = _tiles_pad_less(found, others, self.world_size, alignment_bytes)
+        self.tensors = [
+            others[i] if i in others else f.build(constants, tile_placement=bool(tile_placement))
+            for i, f in enumerate(found)
+        ]
         devices = {f.param.device for f in found}
         if len(devices) > 1:
             raise ShardingError(f"the quantized weights of {name!r} are on several devices {sorted(map(str, devices))}")
