@@ -44,10 +44,11 @@ MAX_SHIFTS = 16
 
 #: ``(proportional cost, fixed cost, loads in bytes, largest unit cost)`` of a group (``_geometry``).
 _Geometry: TypeAlias = tuple[np.ndarray, np.ndarray, np.ndarray, float]
-#: ``(offsets, fixed cost, loads, loaded ranks, rotations to try)`` of a candidate (``_table``).
-_Candidate: TypeAlias = tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
-#: The candidates, how many are shifts, and the loaded ranks and their costs of all (``_table``).
-_Table: TypeAlias = tuple[list[_Candidate], int, np.ndarray, np.ndarray]
+#: ``(offsets, fixed cost, loaded ranks, rotations to try)`` of a candidate (``_table``).
+_Candidate: TypeAlias = tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray | None]
+#: The candidates, how many are shifts, the loaded ranks and their costs of all, and which repeat an
+#: earlier candidate's offsets (``_table``).
+_Table: TypeAlias = tuple[list[_Candidate], int, np.ndarray, np.ndarray, np.ndarray]
 #: A tensor's cut units: ``(kind, tensor, starts, ends, offset, S, density, itemsize)``.
 _CutUnits: TypeAlias = tuple[str, str, np.ndarray, np.ndarray, int, int, float, int]
 
@@ -316,7 +317,7 @@ class OwnerPlanBuilder:
             loads,
             k,
         )
-        table, shifts, fixed_nz, fixed_vals = self._table(layout, compute, costs)
+        table, shifts, fixed_nz, fixed_vals, repeated = self._table(layout, compute, costs)
         if table:
             top = running.max(initial=0.0)
             peaks = np.maximum((running[fixed_nz] + fixed_vals).max(axis=1, initial=top), top)  # rotation 0
@@ -325,7 +326,8 @@ class OwnerPlanBuilder:
             # loaded rank: one whose bound reaches the current layout's peak can never be picked (a
             # pick must be strictly lower), so its rotations are not searched (the same choice)
             hopeless = np.maximum(fixed_vals.max(axis=1, initial=0.0) + running.min(initial=0.0), top) >= best[0]
-            for i, (_, b, _, cnz, rots) in enumerate(table):
+            hopeless |= repeated  # an earlier candidate has its peak, and a pick must be strictly lower
+            for i, (_, b, cnz, rots) in enumerate(table):
                 if hopeless[i]:
                     peaks[i] = np.inf
                 elif rots is not None:
@@ -340,14 +342,16 @@ class OwnerPlanBuilder:
                 if peaks[i] < low:
                     pick, low = i, float(peaks[i])
             if pick >= 0:
-                offs, b, ld, _, _ = table[pick]
-                best = (low, _with_offsets(layout, offs), b, ld, int(ks[pick]))
+                offs, b, _, _ = table[pick]
+                picked = _with_offsets(layout, offs)
+                best = (low, picked, b, _loads(picked) * picked.itemsize, int(ks[pick]))
         return best[1:]
 
     def _table(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> _Table:
-        """``(offsets, fixed cost, loads, loaded ranks, rotations to try)`` of every candidate (offsets
-        per tensor of ``layout``; the shifts first), how many are shifts, and the loaded ranks and
-        their costs of all, padded to one array; identical groups share one table."""
+        """``(offsets, fixed cost, loaded ranks, rotations to try)`` of every candidate (offsets per
+        tensor of ``layout``; the shifts first), how many are shifts, and the loaded ranks and their
+        costs of all, padded to one array; identical groups share one table. A candidate's fixed cost
+        is computed as ``_geometry``'s (the same floats); its loads only once it is picked."""
         key = (
             "table",
             layout.buckets,
@@ -357,18 +361,24 @@ class OwnerPlanBuilder:
         if hit is None:
             table: list[_Candidate] = []
             shifts = 0
+            first: dict[tuple[int, ...], _Candidate] = {}  # moves and shifts reach some offsets twice
+            repeats = []
             for offs, moved in self._candidates(layout, compute, costs):
-                _, b, ld, _ = self._geometry(_with_offsets(layout, offs), compute, costs)
-                nz = np.flatnonzero(b)
-                table.append((offs, b, ld, nz, rotations_to_try(_with_offsets(layout, offs), b, nz)))
+                repeats.append(offs in first)
+                if offs not in first:
+                    candidate = _with_offsets(layout, offs)
+                    b = self._fixed(candidate, compute, costs, rank_costs(candidate, costs))
+                    nz = np.flatnonzero(b)
+                    first[offs] = (offs, b, nz, rotations_to_try(candidate, b, nz))
+                table.append(first[offs])
                 shifts += not moved
-            m = max((len(e[3]) for e in table), default=0)
+            m = max((len(e[2]) for e in table), default=0)
             fixed_nz = np.zeros((len(table), m), dtype=np.int64)  # padding: rank 0, cost 0 (never a peak)
             fixed_vals = np.zeros((len(table), m))
             for i, e in enumerate(table):
-                fixed_nz[i, : len(e[3])] = e[3]
-                fixed_vals[i, : len(e[3])] = e[1][e[3]]
-            hit = self.memo[key] = (table, shifts, fixed_nz, fixed_vals)
+                fixed_nz[i, : len(e[2])] = e[2]
+                fixed_vals[i, : len(e[2])] = e[1][e[2]]
+            hit = self.memo[key] = (table, shifts, fixed_nz, fixed_vals, np.asarray(repeats, dtype=bool))
         return hit
 
     def _candidates(
