@@ -24,7 +24,6 @@ The plan is a pure function of its inputs, so every rank computes the same one.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import math
 from collections.abc import Sequence
@@ -242,35 +241,41 @@ def _assign(
     if n == 0:
         return owner, own_piece
     order = np.lexsort((ua, ut, -uc))  # largest cost first; ties by tensor order, then unit start
+    a_o, b_o, s_o = ua[order], ub[order], steps[ut][order]
+    ra_o, rb_o = a_o // s_o, (b_o - 1) // s_o
+    first = np.minimum(b_o, (ra_o + 1) * s_o) - a_o  # the first holder's piece
+    last = b_o - rb_o * s_o  # the last holder's piece
     costs = cost.tolist()
     heap = [(c, r) for r, c in enumerate(costs)]
     heapq.heapify(heap)
-    s_all = steps[ut]
     owners: list[int] = []
-    pieces: list[int] = []
-    for a, b, c, s in zip(
-        ua[order].tolist(), ub[order].tolist(), uc[order].tolist(), s_all[order].tolist(), strict=True
+    push, replace = heapq.heappush, heapq.heapreplace
+    for ra, rb, p_first, p_last, c, s in zip(
+        ra_o.tolist(), rb_o.tolist(), first.tolist(), last.tolist(), uc[order].tolist(), s_o.tolist(), strict=True
     ):
         while heap[0][0] != costs[heap[0][1]]:  # drop stale entries
             heapq.heappop(heap)
         cmin, rmin = heap[0]
-        ra, rb = a // s, (b - 1) // s
         # Among the ranks the unit straddles at the lowest cost, the one holding most of it (the
         # lowest such rank); else the lowest-cost rank. The first and last rank hold a part of
         # their segment, every rank between them the whole segment s.
         o, best = rmin, -1
         if costs[ra] == cmin:
-            o, best = ra, min(b, (ra + 1) * s) - a
+            o, best = ra, p_first
         if best < s and rb - ra > 1:
-            with contextlib.suppress(ValueError):  # list.index: a scan in C
+            try:  # list.index: a scan in C
                 o, best = costs.index(cmin, ra + 1, rb), s
-        if rb > ra and costs[rb] == cmin and b - rb * s > best:
+            except ValueError:
+                pass
+        if rb > ra and costs[rb] == cmin and p_last > best:
             o = rb
         costs[o] += c
-        heapq.heappush(heap, (costs[o], o))
+        if o == rmin:  # its entry is the heap's top: one sift instead of a push and a later pop
+            replace(heap, (costs[o], o))
+        else:
+            push(heap, (costs[o], o))
         owners.append(o)
-        pieces.append(max(0, min(b, (o + 1) * s) - max(a, o * s)))
     cost[:] = costs
     owner[order] = owners
-    own_piece[order] = pieces
+    own_piece[:] = np.maximum(0, np.minimum(ub, (owner + 1) * steps[ut]) - np.maximum(ua, owner * steps[ut]))
     return owner, own_piece
