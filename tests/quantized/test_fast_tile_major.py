@@ -116,7 +116,7 @@ def test_a_run_of_whole_tiles_goes_to_its_places_and_its_boxes(case, data):
     run = flat[lo:hi]
     assert torch.equal(order.take(w, a, b), run)
     dst = torch.full(shape, -1.0, dtype=torch.float64)
-    order.put(dst, run, a)
+    order.put(dst, run, a, b)
     held = dst >= 0
     assert int(held.sum()) == run.numel() and torch.equal(dst[held], w[held])
     boxed, at = order.to_boxes(run, a, b), 0

@@ -96,7 +96,7 @@ class QuantizedTensor:
             return
         rows, size = self._rows(k, dst)
         if k == 0:
-            self.tiles.put(rows, src, self.tiles.tile_range(lo, hi)[0])
+            self.tiles.put(rows, src, *self.tiles.tile_range(lo, hi))
         else:
             aligned = src if src.storage_offset() % size == 0 else src.clone()
             self.tiles.put_scales(rows, aligned.view(torch.int32), lo // size)

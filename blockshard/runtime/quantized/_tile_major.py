@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -30,6 +31,7 @@ from blockshard.semantics._tiles import Tile, TilePart, tile_dims, tile_parts
 __all__ = ["TileOrder", "from_tile_major", "to_tile_major"]
 
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
+_X = TypeVar("_X")
 
 
 def _dims(shape: tuple[int, ...], stacked: bool) -> tuple[int, int, int]:
@@ -161,28 +163,35 @@ class TileOrder:
     def _index(self, run: _Run, device: torch.device) -> tuple[torch.Tensor, ...]:
         return torch.unravel_index(torch.arange(run.lo, run.hi, device=device), self._lead(run.part))
 
+    def _in_grid(self, part: TilePart, lead: Sequence[_X], fixed: Callable[[int], _X]) -> tuple[_X, _X, _X]:
+        """``(expert, tile row, tile column)`` in the scale grid of a lead index of ``part`` (its
+        region's tile dims, see ``_lead``: offsets, sizes or index tensors). The right edge's
+        column and the bottom edge's row are the last ones, ``fixed(n)`` of the ``n`` full tiles
+        before them (``fixed`` gives an offset, a size of one, or a filled index)."""
+        n_r, n_c = self._n_full()
+        e, *rest = lead
+        row = rest.pop(0) if part.name in ("tiles", "right") else fixed(n_r)
+        col = rest.pop(0) if part.name in ("tiles", "bottom") else fixed(n_c)
+        return e, row, col
+
     def _grid_index(self, run: _Run, device: torch.device) -> tuple[torch.Tensor, ...]:
         """``(e, ti, tj)`` in the scale grid of the run's tiles."""
-        n_r, n_c = self._n_full()
         idx = self._index(run, device)
-        if run.part.name == "tiles":
-            return idx
-        if run.part.name == "right":
-            return idx[0], idx[1], torch.full_like(idx[1], n_c)
-        if run.part.name == "bottom":
-            return idx[0], torch.full_like(idx[1], n_r), idx[1]
-        return idx[0], torch.full_like(idx[0], n_r), torch.full_like(idx[0], n_c)
+        return self._in_grid(run.part, idx, lambda n: torch.full_like(idx[0], n))
 
     # -- values ------------------------------------------------------------------------------------
-    def put(self, dst: torch.Tensor, run: torch.Tensor, first: int) -> None:
-        """Write ``run`` (the tile-major values of whole tiles from tile ``first`` on) into the
-        row-major ``dst`` (a contiguous tensor of ``shape``)."""
+    def put(self, dst: torch.Tensor, run: torch.Tensor, first: int, stop: int) -> None:
+        """Write ``run`` (the tile-major values of tiles ``[first, stop)``) into the row-major
+        ``dst`` (a contiguous tensor of ``shape``): the inverse of :meth:`take`."""
         regions = _regions(dst.view(_dims(self.shape, self.stacked)), self.tile)
-        stop = first + self._count(run.numel(), first)
+        at = 0
         for r in self._runs(first, stop):
             p = r.part
             values = run[r.at : r.at + (r.hi - r.lo) * p.unit_numel].view(r.hi - r.lo, p.rows, p.cols)
             regions[p.name].index_put_(self._index(r, dst.device), values)
+            at = r.at + values.numel()
+        if at != run.numel():
+            raise AssertionError(f"{run.numel()} values are not tiles [{first}, {stop}) of {self}")
 
     def take(self, src: torch.Tensor, first: int, stop: int) -> torch.Tensor:
         """The tile-major values of tiles ``[first, stop)`` of the row-major ``src`` (1-D, new)."""
@@ -202,35 +211,17 @@ class TileOrder:
         pieces = [g3[self._grid_index(r, grid.device)] for r in self._runs(first, stop)]
         return torch.cat(pieces) if pieces else grid.new_empty(0)
 
-    def _count(self, numel: int, first: int) -> int:
-        """How many whole tiles from ``first`` on hold ``numel`` values."""
-        n, left = 0, numel
-        for r in self._runs(first, self.n_tiles):
-            take = min(r.hi - r.lo, left // r.part.unit_numel)
-            n, left = n + take, left - take * r.part.unit_numel
-            if take < r.hi - r.lo:
-                break
-        if left:
-            raise AssertionError(f"{numel} values from tile {first} of {self} are not whole tiles")
-        return n
-
     # -- boxes (DCP chunks) ------------------------------------------------------------------------
     def _run_boxes(self, r: _Run) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]:
         """Per box of the run's part: (offsets, sizes) in elements, its sizes in tiles, its first
         tile within the part; the boxes follow the tile order."""
         t_r, t_c = self.tile
-        n_r, n_c = self._n_full()
-        lead = self._lead(r.part)
+        p = r.part
+        lead = self._lead(p)
         for off, size in run_boxes(lead, r.lo, r.hi):
             k = int(sum(o * math.prod(lead[i + 1 :]) for i, o in enumerate(off)))
-            if r.part.name == "tiles":
-                o3, s3 = (off[0], off[1] * t_r, off[2] * t_c), (size[0], size[1] * t_r, size[2] * t_c)
-            elif r.part.name == "right":
-                o3, s3 = (off[0], off[1] * t_r, n_c * t_c), (size[0], size[1] * t_r, r.part.cols)
-            elif r.part.name == "bottom":
-                o3, s3 = (off[0], n_r * t_r, off[1] * t_c), (size[0], r.part.rows, size[1] * t_c)
-            else:
-                o3, s3 = (off[0], n_r * t_r, n_c * t_c), (size[0], r.part.rows, r.part.cols)
+            (e, i, j), (se, si, sj) = self._in_grid(p, off, int), self._in_grid(p, size, lambda n: 1)
+            o3, s3 = (e, i * t_r, j * t_c), (se, si * p.rows, sj * p.cols)  # an edge's tiles are short
             yield (o3 if self.stacked else o3[1:]), (s3 if self.stacked else s3[1:]), size, k
 
     def boxes(self, first: int, stop: int) -> Boxes:
@@ -272,17 +263,9 @@ class TileOrder:
     def scale_boxes(self, first: int, stop: int) -> Boxes:
         """``(offsets, sizes)`` of the boxes of the scale grid that tiles ``[first, stop)`` fill (their
         values in tile order are the boxes' row-major ones)."""
-        n_r, n_c = self._n_full()
         out: Boxes = []
         for r in self._runs(first, stop):
             for off, size in run_boxes(self._lead(r.part), r.lo, r.hi):
-                if r.part.name == "tiles":
-                    o3, s3 = off, size
-                elif r.part.name == "right":
-                    o3, s3 = (off[0], off[1], n_c), (size[0], size[1], 1)
-                elif r.part.name == "bottom":
-                    o3, s3 = (off[0], n_r, off[1]), (size[0], 1, size[1])
-                else:
-                    o3, s3 = (off[0], n_r, n_c), (size[0], 1, 1)
+                o3, s3 = self._in_grid(r.part, off, int), self._in_grid(r.part, size, lambda n: 1)
                 out.append((o3, s3) if self.stacked else (o3[1:], s3[1:]))
         return out
