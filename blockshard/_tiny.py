@@ -214,7 +214,11 @@ def mlp_batches(num_steps: int, batch_size: int, *, seed: int = 0) -> list[tuple
 
 def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     """A pure-torch blockwise FP8 quantizer (DeepSeek-V3's layout): one fp32 scale per
-    ``block`` tile (``amax / 448``), the payload ``float8_e4m3fn``; returns ``(weight, weight_scale_inv)``."""
+    ``block`` tile (``amax / 448``), the payload ``float8_e4m3fn``; returns ``(weight, weight_scale_inv)``.
+    A 3-D ``w`` is stacked experts, quantized expert by expert."""
+    if w.dim() == 3:
+        pairs = [quantize_fp8_block(e, block) for e in w]
+        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
     (N, K), (br, bc) = w.shape, block
     nb, kb = -(-N // br), -(-K // bc)
     padded = torch.zeros(nb * br, kb * bc, dtype=torch.float32)
@@ -228,7 +232,9 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> 
 def dequantize_fp8_block(
     q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
 ) -> torch.Tensor:
-    """The weight :func:`quantize_fp8_block` quantized, in ``dtype``."""
+    """The weight :func:`quantize_fp8_block` quantized, in ``dtype`` (3-D: stacked experts)."""
+    if q.dim() == 3:
+        return torch.stack([dequantize_fp8_block(e, s, block, dtype) for e, s in zip(q, scale, strict=True)])
     (N, K), (br, bc) = q.shape, block
     s = scale.repeat_interleave(br, dim=0)[:N].repeat_interleave(bc, dim=1)[:, :K]
     return (q.float() * s).to(dtype)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from blockshard._errors import PlanError
 from blockshard.cli import main as cli_main
 from blockshard.planner import compare, model_tensors, plan_model
-from blockshard.runtime.quantized._fp8_block import tile_sections
+from blockshard.runtime.quantized._fp8_block import fp8_block_sections, tile_sections
 from blockshard.runtime.quantized._frozen import Found, _tiles_pad_less
 from blockshard.runtime.quantized._layout import plan_quantized
 from blockshard.semantics import TensorSpec
@@ -173,3 +173,28 @@ def test_the_cli_plans_auto_placement(capsys):
     with pytest.raises(SystemExit) as exc:  # argparse's own refusal, exit 2
         cli_main(bad)
     assert exc.value.code == 2 and "--tile-placement: invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 5), st.integers(1, 120), st.integers(1, 120)), min_size=1, max_size=3),
+    st.sampled_from([8, 16, 32]),
+    st.integers(1, 9),
+    st.booleans(),
+)
+def test_stacked_expert_bytes_are_the_engines_by_stripes_and_tiles(shapes, tile, world, tiles):
+    """Stacked ``(E, rows, cols)`` FP8 experts: the planner's bytes per rank equal the engine's pure
+    layout (``_fp8_block.fp8_block_sections`` cut by ``plan_quantized``) by stripes (one expert per
+    unit where rows are no multiple of the tile) and by tiles (each expert's edge tiles)."""
+    specs = [TensorSpec(name=f"l{i}.experts.weight", shape=s, dtype="bfloat16") for i, s in enumerate(shapes)]
+    plan = plan_model(specs, world, semantics=f"fp8_block:{tile}", tile_placement=tiles)
+    (q,) = plan.quantized_groups
+    laid = []
+    for i, (e, r, c) in enumerate(shapes):
+        w = torch.zeros(e, r, c, dtype=torch.float8_e4m3fn)
+        scale = torch.ones(e, -(-r // tile), -(-c // tile))
+        _, sections, n_units = fp8_block_sections(f"l{i}", w, scale, (tile, tile), tile_placement=tiles)
+        laid.append((sections, n_units))
+    engine = plan_quantized(laid, world, 16)
+    assert q.rank_bytes == tuple(engine.rank_bytes(r) for r in range(world))
+    assert q.segment_bytes == engine.segment_bytes and q.total_bytes == engine.total_bytes

@@ -3,7 +3,8 @@
 Every function takes ``(rank, world, kind, ...)`` and builds the model itself (the same on every
 rank and in the reference): ``kind`` is ``"bnb"`` (a tiny Llama with bitsandbytes 4-bit decoder
 linears; ``quant`` picks nf4/fp4, nested, storage), ``"ao_nf4"``, ``"mx"``, ``"fp8"`` or
-``"fp8_tiles"`` (the same FP8 model sharded with ``tile_placement=True``).
+``"fp8_tiles"`` (the same FP8 model sharded with ``tile_placement=True``), ``"fp8_experts"`` or
+``"fp8_experts_tiles"`` (stacked FP8 experts, ``_fp8_runs.FP8ExpertStack``, by stripes or tiles).
 Comparisons run inside the ranks (torchao subclasses do not cross processes), results are plain.
 """
 
@@ -29,16 +30,16 @@ def build(kind: str, **quant) -> nn.Module:
             from _mx_runs import MXStack
 
             return MXStack("float8_e4m3fn")
-        from _fp8_runs import FP8Stack
+        from _fp8_runs import FP8ExpertStack, FP8Stack
 
-        return FP8Stack()
+        return FP8ExpertStack() if kind.startswith("fp8_experts") else FP8Stack()
 
 
 def shard(model: nn.Module, kind: str) -> nn.Module:
     import blockshard
 
     layers = model.model.layers if kind == "bnb" else model.layers
-    options = {"tile_placement": True} if kind == "fp8_tiles" else {}
+    options = {"tile_placement": True} if kind.endswith("_tiles") else {}
     for layer in layers:
         blockshard.fully_shard(layer, **options)
     blockshard.fully_shard(model, **options)

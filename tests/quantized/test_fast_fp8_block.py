@@ -55,6 +55,24 @@ def test_fp8_block_weights_equal_one_process(world):
     assert auto[0]["segment_bytes"] <= min(tiles[0]["segment_bytes"], results[0]["segment_bytes"])
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_stacked_fp8_experts_equal_one_process_by_stripes_and_by_tiles(world):
+    """Stacked frozen FP8 experts shaped like GPT-OSS's scaled down ((4, 180, 360) and (4, 360, 180)
+    in 32 x 32 tiles: 5 full tile rows and a 20-row edge, 11 full tile columns and an 8-column edge
+    per expert) train as one process by stripes (rows no multiple of 32: one expert per unit, as the
+    planner's grid) and by tiles (each expert's short edge tiles). The control: at W = 3 (four
+    experts on three ranks) whole experts pad a segment to an expert, the tiles to one tile; at
+    W = 2 and 4 the experts divide evenly and stripes pad no more."""
+    with _inproc.single_thread():
+        want = _fp8_runs.train_experts(0, 0)
+    stripes = _inproc.run_ranks(_fp8_runs.train_experts, world)
+    check_equal_one_process(stripes, want, world)
+    tiles = _inproc.run_ranks(_fp8_runs.train_experts, world, args=(2, True))
+    check_equal_one_process(tiles, want, world)
+    if world == 3:
+        assert tiles[0]["segment_bytes"] < stripes[0]["segment_bytes"], (tiles[0], stripes[0])
+
+
 def _quantize_pieces(w: torch.Tensor, cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     parts = [_fp8_runs.quantize_fp8_block(w[a:b]) for a, b in itertools.pairwise(cuts)]
     return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
@@ -93,6 +111,20 @@ def test_scales_that_do_not_fit_the_tiles():
     msg = _inproc.run_ranks(_one_rank, 1, args=(tamper,))[0]
     assert "'weight' (blockwise FP8): its weight_scale_inv has shape (2, 2)" in msg
     assert "320 x 192 in 128 x 128 tiles needs (3, 2) fp32 scales" in msg and "Fix: re-quantize" in msg
+
+
+def test_a_4d_weight_or_a_trainable_one_is_refused_by_name():
+    def four_d(layer):
+        layer.weight = torch.nn.Parameter(layer.weight.view(2, 160, 12, 16), requires_grad=False)
+
+    msg = _inproc.run_ranks(_one_rank, 1, args=(four_d,))[0]
+    assert "'weight' (blockwise FP8): it has shape (2, 160, 12, 16)" in msg and "stacked (experts, rows, cols)" in msg
+
+    def stacked_scales(layer):  # a stacked expert weight with a 2-D scale grid
+        layer.weight = torch.nn.Parameter(layer.weight.view(2, 160, 192), requires_grad=False)
+
+    msg = _inproc.run_ranks(_one_rank, 1, args=(stacked_scales,))[0]
+    assert "2 x 160 x 192 in 128 x 128 tiles needs (2, 2, 2) fp32 scales" in msg
 
 
 def test_a_per_tensor_scale_has_no_tiles():

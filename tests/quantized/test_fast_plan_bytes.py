@@ -183,6 +183,22 @@ def test_tile_placed_fp8_bytes_equal_the_plan(world):
         )
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("tiles", [False, True], ids=["stripes", "tiles"])
+def test_stacked_fp8_expert_bytes_equal_the_plan(tiles, world):
+    """Stacked frozen FP8 experts ((4, 180, 360) and (4, 360, 180) in 32 x 32 tiles, rows no
+    multiple of 32) hold what the planner predicts by stripes (one expert per unit) and by tiles."""
+    shard = {"tile_placement": True} if tiles else {}
+    ranks = _inproc.run_ranks(_engine, world, args=(_fp8_runs.FP8ExpertStack, "layers"), kwargs=shard)
+    specs = [
+        TensorSpec(name=f"layers.{i}.experts.weight", shape=shape, dtype="bfloat16", group=f"layers.{i}")
+        for i, shape in enumerate(_fp8_runs.EXPERT_SHAPES)
+    ]
+    plan = plan_model(specs, world, semantics="*.weight=fp8_block:32", tile_placement=tiles)
+    _check(ranks, plan)
+    assert len(plan.quantized_groups) == len(_fp8_runs.EXPERT_SHAPES)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_auto_tile_placement_takes_the_smaller_segment_per_group_as_planned(world):
     """``tile_placement="auto"``: per group, the FP8 weights by tiles where that gives a smaller segment

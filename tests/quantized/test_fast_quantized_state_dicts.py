@@ -71,6 +71,11 @@ def test_torchao_mx_and_fp8_state_dicts_at_w2_are_the_unsharded_models(kind, sec
     _check_entries(_inproc.run_ranks(_state_runs.entries, 2, args=(kind,)), sections)
 
 
+@pytest.mark.parametrize("kind", ["fp8_experts", "fp8_experts_tiles"])
+def test_stacked_fp8_expert_state_dicts_at_w3_are_the_unsharded_models(kind):
+    _check_entries(_inproc.run_ranks(_state_runs.entries, 3, args=(kind,)), ("weight_scale_inv",))
+
+
 def test_tile_placed_fp8_state_dicts_at_w3_are_the_unsharded_models():
     """Tile-placed entries are boxes of whole tiles ([Note: tile placement in the engine]):
     ``full_tensor()`` and loading them back are exact at W = 3 too (three ranks' tile runs)."""
@@ -106,7 +111,14 @@ def test_checkpoints_of_quantized_weights_reshard(kind, quant, checkpoint, tmp_p
 
 
 # save (placement, W) -> load (placement, W): DCP reads the boxes, so tiles and stripes interchange
-MOVES = [(("fp8_tiles", 4), ("fp8_tiles", 2)), (("fp8", 4), ("fp8_tiles", 3)), (("fp8_tiles", 3), ("fp8", 2))]
+MOVES = [
+    (("fp8_tiles", 4), ("fp8_tiles", 2)),
+    (("fp8", 4), ("fp8_tiles", 3)),
+    (("fp8_tiles", 3), ("fp8", 2)),
+    # stacked experts (4, 180, 360) and (4, 360, 180) in 32 x 32 tiles: whole experts <-> tiles with short edges
+    (("fp8_experts_tiles", 4), ("fp8_experts", 3)),
+    (("fp8_experts", 2), ("fp8_experts_tiles", 3)),
+]
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["dcp", "save_checkpoint"])
@@ -163,7 +175,8 @@ def test_save_pretrained_of_blockwise_fp8_writes_the_unsharded_models_entries(tm
     from blockshard.runtime.checkpoint import _export
 
     monkeypatch.setattr(_export, "_CHUNK_BYTES", 8191)
-    for kind in ("fp8", "fp8_tiles"):  # by stripes and by whole tiles ([Note: tile placement in the engine])
+    # by stripes and by whole tiles ([Note: tile placement in the engine]); stacked experts both ways
+    for kind in ("fp8", "fp8_tiles", "fp8_experts", "fp8_experts_tiles"):
         got = _inproc.run_ranks(_state_runs.export, 2, args=(kind, str(tmp_path / kind)))[0]
         assert got["differs"] == [] and got["not_written"] == [], kind
 
