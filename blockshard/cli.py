@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from blockshard._errors import BlockshardError
 
@@ -66,8 +66,16 @@ def _add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> Non
 _TILE_PLACEMENT: dict[str, bool | str] = {"on": True, "off": False, "auto": "auto"}
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose refusals are one line, as the commands' own (exit code 2): the
+    usage it would print first is one ``--help`` away."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockshard", description=__doc__)
+    parser = _Parser(prog="blockshard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="plan a model's block-aligned layout and compare it with FSDP2 / ZeRO")
     _add_model_args(plan)

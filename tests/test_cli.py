@@ -101,6 +101,25 @@ def test_demo_runs():
 # -- bad input (issue 9, point 6): one line on stderr, exit code 2, never a traceback ----------------------
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "the following arguments are required: command"),
+        (["plan"], "one of the arguments --model --config --shapes --list-models is required"),
+        (["plan", "--model", "llama3-8b", "--bogus"], "unrecognized arguments: --bogus"),
+        (["plan", "--model", "llama3-8b", "--tile-placement", "x"], "--tile-placement: invalid choice: 'x'"),
+    ],
+)
+def test_argparse_refusals_are_one_line_too(args, message, capsys):
+    """What argparse itself refuses (a missing or unknown argument, a bad choice) is one line with
+    exit code 2, as the commands' own refusals; the usage is one ``--help`` away."""
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert message in err and "--help)" in err and "usage:" not in err
+
+
 def _one_error_line(args: list[str], capsys) -> str:
     """Run the CLI in-process; it must exit 2 with exactly one line on stderr and no traceback."""
     assert main(args) == 2
