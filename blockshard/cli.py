@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_accelerate_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_accelerate_config(sub: argparse._SubParsersAction[_Parser]) -> None:
     acc = sub.add_parser(
         "accelerate-config",
         help="write the Accelerate config files that make `accelerate launch` train with blockshard",
