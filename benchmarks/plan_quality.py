@@ -100,22 +100,30 @@ def _scaling(repeats: int) -> list[dict]:
 
 
 def _tiles(models: list[str]) -> list[dict]:
-    """fp8_block:128 with B-row stripes (what fully_shard builds) beside the tile-major what-if
-    (``tile_placement=True``, docs/design.md "Tile placement"): padding, and gathered quantized, the
-    bytes gathered per rank over the unpadded physical payload + scales and the masters held."""
+    """fp8_block:128 by B-row stripes, by tiles (``tile_placement=True``, docs/design.md "Tile
+    placement") and per group whichever pads less (``"auto"``): padding; frozen FP8, each rank's
+    segment over its unpadded share of the payload + scales (what ``fully_shard(...,
+    tile_placement=...)`` builds); gathered quantized (stripes and tiles), the bytes gathered per
+    rank over the unpadded physical payload + scales and the masters held (tiles: a what-if)."""
     rows = []
     for model in models:
         tensors = model_tensors(model)
         for W in TILE_WORLD_SIZES:
             row: dict = {"model": model, "world_size": W, "semantics": TILE_SEMANTICS}
-            for name, tiles in (("stripes", False), ("tiles", True)):
+            for name, tiles in (("stripes", False), ("tiles", True), ("auto", "auto")):
                 plan = plan_model(tensors, W, semantics=TILE_SEMANTICS, tile_placement=tiles)
-                q = plan_model(
-                    tensors, W, semantics=TILE_SEMANTICS, quantized_gather=True, tile_placement=tiles
-                ).quantized_gather_totals()
+                frozen = plan.quantized_totals()
                 row[name] = {
                     "padding_fraction": plan.padding_fraction,
                     "plan_seconds": plan.plan_seconds,
+                    "frozen_segment_over_share": frozen["segment_bytes_per_rank"] / frozen["rank_bytes_mean"],
+                }
+                if tiles == "auto":  # trainable masters keep their stripes under "auto"
+                    continue
+                q = plan_model(
+                    tensors, W, semantics=TILE_SEMANTICS, quantized_gather=True, tile_placement=tiles
+                ).quantized_gather_totals()
+                row[name] |= {
                     "gathered_over_physical": q["gathered_over_physical"],
                     "gathered_bytes_per_step_per_rank": q["gathered_bytes_per_step_per_rank"],
                     "master_bytes_per_rank": q["master_bytes_per_rank"],
@@ -216,17 +224,21 @@ def _markdown(result: dict) -> str:
     ]
     lines += [
         "",
-        f"{TILE_SEMANTICS}, B-row stripes (what fully_shard builds) vs tile placement (the what-if of "
-        '`plan_model(..., tile_placement=True)`, docs/design.md "Tile placement"): padding, and with '
-        "`quantized_gather=True` the bytes gathered per rank per step over the unpadded payload + scales.",
+        f'{TILE_SEMANTICS} by B-row stripes, by tiles (`tile_placement=True`, docs/design.md "Tile placement") '
+        'and per group whichever pads less (`tile_placement="auto"`): padding; frozen FP8 weights (what '
+        "`fully_shard(..., tile_placement=...)` builds), each rank's segment over its unpadded share of the "
+        "payload + scales; with `quantized_gather=True` (trainable masters: stripes built, tiles a what-if) the "
+        "bytes gathered per rank per step over the unpadded payload + scales.",
         "",
-        "| model | W | stripes padding | tiles padding | stripes gathered / physical | tiles gathered / physical |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| model | W | stripes padding | tiles padding | frozen S / share: stripes | tiles | auto "
+        "| gathered / physical: stripes | tiles |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
         f"| {r['model']} | {r['world_size']} | {100 * r['stripes']['padding_fraction']:.2f}% | "
-        f"{100 * r['tiles']['padding_fraction']:.2f}% | {r['stripes']['gathered_over_physical']:.3f} | "
-        f"{r['tiles']['gathered_over_physical']:.3f} |"
+        f"{100 * r['tiles']['padding_fraction']:.2f}% | {r['stripes']['frozen_segment_over_share']:.3f} | "
+        f"{r['tiles']['frozen_segment_over_share']:.3f} | {r['auto']['frozen_segment_over_share']:.3f} | "
+        f"{r['stripes']['gathered_over_physical']:.3f} | {r['tiles']['gathered_over_physical']:.3f} |"
         for r in result.get("tile_placement", [])
     ]
     return "\n".join(lines) + "\n"
@@ -282,16 +294,28 @@ def _print_summary(result: dict, console: Console) -> None:
     )
     s = result["summary"]
     console.print(f"targets met in {s['target_met']} of {s['judged']} judged cases; missed: {len(s['missed'])}")
-    tiles = Table(title=f"{TILE_SEMANTICS}: B-row stripes vs tile placement (what-if): padding, gathered / physical")
-    for col in ("model", "W", "stripes padding", "tiles padding", "stripes g/phys", "tiles g/phys"):
+    tiles = Table(title=f"{TILE_SEMANTICS}: stripes vs tiles vs auto: padding, frozen S / share, gathered / physical")
+    cols = (
+        "model",
+        "W",
+        "stripes padding",
+        "tiles padding",
+        "S/share stripes",
+        "tiles",
+        "auto",
+        "g/phys stripes",
+        "tiles",
+    )
+    for col in cols:
         tiles.add_column(col, justify="left" if col == "model" else "right")
     for r in result["tile_placement"]:
-        a, b = r["stripes"], r["tiles"]
+        a, b, c = r["stripes"], r["tiles"], r["auto"]
         tiles.add_row(
             r["model"],
             str(r["world_size"]),
             f"{100 * a['padding_fraction']:.2f}%",
             f"{100 * b['padding_fraction']:.2f}%",
+            *(f"{x['frozen_segment_over_share']:.3f}" for x in (a, b, c)),
             f"{a['gathered_over_physical']:.3f}",
             f"{b['gathered_over_physical']:.3f}",
         )
