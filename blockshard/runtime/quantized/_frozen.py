@@ -23,10 +23,10 @@ No gradients, no reduce-scatter, no optimizer state: these weights never change.
 ``fully_shard(..., tile_placement=True)`` places a frozen blockwise-FP8 weight ``(R, C)`` (or stacked
 ``(E, R, C)`` experts, tiled per expert) in ``Br x Bc`` tiles by **whole tiles** rather than by
 ``Br``-row stripes ([Note: tile-major order] in ``semantics/_tiles.py`` says why stripes pad 50-82%
-at W >= 256). Its units are its tiles in
-tile-major order (full tiles, right edge, bottom edge, corner: ``SectionShape.runs``), each unit
-its payload bytes and its fp32 scale, so a rank's piece is any run of whole tiles and the cut
-falls at most one tile from the ideal one (``plan_quantized`` is unchanged). What moves and what
+at W >= 256). Its units are its tiles in tile-major order (full tiles, right edge, bottom edge,
+corner: ``SectionShape.runs``), each unit its payload bytes and its fp32 scale, so a rank's piece
+is any run of whole tiles and the cut falls at most one tile from the ideal one (``plan_quantized``
+is unchanged). What moves and what
 stays:
   * the segment holds a run's payload in tile-major order, then its scales in the same order;
   * the all-gather is the same bytes; the wait, which copies each rank's bytes out of the
