@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import platform
 import statistics
@@ -99,6 +100,19 @@ def _scaling(repeats: int) -> list[dict]:
     return rows
 
 
+def _padded_tiles(model: str, tile: int = 128) -> float:
+    """Elements of the model's 2-D and stacked weights in padded ``tile x tile`` tiles over their
+    elements: what masters in padded tile order would hold (docs/design.md, "Tile placement")."""
+    real = padded = 0
+    for t in model_tensors(model):
+        if len(t.shape) < 2:
+            continue
+        *lead, rows, cols = t.shape
+        real += math.prod(t.shape)
+        padded += math.prod(lead) * -(-rows // tile) * tile * -(-cols // tile) * tile
+    return padded / real if real else 1.0
+
+
 def _tiles(models: list[str]) -> list[dict]:
     """fp8_block:128 by B-row stripes, by tiles (``tile_placement=True``, docs/design.md "Tile
     placement") and per group whichever pads less (``"auto"``): padding; frozen FP8, each rank's
@@ -164,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "planning_time": _planning_time(args.repeats),
         "scaling": _scaling(args.repeats),
         "tile_placement": _tiles(models),
+        "padded_tile_masters": {m: _padded_tiles(m) for m in models},
     }
     result["summary"] = _summary(rows)
     _print_summary(result, console)
@@ -241,6 +256,9 @@ def _markdown(result: dict) -> str:
         f"{r['stripes']['gathered_over_physical']:.3f} | {r['tiles']['gathered_over_physical']:.3f} |"
         for r in result.get("tile_placement", [])
     ]
+    if padded := result.get("padded_tile_masters"):
+        shown = ", ".join(f"{m} {x:.4f}" for m, x in padded.items())
+        lines += ["", f"Masters in padded {TILE_SEMANTICS} tiles over their elements (docs/design.md): {shown}."]
     return "\n".join(lines) + "\n"
 
 
