@@ -99,11 +99,15 @@ def rotations_to_try(layout: GroupLayout, base: np.ndarray, nz: np.ndarray) -> n
     return cands
 
 
-def rotation_peak(nz: np.ndarray, vals: np.ndarray, cands: np.ndarray | None, running: np.ndarray) -> tuple[int, float]:
+def rotation_peak(
+    nz: np.ndarray, vals: np.ndarray, cands: np.ndarray | None, running: np.ndarray, top: float | None = None
+) -> tuple[int, float]:
     """``(k, peak)``: the first rotation of ``cands`` minimizing ``max(running + vals at nz + k)``
-    (``cands`` ``None``: ``k = 0``), and that peak (never below ``running.max()``)."""
+    (``cands`` ``None``: ``k = 0``), and that peak (never below ``running.max()``, which a caller
+    that asks many times passes as ``top``)."""
     W = running.size
-    top = running.max(initial=0.0)
+    if top is None:
+        top = running.max(initial=0.0)
     if cands is None or not len(cands):
         return 0, float(np.max(running[nz] + vals, initial=top))
     # peak of running + base rolled by k, for every candidate k, on the loaded ranks only

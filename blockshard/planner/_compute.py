@@ -341,7 +341,10 @@ class OwnerPlanBuilder:
                     if not found_rots:  # shared by identical groups: found once
                         found_rots.append(rotations_to_try(_with_offsets(layout, offs), b, cnz))
                     rots = found_rots[0]
-                    k, peak = (0, float(peaks0[i])) if rots is None else rotation_peak(cnz, b[cnz], rots, running)
+                    if rots is None:
+                        k, peak = 0, float(peaks0[i])
+                    else:
+                        k, peak = rotation_peak(cnz, fixed_vals[i, : cnz.size], rots, running, top)
                     if peak < low:
                         found, low, ks[i] = i, peak, k
                 return found, low
