@@ -204,7 +204,7 @@ def test_auto_tile_placement_takes_the_smaller_segment_per_group_as_planned(worl
     """``tile_placement="auto"``: per group, the FP8 weights by tiles where that gives a smaller segment
     than stripes (stripes on ties), in the engine as in ``plan_model(..., tile_placement="auto")``. At
     W = 2 the groups choose differently (the second's stripes pad less), so the model holds less than
-    under either placement throughout; at W = 3 tiles win everywhere."""
+    under either placement throughout; at W = 3 tiles win or tie in every group."""
     build, shapes, sem = STACKS["fp8_block:128"]
     ranks = _inproc.run_ranks(_engine, world, args=(build, "layers"), kwargs={"tile_placement": "auto"})
     specs = _specs(_twin(shapes), "layers", torch.bfloat16)
