@@ -22,8 +22,8 @@ pytestmark = pytest.mark.slow
 
 
 @functools.cache
-def reference() -> dict:
-    return run_single(_fp8_runs.run, args=(False,), timeout=300)
+def reference(experts: bool = False) -> dict:
+    return run_single(_fp8_runs.run, args=(False, False, experts), timeout=300)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -40,7 +40,7 @@ def test_tile_placed_fp8_equals_one_process(world):
 def test_tile_placed_stacked_fp8_experts_equal_one_process(world):
     """GPT-OSS-shaped stacked experts scaled down ((4, 180, 360) in 32 x 32 tiles: a 20-row and an
     8-column edge per expert) by tiles; the control at W = 3: whole experts pad more."""
-    want = run_single(_fp8_runs.run, args=(False, False, True), timeout=300)
+    want = reference(experts=True)
     tiles = spawn_gloo(_fp8_runs.run, world, args=(True, True, True), timeout=300)
     check_equal_one_process(tiles, want, world)
     if world == 3:

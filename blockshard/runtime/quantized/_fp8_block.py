@@ -97,7 +97,7 @@ def fp8_block_sections(
     # planner's fp8_block grid, semantics/_quantizers.py)
     *lead, N, K = shape
     rows = br if not lead or N % br == 0 else N
-    per_unit = k_tiles * (rows // br if rows % br == 0 else -(-N // br))
+    per_unit = k_tiles * -(-rows // br)  # scale rows per unit: one per stripe, all of an expert's
     stripes = (
         SectionShape("weight", w.numel(), rows * K),
         SectionShape("weight_scale_inv", s.numel() * 4, per_unit * 4),
