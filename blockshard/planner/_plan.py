@@ -115,7 +115,8 @@ class ModelPlan:
 
     @property
     def total_numel(self) -> int:
-        return sum(g.total_numel for g in self.groups)
+        """The tensors' own elements (a master's edge padding in padded tile order is padding)."""
+        return sum(g.total_numel for g in self.groups) - sum(q.edge_padding_numel for q in self.quantized_gather_groups)
 
     @property
     def padded_numel(self) -> int:
@@ -337,8 +338,8 @@ def plan_model(
     if tile_placement == "auto":
         items, parts_of = auto_tile_placed(items, semantics, tiles, world_size, alignment_bytes)
     elif tile_placement:
-        items, parts_of, tiles = tile_placed(items, semantics, tiles)
-    plan = _plan_groups(items, world_size, policy, alignment_bytes, tiles, progress, t0)
+        items, parts_of = tile_placed(items, semantics, tiles)
+    plan = _plan_groups(items, world_size, policy, alignment_bytes, tiles, progress, t0, semantics, tile_placement)
     return dataclasses.replace(plan, tile_parts_of=parts_of) if parts_of else plan
 
 
@@ -350,6 +351,8 @@ def _plan_groups(
     tiles: dict[str, Tile],
     progress: Callable[[int, int], None] | None,
     t0: float,
+    semantics: object = None,
+    tile_placement: bool | str = False,
 ) -> ModelPlan:
     """Lay out every group of ``items`` (the tensors in ``tiles`` gathered quantized) and balance them."""
     grouped = group_items(items)
@@ -378,7 +381,10 @@ def _plan_groups(
                 plan_quantized_group(gname, stored, world_size, alignment_bytes, gathers_per_step=gathers, memo=memo)
             )
         if qitems := [it for it in all_items if it.name in tiles]:  # [Note: planned quantized gather]
-            q = plan_gather_buffers(gname, qitems, tiles, world_size, policy, alignment_bytes, gathers, memo)
+            q = plan_gather_buffers(
+                gname, qitems, tiles, world_size, policy, alignment_bytes, gathers, memo,
+                semantics=semantics, tile_placement=tile_placement,
+            )  # fmt: skip
             layouts.append(q.layout)
             gathered.append(q)
         if progress is not None:

@@ -31,7 +31,7 @@ from blockshard.planner._items import PlanItem
 from blockshard.planner._layout import GroupLayout
 from blockshard.planner._policy import choose_layout
 from blockshard.planner._quantized import BF16_BYTES, byte_totals
-from blockshard.planner._tile_placement import TileRun
+from blockshard.planner._tile_placement import PaddedRun, padded_masters
 from blockshard.planner._units import Memo
 from blockshard.semantics import SemanticsRules, TensorSpec
 from blockshard.semantics._quantizers import MX, FP8Block
@@ -39,6 +39,7 @@ from blockshard.semantics._quantizers import MX, FP8Block
 __all__ = [
     "QuantizedGatherBytes",
     "gather_buffers_name",
+    "master_items",
     "plan_gather_buffers",
     "plan_quantized_gather",
     "quantized_gather_totals",
@@ -48,7 +49,8 @@ __all__ = [
 SECTION_ALIGN_BYTES = 16  # the engine's: every section of a quantized segment starts at a multiple of it
 _MASTER_DTYPES = ("float64", "float32", "bfloat16", "float16")
 
-Tile: TypeAlias = MX | FP8Block | TileRun  # TileRun: a part of a tile-placed weight ([Note: planned tile placement])
+# PaddedRun: a master in padded tile order ([Note: padded tile order] in semantics/_tiles.py)
+Tile: TypeAlias = MX | FP8Block | PaddedRun
 
 
 def gather_buffers_name(group: str) -> str:
@@ -104,18 +106,24 @@ def _tile_unit(tile: Tile, shape: tuple[int, ...]) -> int:
     """The values a rank's piece must hold whole (the engine's ``TileQuantizer.unit_numel``)."""
     if isinstance(tile, MX):
         return tile.block
-    if isinstance(tile, TileRun):
+    if isinstance(tile, PaddedRun):
         return tile.unit
     *lead, rows, cols = shape
     return rows * cols if lead and rows % tile.tile else tile.tile * cols
 
 
-def _piece_bytes(tile: Tile, shape: tuple[int, ...], numel: int) -> tuple[int, int]:
-    """(payload, scales) bytes of a piece of ``numel`` values made of whole tiles."""
+def _real_numel(tile: Tile, numel: int) -> int:
+    """The weight's own values (a master in padded tile order holds its edge tiles' padding too)."""
+    return tile.order.real_numel() if isinstance(tile, PaddedRun) else numel
+
+
+def _piece_bytes(tile: Tile, shape: tuple[int, ...], start: int, numel: int) -> tuple[int, int]:
+    """(payload, scales) bytes of the piece ``[start, start + numel)`` made of whole tiles."""
+    if isinstance(tile, PaddedRun):  # the payload of the run's real values only, one scale per tile
+        first, stop = tile.order.tiles_of(start, start + numel)
+        return tile.order.real_numel(first, stop), 4 * (stop - first)
     if isinstance(tile, MX):
         return numel * tile.bits // 8, numel // tile.block
-    if isinstance(tile, TileRun):
-        return numel, 4 * (numel // tile.unit)
     *lead, rows, cols = shape
     experts, r = (numel // (rows * cols), rows) if lead and rows % tile.tile else (1, numel // cols)
     return numel, 4 * experts * ceil_div(r, tile.tile) * ceil_div(cols, tile.tile)
@@ -134,7 +142,7 @@ class QuantizedGatherBytes:
     group: str  # the fully_shard group ("" for the root)
     layout: GroupLayout
     tensors: tuple[str, ...]
-    numel: int
+    numel: int  # the weights' own values (without a padded tile order's edge padding)
     payload_bytes: int
     total_bytes: int  # payload and scales of every tensor
     segment_bytes: int
@@ -153,6 +161,16 @@ class QuantizedGatherBytes:
     def master_bytes(self) -> int:
         """Persistent bytes of the float masters on every rank (``S`` elements of the layout)."""
         return self.layout.segment_numel * self.layout.itemsize
+
+    @property
+    def master_share_bytes(self) -> float:
+        """The masters' unpadded share per rank: ``numel * itemsize / W``."""
+        return self.numel * self.layout.itemsize / self.world_size
+
+    @property
+    def edge_padding_numel(self) -> int:
+        """Elements the masters' layout holds beyond the weights' own (padded tile order's edges)."""
+        return self.layout.total_numel - self.numel
 
     @property
     def gathered_bytes(self) -> int:
@@ -176,6 +194,7 @@ class QuantizedGatherBytes:
             "total_bytes": self.total_bytes,
             "master_segment_numel": self.layout.segment_numel,
             "master_bytes": self.master_bytes,
+            "master_share_bytes": self.master_share_bytes,
             "segment_bytes": self.segment_bytes,
             "rank_bytes": list(self.rank_bytes),
             "gathered_bytes": self.gathered_bytes,
@@ -208,8 +227,8 @@ def plan_quantized_gather(
         group=group,
         layout=layout,
         tensors=tuple(it.name for it in items),
-        numel=sum(it.numel for it in items),
-        payload_bytes=sum(_piece_bytes(tiles[it.name], it.spec.shape, it.numel)[0] for it in items),
+        numel=sum(_real_numel(tiles[it.name], it.numel) for it in items),
+        payload_bytes=sum(_piece_bytes(tiles[it.name], it.spec.shape, 0, it.numel)[0] for it in items),
         total_bytes=sum(rank_bytes),
         segment_bytes=segment_bytes,
         rank_bytes=rank_bytes,
@@ -228,7 +247,7 @@ def _segments(
             name = layout.tensors[piece.index].name
             tile, shape = tiles[name], shapes[name]
             _check_whole_tiles(group, r, name, shape, tile, piece.start, piece.numel)
-            pb, sb = _piece_bytes(tile, shape, piece.numel)
+            pb, sb = _piece_bytes(tile, shape, piece.start, piece.numel)
             pos += round_up(pb, SECTION_ALIGN_BYTES) + round_up(sb, SECTION_ALIGN_BYTES)
             held += pb + sb
         rank_bytes.append(held)
@@ -249,6 +268,21 @@ def _check_whole_tiles(
         )
 
 
+def master_items(
+    items: list[PlanItem], tiles: dict[str, Tile], semantics: object, tile_placement: bool | str
+) -> tuple[list[PlanItem], dict[str, Tile]]:
+    """The masters of buffer set ``name`` (``items``, gathered quantized by ``tiles``) as they are
+    laid out under ``tile_placement`` ([Note: padded tile order in the engine] in
+    ``runtime/quantized/_gather.py``; ``fully_shard`` calls the same): ``True``, every weight
+    whose only semantics is ``fp8_block:B`` in padded tile order; ``"auto"`` and ``False``,
+    stripes (``"auto"`` chooses for frozen FP8 weights only). Returns the items and their
+    quantizers."""
+    if tile_placement is not True:
+        return items, tiles
+    padded, orders = padded_masters(items, semantics)
+    return padded, tiles | {n: PaddedRun(o) for n, o in orders.items()}
+
+
 def plan_gather_buffers(
     gname: str,
     qitems: list[PlanItem],
@@ -258,10 +292,15 @@ def plan_gather_buffers(
     alignment_bytes: int,
     gathers: int,
     memo: Memo,
+    *,
+    semantics: object = None,
+    tile_placement: bool | str = False,
 ) -> QuantizedGatherBytes:
-    """The layout of group ``gname``'s quantized-gather buffer set (its weights gathered quantized)
-    and their quantized segments (not rotated: the engine balances the primary layouts only)."""
+    """The layout of group ``gname``'s quantized-gather buffer set (its weights gathered quantized,
+    in padded tile order as :func:`master_items` chooses under ``tile_placement``) and their
+    quantized segments (not rotated: the engine balances the primary layouts only)."""
     name = gather_buffers_name(gname)
+    qitems, tiles = master_items(qitems, tiles, semantics, tile_placement)
     layout, owned, _ = choose_layout(qitems, world_size, policy, name=name, alignment_bytes=alignment_bytes, memo=memo)
     if owned:
         raise PlanError(
@@ -288,6 +327,9 @@ def quantized_gather_totals(groups: Sequence[QuantizedGatherBytes], world_size: 
     floats = sum(g.gathers_per_step * g.float_gathered_bytes for g in groups)
     bf16 = sum(g.gathers_per_step * BF16_BYTES * g.numel for g in groups)
     out["master_bytes_per_rank"] = sum(g.master_bytes for g in groups)
+    share = sum(g.master_share_bytes for g in groups)  # unpadded: the masters' own values over W
+    out["master_share_bytes_per_rank"] = share
+    out["masters_over_share"] = out["master_bytes_per_rank"] / share if share else 0.0
     out["float_gathered_bytes_per_step_per_rank"] = floats  # padded: W * S of the masters' layout
     out["gathered_over_padded_float"] = gathered / floats if floats else 0.0
     out["bf16_gathered_bytes_per_step_per_rank"] = bf16  # unpadded: 2 bytes per value

@@ -22,55 +22,88 @@ ZeRO) of a plan are computed on the original weights.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
-from typing import TypeVar
+from collections.abc import Collection, Iterable
 
 from blockshard.planner._items import PlanItem, group_items
 from blockshard.planner._quantized import plan_quantized_group
 from blockshard.semantics import Companion, SemanticsRules, TensorSpec, storage_with_companions
 from blockshard.semantics._experts import is_stacked_experts
 from blockshard.semantics._quantizers import FP8Block
-from blockshard.semantics._tiles import TilePart, tile_parts
+from blockshard.semantics._tiles import PaddedTiles, TilePart, tile_parts
 
-__all__ = ["TileRun", "auto_tile_placed", "part_name", "tile_placed"]
-
-_T = TypeVar("_T")
+__all__ = ["PaddedRun", "auto_tile_placed", "padded_masters", "part_name", "tile_placed"]
 
 
 def part_name(name: str, part: TilePart) -> str:
     return f"{name}[{part.name}]"
 
 
-class TileRun:
-    """The tile quantizer of one part of a tile-placed weight: tiles of ``unit`` values, one fp32
-    scale each (what ``_qgather`` asks of a tile semantics)."""
+class PaddedRun:
+    """The tile quantizer of a trainable master in padded tile order ([Note: padded tile order] in
+    ``semantics/_tiles.py``): every tile ``B * B`` values of the layout, its payload only the real
+    ones, one fp32 scale per tile."""
 
-    def __init__(self, tile: int, part: TilePart) -> None:
-        self.unit = part.unit_numel
-        self.spec = f"fp8_block:{tile} {part.name} tiles"
+    def __init__(self, order: PaddedTiles) -> None:
+        self.order = order
+        self.unit = order.unit_numel
+        self.spec = f"fp8_block:{order.tile} padded tiles of {order.shape}"
+
+
+def _fp8_tile(it: PlanItem, rules: SemanticsRules) -> int | None:
+    """``B`` where ``it``'s only semantics is ``fp8_block:B`` on a non-empty 2-D weight or stacked
+    ``(E, rows, cols)`` experts (what tile placement places), else None."""
+    sems = rules.matching(it.spec)
+    if len(sems) != 1 or not isinstance(sems[0], FP8Block) or len(it.spec.shape) not in (2, 3) or not it.numel:
+        return None
+    if len(it.spec.shape) == 3 and not is_stacked_experts(it.spec, sems):
+        return None
+    return sems[0].tile
+
+
+def padded_masters(items: Iterable[PlanItem], semantics: object) -> tuple[list[PlanItem], dict[str, PaddedTiles]]:
+    """``items`` (trainable masters gathered quantized) with every weight whose only semantics is
+    ``fp8_block:B`` in padded tile order: one flat tensor of ``n_tiles * B * B`` values whose unit
+    is one tile, its cost scaled by the padding; and ``{name: its order}``. What
+    ``fully_shard(..., quantized_gather=True, tile_placement=True)`` lays out ([Note: padded tile
+    order in the engine] in ``runtime/quantized/_gather.py``)."""
+    rules = SemanticsRules.coerce(semantics)
+    out: list[PlanItem] = []
+    orders: dict[str, PaddedTiles] = {}
+    for it in items:
+        b = _fp8_tile(it, rules)
+        if b is None:
+            out.append(it)
+            continue
+        order = PaddedTiles(tuple(it.spec.shape), b, stacked=len(it.spec.shape) == 3)
+        spec = TensorSpec(
+            name=it.name,
+            shape=(order.numel,),
+            dtype=it.spec.dtype,
+            group=it.spec.group,
+            module_type=it.spec.module_type,
+            param_group=it.spec.param_group,
+        )
+        cost = it.cost * order.numel / it.numel
+        out.append(PlanItem(spec, order.grid, cost, f"{it.label} (padded tiles)", None, it.storage))
+        orders[it.name] = order
+    return out, orders
 
 
 def tile_placed(
-    items: Iterable[PlanItem], semantics: object, tiles: Mapping[str, _T]
-) -> tuple[list[PlanItem], dict[str, PlanItem], dict[str, _T | TileRun]]:
-    """``items`` with every weight whose only semantics is ``fp8_block:B`` replaced by its parts;
-    ``{part name: the weight's item}``; ``tiles`` (the quantized-gather quantizers by name) for the
-    parts."""
+    items: Iterable[PlanItem], semantics: object, tiles: Collection[str] = ()
+) -> tuple[list[PlanItem], dict[str, PlanItem]]:
+    """``items`` with every weight whose only semantics is ``fp8_block:B`` replaced by its parts,
+    but those in ``tiles`` (gathered quantized: their masters take the padded tile order,
+    :func:`padded_masters`); and ``{part name: the weight's item}``."""
     rules = SemanticsRules.coerce(semantics)
     out: list[PlanItem] = []
     originals: dict[str, PlanItem] = {}
-    new_tiles: dict[str, _T | TileRun] = dict(tiles)
     for it in items:
-        sems = rules.matching(it.spec)
-        if len(sems) != 1 or not isinstance(sems[0], FP8Block) or len(it.spec.shape) not in (2, 3) or not it.numel:
+        b = None if it.name in tiles else _fp8_tile(it, rules)  # masters: in padded tile order (_qgather.py)
+        if b is None:
             out.append(it)
             continue
         stacked = len(it.spec.shape) == 3
-        if stacked and not is_stacked_experts(it.spec, sems):
-            out.append(it)
-            continue
-        b = sems[0].tile
-        gathered = new_tiles.pop(it.name, None) is not None
         for p in tile_parts(it.spec.shape, b, stacked=stacked):
             name = part_name(it.name, p)
             spec = TensorSpec(
@@ -91,9 +124,7 @@ def tile_placed(
                 PlanItem(spec, p.grid, it.cost * p.numel / it.numel, f"{it.label} ({p.name} tiles)", None, storage)
             )
             originals[name] = it
-            if gathered:
-                new_tiles[name] = TileRun(b, p)
-    return out, originals, new_tiles
+    return out, originals
 
 
 def auto_tile_placed(
@@ -108,7 +139,7 @@ def auto_tile_placed(
     parts_of: dict[str, PlanItem] = {}
     for gname, gitems in group_items(items).items():
         frozen = [it for it in gitems if it.storage is not None and it.name not in gathered]
-        parted, originals, _ = tile_placed(frozen, semantics, {})
+        parted, originals = tile_placed(frozen, semantics)
         if not originals:
             continue
 

@@ -15,6 +15,7 @@ from torch import nn
 from blockshard.planner import GroupLayout, PlanItem, resolve_items
 from blockshard.planner._balance import rotate
 from blockshard.planner._policy import check_policy, choose_layout
+from blockshard.planner._tile_placement import padded_masters
 from blockshard.planner._units import check_alignment_bytes
 from blockshard.runtime._arguments import (
     check_fsdp_arguments,
@@ -48,6 +49,7 @@ from blockshard.runtime.core._state import STATE_ATTR, ModuleState, state_of
 from blockshard.runtime.core._traffic import step_log_steps
 from blockshard.runtime.quantized._frozen import FrozenQuantizedBuffers, collect_quantized, ignored_quantized
 from blockshard.runtime.quantized._gather import QuantizedGatherBuffers, split_quantized_gather
+from blockshard.runtime.quantized._tile_major import PaddedTileOrder
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
 from blockshard.semantics._rule import call_user_semantics
 
@@ -163,25 +165,35 @@ def _build_group(
     trainable: bool,
     offload: bool = False,
     make: Callable[..., ParamBuffers] = ParamBuffers,
+    padded: bool = False,
 ) -> tuple[ParamBuffers, list[PlanItem], frozenset[str]]:
-    """Plan ``params`` (one dtype) and make their group: its layout checked equal on every rank."""
+    """Plan ``params`` (one dtype) and make their group: its layout checked equal on every rank.
+    ``padded``: the masters gathered quantized, their ``fp8_block`` weights in padded tile order
+    (``tile_placement=True``; [Note: padded tile order in the engine] in quantized/_gather.py)."""
     layout: GroupLayout | None = None
     items: list[PlanItem] = []
     owned: frozenset[str] = frozenset()
+    orders: dict[str, PaddedTileOrder] = {}
     if params:  # a root without parameters of its own still drives the hooks, as in FSDP2
         by_name = dict(zip(names, params, strict=True))
         specs = [
             TensorSpec(name=n, shape=tuple(p.shape), dtype=p.dtype, module_type=type(r[0].module).__name__)
             for n, p, r in zip(names, params, refs, strict=True)
         ]
-        items = resolve_items(specs, _rules(semantics, by_name))
+        rules = _rules(semantics, by_name)
+        items = resolve_items(specs, rules)
+        if padded:  # what plan_model(..., quantized_gather=True, tile_placement=True) lays out
+            items, found = padded_masters(items, rules)
+            orders = {n: PaddedTileOrder(o.shape, o.tile, o.stacked) for n, o in found.items()}
         layout, owned, _ = choose_layout(
             items, process_group.size(), policy, name=name, alignment_bytes=alignment_bytes, memo={}
         )
     check_same_layout(name, layout.layout_hash() if layout else "empty", process_group)
     index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
     sps = [
-        ShardedParam(fqn=n, refs=r, shape=tuple(p.shape), requires_grad=p.requires_grad, index=index[n])
+        ShardedParam(
+            fqn=n, refs=r, shape=tuple(p.shape), requires_grad=p.requires_grad, index=index[n], order=orders.get(n)
+        )
         for n, p, r in zip(names, params, refs, strict=True)
     ]
     group = make(
@@ -346,7 +358,7 @@ def fully_shard(
         group, d_items, d_owned = _build_group(
             g_name, d_names, d_params, d_refs, semantics, process_group, policy, alignment_bytes,
             mp_policy if k == 0 or d_params[0].is_floating_point() else None, replicate_group, controls,
-            trainable, offload, make,
+            trainable, offload, make, label == "quantized gather" and tile_placement is True,
         )  # fmt: skip
         if d_owned and (len(modules) > 1 or k > 0):
             raise ShardingError(

@@ -29,10 +29,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from blockshard._arith import run_boxes
 from blockshard._errors import SemanticsError
 from blockshard.semantics._grid import UnitGrid
 
-__all__ = ["PART_NAMES", "Tile", "TilePart", "tile_dims", "tile_parts"]
+__all__ = ["PART_NAMES", "PaddedTiles", "Tile", "TilePart", "tile_dims", "tile_parts"]
 
 PART_NAMES = ("tiles", "right", "bottom", "corner")
 
@@ -108,3 +109,100 @@ def tile_parts(shape: tuple[int, ...], tile: Tile, *, stacked: bool) -> tuple[Ti
             offset += count * r * c
     assert offset == math.prod(shape), (shape, tile, out)
     return tuple(out)
+
+
+# [Note: padded tile order]
+# A trainable master (``quantized_gather=True``) is one parameter the optimizer steps, so a rank's
+# piece of it must be one contiguous run on one unit grid; the tile-major order's four parts have
+# four unit sizes. The **padded tile order** gives every tile ``B x B`` values: tile ``(e, i, j)``
+# of the ``(E, ceil(R / B), ceil(C / B))`` grid (row-major grid order) at ``B * B * index``, each
+# tile row-major within itself, an edge tile's missing rows and columns zeros. One unit size, so
+# the layout holds it as a flat tensor of ``n_tiles * B * B`` elements (``UnitGrid.units``) and a
+# rank's piece is a run of whole grid tiles; its scales are the scale grid's slice (grid order).
+# The zeros never move: their gradient is written as zeros, element-wise steps keep a zero at zero
+# (AdamW: ``m = v = 0``, update 0; decay of 0 is 0), and a tile's amax over its B * B values is its
+# amax over its real ones. What it costs: the masters and their optimizer state hold the edge
+# padding (``numel / real_numel()``: 1.0 where B divides every dimension).
+
+
+@dataclass(frozen=True)
+class PaddedTiles:
+    """The padded tile order of a ``shape`` weight (2-D, or stacked ``(E, R, C)`` experts) in
+    ``tile x tile`` tiles ([Note: padded tile order]); pure arithmetic."""
+
+    shape: tuple[int, ...]
+    tile: int
+    stacked: bool = False
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != (3 if self.stacked else 2) or not _side(self.tile):
+            raise SemanticsError(
+                f"a padded tile order needs a 2-D weight or a stacked (E, rows, cols) expert tensor and a tile "
+                f"side >= 1, got shape {self.shape} ({'stacked' if self.stacked else 'not stacked'}), tile "
+                f"{self.tile!r}"
+            )
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        """``(E, R, C)``: one expert for a 2-D weight."""
+        return (1, *self.shape) if not self.stacked else self.shape  # type: ignore[return-value]
+
+    @property
+    def grid_shape(self) -> tuple[int, int, int]:
+        """``(E, ceil(R / B), ceil(C / B))``: one entry per tile (the scale grid, per expert)."""
+        e, r, c = self.dims
+        return e, -(-r // self.tile), -(-c // self.tile)
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """The fp32 scale grid as the weight's ``weight_scale_inv`` has it (no expert dim for 2-D)."""
+        g = self.grid_shape
+        return g if self.stacked else g[1:]
+
+    @property
+    def n_tiles(self) -> int:
+        return math.prod(self.grid_shape)
+
+    @property
+    def unit_numel(self) -> int:
+        return self.tile * self.tile
+
+    @property
+    def numel(self) -> int:
+        """Elements of the order, padding included."""
+        return self.n_tiles * self.unit_numel
+
+    @property
+    def grid(self) -> UnitGrid:
+        """Cuts between any two tiles."""
+        return UnitGrid.units(self.numel, self.unit_numel)
+
+    def tile_boxes(self, first: int, stop: int) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
+        """``((e, i, j), (se, si, sj))`` per box of the grid that tiles ``[first, stop)`` fill, in order."""
+        return run_boxes(self.grid_shape, first, stop)  # type: ignore[return-value]
+
+    def element_box(
+        self, offsets: tuple[int, int, int], sizes: tuple[int, int, int]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The box of the weight (its own dims) that a box of tiles covers, edges cropped."""
+        (e, i, j), (se, si, sj) = offsets, sizes
+        _, r, c = self.dims
+        b = self.tile
+        o, s = (e, i * b, j * b), (se, min((i + si) * b, r) - i * b, min((j + sj) * b, c) - j * b)
+        return (o, s) if self.stacked else (o[1:], s[1:])
+
+    def boxes(self, first: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """``(offsets, sizes)`` of the weight's boxes that tiles ``[first, stop)`` fill (DCP's chunks)."""
+        return [self.element_box(o, s) for o, s in self.tile_boxes(first, stop)]
+
+    def real_numel(self, first: int = 0, stop: int | None = None) -> int:
+        """The weight's values in tiles ``[first, stop)`` (all of them by default): no padding."""
+        stop = self.n_tiles if stop is None else stop
+        return sum(math.prod(s) for _, s in self.boxes(first, stop))
+
+    def tiles_of(self, lo: int, hi: int) -> tuple[int, int]:
+        """The tiles ``[first, stop)`` of elements ``[lo, hi)`` of the order (whole tiles)."""
+        u = self.unit_numel
+        if lo % u or hi % u:
+            raise AssertionError(f"elements [{lo}, {hi}) of {self} cut a tile")
+        return lo // u, hi // u

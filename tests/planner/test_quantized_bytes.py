@@ -184,5 +184,5 @@ def test_gather_segments_equal_the_engines_payload_plan(specs, world, dtype):
     pieces, segment_bytes = plan_payload("g", q.layout, params, lambda sp: quantizers[sp.fqn])  # type: ignore[arg-type]
     assert q.segment_bytes == segment_bytes
     assert q.rank_bytes == tuple(sum(x.payload_bytes + x.scale_bytes for x in ps) for ps in pieces)
-    whole = sum(quantizers[n].payload_bytes(p.numel) for n, p in zip(shapes, params, strict=True))
+    whole = sum(quantizers[n].payload_bytes(0, p.numel) for n, p in zip(shapes, params, strict=True))
     assert q.payload_bytes == whole and q.total_bytes == sum(q.rank_bytes)

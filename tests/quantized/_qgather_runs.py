@@ -136,7 +136,9 @@ class ByteCount:
             return {kind: self.bytes.pop((me, kind), 0) for kind in ("float", "quantized")}
 
 
-def gathered(rank: int, world: int, counter: ByteCount | None = None, dtype: torch.dtype | None = None) -> dict:
+def gathered(
+    rank: int, world: int, counter: ByteCount | None = None, dtype: torch.dtype | None = None, tile_placement=False
+) -> dict:
     """Per quantized weight: the gathered payload and scales, the unsharded weight during an
     unshard, and the whole master weight; bytes all-gathered per layer unshard and stats."""
     import blockshard
@@ -145,7 +147,7 @@ def gathered(rank: int, world: int, counter: ByteCount | None = None, dtype: tor
     with _serial():
         model = Stack()
     mp = torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=dtype) if dtype is not None else None
-    _shard(model, mp_policy=mp)
+    _shard(model, mp_policy=mp, tile_placement=tile_placement)
     masters = {n: t.clone() for n, t in blockshard.full_state_dict(model).items()}
     out: dict = {"payload": full_quantized(model), "masters": masters, "unsharded": {}, "bytes": {}}
     for k, layer in enumerate(model.layers):
@@ -164,26 +166,26 @@ def gathered(rank: int, world: int, counter: ByteCount | None = None, dtype: tor
     return out
 
 
-def _model(world: int) -> nn.Module:
+def _model(world: int, tile_placement=False) -> nn.Module:
     """The stack sharded with ``quantized_gather`` (``world`` > 0), else with the reference fake
     quantization as a parametrization (one process)."""
     with _serial():
         model = Stack()
     if world:
-        _shard(model)
+        _shard(model, tile_placement=tile_placement)
     else:
         for layer, (_, _, spec) in zip(model.layers, LAYERS, strict=True):
             parametrize.register_parametrization(layer, "weight", FakeQuant(spec))
     return model
 
 
-def train(rank: int, world: int, steps: int = 3) -> dict:
+def train(rank: int, world: int, steps: int = 3, tile_placement=False) -> dict:
     """Logits per step and the full parameters after ``steps`` AdamW steps; ``world == 0``: one
     process with the reference fake quantization. Precompute after even steps only, so odd steps
     quantize lazily at the next unshard."""
     import blockshard
 
-    model = _model(world)
+    model = _model(world, tile_placement)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     out: dict = {"logits": [], "quantizations": []}
     for step in range(steps):

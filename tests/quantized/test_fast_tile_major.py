@@ -6,6 +6,7 @@ tile-major order does not hold whole tiles (what stripe placement must avoid by 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -14,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockshard._errors import SemanticsError
-from blockshard.runtime.quantized._tile_major import TileOrder, from_tile_major, to_tile_major
-from blockshard.semantics._tiles import PART_NAMES, tile_parts
+from blockshard.runtime.quantized._tile_major import PaddedTileOrder, TileOrder, from_tile_major, to_tile_major
+from blockshard.semantics._tiles import PART_NAMES, PaddedTiles, tile_parts
 
 shapes = st.tuples(st.integers(1, 3), st.integers(1, 40), st.integers(1, 40), st.integers(1, 12), st.booleans()).map(
     lambda t: ((t[0], t[1], t[2]) if t[4] else (t[1], t[2]), t[3], t[4])
@@ -145,3 +146,60 @@ def test_a_run_of_whole_tiles_goes_to_its_places_and_its_boxes(case, data):
         first[-2] //= tile[0]
         first[-1] //= tile[1]
         assert grid[tuple(first)] == scales[k - a]
+
+
+def _padded_reference(w: torch.Tensor, order: PaddedTileOrder) -> torch.Tensor:
+    """The padded tile order by plain indexing: every grid tile ``B x B``, zeros past the edges."""
+    b = order.tile
+    e, r, c = order.dims
+    w3 = w.reshape(e, r, c)
+    out = []
+    for x, i, j in itertools.product(*(range(n) for n in order.grid_shape)):
+        t = w3.new_zeros(b, b)
+        real = w3[x, i * b : (i + 1) * b, j * b : (j + 1) * b]
+        t[: real.shape[0], : real.shape[1]] = real
+        out.append(t.reshape(-1))
+    return torch.cat(out)
+
+
+@settings(max_examples=80, deadline=None)
+@given(shapes, st.data())
+def test_padded_tile_order_runs_round_trip_and_name_their_boxes(case, data):
+    """[Note: padded tile order]: any run of grid tiles is ``B * B`` values per tile (zeros in the
+    padding), put back at its places of the row-major weight, and its real values box by box."""
+    shape, b, stacked = case
+    order = PaddedTileOrder(shape, b, stacked)
+    w = torch.arange(1, math.prod(shape) + 1, dtype=torch.float64).reshape(shape)
+    full = order.take(w.reshape(-1), 0, order.n_tiles)
+    assert full.numel() == order.numel == order.grid.numel and order.grid.unit_numel == b * b
+    assert torch.equal(full, _padded_reference(w, order)) and order.real_numel() == w.numel()
+    first = data.draw(st.integers(0, order.n_tiles - 1))
+    stop = data.draw(st.integers(first + 1, order.n_tiles))
+    run = order.take(w.reshape(-1), first, stop)
+    assert torch.equal(run, full[first * b * b : stop * b * b])
+    boxed = order.to_boxes(run, first)
+    by_index = [
+        w[tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))].reshape(-1)
+        for off, size in order.boxes(first, stop)
+    ]
+    assert torch.equal(boxed, torch.cat(by_index)) and boxed.numel() == order.real_numel(first, stop)
+    assert torch.equal(order.from_boxes(boxed, first, stop), run)
+    dst = torch.zeros(shape, dtype=torch.float64)
+    order.put(dst.reshape(-1), run, first)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    for off, size in order.boxes(first, stop):
+        mask[tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))] = True
+    assert torch.equal(dst, torch.where(mask, w, 0.0))  # exactly the run's values, at their places
+
+
+def test_padded_tile_order_of_a_gpt_oss_shaped_expert_tensor():
+    """(4, 180, 360) in 32 x 32 tiles: 5 full tile rows and a 20-row edge per expert, 8 columns
+    short at the right (the scaled-down 2880-row experts of GPT-OSS)."""
+    order = PaddedTileOrder((4, 180, 360), 32, stacked=True)
+    assert order.grid_shape == (4, 6, 12) and order.numel == 4 * 6 * 12 * 1024 and order.real_numel() == 4 * 180 * 360
+    assert order.real_numel(10, 12) == 32 * 32 + 32 * 8  # a full tile, then the right edge tile of row 0
+    assert order.real_numel(66, 72) == 6 * 20 * 32 - 20 * 24  # the bottom edge row of expert 0
+    with pytest.raises(AssertionError, match="cut a tile"):
+        order.tiles_of(0, 1000)
+    with pytest.raises(SemanticsError, match="stacked"):
+        PaddedTiles((180, 360), 32, stacked=True)

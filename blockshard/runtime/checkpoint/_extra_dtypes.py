@@ -37,7 +37,12 @@ def _post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _loca
                 if id(sp) not in made:
                     pg = g.process_group
                     made[id(sp)] = PieceTensor(
-                        sp.sharded.detach(), sp.local_start, sp.shape, name=key, process_group=pg
+                        sp.to_boxed(sp.sharded.detach()),
+                        sp.local_start,
+                        sp.shape,
+                        name=key,
+                        process_group=pg,
+                        boxes=sp.piece_boxes(),  # a master in padded tile order: its tiles' boxes
                     )
                 state_dict[key] = made[id(sp)]
 

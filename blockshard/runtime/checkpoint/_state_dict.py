@@ -59,7 +59,8 @@ def sharded_state_dict(model: nn.Module) -> dict[str, LocalShard]:
     out: dict[str, LocalShard] = {}
     for prefix, st in states_under(model):
         for sp in st.buffers.params:
-            out[join_name(prefix, sp.fqn)] = LocalShard(sp.sharded.detach(), sp.local_start, sp.shape)
+            order = sp.order.name if sp.order is not None else "row-major"  # [Note: padded tile order]
+            out[join_name(prefix, sp.fqn)] = LocalShard(sp.sharded.detach(), sp.local_start, sp.shape, order)
         if (fq := frozen_buffers(st)) is not None:
             pieces = quantized_pieces(st.module, fq, join_name(prefix, ""))
             out |= {name: LocalShard(*piece) for name, piece in pieces.items()}
@@ -103,7 +104,8 @@ def _gather_groups(model: nn.Module) -> dict[str, torch.Tensor]:
             off = g.layout.bucket_local_offset(b)
             all_gather_into(full[W * off : W * (off + S_b)], g.local[off : off + S_b], g.process_group)
         values = {
-            id(sp): full[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape).clone() for sp in g.params
+            id(sp): sp.full_of_stored(full[sp.gathered_offset : sp.gathered_offset + sp.stored_numel])
+            for sp in g.params
         }
         for name, sp in _names(st.module, g.params):  # a wrapper above st.module: its prefix dropped too
             out[join_name(prefix, name)] = values[id(sp)]
@@ -144,7 +146,14 @@ def _state_dict_post_hook(
         if key in state_dict:
             if id(sp) not in made:
                 pg = st.buffers.process_group
-                made[id(sp)] = PieceTensor(sp.sharded.detach(), sp.local_start, sp.shape, name=key, process_group=pg)
+                made[id(sp)] = PieceTensor(
+                    sp.to_boxed(sp.sharded.detach()),
+                    sp.local_start,
+                    sp.shape,
+                    name=key,
+                    process_group=pg,
+                    boxes=sp.piece_boxes(),  # a master in padded tile order: its tiles' boxes
+                )
             state_dict[key] = made[id(sp)]
 
 
@@ -208,8 +217,16 @@ def _local_piece(name: str, sp: ShardedParam, value: object) -> object:
             f"has shape {sp.shape}. Fix: load a state dict of this model: model.state_dict() entries through "
             "torch.distributed.checkpoint, or full tensors (blockshard.full_state_dict, an unsharded model's)"
         )
+    if isinstance(value, PieceTensor) and sp.order is not None:  # a master in padded tile order
+        if [(b.offsets, b.sizes) for b in value.boxes] != [tuple(x) for x in sp.piece_boxes() or ()]:
+            raise ShardingError(
+                f"parameter {name!r}: the state dict holds other boxes of it than this rank's tiles (another world "
+                "size, semantics or tile_placement). Fix: load it through torch.distributed.checkpoint (dcp.save, "
+                "then dcp.load(model.state_dict(), ...)), which moves pieces between ranks, or pass full tensors"
+            )
+        return sp.from_boxed(value.to_local())
     if isinstance(value, PieceTensor):
-        if (value.local_start, value.to_local().numel()) != (lo, sp.local_numel):
+        if not value.is_run or (value.local_start, value.to_local().numel()) != (lo, sp.local_numel):
             raise ShardingError(
                 f"parameter {name!r}: the state dict holds piece [{value.local_start}, "
                 f"{value.local_start + value.to_local().numel()}) of it, this rank holds [{lo}, {hi}) (another "
@@ -217,7 +234,7 @@ def _local_piece(name: str, sp: ShardedParam, value: object) -> object:
                 "dcp.load(model.state_dict(), ...)), which moves pieces between ranks, or pass full tensors"
             )
         return value.to_local().view(sp.sharded.shape)
-    return value.detach().reshape(-1)[lo:hi].view(sp.sharded.shape)
+    return sp.piece_of_full(value.detach())
 
 
 def _entries(model: nn.Module, state: Mapping[str, _V]) -> Iterator[tuple[str, ShardedParam, _V]]:
@@ -251,7 +268,9 @@ def _load_quantized(model: nn.Module, state: Mapping[str, Any], *, full: bool) -
 def load_sharded_state_dict(model: nn.Module, state: Mapping[str, LocalShard]) -> None:
     """Copy local pieces saved by :func:`sharded_state_dict` back (same world size and layout)."""
     for name, sp, shard in _entries(model, state):
-        if (shard.start, shard.tensor.numel(), tuple(shard.global_shape)) != (sp.local_start, sp.local_numel, sp.shape):
+        order = sp.order.name if sp.order is not None else "row-major"
+        mine = (sp.local_start, sp.local_numel, sp.shape, order)
+        if (shard.start, shard.tensor.numel(), tuple(shard.global_shape), shard.order) != mine:
             raise ShardingError(
                 f"parameter {name!r}: saved piece [{shard.start}, {shard.start + shard.tensor.numel()}) of "
                 f"{tuple(shard.global_shape)} does not match this rank's piece [{sp.local_start}, "
@@ -269,8 +288,7 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
     for name, sp, full in _entries(model, state):
         if tuple(full.shape) != sp.shape:
             raise ShardingError(f"parameter {name!r}: saved shape {tuple(full.shape)} != model shape {sp.shape}")
-        flat = full.reshape(-1)[sp.local_start : sp.local_start + sp.local_numel]
-        sp.sharded.copy_(flat.view(sp.sharded.shape))
+        sp.sharded.copy_(sp.piece_of_full(full))
     _load_quantized(model, state, full=True)
 
 

@@ -104,9 +104,11 @@ class ParamBuffers(BufferSet):
         with torch.no_grad():
             for sp, orig in zip(self.params, originals, strict=True):
                 flat = orig.detach().reshape(-1)
-                self.local[sp.local_offset : sp.local_offset + sp.local_numel].copy_(
-                    flat[sp.local_start : sp.local_start + sp.local_numel]
-                )
+                mine = self.local[sp.local_offset : sp.local_offset + sp.local_numel]
+                if sp.order is not None:  # stored in another order (a master in padded tile order)
+                    sp.order.take_into(mine, flat, sp.units()[0])
+                else:
+                    mine.copy_(flat[sp.local_start : sp.local_start + sp.local_numel])
         self._make_views()
         self._free_gathered()
 
@@ -178,7 +180,7 @@ class ParamBuffers(BufferSet):
         """New parameter objects over the buffers: sharded (block-shaped) and unsharded (full)."""
         for sp in self.params:
             view = self.local[sp.local_offset : sp.local_offset + sp.local_numel]
-            shape = block_shape(sp.shape, sp.local_start, sp.local_numel)
+            shape = (sp.local_numel,) if sp.order is not None else block_shape(sp.shape, sp.local_start, sp.local_numel)
             sp.sharded = nn.Parameter(view.view(shape), sp.requires_grad)
             full = self.gathered[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape)
             sp.unsharded = nn.Parameter(full, sp.requires_grad)

@@ -112,7 +112,7 @@ class GradientSync:
         # optimizer skips it as it would on one process.
         has_grad = set()
         for sp in b.params:
-            dst = rs_in[sp.gathered_offset : sp.gathered_offset + sp.numel]
+            dst = rs_in[sp.gathered_offset : sp.gathered_offset + sp.stored_numel]
             grad, acc = sp.unsharded.grad, sp.accumulated
             if acc is not None:  # micro-batches accumulated without sync, in the reduce dtype
                 if grad is not None:
@@ -121,7 +121,10 @@ class GradientSync:
             if grad is None:
                 dst.zero_()
             else:
-                dst.copy_(grad.reshape(-1))
+                if sp.order is not None:  # stored in another order: the copy permutes (zeros in its padding)
+                    sp.order.take_into(dst, grad.reshape(-1), 0)
+                else:
+                    dst.copy_(grad.reshape(-1))
                 sp.unsharded.grad = None
                 has_grad.add(sp.index)
         # Straight into a new gradient buffer unless a sharded grad must be accumulated into (the

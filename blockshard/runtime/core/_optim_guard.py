@@ -179,11 +179,41 @@ def _wrapped_fix(optimizer: torch.optim.Optimizer) -> str:
     return f"step it with {wrap}, built after the last fully_shard, or shard with policy='whole'"
 
 
+_ELEMENT_WISE = frozenset(
+    {"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "RMSprop", "Adadelta", "ASGD"}
+)
+
+
+def _element_wise(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's own optimizers whose step and state are element by element (a piece in any order
+    steps as the whole tensor does): the ones a padded tile order's pieces may reach."""
+    cls = type(optimizer)
+    return cls.__module__.startswith("torch.optim") and cls.__name__ in _ELEMENT_WISE
+
+
 def _cuts_a_unit(sp: Any, grid: Any) -> bool:
     """Whether this rank's piece ``[local_start, local_start + local_numel)`` cuts a compute unit."""
     if sp.local_numel in (0, sp.numel):
         return False
     return not (grid.allows_cut(sp.local_start) and grid.allows_cut(sp.local_start + sp.local_numel))
+
+
+def _check_stored_order(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
+    """A piece stored in another order than row-major (a master in padded tile order) reaches only
+    element-wise optimizers: any other would compute on (or keep blockwise state of) values that
+    are neighbours in that order, not in the weight."""
+    if group is None or _element_wise(optimizer):
+        return
+    for sp in group.params:
+        if sp.sharded is p and sp.order is not None:
+            raise ShardingError(
+                f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r} (global "
+                f"shape {sp.shape}), stored in {sp.order.name} order (fully_shard(..., quantized_gather=True, "
+                "tile_placement=True)): only element-wise optimizers (torch's SGD, Adam, AdamW, ...) step such a piece "
+                "as one process steps the weight; this one computes on blocks or keeps blockwise state. Fix: shard "
+                "with tile_placement=False or 'auto' (the masters keep row-major stripes), or step these weights with "
+                "an element-wise optimizer"
+            )
 
 
 def _check_not_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
@@ -253,7 +283,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
                 )
             if tag is not None and tag.group is not None:
                 groups.setdefault(id(tag.group), tag.group)
+                ref = cast(Callable[[], Any], tag.group)  # a weakref.ref to the ParamBuffers
+                _check_stored_order(optimizer, p, ref(), names[j] if names is not None else None)
                 if _whole_unit_optimizer(optimizer):
-                    ref = cast(Callable[[], Any], tag.group)  # a weakref.ref to the ParamBuffers
                     _check_not_cut(optimizer, p, ref(), names[j] if names is not None else None)
     return tuple(groups.values())

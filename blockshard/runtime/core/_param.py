@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from blockshard._errors import ShardingError
 
-__all__ = ["ManagedTag", "ParamRef", "ShardedParam", "check_plain", "managed_tag", "tag_managed"]
+__all__ = ["ManagedTag", "ParamRef", "ShardedParam", "StoredOrder", "check_plain", "managed_tag", "tag_managed"]
+
+Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,25 @@ def managed_tag(param: torch.Tensor) -> ManagedTag | None:
     return tag if isinstance(tag, ManagedTag) else None
 
 
+class StoredOrder(Protocol):
+    """How a parameter stored in another order than row-major lays out its values in the layout
+    (``quantized/_tile_major.PaddedTileOrder``: a master in padded tile order). Its layout tensor
+    has ``numel`` elements, cut only between units of ``unit_numel``; pieces are runs of units."""
+
+    @property
+    def numel(self) -> int: ...
+    @property
+    def unit_numel(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    def boxes(self, first: int, stop: int) -> Boxes: ...
+    def put(self, dst: torch.Tensor, run: torch.Tensor, first: int) -> None: ...
+    def take(self, src: torch.Tensor, first: int, stop: int) -> torch.Tensor: ...
+    def take_into(self, out: torch.Tensor, src: torch.Tensor, first: int) -> None: ...
+    def to_boxes(self, run: torch.Tensor, first: int) -> torch.Tensor: ...
+    def from_boxes(self, boxed: torch.Tensor, first: int, stop: int) -> torch.Tensor: ...
+
+
 @dataclass(eq=False)
 class ShardedParam:
     """A parameter managed by a group.
@@ -77,10 +100,58 @@ class ShardedParam:
     unsharded: nn.Parameter = field(init=False, repr=False)
     # micro-batch gradients summed without sync in the reduce dtype (when it is not the param dtype)
     accumulated: torch.Tensor | None = field(default=None, repr=False)
+    # None: stored row-major (``local_start`` and ``local_numel`` are elements of the row-major
+    # flattening); else the order its layout tensor holds (a master in padded tile order: they count
+    # elements of that order, the sharded view is 1-D and the unsharded one the first ``numel``
+    # elements of its gathered range, row-major)
+    order: StoredOrder | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def stored_numel(self) -> int:
+        """Elements of its layout tensor (``numel`` but for a parameter stored in another order)."""
+        return self.numel if self.order is None else self.order.numel
+
+    def units(self) -> tuple[int, int]:
+        """The units ``[first, stop)`` of ``order`` this rank holds (only for a parameter with one)."""
+        assert self.order is not None, self.fqn
+        u = self.order.unit_numel
+        return self.local_start // u, (self.local_start + self.local_numel) // u
+
+    def piece_boxes(self) -> Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+        """The boxes of the parameter this rank's piece fills (None: a row-major run from ``local_start``)."""
+        return None if self.order is None else self.order.boxes(*self.units())
+
+    def to_boxed(self, piece: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped as this rank's piece (its values, a gradient, element-wise optimizer
+        state) as the values of :meth:`piece_boxes`, each box row-major (1-D); itself, row-major."""
+        if self.order is None:
+            return piece
+        return self.order.to_boxes(piece.reshape(-1), self.units()[0])
+
+    def from_boxed(self, boxed: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`to_boxed`, in the sharded parameter's shape."""
+        if self.order is None:
+            return boxed.reshape(self.sharded.shape)
+        return self.order.from_boxes(boxed.reshape(-1), *self.units())
+
+    def piece_of_full(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the whole parameter ``full`` (its shape), in the sharded shape."""
+        flat = full.reshape(-1)
+        if self.order is None:
+            return flat[self.local_start : self.local_start + self.local_numel].view(self.sharded.shape)
+        return self.order.take(flat, *self.units())
+
+    def full_of_stored(self, stored: torch.Tensor) -> torch.Tensor:
+        """The whole parameter (its shape, new) from its whole layout tensor ``stored`` [stored_numel]."""
+        if self.order is None:
+            return stored.view(self.shape).clone()
+        out = stored.new_zeros(self.shape)
+        self.order.put(out.view(-1), stored, 0)
+        return out
 
     def set_module_params(self, param: nn.Parameter) -> None:
         for ref in self.refs:

@@ -46,7 +46,13 @@ from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._inspect import BuffersView, states_under
 from blockshard.runtime.core._param import ParamRef, ShardedParam
 from blockshard.runtime.quantized._frozen import QuantizedStats
-from blockshard.runtime.quantized._tile_quant import TileQuantizer, tile_quantizer
+from blockshard.runtime.quantized._tile_major import PaddedTileOrder
+from blockshard.runtime.quantized._tile_quant import (
+    FP8BlockQuantizer,
+    PaddedFP8Quantizer,
+    TileQuantizer,
+    tile_quantizer,
+)
 from blockshard.semantics import SemanticsRules, TensorSpec
 from blockshard.semantics._quantizers import MX, FP8Block
 
@@ -126,12 +132,20 @@ def plan_payload(
                     "would differ from the whole weight's. Fix: give it only its quantizer semantics (an "
                     "optimizer's owner cut may not follow tiles), or policy='whole'"
                 )
-            pb, sb = q.payload_bytes(piece.numel), q.scale_bytes(piece.start, piece.numel)
+            pb, sb = q.payload_bytes(piece.start, piece.numel), q.scale_bytes(piece.start, piece.numel)
             out.append(PayloadPiece(k, piece.start, piece.numel, pos, pb, pos + _aligned(pb), sb))
             pos += _aligned(pb) + _aligned(sb)
         plans.append(out)
         sizes.append(pos)
     return plans, max(_ALIGN, *sizes)
+
+
+def _in_order(q: TileQuantizer, order: object) -> TileQuantizer:
+    """``q``, or its padded-tile-order form for a master stored in that order."""
+    if order is None:
+        return q
+    assert isinstance(order, PaddedTileOrder) and isinstance(q, FP8BlockQuantizer), (q, order)
+    return PaddedFP8Quantizer(q.fqn, q.shape, tile=q.tile, order=order)
 
 
 class QuantizedGatherBuffers(ParamBuffers):
@@ -141,8 +155,9 @@ class QuantizedGatherBuffers(ParamBuffers):
     def __init__(
         self, name: str, params: list[ShardedParam], *args: Any, quantizers: dict[str, TileQuantizer], **kwargs: Any
     ) -> None:
-        # by parameter, not name: a list group's names change when its root binds them (_list_groups.py)
-        self.quantizers = {id(sp): quantizers[sp.fqn] for sp in params}
+        # by parameter, not name: a list group's names change when its root binds them (_list_groups.py);
+        # a master in padded tile order is quantized by its tiles ([Note: padded tile order in the engine])
+        self.quantizers = {id(sp): _in_order(quantizers[sp.fqn], sp.order) for sp in params}
         self.plan: list[list[PayloadPiece]] = []
         self.segment_bytes = 0
         self._quantized_version: int | None = None  # local's version at the last quantization
@@ -237,9 +252,8 @@ class QuantizedGatherBuffers(ParamBuffers):
                 sp = self.params[p.param]
                 payload = buf[r * Sq + p.offset : r * Sq + p.offset + p.payload_bytes]
                 scales = buf[r * Sq + p.scale_offset : r * Sq + p.scale_offset + p.scale_bytes]
-                at = sp.gathered_offset + p.start
-                values = self.quantizer(sp).dequantize(payload, scales, p.start, p.numel, self.param_dtype)
-                self.gathered[at : at + p.numel].copy_(values)
+                weight = self.gathered[sp.gathered_offset : sp.gathered_offset + sp.numel]  # row-major
+                self.quantizer(sp).dequantize_into(weight, payload, scales, p.start, p.numel)
 
     @torch.no_grad()
     def whole_payloads(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -258,10 +272,8 @@ class QuantizedGatherBuffers(ParamBuffers):
                 parts.setdefault(p.param, []).append((p.start, payload, scales))
         out = {}
         for k, got in sorted(parts.items()):
-            got.sort(key=lambda x: x[0])
             sp = self.params[k]
-            payload, scales = torch.cat([g[1] for g in got]), torch.cat([g[2] for g in got])
-            out[sp.fqn] = self.quantizer(sp).full(payload, scales)
+            out[sp.fqn] = self.quantizer(sp).assemble(got)
         return out
 
     def stats(self) -> QuantizedStats:

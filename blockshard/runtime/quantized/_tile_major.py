@@ -13,6 +13,11 @@ one indexed copy per part; ``put_scales`` / ``take_scales`` do the same for one 
 (the fp32 scale grid ``[ceil(R / Br), ceil(C / Bc)]``), and :meth:`TileOrder.boxes` names the run
 as n-D boxes of the row-major weight (DCP's chunks), with ``to_boxes`` / ``from_boxes`` between
 the run's tile-major values and the boxes' row-major ones.
+
+:class:`PaddedTileOrder` is the same for the padded tile order of a trainable master ([Note:
+padded tile order] in ``semantics/_tiles.py``): a run of grid tiles, every one ``B x B`` (zeros
+where an edge tile has no values), to and from the row-major weight or its boxes, a few strided
+copies per box of the run (at most five boxes; each split at the short edge).
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ from typing import TypeVar
 import torch
 
 from blockshard._arith import run_boxes
-from blockshard.semantics._tiles import Tile, TilePart, tile_dims, tile_parts
+from blockshard.semantics._tiles import PaddedTiles, Tile, TilePart, tile_dims, tile_parts
 
-__all__ = ["TileOrder", "from_tile_major", "to_tile_major"]
+__all__ = ["PaddedTileOrder", "TileOrder", "from_tile_major", "to_tile_major"]
 
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 _X = TypeVar("_X")
@@ -268,4 +273,103 @@ class TileOrder:
             for off, size in run_boxes(self._lead(r.part), r.lo, r.hi):
                 o3, s3 = self._in_grid(r.part, off, int), self._in_grid(r.part, size, lambda n: 1)
                 out.append((o3, s3) if self.stacked else (o3[1:], s3[1:]))
+        return out
+
+
+_Pairs = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class PaddedTileOrder(PaddedTiles):
+    """:class:`PaddedTiles` with the torch copies between a run of its tiles (1-D, ``B * B`` values
+    per tile) and the row-major weight or the run's boxes (each row-major, one after another)."""
+
+    @property
+    def name(self) -> str:
+        """How a piece in this order is named (``LocalShard.order``)."""
+        return f"padded tile-major {self.tile} x {self.tile}"
+
+    def _split(self, o: int, n: int, full: int, short: int) -> list[tuple[int, int, int]]:
+        """The tiles ``[o, o + n)`` of one grid dim as runs ``(first, stop, values per tile)``
+        relative to ``o``: the full ones, then the short edge (``short`` values) if the run has it."""
+        k = max(0, min(o + n, full) - o)
+        out = [(0, k, self.tile)] if k else []
+        if o + n > full:  # the last tile of the dim, short
+            out.append((k, k + 1, short))
+        return out
+
+    def _pairs(
+        self, run: torch.Tensor, first: int, box: Callable[[int, tuple[int, ...], tuple[int, ...]], torch.Tensor]
+    ) -> _Pairs:
+        """``(tiles, elements)``: views of the same values, of the run's tiles (from tile ``first``)
+        and of the element tensor ``box(k, offsets, sizes)`` gives for the ``k``-th box (3-D:
+        ``(se, rows, cols)``), split at the short edges."""
+        b = self.tile
+        _, r, c = self.dims
+        n_r, n_c = r // b, c // b
+        stop = first + run.numel() // self.unit_numel
+        _, g_r, g_c = self.grid_shape
+        for k, ((oe, oi, oj), (se, si, sj)) in enumerate(self.tile_boxes(first, stop)):
+            at = ((oe * g_r + oi) * g_c + oj - first) * self.unit_numel
+            tiles = run[at : at + se * si * sj * self.unit_numel].view(se, si, sj, b, b)
+            o3, s3 = (oe, oi * b, oj * b), (se, min((oi + si) * b, r) - oi * b, min((oj + sj) * b, c) - oj * b)
+            elements = box(k, o3, s3)
+            for i0, i1, h in self._split(oi, si, n_r, r - n_r * b):
+                for j0, j1, w in self._split(oj, sj, n_c, c - n_c * b):
+                    t = tiles[:, i0:i1, j0:j1, :h, :w].permute(0, 1, 3, 2, 4)  # (se, ni, h, nj, w)
+                    x = elements[:, i0 * b : i0 * b + (i1 - i0) * h, j0 * b : j0 * b + (j1 - j0) * w]
+                    yield t, x.unflatten(1, (i1 - i0, h)).unflatten(3, (j1 - j0, w))
+
+    def _in(self, weight: torch.Tensor) -> Callable[[int, tuple[int, ...], tuple[int, ...]], torch.Tensor]:
+        w3 = weight.view(self.dims)
+
+        def box(k: int, o: tuple[int, ...], s: tuple[int, ...]) -> torch.Tensor:
+            return w3[o[0] : o[0] + s[0], o[1] : o[1] + s[1], o[2] : o[2] + s[2]]
+
+        return box
+
+    def put(self, dst: torch.Tensor, run: torch.Tensor, first: int) -> None:
+        """Write the real values of ``run`` (tiles from ``first`` on) into the row-major ``dst``."""
+        for t, x in self._pairs(run, first, self._in(dst)):
+            x.copy_(t)
+
+    def take(self, src: torch.Tensor, first: int, stop: int) -> torch.Tensor:
+        """Tiles ``[first, stop)`` of the row-major ``src`` (1-D, new; zeros where tiles have no values)."""
+        out = src.new_zeros((stop - first) * self.unit_numel)
+        self.take_into(out, src, first)
+        return out
+
+    def take_into(self, out: torch.Tensor, src: torch.Tensor, first: int) -> None:
+        """:meth:`take` into ``out`` (1-D, whole tiles from ``first``); its padding is zeroed."""
+        if self.numel != self.real_numel():
+            out.zero_()
+        for t, x in self._pairs(out, first, self._in(src)):
+            t.copy_(x)
+
+    def to_boxes(self, run: torch.Tensor, first: int) -> torch.Tensor:
+        """The real values of ``run`` (tiles from ``first``) box by box, each box row-major
+        (:meth:`PaddedTiles.boxes`), 1-D, new."""
+        stop = first + run.numel() // self.unit_numel
+        made = [run.new_empty(math.prod(s)) for _, s in self.boxes(first, stop)]
+
+        def box(k: int, o: tuple[int, ...], s: tuple[int, ...]) -> torch.Tensor:
+            return made[k].view(s)
+
+        for t, x in self._pairs(run, first, box):
+            x.copy_(t)
+        return torch.cat(made) if made else run.new_empty(0)
+
+    def from_boxes(self, boxed: torch.Tensor, first: int, stop: int) -> torch.Tensor:
+        """The inverse of :meth:`to_boxes`: the run of tiles ``[first, stop)`` (1-D, new, zeros in the padding)."""
+        out = boxed.new_zeros((stop - first) * self.unit_numel)
+        starts, at = [], 0
+        for _, s in self.boxes(first, stop):
+            starts.append(at)
+            at += math.prod(s)
+
+        def box(k: int, o: tuple[int, ...], s: tuple[int, ...]) -> torch.Tensor:
+            return boxed[starts[k] : starts[k] + math.prod(s)].view(s)
+
+        for t, x in self._pairs(out, first, box):
+            t.copy_(x)
         return out

@@ -23,10 +23,18 @@ from dataclasses import dataclass
 import torch
 
 from blockshard._errors import QuantizedWeightError
+from blockshard.runtime.quantized._tile_major import PaddedTileOrder
 from blockshard.semantics import BlockSemantics
 from blockshard.semantics._quantizers import MX, FP8Block
 
-__all__ = ["FP8_E4M3_MAX", "FP8BlockQuantizer", "MXQuantizer", "TileQuantizer", "tile_quantizer"]
+__all__ = [
+    "FP8_E4M3_MAX",
+    "FP8BlockQuantizer",
+    "MXQuantizer",
+    "PaddedFP8Quantizer",
+    "TileQuantizer",
+    "tile_quantizer",
+]
 
 FP8_E4M3_MAX = 448.0
 _AMAX_EPS = 1e-12
@@ -56,7 +64,7 @@ class TileQuantizer:
         """The whole tensor's payload and scales (uint8, in tile order) in their own dtypes and shapes."""
         raise NotImplementedError
 
-    def payload_bytes(self, numel: int) -> int:
+    def payload_bytes(self, start: int, numel: int) -> int:
         raise NotImplementedError
 
     def scale_bytes(self, start: int, numel: int) -> int:
@@ -71,6 +79,18 @@ class TileQuantizer:
     ) -> torch.Tensor:
         """The piece's values [numel] in ``dtype`` from its payload and scales (uint8)."""
         raise NotImplementedError
+
+    def dequantize_into(
+        self, weight: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, start: int, numel: int
+    ) -> None:
+        """The piece dequantized at its places in ``weight`` (the whole tensor, 1-D row-major, in
+        the dtype to compute in)."""
+        weight[start : start + numel].copy_(self.dequantize(payload, scales, start, numel, weight.dtype))
+
+    def assemble(self, pieces: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`full` of every piece's ``(start, payload, scales)``."""
+        pieces = sorted(pieces, key=lambda x: x[0])
+        return self.full(torch.cat([p[1] for p in pieces]), torch.cat([p[2] for p in pieces]))
 
 
 @dataclass(frozen=True)
@@ -97,7 +117,7 @@ class MXQuantizer(TileQuantizer):
     def elem_dtype(self) -> torch.dtype:
         return torch.float4_e2m1fn_x2 if self.bits == 4 else torch.float8_e4m3fn
 
-    def payload_bytes(self, numel: int) -> int:
+    def payload_bytes(self, start: int, numel: int) -> int:
         return numel * self.bits // 8
 
     def scale_bytes(self, start: int, numel: int) -> int:
@@ -148,7 +168,7 @@ class FP8BlockQuantizer(TileQuantizer):
             return numel // (rows * cols), rows, cols
         return 1, numel // cols, cols  # whole stripes of tile rows (the tensor's last may be shorter)
 
-    def payload_bytes(self, numel: int) -> int:
+    def payload_bytes(self, start: int, numel: int) -> int:
         return numel
 
     def scale_bytes(self, start: int, numel: int) -> int:
@@ -179,6 +199,72 @@ class FP8BlockQuantizer(TileQuantizer):
         scale = scales.view(torch.float32).view(experts, tiles.shape[1], tiles.shape[3])
         values = (tiles * scale[:, :, None, :, None]).to(dtype)
         return values.view(experts, tiles.shape[1] * self.tile, -1)[:, :rows, :cols].reshape(-1)
+
+
+@dataclass(frozen=True)
+class PaddedFP8Quantizer(FP8BlockQuantizer):
+    """Blockwise FP8 of a master in padded tile order ([Note: padded tile order in the engine] in
+    _gather.py): a piece is a run of whole grid tiles, ``B * B`` values each (zeros past the
+    weight's edges), quantized per tile as :class:`FP8BlockQuantizer` quantizes the whole weight
+    (the zeros change no amax); its payload is the run's real values box by box
+    (``PaddedTileOrder.to_boxes``), its scales one fp32 per tile in grid order."""
+
+    order: PaddedTileOrder | None = None  # set always (a default only as the fields after defaults need one)
+
+    def __post_init__(self) -> None:
+        assert self.order is not None and self.order.tile == self.tile, (self.order, self.tile)
+
+    @property
+    def tiles(self) -> PaddedTileOrder:
+        assert self.order is not None
+        return self.order
+
+    @property
+    def label(self) -> str:
+        return f"blockwise FP8 (e4m3fn, {self.tile} x {self.tile} tiles, padded tile order)"
+
+    @property
+    def unit_numel(self) -> int:
+        return self.tiles.unit_numel
+
+    def payload_bytes(self, start: int, numel: int) -> int:
+        return self.tiles.real_numel(*self.tiles.tiles_of(start, start + numel))
+
+    def scale_bytes(self, start: int, numel: int) -> int:
+        first, stop = self.tiles.tiles_of(start, start + numel)
+        return 4 * (stop - first)
+
+    def quantize(self, piece: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first, _ = self.tiles.tiles_of(start, start + piece.numel())
+        b = self.tile
+        tiles = piece.float().view(-1, b, b)
+        scale = tiles.abs().amax(dim=(1, 2)).clamp(min=_AMAX_EPS) / FP8_E4M3_MAX  # one per tile, fp32
+        q = (tiles / scale[:, None, None]).to(torch.float8_e4m3fn)
+        return self.tiles.to_boxes(q.view(-1).view(torch.uint8), first), scale.view(torch.uint8)
+
+    def dequantize(
+        self, payload: torch.Tensor, scales: torch.Tensor, start: int, numel: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The run of tiles (``B * B`` values each, zeros in the padding) in ``dtype``."""
+        first, stop = self.tiles.tiles_of(start, start + numel)
+        b = self.tile
+        q = self.tiles.from_boxes(payload, first, stop).view(torch.float8_e4m3fn).float().view(-1, b, b)
+        return (q * scales.view(torch.float32)[:, None, None]).to(dtype).view(-1)
+
+    def dequantize_into(
+        self, weight: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, start: int, numel: int
+    ) -> None:
+        run = self.dequantize(payload, scales, start, numel, weight.dtype)
+        self.tiles.put(weight, run, start // self.tiles.unit_numel)
+
+    def assemble(self, pieces: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        pieces = sorted(pieces, key=lambda x: x[0])
+        out = torch.zeros(math.prod(self.shape), dtype=torch.uint8, device=pieces[0][1].device)
+        for start, payload, scales in pieces:  # one fp32 scale per tile of the piece
+            first = start // self.tiles.unit_numel
+            stop = first + scales.numel() // 4
+            self.tiles.put(out, self.tiles.from_boxes(payload, first, stop), first)
+        return self.full(out, torch.cat([p[2] for p in pieces]))
 
 
 def tile_quantizer(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, sems: list[BlockSemantics]) -> TileQuantizer:

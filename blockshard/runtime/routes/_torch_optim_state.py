@@ -240,6 +240,5 @@ def _as_pieces(name: str, template: Any, value: Any) -> Any:
             f"{template.dtype} (e.g. 8-bit state saved, 32-bit state here). Fix: load the state dict of this "
             "optimizer"
         )
-    lo, n = template.local_start, template.to_local().numel()
-    piece = value.detach().reshape(-1)[lo : lo + n].to(device=template.device, dtype=template.dtype)
+    piece = template._piece_of(value).to(device=template.device, dtype=template.dtype)  # a run, or its boxes
     return template._like(piece)
