@@ -102,7 +102,8 @@ def _scaling(repeats: int) -> list[dict]:
 
 def _padded_tiles(model: str, tile: int = 128) -> float:
     """Elements of the model's 2-D and stacked weights in padded ``tile x tile`` tiles over their
-    elements: what masters in padded tile order would hold (docs/design.md, "Tile placement")."""
+    elements: what masters in padded tile order hold (``quantized_gather=True, tile_placement=True``;
+    docs/design.md, "Tile placement")."""
     real = padded = 0
     for t in model_tensors(model):
         if len(t.shape) < 2:
@@ -118,7 +119,8 @@ def _tiles(models: list[str]) -> list[dict]:
     placement") and per group whichever pads less (``"auto"``): padding; frozen FP8, each rank's
     segment over its unpadded share of the payload + scales (what ``fully_shard(...,
     tile_placement=...)`` builds); gathered quantized (stripes and tiles), the bytes gathered per
-    rank over the unpadded physical payload + scales and the masters held (tiles: a what-if)."""
+    rank over the unpadded physical payload + scales and the masters held over their unpadded share
+    (tiles: the masters in padded tile order, built)."""
     rows = []
     for model in models:
         tensors = model_tensors(model)
@@ -141,6 +143,7 @@ def _tiles(models: list[str]) -> list[dict]:
                     "gathered_over_physical": q["gathered_over_physical"],
                     "gathered_bytes_per_step_per_rank": q["gathered_bytes_per_step_per_rank"],
                     "master_bytes_per_rank": q["master_bytes_per_rank"],
+                    "masters_over_share": q["masters_over_share"],
                 }
             rows.append(row)
     return rows
@@ -242,18 +245,20 @@ def _markdown(result: dict) -> str:
         f'{TILE_SEMANTICS} by B-row stripes, by tiles (`tile_placement=True`, docs/design.md "Tile placement") '
         'and per group whichever pads less (`tile_placement="auto"`): padding; frozen FP8 weights (what '
         "`fully_shard(..., tile_placement=...)` builds), each rank's segment over its unpadded share of the "
-        "payload + scales; with `quantized_gather=True` (trainable masters: stripes built, tiles a what-if) the "
-        "bytes gathered per rank per step over the unpadded payload + scales.",
+        "payload + scales; with `quantized_gather=True` (trainable masters; by tiles in padded tile order) the "
+        "bytes gathered per rank per step over the unpadded payload + scales, and the masters held per rank "
+        "over their unpadded share.",
         "",
         "| model | W | stripes padding | tiles padding | frozen S / share: stripes | tiles | auto "
-        "| gathered / physical: stripes | tiles |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| gathered / physical: stripes | tiles | masters / share: stripes | tiles |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
         f"| {r['model']} | {r['world_size']} | {100 * r['stripes']['padding_fraction']:.2f}% | "
         f"{100 * r['tiles']['padding_fraction']:.2f}% | {r['stripes']['frozen_segment_over_share']:.3f} | "
         f"{r['tiles']['frozen_segment_over_share']:.3f} | {r['auto']['frozen_segment_over_share']:.3f} | "
-        f"{r['stripes']['gathered_over_physical']:.3f} | {r['tiles']['gathered_over_physical']:.3f} |"
+        f"{r['stripes']['gathered_over_physical']:.3f} | {r['tiles']['gathered_over_physical']:.3f} | "
+        f"{r['stripes']['masters_over_share']:.3f} | {r['tiles']['masters_over_share']:.3f} |"
         for r in result.get("tile_placement", [])
     ]
     if padded := result.get("padded_tile_masters"):
@@ -299,6 +304,9 @@ def _print_summary(result: dict, console: Console) -> None:
             rs = [
                 r for r in result["cases"] if r["semantics"] == sem and r["world_size"] == W and "padding_fraction" in r
             ]
+            if not rs:  # no model given applies this semantics at this W (--models)
+                cells.append("n/a")
+                continue
             worst = max(rs, key=lambda r: r["padding_fraction"])
             z = worst["baselines"]["zero12"]
             cells.append(
@@ -312,7 +320,9 @@ def _print_summary(result: dict, console: Console) -> None:
     )
     s = result["summary"]
     console.print(f"targets met in {s['target_met']} of {s['judged']} judged cases; missed: {len(s['missed'])}")
-    tiles = Table(title=f"{TILE_SEMANTICS}: stripes vs tiles vs auto: padding, frozen S / share, gathered / physical")
+    tiles = Table(
+        title=f"{TILE_SEMANTICS}: stripes vs tiles vs auto: padding, frozen S / share, gathered / physical, masters / share"
+    )
     cols = (
         "model",
         "W",
@@ -322,6 +332,8 @@ def _print_summary(result: dict, console: Console) -> None:
         "tiles",
         "auto",
         "g/phys stripes",
+        "tiles",
+        "masters/share stripes",
         "tiles",
     )
     for col in cols:
@@ -336,6 +348,8 @@ def _print_summary(result: dict, console: Console) -> None:
             *(f"{x['frozen_segment_over_share']:.3f}" for x in (a, b, c)),
             f"{a['gathered_over_physical']:.3f}",
             f"{b['gathered_over_physical']:.3f}",
+            f"{a['masters_over_share']:.3f}",
+            f"{b['masters_over_share']:.3f}",
         )
     console.print(tiles)
 

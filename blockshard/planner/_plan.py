@@ -229,7 +229,7 @@ class ModelPlan:
             "num_collectives": sum(len(g.buckets) for g in self.groups),
             "allgather_bytes_per_rank": self.allgather_bytes_per_rank,
             "plan_seconds": self.plan_seconds,
-            # [Note: planned tile placement]: the weights planned in tile-major parts (a what-if)
+            # [Note: planned tile placement]: the weights planned in tile-major parts
             "tile_placed_weights": len({it.name for it in self.tile_parts_of.values()}),
             "max_cost_over_mean": self.max_cost_over_mean,
             "max_cost_over_mean_unrotated": self.max_cost_over_mean_unrotated,
@@ -297,8 +297,11 @@ def plan_model(
     ``tile_placement=True`` plans every weight whose only semantics is ``fp8_block:B`` in its
     tile-major parts, one tile as the placement unit ([Note: planned tile placement] in
     ``planner/_tile_placement.py``): what ``fully_shard(..., tile_placement=True)`` builds for frozen
-    FP8 weights, a what-if for trainable ones. ``tile_placement="auto"``: as ``fully_shard(...,
-    tile_placement="auto")``, per group the frozen FP8 weights by tiles where that pads less.
+    FP8 weights; with ``quantized_gather=True`` the trainable masters in padded tile order
+    (``padded_masters``, as ``fully_shard(..., quantized_gather=True, tile_placement=True)``; the
+    edge tiles' zeros count as padding). ``tile_placement="auto"``: as ``fully_shard(...,
+    tile_placement="auto")``, per group the frozen FP8 weights by tiles where that pads less (the
+    masters by stripes).
     """
     world_size = check_world_size(world_size)
     policy = check_policy(policy)

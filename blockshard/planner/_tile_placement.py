@@ -11,11 +11,13 @@ elements; its stored bytes (frozen FP8) the payload plus one fp32 scale per tile
 
 For **frozen FP8 weights** this is what ``fully_shard(..., tile_placement=True)`` builds ([Note:
 tile placement in the engine] in ``runtime/quantized/_frozen.py``): the bytes each rank holds are
-the plan's, since the parts' units in order are the engine's tile runs. For trainable weights
-(``quantized_gather=True``, and float masters with ``fp8_block`` semantics) it is still a
-**what-if**: the engine keeps their stripes, and ``blockshard plan --tile-placement`` reports the
-padding and bytes the design would reach beside the stripes' (``benchmarks/plan_quality.py``
-reports both). Only a weight whose only semantics is ``fp8_block:B`` is tile-placed (2-D, or a
+the plan's, since the parts' units in order are the engine's tile runs. Trainable masters gathered
+quantized (``quantized_gather=True``) are not cut into parts: they take the padded tile order
+(:func:`padded_masters`, [Note: padded tile order] in ``semantics/_tiles.py``), which is what the
+engine builds ([Note: padded tile order in the engine] in ``runtime/quantized/_gather.py``). For
+float weights with ``fp8_block`` semantics that are neither frozen FP8 nor gathered quantized the
+parts are a **what-if**: the engine keeps their stripes (``benchmarks/plan_quality.py`` reports
+both placements). Only a weight whose only semantics is ``fp8_block:B`` is tile-placed (2-D, or a
 stacked ``(E, rows, cols)`` expert tensor); any other keeps its grids. The baselines (FSDP2,
 ZeRO) of a plan are computed on the original weights.
 """

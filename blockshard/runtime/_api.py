@@ -271,7 +271,11 @@ def fully_shard(
     state-dict entries name their tiles as boxes, so DCP moves them between world sizes and
     placements. ``tile_placement="auto"``: per ``fully_shard`` call, tiles where they give a smaller
     segment than stripes (stripes on ties; they can pad less at small ``W``). See [Note: tile
-    placement in the engine] in quantized/_frozen.py.
+    placement in the engine] in quantized/_frozen.py. With ``quantized_gather=True`` as well,
+    ``tile_placement=True`` also places the trainable ``fp8_block:B`` masters by tiles, in padded
+    tile order (every tile ``B x B``, edge tiles padded with zeros in the master only; [Note: padded
+    tile order in the engine] in quantized/_gather.py): only element-wise optimizers (torch's SGD,
+    Adam, AdamW, ...) may step them; under ``"auto"`` the masters keep their stripes.
     """
     arg = module
     modules = listed_modules(module) if isinstance(module, (list, tuple)) else (module,)

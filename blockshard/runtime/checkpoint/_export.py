@@ -19,7 +19,9 @@ FP8) go into a shard of their own under the unsharded model's state-dict names (
 serialization keys, [Note: quantized state dicts]), streamed the same way: entry by entry, each
 section's bytes rank after rank (its units are in rank order), rank 0 receiving every other rank's
 piece in chunks of at most ``_CHUNK_BYTES``; replicated constants (code tables, the packed quant
-state) come from rank 0's own. A tile-placed FP8 weight's pieces are runs of tiles, not of the
+state) come from rank 0's own. A master in padded tile order ([Note: padded tile order in the engine])
+is collected whole on rank 0 from its gathered run and written row-major (one such parameter at a
+time). A tile-placed FP8 weight's pieces are runs of tiles, not of the
 row-major entry ([Note: tile placement in the engine]), so rank 0 puts each rank's piece at its
 tiles' places in one buffer of the entry (one weight, or its scales) and writes that. torchao's
 tensor subclasses raise before anything is written.
@@ -239,7 +241,8 @@ def _stream_group(sink: _Sink, path: str, g: Any, tensors: dict[str, ShardedPara
     import torch.distributed as dist
 
     layout, W = g.layout, g.world_size
-    runs = [(sp.gathered_offset, sp.gathered_offset + sp.numel) for sp in tensors.values()]
+    runs = [(sp.gathered_offset, sp.gathered_offset + sp.stored_numel) for sp in tensors.values()]
+    writer = _Runs(runs, list(tensors.values()))
     chunk = max(1, _CHUNK_BYTES // g.local.element_size())
     assert g.local.dtype == g.orig_dtype, (g.local.dtype, g.orig_dtype)  # the local buffer holds the values
     size = min(chunk, max(layout.buckets, default=0)) if rank == 0 and W > 1 else 0  # rank 0 receives into it
@@ -256,10 +259,10 @@ def _stream_group(sink: _Sink, path: str, g: Any, tensors: dict[str, ShardedPara
                     n = min(chunk, hi - c)
                     local = g.local[off + c - base - r * S_b :][:n]  # rank r's elements [c, c + n)
                     if rank == 0 and r == 0:
-                        _write_runs(f, local, c, runs)
+                        writer.write(f, local, c)
                     elif rank == 0:
                         dist.recv(buf[:n], group=g.process_group, group_src=r)
-                        _write_runs(f, buf[:n], c, runs)
+                        writer.write(f, buf[:n], c)
                     elif rank == r:
                         dist.send(local.contiguous(), group=g.process_group, group_dst=0)
     return total
@@ -366,12 +369,33 @@ def _span(runs: list[tuple[int, int]], lo: int, hi: int) -> tuple[int, int]:
     return (inside[0][0], inside[-1][1]) if inside else (lo, lo)
 
 
-def _write_runs(f: Any, values: torch.Tensor, start: int, runs: list[tuple[int, int]]) -> None:
-    """Write the elements of ``values`` (gathered elements ``[start, start + len)``) that lie in ``runs``."""
-    end = start + values.numel()
-    for a, b in runs:
-        if a < end and b > start:
-            _write_bytes(f, values[max(a, start) - start : min(b, end) - start])
+class _Runs:
+    """Writes the gathered elements that lie in ``runs`` (one per parameter, in gathered order). A
+    parameter stored in another order than row-major (a master in padded tile order,
+    [Note: padded tile order in the engine]) is collected whole and written row-major once its run
+    is complete: rank 0 holds one such parameter beyond its chunk."""
+
+    def __init__(self, runs: list[tuple[int, int]], params: list[ShardedParam]) -> None:
+        self.runs, self.params = runs, params
+        self.pending: dict[int, torch.Tensor] = {}  # run index -> its layout tensor so far
+        self.filled: dict[int, int] = {}
+
+    def write(self, f: Any, values: torch.Tensor, start: int) -> None:
+        """Write the elements of ``values`` (gathered elements ``[start, start + len)``) in ``runs``."""
+        end = start + values.numel()
+        for i, ((a, b), sp) in enumerate(zip(self.runs, self.params, strict=True)):
+            if not (a < end and b > start):
+                continue
+            lo, hi = max(a, start), min(b, end)
+            part = values[lo - start : hi - start]
+            if sp.order is None:
+                _write_bytes(f, part)
+                continue
+            stored = self.pending.setdefault(i, values.new_empty(b - a))
+            stored[lo - a : hi - a].copy_(part)
+            self.filled[i] = self.filled.get(i, 0) + (hi - lo)
+            if self.filled[i] == b - a:
+                _write_bytes(f, sp.full_of_stored(self.pending.pop(i)))
 
 
 def _unique(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

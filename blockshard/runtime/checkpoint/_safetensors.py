@@ -20,7 +20,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,6 +179,17 @@ class _Reader:
         self.read_bytes += out.numel() * out.element_size()
         return out
 
+    def boxes(self, name: str, boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]) -> torch.Tensor:
+        """The values of tensor ``name`` in ``boxes`` (``(offsets, sizes)``), box after box, each row-major."""
+        with _named(self.files[name]):
+            sl = self._handle(name).get_slice(name)
+            parts = [
+                sl[tuple(slice(o, o + n) for o, n in zip(off, size, strict=True))].reshape(-1) for off, size in boxes
+            ]
+        out = torch.cat(parts) if len(parts) != 1 else parts[0]
+        self.read_bytes += out.numel() * out.element_size()
+        return out
+
     def whole(self, name: str) -> torch.Tensor:
         with _named(self.files[name]):
             t: torch.Tensor = self._handle(name).get_tensor(name)
@@ -234,7 +245,9 @@ def load_safetensors(
                     f"load_safetensors: {found!r} has shape {reader.shape(found)} in the checkpoint, the model's "
                     f"parameter has {sp.shape}. Fix: load a checkpoint of this model's configuration"
                 )
-            if sp.local_numel:
+            if sp.local_numel and (boxes := sp.piece_boxes()) is not None:  # [Note: padded tile order in the engine]
+                sp.sharded.copy_(sp.from_boxed(reader.boxes(found, boxes)))
+            elif sp.local_numel:
                 piece = reader.run(found, sp.local_start, sp.local_start + sp.local_numel)
                 sp.sharded.copy_(piece.view(sp.sharded.shape))
             loaded.append(found)

@@ -27,6 +27,25 @@ next unshard, whenever ``local``'s version counter moved since its last quantiza
 in-place update of a piece bumps it), so a forgotten call costs time, never a stale weight. Edits
 the counter does not see (through ``p.data``, under ``torch.inference_mode``) need the call.
 The pre-backward unshard finds the payload current and gathers the same bytes again.
+
+[Note: padded tile order in the engine]
+With ``tile_placement=True`` as well, every ``fp8_block:B`` master (2-D, or stacked ``(E, rows,
+cols)`` experts) is laid out in padded tile order ([Note: padded tile order] in
+``semantics/_tiles.py``; ``_api._build_group`` calls the planner's ``padded_masters``, so the layout
+is the plan's): its layout tensor is ``n_tiles * B * B`` values, tile after tile in row-major grid
+order, each tile ``B x B`` row-major with an edge tile's missing rows and columns zeros. The unit is
+one tile, so a rank's piece is any run of whole tiles. ``ShardedParam.order`` (a
+``_tile_major.PaddedTileOrder``) says so to every reader: the init copy takes the tiles out of the
+row-major weight (``take_into``), the gradient copy into the reduce-scatter input does the same
+(writing zeros at the padding, so the padding's gradient is zero and an element-wise step keeps it
+at zero: AdamW's ``m = v = 0`` and weight decay of 0), the quantizer (``PaddedFP8Quantizer``) takes
+each tile's amax over its real values and packs their payload only (the payload is the whole
+weight's, bitwise), and the dequantization writes each tile's real values at their row-major place
+in the gathered weight (the unsharded parameter is row-major, as with stripes). The sharded
+parameter is 1-D in that order: state dicts name its piece as boxes of whole tiles (``piece_boxes``,
+``to_boxed`` / ``from_boxed``), element-wise optimizer state goes the same way, the safetensors
+export collects a master whole on rank 0 and writes it row-major, and only element-wise optimizers
+may step it (``_optim_guard._check_stored_order`` refuses the others by name).
 """
 
 from __future__ import annotations
