@@ -16,7 +16,12 @@ embedding weights train so backward reaches every layer), every rank on the same
   * **blockshard-fp8-stripes** / **blockshard-fp8-tiles**: the linears as blockwise FP8 (128 x 128
     tiles, ``blockshard._tiny.FP8BlockWeight``: float8 payload, one fp32 scale per tile), sharded by
     whole 128-row tile stripes (the default) or by whole tiles (``tile_placement=True``, [Note: tile
-    placement in the engine]).
+    placement in the engine]);
+  * **blockshard-fp8-masters-stripes** / **blockshard-fp8-masters-tiles**: the linears left as
+    trainable bf16 masters with ``fp8_block:128`` semantics, gathered quantized
+    (``quantized_gather=True``, [Note: quantized gather]): by 128-row stripes, or by tiles in padded
+    tile order (``tile_placement=True``, [Note: padded tile order in the engine]); their persistent
+    bytes are the masters' pieces plus the quantized segment.
 A ``TorchDispatchMode`` over the counted step sums the output bytes of every ``c10d`` all-gather by
 dtype: ``uint8`` are the quantized groups, floating dtypes the float groups. The base weights'
 gathered bytes are the uint8 bytes (4-bit) or the bf16 bytes less those of the 4-bit variant's
@@ -46,7 +51,10 @@ VARIANTS = (
     "replicated-4bit",
     "blockshard-fp8-stripes",
     "blockshard-fp8-tiles",
+    "blockshard-fp8-masters-stripes",
+    "blockshard-fp8-masters-tiles",
 )
+MASTERS = ("blockshard-fp8-masters-stripes", "blockshard-fp8-masters-tiles")
 QUANTIZED = ("blockshard-4bit-nested", "blockshard-4bit", "blockshard-fp8-stripes", "blockshard-fp8-tiles")
 TARGET_GATHER, TARGET_MEMORY = 0.27, 1.05
 
@@ -116,7 +124,16 @@ def _build(variant: str, cfg: dict, quant_type: str) -> nn.Module:
 
     model = tiny_llama(0, **cfg).to(torch.bfloat16)
     for n, p in model.named_parameters():
-        p.requires_grad_(not any(f"{lin}." in n for lin in LINEARS))
+        p.requires_grad_(variant in MASTERS or not any(f"{lin}." in n for lin in LINEARS))
+    if variant in MASTERS:
+        import blockshard
+
+        rules = {f"*.{lin}.weight": "fp8_block:128" for lin in LINEARS}
+        tiles = variant == "blockshard-fp8-masters-tiles"
+        for layer in model.model.layers:
+            blockshard.fully_shard(layer, semantics=rules, quantized_gather=True, tile_placement=tiles)
+        blockshard.fully_shard(model)
+        return model
     if variant.startswith("blockshard-fp8"):
         quantize_fp8(model)
     elif variant != "blockshard-bf16":
@@ -144,6 +161,16 @@ def _persistent(variant: str, model: nn.Module, rank: int) -> dict:
     from blockshard.runtime.core._state import state_of
     from blockshard.runtime.quantized._frozen import frozen_buffers
 
+    if variant in MASTERS:
+        import blockshard
+        from blockshard.runtime.quantized._gather import _gather_sets
+
+        masters = sum(g.local.numel() * g.local.element_size() for _, g in _gather_sets(model))
+        real = sum(g.numel * 2 for _, g in _gather_sets(model) for g in g.params)  # bf16, unpadded
+        stats = blockshard.quantized_gather_stats(model).values()
+        segment = sum(q.local_bytes for q in stats)
+        return {"base_bytes": masters + segment, "master_bytes": masters, "master_real_bytes": real,
+                "segment_bytes": segment, "quantized_total_bytes": sum(q.total_bytes for q in stats)}  # fmt: skip
     if variant == "blockshard-bf16":
         held = 0
         for n, p in model.named_parameters():
@@ -223,6 +250,18 @@ def _aggregate(per_rank: list[dict], W: int) -> dict:
         targets[f"{v}_persistent_le_{TARGET_MEMORY}x_total_over_W"] = (
             ratios[f"{v}_persistent_max_rank_over_total_over_W"] <= TARGET_MEMORY
         )
+    for v in MASTERS:  # trainable masters gathered quantized: the honest ratios
+        total = r0[v]["quantized_total_bytes"]
+        gathers = base_gather[v] / (W * r0[v]["segment_bytes"])
+        ratios[f"{v}_gathered_over_physical"] = base_gather[v] / (gathers * total)
+        ratios[f"{v}_masters_max_rank_over_share"] = max(r[v]["master_bytes"] for r in per_rank) / (
+            r0[v]["master_real_bytes"] / W
+        )
+        ratios[f"{v}_gathered_over_bf16"] = base_gather[v] / base_gather["blockshard-bf16"]
+    ratios["fp8_masters_tiles_gathered_over_stripes"] = (
+        variants["blockshard-fp8-masters-tiles"]["base_gathered_bytes_per_step"]
+        / variants["blockshard-fp8-masters-stripes"]["base_gathered_bytes_per_step"]
+    )
     # the same FP8 weights by whole tiles over by whole 128-row stripes (the padding tile placement saves)
     for what, key in (("gathered", "base_gathered_bytes_per_step"), ("persistent", "base_persistent_bytes_max_rank")):
         ratios[f"fp8_tiles_{what}_over_stripes"] = (
@@ -295,6 +334,10 @@ def main(argv: list[str] | None = None) -> dict:
             "Physical bytes per value, blockwise FP8: payload 1, one fp32 scale per 128 x 128 tile 0.00024 (0.500 x "
             "bf16); gathered_over_physical is the padding the placement moves (stripes: a whole 128-row stripe per "
             "rank at most; tiles: one tile).",
+            "Trainable FP8 masters (quantized_gather=True): gathered_over_physical as for frozen FP8 (each "
+            "forward and backward unshard gathers the quantized segments); masters_max_rank_over_share is the "
+            "largest rank's bf16 master bytes over the masters' unpadded bf16 bytes / W (tiles: the edge tiles' "
+            "zeros included).",
             "Persistent per rank for blockshard: the padded segment (every rank holds S bytes) plus replicated "
             "code tables, once per group (the 64 B NF4/FP4 code; nested: + the 1024 B dynamic map) and a 4 B "
             "nested offset per tensor.",
