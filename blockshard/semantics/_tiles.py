@@ -115,10 +115,15 @@ def tile_parts(shape: tuple[int, ...], tile: Tile, *, stacked: bool) -> tuple[Ti
 # A trainable master (``quantized_gather=True``) is one parameter the optimizer steps, so a rank's
 # piece of it must be one contiguous run on one unit grid; the tile-major order's four parts have
 # four unit sizes. The **padded tile order** gives every tile ``B x B`` values: tile ``(e, i, j)``
-# of the ``(E, ceil(R / B), ceil(C / B))`` grid (row-major grid order) at ``B * B * index``, each
-# tile row-major within itself, an edge tile's missing rows and columns zeros. One unit size, so
-# the layout holds it as a flat tensor of ``n_tiles * B * B`` elements (``UnitGrid.units``) and a
-# rank's piece is a run of whole grid tiles; its scales are the scale grid's slice (grid order).
+# of the ``(E, ceil(R / B), ceil(C / B))`` grid at ``B * B * index``, each tile row-major within
+# itself, an edge tile's missing rows and columns zeros. The index runs through each expert's grid
+# row by row, or column by column where only the rows have an edge (``R % B != 0 == C % B``: the
+# short tiles, the last tile row, would otherwise lie together at the expert's end, and a rank whose
+# run missed them would quantize more real values than the others; columns first, one in every
+# ``ceil(R / B)`` tiles is short, so every run holds about its share: GPT-OSS's 2880-row experts).
+# One unit size, so the layout holds it as a flat tensor of ``n_tiles * B * B`` elements
+# (``UnitGrid.units``) and a rank's piece is a run of whole grid tiles, each box of tiles a box of
+# the weight; its scales are one per tile in the order's tile order.
 # The zeros never move: their gradient is written as zeros, element-wise steps keep a zero at zero
 # (AdamW: ``m = v = 0``, update 0; decay of 0 is 0), and a tile's amax over its B * B values is its
 # amax over its real ones. What it costs: the masters and their optimizer state hold the edge
@@ -177,9 +182,33 @@ class PaddedTiles:
         """Cuts between any two tiles."""
         return UnitGrid.units(self.numel, self.unit_numel)
 
+    @property
+    def columns_first(self) -> bool:
+        """Whether the order runs through each expert's grid column by column (only the rows have an
+        edge, [Note: padded tile order]); else row by row."""
+        _, r, c = self.dims
+        return r % self.tile != 0 and c % self.tile == 0
+
+    @property
+    def order_shape(self) -> tuple[int, int, int]:
+        """The grid as the order runs through it, row-major: ``grid_shape``, its last two dims
+        swapped when :attr:`columns_first`."""
+        e, g_r, g_c = self.grid_shape
+        return (e, g_c, g_r) if self.columns_first else (e, g_r, g_c)
+
+    def index(self, e: int, i: int, j: int) -> int:
+        """The order's index of grid tile ``(e, i, j)``."""
+        _, g_1, g_2 = self.order_shape
+        a, b = (j, i) if self.columns_first else (i, j)
+        return (e * g_1 + a) * g_2 + b
+
     def tile_boxes(self, first: int, stop: int) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
-        """``((e, i, j), (se, si, sj))`` per box of the grid that tiles ``[first, stop)`` fill, in order."""
-        return run_boxes(self.grid_shape, first, stop)  # type: ignore[return-value]
+        """``((e, i, j), (se, si, sj))`` per box of the grid that tiles ``[first, stop)`` fill, in order
+        (each a box of the order's grid, its last two dims swapped back when :attr:`columns_first`)."""
+        boxes: list[tuple[tuple[int, int, int], tuple[int, int, int]]] = run_boxes(self.order_shape, first, stop)  # type: ignore[assignment]
+        if not self.columns_first:
+            return boxes
+        return [((e, i, j), (se, si, sj)) for (e, j, i), (se, sj, si) in boxes]
 
     def element_box(
         self, offsets: tuple[int, int, int], sizes: tuple[int, int, int]

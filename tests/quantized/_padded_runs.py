@@ -3,10 +3,11 @@ tile_placement=True)``, [Note: padded tile order in the engine]): rank functions
 reference. ``(rank, world, ...)``; the reference is the plain model whose weights pass through a
 straight-through fake quantization by the pure-torch blockwise FP8 reference (``_qgather_runs``).
 
-The model is GPT-OSS-shaped and scaled down: stacked experts ``up`` (4, 180, 360) and ``down``
-(4, 360, 180) in 32 x 32 tiles (180 = 5 x 32 + 20: a short edge tile row or column per expert;
-2880 = 22.5 x 128 in GPT-OSS) in the root's group, and a projection (200, 360) in a group of its
-own (200 = 6 x 32 + 8, 360 = 11 x 32 + 8: edge tiles in both dims).
+The model is GPT-OSS-shaped and scaled down: stacked experts ``up`` (4, 180, 352) and ``down``
+(4, 360, 180) in 32 x 32 tiles in the root's group, and a projection (200, 360) in a group of its
+own. ``up`` is GPT-OSS's ``gate_up_proj`` (2880 = 22.5 x 128 rows, 5760 = 45 x 128 columns): 180 =
+5 x 32 + 20, 352 = 11 x 32, only the rows have an edge, so its order runs column by column;
+``down`` and the projection have edges in both dims (360 = 11 x 32 + 8, 200 = 6 x 32 + 8).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.nn.utils import parametrize
 
 TILE = 32
 SPEC = f"fp8_block:{TILE}"
-SHAPES = {"up": (4, 180, 360), "down": (4, 360, 180), "proj.weight": (200, 360)}
+SHAPES = {"up": (4, 180, 352), "down": (4, 360, 180), "proj.weight": (200, 360)}
 BATCH = 6
 
 
@@ -29,7 +30,7 @@ class Experts(nn.Module):
         super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            self.up = nn.Parameter(torch.randn(*SHAPES["up"]) / math.sqrt(360))
+            self.up = nn.Parameter(torch.randn(*SHAPES["up"]) / math.sqrt(352))
             self.down = nn.Parameter(torch.randn(*SHAPES["down"]) / math.sqrt(180))
             self.proj = nn.Linear(360, 200)
 
@@ -39,7 +40,7 @@ class Experts(nn.Module):
 
 
 def batch(step: int) -> torch.Tensor:
-    return torch.randn(BATCH, 360, generator=torch.Generator().manual_seed(step))
+    return torch.randn(BATCH, 352, generator=torch.Generator().manual_seed(step))
 
 
 def build(world: int, tile_placement: bool | str = True) -> nn.Module:

@@ -149,12 +149,20 @@ def test_a_run_of_whole_tiles_goes_to_its_places_and_its_boxes(case, data):
 
 
 def _padded_reference(w: torch.Tensor, order: PaddedTileOrder) -> torch.Tensor:
-    """The padded tile order by plain indexing: every grid tile ``B x B``, zeros past the edges."""
+    """The padded tile order by plain indexing: every grid tile ``B x B``, zeros past the edges, each
+    expert's grid row by row, or column by column where only the rows have an edge."""
     b = order.tile
     e, r, c = order.dims
     w3 = w.reshape(e, r, c)
     out = []
-    for x, i, j in itertools.product(*(range(n) for n in order.grid_shape)):
+    n_e, n_r, n_c = order.grid_shape
+    by_columns = r % b != 0 and c % b == 0
+    assert order.columns_first == by_columns
+    if by_columns:
+        tiles = [(x, i, j) for x in range(n_e) for j in range(n_c) for i in range(n_r)]
+    else:
+        tiles = list(itertools.product(range(n_e), range(n_r), range(n_c)))
+    for x, i, j in tiles:
         t = w3.new_zeros(b, b)
         real = w3[x, i * b : (i + 1) * b, j * b : (j + 1) * b]
         t[: real.shape[0], : real.shape[1]] = real
@@ -201,5 +209,11 @@ def test_padded_tile_order_of_a_gpt_oss_shaped_expert_tensor():
     assert order.real_numel(66, 72) == 6 * 20 * 32 - 20 * 24  # the bottom edge row of expert 0
     with pytest.raises(AssertionError, match="cut a tile"):
         order.tiles_of(0, 1000)
+    # only the rows have an edge (GPT-OSS's gate_up_proj: 2880 = 22.5 x 128 rows, 5760 = 45 x 128
+    # columns): column by column, so every tile column ends in its one short tile
+    order = PaddedTileOrder((4, 180, 352), 32, stacked=True)
+    assert order.columns_first and order.grid_shape == (4, 6, 11) and order.order_shape == (4, 11, 6)
+    assert order.real_numel(0, 6) == 5 * 1024 + 20 * 32 and order.real_numel(6, 12) == order.real_numel(0, 6)
+    assert order.index(0, 5, 0) == 5 and order.index(1, 0, 1) == 66 + 6
     with pytest.raises(SemanticsError, match="stacked"):
         PaddedTiles((180, 360), 32, stacked=True)

@@ -1,5 +1,5 @@
 """Trainable blockwise-FP8 masters in padded tile order ([Note: padded tile order in the engine]) on
-spawned gloo ranks, with the GPT-OSS-shaped model of ``_padded_runs`` (stacked experts (4, 180, 360)
+spawned gloo ranks, with the GPT-OSS-shaped model of ``_padded_runs`` (stacked experts (4, 180, 352)
 and (4, 360, 180) in 32 x 32 tiles: a 20-row edge per expert; a (200, 360) projection).
 
 * AdamW training equals one process with a straight-through fake quantization, bitwise at W = 2

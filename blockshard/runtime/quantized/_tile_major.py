@@ -308,10 +308,11 @@ class PaddedTileOrder(PaddedTiles):
         _, r, c = self.dims
         n_r, n_c = r // b, c // b
         stop = first + run.numel() // self.unit_numel
-        _, g_r, g_c = self.grid_shape
         for k, ((oe, oi, oj), (se, si, sj)) in enumerate(self.tile_boxes(first, stop)):
-            at = ((oe * g_r + oi) * g_c + oj - first) * self.unit_numel
-            tiles = run[at : at + se * si * sj * self.unit_numel].view(se, si, sj, b, b)
+            at = (self.index(oe, oi, oj) - first) * self.unit_numel
+            chunk = run[at : at + se * si * sj * self.unit_numel]
+            # (se, si, sj, b, b) over the box's tiles, whichever way the order runs through them
+            tiles = chunk.view(se, sj, si, b, b).transpose(1, 2) if self.columns_first else chunk.view(se, si, sj, b, b)
             o3, s3 = (oe, oi * b, oj * b), (se, min((oi + si) * b, r) - oi * b, min((oj + sj) * b, c) - oj * b)
             elements = box(k, o3, s3)
             for i0, i1, h in self._split(oi, si, n_r, r - n_r * b):
@@ -327,6 +328,12 @@ class PaddedTileOrder(PaddedTiles):
             return w3[o[0] : o[0] + s[0], o[1] : o[1] + s[1], o[2] : o[2] + s[2]]
 
         return box
+
+    def in_grid_order(self, per_tile: torch.Tensor) -> torch.Tensor:
+        """Values one per tile in the order's tile order (1-D, all tiles) in the grid's row-major order."""
+        if not self.columns_first:
+            return per_tile
+        return per_tile.view(self.order_shape).transpose(1, 2).reshape(-1)
 
     def put(self, dst: torch.Tensor, run: torch.Tensor, first: int) -> None:
         """Write the real values of ``run`` (tiles from ``first`` on) into the row-major ``dst``."""

@@ -207,7 +207,8 @@ class PaddedFP8Quantizer(FP8BlockQuantizer):
     _gather.py): a piece is a run of whole grid tiles, ``B * B`` values each (zeros past the
     weight's edges), quantized per tile as :class:`FP8BlockQuantizer` quantizes the whole weight
     (the zeros change no amax); its payload is the run's real values box by box
-    (``PaddedTileOrder.to_boxes``), its scales one fp32 per tile in grid order."""
+    (``PaddedTileOrder.to_boxes``), its scales one fp32 per tile in the order's tile order (the whole
+    weight's :meth:`assemble` puts them in the grid's)."""
 
     order: PaddedTileOrder | None = None  # set always (a default only as the fields after defaults need one)
 
@@ -264,7 +265,8 @@ class PaddedFP8Quantizer(FP8BlockQuantizer):
             first = start // self.tiles.unit_numel
             stop = first + scales.numel() // 4
             self.tiles.put(out, self.tiles.from_boxes(payload, first, stop), first)
-        return self.full(out, torch.cat([p[2] for p in pieces]))
+        scales = self.tiles.in_grid_order(torch.cat([p[2] for p in pieces]).view(torch.float32))
+        return self.full(out, scales.contiguous().view(torch.uint8))
 
 
 def tile_quantizer(fqn: str, shape: tuple[int, ...], dtype: torch.dtype, sems: list[BlockSemantics]) -> TileQuantizer:
