@@ -32,8 +32,9 @@ The pre-backward unshard finds the payload current and gathers the same bytes ag
 With ``tile_placement=True`` as well, every ``fp8_block:B`` master (2-D, or stacked ``(E, rows,
 cols)`` experts) is laid out in padded tile order ([Note: padded tile order] in
 ``semantics/_tiles.py``; ``_api._build_group`` calls the planner's ``padded_masters``, so the layout
-is the plan's): its layout tensor is ``n_tiles * B * B`` values, tile after tile in row-major grid
-order, each tile ``B x B`` row-major with an edge tile's missing rows and columns zeros. The unit is
+is the plan's): its layout tensor is ``n_tiles * B * B`` values, tile after tile through each
+expert's grid row by row (column by column where only the rows have an edge), each tile ``B x B``
+row-major with an edge tile's missing rows and columns zeros. The unit is
 one tile, so a rank's piece is any run of whole tiles. ``ShardedParam.order`` (a
 ``_tile_major.PaddedTileOrder``) says so to every reader: the init copy takes the tiles out of the
 row-major weight (``take_into``), the gradient copy into the reduce-scatter input does the same
