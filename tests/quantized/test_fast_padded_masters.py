@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import blockshard
+from blockshard import QuantizedWeightError
 from blockshard.planner import plan_model
 from blockshard.planner._qgather import gather_buffers_name
 from blockshard.runtime import ShardingError, load_full_state_dict, load_sharded_state_dict
@@ -236,6 +237,23 @@ def test_the_safetensors_export_holds_the_masters_row_major(tmp_path):
     assert got.keys() == want.keys()
     for name, t in want.items():
         assert torch.equal(got[name], t), name
+
+
+def test_a_layout_that_cuts_a_padded_tile_raises():
+    """The control of the planned layouts: an element-wise cut of a master in padded tile order
+    (86,016 values over 5 ranks: pieces that are no whole 32 x 32 tiles) is refused by name."""
+    from blockshard.planner import resolve_items
+    from blockshard.planner._lay_out import plan_group
+    from blockshard.runtime.core._param import ShardedParam
+    from blockshard.runtime.quantized._gather import plan_payload
+    from blockshard.runtime.quantized._tile_major import PaddedTileOrder
+    from blockshard.runtime.quantized._tile_quant import PaddedFP8Quantizer
+
+    order = PaddedTileOrder((200, 360), 32)
+    layout = plan_group(resolve_items([TensorSpec(name="w", shape=(order.numel,), dtype="float32")], "elementwise"), 5)
+    sp = ShardedParam(fqn="w", refs=[], shape=(200, 360), requires_grad=True, index=0, order=order)
+    with pytest.raises(QuantizedWeightError, match=r"'w' \(shape \(200, 360\), blockwise FP8 .*padded tile order\)"):
+        plan_payload("g", layout, [sp], lambda _: PaddedFP8Quantizer("w", (200, 360), tile=32, order=order))
 
 
 def test_an_optimizer_that_is_not_element_wise_is_refused_by_name(gloo_w1):

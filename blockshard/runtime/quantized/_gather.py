@@ -145,7 +145,7 @@ def plan_payload(
             q = quantizer(sp)
             end = piece.start + piece.numel
             unit = q.unit_numel
-            if piece.start % unit or (end % unit and end != sp.numel):
+            if piece.start % unit or (end % unit and end != sp.stored_numel):
                 raise QuantizedWeightError(
                     f"quantized gather of {sp.fqn!r} (shape {sp.shape}, {q.label}) in group {name!r}: rank {r} holds "
                     f"elements [{piece.start}, {end}), which cut a tile of {unit} values, so its quantization "
