@@ -245,14 +245,43 @@ def _assign(
     ra_o, rb_o = a_o // s_o, (b_o - 1) // s_o
     first = np.minimum(b_o, (ra_o + 1) * s_o) - a_o  # the first holder's piece
     last = b_o - rb_o * s_o  # the last holder's piece
+    c_o = uc[order]
+    units = (ra_o.tolist(), rb_o.tolist(), first.tolist(), last.tolist(), c_o.tolist(), s_o.tolist())
     costs = cost.tolist()
+    greedy = _greedy_by_level if _costs_rise(cost, c_o) else _greedy
+    owners = greedy(costs, *units)
+    cost[:] = costs
+    owner[order] = owners
+    own_piece[:] = np.maximum(0, np.minimum(ub, (owner + 1) * steps[ut]) - np.maximum(ua, owner * steps[ut]))
+    return owner, own_piece
+
+
+def _costs_rise(cost: np.ndarray, uc: np.ndarray) -> bool:
+    """Whether adding any unit's cost to any rank's cost on the way strictly raises it (finite costs,
+    each unit's above twice the float spacing at a bound of every rank's final cost): then
+    :func:`_greedy_by_level` makes the same choices as :func:`_greedy`."""
+    if not (np.isfinite(cost).all() and np.isfinite(uc).all()):
+        return False
+    bound = float(np.abs(cost).max(initial=0.0)) + float(uc.sum())
+    return math.isfinite(bound) and float(uc.min()) > 2 * float(np.spacing(bound))
+
+
+def _greedy(
+    costs: list[float],
+    ras: list[int],
+    rbs: list[int],
+    firsts: list[int],
+    lasts: list[int],
+    ucs: list[float],
+    ss: list[int],
+) -> list[int]:
+    """The owner of each unit in turn (``costs`` updated): its cost goes to the least-loaded rank (ties:
+    the holder with the largest piece, then the lowest rank), with a heap over ranks."""
     heap = [(c, r) for r, c in enumerate(costs)]
     heapq.heapify(heap)
     owners: list[int] = []
     push, replace = heapq.heappush, heapq.heapreplace
-    for ra, rb, p_first, p_last, c, s in zip(
-        ra_o.tolist(), rb_o.tolist(), first.tolist(), last.tolist(), uc[order].tolist(), s_o.tolist(), strict=True
-    ):
+    for ra, rb, p_first, p_last, c, s in zip(ras, rbs, firsts, lasts, ucs, ss, strict=True):
         while heap[0][0] != costs[heap[0][1]]:  # drop stale entries
             heapq.heappop(heap)
         cmin, rmin = heap[0]
@@ -275,7 +304,67 @@ def _assign(
         else:
             push(heap, (costs[o], o))
         owners.append(o)
-    cost[:] = costs
-    owner[order] = owners
-    own_piece[:] = np.maximum(0, np.minimum(ub, (owner + 1) * steps[ut]) - np.maximum(ua, owner * steps[ut]))
-    return owner, own_piece
+    return owners
+
+
+def _greedy_by_level(
+    costs: list[float],
+    ras: list[int],
+    rbs: list[int],
+    firsts: list[int],
+    lasts: list[int],
+    ucs: list[float],
+    ss: list[int],
+) -> list[int]:
+    """:func:`_greedy`'s owners, a level at a time, where every added cost strictly raises a rank's
+    (:func:`_costs_rise`). While ``m`` ranks tie at the lowest cost, the next ``m`` units each go to
+    one of them (a rank that got one has risen above the tie): a level is its tied ranks as a
+    bytearray, a unit's choice a few lookups and scans in C, and the ranks are kept by cost (a
+    heap of the distinct costs), not one heap entry per rank."""
+    W = len(costs)
+    levels: dict[float, list[int]] = {}  # cost -> the ranks at it
+    for r, c in enumerate(costs):
+        levels.setdefault(c, []).append(r)
+    heap = list(levels)
+    heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
+    owners: list[int] = []
+    n, i = len(ucs), 0
+    while i < n:
+        tied = levels.pop(pop(heap))
+        if len(tied) == 1:
+            level = tied
+        else:
+            tied.sort()
+            left = bytearray(W)  # left[r]: rank r ties at the lowest cost and has no unit of this level yet
+            for r in tied:
+                left[r] = 1
+            lowest = tied[0]
+            level = []
+            e = min(n, i + len(tied))
+            find = left.find
+            for ra, rb, s, p_first, p_last in zip(ras[i:e], rbs[i:e], ss[i:e], firsts[i:e], lasts[i:e], strict=True):
+                o, best = -1, -1
+                if left[ra]:
+                    o, best = ra, p_first
+                if best < s and rb - ra > 1:
+                    m = find(1, ra + 1, rb)
+                    if m >= 0:
+                        o, best = m, s
+                if rb > ra and left[rb] and p_last > best:
+                    o = rb
+                if o < 0:
+                    o = lowest = find(1, lowest)
+                left[o] = 0
+                level.append(o)
+        for j, o in enumerate(level, i):
+            c = costs[o] = costs[o] + ucs[j]
+            at = levels.get(c)
+            if at is None:
+                levels[c] = [o]
+                push(heap, c)
+            else:
+                at.append(o)
+        owners += level
+        i += len(level)
+    return owners
