@@ -41,6 +41,8 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 SHIFT_WORTH = 0.05
 #: At most this many shifts are tried per distinct group layout.
 MAX_SHIFTS = 16
+#: Candidates' peaks are computed this many (rank, rotation) values at a time (``_candidate_peaks``).
+PEAK_CHUNK = 1 << 20
 
 #: ``(proportional cost, fixed cost, loads in bytes, largest unit cost)`` of a group (``_geometry``).
 _Geometry: TypeAlias = tuple[np.ndarray, np.ndarray, np.ndarray, float]
@@ -79,10 +81,7 @@ def tensor_shifts(layout: GroupLayout, memo: Memo | None = None) -> list[GroupLa
     found: list[tuple[int, ...]] = []
     for d in starts:
         offs = tuple((t.offset - d) % total for t in layout.tensors)
-        if all(
-            not t.numel or straddling_units(t.grid, o, S, memo)[0].size == 0
-            for t, o in zip(layout.tensors, offs, strict=True)
-        ):
+        if all(uncut(t.grid, o, S) for t, o in zip(layout.tensors, offs, strict=True)):
             found.append(offs)
     if memo is not None:
         memo[key] = found
@@ -128,6 +127,21 @@ def _loads(layout: GroupLayout) -> np.ndarray:
     return (out + np.cumsum(diff))[:W]
 
 
+def uncut(grid: UnitGrid, offset: int, S: int) -> bool:
+    """Whether no rank boundary cuts a unit of ``grid`` when the tensor starts at ``offset`` of a
+    bucket with segment ``S``, i.e. whether :func:`straddling_units` finds none: every boundary
+    inside the tensor, ``c = k * S - offset``, lies in ``[min_cut, max_cut]`` at a multiple of the
+    unit (the boundaries step by ``S``: the first and last in range, the first and the step multiples)."""
+    n = grid.numel
+    first, last = offset // S + 1, (offset + n - 1) // S
+    if n == 0 or first > last:
+        return True
+    if grid.is_whole:
+        return False
+    u, c0, c1 = grid.unit_numel, first * S - offset, last * S - offset
+    return grid.min_cut <= c0 and c1 <= grid.max_cut and c0 % u == 0 and (first == last or S % u == 0)
+
+
 def straddling_units(grid: UnitGrid, offset: int, S: int, memo: Memo | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(starts, ends)``, in the tensor's flattening, of the units of ``grid`` that a rank boundary
     cuts when the tensor starts at ``offset`` of a bucket with segment ``S`` (rank ``r`` holds
@@ -153,6 +167,43 @@ def straddling_units(grid: UnitGrid, offset: int, S: int, memo: Memo | None = No
     if memo is not None:
         memo[key] = out
     return out
+
+
+def _candidate_peaks(
+    rots: list[np.ndarray | None],
+    within: np.ndarray,
+    peaks0: np.ndarray,
+    fixed_nz: np.ndarray,
+    fixed_vals: np.ndarray,
+    running: np.ndarray,
+    top: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The lowest peak of each candidate ``within`` (rows of ``_table``'s ``fixed_nz`` and
+    ``fixed_vals``; ``rots``: its rotations to try, ``None`` or none: rotation 0, peak ``peaks0``)
+    and the first rotation that reaches it: what :func:`rotation_peak` finds for each, with every
+    candidate's rotations in one array (the same sums, so the same floats)."""
+    peaks = peaks0[within].astype(np.float64)
+    rot = np.zeros(within.size, dtype=np.int64)
+    lens = np.asarray([0 if r is None else len(r) for r in rots], dtype=np.int64)
+    searched = np.flatnonzero(lens)
+    if searched.size:
+        rows = np.repeat(within[searched], lens[searched])
+        cands = np.concatenate([rots[s] for s in searched.tolist()]).astype(np.int64)
+        W = running.size
+        pair = np.empty(rows.size)
+        step = max(1, PEAK_CHUNK // max(fixed_nz.shape[1], 1))
+        for a in range(0, rows.size, step):  # rows of (candidate, rotation), PEAK_CHUNK values at a time
+            r, k = rows[a : a + step], cands[a : a + step, None]
+            at = running[(fixed_nz[r] + k) % W] + fixed_vals[r]  # the padding adds running <= top
+            pair[a : a + step] = np.maximum(at.max(axis=1, initial=top), top)
+        starts = np.concatenate(([0], np.cumsum(lens[searched])[:-1]))
+        low = np.minimum.reduceat(pair, starts)
+        hits = np.flatnonzero(pair == np.repeat(low, lens[searched]))
+        seg = np.searchsorted(starts, hits, side="right") - 1
+        firsts = hits[np.unique(seg, return_index=True)[1]]
+        peaks[searched] = low
+        rot[searched] = cands[firsts]
+    return peaks, rot
 
 
 @dataclass(frozen=True, eq=False)
@@ -332,22 +383,21 @@ class OwnerPlanBuilder:
 
             def first_lowest(lo: int, hi: int, ceiling: float) -> tuple[int, float]:
                 """The first of candidates ``[lo, hi)`` with the lowest peak, if below ``ceiling``."""
-                found, low = -1, ceiling
-                for i in np.flatnonzero(bound[lo:hi] < ceiling).tolist():
-                    i += lo
-                    if bound[i] >= low:
-                        continue
+                within = np.flatnonzero(bound[lo:hi] < ceiling) + lo
+                if not within.size:
+                    return -1, ceiling
+                for i in within.tolist():
                     offs, b, cnz, found_rots = table[i]
                     if not found_rots:  # shared by identical groups: found once
                         found_rots.append(rotations_to_try(_with_offsets(layout, offs), b, cnz))
-                    rots = found_rots[0]
-                    if rots is None:
-                        k, peak = 0, float(peaks0[i])
-                    else:
-                        k, peak = rotation_peak(cnz, fixed_vals[i, : cnz.size], rots, running, top)
-                    if peak < low:
-                        found, low, ks[i] = i, peak, k
-                return found, low
+                rots = [table[i][3][0] for i in within.tolist()]
+                peaks, rot = _candidate_peaks(rots, within, peaks0, fixed_nz, fixed_vals, running, top)
+                peaks[peaks >= ceiling] = np.inf
+                j = int(np.argmin(peaks))  # the first on ties
+                if not peaks[j] < ceiling:
+                    return -1, ceiling
+                ks[within[j]] = rot[j]
+                return int(within[j]), float(peaks[j])
 
             pick, low = first_lowest(0, shifts, best[0])
             # a move only where the peak would pass the mean so far: below it, the owners level around it
@@ -416,8 +466,9 @@ class OwnerPlanBuilder:
             for shifted in tensor_shifts(_with_offsets(layout, offs), self.memo):
                 yield offsets(shifted), True
 
-    def _uncut(self, t: TensorPlacement, offset: int, S: int) -> bool:
-        return straddling_units(t.grid, offset, S, self.memo)[0].size == 0
+    @staticmethod
+    def _uncut(t: TensorPlacement, offset: int, S: int) -> bool:
+        return uncut(t.grid, offset, S)
 
     @staticmethod
     def _largest(layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> float:
