@@ -52,13 +52,16 @@ def rank_costs(layout: GroupLayout, costs: Mapping[str, float]) -> np.ndarray:
 def clean_rotations(layout: GroupLayout) -> np.ndarray:
     """Rotations ``k`` (in segments) under which every tensor stays contiguous in every bucket."""
     W = layout.world_size
-    ok = np.ones(W, dtype=bool)  # ok[k]: wrap point (W - k) * S_b is not inside a tensor
-    for t in layout.tensors:
-        S = layout.buckets[t.bucket]
-        first, last = t.offset // S + 1, (t.end - 1) // S  # boundaries strictly inside the tensor
-        if first <= last:
-            ok[(W - np.arange(first, last + 1)) % W] = False
-    return np.flatnonzero(ok)
+    ts = layout.tensors
+    a = np.fromiter((t.offset for t in ts), dtype=np.int64, count=len(ts))
+    n = np.fromiter((t.numel for t in ts), dtype=np.int64, count=len(ts))
+    s = np.fromiter((layout.buckets[t.bucket] for t in ts), dtype=np.int64, count=len(ts))
+    first, last = a // s + 1, (a + n - 1) // s  # boundaries strictly inside the tensor
+    inside = first <= last
+    # inside[b]: boundary b (in segments) lies inside some tensor (a difference array over the ranges)
+    diff = np.bincount(first[inside], minlength=W + 1) - np.bincount(last[inside] + 1, minlength=W + 1)
+    covered = np.cumsum(diff[:W]) > 0
+    return np.flatnonzero(~covered[(W - np.arange(W)) % W])  # ok[k]: wrap point (W - k) * S_b is inside none
 
 
 def rotate(layout: GroupLayout, k: int) -> GroupLayout:
