@@ -80,14 +80,14 @@ def balance(layout: GroupLayout, costs: Mapping[str, float], running: np.ndarray
     """Rotate ``layout`` to minimize ``max(running + its per-rank cost)``; adds its cost to ``running``."""
     base = rank_costs(layout, costs)
     k = best_rotation(layout, base, running)
-    nz = np.flatnonzero(base)
+    nz = np.flatnonzero(base != 0)
     running[(nz + k) % layout.world_size] += base[nz]
     return rotate(layout, k)
 
 
 def best_rotation(layout: GroupLayout, base: np.ndarray, running: np.ndarray) -> int:
     """The rotation (in segments) that minimizes ``max(running + base rolled by it)``; 0 when balanced."""
-    nz = np.flatnonzero(base)  # ranks that carry cost: few when units are coarse
+    nz = np.flatnonzero(base != 0)  # ranks that carry cost: few when units are coarse
     return rotation_peak(nz, base[nz], rotations_to_try(layout, base, nz), running)[0]
 
 

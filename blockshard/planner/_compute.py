@@ -316,7 +316,7 @@ class OwnerPlanBuilder:
         k = best_rotation(layout, base, running)
         if compute and base.max() > SHIFT_WORTH * self._total(layout, costs) / W:
             layout, base, loads, k = self._best_shift(layout, compute, costs, running, (base, loads, k))
-        nz = np.flatnonzero(base)
+        nz = np.flatnonzero(base != 0)
         running[(nz + k) % W] += base[nz]  # exactly as balance() does, so whole plans match the engine's
         layout = rotate(layout, k)
         self._collect(layout, compute, costs, kind)
@@ -362,7 +362,7 @@ class OwnerPlanBuilder:
         far (whole and cut units): below it, the owners of cut units level the ranks around the
         fixed costs, and a move would only change which units are cut."""
         base, loads, k = current
-        nz = np.flatnonzero(base)
+        nz = np.flatnonzero(base != 0)
         best: tuple[float, GroupLayout, np.ndarray, np.ndarray, int] = (
             rotation_peak(nz, base[nz], None if k == 0 else np.asarray([k]), running)[1],
             layout,
@@ -431,7 +431,7 @@ class OwnerPlanBuilder:
                 if offs not in first:
                     candidate = _with_offsets(layout, offs)
                     b = self._fixed(candidate, compute, costs, rank_costs(candidate, costs))
-                    nz = np.flatnonzero(b)
+                    nz = np.flatnonzero(b != 0)
                     first[offs] = (offs, b, nz, [])
                 table.append(first[offs])
                 shifts += not moved
