@@ -497,17 +497,24 @@ class OwnerPlanBuilder:
         self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float], base: np.ndarray
     ) -> np.ndarray:
         """Cost per rank of what each rank computes itself (``base``, the proportional cost, less the cut units)."""
-        for t, starts, ends, S, density in self._cut(layout, compute, costs):  # per tensor: the plans' float sums
+        for t in layout.tensors:  # the tensors of _cut, per tensor: the plans' float sums
+            grid = compute.get(t.name)
+            if grid is None or not t.numel:
+                continue
+            S = layout.buckets[t.bucket]
+            if uncut(grid, t.offset, S):  # _cut's straddling_units finds none
+                continue
             lo, hi = t.offset // S, (t.offset + t.numel - 1) // S  # the ranks the tensor touches
-            # the cut elements per rank depend on the tensor's place in its first segment only: the
+            # the cut cost per rank depends on the tensor's place in its first segment only: the
             # candidates of a group (shifts, moves) repeat few places (814 of 10,987 on DeepSeek-V3)
-            key = ("cut per rank", compute[t.name], t.offset - lo * S, S)
+            density = costs.get(t.name, float(t.numel)) / t.numel
+            key = ("cut cost per rank", grid, t.offset - lo * S, S, density)
             cut: np.ndarray | None = self.memo.get(key)
             if cut is None:
-                cut = self.memo[key] = rank_overlap(
-                    t.offset + starts - lo * S, t.offset + ends - lo * S, S, hi - lo + 1
-                )
-            base[lo : hi + 1] -= density * cut
+                starts, ends = straddling_units(grid, t.offset, S, self.memo)
+                elements = rank_overlap(t.offset + starts - lo * S, t.offset + ends - lo * S, S, hi - lo + 1)
+                cut = self.memo[key] = density * elements
+            base[lo : hi + 1] -= cut
         return base
 
     def _collect(
