@@ -61,7 +61,8 @@ def clean_rotations(layout: GroupLayout) -> np.ndarray:
     # inside[b]: boundary b (in segments) lies inside some tensor (a difference array over the ranges)
     diff = np.bincount(first[inside], minlength=W + 1) - np.bincount(last[inside] + 1, minlength=W + 1)
     covered = np.cumsum(diff[:W]) > 0
-    return np.flatnonzero(~covered[(W - np.arange(W)) % W])  # ok[k]: wrap point (W - k) * S_b is inside none
+    # ok[k]: wrap point (W - k) * S_b is inside no tensor (k = 0: boundary 0, never inside)
+    return np.flatnonzero(~np.concatenate((covered[:1], covered[:0:-1])))
 
 
 def rotate(layout: GroupLayout, k: int) -> GroupLayout:
