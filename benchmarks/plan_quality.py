@@ -4,8 +4,10 @@
 
 For every catalog model x W in {8, 64, 1024, 16384} x semantics: blockshard's padding and
 ``S / lower bound`` beside each baseline's padding and units split, and the collectives used
-(buckets); the planning time of Llama-3-405B at W = 16384; and planning time against the number
-of tensors. Targets (``FINE_TARGET_RATIO`` and ``FINE_TARGET_PADDING`` below; docs/planner.md,
+(buckets); the planning time of Llama-3-405B at W = 16384; planning time against the number
+of tensors; and, per catalog model x semantics x W in {1024, 8192, 16384}, the time of the plan
+``blockshard plan`` makes (the default policy, owner compute included; best of ``--speed-repeats``)
+against ``SPEED_TARGET_SECONDS`` (issue 24). Targets (``FINE_TARGET_RATIO`` and ``FINE_TARGET_PADDING`` below; docs/planner.md,
 "Targets, and where the units themselves forbid them") are checked and reported, not asserted:
 fine units (every unit <= total / (8 W) in its group) at W <= 1024 should reach
 ``S / lower bound <= 1.02`` and padding <= 1%; coarse units should never pad more than the
@@ -37,6 +39,7 @@ TILE_WORLD_SIZES = (8, 64, 256, 1024)  # issue 24's targets for fp8_block:128 ti
 TILE_SEMANTICS = "fp8_block:128"
 SEMANTICS = ("elementwise", "bnb8bit", "nf4", "mx", "ao_nf4", "muon", "shampoo:1024", "fp8_block:128")
 FINE_TARGET_RATIO, FINE_TARGET_PADDING = 1.02, 0.01
+SPEED_WORLD_SIZES, SPEED_TARGET_SECONDS = (1024, 8192, 16384), 0.3
 
 
 def _case(model: str, tensors: list[TensorSpec], W: int, sem: str) -> dict:
@@ -149,6 +152,33 @@ def _tiles(models: list[str]) -> list[dict]:
     return rows
 
 
+def _speed(models: list[str], repeats: int) -> dict:
+    """The seconds of ``plan_model(tensors, W, semantics=sem)`` as ``blockshard plan`` runs it
+    (default policy), best of ``repeats``, per model x semantics x W; the slowest and those over target."""
+    rows = []
+    for model in models:
+        tensors = model_tensors(model)
+        for sem in SEMANTICS:
+            for W in SPEED_WORLD_SIZES:
+                best, policy = math.inf, ""
+                try:
+                    for _ in range(repeats):
+                        t0 = time.perf_counter()
+                        plan = plan_model(tensors, W, semantics=sem)
+                        best, policy = min(best, time.perf_counter() - t0), plan.policy
+                except SemanticsError:
+                    continue
+                rows.append({"model": model, "semantics": sem, "world_size": W, "seconds": best, "policy": policy})
+    rows.sort(key=lambda r: -r["seconds"])
+    return {
+        "target_seconds": SPEED_TARGET_SECONDS,
+        "repeats": repeats,
+        "cases": len(rows),
+        "over_target": [r for r in rows if r["seconds"] > SPEED_TARGET_SECONDS],
+        "slowest": rows[:10],
+    }
+
+
 def _timed(tensors: list[TensorSpec]) -> float:
     t0 = time.perf_counter()
     plan_model(tensors, 1024, semantics="bnb8bit")
@@ -160,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     add_output_args(ap, timeout=None)  # --json, --out
     ap.add_argument("--models", nargs="*", default=None, help="catalog models (default: all)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--speed-repeats", type=int, default=3, help="best of this many per plan-speed case")
     ap.add_argument("--markdown", help="also write the summary tables as Markdown here (for docs/)")
     args = ap.parse_args(argv)
     console = Console(stderr=True)
@@ -182,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         "scaling": _scaling(args.repeats),
         "tile_placement": _tiles(models),
         "padded_tile_masters": {m: _padded_tiles(m) for m in models},
+        "plan_speed": _speed(models, args.speed_repeats),
     }
     result["summary"] = _summary(rows)
     _print_summary(result, console)
@@ -264,6 +296,20 @@ def _markdown(result: dict) -> str:
     if padded := result.get("padded_tile_masters"):
         shown = ", ".join(f"{m} {x:.4f}" for m, x in padded.items())
         lines += ["", f"Masters in padded {TILE_SEMANTICS} tiles over their elements (docs/design.md): {shown}."]
+    if speed := result.get("plan_speed"):
+        lines += [
+            "",
+            f"Plan time as `blockshard plan` plans (default policy), best of {speed['repeats']}, over "
+            f"{speed['cases']} cases (catalog x semantics x W in {list(SPEED_WORLD_SIZES)}): "
+            f"{len(speed['over_target'])} over the {speed['target_seconds']} s target. The slowest:",
+            "",
+            "| model | semantics | W | policy | seconds |",
+            "|---|---|---:|---|---:|",
+        ]
+        lines += [
+            f"| {r['model']} | {r['semantics']} | {r['world_size']} | {r['policy']} | {r['seconds']:.3f} |"
+            for r in speed["slowest"]
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -318,6 +364,16 @@ def _print_summary(result: dict, console: Console) -> None:
     console.print(
         f"llama3-405b at W=16384: {t['seconds_min'] * 1e3:.1f} ms (target {t['target_seconds'] * 1e3:.0f} ms)"
     )
+    if speed := result.get("plan_speed"):
+        worst = speed["slowest"][0] if speed["slowest"] else None
+        console.print(
+            f"plan speed: {len(speed['over_target'])} of {speed['cases']} cases over {speed['target_seconds']} s"
+            + (
+                f"; slowest {worst['model']} {worst['semantics']} W={worst['world_size']} {worst['seconds']:.3f} s"
+                if worst
+                else ""
+            )
+        )
     s = result["summary"]
     console.print(f"targets met in {s['target_met']} of {s['judged']} judged cases; missed: {len(s['missed'])}")
     tiles = Table(

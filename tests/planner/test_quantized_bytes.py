@@ -176,7 +176,7 @@ def test_gather_segments_equal_the_engines_payload_plan(specs, world, dtype):
     (q,) = plan.quantized_gather_groups
     index = {t.name: i for i, t in enumerate(q.layout.tensors)}
     params = [
-        SimpleNamespace(fqn=n, shape=s, numel=q.layout.tensors[index[n]].numel, index=index[n])
+        SimpleNamespace(fqn=n, shape=s, numel=(k := q.layout.tensors[index[n]].numel), stored_numel=k, index=index[n])
         for n, s in shapes.items()
     ]
     tdtype = getattr(torch, dtype)
