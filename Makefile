@@ -73,7 +73,7 @@ TORCH_NEXT_SLOW_TESTS := \
 	tests/runtime/test_torch_state_dicts.py tests/runtime/test_checkpoints.py \
 	tests/runtime/test_atomic_checkpoints.py tests/runtime/test_optim_checkpoints.py \
 	tests/quantized/test_fast_quantized_state_dicts.py tests/quantized/test_fast_quantized_gather.py \
-	tests/quantized/test_quantized_checkpoints_spawned.py tests/quantized/test_padded_masters_spawned.py \
+	tests/quantized/test_quantized_checkpoints_spawned.py \
 	tests/integrations/test_hf_models.py tests/integrations/test_accelerate.py tests/integrations/test_accelerate_muon.py \
 	tests/integrations/test_trainer_ragged.py tests/integrations/test_hf_trainer_deepspeed.py \
 	tests/integrations/test_deepspeed.py
