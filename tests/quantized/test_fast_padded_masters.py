@@ -105,8 +105,9 @@ def test_planned_layouts_are_the_engines_and_stripes_pad_more(world):
         }
         assert got["segment_numel"] == {g: plan.group(gather_buffers_name(g)).segment_numel for g in ("", "proj")}
 
-    # the control: at W = 3 the projection's 7 stripes (the last 8 rows) split unevenly and the
-    # stripes hold more per rank; at W = 2 and 4 they split evenly enough that the tiles' edge zeros
+    # the control: at W = 3 the stripes' units (whole experts in the root: their rows are no multiple
+    # of 32; 32-row stripes of the projection) split unevenly and the stripes hold more per rank; at
+    # W = 2 and 4 they split evenly enough that the tiles' edge zeros
     # (11% of these small weights) make the tiles' segments the larger ones (at larger W below, tiles win)
     def segments(p) -> int:
         return sum(p.group(gather_buffers_name(g)).segment_numel for g in ("", "proj"))
