@@ -165,8 +165,9 @@ def _persistent(variant: str, model: nn.Module, rank: int) -> dict:
         import blockshard
         from blockshard.runtime.quantized._gather import _gather_sets
 
-        masters = sum(g.local.numel() * g.local.element_size() for _, g in _gather_sets(model))
-        real = sum(g.numel * 2 for _, g in _gather_sets(model) for g in g.params)  # bf16, unpadded
+        gather_sets = [gs for _, gs in _gather_sets(model)]
+        masters = sum(gs.local.numel() * gs.local.element_size() for gs in gather_sets)
+        real = sum(p.numel * 2 for gs in gather_sets for p in gs.params)  # bf16, unpadded
         stats = blockshard.quantized_gather_stats(model).values()
         segment = sum(q.local_bytes for q in stats)
         return {"base_bytes": masters + segment, "master_bytes": masters, "master_real_bytes": real,
