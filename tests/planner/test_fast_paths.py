@@ -1,0 +1,135 @@
+"""The planner's fast paths equal the plain computations they replace, on hypothesis-drawn inputs.
+
+Each fast path was written to make the same choice, with the same floats, as a slower form:
+``uncut`` (a closed form) as ``straddling_units`` finding none and as checking every rank boundary;
+``_greedy_by_level`` (ranks grouped by cost) as ``_greedy`` (one heap entry per rank) wherever
+``_costs_rise`` admits it; ``_candidate_peaks`` (every candidate's rotations in one array) as
+``rotation_peak`` per candidate; ``clean_rotations`` (a difference array) as testing each rotation's
+wrap point against every tensor. Equality is exact (owners, rotations and peaks bitwise)."""
+
+from __future__ import annotations
+
+import numpy as np
+from _strategies import grids
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockshard.planner import GroupLayout, TensorPlacement
+from blockshard.planner._balance import clean_rotations, rotation_peak
+from blockshard.planner._compute import _candidate_peaks, straddling_units, uncut
+from blockshard.planner._owner import _costs_rise, _greedy, _greedy_by_level
+from blockshard.semantics import UnitGrid
+
+
+# -- uncut -------------------------------------------------------------------------------------------
+@st.composite
+def placed_grids(draw):
+    n = draw(st.integers(0, 200))
+    grid = draw(grids(n))
+    S = draw(st.integers(1, 48))  # segments shorter than most tensors: several boundaries in one
+    offset = draw(st.integers(0, 3 * S))
+    if draw(st.booleans()) and not grid.is_whole and n:  # the first boundary on a unit edge
+        offset += (-offset - grid.min_cut - grid.unit_numel * draw(st.integers(0, 4))) % S
+    return grid, offset, S
+
+
+@settings(max_examples=500, deadline=None)
+@given(placed_grids())
+def test_uncut_is_no_straddling_unit_and_every_boundary_an_allowed_cut(case):
+    grid, offset, S = case
+    n = grid.numel
+    boundaries = [k * S - offset for k in range(offset // S + 1, (offset + n - 1) // S + 1)] if n else []
+    brute = all(grid.allows_cut(c) for c in boundaries)
+    starts, _ = straddling_units(grid, offset, S)
+    assert uncut(grid, offset, S) == (starts.size == 0) == brute
+
+
+# -- owner greedy --------------------------------------------------------------------------------
+@st.composite
+def straddlers(draw):
+    """Units as ``_assign`` passes them: first and last holder, their pieces, cost and segment."""
+    W = draw(st.integers(1, 24))
+    integral = draw(st.booleans())  # small integer costs: many ranks tie, levels are wide
+    costs = [float(draw(st.integers(0, 3))) if integral else draw(st.floats(0, 10)) for _ in range(W)]
+    units = []
+    for _ in range(draw(st.integers(1, 40))):  # _assign returns before the greedy when none
+        s = draw(st.integers(1, 16))
+        ra = draw(st.integers(0, W - 1))
+        rb = draw(st.integers(ra, W - 1))
+        p_first = draw(st.integers(1, s))
+        p_last = draw(st.integers(1, s)) if rb > ra else p_first
+        c = float(draw(st.integers(1, 4))) if integral else draw(st.floats(1e-3, 5))
+        units.append((ra, rb, p_first, p_last, c, s))
+    units.sort(key=lambda u: -u[4])  # _assign's order: largest cost first
+    return costs, units
+
+
+@settings(max_examples=400, deadline=None)
+@given(straddlers())
+def test_greedy_by_level_makes_greedys_choices(case):
+    costs, units = case
+    cols = [list(col) for col in zip(*units, strict=True)]
+    if not _costs_rise(np.asarray(costs), np.asarray(cols[4], dtype=float)):
+        return  # _assign uses _greedy itself then
+    a, b = list(costs), list(costs)
+    assert _greedy_by_level(a, *cols) == _greedy(b, *cols)
+    assert a == b
+
+
+# -- candidate peaks -----------------------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 48), st.integers(1, 8), st.integers(0, 2**32 - 1), st.booleans())
+def test_candidate_peaks_equal_rotation_peak_per_candidate(W, n_cand, seed, ties):
+    rng = np.random.default_rng(seed)
+    running = rng.integers(0, 4, W).astype(float) if ties else rng.random(W) * 10
+    top = running.max(initial=0.0)
+    rows = []
+    for _ in range(n_cand):  # each candidate's loaded ranks and their costs, as _table holds them
+        nz = np.flatnonzero(rng.random(W) < rng.random())
+        vals = rng.integers(1, 4, nz.size).astype(float) if ties else rng.random(nz.size) * 5 + 1e-3
+        kind = rng.integers(3)  # None: balanced; an empty array; some clean rotations
+        rots = None if kind == 0 else np.unique(rng.integers(0, W, rng.integers(0 if kind == 1 else 1, 9)))
+        rows.append((nz, vals, rots))
+    m = max(len(nz) for nz, _, _ in rows)
+    fixed_nz = np.zeros((n_cand, m), dtype=np.int64)  # padding: rank 0, cost 0, as _table pads
+    fixed_vals = np.zeros((n_cand, m))
+    for i, (nz, vals, _) in enumerate(rows):
+        fixed_nz[i, : nz.size], fixed_vals[i, : nz.size] = nz, vals
+    peaks0 = np.maximum((running[fixed_nz] + fixed_vals).max(axis=1, initial=top), top)
+    within = np.flatnonzero(rng.random(n_cand) < 0.8)
+    peaks, rot = _candidate_peaks([rows[i][2] for i in within], within, peaks0, fixed_nz, fixed_vals, running, top)
+    for j, i in enumerate(within.tolist()):
+        nz, vals, rots = rows[i]
+        assert (int(rot[j]), float(peaks[j])) == rotation_peak(nz, vals, rots, running, top)
+
+
+# -- clean rotations -----------------------------------------------------------------------------
+@st.composite
+def layouts(draw):
+    W = draw(st.integers(1, 24))
+    buckets = tuple(draw(st.lists(st.integers(1, 12), min_size=1, max_size=3)))
+    tensors = []
+    for b, S in enumerate(buckets):
+        pos, i = 0, 0
+        while True:
+            pos += draw(st.integers(0, 2 * S))  # a gap (padding)
+            n = draw(st.integers(0, 3 * S))
+            if pos + n > W * S or draw(st.integers(0, 5)) == 0:
+                break
+            tensors.append(TensorPlacement(f"b{b}t{i}", (n,), pos, UnitGrid.units(n, 1), bucket=b))
+            pos, i = pos + n, i + 1
+    return GroupLayout("g", W, 1, "float32", 4, 1, buckets, tuple(tensors))
+
+
+@settings(max_examples=400, deadline=None)
+@given(layouts())
+def test_clean_rotations_are_those_whose_wrap_point_cuts_no_tensor(layout):
+    W = layout.world_size
+    ref = [
+        k
+        for k in range(W)
+        if not any(
+            t.offset < ((W - k) % W) * layout.buckets[t.bucket] < t.end for t in layout.tensors
+        )  # rotation k brings old position (W - k) * S_b to 0: no tensor may run across it
+    ]
+    assert clean_rotations(layout).tolist() == ref
