@@ -33,6 +33,7 @@ from rich.table import Table
 from blockshard import SemanticsError
 from blockshard.planner import catalog_models, compare, model_tensors, plan_model
 from blockshard.semantics import TensorSpec
+from blockshard.semantics._tiles import PackedTiles
 
 WORLD_SIZES = (8, 64, 1024, 16384)
 TILE_WORLD_SIZES = (8, 64, 256, 1024)  # issue 24's targets for fp8_block:128 tile placement
@@ -103,18 +104,17 @@ def _scaling(repeats: int) -> list[dict]:
     return rows
 
 
-def _padded_tiles(model: str, tile: int = 128) -> float:
-    """Elements of the model's 2-D and stacked weights in padded ``tile x tile`` tiles over their
-    elements: what masters in padded tile order hold (``quantized_gather=True, tile_placement=True``;
-    docs/design.md, "Tile placement")."""
-    real = padded = 0
+def _packed_tiles(model: str, tile: int = 128) -> float:
+    """Elements of the model's 2-D and stacked 3-D weights in packed tile order over their own
+    elements: what trainable masters hold under ``quantized_gather=True, tile_placement=True``
+    ([Note: packed tile order]; docs/design.md, "Tile placement")."""
+    real = packed = 0
     for t in model_tensors(model):
-        if len(t.shape) < 2:
+        if len(t.shape) not in (2, 3):
             continue
-        *lead, rows, cols = t.shape
         real += math.prod(t.shape)
-        padded += math.prod(lead) * -(-rows // tile) * tile * -(-cols // tile) * tile
-    return padded / real if real else 1.0
+        packed += PackedTiles(tuple(t.shape), tile, stacked=len(t.shape) == 3).numel
+    return packed / real if real else 1.0
 
 
 def _tiles(models: list[str]) -> list[dict]:
@@ -123,7 +123,7 @@ def _tiles(models: list[str]) -> list[dict]:
     segment over its unpadded share of the payload + scales (what ``fully_shard(...,
     tile_placement=...)`` builds); gathered quantized (stripes and tiles), the bytes gathered per
     rank over the unpadded physical payload + scales and the masters held over their unpadded share
-    (tiles: the masters in padded tile order, built)."""
+    (tiles: the masters in packed tile order, built)."""
     rows = []
     for model in models:
         tensors = model_tensors(model)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "planning_time": _planning_time(args.repeats),
         "scaling": _scaling(args.repeats),
         "tile_placement": _tiles(models),
-        "padded_tile_masters": {m: _padded_tiles(m) for m in models},
+        "packed_tile_masters": {m: _packed_tiles(m) for m in models},
         "plan_speed": _speed(models, args.speed_repeats),
     }
     result["summary"] = _summary(rows)
@@ -277,7 +277,7 @@ def _markdown(result: dict) -> str:
         f'{TILE_SEMANTICS} by B-row stripes, by tiles (`tile_placement=True`, docs/design.md "Tile placement") '
         'and per group whichever pads less (`tile_placement="auto"`): padding; frozen FP8 weights (what '
         "`fully_shard(..., tile_placement=...)` builds), each rank's segment over its unpadded share of the "
-        "payload + scales; with `quantized_gather=True` (trainable masters; by tiles in padded tile order) the "
+        "payload + scales; with `quantized_gather=True` (trainable masters; by tiles in packed tile order) the "
         "bytes gathered per rank per step over the unpadded payload + scales, and the masters held per rank "
         "over their unpadded share.",
         "",
@@ -293,9 +293,9 @@ def _markdown(result: dict) -> str:
         f"{r['stripes']['masters_over_share']:.3f} | {r['tiles']['masters_over_share']:.3f} |"
         for r in result.get("tile_placement", [])
     ]
-    if padded := result.get("padded_tile_masters"):
-        shown = ", ".join(f"{m} {x:.4f}" for m, x in padded.items())
-        lines += ["", f"Masters in padded {TILE_SEMANTICS} tiles over their elements (docs/design.md): {shown}."]
+    if packed := result.get("packed_tile_masters"):
+        shown = ", ".join(f"{m} {x:.4f}" for m, x in packed.items())
+        lines += ["", f"Masters in packed {TILE_SEMANTICS} tile order over their elements (docs/design.md): {shown}."]
     if speed := result.get("plan_speed"):
         lines += [
             "",

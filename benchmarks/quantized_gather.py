@@ -19,8 +19,8 @@ embedding weights train so backward reaches every layer), every rank on the same
     placement in the engine]);
   * **blockshard-fp8-masters-stripes** / **blockshard-fp8-masters-tiles**: the linears left as
     trainable bf16 masters with ``fp8_block:128`` semantics, gathered quantized
-    (``quantized_gather=True``, [Note: quantized gather]): by 128-row stripes, or by tiles in padded
-    tile order (``tile_placement=True``, [Note: padded tile order in the engine]); their persistent
+    (``quantized_gather=True``, [Note: quantized gather]): by 128-row stripes, or by tiles in packed
+    tile order (``tile_placement=True``, [Note: packed tile order in the engine]); their persistent
     bytes are the masters' pieces plus the quantized segment.
 A ``TorchDispatchMode`` over the counted step sums the output bytes of every ``c10d`` all-gather by
 dtype: ``uint8`` are the quantized groups, floating dtypes the float groups. The base weights'
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
             "rank at most; tiles: one tile).",
             "Trainable FP8 masters (quantized_gather=True): gathered_over_physical as for frozen FP8 (each "
             "forward and backward unshard gathers the quantized segments); masters_max_rank_over_share is the "
-            "largest rank's bf16 master bytes over the masters' unpadded bf16 bytes / W (tiles: the edge tiles' "
-            "zeros included).",
+            "largest rank's bf16 master bytes over the masters' unpadded bf16 bytes / W (tiles: the zeros of "
+            "the packed tile order's slots included).",
             "Persistent per rank for blockshard: the padded segment (every rank holds S bytes) plus replicated "
             "code tables, once per group (the 64 B NF4/FP4 code; nested: + the 1024 B dynamic map) and a 4 B "
             "nested offset per tensor.",

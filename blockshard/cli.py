@@ -59,7 +59,7 @@ def _add_model_args(p: argparse.ArgumentParser, *, required: bool = True) -> Non
         choices=("on", "off", "auto"),
         help="plan the fp8_block:B weights in their tile-major order, one tile as the placement unit "
         "(docs/design.md, 'Tile placement'): what fully_shard(..., tile_placement=True) builds for frozen FP8 "
-        "weights and, with --quantized-gather, for trainable masters (in padded tile order); 'auto': frozen ones "
+        "weights and, with --quantized-gather, for trainable masters (in packed tile order); 'auto': frozen ones "
         "per group, whichever pads less (masters by stripes)",
     )
 

@@ -115,7 +115,7 @@ class ModelPlan:
 
     @property
     def total_numel(self) -> int:
-        """The tensors' own elements (a master's edge padding in padded tile order is padding)."""
+        """The tensors' own elements (the zeros of a master's slots in packed tile order are padding)."""
         return sum(g.total_numel for g in self.groups) - sum(q.edge_padding_numel for q in self.quantized_gather_groups)
 
     @property
@@ -297,9 +297,9 @@ def plan_model(
     ``tile_placement=True`` plans every weight whose only semantics is ``fp8_block:B`` in its
     tile-major parts, one tile as the placement unit ([Note: planned tile placement] in
     ``planner/_tile_placement.py``): what ``fully_shard(..., tile_placement=True)`` builds for frozen
-    FP8 weights; with ``quantized_gather=True`` the trainable masters in padded tile order
-    (``padded_masters``, as ``fully_shard(..., quantized_gather=True, tile_placement=True)``; the
-    edge tiles' zeros count as padding). ``tile_placement="auto"``: as ``fully_shard(...,
+    FP8 weights; with ``quantized_gather=True`` the trainable masters in packed tile order
+    (``packed_masters``, as ``fully_shard(..., quantized_gather=True, tile_placement=True)``; the
+    zeros of their slots count as padding). ``tile_placement="auto"``: as ``fully_shard(...,
     tile_placement="auto")``, per group the frozen FP8 weights by tiles where that pads less (the
     masters by stripes).
     """

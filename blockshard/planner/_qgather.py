@@ -31,7 +31,7 @@ from blockshard.planner._items import PlanItem
 from blockshard.planner._layout import GroupLayout
 from blockshard.planner._policy import choose_layout
 from blockshard.planner._quantized import BF16_BYTES, byte_totals
-from blockshard.planner._tile_placement import PaddedRun, padded_masters
+from blockshard.planner._tile_placement import PackedRun, packed_masters
 from blockshard.planner._units import Memo
 from blockshard.semantics import SemanticsRules, TensorSpec
 from blockshard.semantics._quantizers import MX, FP8Block
@@ -49,8 +49,8 @@ __all__ = [
 SECTION_ALIGN_BYTES = 16  # the engine's: every section of a quantized segment starts at a multiple of it
 _MASTER_DTYPES = ("float64", "float32", "bfloat16", "float16")
 
-# PaddedRun: a master in padded tile order ([Note: padded tile order] in semantics/_tiles.py)
-Tile: TypeAlias = MX | FP8Block | PaddedRun
+# PackedRun: a master in packed tile order ([Note: packed tile order] in semantics/_tiles.py)
+Tile: TypeAlias = MX | FP8Block | PackedRun
 
 
 def gather_buffers_name(group: str) -> str:
@@ -106,22 +106,23 @@ def _tile_unit(tile: Tile, shape: tuple[int, ...]) -> int:
     """The values a rank's piece must hold whole (the engine's ``TileQuantizer.unit_numel``)."""
     if isinstance(tile, MX):
         return tile.block
-    if isinstance(tile, PaddedRun):
+    if isinstance(tile, PackedRun):
         return tile.unit
     *lead, rows, cols = shape
     return rows * cols if lead and rows % tile.tile else tile.tile * cols
 
 
 def _real_numel(tile: Tile, numel: int) -> int:
-    """The weight's own values (a master in padded tile order holds its edge tiles' padding too)."""
-    return tile.order.real_numel() if isinstance(tile, PaddedRun) else numel
+    """The weight's own values (a master in packed tile order holds the zeros of its slots too)."""
+    return tile.order.real_numel() if isinstance(tile, PackedRun) else numel
 
 
 def _piece_bytes(tile: Tile, shape: tuple[int, ...], start: int, numel: int) -> tuple[int, int]:
     """(payload, scales) bytes of the piece ``[start, start + numel)`` made of whole tiles."""
-    if isinstance(tile, PaddedRun):  # the payload of the run's real values only, one scale per tile
-        first, stop = tile.order.tiles_of(start, start + numel)
-        return tile.order.real_numel(first, stop), 4 * (stop - first)
+    if isinstance(tile, PackedRun):  # the payload of the run's real values only, one scale per tile
+        first, stop = tile.order.slots_of(start, start + numel)
+        t0, t1 = tile.order.tile_range(first, stop)
+        return tile.order.real_numel(first, stop), 4 * (t1 - t0)
     if isinstance(tile, MX):
         return numel * tile.bits // 8, numel // tile.block
     *lead, rows, cols = shape
@@ -142,7 +143,7 @@ class QuantizedGatherBytes:
     group: str  # the fully_shard group ("" for the root)
     layout: GroupLayout
     tensors: tuple[str, ...]
-    numel: int  # the weights' own values (without a padded tile order's edge padding)
+    numel: int  # the weights' own values (without the zeros of a packed tile order's slots)
     payload_bytes: int
     total_bytes: int  # payload and scales of every tensor
     segment_bytes: int
@@ -169,7 +170,7 @@ class QuantizedGatherBytes:
 
     @property
     def edge_padding_numel(self) -> int:
-        """Elements the masters' layout holds beyond the weights' own (padded tile order's edges)."""
+        """Elements the masters' layout holds beyond the weights' own (the zeros of packed tile order's slots)."""
         return self.layout.total_numel - self.numel
 
     @property
@@ -272,15 +273,15 @@ def master_items(
     items: list[PlanItem], tiles: dict[str, Tile], semantics: object, tile_placement: bool | str
 ) -> tuple[list[PlanItem], dict[str, Tile]]:
     """The masters of buffer set ``name`` (``items``, gathered quantized by ``tiles``) as they are
-    laid out under ``tile_placement`` ([Note: padded tile order in the engine] in
+    laid out under ``tile_placement`` ([Note: packed tile order in the engine] in
     ``runtime/quantized/_gather.py``; ``fully_shard`` calls the same): ``True``, every weight
-    whose only semantics is ``fp8_block:B`` in padded tile order; ``"auto"`` and ``False``,
+    whose only semantics is ``fp8_block:B`` in packed tile order; ``"auto"`` and ``False``,
     stripes (``"auto"`` chooses for frozen FP8 weights only). Returns the items and their
     quantizers."""
     if tile_placement is not True:
         return items, tiles
-    padded, orders = padded_masters(items, semantics)
-    return padded, tiles | {n: PaddedRun(o) for n, o in orders.items()}
+    padded, orders = packed_masters(items, semantics)
+    return padded, tiles | {n: PackedRun(o) for n, o in orders.items()}
 
 
 def plan_gather_buffers(
@@ -297,7 +298,7 @@ def plan_gather_buffers(
     tile_placement: bool | str = False,
 ) -> QuantizedGatherBytes:
     """The layout of group ``gname``'s quantized-gather buffer set (its weights gathered quantized,
-    in padded tile order as :func:`master_items` chooses under ``tile_placement``) and their
+    in packed tile order as :func:`master_items` chooses under ``tile_placement``) and their
     quantized segments (not rotated: the engine balances the primary layouts only)."""
     name = gather_buffers_name(gname)
     qitems, tiles = master_items(qitems, tiles, semantics, tile_placement)

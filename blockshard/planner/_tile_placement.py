@@ -12,9 +12,9 @@ elements; its stored bytes (frozen FP8) the payload plus one fp32 scale per tile
 For **frozen FP8 weights** this is what ``fully_shard(..., tile_placement=True)`` builds ([Note:
 tile placement in the engine] in ``runtime/quantized/_frozen.py``): the bytes each rank holds are
 the plan's, since the parts' units in order are the engine's tile runs. Trainable masters gathered
-quantized (``quantized_gather=True``) are not cut into parts: they take the padded tile order
-(:func:`padded_masters`, [Note: padded tile order] in ``semantics/_tiles.py``), which is what the
-engine builds ([Note: padded tile order in the engine] in ``runtime/quantized/_gather.py``). For
+quantized (``quantized_gather=True``) are not cut into parts: they take the packed tile order
+(:func:`packed_masters`, [Note: packed tile order] in ``semantics/_tiles.py``), which is what the
+engine builds ([Note: packed tile order in the engine] in ``runtime/quantized/_gather.py``). For
 float weights with ``fp8_block`` semantics that are neither frozen FP8 nor gathered quantized the
 parts are a **what-if**: the engine keeps their stripes (``benchmarks/plan_quality.py`` reports
 both placements). Only a weight whose only semantics is ``fp8_block:B`` is tile-placed (2-D, or a
@@ -31,24 +31,24 @@ from blockshard.planner._quantized import plan_quantized_group
 from blockshard.semantics import Companion, SemanticsRules, TensorSpec, storage_with_companions
 from blockshard.semantics._experts import is_stacked_experts
 from blockshard.semantics._quantizers import FP8Block
-from blockshard.semantics._tiles import PaddedTiles, TilePart, tile_parts
+from blockshard.semantics._tiles import PackedTiles, TilePart, tile_parts
 
-__all__ = ["PaddedRun", "auto_tile_placed", "padded_masters", "part_name", "tile_placed"]
+__all__ = ["PackedRun", "auto_tile_placed", "packed_masters", "part_name", "tile_placed"]
 
 
 def part_name(name: str, part: TilePart) -> str:
     return f"{name}[{part.name}]"
 
 
-class PaddedRun:
-    """The tile quantizer of a trainable master in padded tile order ([Note: padded tile order] in
-    ``semantics/_tiles.py``): every tile ``B * B`` values of the layout, its payload only the real
-    ones, one fp32 scale per tile."""
+class PackedRun:
+    """The tile quantizer of a trainable master in packed tile order ([Note: packed tile order] in
+    ``semantics/_tiles.py``): a slot of ``B * B`` values of the layout is the unit, its payload only
+    the tiles' values, one fp32 scale per tile."""
 
-    def __init__(self, order: PaddedTiles) -> None:
+    def __init__(self, order: PackedTiles) -> None:
         self.order = order
         self.unit = order.unit_numel
-        self.spec = f"fp8_block:{order.tile} padded tiles of {order.shape}"
+        self.spec = f"fp8_block:{order.tile} packed tiles of {order.shape}"
 
 
 def _fp8_tile(it: PlanItem, rules: SemanticsRules) -> int | None:
@@ -62,21 +62,21 @@ def _fp8_tile(it: PlanItem, rules: SemanticsRules) -> int | None:
     return sems[0].tile
 
 
-def padded_masters(items: Iterable[PlanItem], semantics: object) -> tuple[list[PlanItem], dict[str, PaddedTiles]]:
+def packed_masters(items: Iterable[PlanItem], semantics: object) -> tuple[list[PlanItem], dict[str, PackedTiles]]:
     """``items`` (trainable masters gathered quantized) with every weight whose only semantics is
-    ``fp8_block:B`` in padded tile order: one flat tensor of ``n_tiles * B * B`` values whose unit
-    is one tile, its cost scaled by the padding; and ``{name: its order}``. What
-    ``fully_shard(..., quantized_gather=True, tile_placement=True)`` lays out ([Note: padded tile
+    ``fp8_block:B`` in packed tile order: one flat tensor of ``n_slots * B * B`` values whose unit
+    is one slot, its cost scaled by the zeros; and ``{name: its order}``. What
+    ``fully_shard(..., quantized_gather=True, tile_placement=True)`` lays out ([Note: packed tile
     order in the engine] in ``runtime/quantized/_gather.py``)."""
     rules = SemanticsRules.coerce(semantics)
     out: list[PlanItem] = []
-    orders: dict[str, PaddedTiles] = {}
+    orders: dict[str, PackedTiles] = {}
     for it in items:
         b = _fp8_tile(it, rules)
         if b is None:
             out.append(it)
             continue
-        order = PaddedTiles(tuple(it.spec.shape), b, stacked=len(it.spec.shape) == 3)
+        order = PackedTiles(tuple(it.spec.shape), b, stacked=len(it.spec.shape) == 3)
         spec = TensorSpec(
             name=it.name,
             shape=(order.numel,),
@@ -86,7 +86,7 @@ def padded_masters(items: Iterable[PlanItem], semantics: object) -> tuple[list[P
             param_group=it.spec.param_group,
         )
         cost = it.cost * order.numel / it.numel
-        out.append(PlanItem(spec, order.grid, cost, f"{it.label} (padded tiles)", None, it.storage))
+        out.append(PlanItem(spec, order.grid, cost, f"{it.label} (packed tiles)", None, it.storage))
         orders[it.name] = order
     return out, orders
 
@@ -95,13 +95,13 @@ def tile_placed(
     items: Iterable[PlanItem], semantics: object, tiles: Collection[str] = ()
 ) -> tuple[list[PlanItem], dict[str, PlanItem]]:
     """``items`` with every weight whose only semantics is ``fp8_block:B`` replaced by its parts,
-    but those in ``tiles`` (gathered quantized: their masters take the padded tile order,
-    :func:`padded_masters`); and ``{part name: the weight's item}``."""
+    but those in ``tiles`` (gathered quantized: their masters take the packed tile order,
+    :func:`packed_masters`); and ``{part name: the weight's item}``."""
     rules = SemanticsRules.coerce(semantics)
     out: list[PlanItem] = []
     originals: dict[str, PlanItem] = {}
     for it in items:
-        b = None if it.name in tiles else _fp8_tile(it, rules)  # masters: in padded tile order (_qgather.py)
+        b = None if it.name in tiles else _fp8_tile(it, rules)  # masters: in packed tile order (_qgather.py)
         if b is None:
             out.append(it)
             continue

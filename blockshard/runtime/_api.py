@@ -15,7 +15,7 @@ from torch import nn
 from blockshard.planner import GroupLayout, PlanItem, resolve_items
 from blockshard.planner._balance import rotate
 from blockshard.planner._policy import check_policy, choose_layout
-from blockshard.planner._tile_placement import padded_masters
+from blockshard.planner._tile_placement import packed_masters
 from blockshard.planner._units import check_alignment_bytes
 from blockshard.runtime._arguments import (
     check_fsdp_arguments,
@@ -49,7 +49,7 @@ from blockshard.runtime.core._state import STATE_ATTR, ModuleState, state_of
 from blockshard.runtime.core._traffic import step_log_steps
 from blockshard.runtime.quantized._frozen import FrozenQuantizedBuffers, collect_quantized, ignored_quantized
 from blockshard.runtime.quantized._gather import QuantizedGatherBuffers, split_quantized_gather
-from blockshard.runtime.quantized._tile_major import PaddedTileOrder
+from blockshard.runtime.quantized._tile_major import PackedTileOrder
 from blockshard.semantics import BlockSemantics, SemanticsRules, TensorSpec
 from blockshard.semantics._rule import call_user_semantics
 
@@ -165,15 +165,15 @@ def _build_group(
     trainable: bool,
     offload: bool = False,
     make: Callable[..., ParamBuffers] = ParamBuffers,
-    padded: bool = False,
+    packed: bool = False,
 ) -> tuple[ParamBuffers, list[PlanItem], frozenset[str]]:
     """Plan ``params`` (one dtype) and make their group: its layout checked equal on every rank.
-    ``padded``: the masters gathered quantized, their ``fp8_block`` weights in padded tile order
-    (``tile_placement=True``; [Note: padded tile order in the engine] in quantized/_gather.py)."""
+    ``packed``: the masters gathered quantized, their ``fp8_block`` weights in packed tile order
+    (``tile_placement=True``; [Note: packed tile order in the engine] in quantized/_gather.py)."""
     layout: GroupLayout | None = None
     items: list[PlanItem] = []
     owned: frozenset[str] = frozenset()
-    orders: dict[str, PaddedTileOrder] = {}
+    orders: dict[str, PackedTileOrder] = {}
     if params:  # a root without parameters of its own still drives the hooks, as in FSDP2
         by_name = dict(zip(names, params, strict=True))
         specs = [
@@ -182,9 +182,9 @@ def _build_group(
         ]
         rules = _rules(semantics, by_name)
         items = resolve_items(specs, rules)
-        if padded:  # what plan_model(..., quantized_gather=True, tile_placement=True) lays out
-            items, found = padded_masters(items, rules)
-            orders = {n: PaddedTileOrder(o.shape, o.tile, o.stacked) for n, o in found.items()}
+        if packed:  # what plan_model(..., quantized_gather=True, tile_placement=True) lays out
+            items, found = packed_masters(items, rules)
+            orders = {n: PackedTileOrder(o.shape, o.tile, o.stacked) for n, o in found.items()}
         layout, owned, _ = choose_layout(
             items, process_group.size(), policy, name=name, alignment_bytes=alignment_bytes, memo={}
         )

@@ -26,14 +26,14 @@ GPT-OSS-120B, Mixtral-8x7B and DeepSeek-V3 at W = 8 to 1024.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
-from blockshard._arith import run_boxes
 from blockshard._errors import SemanticsError
 from blockshard.semantics._grid import UnitGrid
 
-__all__ = ["PART_NAMES", "PaddedTiles", "Tile", "TilePart", "tile_dims", "tile_parts"]
+__all__ = ["PART_NAMES", "PackedTiles", "Tile", "TilePart", "tile_dims", "tile_parts"]
 
 PART_NAMES = ("tiles", "right", "bottom", "corner")
 
@@ -111,29 +111,49 @@ def tile_parts(shape: tuple[int, ...], tile: Tile, *, stacked: bool) -> tuple[Ti
     return tuple(out)
 
 
-# [Note: padded tile order]
+# [Note: packed tile order]
 # A trainable master (``quantized_gather=True``) is one parameter the optimizer steps, so a rank's
 # piece of it must be one contiguous run on one unit grid; the tile-major order's four parts have
-# four unit sizes. The **padded tile order** gives every tile ``B x B`` values: tile ``(e, i, j)``
-# of the ``(E, ceil(R / B), ceil(C / B))`` grid at ``B * B * index``, each tile row-major within
-# itself, an edge tile's missing rows and columns zeros. The index runs through each expert's grid
-# row by row, or column by column where only the rows have an edge (``R % B != 0 == C % B``: the
-# short tiles, the last tile row, would otherwise lie together at the expert's end, and a rank whose
-# run missed them would quantize more real values than the others; columns first, one in every
-# ``ceil(R / B)`` tiles is short, so every run holds about its share: GPT-OSS's 2880-row experts).
-# One unit size, so the layout holds it as a flat tensor of ``n_tiles * B * B`` elements
-# (``UnitGrid.units``) and a rank's piece is a run of whole grid tiles, each box of tiles a box of
-# the weight; its scales are one per tile in the order's tile order.
+# four unit sizes. The **packed tile order** keeps the tile-major order's parts and tile order and
+# packs them into **slots** of ``B * B`` values, the unit: a full tile fills a slot; the tiles of an
+# edge part (``t`` values each) go ``k = (B * B) // t`` to a slot, one after another, and the rest
+# of the slot is zeros (so is the rest of a part's last slot). A part starts at a slot, so a run of
+# slots is a run of whole tiles, in tile-major order. One unit size: the layout holds the master as
+# a flat tensor of ``n_slots * B * B`` elements (``UnitGrid.units``), a rank's piece is a run of
+# whole slots, its tiles a run of the tile-major order (boxes of the weight as for frozen tiles), its
+# scales one per tile in that order.
 # The zeros never move: their gradient is written as zeros, element-wise steps keep a zero at zero
-# (AdamW: ``m = v = 0``, update 0; decay of 0 is 0), and a tile's amax over its B * B values is its
-# amax over its real ones. What it costs: the masters and their optimizer state hold the edge
-# padding (``numel / real_numel()``: 1.0 where B divides every dimension).
+# (AdamW: ``m = v = 0``, update 0; decay of 0 is 0), and a tile's amax is over its real values. What
+# it costs: the masters and their optimizer state hold the zeros (``numel / real_numel()``): none
+# where an edge's side divides ``B`` (GPT-OSS's 2880 = 22 * 128 + 64: two 64-row edge tiles a slot),
+# at most a slot per part, and up to a whole edge's padding where it does not (a 65-row edge of
+# ``B = 128``: one tile a slot, as if padded to 128 rows). An earlier **padded tile order** gave
+# every edge tile a slot of its own: 1.0296x the values on GPT-OSS-120B.
 
 
 @dataclass(frozen=True)
-class PaddedTiles:
-    """The padded tile order of a ``shape`` weight (2-D, or stacked ``(E, R, C)`` experts) in
-    ``tile x tile`` tiles ([Note: padded tile order]); pure arithmetic."""
+class _PartSlots:
+    """One part of the packed tile order: ``per_slot`` tiles a slot, from slot ``first_slot`` and
+    tile ``first_tile`` (tiles counted over the parts in order)."""
+
+    part: TilePart
+    per_slot: int
+    first_slot: int
+    first_tile: int
+
+    @property
+    def n_slots(self) -> int:
+        return -(-self.part.count // self.per_slot)
+
+    def tile_of(self, slot: int) -> int:
+        """The first tile of ``slot`` (relative to the part: ``0 <= slot <= n_slots``)."""
+        return min(slot * self.per_slot, self.part.count)
+
+
+@dataclass(frozen=True)
+class PackedTiles:
+    """The packed tile order of a ``shape`` weight (2-D, or stacked ``(E, R, C)`` experts) in
+    ``tile x tile`` tiles ([Note: packed tile order]); pure arithmetic. Its unit is a slot."""
 
     shape: tuple[int, ...]
     tile: int
@@ -142,20 +162,48 @@ class PaddedTiles:
     def __post_init__(self) -> None:
         if len(self.shape) != (3 if self.stacked else 2) or not _side(self.tile):
             raise SemanticsError(
-                f"a padded tile order needs a 2-D weight or a stacked (E, rows, cols) expert tensor and a tile "
+                f"a packed tile order needs a 2-D weight or a stacked (E, rows, cols) expert tensor and a tile "
                 f"side >= 1, got shape {self.shape} ({'stacked' if self.stacked else 'not stacked'}), tile "
                 f"{self.tile!r}"
             )
 
+    @functools.cached_property
+    def slots(self) -> tuple[_PartSlots, ...]:
+        """The parts (those with tiles), each with where its slots and tiles start."""
+        out: list[_PartSlots] = []
+        slot = tile = 0
+        for p in tile_parts(self.shape, self.tile, stacked=self.stacked):
+            ps = _PartSlots(p, self.unit_numel // p.unit_numel, slot, tile)
+            out.append(ps)
+            slot, tile = slot + ps.n_slots, tile + p.count
+        return tuple(out)
+
     @property
-    def dims(self) -> tuple[int, int, int]:
-        """``(E, R, C)``: one expert for a 2-D weight."""
-        return (1, *self.shape) if not self.stacked else self.shape  # type: ignore[return-value]
+    def unit_numel(self) -> int:
+        return self.tile * self.tile
+
+    @property
+    def n_slots(self) -> int:
+        return sum(ps.n_slots for ps in self.slots)
+
+    @property
+    def n_tiles(self) -> int:
+        return sum(ps.part.count for ps in self.slots)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the order, its zeros included."""
+        return self.n_slots * self.unit_numel
+
+    @property
+    def grid(self) -> UnitGrid:
+        """Cuts between any two slots."""
+        return UnitGrid.units(self.numel, self.unit_numel)
 
     @property
     def grid_shape(self) -> tuple[int, int, int]:
         """``(E, ceil(R / B), ceil(C / B))``: one entry per tile (the scale grid, per expert)."""
-        e, r, c = self.dims
+        e, r, c = (1, *self.shape) if not self.stacked else self.shape
         return e, -(-r // self.tile), -(-c // self.tile)
 
     @property
@@ -164,74 +212,44 @@ class PaddedTiles:
         g = self.grid_shape
         return g if self.stacked else g[1:]
 
-    @property
-    def n_tiles(self) -> int:
-        return math.prod(self.grid_shape)
+    def tile_at(self, slot: int) -> int:
+        """The first tile (over the parts, in tile-major order) of ``slot``; ``n_tiles`` at the end."""
+        for ps in self.slots:
+            if slot < ps.first_slot + ps.n_slots:
+                return ps.first_tile + ps.tile_of(max(slot - ps.first_slot, 0))
+        return self.n_tiles
 
-    @property
-    def unit_numel(self) -> int:
-        return self.tile * self.tile
+    def tile_range(self, first: int, stop: int) -> tuple[int, int]:
+        """The tiles ``[t0, t1)`` (tile-major order) that slots ``[first, stop)`` hold."""
+        return (self.tile_at(first), self.tile_at(stop)) if first < stop else (0, 0)
 
-    @property
-    def numel(self) -> int:
-        """Elements of the order, padding included."""
-        return self.n_tiles * self.unit_numel
-
-    @property
-    def grid(self) -> UnitGrid:
-        """Cuts between any two tiles."""
-        return UnitGrid.units(self.numel, self.unit_numel)
-
-    @property
-    def columns_first(self) -> bool:
-        """Whether the order runs through each expert's grid column by column (only the rows have an
-        edge, [Note: padded tile order]); else row by row."""
-        _, r, c = self.dims
-        return r % self.tile != 0 and c % self.tile == 0
-
-    @property
-    def order_shape(self) -> tuple[int, int, int]:
-        """The grid as the order runs through it, row-major: ``grid_shape``, its last two dims
-        swapped when :attr:`columns_first`."""
-        e, g_r, g_c = self.grid_shape
-        return (e, g_c, g_r) if self.columns_first else (e, g_r, g_c)
-
-    def index(self, e: int, i: int, j: int) -> int:
-        """The order's index of grid tile ``(e, i, j)``."""
-        _, g_1, g_2 = self.order_shape
-        a, b = (j, i) if self.columns_first else (i, j)
-        return (e * g_1 + a) * g_2 + b
-
-    def tile_boxes(self, first: int, stop: int) -> list[tuple[tuple[int, int, int], tuple[int, int, int]]]:
-        """``((e, i, j), (se, si, sj))`` per box of the grid that tiles ``[first, stop)`` fill, in order
-        (each a box of the order's grid, its last two dims swapped back when :attr:`columns_first`)."""
-        boxes: list[tuple[tuple[int, int, int], tuple[int, int, int]]] = run_boxes(self.order_shape, first, stop)  # type: ignore[assignment]
-        if not self.columns_first:
-            return boxes
-        return [((e, i, j), (se, si, sj)) for (e, j, i), (se, sj, si) in boxes]
-
-    def element_box(
-        self, offsets: tuple[int, int, int], sizes: tuple[int, int, int]
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The box of the weight (its own dims) that a box of tiles covers, edges cropped."""
-        (e, i, j), (se, si, sj) = offsets, sizes
-        _, r, c = self.dims
-        b = self.tile
-        o, s = (e, i * b, j * b), (se, min((i + si) * b, r) - i * b, min((j + sj) * b, c) - j * b)
-        return (o, s) if self.stacked else (o[1:], s[1:])
-
-    def boxes(self, first: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """``(offsets, sizes)`` of the weight's boxes that tiles ``[first, stop)`` fill (DCP's chunks)."""
-        return [self.element_box(o, s) for o, s in self.tile_boxes(first, stop)]
-
-    def real_numel(self, first: int = 0, stop: int | None = None) -> int:
-        """The weight's values in tiles ``[first, stop)`` (all of them by default): no padding."""
-        stop = self.n_tiles if stop is None else stop
-        return sum(math.prod(s) for _, s in self.boxes(first, stop))
-
-    def tiles_of(self, lo: int, hi: int) -> tuple[int, int]:
-        """The tiles ``[first, stop)`` of elements ``[lo, hi)`` of the order (whole tiles)."""
+    def slots_of(self, lo: int, hi: int) -> tuple[int, int]:
+        """The slots ``[first, stop)`` of elements ``[lo, hi)`` of the order (whole slots)."""
         u = self.unit_numel
         if lo % u or hi % u:
-            raise AssertionError(f"elements [{lo}, {hi}) of {self} cut a tile")
+            raise AssertionError(f"elements [{lo}, {hi}) of {self} cut a slot")
         return lo // u, hi // u
+
+    def real_numel(self, first: int = 0, stop: int | None = None) -> int:
+        """The weight's values in slots ``[first, stop)`` (all of them by default): no zeros."""
+        stop = self.n_slots if stop is None else stop
+        out = 0
+        for ps in self.slots:
+            lo = ps.tile_of(min(max(first - ps.first_slot, 0), ps.n_slots))
+            hi = ps.tile_of(min(max(stop - ps.first_slot, 0), ps.n_slots))
+            out += (hi - lo) * ps.part.unit_numel
+        return out
+
+    def packing(self, first: int, stop: int) -> list[tuple[_PartSlots, int, int, int, int]]:
+        """Per part that slots ``[first, stop)`` reach: ``(part, slot, n_slots, value, n_tiles)``: its
+        slots start ``slot`` slots into the run, its tiles ``value`` values into the run's tile-major
+        values; every slot holds ``per_slot`` tiles but the part's last."""
+        out = []
+        slot_at = value_at = 0
+        for ps in self.slots:
+            lo, hi = max(first - ps.first_slot, 0), min(stop - ps.first_slot, ps.n_slots)
+            if lo < hi:
+                n_tiles = ps.tile_of(hi) - ps.tile_of(lo)
+                out.append((ps, slot_at, hi - lo, value_at, n_tiles))
+                slot_at, value_at = slot_at + hi - lo, value_at + n_tiles * ps.part.unit_numel
+        return out

@@ -4,7 +4,7 @@ bytes (0.258 x bf16 nested, 0.281 x bf16 with fp32 absmax), the replicated path 
 and holds everything on every rank, and blockshard's ranks hold about total / W; blockwise FP8
 (stripes and tiles) holds every byte once, and at this size the tiles pad no more than the stripes
 (in general the nearest-boundary cut of either may pad less by a unit); trainable FP8 masters gathered
-quantized (stripes and padded tiles) gather at least their physical bytes, about half of bf16.
+quantized (stripes and packed tiles) gather at least their physical bytes, about half of bf16.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_quantized_gather_smallest_run(tmp_path, monkeypatch):
         assert r[f"{name}_gathered_over_physical"] >= 1.0
     assert r["fp8_tiles_persistent_over_stripes"] <= 1.0 and r["fp8_tiles_gathered_over_stripes"] <= 1.0
     # trainable FP8 masters gathered quantized: the physical bytes at least, and the masters' bf16
-    # pieces over their unpadded share (tiles: within the edge tiles' zeros; 352 = 2.75 x 128 rows)
+    # pieces over their unpadded share (tiles: within their slots' zeros; 352 = 2.75 x 128 rows)
     for name in bench.MASTERS:
         assert r[f"{name}_gathered_over_physical"] >= 1.0
         assert 0.49 <= r[f"{name}_gathered_over_bf16"] <= 0.6

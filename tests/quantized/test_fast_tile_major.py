@@ -6,7 +6,6 @@ tile-major order does not hold whole tiles (what stripe placement must avoid by 
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -15,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockshard._errors import SemanticsError
-from blockshard.runtime.quantized._tile_major import PaddedTileOrder, TileOrder, from_tile_major, to_tile_major
-from blockshard.semantics._tiles import PART_NAMES, PaddedTiles, tile_parts
+from blockshard.runtime.quantized._tile_major import PackedTileOrder, TileOrder, from_tile_major, to_tile_major
+from blockshard.semantics._tiles import PART_NAMES, PackedTiles, tile_parts
 
 shapes = st.tuples(st.integers(1, 3), st.integers(1, 40), st.integers(1, 40), st.integers(1, 12), st.booleans()).map(
     lambda t: ((t[0], t[1], t[2]) if t[4] else (t[1], t[2]), t[3], t[4])
@@ -148,41 +147,47 @@ def test_a_run_of_whole_tiles_goes_to_its_places_and_its_boxes(case, data):
         assert grid[tuple(first)] == scales[k - a]
 
 
-def _padded_reference(w: torch.Tensor, order: PaddedTileOrder) -> torch.Tensor:
-    """The padded tile order by plain indexing: every grid tile ``B x B``, zeros past the edges, each
-    expert's grid row by row, or column by column where only the rows have an edge."""
+def _packed_reference(w: torch.Tensor, order: PackedTileOrder) -> torch.Tensor:
+    """The packed tile order by plain loops: the full tiles, then the right edge's, the bottom
+    edge's and the corners (expert by expert, row by row), each tile row-major; a part's tiles go
+    ``(B * B) // tile values`` to a slot of ``B * B`` values, zeros in the rest."""
     b = order.tile
-    e, r, c = order.dims
+    e, r, c = (1, *w.shape) if w.dim() == 2 else w.shape
     w3 = w.reshape(e, r, c)
+    n_r, n_c = r // b, c // b
+    rows = [(i * b, b) for i in range(n_r)]
+    cols = [(j * b, b) for j in range(n_c)]
+    edge_r, edge_c = [(n_r * b, r - n_r * b)] if r % b else [], [(n_c * b, c - n_c * b)] if c % b else []
+    parts = [(rows, cols), (rows, edge_c), (edge_r, cols), (edge_r, edge_c)]  # tiles, right, bottom, corner
     out = []
-    n_e, n_r, n_c = order.grid_shape
-    by_columns = r % b != 0 and c % b == 0
-    assert order.columns_first == by_columns
-    if by_columns:
-        tiles = [(x, i, j) for x in range(n_e) for j in range(n_c) for i in range(n_r)]
-    else:
-        tiles = list(itertools.product(range(n_e), range(n_r), range(n_c)))
-    for x, i, j in tiles:
-        t = w3.new_zeros(b, b)
-        real = w3[x, i * b : (i + 1) * b, j * b : (j + 1) * b]
-        t[: real.shape[0], : real.shape[1]] = real
-        out.append(t.reshape(-1))
+    for part_rows, part_cols in parts:
+        tiles = [w3[x, i : i + h, j : j + v].reshape(-1) for x in range(e) for i, h in part_rows for j, v in part_cols]
+        if not tiles:
+            continue
+        per_slot = (b * b) // tiles[0].numel()
+        for k in range(0, len(tiles), per_slot):
+            slot = w3.new_zeros(b * b)
+            values = torch.cat(tiles[k : k + per_slot])
+            slot[: values.numel()] = values
+            out.append(slot)
     return torch.cat(out)
 
 
 @settings(max_examples=80, deadline=None)
 @given(shapes, st.data())
-def test_padded_tile_order_runs_round_trip_and_name_their_boxes(case, data):
-    """[Note: padded tile order]: any run of grid tiles is ``B * B`` values per tile (zeros in the
-    padding), put back at its places of the row-major weight, and its real values box by box."""
+def test_packed_tile_order_runs_round_trip_and_name_their_boxes(case, data):
+    """[Note: packed tile order]: any run of slots is ``B * B`` values per slot (its tiles packed,
+    zeros in the rest), put back at its places of the row-major weight, and its tiles' values box
+    by box."""
     shape, b, stacked = case
-    order = PaddedTileOrder(shape, b, stacked)
+    order = PackedTileOrder(shape, b, stacked)
     w = torch.arange(1, math.prod(shape) + 1, dtype=torch.float64).reshape(shape)
-    full = order.take(w.reshape(-1), 0, order.n_tiles)
+    full = order.take(w.reshape(-1), 0, order.n_slots)
     assert full.numel() == order.numel == order.grid.numel and order.grid.unit_numel == b * b
-    assert torch.equal(full, _padded_reference(w, order)) and order.real_numel() == w.numel()
-    first = data.draw(st.integers(0, order.n_tiles - 1))
-    stop = data.draw(st.integers(first + 1, order.n_tiles))
+    assert torch.equal(full, _packed_reference(w, order)) and order.real_numel() == w.numel()
+    assert order.tile_range(0, order.n_slots) == (0, order.n_tiles) == (0, math.prod(order.grid_shape))
+    first = data.draw(st.integers(0, order.n_slots - 1))
+    stop = data.draw(st.integers(first + 1, order.n_slots))
     run = order.take(w.reshape(-1), first, stop)
     assert torch.equal(run, full[first * b * b : stop * b * b])
     boxed = order.to_boxes(run, first)
@@ -198,22 +203,27 @@ def test_padded_tile_order_runs_round_trip_and_name_their_boxes(case, data):
     for off, size in order.boxes(first, stop):
         mask[tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))] = True
     assert torch.equal(dst, torch.where(mask, w, 0.0))  # exactly the run's values, at their places
+    assert int(mask.sum()) == order.real_numel(first, stop)
+    t0, t1 = order.tile_range(first, stop)
+    assert torch.equal(order.unpack(run, first), order.tiles.take(w.reshape(-1), t0, t1))
 
 
-def test_padded_tile_order_of_a_gpt_oss_shaped_expert_tensor():
+def test_packed_tile_order_of_gpt_oss_shaped_expert_tensors():
     """(4, 180, 360) in 32 x 32 tiles: 5 full tile rows and a 20-row edge per expert, 8 columns
-    short at the right (the scaled-down 2880-row experts of GPT-OSS)."""
-    order = PaddedTileOrder((4, 180, 360), 32, stacked=True)
-    assert order.grid_shape == (4, 6, 12) and order.numel == 4 * 6 * 12 * 1024 and order.real_numel() == 4 * 180 * 360
-    assert order.real_numel(10, 12) == 32 * 32 + 32 * 8  # a full tile, then the right edge tile of row 0
-    assert order.real_numel(66, 72) == 6 * 20 * 32 - 20 * 24  # the bottom edge row of expert 0
-    with pytest.raises(AssertionError, match="cut a tile"):
-        order.tiles_of(0, 1000)
-    # only the rows have an edge (GPT-OSS's gate_up_proj: 2880 = 22.5 x 128 rows, 5760 = 45 x 128
-    # columns): column by column, so every tile column ends in its one short tile
-    order = PaddedTileOrder((4, 180, 352), 32, stacked=True)
-    assert order.columns_first and order.grid_shape == (4, 6, 11) and order.order_shape == (4, 11, 6)
-    assert order.real_numel(0, 6) == 5 * 1024 + 20 * 32 and order.real_numel(6, 12) == order.real_numel(0, 6)
-    assert order.index(0, 5, 0) == 5 and order.index(1, 0, 1) == 66 + 6
+    short at the right (GPT-OSS's 2880-row experts scaled down); and GPT-OSS-120B's own experts,
+    whose 64-value edges pack two to a 128 x 128 slot: no zeros at all."""
+    order = PackedTileOrder((4, 180, 360), 32, stacked=True)
+    parts = [(ps.part.name, ps.per_slot, ps.n_slots) for ps in order.slots]
+    # full tiles one a slot; right edge 32 x 8 four a slot; bottom edge 20 x 32 one; corners 20 x 8 six
+    assert parts == [("tiles", 1, 220), ("right", 4, 5), ("bottom", 1, 44), ("corner", 6, 1)]
+    assert order.n_slots == 270 and order.numel == 270 * 1024 and order.real_numel() == 4 * 180 * 360
+    assert order.n_tiles == 4 * 6 * 12 and order.grid_shape == (4, 6, 12)
+    assert order.tile_range(220, 222) == (220, 228)  # two slots of the right edge: eight tiles
+    assert order.real_numel(219, 222) == 32 * 32 + 8 * 32 * 8
+    assert order.tile_range(269, 270) == (284, 288) and order.real_numel(269, 270) == 4 * 20 * 8
+    with pytest.raises(AssertionError, match="cut a slot"):
+        order.slots_of(0, 1000)
+    for shape in ((128, 2880, 5760), (128, 2880, 2880), (32, 2880, 2880)):  # gate_up_proj, down_proj
+        assert PackedTiles(shape, 128, stacked=True).numel == math.prod(shape), shape
     with pytest.raises(SemanticsError, match="stacked"):
-        PaddedTiles((180, 360), 32, stacked=True)
+        PackedTiles((180, 360), 32, stacked=True)

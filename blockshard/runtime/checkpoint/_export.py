@@ -19,7 +19,7 @@ FP8) go into a shard of their own under the unsharded model's state-dict names (
 serialization keys, [Note: quantized state dicts]), streamed the same way: entry by entry, each
 section's bytes rank after rank (its units are in rank order), rank 0 receiving every other rank's
 piece in chunks of at most ``_CHUNK_BYTES``; replicated constants (code tables, the packed quant
-state) come from rank 0's own. A master in padded tile order ([Note: padded tile order in the engine])
+state) come from rank 0's own. A master in packed tile order ([Note: packed tile order in the engine])
 is collected whole on rank 0 from its gathered run and written row-major (one such parameter at a
 time). A tile-placed FP8 weight's pieces are runs of tiles, not of the
 row-major entry ([Note: tile placement in the engine]), so rank 0 puts each rank's piece at its
@@ -371,8 +371,8 @@ def _span(runs: list[tuple[int, int]], lo: int, hi: int) -> tuple[int, int]:
 
 class _Runs:
     """Writes the gathered elements that lie in ``runs`` (one per parameter, in gathered order). A
-    parameter stored in another order than row-major (a master in padded tile order,
-    [Note: padded tile order in the engine]) is collected whole and written row-major once its run
+    parameter stored in another order than row-major (a master in packed tile order,
+    [Note: packed tile order in the engine]) is collected whole and written row-major once its run
     is complete: rank 0 holds one such parameter beyond its chunk."""
 
     def __init__(self, runs: list[tuple[int, int]], params: list[ShardedParam]) -> None:

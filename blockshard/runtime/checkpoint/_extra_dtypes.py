@@ -42,7 +42,7 @@ def _post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _loca
                         sp.shape,
                         name=key,
                         process_group=pg,
-                        boxes=sp.piece_boxes(),  # a master in padded tile order: its tiles' boxes
+                        boxes=sp.piece_boxes(),  # a master in packed tile order: its tiles' boxes
                     )
                 state_dict[key] = made[id(sp)]
 

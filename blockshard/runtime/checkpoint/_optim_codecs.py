@@ -166,7 +166,7 @@ def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedPa
         )
     if sp is None or (value.dim() == 0 and p.dim() != 0):
         return value  # the same on every rank (a parameter outside any group, a step count)
-    if tuple(value.shape) == tuple(p.shape):  # element-wise state; a master in padded tile order: as its boxes
+    if tuple(value.shape) == tuple(p.shape):  # element-wise state; a master in packed tile order: as its boxes
         boxes = sp.piece_boxes()
         return PieceTensor(
             sp.to_boxed(value), sp.local_start, sp.shape, name=f"{name}.{key}", process_group=_pg(sp), boxes=boxes
@@ -200,7 +200,7 @@ def decode_state(name: str, key: str, value: object, have: object, sp: ShardedPa
         for part in type(have).tensor_attrs:  # type: ignore[attr-defined]
             _copy_into(getattr(have, part), _local(name, f"{key}.{part}", value[part], getattr(have, part)))
         return have
-    if isinstance(value, PieceTensor) and sp is not None and sp.order is not None:  # [Note: padded tile order]
+    if isinstance(value, PieceTensor) and sp is not None and sp.order is not None:  # [Note: packed tile order]
         if [(x.offsets, x.sizes) for x in value.boxes] != [tuple(x) for x in sp.piece_boxes() or ()]:
             raise _error(
                 name,

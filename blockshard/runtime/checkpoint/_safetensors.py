@@ -245,7 +245,7 @@ def load_safetensors(
                     f"load_safetensors: {found!r} has shape {reader.shape(found)} in the checkpoint, the model's "
                     f"parameter has {sp.shape}. Fix: load a checkpoint of this model's configuration"
                 )
-            if sp.local_numel and (boxes := sp.piece_boxes()) is not None:  # [Note: padded tile order in the engine]
+            if sp.local_numel and (boxes := sp.piece_boxes()) is not None:  # [Note: packed tile order in the engine]
                 sp.sharded.copy_(sp.from_boxed(reader.boxes(found, boxes)))
             elif sp.local_numel:
                 piece = reader.run(found, sp.local_start, sp.local_start + sp.local_numel)

@@ -59,7 +59,7 @@ def sharded_state_dict(model: nn.Module) -> dict[str, LocalShard]:
     out: dict[str, LocalShard] = {}
     for prefix, st in states_under(model):
         for sp in st.buffers.params:
-            order = sp.order.name if sp.order is not None else "row-major"  # [Note: padded tile order]
+            order = sp.order.name if sp.order is not None else "row-major"  # [Note: packed tile order]
             out[join_name(prefix, sp.fqn)] = LocalShard(sp.sharded.detach(), sp.local_start, sp.shape, order)
         if (fq := frozen_buffers(st)) is not None:
             pieces = quantized_pieces(st.module, fq, join_name(prefix, ""))
@@ -152,7 +152,7 @@ def _state_dict_post_hook(
                     sp.shape,
                     name=key,
                     process_group=pg,
-                    boxes=sp.piece_boxes(),  # a master in padded tile order: its tiles' boxes
+                    boxes=sp.piece_boxes(),  # a master in packed tile order: its tiles' boxes
                 )
             state_dict[key] = made[id(sp)]
 
@@ -217,7 +217,7 @@ def _local_piece(name: str, sp: ShardedParam, value: object) -> object:
             f"has shape {sp.shape}. Fix: load a state dict of this model: model.state_dict() entries through "
             "torch.distributed.checkpoint, or full tensors (blockshard.full_state_dict, an unsharded model's)"
         )
-    if isinstance(value, PieceTensor) and sp.order is not None:  # a master in padded tile order
+    if isinstance(value, PieceTensor) and sp.order is not None:  # a master in packed tile order
         if [(b.offsets, b.sizes) for b in value.boxes] != [tuple(x) for x in sp.piece_boxes() or ()]:
             raise ShardingError(
                 f"parameter {name!r}: the state dict holds other boxes of it than this rank's tiles (another world "

@@ -105,7 +105,7 @@ class ParamBuffers(BufferSet):
             for sp, orig in zip(self.params, originals, strict=True):
                 flat = orig.detach().reshape(-1)
                 mine = self.local[sp.local_offset : sp.local_offset + sp.local_numel]
-                if sp.order is not None:  # stored in another order (a master in padded tile order)
+                if sp.order is not None:  # stored in another order (a master in packed tile order)
                     sp.order.take_into(mine, flat, sp.units()[0])
                 else:
                     mine.copy_(flat[sp.local_start : sp.local_start + sp.local_numel])

@@ -186,7 +186,7 @@ _ELEMENT_WISE = frozenset(
 
 def _element_wise(optimizer: torch.optim.Optimizer) -> bool:
     """torch's own optimizers whose step and state are element by element (a piece in any order
-    steps as the whole tensor does): the ones a padded tile order's pieces may reach."""
+    steps as the whole tensor does): the ones a packed tile order's pieces may reach."""
     cls = type(optimizer)
     return cls.__module__.startswith("torch.optim") and cls.__name__ in _ELEMENT_WISE
 
@@ -199,7 +199,7 @@ def _cuts_a_unit(sp: Any, grid: Any) -> bool:
 
 
 def _check_stored_order(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
-    """A piece stored in another order than row-major (a master in padded tile order) reaches only
+    """A piece stored in another order than row-major (a master in packed tile order) reaches only
     element-wise optimizers: any other would compute on (or keep blockwise state of) values that
     are neighbours in that order, not in the weight."""
     if group is None or _element_wise(optimizer):

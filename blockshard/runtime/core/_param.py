@@ -60,7 +60,7 @@ def managed_tag(param: torch.Tensor) -> ManagedTag | None:
 
 class StoredOrder(Protocol):
     """How a parameter stored in another order than row-major lays out its values in the layout
-    (``quantized/_tile_major.PaddedTileOrder``: a master in padded tile order). Its layout tensor
+    (``quantized/_tile_major.PackedTileOrder``: a master in packed tile order). Its layout tensor
     has ``numel`` elements, cut only between units of ``unit_numel``; pieces are runs of units."""
 
     @property
@@ -101,7 +101,7 @@ class ShardedParam:
     # micro-batch gradients summed without sync in the reduce dtype (when it is not the param dtype)
     accumulated: torch.Tensor | None = field(default=None, repr=False)
     # None: stored row-major (``local_start`` and ``local_numel`` are elements of the row-major
-    # flattening); else the order its layout tensor holds (a master in padded tile order: they count
+    # flattening); else the order its layout tensor holds (a master in packed tile order: they count
     # elements of that order, the sharded view is 1-D and the unsharded one the first ``numel``
     # elements of its gathered range, row-major)
     order: StoredOrder | None = None

@@ -28,20 +28,19 @@ in-place update of a piece bumps it), so a forgotten call costs time, never a st
 the counter does not see (through ``p.data``, under ``torch.inference_mode``) need the call.
 The pre-backward unshard finds the payload current and gathers the same bytes again.
 
-[Note: padded tile order in the engine]
+[Note: packed tile order in the engine]
 With ``tile_placement=True`` as well, every ``fp8_block:B`` master (2-D, or stacked ``(E, rows,
-cols)`` experts) is laid out in padded tile order ([Note: padded tile order] in
-``semantics/_tiles.py``; ``_api._build_group`` calls the planner's ``padded_masters``, so the layout
-is the plan's): its layout tensor is ``n_tiles * B * B`` values, tile after tile through each
-expert's grid row by row (column by column where only the rows have an edge), each tile ``B x B``
-row-major with an edge tile's missing rows and columns zeros. The unit is
-one tile, so a rank's piece is any run of whole tiles. ``ShardedParam.order`` (a
-``_tile_major.PaddedTileOrder``) says so to every reader: the init copy takes the tiles out of the
-row-major weight (``take_into``), the gradient copy into the reduce-scatter input does the same
-(writing zeros at the padding, so the padding's gradient is zero and an element-wise step keeps it
-at zero: AdamW's ``m = v = 0`` and weight decay of 0), the quantizer (``PaddedFP8Quantizer``) takes
-each tile's amax over its real values and packs their payload only (the payload is the whole
-weight's, bitwise), and the dequantization writes each tile's real values at their row-major place
+cols)`` experts) is laid out in packed tile order ([Note: packed tile order] in
+``semantics/_tiles.py``; ``_api._build_group`` calls the planner's ``packed_masters``, so the layout
+is the plan's): its layout tensor is ``n_slots * B * B`` values, the tile-major order's tiles
+packed into slots of ``B * B`` (a full tile a slot, an edge's tiles as many to a slot as fit, zeros
+in the rest). The unit is one slot, so a rank's piece is a run of whole slots, its tiles a run of
+the tile-major order. ``ShardedParam.order`` (a ``_tile_major.PackedTileOrder``) says so to every
+reader: the init copy takes the tiles out of the row-major weight (``take_into``), the gradient
+copy into the reduce-scatter input does the same (writing the slots' zeros, so their gradient is
+zero and an element-wise step keeps them at zero: AdamW's ``m = v = 0`` and weight decay of 0),
+the quantizer (``PackedFP8Quantizer``) takes each tile's amax over its own values and sends their
+payload only (the payload is the whole weight's, bitwise), and the dequantization writes each tile's real values at their row-major place
 in the gathered weight (the unsharded parameter is row-major, as with stripes). The sharded
 parameter is 1-D in that order: state dicts name its piece as boxes of whole tiles (``piece_boxes``,
 ``to_boxed`` / ``from_boxed``), element-wise optimizer state goes the same way, the safetensors
@@ -66,10 +65,10 @@ from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._inspect import BuffersView, states_under
 from blockshard.runtime.core._param import ParamRef, ShardedParam
 from blockshard.runtime.quantized._frozen import QuantizedStats
-from blockshard.runtime.quantized._tile_major import PaddedTileOrder
+from blockshard.runtime.quantized._tile_major import PackedTileOrder
 from blockshard.runtime.quantized._tile_quant import (
     FP8BlockQuantizer,
-    PaddedFP8Quantizer,
+    PackedFP8Quantizer,
     TileQuantizer,
     tile_quantizer,
 )
@@ -161,11 +160,11 @@ def plan_payload(
 
 
 def _in_order(q: TileQuantizer, order: object) -> TileQuantizer:
-    """``q``, or its padded-tile-order form for a master stored in that order."""
+    """``q``, or its packed-tile-order form for a master stored in that order."""
     if order is None:
         return q
-    assert isinstance(order, PaddedTileOrder) and isinstance(q, FP8BlockQuantizer), (q, order)
-    return PaddedFP8Quantizer(q.fqn, q.shape, tile=q.tile, order=order)
+    assert isinstance(order, PackedTileOrder) and isinstance(q, FP8BlockQuantizer), (q, order)
+    return PackedFP8Quantizer(q.fqn, q.shape, tile=q.tile, order=order)
 
 
 class QuantizedGatherBuffers(ParamBuffers):
@@ -176,7 +175,7 @@ class QuantizedGatherBuffers(ParamBuffers):
         self, name: str, params: list[ShardedParam], *args: Any, quantizers: dict[str, TileQuantizer], **kwargs: Any
     ) -> None:
         # by parameter, not name: a list group's names change when its root binds them (_list_groups.py);
-        # a master in padded tile order is quantized by its tiles ([Note: padded tile order in the engine])
+        # a master in packed tile order is quantized by its tiles ([Note: packed tile order in the engine])
         self.quantizers = {id(sp): _in_order(quantizers[sp.fqn], sp.order) for sp in params}
         self.plan: list[list[PayloadPiece]] = []
         self.segment_bytes = 0

@@ -14,10 +14,10 @@ one indexed copy per part; ``put_scales`` / ``take_scales`` do the same for one 
 as n-D boxes of the row-major weight (DCP's chunks), with ``to_boxes`` / ``from_boxes`` between
 the run's tile-major values and the boxes' row-major ones.
 
-:class:`PaddedTileOrder` is the same for the padded tile order of a trainable master ([Note:
-padded tile order] in ``semantics/_tiles.py``): a run of grid tiles, every one ``B x B`` (zeros
-where an edge tile has no values), to and from the row-major weight or its boxes, a few strided
-copies per box of the run (at most five boxes; each split at the short edge).
+:class:`PackedTileOrder` is the same for the packed tile order of a trainable master ([Note:
+packed tile order] in ``semantics/_tiles.py``): a run of slots, ``B x B`` values each, holding a
+run of the tile-major order's tiles; it packs and unpacks them (two strided copies per part) and
+goes through :class:`TileOrder` to and from the row-major weight or its boxes.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import TypeVar
 import torch
 
 from blockshard._arith import run_boxes
-from blockshard.semantics._tiles import PaddedTiles, Tile, TilePart, tile_dims, tile_parts
+from blockshard.semantics._tiles import PackedTiles, Tile, TilePart, tile_dims, tile_parts
 
-__all__ = ["PaddedTileOrder", "TileOrder", "from_tile_major", "to_tile_major"]
+__all__ = ["PackedTileOrder", "TileOrder", "from_tile_major", "to_tile_major"]
 
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
 _X = TypeVar("_X")
@@ -150,7 +150,8 @@ class TileOrder:
         """The tiles ``[first, stop)`` whose values are elements ``[lo, hi)`` of the order (whole tiles)."""
         return (self._tile_at(lo), self._tile_at(hi)) if lo < hi else (0, 0)
 
-    def _runs(self, first: int, stop: int) -> Iterator[_Run]:
+    def runs(self, first: int, stop: int) -> Iterator[_Run]:
+        """Per part that tiles ``[first, stop)`` reach: its tiles there and where they lie in the run."""
         base, at = 0, 0
         for p in self.parts:
             lo, hi = max(first - base, 0), min(stop - base, p.count)
@@ -190,7 +191,7 @@ class TileOrder:
         ``dst`` (a contiguous tensor of ``shape``): the inverse of :meth:`take`."""
         regions = _regions(dst.view(_dims(self.shape, self.stacked)), self.tile)
         at = 0
-        for r in self._runs(first, stop):
+        for r in self.runs(first, stop):
             p = r.part
             values = run[r.at : r.at + (r.hi - r.lo) * p.unit_numel].view(r.hi - r.lo, p.rows, p.cols)
             regions[p.name].index_put_(self._index(r, dst.device), values)
@@ -201,19 +202,19 @@ class TileOrder:
     def take(self, src: torch.Tensor, first: int, stop: int) -> torch.Tensor:
         """The tile-major values of tiles ``[first, stop)`` of the row-major ``src`` (1-D, new)."""
         regions = _regions(src.view(_dims(self.shape, self.stacked)), self.tile)
-        pieces = [regions[r.part.name][self._index(r, src.device)].reshape(-1) for r in self._runs(first, stop)]
+        pieces = [regions[r.part.name][self._index(r, src.device)].reshape(-1) for r in self.runs(first, stop)]
         return torch.cat(pieces) if pieces else src.new_empty(0).reshape(-1)
 
     def put_scales(self, grid: torch.Tensor, run: torch.Tensor, first: int) -> None:
         """Write one value per tile (``run``, tiles from ``first`` on) into ``grid`` (of ``grid_shape``)."""
         g3 = grid.view(-1, *grid.shape[-2:])
-        for r in self._runs(first, first + run.numel()):
+        for r in self.runs(first, first + run.numel()):
             g3.index_put_(self._grid_index(r, grid.device), run[r.tile_at : r.tile_at + r.hi - r.lo])
 
     def take_scales(self, grid: torch.Tensor, first: int, stop: int) -> torch.Tensor:
         """The values of tiles ``[first, stop)`` of ``grid`` in tile-major order (1-D, new)."""
         g3 = grid.view(-1, *grid.shape[-2:])
-        pieces = [g3[self._grid_index(r, grid.device)] for r in self._runs(first, stop)]
+        pieces = [g3[self._grid_index(r, grid.device)] for r in self.runs(first, stop)]
         return torch.cat(pieces) if pieces else grid.new_empty(0)
 
     # -- boxes (DCP chunks) ------------------------------------------------------------------------
@@ -231,12 +232,12 @@ class TileOrder:
 
     def boxes(self, first: int, stop: int) -> Boxes:
         """``(offsets, sizes)`` of the boxes of the row-major weight that tiles ``[first, stop)`` fill."""
-        return [(o, s) for r in self._runs(first, stop) for o, s, _, _ in self._run_boxes(r)]
+        return [(o, s) for r in self.runs(first, stop) for o, s, _, _ in self._run_boxes(r)]
 
     def _box_views(self, run: torch.Tensor, first: int, stop: int) -> Iterator[tuple[torch.Tensor, tuple[int, ...]]]:
         """Per box: a permuted view of the run's tile-major values of it whose row-major order is
         the box's, and the box's sizes in elements."""
-        for r in self._runs(first, stop):
+        for r in self.runs(first, stop):
             p = r.part
             for _, sizes, tiles, k in self._run_boxes(r):
                 n = math.prod(tiles)
@@ -269,114 +270,96 @@ class TileOrder:
         """``(offsets, sizes)`` of the boxes of the scale grid that tiles ``[first, stop)`` fill (their
         values in tile order are the boxes' row-major ones)."""
         out: Boxes = []
-        for r in self._runs(first, stop):
+        for r in self.runs(first, stop):
             for off, size in run_boxes(self._lead(r.part), r.lo, r.hi):
                 o3, s3 = self._in_grid(r.part, off, int), self._in_grid(r.part, size, lambda n: 1)
                 out.append((o3, s3) if self.stacked else (o3[1:], s3[1:]))
         return out
 
 
-_Pairs = Iterator[tuple[torch.Tensor, torch.Tensor]]
-
-
 @dataclass(frozen=True)
-class PaddedTileOrder(PaddedTiles):
-    """:class:`PaddedTiles` with the torch copies between a run of its tiles (1-D, ``B * B`` values
-    per tile) and the row-major weight or the run's boxes (each row-major, one after another)."""
+class PackedTileOrder(PackedTiles):
+    """:class:`PackedTiles` with the torch copies between a run of its slots (1-D, ``B * B`` values
+    per slot) and the row-major weight or the boxes of the run's tiles (each row-major, one after
+    another): the run's tiles are a run of the tile-major order (:class:`TileOrder`), packed."""
 
     @property
     def name(self) -> str:
         """How a piece in this order is named (``LocalShard.order``)."""
-        return f"padded tile-major {self.tile} x {self.tile}"
+        return f"packed tile-major {self.tile} x {self.tile}"
 
-    def _split(self, o: int, n: int, full: int, short: int) -> list[tuple[int, int, int]]:
-        """The tiles ``[o, o + n)`` of one grid dim as runs ``(first, stop, values per tile)``
-        relative to ``o``: the full ones, then the short edge (``short`` values) if the run has it."""
-        k = max(0, min(o + n, full) - o)
-        out = [(0, k, self.tile)] if k else []
-        if o + n > full:  # the last tile of the dim, short
-            out.append((k, k + 1, short))
+    @functools.cached_property
+    def tiles(self) -> TileOrder:
+        """The tile-major order the slots pack."""
+        return TileOrder(self.shape, (self.tile, self.tile), self.stacked)
+
+    def _moves(
+        self, run: torch.Tensor, values: torch.Tensor, first: int
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(in slots, in values)``: views of the same tiles in ``run`` (slots from ``first``) and in
+        ``values`` (their tile-major values), a slot's tiles at its start."""
+        u = self.unit_numel
+        for ps, slot, n, value, n_tiles in self.packing(first, first + run.numel() // u):
+            t = ps.part.unit_numel
+            slots = run[slot * u : (slot + n) * u].view(n, u)
+            full = n_tiles // ps.per_slot  # slots holding per_slot tiles; the part's last may hold fewer
+            take = full * ps.per_slot * t
+            if full:
+                yield slots[:full, : ps.per_slot * t], values[value : value + take].view(full, -1)
+            if full < n:
+                rest = (n_tiles - full * ps.per_slot) * t
+                yield slots[full, :rest], values[value + take : value + take + rest]
+
+    def pack(self, values: torch.Tensor, first: int, stop: int) -> torch.Tensor:
+        """Slots ``[first, stop)`` (1-D, new, zeros past the tiles) from their tiles' tile-major ``values``."""
+        out = values.new_zeros((stop - first) * self.unit_numel)
+        self.pack_into(out, values, first)
         return out
 
-    def _pairs(
-        self, run: torch.Tensor, first: int, box: Callable[[int, tuple[int, ...], tuple[int, ...]], torch.Tensor]
-    ) -> _Pairs:
-        """``(tiles, elements)``: views of the same values, of the run's tiles (from tile ``first``)
-        and of the element tensor ``box(k, offsets, sizes)`` gives for the ``k``-th box (3-D:
-        ``(se, rows, cols)``), split at the short edges."""
-        b = self.tile
-        _, r, c = self.dims
-        n_r, n_c = r // b, c // b
-        stop = first + run.numel() // self.unit_numel
-        for k, ((oe, oi, oj), (se, si, sj)) in enumerate(self.tile_boxes(first, stop)):
-            at = (self.index(oe, oi, oj) - first) * self.unit_numel
-            chunk = run[at : at + se * si * sj * self.unit_numel]
-            # (se, si, sj, b, b) over the box's tiles, whichever way the order runs through them
-            tiles = chunk.view(se, sj, si, b, b).transpose(1, 2) if self.columns_first else chunk.view(se, si, sj, b, b)
-            o3, s3 = (oe, oi * b, oj * b), (se, min((oi + si) * b, r) - oi * b, min((oj + sj) * b, c) - oj * b)
-            elements = box(k, o3, s3)
-            for i0, i1, h in self._split(oi, si, n_r, r - n_r * b):
-                for j0, j1, w in self._split(oj, sj, n_c, c - n_c * b):
-                    t = tiles[:, i0:i1, j0:j1, :h, :w].permute(0, 1, 3, 2, 4)  # (se, ni, h, nj, w)
-                    x = elements[:, i0 * b : i0 * b + (i1 - i0) * h, j0 * b : j0 * b + (j1 - j0) * w]
-                    yield t, x.unflatten(1, (i1 - i0, h)).unflatten(3, (j1 - j0, w))
-
-    def _in(self, weight: torch.Tensor) -> Callable[[int, tuple[int, ...], tuple[int, ...]], torch.Tensor]:
-        w3 = weight.view(self.dims)
-
-        def box(k: int, o: tuple[int, ...], s: tuple[int, ...]) -> torch.Tensor:
-            return w3[o[0] : o[0] + s[0], o[1] : o[1] + s[1], o[2] : o[2] + s[2]]
-
-        return box
-
-    def in_grid_order(self, per_tile: torch.Tensor) -> torch.Tensor:
-        """Values one per tile in the order's tile order (1-D, all tiles) in the grid's row-major order."""
-        if not self.columns_first:
-            return per_tile
-        return per_tile.view(self.order_shape).transpose(1, 2).reshape(-1)
-
-    def put(self, dst: torch.Tensor, run: torch.Tensor, first: int) -> None:
-        """Write the real values of ``run`` (tiles from ``first`` on) into the row-major ``dst``."""
-        for t, x in self._pairs(run, first, self._in(dst)):
-            x.copy_(t)
-
-    def take(self, src: torch.Tensor, first: int, stop: int) -> torch.Tensor:
-        """Tiles ``[first, stop)`` of the row-major ``src`` (1-D, new; zeros where tiles have no values)."""
-        out = src.new_zeros((stop - first) * self.unit_numel)
-        self.take_into(out, src, first)
-        return out
-
-    def take_into(self, out: torch.Tensor, src: torch.Tensor, first: int) -> None:
-        """:meth:`take` into ``out`` (1-D, whole tiles from ``first``); its padding is zeroed."""
+    def pack_into(self, out: torch.Tensor, values: torch.Tensor, first: int) -> None:
+        """:meth:`pack` into ``out`` (whole slots from ``first``); its zeros are written too."""
         if self.numel != self.real_numel():
             out.zero_()
-        for t, x in self._pairs(out, first, self._in(src)):
-            t.copy_(x)
+        for slots, vals in self._moves(out, values, first):
+            slots.copy_(vals)
+
+    def unpack(self, run: torch.Tensor, first: int) -> torch.Tensor:
+        """The tile-major values (1-D, new) of the tiles in ``run`` (slots from ``first``)."""
+        values = run.new_empty(self.real_numel(first, first + run.numel() // self.unit_numel))
+        for slots, vals in self._moves(run, values, first):
+            vals.copy_(slots)
+        return values
+
+    def boxes(self, first: int, stop: int) -> Boxes:
+        """``(offsets, sizes)`` of the boxes of the row-major weight that slots ``[first, stop)`` fill."""
+        return self.tiles.boxes(*self.tile_range(first, stop))
+
+    def put(self, dst: torch.Tensor, run: torch.Tensor, first: int) -> None:
+        """Write the tiles of ``run`` (slots from ``first`` on) into the row-major ``dst``."""
+        stop = first + run.numel() // self.unit_numel
+        self.tiles.put(dst, self.unpack(run, first), *self.tile_range(first, stop))
+
+    def take(self, src: torch.Tensor, first: int, stop: int) -> torch.Tensor:
+        """Slots ``[first, stop)`` of the row-major ``src`` (1-D, new; zeros past the tiles)."""
+        return self.pack(self.tiles.take(src, *self.tile_range(first, stop)), first, stop)
+
+    def take_into(self, out: torch.Tensor, src: torch.Tensor, first: int) -> None:
+        """:meth:`take` into ``out`` (1-D, whole slots from ``first``); its zeros are written too."""
+        stop = first + out.numel() // self.unit_numel
+        self.pack_into(out, self.tiles.take(src, *self.tile_range(first, stop)), first)
 
     def to_boxes(self, run: torch.Tensor, first: int) -> torch.Tensor:
-        """The real values of ``run`` (tiles from ``first``) box by box, each box row-major
-        (:meth:`PaddedTiles.boxes`), 1-D, new."""
+        """The tiles of ``run`` (slots from ``first``) box by box, each box row-major
+        (:meth:`boxes`), 1-D, new."""
         stop = first + run.numel() // self.unit_numel
-        made = [run.new_empty(math.prod(s)) for _, s in self.boxes(first, stop)]
-
-        def box(k: int, o: tuple[int, ...], s: tuple[int, ...]) -> torch.Tensor:
-            return made[k].view(s)
-
-        for t, x in self._pairs(run, first, box):
-            x.copy_(t)
-        return torch.cat(made) if made else run.new_empty(0)
+        return self.tiles.to_boxes(self.unpack(run, first), *self.tile_range(first, stop))
 
     def from_boxes(self, boxed: torch.Tensor, first: int, stop: int) -> torch.Tensor:
-        """The inverse of :meth:`to_boxes`: the run of tiles ``[first, stop)`` (1-D, new, zeros in the padding)."""
-        out = boxed.new_zeros((stop - first) * self.unit_numel)
-        starts, at = [], 0
-        for _, s in self.boxes(first, stop):
-            starts.append(at)
-            at += math.prod(s)
+        """The inverse of :meth:`to_boxes`: the run of slots ``[first, stop)`` (1-D, new, zeros past the tiles)."""
+        return self.pack(self.tiles.from_boxes(boxed, *self.tile_range(first, stop)), first, stop)
 
-        def box(k: int, o: tuple[int, ...], s: tuple[int, ...]) -> torch.Tensor:
-            return boxed[starts[k] : starts[k] + math.prod(s)].view(s)
-
-        for t, x in self._pairs(out, first, box):
-            t.copy_(x)
-        return out
+    def scales_in_grid(self, per_tile: torch.Tensor) -> torch.Tensor:
+        """Values one per tile in tile-major order (1-D, all tiles) as the scale grid (``scale_shape``)."""
+        grid = per_tile.new_empty(self.scale_shape)
+        self.tiles.put_scales(grid, per_tile, 0)
+        return grid

@@ -18,12 +18,13 @@ row-major flattening, cut at whole tiles (the float layout's units under the ``m
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from blockshard._errors import QuantizedWeightError
-from blockshard.runtime.quantized._tile_major import PaddedTileOrder
+from blockshard.runtime.quantized._tile_major import PackedTileOrder
 from blockshard.semantics import BlockSemantics
 from blockshard.semantics._quantizers import MX, FP8Block
 
@@ -31,7 +32,7 @@ __all__ = [
     "FP8_E4M3_MAX",
     "FP8BlockQuantizer",
     "MXQuantizer",
-    "PaddedFP8Quantizer",
+    "PackedFP8Quantizer",
     "TileQuantizer",
     "tile_quantizer",
 ]
@@ -202,70 +203,92 @@ class FP8BlockQuantizer(TileQuantizer):
 
 
 @dataclass(frozen=True)
-class PaddedFP8Quantizer(FP8BlockQuantizer):
-    """Blockwise FP8 of a master in padded tile order ([Note: padded tile order in the engine] in
-    _gather.py): a piece is a run of whole grid tiles, ``B * B`` values each (zeros past the
-    weight's edges), quantized per tile as :class:`FP8BlockQuantizer` quantizes the whole weight
-    (the zeros change no amax); its payload is the run's real values box by box
-    (``PaddedTileOrder.to_boxes``), its scales one fp32 per tile in the order's tile order (the whole
-    weight's :meth:`assemble` puts them in the grid's)."""
+class PackedFP8Quantizer(FP8BlockQuantizer):
+    """Blockwise FP8 of a master in packed tile order ([Note: packed tile order in the engine] in
+    _gather.py): a piece is a run of whole slots, whose tiles are a run of the tile-major order,
+    each quantized as :class:`FP8BlockQuantizer` quantizes it in the whole weight; the payload is
+    the tiles' values box by box (``PackedTileOrder.to_boxes``), the scales one fp32 per tile in
+    tile-major order (the whole weight's :meth:`assemble` puts them in the grid's)."""
 
-    order: PaddedTileOrder | None = None  # set always (a default only as the fields after defaults need one)
+    order: PackedTileOrder | None = None  # set always (a default only as the fields after defaults need one)
 
     def __post_init__(self) -> None:
         assert self.order is not None and self.order.tile == self.tile, (self.order, self.tile)
 
     @property
-    def tiles(self) -> PaddedTileOrder:
+    def slots(self) -> PackedTileOrder:
         assert self.order is not None
         return self.order
 
     @property
     def label(self) -> str:
-        return f"blockwise FP8 (e4m3fn, {self.tile} x {self.tile} tiles, padded tile order)"
+        return f"blockwise FP8 (e4m3fn, {self.tile} x {self.tile} tiles, packed tile order)"
 
     @property
     def unit_numel(self) -> int:
-        return self.tiles.unit_numel
+        return self.slots.unit_numel
+
+    def _tiles(self, start: int, numel: int) -> tuple[int, int]:
+        """The tiles (tile-major order) of the piece ``[start, start + numel)`` of the layout tensor."""
+        return self.slots.tile_range(*self.slots.slots_of(start, start + numel))
 
     def payload_bytes(self, start: int, numel: int) -> int:
-        return self.tiles.real_numel(*self.tiles.tiles_of(start, start + numel))
+        return self.slots.real_numel(*self.slots.slots_of(start, start + numel))
 
     def scale_bytes(self, start: int, numel: int) -> int:
-        first, stop = self.tiles.tiles_of(start, start + numel)
-        return 4 * (stop - first)
+        t0, t1 = self._tiles(start, numel)
+        return 4 * (t1 - t0)
+
+    def _by_tile(self, values: torch.Tensor, t0: int, t1: int) -> Iterator[torch.Tensor]:
+        """Views ``[tiles, values per tile]`` of tile-major ``values`` of tiles ``[t0, t1)``, one per part."""
+        for r in self.slots.tiles.runs(t0, t1):
+            yield values[r.at : r.at + (r.hi - r.lo) * r.part.unit_numel].view(r.hi - r.lo, -1)
 
     def quantize(self, piece: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        first, _ = self.tiles.tiles_of(start, start + piece.numel())
-        b = self.tile
-        tiles = piece.float().view(-1, b, b)
-        scale = tiles.abs().amax(dim=(1, 2)).clamp(min=_AMAX_EPS) / FP8_E4M3_MAX  # one per tile, fp32
-        q = (tiles / scale[:, None, None]).to(torch.float8_e4m3fn)
-        return self.tiles.to_boxes(q.view(-1).view(torch.uint8), first), scale.view(torch.uint8)
+        t0, t1 = self._tiles(start, piece.numel())
+        values = self.slots.unpack(piece.float(), start // self.unit_numel)
+        q = torch.empty(values.shape, dtype=torch.float8_e4m3fn, device=values.device)
+        scales = []
+        for x, out in zip(self._by_tile(values, t0, t1), self._by_tile(q, t0, t1), strict=True):
+            scale = x.abs().amax(dim=1).clamp(min=_AMAX_EPS) / FP8_E4M3_MAX  # one per tile, fp32
+            out.copy_((x / scale[:, None]).to(torch.float8_e4m3fn))
+            scales.append(scale)
+        scale = torch.cat(scales) if scales else values.new_empty(0)
+        return self.slots.tiles.to_boxes(q.view(torch.uint8), t0, t1), scale.view(torch.uint8)
+
+    def _values(
+        self, payload: torch.Tensor, scales: torch.Tensor, t0: int, t1: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The tiles ``[t0, t1)`` dequantized, tile-major (1-D, ``dtype``)."""
+        q = self.slots.tiles.from_boxes(payload, t0, t1).view(torch.float8_e4m3fn)
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+        scale, at = scales.view(torch.float32), 0
+        for x, y in zip(self._by_tile(q, t0, t1), self._by_tile(out, t0, t1), strict=True):
+            y.copy_(x.float() * scale[at : at + x.shape[0], None])
+            at += x.shape[0]
+        return out
 
     def dequantize(
         self, payload: torch.Tensor, scales: torch.Tensor, start: int, numel: int, dtype: torch.dtype
     ) -> torch.Tensor:
-        """The run of tiles (``B * B`` values each, zeros in the padding) in ``dtype``."""
-        first, stop = self.tiles.tiles_of(start, start + numel)
-        b = self.tile
-        q = self.tiles.from_boxes(payload, first, stop).view(torch.float8_e4m3fn).float().view(-1, b, b)
-        return (q * scales.view(torch.float32)[:, None, None]).to(dtype).view(-1)
+        """The run of slots (``B * B`` values each, zeros past the tiles) in ``dtype``."""
+        first, stop = self.slots.slots_of(start, start + numel)
+        return self.slots.pack(self._values(payload, scales, *self._tiles(start, numel), dtype), first, stop)
 
     def dequantize_into(
         self, weight: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, start: int, numel: int
     ) -> None:
-        run = self.dequantize(payload, scales, start, numel, weight.dtype)
-        self.tiles.put(weight, run, start // self.tiles.unit_numel)
+        t0, t1 = self._tiles(start, numel)
+        self.slots.tiles.put(weight, self._values(payload, scales, t0, t1, weight.dtype), t0, t1)
 
     def assemble(self, pieces: list[tuple[int, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         pieces = sorted(pieces, key=lambda x: x[0])
         out = torch.zeros(math.prod(self.shape), dtype=torch.uint8, device=pieces[0][1].device)
-        for start, payload, scales in pieces:  # one fp32 scale per tile of the piece
-            first = start // self.tiles.unit_numel
-            stop = first + scales.numel() // 4
-            self.tiles.put(out, self.tiles.from_boxes(payload, first, stop), first)
-        scales = self.tiles.in_grid_order(torch.cat([p[2] for p in pieces]).view(torch.float32))
+        for start, payload, scales in pieces:  # one fp32 scale per tile of the piece, tile-major
+            t0 = self.slots.tile_at(start // self.unit_numel)
+            t1 = t0 + scales.numel() // 4
+            self.slots.tiles.put(out, self.slots.tiles.from_boxes(payload, t0, t1), t0, t1)
+        scales = self.slots.scales_in_grid(torch.cat([p[2] for p in pieces]).view(torch.float32))
         return self.full(out, scales.contiguous().view(torch.uint8))
 
 

@@ -1,13 +1,14 @@
-"""Trainable blockwise-FP8 masters in padded tile order (``fully_shard(..., quantized_gather=True,
-tile_placement=True)``, [Note: padded tile order in the engine]): rank functions and the one-process
+"""Trainable blockwise-FP8 masters in packed tile order (``fully_shard(..., quantized_gather=True,
+tile_placement=True)``, [Note: packed tile order in the engine]): rank functions and the one-process
 reference. ``(rank, world, ...)``; the reference is the plain model whose weights pass through a
 straight-through fake quantization by the pure-torch blockwise FP8 reference (``_qgather_runs``).
 
 The model is GPT-OSS-shaped and scaled down: stacked experts ``up`` (4, 180, 352) and ``down``
 (4, 360, 180) in 32 x 32 tiles in the root's group, and a projection (200, 360) in a group of its
 own. ``up`` is GPT-OSS's ``gate_up_proj`` (2880 = 22.5 x 128 rows, 5760 = 45 x 128 columns): 180 =
-5 x 32 + 20, 352 = 11 x 32, only the rows have an edge, so its order runs column by column;
-``down`` and the projection have edges in both dims (360 = 11 x 32 + 8, 200 = 6 x 32 + 8).
+5 x 32 + 20, 352 = 11 x 32, only the rows have an edge (its 20 x 32 edge tiles one to a slot);
+``down`` and the projection have edges in both dims (360 = 11 x 32 + 8, 200 = 6 x 32 + 8: their
+32 x 8 and 8 x 32 edge tiles four to a slot, the corners several).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Trainable blockwise-FP8 masters in padded tile order (``quantized_gather=True,
-tile_placement=True``, [Note: padded tile order in the engine]) on threaded gloo ranks, with a
-GPT-OSS-shaped model scaled down (``_padded_runs``: stacked experts (4, 180, 352) and (4, 360, 180)
+"""Trainable blockwise-FP8 masters in packed tile order (``quantized_gather=True,
+tile_placement=True``, [Note: packed tile order in the engine]) on threaded gloo ranks, with a
+GPT-OSS-shaped model scaled down (``_packed_runs``: stacked experts (4, 180, 352) and (4, 360, 180)
 in 32 x 32 tiles with short edge tiles, a (200, 360) projection with edges in both dims).
 
 * The gathered payload and scales equal quantizing each whole master (per expert) by the pure-torch
@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 
 import _inproc
-import _padded_runs as P
+import _packed_runs as P
 import _qgather_runs as Q
 import pytest
 import torch
@@ -240,21 +240,21 @@ def test_the_safetensors_export_holds_the_masters_row_major(tmp_path):
         assert torch.equal(got[name], t), name
 
 
-def test_a_layout_that_cuts_a_padded_tile_raises():
-    """The control of the planned layouts: an element-wise cut of a master in padded tile order
-    (86,016 values over 5 ranks: pieces that are no whole 32 x 32 tiles) is refused by name."""
+def test_a_layout_that_cuts_a_packed_slot_raises():
+    """The control of the planned layouts: an element-wise cut of a master in packed tile order
+    (its slots over 5 ranks: pieces that are no whole 32 x 32 slots) is refused by name."""
     from blockshard.planner import resolve_items
     from blockshard.planner._lay_out import plan_group
     from blockshard.runtime.core._param import ShardedParam
     from blockshard.runtime.quantized._gather import plan_payload
-    from blockshard.runtime.quantized._tile_major import PaddedTileOrder
-    from blockshard.runtime.quantized._tile_quant import PaddedFP8Quantizer
+    from blockshard.runtime.quantized._tile_major import PackedTileOrder
+    from blockshard.runtime.quantized._tile_quant import PackedFP8Quantizer
 
-    order = PaddedTileOrder((200, 360), 32)
+    order = PackedTileOrder((200, 360), 32)
     layout = plan_group(resolve_items([TensorSpec(name="w", shape=(order.numel,), dtype="float32")], "elementwise"), 5)
     sp = ShardedParam(fqn="w", refs=[], shape=(200, 360), requires_grad=True, index=0, order=order)
-    with pytest.raises(QuantizedWeightError, match=r"'w' \(shape \(200, 360\), blockwise FP8 .*padded tile order\)"):
-        plan_payload("g", layout, [sp], lambda _: PaddedFP8Quantizer("w", (200, 360), tile=32, order=order))
+    with pytest.raises(QuantizedWeightError, match=r"'w' \(shape \(200, 360\), blockwise FP8 .*packed tile order\)"):
+        plan_payload("g", layout, [sp], lambda _: PackedFP8Quantizer("w", (200, 360), tile=32, order=order))
 
 
 def test_an_optimizer_that_is_not_element_wise_is_refused_by_name(gloo_w1):
@@ -262,7 +262,7 @@ def test_an_optimizer_that_is_not_element_wise_is_refused_by_name(gloo_w1):
     opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
     model(P.batch(0)).square().mean().backward()
     with pytest.raises(
-        ShardingError, match=r"Adafactor holds .*'up'.*padded tile-major 32 x 32 order.*Fix: shard with tile_placement"
+        ShardingError, match=r"Adafactor holds .*'up'.*packed tile-major 32 x 32 order.*Fix: shard with tile_placement"
     ):
         opt.step()
     # the fix: tile_placement="auto" keeps the masters' stripes, which Adafactor may step

@@ -1,15 +1,15 @@
-"""Trainable blockwise-FP8 masters in padded tile order ([Note: padded tile order in the engine]) on
-spawned gloo ranks, with the GPT-OSS-shaped model of ``_padded_runs`` (stacked experts (4, 180, 352)
+"""Trainable blockwise-FP8 masters in packed tile order ([Note: packed tile order in the engine]) on
+spawned gloo ranks, with the GPT-OSS-shaped model of ``_packed_runs`` (stacked experts (4, 180, 352)
 and (4, 360, 180) in 32 x 32 tiles: a 20-row edge per expert; a (200, 360) projection).
 
 * AdamW training equals one process with a straight-through fake quantization, bitwise at W = 2
   and 4. At W = 3 the average of three identical gradients is off by an ulp, which AdamW carries
   into the masters and a quantizer may round to another FP8 code: the parameters and logits within
   the tolerance below (a code apart at most on a few values), the gathered bytes bitwise (the
-  threaded tier, test_fast_padded_masters.py).
+  threaded tier, test_fast_packed_masters.py).
 * A DCP checkpoint saved at W = 4 after two steps loads at W = 2 and the third step is bitwise the
   one process's.
-* The controls run threaded (test_fast_padded_masters.py): stripes at W = 3 hold more per rank (the
+* The controls run threaded (test_fast_packed_masters.py): stripes at W = 3 hold more per rank (the
   engine's layouts are the planner's), and more still at larger W (the planner's figures).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-import _padded_runs as P
+import _packed_runs as P
 import pytest
 import torch
 
@@ -51,7 +51,7 @@ def _close(got: dict, want: dict, exact: bool) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_padded_masters_train_as_one_process(world):
+def test_packed_masters_train_as_one_process(world):
     want = reference()
     for got in spawn_gloo(P.train, world, timeout=300):
         _close(got, want, exact=world != 3)
