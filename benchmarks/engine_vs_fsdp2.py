@@ -39,11 +39,14 @@ After the timed rounds, one instrumented pass per engine (never timed), on every
     ``fsdp::all_gather_copy_in`` the bytes of the shards it copies in). Each op is attributed by the
     Python stack: in engine code (``torch/distributed/fsdp/``, ``blockshard/runtime/``) on the
     all-gather path (innermost engine function named like ``all_gather``/``unshard``), on the
-    reduce-scatter path (``reduce``/``grad``/``post_backward``) or elsewhere in the engine; inside a
-    collective (gloo copies the reduce-scatter result inside ``Work.wait()``); or outside the engine
-    (model, autograd, optimizer). Fills (``FILL_OPS``) and ``aten::add_`` into an existing parameter
-    ``.grad`` (autograd accumulating into a preset gradient view) are counted apart. Ops that run
-    inside a c10d op (gloo's own temporaries) are not visible to the mode.
+    reduce-scatter path (``reduce``/``grad``/``post_backward``), where blockshard places the
+    reduce-scatter's output (``reduce_scatter_output``: its ``GradientSync.finish``; offload's copy
+    to the host) or elsewhere in the engine; inside a collective (gloo copies the reduce-scatter
+    result inside ``Work.wait()``); or outside the engine (model, autograd, optimizer). A copy that
+    changes the dtype is a cast, counted apart (``cast_bytes``); so are fills (``FILL_OPS``) and
+    ``aten::add_`` into an existing parameter ``.grad`` (autograd accumulating into a gradient view,
+    [Note: gradient views]). Ops that run inside a c10d op (gloo's own temporaries, the clone of
+    every reduce-scatter input) are not visible to the mode.
   * **collectives**: the same mode counts the ``c10d::*`` ops by kind, with bytes sent and received.
 """
 
@@ -104,17 +107,25 @@ _C10D_ARGS = {
 _MARK = "engine_vs_fsdp2.measured_step"
 # what every entry of "ratios" divides by ([Note: honest ratios] in blockshard/planner/_qgather.py)
 RATIOS_DIVIDE = "blockshard's figure / FSDP2's, both measured in the same run"
-CATEGORIES = ("all_gather_path", "reduce_scatter_path", "engine_other", "inside_collective", "outside_engine")
+CATEGORIES = ("all_gather_path", "reduce_scatter_path", "reduce_scatter_output", "engine_other", "inside_collective",
+              "outside_engine")  # fmt: skip
+# blockshard's function that places the reduce-scatter's output once it is done (offload: to the
+# host; a cast to the parameters' dtype): what the collective wrote, not a gradient copied into it
+_RS_OUTPUT = (os.path.join("blockshard", "runtime", "core", "_grad_sync.py"), "finish")
 
 
 class OpCounter(CollectiveCounter):
-    """Bytes written by copy-like and fill ops (by where they run) and c10d collectives, per step."""
+    """Bytes written by copy-like and fill ops (by where they run) and c10d collectives, per step.
+    A copy that changes the dtype (a cast: a bf16 gradient into an fp32 reduce-scatter input) is
+    counted apart from the copies, under ``casts``. ``model``: whose parameters' ``.grad`` an
+    ``aten::add_`` accumulates into (autograd into a preset gradient view), counted apart too."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.model = model
         self.in_wait = 0  # > 0 inside Work.wait(): gloo copies results there (part of the collective)
         self.copies: dict[str, dict[str, list[int]]] = {}  # category -> op -> [count, bytes]
+        self.casts: dict[str, int] = {}  # category -> bytes written by dtype-changing copies
         self.fills: dict[str, int] = {}  # category -> bytes
         self.grad_accumulate = [0, 0]  # add_ into an existing param .grad: [count, bytes]
 
@@ -146,6 +157,8 @@ class OpCounter(CollectiveCounter):
         while frame is not None:
             if any(d in frame.f_code.co_filename for d in _ENGINE_DIRS):
                 in_engine, name = True, frame.f_code.co_name
+                if frame.f_code.co_filename.endswith(_RS_OUTPUT[0]) and name == _RS_OUTPUT[1]:
+                    return "reduce_scatter_output"
                 if _AG_PATH.search(name):
                     return "all_gather_path"
                 if _RS_PATH.search(name):
@@ -170,11 +183,15 @@ class OpCounter(CollectiveCounter):
             where = self._category()
             if name in FILL_OPS:
                 self.fills[where] = self.fills.get(where, 0) + written
+            elif _casts(name, args, out):
+                self.casts[where] = self.casts.get(where, 0) + written
             else:
                 rec = self.copies.setdefault(where, {}).setdefault(name, [0, 0])
                 rec[0] += 1
                 rec[1] += written
-        elif name == "aten::add_" and args and any(args[0] is p.grad for p in self.model.parameters()):
+        elif (
+            name == "aten::add_" and self.model is not None and any(args[0] is p.grad for p in self.model.parameters())
+        ):
             self.grad_accumulate[0] += 1
             self.grad_accumulate[1] += nbytes(args[0])
         return out
@@ -196,11 +213,20 @@ class OpCounter(CollectiveCounter):
             copies[cat] = {"bytes": sum(b for _, b in ops.values()),
                            "ops": {k: {"count": c, "bytes": b} for k, (c, b) in ops.items()}}  # fmt: skip
         count, nbytes = self.grad_accumulate
-        return {"copies": copies, "fill_bytes": self.fills, "collectives": self.collectives,
+        return {"copies": copies, "cast_bytes": self.casts, "fill_bytes": self.fills, "collectives": self.collectives,
                 "grad_accumulate_add": {"count": count, "bytes": nbytes}}  # fmt: skip
 
 
 # -- one rank ---------------------------------------------------------------------------------------
+def _casts(name: str, args: tuple, out: object) -> bool:
+    """Whether a copy op changes the dtype (``copy_(dst, src)``, ``_to_copy(src) -> out``)."""
+    if name == "aten::copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        return args[0].dtype != args[1].dtype
+    if name == "aten::_to_copy" and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+        return args[0].dtype != out.dtype
+    return False
+
+
 def _build(cfg: dict):
     from blockshard._tiny import tiny_llama
 
@@ -211,8 +237,10 @@ def _num_params(cfg: dict) -> int:
     return sum(p.numel() for p in _build(cfg).parameters())
 
 
-def _setup(engine: str, cfg: dict):
+def _setup(engine: str, cfg: dict, checkpointing: bool = False):
     model = _build(cfg)
+    if checkpointing:  # every decoder layer recomputed in backward (transformers' non-reentrant checkpoint)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
     else:
@@ -294,14 +322,14 @@ def _memory(prof) -> dict:
     }
 
 
-def _measure(engine: str, cfg: dict, batches: list, warmup: int) -> dict:
+def _measure(engine: str, cfg: dict, batches: list, warmup: int, checkpointing: bool) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     gc.collect()
     pick = lambda i: batches[i % len(batches)]  # noqa: E731
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.empty(1)  # an allocation event that fixes the baseline total
-        model, opt = _setup(engine, cfg)
+        model, opt = _setup(engine, cfg, checkpointing)
         losses = [_step(model, opt, pick(i))[0] for i in range(max(1, warmup))]  # lazy init, prefetch order, state
         dist.barrier()
         with record_function(_MARK):
@@ -319,6 +347,7 @@ def _rank_main(rank: int, world_size: int, opts: dict) -> dict:
     from blockshard._tiny import text_batches
 
     os.dup2(2, 1)  # keep the parent's stdout for the JSON report
+    os.environ["BLOCKSHARD_GRADIENT_VIEWS"] = {"auto": "", "on": "1", "off": "0"}[opts["gradient_views"]]
     torch.set_num_threads(1)
     cfg, warmup = opts["model"], opts["warmup"]
     batches = text_batches(warmup + opts["steps"], cfg["batch_size"], cfg["seq_len"], seed=1000 + rank,
@@ -326,7 +355,7 @@ def _rank_main(rank: int, world_size: int, opts: dict) -> dict:
     out = {e: {"times": [], "losses": []} for e in ENGINES}
     for r in range(opts["rounds"]):
         for engine in ENGINES if r % 2 == 0 else ENGINES[::-1]:
-            model, opt = _setup(engine, cfg)
+            model, opt = _setup(engine, cfg, opts["checkpointing"])
             times, losses = [], []
             for i, batch in enumerate(batches):
                 dist.barrier()
@@ -340,7 +369,7 @@ def _rank_main(rank: int, world_size: int, opts: dict) -> dict:
             gc.collect()
     _track_cpu_allocations()
     for engine in ENGINES:
-        out[engine]["measured"] = _measure(engine, cfg, batches, warmup)
+        out[engine]["measured"] = _measure(engine, cfg, batches, warmup, opts["checkpointing"])
     return out
 
 
@@ -377,6 +406,8 @@ def _aggregate(per_rank: list[dict], opts: dict) -> dict:
             "copy_ops_rank0": {c: v["ops"] for c, v in meas[0]["copies"].items()},
             "fill_bytes": {c: max(m["fill_bytes"].get(c, 0) for m in meas) for c in
                            sorted({c for m in meas for c in m["fill_bytes"]})},
+            "cast_bytes": {c: max(m["cast_bytes"].get(c, 0) for m in meas) for c in
+                           sorted({c for m in meas for c in m["cast_bytes"]})},
             "grad_accumulate_add": meas[0]["grad_accumulate_add"],
             "collectives_rank0": meas[0]["collectives"],
         }  # fmt: skip
@@ -530,6 +561,11 @@ def _parser():
     p.add_argument("--persistent", action="store_true", help="only the persistent bytes per rank (no training)")
     p.add_argument("--memory-only", action="store_true",
                    help="no timed rounds: only the instrumented pass (memory, copies, collectives)")  # fmt: skip
+    p.add_argument("--gradient-views", choices=("auto", "on", "off"), default="auto",
+                   help="blockshard's unsharded gradients as views of the reduce-scatter input "
+                        "(BLOCKSHARD_GRADIENT_VIEWS; auto: where the backend reduce-scatters in place, not gloo)")  # fmt: skip
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute every decoder layer in backward (both engines)")  # fmt: skip
     p.add_argument("--catalog", nargs="+", default=list(PERSISTENT_MODELS), help="catalog models for --persistent")
     for flag, key in SIZE_FLAGS.items():
         p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None, help=f"override the preset's {key}")
@@ -549,7 +585,8 @@ def main(argv: list[str] | None = None) -> dict:
     if a.world_size < 2 or a.rounds < 1 or a.steps < 1 or a.warmup < 0:
         raise SystemExit("need --world-size >= 2, --rounds >= 1, --steps >= 1, --warmup >= 0")
     cfg = dict(PRESETS[a.model], **{k: getattr(a, f) for f, k in SIZE_FLAGS.items() if getattr(a, f) is not None})
-    opts = {"model": cfg, "rounds": 0 if a.memory_only else a.rounds, "steps": a.steps, "warmup": a.warmup}
+    opts = {"model": cfg, "rounds": 0 if a.memory_only else a.rounds, "steps": a.steps, "warmup": a.warmup,
+            "checkpointing": a.activation_checkpointing, "gradient_views": a.gradient_views}  # fmt: skip
     t0, load_before = time.perf_counter(), os.getloadavg()
     per_rank = spawn_gloo(_rank_main, a.world_size, args=(opts,), timeout=a.timeout, threads=1)
     report = {
@@ -557,7 +594,9 @@ def main(argv: list[str] | None = None) -> dict:
         "command": command("engine_vs_fsdp2.py", argv),
         "world_size": a.world_size, "rounds": opts["rounds"], "steps": a.steps, "warmup": a.warmup,
         "model": {"preset": a.model, **cfg, "num_params": _num_params(cfg),
-                  "architecture": "transformers LlamaForCausalLM (eager attention, fp32, untied head)"},
+                  "architecture": "transformers LlamaForCausalLM (eager attention, fp32, untied head)",
+                  "activation_checkpointing": a.activation_checkpointing},
+        "blockshard_gradient_views": a.gradient_views,
         "optimizer": "torch.optim.AdamW(lr=1e-3), zero_grad(set_to_none=True)",
         "machine": machine_facts(load_before=load_before),
         **_aggregate(per_rank, opts),

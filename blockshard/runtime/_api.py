@@ -33,6 +33,7 @@ from blockshard.runtime.core._buffer_set import BufferSet, GroupControls
 from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import check_same_layout, engine_group, uses_headers
 from blockshard.runtime.core._dtypes import split_by_dtype
+from blockshard.runtime.core._grad_sync import gradient_views_default
 from blockshard.runtime.core._inspect import global_shape, global_shapes, group_layouts, local_buffers
 from blockshard.runtime.core._list_groups import bind_below, collect_all, listed_modules
 from blockshard.runtime.core._optim_checks import STRICT_ENV, strict
@@ -354,7 +355,9 @@ def fully_shard(
             check_quantized_below(modules, semantics)
     dtypes = split_by_dtype(names, params, refs)  # [Note: mixed dtypes]: the primary first, the others frozen
     parts[:0] = [(None, part, ParamBuffers, k == 0) for k, part in enumerate(dtypes)]
-    controls = GroupControls()  # FSDP2's controls of this group, shared by its state and buffer sets
+    controls = GroupControls(
+        gradient_views=gradient_views_default()
+    )  # FSDP2's controls of this group, shared by its state and buffer sets
     groups: list[ParamBuffers] = []
     items, owned = [], frozenset[str]()
     for k, (label, (d_names, d_params, d_refs), make, trainable) in enumerate(parts):

@@ -53,6 +53,9 @@ class GroupControls:
     reshard_after_backward: bool = True
     requires_all_reduce: bool = True  # HSDP only ([Note: HSDP] in _grad_sync.py)
     divide_factor: float | None = None  # set_gradient_divide_factor: the sum / factor, not the average
+    # set_gradient_views: unsharded gradients as views of the reduce-scatter input; None: where the
+    # backend reduces it in place ([Note: gradient views] in _grad_sync.py)
+    gradient_views: bool | None = None
 
 
 class BufferSet(abc.ABC):
@@ -158,6 +161,10 @@ class BufferSet(abc.ABC):
     def trains(self) -> bool:
         """Whether backward reduces this buffer set's gradients (its tensors may train)."""
         return False
+
+    def prepare_grads(self) -> None:
+        """This backward is about to reach the unsharded parameters: give them their gradient views."""
+        raise self._frozen("prepare_grads")
 
     def accumulate_grads(self) -> None:
         """Backward without gradient sync: keep the unsharded gradients for the next backward."""

@@ -319,6 +319,10 @@ class ParamBuffers(BufferSet):
         """The local gradient [S] while some sharded ``.grad`` views it, else None ([Note: buffers])."""
         return None if self.grads is None else self.grads.grad_buffer()
 
+    def prepare_grads(self) -> None:
+        if self.grads is not None:
+            self.grads.prepare()
+
     def accumulate_grads(self) -> None:
         if self.grads is not None:
             self.grads.accumulate()

@@ -28,10 +28,39 @@ group, ``test_fast_async_reduce.py``): ``reduce_scatter_single(async_op=True)`` 
 the peer has issued its part, so the overlap is real on the CPU too; on NCCL it runs on the
 reduce-scatter stream ([Note: streams] in _common.py). ``reset_iter_state`` drops a reduction in
 flight with the step's gradients (:meth:`GradientSync.reset_step`).
+
+[Note: gradient views]
+The unsharded gradients are views into the reduce-scatter input ``rs_in`` [W * S], so the
+reduce-scatter reads them where autograd wrote them, with no copy ("the gathered buffer is the
+parameters", for gradients). ``prepare`` (at the group's pre-backward) puts a pre-hook on each
+unsharded parameter's ``AccumulateGrad`` node (once per parameter object) whose dtype is the
+reduce dtype. When the group's first gradient is about to be accumulated, the hook allocates
+``rs_in`` zeroed (holes, frozen parameters and parameters that get no gradient send zeros); for
+each parameter it then sets ``.grad`` to its view, in the gathered layout, and ``AccumulateGrad``
+adds the gradient into it in place (as into any existing ``.grad``), across micro-batches without
+sync too (``rs_in`` lives until the backward that reduces). Allocating at the first gradient, not
+at pre-backward, keeps ``rs_in`` out of the start of backward, where the activations are all alive.
+A gradient of another dtype (bf16 compute, fp32 reduce) is made by autograd on its own and added
+into its view, cast on the fly, at the end of each backward (``_fold``: fp32 accumulation of bf16
+micro-batches, as FSDP2's, without a copy); so is one whose hook did not run, and a gradient that
+replaced its view (``backward(create_graph=True)`` accumulates out of place) is copied over it.
+A parameter that got no gradient has no view and keeps ``.grad = None``, as on one process. A
+master in packed tile order is copied in (the copy permutes). Once the reduce-scatter is issued
+the views are dropped and ``rs_in`` is freed (or kept for the wait where the backend reads it in
+place).
+
+Where it pays: the copy path holds a group's gradients and ``rs_in`` at once when the group's
+backward ends (2x its gradient bytes), the views 1x. But the views take ``rs_in`` whole at the
+group's first gradient, where autograd's own tensors come one by one, and gloo on the CPU clones
+the input of every reduce-scatter (2x again, [Note: gloo's copies]): measured there
+(docs/engine_benchmark.md, "Gradient views") the views cost peak memory and save none, so the
+default (``GroupControls.gradient_views = None``, ``set_gradient_views``,
+``BLOCKSHARD_GRADIENT_VIEWS``) turns them on only where the backend reduce-scatters in place.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,12 +68,29 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from blockshard._errors import BlockshardError
 from blockshard.runtime.core._collectives import holds_copies, reduce_scatter_avg, wait
 
 if TYPE_CHECKING:
     from blockshard.runtime.core._buffers import ParamBuffers
+    from blockshard.runtime.core._param import ShardedParam
 
-__all__ = ["GradientSync"]
+__all__ = ["VIEWS_ENV", "GradientSync", "gradient_views_default"]
+
+VIEWS_ENV = "BLOCKSHARD_GRADIENT_VIEWS"
+
+
+def gradient_views_default() -> bool | None:
+    """[Note: gradient views] A new group's ``gradient_views`` from ``BLOCKSHARD_GRADIENT_VIEWS``:
+    ``1`` on, ``0`` off, unset (or empty) None: on where the backend reduce-scatters in place."""
+    raw = os.environ.get(VIEWS_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise BlockshardError(
+            f"environment variable {VIEWS_ENV}={raw!r} must be 1 (unsharded gradients as views of the "
+            "reduce-scatter input), 0 (copied into it) or unset (views where the backend reduce-scatters in "
+            "place, e.g. NCCL), e.g. unset it"
+        )
+    return None if not raw else raw == "1"
 
 
 class GradientSync:
@@ -59,6 +105,8 @@ class GradientSync:
         self._grad: weakref.ref[torch.Tensor] | None = None  # the local gradient [S] while a .grad views it
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scatter outputs not all-reduced yet
         self._reduction: _Reduction | None = None  # the reduce-scatter in flight ([Note: async reduce-scatter])
+        self._rs_in: torch.Tensor | None = None  # [W*S] while unsharded gradients view it ([Note: gradient views])
+        self._views: dict[int, torch.Tensor] = {}  # layout index -> the gradient view set on its unsharded param
 
     def grad_buffer(self) -> torch.Tensor | None:
         """The local gradient [S] while some sharded ``.grad`` views it, else None ([Note: buffers])."""
@@ -75,10 +123,64 @@ class GradientSync:
         self._grad = weakref.ref(buf)
         return buf
 
+    def views_on(self) -> bool:
+        """Whether this backward's gradients go into views ([Note: gradient views])."""
+        b = self.buffers
+        chosen = b.controls.gradient_views
+        return not holds_copies(b.process_group, b.device) if chosen is None else chosen
+
+    def prepare(self) -> None:
+        """[Note: gradient views] Watch every eligible unsharded parameter (once per parameter object)."""
+        if self.buffers.layout is not None and self.views_on():
+            for sp in self.buffers.params:
+                if sp.order is None and sp.unsharded.dtype == self.reduce_dtype:
+                    sp.watch_grad(self._grad_arrival)
+
+    def _view(self, sp: ShardedParam) -> torch.Tensor:
+        """``sp``'s gradient view (its shape, the reduce dtype) of the reduce-scatter input, allocated
+        zeroed at the group's first."""
+        if self._rs_in is None:
+            b = self.buffers
+            self._rs_in = torch.zeros(b.gathered.numel(), dtype=self.reduce_dtype, device=b.device)  # [W*S]
+        view = self._rs_in[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape)
+        self._views[sp.index] = view
+        return view
+
+    def _grad_arrival(self, sp: ShardedParam) -> None:
+        """A gradient is about to be accumulated into ``sp.unsharded``: point its ``.grad`` at its view."""
+        view = self._views.get(sp.index)
+        if (view is not None and sp.unsharded.grad is view) or not self.views_on():
+            return
+        grad, view = sp.unsharded.grad, view if view is not None else self._view(sp)
+        if grad is not None:  # a gradient from before its view: it holds the sum so far (a copy, rarely)
+            view.copy_(grad)
+        sp.unsharded.grad = view
+
+    def _fold(self) -> None:
+        """Views on: add each row-major gradient autograd made on its own (another dtype than the
+        reduce dtype, or a hook missed) into its view, cast on the fly, and drop it."""
+        for sp in self.buffers.params:
+            grad, view = sp.unsharded.grad, self._views.get(sp.index)
+            if sp.order is not None:
+                continue
+            if sp.accumulated is not None:  # summed while views were off (set_gradient_views in between)
+                (view if view is not None else self._view(sp)).add_(sp.accumulated)
+                sp.accumulated = None
+            if grad is None or grad is view:
+                continue
+            if view is not None and grad.dtype == view.dtype:  # replaced its view (create_graph): holds the sum
+                view.copy_(grad)
+            else:
+                (view if view is not None else self._view(sp)).add_(grad)
+            sp.unsharded.grad = None
+
     def accumulate(self) -> None:
         """Backward without gradient sync: keep the unsharded gradients for the next backward, in
         the reduce dtype when it differs from the parameters' (as FSDP2 does: bf16 micro-batch
-        gradients summed in fp32)."""
+        gradients summed in fp32), in their views when views are on ([Note: gradient views])."""
+        if self.views_on():
+            self._fold()
+            return
         if self.reduce_dtype == self.buffers.param_dtype:
             return  # autograd accumulates into the unsharded .grad by itself
         for sp in self.buffers.params:
@@ -91,27 +193,27 @@ class GradientSync:
                 sp.accumulated += grad
             sp.unsharded.grad = None
 
-    def reduce(self) -> None:
-        """Pack the unsharded gradients and issue their reduce-scatter (average) into the local
-        gradient, asynchronously: :meth:`finish` waits and sets the sharded ``.grad``
-        ([Note: async reduce-scatter]).
+    def _packed(self) -> tuple[torch.Tensor, set[int]]:
+        """The reduce-scatter input [W*S] and the layout indices of the parameters with a gradient.
 
-        Gradients are packed into the reduce-scatter input in the gathered layout (one copy, cast
-        to the reduce dtype, as FSDP2's ``chunk_cat``), each freed right after; holes and
-        parameters without a gradient are zero-filled.
-        """
-        self.finish()  # one reduction in flight per buffer set
+        Views ([Note: gradient views]) are already in place; every other gradient is copied in, in
+        the gathered layout (cast to the reduce dtype, as FSDP2's ``chunk_cat``), and freed right
+        after. Holes and parameters without a gradient send zeros. A parameter without a gradient
+        here is taken to have none on any rank (as FSDP2 assumes): it keeps ``.grad = None``, so
+        the optimizer skips it as it would on one process."""
         b = self.buffers
-        layout, W = b.layout, b.world_size
-        assert layout is not None
-        rs_in = torch.empty(b.gathered.numel(), dtype=self.reduce_dtype, device=b.device)  # [W*S]
-        for lo, hi in b.holes:
-            rs_in[lo:hi].zero_()
-        # A parameter without a gradient here is taken to have none on any rank (as FSDP2 assumes):
-        # it still takes part in the reduce-scatter (as zeros) but keeps ``.grad = None``, so the
-        # optimizer skips it as it would on one process.
-        has_grad = set()
+        if self.views_on():
+            self._fold()
+        rs_in, views, self._rs_in, self._views = self._rs_in, self._views, None, {}
+        if rs_in is None:  # no gradient views this backward: every gradient is copied in
+            rs_in = torch.empty(b.gathered.numel(), dtype=self.reduce_dtype, device=b.device)  # [W*S]
+            for lo, hi in b.holes:
+                rs_in[lo:hi].zero_()
+        has_grad = set(views)
         for sp in b.params:
+            if sp.index in views:  # accumulated in place
+                sp.unsharded.grad = None
+                continue
             dst = rs_in[sp.gathered_offset : sp.gathered_offset + sp.stored_numel]
             grad, acc = sp.unsharded.grad, sp.accumulated
             if acc is not None:  # micro-batches accumulated without sync, in the reduce dtype
@@ -120,13 +222,24 @@ class GradientSync:
                 grad, sp.accumulated = acc, None
             if grad is None:
                 dst.zero_()
+                continue
+            if sp.order is not None:  # stored in another order: the copy permutes (zeros in its padding)
+                sp.order.take_into(dst, grad.reshape(-1), 0)
             else:
-                if sp.order is not None:  # stored in another order: the copy permutes (zeros in its padding)
-                    sp.order.take_into(dst, grad.reshape(-1), 0)
-                else:
-                    dst.copy_(grad.reshape(-1))
-                sp.unsharded.grad = None
-                has_grad.add(sp.index)
+                dst.copy_(grad.reshape(-1))
+            sp.unsharded.grad = None
+            has_grad.add(sp.index)
+        return rs_in, has_grad
+
+    def reduce(self) -> None:
+        """Issue the reduce-scatter (average) of the unsharded gradients (:meth:`_packed`) into the
+        local gradient, asynchronously: :meth:`finish` waits and sets the sharded ``.grad``
+        ([Note: async reduce-scatter])."""
+        self.finish()  # one reduction in flight per buffer set
+        b = self.buffers
+        layout, W = b.layout, b.world_size
+        assert layout is not None
+        rs_in, has_grad = self._packed()
         # Straight into a new gradient buffer unless a sharded grad must be accumulated into (the
         # user kept .grad across steps), the reduce dtype differs from the parameters' or the
         # local gradient lives elsewhere (offload). Never into a buffer still alive without our
@@ -173,6 +286,7 @@ class GradientSync:
         collective itself still completes in the background)."""
         self._partial = None
         self._reduction = None
+        self._rs_in, self._views = None, {}
 
     def finish(self) -> None:
         """Wait for the reduce-scatter in flight (bounded, [Note: collective integrity]), free its

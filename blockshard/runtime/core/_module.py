@@ -98,6 +98,20 @@ class ShardedModule(nn.Module):
         starts, instead of the previous module of the recorded order."""
         self._bs_state().backward_prefetch = _prefetch_states("set_modules_to_backward_prefetch", modules)
 
+    def set_gradient_views(self, gradient_views: bool | None, *, recurse: bool = True) -> None:
+        """On: autograd accumulates the unsharded gradients straight into the reduce-scatter input
+        (no copy into it); off: into tensors of their own, copied in when the group's backward is
+        over; ``None`` (the default): on where the backend reduce-scatters in place (NCCL), off
+        where it clones its input anyway (gloo on the CPU), where the views would only take the
+        input's memory earlier ([Note: gradient views] in _grad_sync.py)."""
+        if gradient_views is not None and not isinstance(gradient_views, bool):
+            raise ShardingError(
+                f"set_gradient_views(gradient_views={gradient_views!r}): pass True, False or None (the default: "
+                "on where the backend reduce-scatters in place)"
+            )
+        for st in self._states(recurse):
+            st.controls.gradient_views = gradient_views
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2 waits for pending reduce-scatters on the last backward only; blockshard waits for
         them at the end of every backward ([Note: async reduce-scatter] in _grad_sync.py), so

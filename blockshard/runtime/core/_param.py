@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -105,6 +106,28 @@ class ShardedParam:
     # elements of that order, the sharded view is 1-D and the unsharded one the first ``numel``
     # elements of its gathered range, row-major)
     order: StoredOrder | None = None
+    # the unsharded parameter watched and its AccumulateGrad node (held: a node nobody holds is
+    # made anew at the next forward, without the hook)
+    _watched: tuple[nn.Parameter, object] | None = field(default=None, repr=False)
+
+    def watch_grad(self, arrival: Callable[[ShardedParam], None]) -> None:
+        """Call ``arrival(self)`` (a bound method) just before autograd accumulates a gradient into
+        ``unsharded``: a pre-hook of its ``AccumulateGrad`` node, once per parameter object (a frozen
+        one gets no gradient and no hook)."""
+        if (self._watched is not None and self._watched[0] is self.unsharded) or not self.unsharded.requires_grad:
+            return
+        # weak references: the hook lives in autograd's C++ state, where a cycle back to this object
+        # (which holds the parameter) would be invisible to the garbage collector
+        me, call = weakref.ref(self), weakref.WeakMethod(arrival)
+
+        def pre_accumulate_grad(_grads: tuple[torch.Tensor | None, ...]) -> None:
+            sp, fn = me(), call()
+            if sp is not None and fn is not None:
+                fn(sp)
+
+        node = torch.autograd.graph.get_gradient_edge(self.unsharded).node
+        node.register_prehook(pre_accumulate_grad)
+        self._watched = (self.unsharded, node)
 
     @property
     def numel(self) -> int:

@@ -357,6 +357,8 @@ class ModuleState:
             ctx.tally.backward_started()  # [Note: collective headers]
             torch.autograd.Variable._execution_engine.queue_callback(ctx.final_callback)
         self.training_state = TrainingState.PRE_BACKWARD
+        for b in self.training_sets:
+            b.prepare_grads()  # [Note: gradient views] in _grad_sync.py
         if self.unshard_in_backward:
             self.unshard()
         earlier = [st for st in self._prefetch(ctx, self.backward_prefetch, -1) if st.unshard_in_backward]
