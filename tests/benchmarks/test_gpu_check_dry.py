@@ -27,5 +27,6 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["ok"] and report["backend"] == "gloo" and report["world_size"] == 2
     assert report["blockshard"]["max_abs_diff_from_one_process"] == 0.0
+    assert report["blockshard-no-views"]["max_abs_diff_from_one_process"] == 0.0
     assert report["fsdp2"]["max_abs_diff_from_one_process"] == 0.0
     assert report["ratios"]["step_time"] > 0
