@@ -71,7 +71,7 @@ def test_the_tally_is_order_sensitive():
 
 
 def test_the_mismatch_message_names_what_differs_and_the_fix():
-    msg = _mismatch("Tower", [[3, 7, 11, 5, 2], [2, 6, 11, 5, 2]])
+    msg = _mismatch("Tower", [[3, 7, 11, 5, 9, 2], [2, 6, 11, 5, 9, 2]])
     assert "step (rank 0: 3, rank 1: 2)" in msg and "collectives issued (rank 0: 7, rank 1: 6)" in msg
     differs = msg.split("did not line up")[1].split(". A rank")[0]
     assert "requires_grad" not in differs and "optimizer steps" not in differs
@@ -79,7 +79,7 @@ def test_the_mismatch_message_names_what_differs_and_the_fix():
 
 
 def test_the_mismatch_message_names_differing_optimizer_steps():
-    msg = _mismatch("Tower", [[3, 7, 11, 5, 2], [3, 7, 11, 5, 1]])
+    msg = _mismatch("Tower", [[3, 7, 11, 5, 9, 2], [3, 7, 11, 5, 9, 1]])
     differs = msg.split("did not line up")[1].split(". A rank")[0]
     assert differs == " in this step: optimizer steps (rank 0: 2, rank 1: 1)", differs
 
@@ -88,7 +88,7 @@ def test_a_rank_that_never_steps_an_optimizer_is_not_a_mismatch():
     """Ranks that hold no element to step (empty pieces filtered out) build no optimizer: their
     record carries the ``never`` mark, and they are left out."""
     never = 1 << 62
-    msg = _mismatch("Tower", [[3, 7, 11, 5, 2], [3, 7, 11, 5, never], [3, 6, 11, 5, 2]], never=never)
+    msg = _mismatch("Tower", [[3, 7, 11, 5, 9, 2], [3, 7, 11, 5, 9, never], [3, 6, 11, 5, 9, 2]], never=never)
     differs = msg.split("did not line up")[1].split(". A rank")[0]
     assert "optimizer steps" not in differs and "collectives issued" in differs, differs
 
@@ -97,7 +97,7 @@ def test_a_rank_that_holds_trainable_elements_and_never_stepped_is_a_mismatch():
     """The control of the one above: zero steps on a rank that holds something to step (optimizer.step()
     on rank 0 only) is named, the rank holding nothing shown as '-'."""
     never = 1 << 62
-    msg = _mismatch("Tower", [[3, 7, 11, 5, 2], [3, 7, 11, 5, 0], [3, 7, 11, 5, never]], never=never)
+    msg = _mismatch("Tower", [[3, 7, 11, 5, 9, 2], [3, 7, 11, 5, 9, 0], [3, 7, 11, 5, 9, never]], never=never)
     differs = msg.split("did not line up")[1].split(". A rank")[0]
     assert differs == " in this step: optimizer steps (rank 0: 2, rank 1: 0, rank 2: -)", differs
 

@@ -39,6 +39,7 @@ from blockshard._version import __version__
 from blockshard.runtime.checkpoint._integrity import file_sums, own_sums
 from blockshard.runtime.checkpoint._quantized_state import _module_names, _prefixes
 from blockshard.runtime.core._inspect import join_name, states_under
+from blockshard.runtime.core._module import unswapped_class
 from blockshard.runtime.quantized._frozen import frozen_buffers
 
 __all__ = [
@@ -378,8 +379,8 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
         groups.append(
             {
                 "module": prefix,
-                # (BlockShard<cls>, ShardedModule, cls); a list group's classes joined by "+"
-                "class": "+".join(type(m).__mro__[2].__name__ for m in st.modules),
+                # the model's own class (unswapped_class); a list group's classes joined by "+"
+                "class": "+".join(unswapped_class(type(m)).__name__ for m in st.modules),
                 "world_size": layout.world_size,
                 "dtype": layout.dtype,
                 "segment_numel": layout.segment_numel,
@@ -452,7 +453,7 @@ def _quantized_record(prefix: str, st: Any) -> dict[str, Any]:
         )
     return {
         "module": prefix,
-        "class": "+".join(type(m).__mro__[2].__name__ for m in st.modules),
+        "class": "+".join(unswapped_class(type(m)).__name__ for m in st.modules),
         "world_size": qg.world_size,
         "segment_bytes": qg.layout.segment_bytes,
         "total_bytes": qg.layout.total_bytes,

@@ -56,6 +56,11 @@ class GroupControls:
     # set_gradient_views: unsharded gradients as views of the reduce-scatter input; None: where the
     # backend reduces it in place ([Note: gradient views] in _grad_sync.py)
     gradient_views: bool | None = None
+    # FSDP2's communication controls ([Note: communication controls] in _module_comms.py)
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    all_reduce_hook_stream: Any = None
+    force_sum: bool = False  # set_force_sum_reduction_for_comms: SUM, then the engine divides
+    reduce_scatter_unused_params: bool = False  # every trainable parameter gets the reduced .grad
 
 
 class BufferSet(abc.ABC):

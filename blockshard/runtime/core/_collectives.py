@@ -575,15 +575,18 @@ def shift_ranks(local: torch.Tensor, k: int, group: dist.ProcessGroup) -> torch.
 
 def step_mismatch(name: str, rows: list[list[int]], never: int = -1) -> str:
     """What differs between the ranks' end-of-step records (step, collectives, order, trainable,
-    optimizer steps; ``never`` in the last: a rank holding nothing to step, left out)."""
+    gradients received, optimizer steps; ``never`` in the last: a rank holding nothing to step,
+    left out)."""
     what = []
-    labels = ("step", "collectives issued", "collective order", "requires_grad flags", "optimizer steps")
+    labels: tuple[str, ...] = ("step", "collectives issued", "collective order", "requires_grad flags")
+    labels += ("parameters with a gradient", "optimizer steps")
+    last = len(labels) - 1
     for col, label in enumerate(labels):
         values = [row[col] for row in rows]
-        if len(set(values) - ({never} if col == 4 else set())) > 1:
+        if len(set(values) - ({never} if col == last else set())) > 1:
             shown = (
-                ", ".join(f"rank {r}: {'-' if v == never and col == 4 else v}" for r, v in enumerate(values))
-                if col in (0, 1, 4)
+                ", ".join(f"rank {r}: {'-' if v == never and col == last else v}" for r, v in enumerate(values))
+                if col in (0, 1, last)
                 else "differ"
             )
             what.append(f"{label} ({shown})")
@@ -592,5 +595,7 @@ def step_mismatch(name: str, rows: list[list[int]], never: int = -1) -> str:
         f"step: {'; '.join(what)}. A rank skipped a step or ran an extra forward, left a module unused, or "
         "has other requires_grad flags, or a rank skipped optimizer.step(); the gradients of "
         "this step are not the average of the ranks' and must not be used. Fix: run the same forward, "
-        "backward and optimizer step on every rank, with the same modules and the same trainable parameters"
+        "backward and optimizer step on every rank, with the same modules and the same trainable parameters; "
+        "where the ranks' control flow uses different parameters (mixture of experts), "
+        "module.set_reduce_scatter_unused_params(True) gives every rank the reduced gradient of each"
     )

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -263,7 +264,7 @@ class GradientSync:
                         unreduced,
                         b.process_group,
                         async_op=True,
-                        summed=b.controls.divide_factor is not None,
+                        summed=self._summed,
                     )
                 )
                 moved += unreduced.numel() * unreduced.element_size()
@@ -302,11 +303,13 @@ class GradientSync:
         del red  # the works (gloo: with their copy of the input) and the input, if kept, are freed here
         if self.replicate_group is not None and not self._all_reduce(out):
             return  # set_requires_all_reduce(False): kept for the next all-reduce, no .grad yet
-        factor = b.controls.divide_factor
+        self._hook(out)
+        factor = self._divide_factor()
         if factor is not None:
             out.div_(factor)
+        unused = b.controls.reduce_scatter_unused_params  # [Note: communication controls] in _module_comms.py
         for sp in b.params:
-            if not sp.sharded.requires_grad or sp.index not in has_grad:
+            if not sp.sharded.requires_grad or (sp.index not in has_grad and not unused):
                 continue
             lo, hi = sp.local_offset, sp.local_offset + sp.local_numel
             if sp.sharded.grad is None:
@@ -320,6 +323,28 @@ class GradientSync:
                 sp.sharded.grad += out[lo:hi].view(sp.sharded.shape).to(sp.sharded.grad.device, b.orig_dtype)
         b.streams.host_copies_done()
 
+    @property
+    def _summed(self) -> bool:
+        """Whether the collectives sum and the engine divides (a divide factor, or FSDP2's
+        ``set_force_sum_reduction_for_comms``)."""
+        return self.buffers.controls.divide_factor is not None or self.buffers.controls.force_sum
+
+    def _divide_factor(self) -> float | None:
+        """What the summed output is divided by: the factor set, else every data-parallel rank."""
+        controls = self.buffers.controls
+        if controls.divide_factor is not None or not controls.force_sum:
+            return controls.divide_factor
+        replicas = 1 if self.replicate_group is None else self.replicate_group.size()
+        return float(self.buffers.world_size * replicas)
+
+    def _hook(self, out: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook on the reduced output ([Note: communication controls])."""
+        controls = self.buffers.controls
+        if controls.all_reduce_hook is None:
+            return
+        with torch.cuda.stream(controls.all_reduce_hook_stream) if controls.all_reduce_hook_stream else nullcontext():
+            controls.all_reduce_hook(out)
+
     def _all_reduce(self, out: torch.Tensor) -> bool:
         """[Note: HSDP] Average (sum, with a divide factor) ``out`` over the replicate axis, adding
         the outputs kept while ``requires_all_reduce`` was off; False while it is off."""
@@ -332,7 +357,7 @@ class GradientSync:
         self._partial = None
         pg = self.replicate_group
         assert pg is not None
-        op = dist.ReduceOp.SUM if b.controls.divide_factor is not None else dist.ReduceOp.AVG
+        op = dist.ReduceOp.SUM if self._summed else dist.ReduceOp.AVG
         b.agree(f"the all-reduce of group {b.described}", out.numel(), out.dtype, pg)
         b.count(2)
         assert b.layout is not None

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from blockshard._errors import ShardingError
+from blockshard.runtime.core._module_comms import CommControls
 from blockshard.runtime.core._state import ModuleState, state_of
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ShardingError",
     "UnshardHandle",
     "register_forward_method",
+    "unswapped_class",
 ]
 
 
@@ -37,7 +39,7 @@ class UnshardHandle:
         self._state.wait_unshard()
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(CommControls, nn.Module):
     """What ``fully_shard`` makes of a module (as FSDP2's ``FSDPModule``).
 
     ``fully_shard(m)`` swaps ``m``'s class for ``BlockShard<Class>``, a subclass of both this class
@@ -233,6 +235,14 @@ class ShardedModule(nn.Module):
             "the original's buffers and collectives (its unshard() would unshard the original). Fix: "
             "deepcopy the model before fully_shard and shard the copy, or build a second model"
         )
+
+
+def unswapped_class(cls: type) -> type:
+    """The model's own class for a class ``fully_shard`` swapped in (``BlockShard<Class>``); any
+    other class itself."""
+    if not issubclass(cls, ShardedModule):
+        return cls
+    return next(b for b in cls.__mro__[1:] if not issubclass(b, (ShardedModule, CommControls)))
 
 
 def _check_bool(name: str, value: object) -> None:

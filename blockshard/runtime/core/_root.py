@@ -104,14 +104,17 @@ class RootContext:
         parameters, and every rank that steps an optimizer must have stepped as often; else every
         rank raises before the optimizer step uses the gradients."""
         tally, group = self.tally, self.states[0].buffers
-        trainable, holds = 0, False
+        trainable, received, holds = 0, 0, False
         for st in self.states:
             for sp in (sp for g in st.param_buffers for sp in g.params):  # every buffer set's flags
                 trainable = (trainable * 3 + 1 + sp.sharded.requires_grad) % CollectiveTally._MOD
+                # a rank whose parameter got no gradient leaves its piece unstepped while the others step theirs
+                received = (received * 3 + 1 + (sp.sharded.grad is not None)) % CollectiveTally._MOD
                 holds |= sp.sharded.requires_grad and sp.sharded.numel() > 0
         pg, W = group.process_group, group.world_size
         tally.phase = "end"
-        fields = [tally.steps + 1, tally.count, tally.hash, trainable, tally.optimizer_steps + tally.optimizer_stepped]
+        fields = [tally.steps + 1, tally.count, tally.hash, trainable, received]
+        fields.append(tally.optimizer_steps + tally.optimizer_stepped)
         n = len(fields)
         what = f"the end-of-step check of the model rooted at group {group.name!r}"
         agree(pg, what, numel=2 * n, dtype=torch.int64, phase=tally.phase_text)  # [Note: collective headers]

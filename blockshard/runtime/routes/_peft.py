@@ -43,7 +43,7 @@ from blockshard._errors import ShardingError
 from blockshard.runtime.checkpoint._peft import peft_state_dict
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.core._inspect import states_under
-from blockshard.runtime.core._module import ShardedModule
+from blockshard.runtime.core._module import unswapped_class
 from blockshard.runtime.routes._route import Route, parameter_names, signature_problem
 
 __all__ = ["PEFT_ROUTE", "TESTED_PEFT"]
@@ -145,13 +145,6 @@ def _save_sharded(
     )
 
 
-def _unswapped(cls: type) -> type:
-    """The model's own class for the class ``fully_shard`` swapped in (``BlockShard<Class>``)."""
-    if not issubclass(cls, ShardedModule):
-        return cls
-    return next(b for b in cls.__mro__[1:] if not issubclass(b, ShardedModule))
-
-
 def _install() -> Callable[[], None]:
     cls = _peft_model()
     original = cls.__dict__["save_pretrained"]
@@ -159,7 +152,7 @@ def _install() -> Callable[[], None]:
 
     @functools.wraps(base_class)
     def _get_base_model_class(self: nn.Module, is_prompt_tuning: bool = False) -> type:
-        return _unswapped(base_class(self, is_prompt_tuning))
+        return unswapped_class(base_class(self, is_prompt_tuning))
 
     @functools.wraps(original)
     def save_pretrained(self: nn.Module, *args: Any, **kwargs: Any) -> None:
