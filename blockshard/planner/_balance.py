@@ -22,7 +22,17 @@ import numpy as np
 
 from blockshard.planner._layout import GroupLayout
 
-__all__ = ["balance", "best_rotation", "clean_rotations", "rank_costs", "rotate", "rotation_peak", "rotations_to_try"]
+__all__ = [
+    "balance",
+    "best_rotation",
+    "clean_rotations",
+    "is_balanced",
+    "rank_costs",
+    "rotate",
+    "rotation_peak",
+    "rotations_to_try",
+    "sample_rotations",
+]
 
 MIN_CANDIDATES = 32
 #: Rotations tried per group are capped so that candidates x loaded ranks stays under this.
@@ -94,10 +104,19 @@ def best_rotation(layout: GroupLayout, base: np.ndarray, running: np.ndarray) ->
 
 def rotations_to_try(layout: GroupLayout, base: np.ndarray, nz: np.ndarray) -> np.ndarray | None:
     """The clean rotations :func:`best_rotation` compares (``None``: balanced, 0 only)."""
-    if layout.world_size == 1 or not base.max() > base.mean() * (1 + IMBALANCE_TOLERANCE):
+    if is_balanced(base):
         return None
-    cands = clean_rotations(layout)  # ascending; 0 first when it is clean
-    limit = max(MIN_CANDIDATES, WORK_BUDGET // max(len(nz), 1))
+    return sample_rotations(clean_rotations(layout), len(nz))  # ascending; 0 first when it is clean
+
+
+def is_balanced(base: np.ndarray) -> bool:
+    """Whether the per-rank cost ``base`` is within ``IMBALANCE_TOLERANCE`` of its mean (or one rank's)."""
+    return base.size == 1 or not base.max() > base.mean() * (1 + IMBALANCE_TOLERANCE)
+
+
+def sample_rotations(cands: np.ndarray, loaded: int) -> np.ndarray:
+    """``cands`` evenly sampled down to ``WORK_BUDGET / loaded`` rotations (at least ``MIN_CANDIDATES``)."""
+    limit = max(MIN_CANDIDATES, WORK_BUDGET // max(loaded, 1))
     if len(cands) > limit:
         cands = cands[np.linspace(0, len(cands) - 1, limit).astype(np.int64)]
     return cands

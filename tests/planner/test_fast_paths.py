@@ -5,7 +5,9 @@ Each fast path was written to make the same choice, with the same floats, as a s
 ``_greedy_by_level`` (ranks grouped by cost) as ``_greedy`` (one heap entry per rank) wherever
 ``_costs_rise`` admits it; ``_candidate_peaks`` (every candidate's rotations in one array) as
 ``rotation_peak`` per candidate; ``clean_rotations`` (a difference array) as testing each rotation's
-wrap point against every tensor. Equality is exact (owners, rotations and peaks bitwise)."""
+wrap point against every tensor; ``fixed_costs`` and ``clean_rotations_of`` (every candidate's
+offsets at once, [Note: candidates by offsets]) as ``_fixed(rank_costs(...))`` and ``clean_rotations``
+of each candidate's layout. Equality is exact (owners, rotations, peaks and costs bitwise)."""
 
 from __future__ import annotations
 
@@ -15,8 +17,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockshard.planner import GroupLayout, TensorPlacement
-from blockshard.planner._balance import clean_rotations, rotation_peak
-from blockshard.planner._compute import _candidate_peaks, straddling_units, uncut
+from blockshard.planner._balance import clean_rotations, rank_costs, rotation_peak, rotations_to_try
+from blockshard.planner._candidates import (
+    candidate_offsets,
+    candidate_peaks,
+    candidate_table,
+    clean_rotations_of,
+    fixed_costs,
+    with_offsets,
+)
+from blockshard.planner._compute import OwnerPlanBuilder
+from blockshard.planner._cuts import straddling_units, uncut
 from blockshard.planner._owner import _costs_rise, _greedy, _greedy_by_level
 from blockshard.semantics import UnitGrid
 
@@ -97,7 +108,7 @@ def test_candidate_peaks_equal_rotation_peak_per_candidate(W, n_cand, seed, ties
         fixed_nz[i, : nz.size], fixed_vals[i, : nz.size] = nz, vals
     peaks0 = np.maximum((running[fixed_nz] + fixed_vals).max(axis=1, initial=top), top)
     within = np.flatnonzero(rng.random(n_cand) < 0.8)
-    peaks, rot = _candidate_peaks([rows[i][2] for i in within], within, peaks0, fixed_nz, fixed_vals, running, top)
+    peaks, rot = candidate_peaks([rows[i][2] for i in within], within, peaks0, fixed_nz, fixed_vals, running, top)
     for j, i in enumerate(within.tolist()):
         nz, vals, rots = rows[i]
         assert (int(rot[j]), float(peaks[j])) == rotation_peak(nz, vals, rots, running, top)
@@ -133,3 +144,56 @@ def test_clean_rotations_are_those_whose_wrap_point_cuts_no_tensor(layout):
         )  # rotation k brings old position (W - k) * S_b to 0: no tensor may run across it
     ]
     assert clean_rotations(layout).tolist() == ref
+
+
+# -- candidates by offsets -----------------------------------------------------------------------
+@st.composite
+def candidate_cases(draw):
+    """A one-bucket layout (holes between tensors, some empty), owner-computed tensors with their
+    compute grids, costs of very different sizes (a rank's sum then depends on its order), and rows of
+    offsets: the layout's own, its shifts and moves, and blocks (a tensor and the hole after it) in
+    random orders."""
+    W, S = draw(st.integers(1, 12)), draw(st.integers(1, 24))
+    tensors, pos = [], 0
+    for i in range(draw(st.integers(1, 7))):
+        if pos > W * S:
+            break
+        n = draw(st.integers(0, min(3 * S, W * S - pos)))
+        grid = draw(grids(n)) if draw(st.booleans()) else UnitGrid.units(n, 1)
+        tensors.append(TensorPlacement(f"t{i}", (n,), pos, grid))
+        pos += n + draw(st.integers(0, S))
+    layout = GroupLayout("g", W, 1, "float32", 4, 1, (S,), tuple(tensors))
+    compute = {t.name: draw(grids(t.numel)) for t in tensors if draw(st.booleans())}
+    costs = {t.name: draw(st.sampled_from([0.0, 1.0, 3.0, 1e-9, 7e15, 0.1])) * t.numel for t in tensors}
+    rows = [tuple(t.offset for t in tensors)]
+    rows += [offs for offs, _ in candidate_offsets(layout, [True] * len(tensors))]
+    ends = [t.offset for t in tensors[1:]] + [W * S]
+    blocks = [e - t.offset for t, e in zip(tensors, ends, strict=True)]
+    for _ in range(draw(st.integers(0, 4))):
+        order, offs, at = draw(st.permutations(range(len(tensors)))), [0] * len(tensors), 0
+        for i in order:
+            offs[i], at = at, at + blocks[i]
+        rows.append(tuple(offs))
+    return layout, compute, costs, rows
+
+
+@settings(max_examples=400, deadline=None)
+@given(candidate_cases())
+def test_fixed_costs_and_clean_rotations_by_offsets_equal_the_candidate_layouts(case):
+    layout, compute, costs, rows = case
+    fixed_nz, fixed_vals, counts = fixed_costs(layout, compute, costs, np.asarray(rows), {})
+    clean = clean_rotations_of(layout, np.asarray(rows))
+    builder = OwnerPlanBuilder(layout.world_size, {})
+    for i, offs in enumerate(rows):
+        candidate = with_offsets(layout, offs)
+        b = builder._fixed(candidate, compute, costs, rank_costs(candidate, costs))
+        nz = np.flatnonzero(b != 0)
+        assert fixed_nz[i, : counts[i]].tolist() == nz.tolist()
+        assert fixed_vals[i, : counts[i]].tobytes() == b[nz].tobytes()  # bitwise
+        assert clean[i].tolist() == clean_rotations(candidate).tolist()
+    table = candidate_table(layout, compute, costs, [True] * len(layout.tensors), {})
+    got = table.rotations_to_try(list(range(len(table.offsets))))
+    for i, offs in enumerate(table.offsets):
+        b = table.fixed(i)
+        want = rotations_to_try(with_offsets(layout, offs), b, np.flatnonzero(b))
+        assert (got[i] is None and want is None) or got[i].tolist() == want.tolist()
