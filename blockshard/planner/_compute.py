@@ -355,17 +355,20 @@ class OwnerPlanBuilder:
         for t, starts, ends, S, density in self._cut(layout, compute, costs):
             self.units.append((kind, t.name, starts, ends, t.offset, S, density, layout.itemsize))
 
-    def _columns(self, units: list[_CutUnits]) -> tuple[list[np.ndarray], list[str]]:
-        """Per cut unit: tensor index, start, end (tensor), start, end (bucket), S, cost, itemsize; and its kind."""
+    def _columns(self, units: list[_CutUnits]) -> tuple[list[np.ndarray], np.ndarray]:
+        """Per cut unit: tensor index, start, end (tensor), start, end (bucket), S, cost, itemsize; and
+        its kind (an index into ``self.kinds``)."""
         names = {n: i for i, n in enumerate(dict.fromkeys(u[1] for u in self.units))}
+        kinds = {kd: i for i, kd in enumerate(self.kinds)}
         parts = [
-            (np.full(s.size, names[n]), s, e, o + s, o + e, np.full(s.size, S), d * (e - s), np.full(s.size, b), kd)
-            for kd, n, s, e, o, S, d, b in units
+            (np.full(s.size, names[n]), s, e, o + s, o + e, np.full(s.size, S), d * (e - s), np.full(s.size, b))
+            for _, n, s, e, o, S, d, b in units
         ]
         if not parts:
-            return [np.zeros(0, dtype=np.int64)] * 8, []
+            return [np.zeros(0, dtype=np.int64)] * 8, np.zeros(0, dtype=np.int64)
         cols = [np.concatenate([p[j] for p in parts]) for j in range(8)]
-        return cols, [p[8] for p in parts for _ in range(p[1].size)]
+        kind_of = np.repeat([kinds[u[0]] for u in units], [p[1].size for p in parts])
+        return cols, kind_of
 
     def finish(self, running: np.ndarray) -> tuple[OwnerAssignment, dict[str, ComputeTally]]:
         """Owners of every cut unit (adds their cost to ``running``); per-kind tallies."""
@@ -375,13 +378,16 @@ class OwnerPlanBuilder:
         owner, own_piece = _assign(running, np.arange(ut.size), ua, ub, uc.astype(np.float64), steps)
         if refine_owners(running, owner, uc.astype(np.float64)):
             own_piece = np.maximum(0, np.minimum(ub, (owner + 1) * steps) - np.maximum(ua, owner * steps))
-        kinds = {kd: self._tally(kd, kind_of, owner, own_piece, ua, ub, steps, uc, item) for kd in self.kinds}
+        kinds = {
+            kd: self._tally(kd, kind_of == i, owner, own_piece, ua, ub, steps, uc, item)
+            for i, kd in enumerate(self.kinds)
+        }
         return OwnerAssignment(W, names, ut, us, ue - us, owner), kinds
 
     def _tally(
         self,
         kind: str,
-        kind_of: list[str],
+        m: np.ndarray,
         owner: np.ndarray,
         own_piece: np.ndarray,
         ua: np.ndarray,
@@ -390,8 +396,8 @@ class OwnerPlanBuilder:
         uc: np.ndarray,
         item: np.ndarray,
     ) -> ComputeTally:
+        """The tally of ``kind``, whose cut units are those where ``m``."""
         W, t = self.world_size, self.kinds[kind]
-        m = np.asarray([k == kind for k in kind_of], dtype=bool)
         a2a = np.zeros(W)
         if m.any():
             numel = (ub - ua)[m]

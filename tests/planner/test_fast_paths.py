@@ -7,7 +7,8 @@ Each fast path was written to make the same choice, with the same floats, as a s
 ``rotation_peak`` per candidate; ``clean_rotations`` (a difference array) as testing each rotation's
 wrap point against every tensor; ``fixed_costs`` and ``clean_rotations_of`` (every candidate's
 offsets at once, [Note: candidates by offsets]) as ``_fixed(rank_costs(...))`` and ``clean_rotations``
-of each candidate's layout. Equality is exact (owners, rotations, peaks and costs bitwise)."""
+of each candidate's layout; ``_Held`` (a rank's units listed when first asked for) as the lists of
+every rank's units built up front. Equality is exact (owners, rotations, peaks and costs bitwise)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from blockshard.planner._candidates import (
 from blockshard.planner._compute import OwnerPlanBuilder
 from blockshard.planner._cuts import straddling_units, uncut
 from blockshard.planner._owner import _costs_rise, _greedy, _greedy_by_level
+from blockshard.planner._refine import _Held
 from blockshard.semantics import UnitGrid
 
 
@@ -197,3 +199,16 @@ def test_fixed_costs_and_clean_rotations_by_offsets_equal_the_candidate_layouts(
         b = table.fixed(i)
         want = rotations_to_try(with_offsets(layout, offs), b, np.flatnonzero(b))
         assert (got[i] is None and want is None) or got[i].tolist() == want.tolist()
+
+
+# -- units held per rank (owner refinement) ------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 12), st.lists(st.integers(0, 11), max_size=60), st.lists(st.integers(0, 11), max_size=8))
+def test_held_lists_each_ranks_units_as_built_up_front(W, owners, asked):
+    owner = np.asarray([o % W for o in owners], dtype=np.int64)
+    held = _Held(owner, W)
+    eager: dict[int, list[int]] = {}
+    for u, o in enumerate(owner.tolist()):
+        eager.setdefault(o, []).append(u)
+    for r in [a % W for a in asked] + list(range(W)):  # some ranks asked first, in any order
+        assert held[r] == eager.get(r, [])
