@@ -113,7 +113,7 @@ class CandidateTable:
 
     ``fixed_nz[i]`` and ``fixed_vals[i]``: the ranks with a nonzero fixed cost and that cost, padded
     (rank 0, cost 0: never a peak) to one array; ``repeated[i]``: an earlier row has the same offsets
-    (``first[i]``: that row, else ``i``). Rotations to try are found once per row, when first needed.
+    (``first[i]``: that row, else ``i``); ``fixed_max[i]``: the largest fixed cost. Rotations to try are found once per row, when first needed.
     """
 
     layout: GroupLayout
@@ -122,12 +122,10 @@ class CandidateTable:
     fixed_nz: np.ndarray
     fixed_vals: np.ndarray
     counts: np.ndarray
+    fixed_max: np.ndarray
     first: np.ndarray
+    repeated: np.ndarray
     rotations: dict[int, np.ndarray | None]
-
-    @property
-    def repeated(self) -> np.ndarray:
-        return np.asarray(self.first != np.arange(len(self.offsets)), dtype=bool)
 
     def fixed(self, i: int) -> np.ndarray:
         """Row ``i``'s fixed cost per rank, as ``_fixed`` computes it for its layout."""
@@ -166,7 +164,9 @@ def candidate_table(
         fixed_nz, fixed_vals, counts = fixed_costs(layout, compute, costs, np.asarray(rows, dtype=np.int64), memo)
     else:
         fixed_nz, fixed_vals, counts = np.zeros((0, 0), dtype=np.int64), np.zeros((0, 0)), _EMPTY
-    return CandidateTable(layout, rows, shifts, fixed_nz, fixed_vals, counts, firsts, {})
+    fixed_max = fixed_vals.max(axis=1, initial=0.0)
+    repeated = firsts != np.arange(len(rows))
+    return CandidateTable(layout, rows, shifts, fixed_nz, fixed_vals, counts, fixed_max, firsts, repeated, {})
 
 
 def fixed_costs(
@@ -285,19 +285,20 @@ def clean_rotations_of(layout: GroupLayout, offsets: np.ndarray) -> list[np.ndar
 def candidate_peaks(
     rots: list[np.ndarray | None],
     within: np.ndarray,
-    peaks0: np.ndarray,
     fixed_nz: np.ndarray,
     fixed_vals: np.ndarray,
     running: np.ndarray,
     top: float,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The lowest peak of each candidate ``within`` (rows of ``_table``'s ``fixed_nz`` and
-    ``fixed_vals``; ``rots``: its rotations to try, ``None`` or none: rotation 0, peak ``peaks0``)
-    and the first rotation that reaches it: what :func:`rotation_peak` finds for each, with every
-    candidate's rotations in one array (the same sums, so the same floats)."""
-    peaks = peaks0[within].astype(np.float64)
+    ``fixed_vals``; ``rots``: its rotations to try, ``None`` or none: rotation 0) and the first
+    rotation that reaches it: what :func:`rotation_peak` finds for each, with every candidate's
+    rotations in one array (the same sums, so the same floats)."""
+    peaks = np.empty(within.size)
     rot = np.zeros(within.size, dtype=np.int64)
     lens = np.asarray([0 if r is None else len(r) for r in rots], dtype=np.int64)
+    at0 = within[lens == 0]  # rotation 0 only; the padding adds running <= top
+    peaks[lens == 0] = np.maximum((running[fixed_nz[at0]] + fixed_vals[at0]).max(axis=1, initial=top), top)
     searched = np.flatnonzero(lens)
     if searched.size:
         rows = np.repeat(within[searched], lens[searched])

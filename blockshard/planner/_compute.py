@@ -260,11 +260,10 @@ class OwnerPlanBuilder:
         if table.offsets:
             fixed_nz, fixed_vals = table.fixed_nz, table.fixed_vals
             top = running.max(initial=0.0)
-            peaks0 = np.maximum((running[fixed_nz] + fixed_vals).max(axis=1, initial=top), top)  # rotation 0
             # a candidate's peak at any rotation is at least its costliest rank's cost on the least
             # loaded rank; one whose bound reaches the lowest peak so far can never be picked (a pick
             # must be strictly lower, the first on ties), so its rotations are not searched
-            bound = np.maximum(fixed_vals.max(axis=1, initial=0.0) + running.min(initial=0.0), top)
+            bound = np.maximum(table.fixed_max + running.min(initial=0.0), top)
             bound[table.repeated] = np.inf  # an earlier candidate has the same peak
             ks = np.zeros(len(table.offsets), dtype=np.int64)
 
@@ -274,7 +273,7 @@ class OwnerPlanBuilder:
                 if not within.size:
                     return -1, ceiling
                 rots = table.rotations_to_try(within.tolist())  # shared by identical groups: found once
-                peaks, rot = candidate_peaks(rots, within, peaks0, fixed_nz, fixed_vals, running, top)
+                peaks, rot = candidate_peaks(rots, within, fixed_nz, fixed_vals, running, top)
                 peaks[peaks >= ceiling] = np.inf
                 j = int(np.argmin(peaks))  # the first on ties
                 if not peaks[j] < ceiling:

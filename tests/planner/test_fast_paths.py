@@ -108,9 +108,8 @@ def test_candidate_peaks_equal_rotation_peak_per_candidate(W, n_cand, seed, ties
     fixed_vals = np.zeros((n_cand, m))
     for i, (nz, vals, _) in enumerate(rows):
         fixed_nz[i, : nz.size], fixed_vals[i, : nz.size] = nz, vals
-    peaks0 = np.maximum((running[fixed_nz] + fixed_vals).max(axis=1, initial=top), top)
     within = np.flatnonzero(rng.random(n_cand) < 0.8)
-    peaks, rot = candidate_peaks([rows[i][2] for i in within], within, peaks0, fixed_nz, fixed_vals, running, top)
+    peaks, rot = candidate_peaks([rows[i][2] for i in within], within, fixed_nz, fixed_vals, running, top)
     for j, i in enumerate(within.tolist()):
         nz, vals, rots = rows[i]
         assert (int(rot[j]), float(peaks[j])) == rotation_peak(nz, vals, rots, running, top)
