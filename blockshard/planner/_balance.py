@@ -24,6 +24,7 @@ from blockshard.planner._layout import GroupLayout
 
 __all__ = [
     "balance",
+    "balanced_rows",
     "best_rotation",
     "clean_rotations",
     "is_balanced",
@@ -112,6 +113,26 @@ def rotations_to_try(layout: GroupLayout, base: np.ndarray, nz: np.ndarray) -> n
 def is_balanced(base: np.ndarray) -> bool:
     """Whether the per-rank cost ``base`` is within ``IMBALANCE_TOLERANCE`` of its mean (or one rank's)."""
     return base.size == 1 or not base.max() > base.mean() * (1 + IMBALANCE_TOLERANCE)
+
+
+def balanced_rows(vals: np.ndarray, counts: np.ndarray, world_size: int) -> np.ndarray:
+    """:func:`is_balanced` of the per-rank costs that are ``vals[i, :counts[i]]`` on some ranks and zero
+    on the others, per row ``i`` (``vals`` padded with zeros), where their sums tell: 1 balanced, 0 not,
+    -1 too close to tell (then ask :func:`is_balanced` of the whole array).
+
+    [Note: balanced by sums] ``is_balanced`` compares the largest cost with numpy's mean times
+    ``1 + IMBALANCE_TOLERANCE``; that mean is within ``1e-14`` of the mean of the absolute costs of
+    the exact one (pairwise sums, one division), and so is this row sum's. Where the largest cost
+    is farther than ``1e-9`` of that from the threshold, both comparisons agree."""
+    if world_size == 1:
+        return np.ones(len(counts), dtype=np.int8)
+    real = np.arange(vals.shape[1]) < counts[:, None]
+    top = np.where(real, vals, -np.inf).max(axis=1, initial=-np.inf)
+    top = np.where(counts < world_size, np.maximum(top, 0.0), top)  # the ranks without cost hold 0
+    scale = 1 + IMBALANCE_TOLERANCE
+    gap = top - vals.sum(axis=1) / world_size * scale
+    margin = 1e-9 * np.abs(vals).sum(axis=1) / world_size * scale
+    return np.where(gap > margin, 0, np.where(gap < -margin, 1, -1)).astype(np.int8)
 
 
 def sample_rotations(cands: np.ndarray, loaded: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blockshard.planner._balance import is_balanced, sample_rotations
+from blockshard.planner._balance import balanced_rows, is_balanced, sample_rotations
 from blockshard.planner._cuts import cut_cost_per_rank, uncut
 from blockshard.planner._layout import GroupLayout, TensorPlacement
 from blockshard.planner._moves import tensor_moves
@@ -136,7 +136,11 @@ class CandidateTable:
     def rotations_to_try(self, rows: list[int]) -> list[np.ndarray | None]:
         """Per row, what ``rotations_to_try`` gives for its layout and fixed cost."""
         todo = sorted({int(self.first[i]) for i in rows} - self.rotations.keys())
-        unbalanced = [i for i in todo if not is_balanced(self.fixed(i))]
+        at = np.asarray(todo, dtype=np.int64)
+        told = balanced_rows(self.fixed_vals[at], self.counts[at], self.layout.world_size).tolist()
+        unbalanced = [
+            i for i, b in zip(todo, told, strict=True) if b == 0 or (b < 0 and not is_balanced(self.fixed(i)))
+        ]
         for i in todo:
             self.rotations[i] = None
         if unbalanced:

@@ -54,8 +54,8 @@ def straddling_units(grid: UnitGrid, offset: int, S: int, memo: Memo | None = No
         c = c[~((c >= lo) & (c <= hi) & (c % u == 0))]
         start = np.where(c < lo, 0, np.where(c > hi, hi, lo + ((c - lo) // u) * u))
         end = np.where(c < lo, lo, np.where(c > hi, n, start + u))
-        start, first_of = np.unique(start, return_index=True)
-        out = (start, end[first_of])
+        first_of = np.flatnonzero(np.diff(start, prepend=-1))  # start rises with c: its first of each value
+        out = (start[first_of], end[first_of])
     if memo is not None:
         memo[key] = out
     return out

@@ -2,13 +2,15 @@
 
 Each fast path was written to make the same choice, with the same floats, as a slower form:
 ``uncut`` (a closed form) as ``straddling_units`` finding none and as checking every rank boundary;
+``straddling_units`` (the units at the boundaries, in one pass) as the units around each boundary;
 ``_greedy_by_level`` (ranks grouped by cost) as ``_greedy`` (one heap entry per rank) wherever
 ``_costs_rise`` admits it; ``_candidate_peaks`` (every candidate's rotations in one array) as
 ``rotation_peak`` per candidate; ``clean_rotations`` (a difference array) as testing each rotation's
 wrap point against every tensor; ``fixed_costs`` and ``clean_rotations_of`` (every candidate's
 offsets at once, [Note: candidates by offsets]) as ``_fixed(rank_costs(...))`` and ``clean_rotations``
 of each candidate's layout; ``_Held`` (a rank's units listed when first asked for) as the lists of
-every rank's units built up front. Equality is exact (owners, rotations, peaks and costs bitwise)."""
+every rank's units built up front; ``balanced_rows`` (from a row's sums, [Note: balanced by sums])
+as ``is_balanced`` of the whole array wherever it tells. Equality is exact (owners, rotations, peaks and costs bitwise)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockshard.planner import GroupLayout, TensorPlacement
-from blockshard.planner._balance import clean_rotations, rank_costs, rotation_peak, rotations_to_try
+from blockshard.planner._balance import (
+    IMBALANCE_TOLERANCE,
+    balanced_rows,
+    clean_rotations,
+    is_balanced,
+    rank_costs,
+    rotation_peak,
+    rotations_to_try,
+)
 from blockshard.planner._candidates import (
     candidate_offsets,
     candidate_peaks,
@@ -55,6 +65,20 @@ def test_uncut_is_no_straddling_unit_and_every_boundary_an_allowed_cut(case):
     brute = all(grid.allows_cut(c) for c in boundaries)
     starts, _ = straddling_units(grid, offset, S)
     assert uncut(grid, offset, S) == (starts.size == 0) == brute
+
+
+@settings(max_examples=500, deadline=None)
+@given(placed_grids())
+def test_straddling_units_are_the_units_around_every_boundary_not_an_allowed_cut(case):
+    grid, offset, S = case
+    n = grid.numel
+    cuts = [x for x in range(n + 1) if grid.allows_cut(x)]  # the units lie between consecutive cuts
+    units = set()
+    for c in [k * S - offset for k in range(offset // S + 1, (offset + n - 1) // S + 1)] if n else []:
+        if not grid.allows_cut(c):
+            units.add((max(x for x in cuts if x < c), min(x for x in cuts if x > c)))
+    starts, ends = straddling_units(grid, offset, S)
+    assert list(zip(starts.tolist(), ends.tolist(), strict=True)) == sorted(units)
 
 
 # -- owner greedy --------------------------------------------------------------------------------
@@ -211,3 +235,48 @@ def test_held_lists_each_ranks_units_as_built_up_front(W, owners, asked):
         eager.setdefault(o, []).append(u)
     for r in [a % W for a in asked] + list(range(W)):  # some ranks asked first, in any order
         assert held[r] == eager.get(r, [])
+
+
+# -- balanced by sums ----------------------------------------------------------------------------
+@settings(max_examples=400, deadline=None)
+@given(st.integers(2, 40), st.integers(0, 2**32 - 1), st.sampled_from(["random", "threshold", "zeros", "residues"]))
+def test_balanced_rows_agree_with_is_balanced_wherever_they_tell(W, seed, kind):
+    """Rows near the threshold (the largest cost a few ulps from 1.01 x the mean), random rows with
+    tiny negative residues, all-zero rows and rows of negative residues on every rank: a row's
+    verdict, where given, is ``is_balanced``'s."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(6):
+        n = int(rng.integers(1, W + 1))
+        if kind == "threshold":  # n - 1 ranks at v, one at 1.01 x the mean
+            v = float(rng.random() + 0.5)
+            x = (1 + IMBALANCE_TOLERANCE) * (n - 1) * v / (W - (1 + IMBALANCE_TOLERANCE))
+            for _ in range(int(rng.integers(-3, 4))):
+                x = float(np.nextafter(x, np.inf))
+            vals = np.full(n, v)
+            vals[-1] = x
+        elif kind == "zeros":
+            vals = np.zeros(n)
+        elif kind == "residues":  # every rank loaded, all below zero: the largest cost is negative
+            vals = -rng.random(W) * 1e-12
+        else:
+            vals = rng.random(n) * rng.choice([1e-3, 1.0, 1e12]) - (rng.random(n) < 0.2) * 1e-9
+        rows.append(vals)
+    counts = np.asarray([r.size for r in rows])
+    padded = np.zeros((len(rows), counts.max()))
+    full = []
+    for i, r in enumerate(rows):
+        padded[i, : r.size] = r
+        f = np.zeros(W)
+        f[rng.permutation(W)[: r.size]] = r  # the loaded ranks anywhere
+        full.append(f)
+    told = balanced_rows(padded, counts, W)
+    for t, f in zip(told.tolist(), full, strict=True):
+        assert t == -1 or bool(t) == is_balanced(f)
+    if kind == "random":  # clear rows are told
+        assert (told >= 0).all()
+
+
+def test_balanced_rows_tell_clear_rows():
+    vals = np.asarray([[5.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    assert balanced_rows(vals, np.asarray([1, 2, 0]), 2).tolist() == [0, 1, -1]
