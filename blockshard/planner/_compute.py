@@ -34,7 +34,7 @@ from blockshard.planner._candidates import (
 )
 from blockshard.planner._cuts import cut_cost_per_rank, straddling_units
 from blockshard.planner._layout import GroupLayout, TensorPlacement
-from blockshard.planner._owner import _assign, unit_rows
+from blockshard.planner._owner import _assign, by_cost, unit_rows
 from blockshard.planner._refine import refine_owners
 from blockshard.planner._units import Memo, layout_hash, rank_overlap
 from blockshard.semantics import UnitGrid
@@ -374,7 +374,7 @@ class OwnerPlanBuilder:
         W = self.world_size
         names = tuple(dict.fromkeys(u[1] for u in self.units))
         (ut, us, ue, ua, ub, steps, uc, item), kind_of = self._columns(self.units)
-        owner, own_piece = _assign(running, np.arange(ut.size), ua, ub, uc.astype(np.float64), steps)
+        owner, own_piece = _assign(running, np.arange(ut.size), ua, ub, uc.astype(np.float64), steps, by_cost(uc))
         if refine_owners(running, owner, uc.astype(np.float64)):
             own_piece = np.maximum(0, np.minimum(ub, (owner + 1) * steps) - np.maximum(ua, owner * steps))
         kinds = {

@@ -3,8 +3,9 @@
 Each fast path was written to make the same choice, with the same floats, as a slower form:
 ``uncut`` (a closed form) as ``straddling_units`` finding none and as checking every rank boundary;
 ``straddling_units`` (the units at the boundaries, in one pass) as the units around each boundary;
-``_greedy_by_level`` (ranks grouped by cost) as ``_greedy`` (one heap entry per rank) wherever
-``_costs_rise`` admits it; ``_candidate_peaks`` (every candidate's rotations in one array) as
+``_greedy_by_level`` (ranks grouped by cost, a unit's pieces as two comparison bits) as ``_greedy``
+(one heap entry per rank) wherever ``_costs_rise`` admits it, and ``by_cost`` (``finish``'s unit
+order) as ``_assign``'s sort; ``candidate_peaks`` (every candidate's rotations in one array) as
 ``rotation_peak`` per candidate; ``clean_rotations`` (a difference array) as testing each rotation's
 wrap point against every tensor; ``fixed_costs`` and ``clean_rotations_of`` (every candidate's
 offsets at once, [Note: candidates by offsets]) as ``_fixed(rank_costs(...))`` and ``clean_rotations``
@@ -39,7 +40,7 @@ from blockshard.planner._candidates import (
 )
 from blockshard.planner._compute import OwnerPlanBuilder
 from blockshard.planner._cuts import straddling_units, uncut
-from blockshard.planner._owner import _costs_rise, _greedy, _greedy_by_level
+from blockshard.planner._owner import _costs_rise, _greedy, _greedy_by_level, by_cost
 from blockshard.planner._refine import _Held
 from blockshard.semantics import UnitGrid
 
@@ -108,9 +109,22 @@ def test_greedy_by_level_makes_greedys_choices(case):
     cols = [list(col) for col in zip(*units, strict=True)]
     if not _costs_rise(np.asarray(costs), np.asarray(cols[4], dtype=float)):
         return  # _assign uses _greedy itself then
+    ras, rbs, firsts, lasts, ucs, ss = cols
+    wants = [(f < s) | ((la > f) << 1) for f, la, s in zip(firsts, lasts, ss, strict=True)]  # as _assign
     a, b = list(costs), list(costs)
-    assert _greedy_by_level(a, *cols) == _greedy(b, *cols)
+    assert _greedy_by_level(a, ras, rbs, wants, ucs) == _greedy(b, *cols)
     assert a == b
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1.0, 2.5, 7.0, 1e-300]), max_size=300), st.integers(0, 2**32 - 1))
+def test_by_cost_is_assigns_sort_of_units_that_are_their_own_tensors(costs, seed):
+    """``finish`` passes its units in ``_assign``'s order, sorted by cost alone (``by_cost``): its
+    tensor key is the unit index, so the start never breaks a tie."""
+    uc = np.asarray(costs)
+    ua = np.random.default_rng(seed).integers(0, 50, uc.size)
+    got = by_cost(uc)
+    assert got.tolist() == np.lexsort((ua, np.arange(uc.size), -uc)).tolist()
 
 
 # -- candidate peaks -----------------------------------------------------------------------------
