@@ -18,13 +18,14 @@ A candidate's layout is built only once it is picked. Candidates exist for one-b
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from blockshard.planner._balance import balanced_rows, is_balanced, sample_rotations
-from blockshard.planner._cuts import cut_cost_per_rank, uncut
+from blockshard.planner._cuts import cut_cost_per_rank, every_unit_cut, uncut
 from blockshard.planner._layout import GroupLayout, TensorPlacement
 from blockshard.planner._moves import tensor_moves
 from blockshard.planner._units import Memo
@@ -245,13 +246,16 @@ def _piece(
     if hi == 0:  # one rank: no unit is cut
         return per_elem * n, 0.0, 0.0, 0.0, 0, (_EMPTY, _EMPTY_F)
     grid = compute.get(t.name)
+    first, last = per_elem * (S - rel), per_elem * (rel + n - hi * S)
+    if grid is not None and every_unit_cut(grid, S) and math.isfinite(per_elem * S):  # all cut: 0 inside
+        return first, first, last, last, hi, (_EMPTY, _EMPTY_F)
     cut = None if grid is None else cut_cost_per_rank(grid, rel, S, per_elem, memo)
     mid = np.full(hi - 1, 0.0 + per_elem * S)
     if cut is not None:
         mid -= cut[1:hi]
     inner = np.flatnonzero(mid)
     first_cut, last_cut = (0.0, 0.0) if cut is None else (float(cut[0]), float(cut[hi]))
-    return per_elem * (S - rel), first_cut, per_elem * (rel + n - hi * S), last_cut, hi, (inner + 1, mid[inner])
+    return first, first_cut, last, last_cut, hi, (inner + 1, mid[inner])
 
 
 def clean_rotations_of(layout: GroupLayout, offsets: np.ndarray) -> list[np.ndarray]:

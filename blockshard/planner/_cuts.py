@@ -14,7 +14,7 @@ import numpy as np
 from blockshard.planner._units import Memo, rank_overlap
 from blockshard.semantics import UnitGrid
 
-__all__ = ["cut_cost_per_rank", "straddling_units", "uncut"]
+__all__ = ["cut_cost_per_rank", "every_unit_cut", "straddling_units", "uncut"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -32,6 +32,17 @@ def uncut(grid: UnitGrid, offset: int, S: int) -> bool:
         return False
     u, c0, c1 = grid.unit_numel, first * S - offset, last * S - offset
     return grid.min_cut <= c0 and c1 <= grid.max_cut and c0 % u == 0 and (first == last or S % u == 0)
+
+
+def every_unit_cut(grid: UnitGrid, S: int) -> bool:
+    """Whether rank boundaries ``S`` apart cut every unit of ``grid`` wherever a tensor that spans two
+    ranks or more starts: a unit longer than ``S`` has ``S`` offsets strictly inside it, one of them a
+    boundary (and a whole grid's one unit holds every boundary inside the tensor). Then the cut units
+    are the whole tensor, and :func:`cut_cost_per_rank` is its cost on each rank."""
+    if grid.is_whole:
+        return True
+    middle = grid.unit_numel if grid.max_cut > grid.min_cut else grid.numel  # no middle unit: not the least
+    return min(grid.min_cut, middle, grid.numel - grid.max_cut) > S
 
 
 def straddling_units(grid: UnitGrid, offset: int, S: int, memo: Memo | None = None) -> tuple[np.ndarray, np.ndarray]:

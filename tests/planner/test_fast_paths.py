@@ -2,7 +2,8 @@
 
 Each fast path was written to make the same choice, with the same floats, as a slower form:
 ``uncut`` (a closed form) as ``straddling_units`` finding none and as checking every rank boundary;
-``straddling_units`` (the units at the boundaries, in one pass) as the units around each boundary;
+``straddling_units`` (the units at the boundaries, in one pass) as the units around each boundary,
+and all of the tensor where ``every_unit_cut`` says so;
 ``_greedy_by_level`` (ranks grouped by cost, a unit's pieces as two comparison bits) as ``_greedy``
 (one heap entry per rank) wherever ``_costs_rise`` admits it, and ``by_cost`` (``finish``'s unit
 order) as ``_assign``'s sort; ``candidate_peaks`` (every candidate's rotations in one array) as
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 from _strategies import grids
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from blockshard.planner import GroupLayout, TensorPlacement
@@ -39,7 +40,7 @@ from blockshard.planner._candidates import (
     with_offsets,
 )
 from blockshard.planner._compute import OwnerPlanBuilder
-from blockshard.planner._cuts import straddling_units, uncut
+from blockshard.planner._cuts import every_unit_cut, straddling_units, uncut
 from blockshard.planner._owner import _costs_rise, _greedy, _greedy_by_level, by_cost
 from blockshard.planner._refine import _Held
 from blockshard.semantics import UnitGrid
@@ -80,6 +81,18 @@ def test_straddling_units_are_the_units_around_every_boundary_not_an_allowed_cut
             units.add((max(x for x in cuts if x < c), min(x for x in cuts if x > c)))
     starts, ends = straddling_units(grid, offset, S)
     assert list(zip(starts.tolist(), ends.tolist(), strict=True)) == sorted(units)
+
+
+@settings(max_examples=500, deadline=None)
+@given(placed_grids())
+@example((UnitGrid.units(200, 5, min_piece=60), 0, 30))  # long end units, short middle ones
+@example((UnitGrid.units(200, 40, min_piece=80), 7, 30))  # one middle unit of 40 > 30
+def test_every_unit_cut_means_the_straddling_units_are_the_whole_tensor(case):
+    grid, offset, S = case
+    starts, ends = straddling_units(grid, offset, S)
+    spans_ranks = grid.numel and offset // S < (offset + grid.numel - 1) // S
+    if every_unit_cut(grid, S) and spans_ranks:
+        assert int((ends - starts).sum()) == grid.numel
 
 
 # -- owner greedy --------------------------------------------------------------------------------
