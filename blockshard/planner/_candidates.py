@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from blockshard.planner._balance import balanced_rows, is_balanced, sample_rotations
-from blockshard.planner._cuts import cut_cost_per_rank, every_unit_cut, uncut
+from blockshard.planner._cuts import cut_cost_per_rank, every_unit_cut, uncut, uncut_at
 from blockshard.planner._layout import GroupLayout, TensorPlacement
 from blockshard.planner._moves import tensor_moves
 from blockshard.planner._units import Memo
@@ -73,34 +73,41 @@ def with_offsets(layout: GroupLayout, offsets: tuple[int, ...]) -> GroupLayout:
     return dataclasses.replace(layout, tensors=tuple(moved))
 
 
-def shift_offsets(layout: GroupLayout, offsets: tuple[int, ...]) -> list[tuple[int, ...]]:
+def shift_offsets(layout: GroupLayout, bases: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
     """Offsets (per tensor of ``layout``) of the tensor shifts ([Note: shifts] in ``_compute.py``) of
-    ``layout`` with tensor ``i`` at ``offsets[i]``."""
+    ``layout`` with tensor ``i`` at ``base[i]``, per base: every base's shifts tested at once."""
     S = layout.buckets[0]
     total = layout.world_size * S
-    starts = sorted({o for t, o in zip(layout.tensors, offsets, strict=True) if t.numel and o})
-    if len(starts) > MAX_SHIFTS:
-        starts = [starts[int(i)] for i in np.linspace(0, len(starts) - 1, MAX_SHIFTS)]
-    grids = [t.grid for t in layout.tensors]
-    found = []
-    for d in starts:
-        offs = tuple((o - d) % total for o in offsets)
-        if all(uncut(g, o, S) for g, o in zip(grids, offs, strict=True)):
-            found.append(offs)
+    live = [t.numel > 0 for t in layout.tensors]
+    rows, owner = [], []  # every (base, start) tried, and its base
+    for b, offsets in enumerate(bases):
+        starts = sorted({o for keep, o in zip(live, offsets, strict=True) if keep and o})
+        if len(starts) > MAX_SHIFTS:
+            starts = [starts[int(i)] for i in np.linspace(0, len(starts) - 1, MAX_SHIFTS)]
+        rows += [[(o - d) % total for o in offsets] for d in starts]
+        owner += [b] * len(starts)
+    found: list[list[tuple[int, ...]]] = [[] for _ in bases]
+    if rows:
+        offs = np.asarray(rows, dtype=np.int64)
+        ok = np.ones(len(rows), dtype=bool)
+        for j, t in enumerate(layout.tensors):
+            ok &= uncut_at(t.grid, offs[:, j], S)
+        for b, row in zip(np.asarray(owner)[ok].tolist(), offs[ok].tolist(), strict=True):
+            found[b].append(tuple(row))
     return found
 
 
-def candidate_offsets(layout: GroupLayout, movable: list[bool]) -> Iterator[tuple[tuple[int, ...], bool]]:
+def candidate_offsets(layout: GroupLayout, movable: list[bool]) -> list[tuple[tuple[int, ...], bool]]:
     """``(offsets, moved)`` per candidate: the tensor shifts of ``layout``, then its tensor moves of
     the ``movable`` tensors ([Note: tensor moves]), each followed by its shifts."""
     if len(layout.buckets) != 1 or layout.world_size == 1:
-        return
-    for offs in shift_offsets(layout, tuple(t.offset for t in layout.tensors)):
-        yield offs, False
-    for offs in tensor_moves(layout, movable, _uncut):
-        yield offs, True
-        for shifted in shift_offsets(layout, offs):
-            yield shifted, True
+        return []
+    moves = tensor_moves(layout, movable, _uncut)
+    shifts = shift_offsets(layout, [tuple(t.offset for t in layout.tensors), *moves])
+    out = [(offs, False) for offs in shifts[0]]
+    for offs, shifted in zip(moves, shifts[1:], strict=True):
+        out += [(offs, True)] + [(s, True) for s in shifted]
+    return out
 
 
 def _uncut(t: TensorPlacement, offset: int, S: int) -> bool:

@@ -67,7 +67,7 @@ def tensor_shifts(layout: GroupLayout, memo: Memo | None = None) -> list[GroupLa
     key = ("shifts", layout.buckets, tuple((t.offset, t.grid) for t in layout.tensors))
     found: list[tuple[int, ...]] | None = memo.get(key) if memo is not None else None
     if found is None:
-        found = shift_offsets(layout, tuple(t.offset for t in layout.tensors))
+        found = shift_offsets(layout, [tuple(t.offset for t in layout.tensors)])[0]
         if memo is not None:
             memo[key] = found
     return [with_offsets(layout, offs) for offs in found]

@@ -14,7 +14,7 @@ import numpy as np
 from blockshard.planner._units import Memo, rank_overlap
 from blockshard.semantics import UnitGrid
 
-__all__ = ["cut_cost_per_rank", "every_unit_cut", "straddling_units", "uncut"]
+__all__ = ["cut_cost_per_rank", "every_unit_cut", "straddling_units", "uncut", "uncut_at"]
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -32,6 +32,18 @@ def uncut(grid: UnitGrid, offset: int, S: int) -> bool:
         return False
     u, c0, c1 = grid.unit_numel, first * S - offset, last * S - offset
     return grid.min_cut <= c0 and c1 <= grid.max_cut and c0 % u == 0 and (first == last or S % u == 0)
+
+
+def uncut_at(grid: UnitGrid, offsets: np.ndarray, S: int) -> np.ndarray:
+    """:func:`uncut` of ``grid`` at each of ``offsets`` (the same closed form, on an array)."""
+    n = grid.numel
+    first, last = offsets // S + 1, (offsets + n - 1) // S
+    out = (first > last) | (n == 0)
+    if grid.is_whole or n == 0:
+        return out
+    u, c0, c1 = grid.unit_numel, first * S - offsets, last * S - offsets
+    on_cuts = (grid.min_cut <= c0) & (c1 <= grid.max_cut) & (c0 % u == 0) & ((first == last) | (S % u == 0))
+    return np.asarray(out | on_cuts, dtype=bool)
 
 
 def every_unit_cut(grid: UnitGrid, S: int) -> bool:
@@ -59,6 +71,9 @@ def straddling_units(grid: UnitGrid, offset: int, S: int, memo: Memo | None = No
         out = (_EMPTY, _EMPTY)
     elif grid.is_whole:
         out = (np.zeros(1, dtype=np.int64), np.full(1, n, dtype=np.int64))
+    elif every_unit_cut(grid, S):  # every unit, listed from the grid (fewer than the boundaries)
+        cuts = np.arange(grid.min_cut, grid.max_cut + 1, grid.unit_numel, dtype=np.int64)
+        out = (np.concatenate(([0], cuts)), np.concatenate((cuts, [n])))
     else:
         u, lo, hi = grid.unit_numel, grid.min_cut, grid.max_cut
         c = np.arange(first, last + 1, dtype=np.int64) * S - offset

@@ -1,18 +1,24 @@
 """The planner's fast paths equal the plain computations they replace, on hypothesis-drawn inputs.
 
 Each fast path was written to make the same choice, with the same floats, as a slower form:
-``uncut`` (a closed form) as ``straddling_units`` finding none and as checking every rank boundary;
-``straddling_units`` (the units at the boundaries, in one pass) as the units around each boundary,
-and all of the tensor where ``every_unit_cut`` says so;
-``_greedy_by_level`` (ranks grouped by cost, a unit's pieces as two comparison bits) as ``_greedy``
-(one heap entry per rank) wherever ``_costs_rise`` admits it, and ``by_cost`` (``finish``'s unit
-order) as ``_assign``'s sort; ``candidate_peaks`` (every candidate's rotations in one array) as
-``rotation_peak`` per candidate; ``clean_rotations`` (a difference array) as testing each rotation's
-wrap point against every tensor; ``fixed_costs`` and ``clean_rotations_of`` (every candidate's
-offsets at once, [Note: candidates by offsets]) as ``_fixed(rank_costs(...))`` and ``clean_rotations``
-of each candidate's layout; ``_Held`` (a rank's units listed when first asked for) as the lists of
-every rank's units built up front; ``balanced_rows`` (from a row's sums, [Note: balanced by sums])
-as ``is_balanced`` of the whole array wherever it tells. Equality is exact (owners, rotations, peaks and costs bitwise)."""
+
+* ``uncut`` (a closed form) as ``straddling_units`` finding none and as checking every rank
+  boundary; ``uncut_at`` (on an array) as ``uncut`` at each offset;
+* ``straddling_units`` (the units at the boundaries, in one pass) as the units around each
+  boundary, and all of the tensor where ``every_unit_cut`` says so;
+* ``_greedy_by_level`` (ranks grouped by cost, a unit's pieces as two comparison bits) as
+  ``_greedy`` (one heap entry per rank) wherever ``_costs_rise`` admits it; ``by_cost``
+  (``finish``'s unit order) as ``_assign``'s sort;
+* ``candidate_peaks`` (every candidate's rotations in one array) as ``rotation_peak`` per candidate;
+* ``clean_rotations`` (a difference array) as testing each rotation's wrap point against every tensor;
+* ``fixed_costs``, ``clean_rotations_of`` and ``shift_offsets`` (every candidate's offsets at once,
+  [Note: candidates by offsets]) as ``_fixed(rank_costs(...))``, ``clean_rotations`` and the
+  shifts of each candidate's layout;
+* ``_Held`` (a rank's units listed when first asked for) as the lists built up front;
+* ``balanced_rows`` (from a row's sums, [Note: balanced by sums]) as ``is_balanced`` of the whole
+  array wherever it tells.
+
+Equality is exact (owners, rotations, peaks and costs bitwise)."""
 
 from __future__ import annotations
 
@@ -32,15 +38,17 @@ from blockshard.planner._balance import (
     rotations_to_try,
 )
 from blockshard.planner._candidates import (
+    MAX_SHIFTS,
     candidate_offsets,
     candidate_peaks,
     candidate_table,
     clean_rotations_of,
     fixed_costs,
+    shift_offsets,
     with_offsets,
 )
 from blockshard.planner._compute import OwnerPlanBuilder
-from blockshard.planner._cuts import every_unit_cut, straddling_units, uncut
+from blockshard.planner._cuts import every_unit_cut, straddling_units, uncut, uncut_at
 from blockshard.planner._owner import _costs_rise, _greedy, _greedy_by_level, by_cost
 from blockshard.planner._refine import _Held
 from blockshard.semantics import UnitGrid
@@ -67,6 +75,15 @@ def test_uncut_is_no_straddling_unit_and_every_boundary_an_allowed_cut(case):
     brute = all(grid.allows_cut(c) for c in boundaries)
     starts, _ = straddling_units(grid, offset, S)
     assert uncut(grid, offset, S) == (starts.size == 0) == brute
+
+
+@settings(max_examples=300, deadline=None)
+@given(placed_grids(), st.lists(st.integers(0, 150), max_size=6))
+def test_uncut_at_is_uncut_at_each_offset(case, more):
+    grid, offset, S = case
+    offsets = [offset, *more]
+    got = uncut_at(grid, np.asarray(offsets, dtype=np.int64), S)
+    assert got.tolist() == [uncut(grid, o, S) for o in offsets]
 
 
 @settings(max_examples=500, deadline=None)
@@ -227,6 +244,22 @@ def candidate_cases(draw):
             offs[i], at = at, at + blocks[i]
         rows.append(tuple(offs))
     return layout, compute, costs, rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(candidate_cases())
+def test_shift_offsets_of_many_bases_are_each_bases_shifts(case):
+    """Every base's shifts tested in one array, as one base at a time with ``uncut`` per tensor."""
+    layout, _, _, rows = case
+    S, total = layout.buckets[0], layout.world_size * layout.buckets[0]
+    want = []
+    for base in rows:
+        starts = sorted({o for t, o in zip(layout.tensors, base, strict=True) if t.numel and o})
+        if len(starts) > MAX_SHIFTS:
+            starts = [starts[int(i)] for i in np.linspace(0, len(starts) - 1, MAX_SHIFTS)]
+        shifted = [tuple((o - d) % total for o in base) for d in starts]
+        want.append([r for r in shifted if all(uncut(t.grid, o, S) for t, o in zip(layout.tensors, r, strict=True))])
+    assert shift_offsets(layout, rows) == want
 
 
 @settings(max_examples=400, deadline=None)
