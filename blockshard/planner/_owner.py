@@ -257,7 +257,7 @@ def _assign(
     costs = cost.tolist()
     if _costs_rise(cost, c_o):
         wants = (first < s_o) | ((last > first) << 1)  # see _greedy_by_level
-        owners = _greedy_by_level(costs, ra_o.tolist(), rb_o.tolist(), wants.tolist(), c_o.tolist())
+        owners = _greedy_by_level(costs, ra_o.tolist(), rb_o.tolist(), wants.tolist(), c_o.astype(np.float64))
     else:
         units = (ra_o.tolist(), rb_o.tolist(), first.tolist(), last.tolist(), c_o.tolist(), s_o.tolist())
         owners = _greedy(costs, *units)
@@ -325,13 +325,15 @@ def _greedy(
 
 
 def _greedy_by_level(
-    costs: list[float], ras: list[int], rbs: list[int], wants: list[int], ucs: list[float]
+    costs: list[float], ras: list[int], rbs: list[int], wants: list[int], ucs: np.ndarray
 ) -> list[int]:
     """:func:`_greedy`'s owners, a level at a time, where every added cost strictly raises a rank's
     (:func:`_costs_rise`). While ``m`` ranks tie at the lowest cost, the next ``m`` units each go to
     one of them (a rank that got one has risen above the tie): a level is its tied ranks as a
     bytearray, a unit's choice a few lookups and scans in C, and the ranks are kept by cost (a
-    heap of the distinct costs), not one heap entry per rank.
+    heap of the distinct costs), not one heap entry per rank. The units come largest cost first,
+    so a level's units are a few runs of one cost (``ucs``), and the ranks that got a run's units
+    all rise to one cost, the level's plus the run's: they move to that level together.
 
     A unit's pieces enter :func:`_greedy`'s choice only by comparison (every piece is at most the
     segment ``s``): bit 1 of ``wants`` is ``first piece < s`` (a rank between the first and last
@@ -344,21 +346,31 @@ def _greedy_by_level(
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
     owners: list[int] = []
-    n, i = len(ucs), 0
+    n = ucs.size
+    run_ends = (np.flatnonzero(ucs[1:] != ucs[:-1]) + 1).tolist() + [n]
+    risen = np.asarray(costs, dtype=np.float64)  # every rank's cost as units arrive
+    i = run = 0
     while i < n:
-        tied = levels.pop(pop(heap))
-        e = min(n, i + len(tied))
+        low = pop(heap)
+        tied = levels.pop(low)
+        start, e = i, min(n, i + len(tied))
         level = tied if len(tied) == 1 else _tied_level(tied, W, ras[i:e], rbs[i:e], wants[i:e])
-        for j, o in enumerate(level, i):
-            c = costs[o] = costs[o] + ucs[j]
+        while i < e:  # a run of units of one cost: their ranks rise to one cost
+            while run_ends[run] <= i:
+                run += 1
+            b = min(e, run_ends[run])
+            c = low + float(ucs[i])
+            ranks = level[i - start : b - start]
+            risen[ranks] = c
             at = levels.get(c)
             if at is None:
-                levels[c] = [o]
+                levels[c] = ranks
                 push(heap, c)
             else:
-                at.append(o)
+                at += ranks
+            i = b
         owners += level
-        i += len(level)
+    costs[:] = risen.tolist()
     return owners
 
 

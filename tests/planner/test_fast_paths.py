@@ -142,7 +142,7 @@ def test_greedy_by_level_makes_greedys_choices(case):
     ras, rbs, firsts, lasts, ucs, ss = cols
     wants = [(f < s) | ((la > f) << 1) for f, la, s in zip(firsts, lasts, ss, strict=True)]  # as _assign
     a, b = list(costs), list(costs)
-    assert _greedy_by_level(a, ras, rbs, wants, ucs) == _greedy(b, *cols)
+    assert _greedy_by_level(a, ras, rbs, wants, np.asarray(ucs, dtype=float)) == _greedy(b, *cols)
     assert a == b
 
 
