@@ -162,7 +162,8 @@ def rotation_peak(
         windows = np.lib.stride_tricks.sliding_window_view(np.concatenate((running, running)), W)
         peaks = np.array([(windows[k] + full).max(initial=top) for k in (np.asarray(cands) % W).tolist()])
     else:
-        peaks = (running[(nz[None, :] + cands[:, None]) % W] + vals).max(axis=1, initial=top)
+        at = np.take(running, nz[None, :] + cands[:, None], mode="wrap")  # running[(nz + k) % W]
+        peaks = (at + vals).max(axis=1, initial=top)
     peaks = np.maximum(peaks, top)
     j = int(np.argmin(peaks))  # the first (smallest) k on ties
     return int(cands[j]), float(peaks[j])
