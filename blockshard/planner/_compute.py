@@ -356,18 +356,18 @@ class OwnerPlanBuilder:
 
     def _columns(self, units: list[_CutUnits]) -> tuple[list[np.ndarray], np.ndarray]:
         """Per cut unit: tensor index, start, end (tensor), start, end (bucket), S, cost, itemsize; and
-        its kind (an index into ``self.kinds``)."""
+        its kind (an index into ``self.kinds``). A tensor's fields are repeated over its units."""
+        if not units:
+            return [np.zeros(0, dtype=np.int64)] * 8, np.zeros(0, dtype=np.int64)
         names = {n: i for i, n in enumerate(dict.fromkeys(u[1] for u in self.units))}
         kinds = {kd: i for i, kd in enumerate(self.kinds)}
-        parts = [
-            (np.full(s.size, names[n]), s, e, o + s, o + e, np.full(s.size, S), d * (e - s), np.full(s.size, b))
-            for _, n, s, e, o, S, d, b in units
-        ]
-        if not parts:
-            return [np.zeros(0, dtype=np.int64)] * 8, np.zeros(0, dtype=np.int64)
-        cols = [np.concatenate([p[j] for p in parts]) for j in range(8)]
-        kind_of = np.repeat([kinds[u[0]] for u in units], [p[1].size for p in parts])
-        return cols, kind_of
+        us, ue = np.concatenate([u[2] for u in units]), np.concatenate([u[3] for u in units])
+        sizes = [u[2].size for u in units]
+        kind, name, offset, S, density, itemsize = (
+            np.repeat(np.asarray(col), sizes)
+            for col in zip(*((kinds[kd], names[n], o, seg, d, b) for kd, n, _, _, o, seg, d, b in units), strict=True)
+        )
+        return [name, us, ue, offset + us, offset + ue, S, density * (ue - us), itemsize], kind
 
     def finish(self, running: np.ndarray) -> tuple[OwnerAssignment, dict[str, ComputeTally]]:
         """Owners of every cut unit (adds their cost to ``running``); per-kind tallies."""
@@ -402,7 +402,8 @@ class OwnerPlanBuilder:
             numel = (ub - ua)[m]
             size = item[m].astype(np.float64)
             held = np.zeros(W)
-            for b in np.unique(item[m]):  # a group's pieces in its own itemsize
+            low, high = item[m].min(), item[m].max()
+            for b in [low] if low == high else np.unique(item[m]):  # a group's pieces in its own itemsize
                 sel = m & (item == b)
                 held += b * rank_overlap(ua[sel], ub[sel], steps[sel], W)
             kept = np.zeros(W)
