@@ -163,7 +163,8 @@ def rotation_peak(
         peaks = np.array([(windows[k] + full).max(initial=top) for k in (np.asarray(cands) % W).tolist()])
     else:
         at = np.take(running, nz[None, :] + cands[:, None], mode="wrap")  # running[(nz + k) % W]
-        peaks = (at + vals).max(axis=1, initial=top)
+        at += vals
+        peaks = at.max(axis=1, initial=top)
     peaks = np.maximum(peaks, top)
     j = int(np.argmin(peaks))  # the first (smallest) k on ties
     return int(cands[j]), float(peaks[j])

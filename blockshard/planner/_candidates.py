@@ -322,7 +322,8 @@ def candidate_peaks(
         step = max(1, PEAK_CHUNK // max(fixed_nz.shape[1], 1))
         for a in range(0, rows.size, step):  # rows of (candidate, rotation), PEAK_CHUNK values at a time
             r, k = rows[a : a + step], cands[a : a + step, None]
-            at = np.take(running, fixed_nz[r] + k, mode="wrap") + fixed_vals[r]  # padding: running <= top
+            at = np.take(running, fixed_nz[r] + k, mode="wrap")
+            at += fixed_vals[r]  # the padding adds running <= top
             pair[a : a + step] = np.maximum(at.max(axis=1, initial=top), top)
         starts = np.concatenate(([0], np.cumsum(lens[searched])[:-1]))
         low = np.minimum.reduceat(pair, starts)
