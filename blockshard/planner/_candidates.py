@@ -121,7 +121,9 @@ class CandidateTable:
 
     ``fixed_nz[i]`` and ``fixed_vals[i]``: the ranks with a nonzero fixed cost and that cost, padded
     (rank 0, cost 0: never a peak) to one array; ``repeated[i]``: an earlier row has the same offsets
-    (``first[i]``: that row, else ``i``); ``fixed_max[i]``: the largest fixed cost. Rotations to try are found once per row, when first needed.
+    (``first[i]``: that row, else ``i``); ``fixed_max[i]``: the largest fixed cost. Rotations to try
+    are found once per row, when first needed; ``loads[i]``, row ``i``'s elements per rank, once a
+    group picks it (identical groups share the table, and pick the same rows).
     """
 
     layout: GroupLayout
@@ -134,6 +136,7 @@ class CandidateTable:
     first: np.ndarray
     repeated: np.ndarray
     rotations: dict[int, np.ndarray | None]
+    loads: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def fixed(self, i: int) -> np.ndarray:
         """Row ``i``'s fixed cost per rank, as ``_fixed`` computes it for its layout."""

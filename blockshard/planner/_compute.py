@@ -287,8 +287,10 @@ class OwnerPlanBuilder:
                 moved, low = first_lowest(table.shifts, len(table.offsets), low)
                 pick = moved if moved >= 0 else pick
             if pick >= 0:
-                picked = with_offsets(layout, table.offsets[pick])
-                best = (low, picked, table.fixed(pick), _loads(picked) * picked.itemsize, int(ks[pick]))
+                picked = with_offsets(layout, table.offsets[pick])  # this group's names
+                if pick not in table.loads:
+                    table.loads[pick] = _loads(picked)
+                best = (low, picked, table.fixed(pick), table.loads[pick] * picked.itemsize, int(ks[pick]))
         return best[1:]
 
     def _table(
