@@ -24,7 +24,7 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
-from blockshard.planner._balance import best_rotation, rank_costs, rotate, rotation_peak
+from blockshard.planner._balance import rank_costs, rotate, rotation_peak, rotations_to_try
 from blockshard.planner._candidates import (
     CandidateTable,
     candidate_peaks,
@@ -47,6 +47,8 @@ SHIFT_WORTH = 0.05
 
 #: ``(proportional cost, fixed cost, loads in bytes, largest unit cost)`` of a group (``_geometry``).
 _Geometry: TypeAlias = tuple[np.ndarray, np.ndarray, np.ndarray, float]
+#: ``(loaded ranks, rotations to try, largest fixed cost)`` of a group as laid out (``_placed``).
+_Search: TypeAlias = tuple[np.ndarray, np.ndarray | None, float]
 #: A tensor's cut units: ``(kind, tensor, starts, ends, offset, S, density, itemsize)``.
 _CutUnits: TypeAlias = tuple[str, str, np.ndarray, np.ndarray, int, int, float, int]
 
@@ -196,11 +198,11 @@ class OwnerPlanBuilder:
         against ``running``, add what its ranks compute themselves to ``running`` (and its proportional
         cost to ``unrotated``, for the report); return it rotated."""
         W = self.world_size
-        proportional, base, loads, largest = self._geometry(layout, compute, costs)
+        (proportional, base, loads, largest), (nz, rotations, top) = self._placed(layout, compute, costs)
         unrotated += proportional
         self.total += self._total(layout, costs)
-        k = best_rotation(layout, base, running)
-        if compute and base.max() > SHIFT_WORTH * self._total(layout, costs) / W:
+        k = rotation_peak(nz, base[nz], rotations, running)[0]  # best_rotation, its rotations found once
+        if compute and top > SHIFT_WORTH * self._total(layout, costs) / W:
             layout, base, loads, k = self._best_shift(layout, compute, costs, running, (base, loads, k))
         nz = np.flatnonzero(base != 0)
         running[(nz + k) % W] += base[nz]  # exactly as balance() does, so whole plans match the engine's
@@ -216,18 +218,27 @@ class OwnerPlanBuilder:
 
     def _geometry(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> _Geometry:
         """``(proportional cost, fixed cost, loads in bytes, largest unit cost)``; identical blocks share one."""
+        return self._placed(layout, compute, costs)[0]
+
+    def _placed(
+        self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]
+    ) -> tuple[_Geometry, _Search]:
+        """:meth:`_geometry`, and the loaded ranks, rotations to try and largest fixed cost of the
+        group as laid out (what ``best_rotation`` finds of it); identical blocks share them."""
         key = (
             "group",
             layout.itemsize,
             layout.buckets,
             tuple((t.offset, t.bucket, t.grid, costs.get(t.name), compute.get(t.name)) for t in layout.tensors),
         )
-        hit: _Geometry | None = self.memo.get(key)
+        hit: tuple[_Geometry, _Search] | None = self.memo.get(key)
         if hit is None:
             proportional = rank_costs(layout, costs)
             base = self._fixed(layout, compute, costs, proportional.copy())
             loads = _loads(layout) * layout.itemsize
-            hit = self.memo[key] = (proportional, base, loads, self._largest(layout, compute, costs))
+            nz = np.flatnonzero(base != 0)
+            search = (nz, rotations_to_try(layout, base, nz), float(base.max()))
+            hit = self.memo[key] = ((proportional, base, loads, self._largest(layout, compute, costs)), search)
         return hit
 
     def _total(self, layout: GroupLayout, costs: Mapping[str, float]) -> float:
