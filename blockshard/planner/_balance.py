@@ -22,7 +22,18 @@ import numpy as np
 
 from blockshard.planner._layout import GroupLayout
 
-__all__ = ["balance", "best_rotation", "clean_rotations", "rank_costs", "rotate", "rotation_peak", "rotations_to_try"]
+__all__ = [
+    "balance",
+    "balanced_rows",
+    "best_rotation",
+    "clean_rotations",
+    "is_balanced",
+    "rank_costs",
+    "rotate",
+    "rotation_peak",
+    "rotations_to_try",
+    "sample_rotations",
+]
 
 MIN_CANDIDATES = 32
 #: Rotations tried per group are capped so that candidates x loaded ranks stays under this.
@@ -94,10 +105,39 @@ def best_rotation(layout: GroupLayout, base: np.ndarray, running: np.ndarray) ->
 
 def rotations_to_try(layout: GroupLayout, base: np.ndarray, nz: np.ndarray) -> np.ndarray | None:
     """The clean rotations :func:`best_rotation` compares (``None``: balanced, 0 only)."""
-    if layout.world_size == 1 or not base.max() > base.mean() * (1 + IMBALANCE_TOLERANCE):
+    if is_balanced(base):
         return None
-    cands = clean_rotations(layout)  # ascending; 0 first when it is clean
-    limit = max(MIN_CANDIDATES, WORK_BUDGET // max(len(nz), 1))
+    return sample_rotations(clean_rotations(layout), len(nz))  # ascending; 0 first when it is clean
+
+
+def is_balanced(base: np.ndarray) -> bool:
+    """Whether the per-rank cost ``base`` is within ``IMBALANCE_TOLERANCE`` of its mean (or one rank's)."""
+    return base.size == 1 or not base.max() > base.mean() * (1 + IMBALANCE_TOLERANCE)
+
+
+def balanced_rows(vals: np.ndarray, counts: np.ndarray, world_size: int) -> np.ndarray:
+    """:func:`is_balanced` of the per-rank costs that are ``vals[i, :counts[i]]`` on some ranks and zero
+    on the others, per row ``i`` (``vals`` padded with zeros), where their sums tell: 1 balanced, 0 not,
+    -1 too close to tell (then ask :func:`is_balanced` of the whole array).
+
+    [Note: balanced by sums] ``is_balanced`` compares the largest cost with numpy's mean times
+    ``1 + IMBALANCE_TOLERANCE``; that mean is within ``1e-14`` of the mean of the absolute costs of
+    the exact one (pairwise sums, one division), and so is this row sum's. Where the largest cost
+    is farther than ``1e-9`` of that from the threshold, both comparisons agree."""
+    if world_size == 1:
+        return np.ones(len(counts), dtype=np.int8)
+    real = np.arange(vals.shape[1]) < counts[:, None]
+    top = np.where(real, vals, -np.inf).max(axis=1, initial=-np.inf)
+    top = np.where(counts < world_size, np.maximum(top, 0.0), top)  # the ranks without cost hold 0
+    scale = 1 + IMBALANCE_TOLERANCE
+    gap = top - vals.sum(axis=1) / world_size * scale
+    margin = 1e-9 * np.abs(vals).sum(axis=1) / world_size * scale
+    return np.where(gap > margin, 0, np.where(gap < -margin, 1, -1)).astype(np.int8)
+
+
+def sample_rotations(cands: np.ndarray, loaded: int) -> np.ndarray:
+    """``cands`` evenly sampled down to ``WORK_BUDGET / loaded`` rotations (at least ``MIN_CANDIDATES``)."""
+    limit = max(MIN_CANDIDATES, WORK_BUDGET // max(loaded, 1))
     if len(cands) > limit:
         cands = cands[np.linspace(0, len(cands) - 1, limit).astype(np.int64)]
     return cands
@@ -122,7 +162,9 @@ def rotation_peak(
         windows = np.lib.stride_tricks.sliding_window_view(np.concatenate((running, running)), W)
         peaks = np.array([(windows[k] + full).max(initial=top) for k in (np.asarray(cands) % W).tolist()])
     else:
-        peaks = (running[(nz[None, :] + cands[:, None]) % W] + vals).max(axis=1, initial=top)
+        at = np.take(running, nz[None, :] + cands[:, None], mode="wrap")  # running[(nz + k) % W]
+        at += vals
+        peaks = at.max(axis=1, initial=top)
     peaks = np.maximum(peaks, top)
     j = int(np.argmin(peaks))  # the first (smallest) k on ties
     return int(cands[j]), float(peaks[j])

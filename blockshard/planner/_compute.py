@@ -18,41 +18,37 @@ and :meth:`OwnerAssignment.owner_hash` is checked like a layout hash.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import numpy as np
 
-from blockshard.planner._balance import best_rotation, rank_costs, rotate, rotation_peak, rotations_to_try
+from blockshard.planner._balance import rank_costs, rotate, rotation_peak, rotations_to_try
+from blockshard.planner._candidates import (
+    CandidateTable,
+    candidate_peaks,
+    candidate_table,
+    shift_offsets,
+    with_offsets,
+)
+from blockshard.planner._cuts import cut_cost_per_rank, straddling_units
 from blockshard.planner._layout import GroupLayout, TensorPlacement
-from blockshard.planner._moves import tensor_moves
-from blockshard.planner._owner import _assign, unit_rows
+from blockshard.planner._owner import _assign, by_cost, unit_rows
 from blockshard.planner._refine import refine_owners
 from blockshard.planner._units import Memo, layout_hash, rank_overlap
 from blockshard.semantics import UnitGrid
 
 __all__ = ["ComputeTally", "OwnerAssignment", "OwnerPlanBuilder", "straddling_units"]
 
-_EMPTY = np.zeros(0, dtype=np.int64)
 #: Shifts are tried for a group where one rank's fixed cost (what it computes itself) exceeds this
 #: fraction of the group's mean cost per rank: below it, repeating the layout costs little.
 SHIFT_WORTH = 0.05
-#: At most this many shifts are tried per distinct group layout.
-MAX_SHIFTS = 16
-#: Candidates' peaks are computed this many (rank, rotation) values at a time (``_candidate_peaks``).
-PEAK_CHUNK = 1 << 20
 
 #: ``(proportional cost, fixed cost, loads in bytes, largest unit cost)`` of a group (``_geometry``).
 _Geometry: TypeAlias = tuple[np.ndarray, np.ndarray, np.ndarray, float]
-#: ``(offsets, fixed cost, loaded ranks, rotations to try)`` of a candidate (``_table``); the
-#: rotations are found the first time the candidate is searched (``[]`` until then, ``[None]``:
-#: balanced, rotation 0 only).
-_Candidate: TypeAlias = tuple[tuple[int, ...], np.ndarray, np.ndarray, list[np.ndarray | None]]
-#: The candidates, how many are shifts, the loaded ranks and their costs of all, and which repeat an
-#: earlier candidate's offsets (``_table``).
-_Table: TypeAlias = tuple[list[_Candidate], int, np.ndarray, np.ndarray, np.ndarray]
+#: ``(loaded ranks, rotations to try, largest fixed cost)`` of a group as laid out (``_placed``).
+_Search: TypeAlias = tuple[np.ndarray, np.ndarray | None, float]
 #: A tensor's cut units: ``(kind, tensor, starts, ends, offset, S, density, itemsize)``.
 _CutUnits: TypeAlias = tuple[str, str, np.ndarray, np.ndarray, int, int, float, int]
 
@@ -65,47 +61,18 @@ def tensor_shifts(layout: GroupLayout, memo: Memo | None = None) -> list[GroupLa
     identical blocks would keep their whole-placed units on the same ranks. Starting the circular
     order of a one-bucket layout at tensor ``j`` (every offset minus ``offset_j``, modulo ``W * S``)
     keeps the tensors contiguous and the holes between tensors; it is kept when every rank boundary
-    still falls on an allowed cut of every tensor's grid. At most ``MAX_SHIFTS`` starts (evenly
-    spaced) are tried; the result depends only on the layout.
+    still falls on an allowed cut of every tensor's grid. At most ``MAX_SHIFTS`` (``_candidates.py``)
+    starts (evenly spaced) are tried; the result depends only on the layout.
     """
     if len(layout.buckets) != 1 or layout.world_size == 1:
         return []
     key = ("shifts", layout.buckets, tuple((t.offset, t.grid) for t in layout.tensors))
-    if memo is not None and key in memo:
-        return [_with_offsets(layout, offs) for offs in memo[key]]
-    S = layout.buckets[0]
-    total = layout.world_size * S
-    starts = sorted({t.offset for t in layout.tensors if t.numel and t.offset})
-    if len(starts) > MAX_SHIFTS:
-        starts = [starts[int(i)] for i in np.linspace(0, len(starts) - 1, MAX_SHIFTS)]
-    found: list[tuple[int, ...]] = []
-    for d in starts:
-        offs = tuple((t.offset - d) % total for t in layout.tensors)
-        if all(uncut(t.grid, o, S) for t, o in zip(layout.tensors, offs, strict=True)):
-            found.append(offs)
-    if memo is not None:
-        memo[key] = found
-    return [_with_offsets(layout, offs) for offs in found]
-
-
-# _with_offsets builds placements field by field: a field added to TensorPlacement must be added there
-assert [f.name for f in dataclasses.fields(TensorPlacement)] == [
-    "name",
-    "shape",
-    "offset",
-    "grid",
-    "semantics",
-    "bucket",
-]
-
-
-def _with_offsets(layout: GroupLayout, offsets: tuple[int, ...]) -> GroupLayout:
-    moved = [  # the constructor: dataclasses.replace is 5x slower, and this runs per candidate and tensor
-        TensorPlacement(t.name, t.shape, o, t.grid, t.semantics, t.bucket)
-        for t, o in zip(layout.tensors, offsets, strict=True)
-    ]
-    moved.sort(key=lambda t: (t.bucket, t.offset, t.end))  # an empty tensor before one at its offset
-    return dataclasses.replace(layout, tensors=tuple(moved))
+    found: list[tuple[int, ...]] | None = memo.get(key) if memo is not None else None
+    if found is None:
+        found = shift_offsets(layout, [tuple(t.offset for t in layout.tensors)])[0]
+        if memo is not None:
+            memo[key] = found
+    return [with_offsets(layout, offs) for offs in found]
 
 
 def _loads(layout: GroupLayout) -> np.ndarray:
@@ -125,85 +92,6 @@ def _loads(layout: GroupLayout) -> np.ndarray:
     diff = np.bincount(ra[multi] + 1, weights=s[multi], minlength=W + 1)
     diff -= np.bincount(rb[multi], weights=s[multi], minlength=W + 1)
     return (out + np.cumsum(diff))[:W]
-
-
-def uncut(grid: UnitGrid, offset: int, S: int) -> bool:
-    """Whether no rank boundary cuts a unit of ``grid`` when the tensor starts at ``offset`` of a
-    bucket with segment ``S``, i.e. whether :func:`straddling_units` finds none: every boundary
-    inside the tensor, ``c = k * S - offset``, lies in ``[min_cut, max_cut]`` at a multiple of the
-    unit (the boundaries step by ``S``: the first and last in range, the first and the step multiples)."""
-    n = grid.numel
-    first, last = offset // S + 1, (offset + n - 1) // S
-    if n == 0 or first > last:
-        return True
-    if grid.is_whole:
-        return False
-    u, c0, c1 = grid.unit_numel, first * S - offset, last * S - offset
-    return grid.min_cut <= c0 and c1 <= grid.max_cut and c0 % u == 0 and (first == last or S % u == 0)
-
-
-def straddling_units(grid: UnitGrid, offset: int, S: int, memo: Memo | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, ends)``, in the tensor's flattening, of the units of ``grid`` that a rank boundary
-    cuts when the tensor starts at ``offset`` of a bucket with segment ``S`` (rank ``r`` holds
-    ``[r * S, (r + 1) * S)``). Rotations move ``offset`` by multiples of ``S``: same answer."""
-    key = ("straddle", grid, offset % S, S)
-    hit: tuple[np.ndarray, np.ndarray] | None = memo.get(key) if memo is not None else None
-    if hit is not None:
-        return hit
-    n = grid.numel
-    first, last = offset // S + 1, (offset + n - 1) // S
-    if n == 0 or first > last:
-        out = (_EMPTY, _EMPTY)
-    elif grid.is_whole:
-        out = (np.zeros(1, dtype=np.int64), np.full(1, n, dtype=np.int64))
-    else:
-        u, lo, hi = grid.unit_numel, grid.min_cut, grid.max_cut
-        c = np.arange(first, last + 1, dtype=np.int64) * S - offset
-        c = c[~((c >= lo) & (c <= hi) & (c % u == 0))]
-        start = np.where(c < lo, 0, np.where(c > hi, hi, lo + ((c - lo) // u) * u))
-        end = np.where(c < lo, lo, np.where(c > hi, n, start + u))
-        start, first_of = np.unique(start, return_index=True)
-        out = (start, end[first_of])
-    if memo is not None:
-        memo[key] = out
-    return out
-
-
-def _candidate_peaks(
-    rots: list[np.ndarray | None],
-    within: np.ndarray,
-    peaks0: np.ndarray,
-    fixed_nz: np.ndarray,
-    fixed_vals: np.ndarray,
-    running: np.ndarray,
-    top: float,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The lowest peak of each candidate ``within`` (rows of ``_table``'s ``fixed_nz`` and
-    ``fixed_vals``; ``rots``: its rotations to try, ``None`` or none: rotation 0, peak ``peaks0``)
-    and the first rotation that reaches it: what :func:`rotation_peak` finds for each, with every
-    candidate's rotations in one array (the same sums, so the same floats)."""
-    peaks = peaks0[within].astype(np.float64)
-    rot = np.zeros(within.size, dtype=np.int64)
-    lens = np.asarray([0 if r is None else len(r) for r in rots], dtype=np.int64)
-    searched = np.flatnonzero(lens)
-    if searched.size:
-        rows = np.repeat(within[searched], lens[searched])
-        cands = np.concatenate([rots[s] for s in searched.tolist()]).astype(np.int64)
-        W = running.size
-        pair = np.empty(rows.size)
-        step = max(1, PEAK_CHUNK // max(fixed_nz.shape[1], 1))
-        for a in range(0, rows.size, step):  # rows of (candidate, rotation), PEAK_CHUNK values at a time
-            r, k = rows[a : a + step], cands[a : a + step, None]
-            at = running[(fixed_nz[r] + k) % W] + fixed_vals[r]  # the padding adds running <= top
-            pair[a : a + step] = np.maximum(at.max(axis=1, initial=top), top)
-        starts = np.concatenate(([0], np.cumsum(lens[searched])[:-1]))
-        low = np.minimum.reduceat(pair, starts)
-        hits = np.flatnonzero(pair == np.repeat(low, lens[searched]))
-        seg = np.searchsorted(starts, hits, side="right") - 1
-        firsts = hits[np.unique(seg, return_index=True)[1]]
-        peaks[searched] = low
-        rot[searched] = cands[firsts]
-    return peaks, rot
 
 
 @dataclass(frozen=True, eq=False)
@@ -310,11 +198,11 @@ class OwnerPlanBuilder:
         against ``running``, add what its ranks compute themselves to ``running`` (and its proportional
         cost to ``unrotated``, for the report); return it rotated."""
         W = self.world_size
-        proportional, base, loads, largest = self._geometry(layout, compute, costs)
+        (proportional, base, loads, largest), (nz, rotations, top) = self._placed(layout, compute, costs)
         unrotated += proportional
         self.total += self._total(layout, costs)
-        k = best_rotation(layout, base, running)
-        if compute and base.max() > SHIFT_WORTH * self._total(layout, costs) / W:
+        k = rotation_peak(nz, base[nz], rotations, running)[0]  # best_rotation, its rotations found once
+        if compute and top > SHIFT_WORTH * self._total(layout, costs) / W:
             layout, base, loads, k = self._best_shift(layout, compute, costs, running, (base, loads, k))
         nz = np.flatnonzero(base != 0)
         running[(nz + k) % W] += base[nz]  # exactly as balance() does, so whole plans match the engine's
@@ -330,18 +218,27 @@ class OwnerPlanBuilder:
 
     def _geometry(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> _Geometry:
         """``(proportional cost, fixed cost, loads in bytes, largest unit cost)``; identical blocks share one."""
+        return self._placed(layout, compute, costs)[0]
+
+    def _placed(
+        self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]
+    ) -> tuple[_Geometry, _Search]:
+        """:meth:`_geometry`, and the loaded ranks, rotations to try and largest fixed cost of the
+        group as laid out (what ``best_rotation`` finds of it); identical blocks share them."""
         key = (
             "group",
             layout.itemsize,
             layout.buckets,
             tuple((t.offset, t.bucket, t.grid, costs.get(t.name), compute.get(t.name)) for t in layout.tensors),
         )
-        hit: _Geometry | None = self.memo.get(key)
+        hit: tuple[_Geometry, _Search] | None = self.memo.get(key)
         if hit is None:
             proportional = rank_costs(layout, costs)
             base = self._fixed(layout, compute, costs, proportional.copy())
             loads = _loads(layout) * layout.itemsize
-            hit = self.memo[key] = (proportional, base, loads, self._largest(layout, compute, costs))
+            nz = np.flatnonzero(base != 0)
+            search = (nz, rotations_to_try(layout, base, nz), float(base.max()))
+            hit = self.memo[key] = ((proportional, base, loads, self._largest(layout, compute, costs)), search)
         return hit
 
     def _total(self, layout: GroupLayout, costs: Mapping[str, float]) -> float:
@@ -370,28 +267,24 @@ class OwnerPlanBuilder:
             loads,
             k,
         )
-        table, shifts, fixed_nz, fixed_vals, repeated = self._table(layout, compute, costs)
-        if table:
+        table = self._table(layout, compute, costs)
+        if table.offsets:
+            fixed_nz, fixed_vals = table.fixed_nz, table.fixed_vals
             top = running.max(initial=0.0)
-            peaks0 = np.maximum((running[fixed_nz] + fixed_vals).max(axis=1, initial=top), top)  # rotation 0
             # a candidate's peak at any rotation is at least its costliest rank's cost on the least
             # loaded rank; one whose bound reaches the lowest peak so far can never be picked (a pick
             # must be strictly lower, the first on ties), so its rotations are not searched
-            bound = np.maximum(fixed_vals.max(axis=1, initial=0.0) + running.min(initial=0.0), top)
-            bound[repeated] = np.inf  # an earlier candidate has the same peak
-            ks = np.zeros(len(table), dtype=np.int64)
+            bound = np.maximum(table.fixed_max + running.min(initial=0.0), top)
+            bound[table.repeated] = np.inf  # an earlier candidate has the same peak
+            ks = np.zeros(len(table.offsets), dtype=np.int64)
 
             def first_lowest(lo: int, hi: int, ceiling: float) -> tuple[int, float]:
                 """The first of candidates ``[lo, hi)`` with the lowest peak, if below ``ceiling``."""
                 within = np.flatnonzero(bound[lo:hi] < ceiling) + lo
                 if not within.size:
                     return -1, ceiling
-                for i in within.tolist():
-                    offs, b, cnz, found_rots = table[i]
-                    if not found_rots:  # shared by identical groups: found once
-                        found_rots.append(rotations_to_try(_with_offsets(layout, offs), b, cnz))
-                rots = [table[i][3][0] for i in within.tolist()]
-                peaks, rot = _candidate_peaks(rots, within, peaks0, fixed_nz, fixed_vals, running, top)
+                rots = table.rotations_to_try(within.tolist())  # shared by identical groups: found once
+                peaks, rot = candidate_peaks(rots, within, fixed_nz, fixed_vals, running, top)
                 peaks[peaks >= ceiling] = np.inf
                 j = int(np.argmin(peaks))  # the first on ties
                 if not peaks[j] < ceiling:
@@ -399,76 +292,35 @@ class OwnerPlanBuilder:
                 ks[within[j]] = rot[j]
                 return int(within[j]), float(peaks[j])
 
-            pick, low = first_lowest(0, shifts, best[0])
+            pick, low = first_lowest(0, table.shifts, best[0])
             # a move only where the peak would pass the mean so far: below it, the owners level around it
-            if len(table) > shifts and low > self.total / self.world_size:
-                moved, low = first_lowest(shifts, len(table), low)
+            if len(table.offsets) > table.shifts and low > self.total / self.world_size:
+                moved, low = first_lowest(table.shifts, len(table.offsets), low)
                 pick = moved if moved >= 0 else pick
             if pick >= 0:
-                offs, b, _, _ = table[pick]
-                picked = _with_offsets(layout, offs)
-                best = (low, picked, b, _loads(picked) * picked.itemsize, int(ks[pick]))
+                picked = with_offsets(layout, table.offsets[pick])  # this group's names
+                if pick not in table.loads:
+                    table.loads[pick] = _loads(picked)
+                best = (low, picked, table.fixed(pick), table.loads[pick] * picked.itemsize, int(ks[pick]))
         return best[1:]
 
-    def _table(self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> _Table:
-        """``(offsets, fixed cost, loaded ranks, rotations to try)`` of every candidate (offsets per
-        tensor of ``layout``; the shifts first), how many are shifts, and the loaded ranks and their
-        costs of all, padded to one array; identical groups share one table. A candidate's fixed cost
-        is computed as ``_geometry``'s (the same floats); its loads only once it is picked."""
+    def _table(
+        self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]
+    ) -> CandidateTable:
+        """The candidates of ``layout`` ([Note: candidates by offsets] in ``_candidates.py``): its tensor
+        shifts, then its moves of whole-placed tensors costlier than ``SHIFT_WORTH`` x its mean cost
+        per rank; identical groups share one table."""
         key = (
             "table",
             layout.buckets,
             tuple((t.offset, t.grid, costs.get(t.name), compute.get(t.name)) for t in layout.tensors),
         )
-        hit: _Table | None = self.memo.get(key)
+        hit: CandidateTable | None = self.memo.get(key)
         if hit is None:
-            table: list[_Candidate] = []
-            shifts = 0
-            first: dict[tuple[int, ...], _Candidate] = {}  # moves and shifts reach some offsets twice
-            repeats = []
-            for offs, moved in self._candidates(layout, compute, costs):
-                repeats.append(offs in first)
-                if offs not in first:
-                    candidate = _with_offsets(layout, offs)
-                    b = self._fixed(candidate, compute, costs, rank_costs(candidate, costs))
-                    nz = np.flatnonzero(b != 0)
-                    first[offs] = (offs, b, nz, [])
-                table.append(first[offs])
-                shifts += not moved
-            m = max((len(e[2]) for e in table), default=0)
-            fixed_nz = np.zeros((len(table), m), dtype=np.int64)  # padding: rank 0, cost 0 (never a peak)
-            fixed_vals = np.zeros((len(table), m))
-            for i, e in enumerate(table):
-                fixed_nz[i, : len(e[2])] = e[2]
-                fixed_vals[i, : len(e[2])] = e[1][e[2]]
-            hit = self.memo[key] = (table, shifts, fixed_nz, fixed_vals, np.asarray(repeats, dtype=bool))
+            worth = SHIFT_WORTH * self._total(layout, costs) / self.world_size
+            movable = [t.name not in compute and costs.get(t.name, 0.0) > worth for t in layout.tensors]
+            hit = self.memo[key] = candidate_table(layout, compute, costs, movable, self.memo)
         return hit
-
-    def _candidates(
-        self, layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]
-    ) -> Iterator[tuple[tuple[int, ...], bool]]:
-        """Offsets (per tensor of ``layout``) of its tensor shifts, then of its tensor moves ([Note:
-        tensor moves]) and their shifts."""
-        index = {t.name: i for i, t in enumerate(layout.tensors)}
-
-        def offsets(moved: GroupLayout) -> tuple[int, ...]:
-            out = [0] * len(index)
-            for t in moved.tensors:
-                out[index[t.name]] = t.offset
-            return tuple(out)
-
-        for shifted in tensor_shifts(layout, self.memo):
-            yield offsets(shifted), False
-        worth = SHIFT_WORTH * self._total(layout, costs) / self.world_size
-        movable = [t.name not in compute and costs.get(t.name, 0.0) > worth for t in layout.tensors]
-        for offs in tensor_moves(layout, movable, self._uncut):
-            yield offs, True
-            for shifted in tensor_shifts(_with_offsets(layout, offs), self.memo):
-                yield offsets(shifted), True
-
-    @staticmethod
-    def _uncut(t: TensorPlacement, offset: int, S: int) -> bool:
-        return uncut(t.grid, offset, S)
 
     @staticmethod
     def _largest(layout: GroupLayout, compute: Mapping[str, UnitGrid], costs: Mapping[str, float]) -> float:
@@ -502,19 +354,11 @@ class OwnerPlanBuilder:
             if grid is None or not t.numel:
                 continue
             S = layout.buckets[t.bucket]
-            if uncut(grid, t.offset, S):  # _cut's straddling_units finds none
+            cut = cut_cost_per_rank(grid, t.offset, S, costs.get(t.name, float(t.numel)) / t.numel, self.memo)
+            if cut is None:  # _cut's straddling_units finds none
                 continue
-            lo, hi = t.offset // S, (t.offset + t.numel - 1) // S  # the ranks the tensor touches
-            # the cut cost per rank depends on the tensor's place in its first segment only: the
-            # candidates of a group (shifts, moves) repeat few places (814 of 10,987 on DeepSeek-V3)
-            density = costs.get(t.name, float(t.numel)) / t.numel
-            key = ("cut cost per rank", grid, t.offset - lo * S, S, density)
-            cut: np.ndarray | None = self.memo.get(key)
-            if cut is None:
-                starts, ends = straddling_units(grid, t.offset, S, self.memo)
-                elements = rank_overlap(t.offset + starts - lo * S, t.offset + ends - lo * S, S, hi - lo + 1)
-                cut = self.memo[key] = density * elements
-            base[lo : hi + 1] -= cut
+            lo = t.offset // S
+            base[lo : lo + cut.size] -= cut
         return base
 
     def _collect(
@@ -523,33 +367,39 @@ class OwnerPlanBuilder:
         for t, starts, ends, S, density in self._cut(layout, compute, costs):
             self.units.append((kind, t.name, starts, ends, t.offset, S, density, layout.itemsize))
 
-    def _columns(self, units: list[_CutUnits]) -> tuple[list[np.ndarray], list[str]]:
-        """Per cut unit: tensor index, start, end (tensor), start, end (bucket), S, cost, itemsize; and its kind."""
+    def _columns(self, units: list[_CutUnits]) -> tuple[list[np.ndarray], np.ndarray]:
+        """Per cut unit: tensor index, start, end (tensor), start, end (bucket), S, cost, itemsize; and
+        its kind (an index into ``self.kinds``). A tensor's fields are repeated over its units."""
+        if not units:
+            return [np.zeros(0, dtype=np.int64)] * 8, np.zeros(0, dtype=np.int64)
         names = {n: i for i, n in enumerate(dict.fromkeys(u[1] for u in self.units))}
-        parts = [
-            (np.full(s.size, names[n]), s, e, o + s, o + e, np.full(s.size, S), d * (e - s), np.full(s.size, b), kd)
-            for kd, n, s, e, o, S, d, b in units
-        ]
-        if not parts:
-            return [np.zeros(0, dtype=np.int64)] * 8, []
-        cols = [np.concatenate([p[j] for p in parts]) for j in range(8)]
-        return cols, [p[8] for p in parts for _ in range(p[1].size)]
+        kinds = {kd: i for i, kd in enumerate(self.kinds)}
+        us, ue = np.concatenate([u[2] for u in units]), np.concatenate([u[3] for u in units])
+        sizes = [u[2].size for u in units]
+        kind, name, offset, S, density, itemsize = (
+            np.repeat(np.asarray(col), sizes)
+            for col in zip(*((kinds[kd], names[n], o, seg, d, b) for kd, n, _, _, o, seg, d, b in units), strict=True)
+        )
+        return [name, us, ue, offset + us, offset + ue, S, density * (ue - us), itemsize], kind
 
     def finish(self, running: np.ndarray) -> tuple[OwnerAssignment, dict[str, ComputeTally]]:
         """Owners of every cut unit (adds their cost to ``running``); per-kind tallies."""
         W = self.world_size
         names = tuple(dict.fromkeys(u[1] for u in self.units))
         (ut, us, ue, ua, ub, steps, uc, item), kind_of = self._columns(self.units)
-        owner, own_piece = _assign(running, np.arange(ut.size), ua, ub, uc.astype(np.float64), steps)
+        owner, own_piece = _assign(running, np.arange(ut.size), ua, ub, uc.astype(np.float64), steps, by_cost(uc))
         if refine_owners(running, owner, uc.astype(np.float64)):
             own_piece = np.maximum(0, np.minimum(ub, (owner + 1) * steps) - np.maximum(ua, owner * steps))
-        kinds = {kd: self._tally(kd, kind_of, owner, own_piece, ua, ub, steps, uc, item) for kd in self.kinds}
+        kinds = {
+            kd: self._tally(kd, kind_of == i, owner, own_piece, ua, ub, steps, uc, item)
+            for i, kd in enumerate(self.kinds)
+        }
         return OwnerAssignment(W, names, ut, us, ue - us, owner), kinds
 
     def _tally(
         self,
         kind: str,
-        kind_of: list[str],
+        m: np.ndarray,
         owner: np.ndarray,
         own_piece: np.ndarray,
         ua: np.ndarray,
@@ -558,14 +408,15 @@ class OwnerPlanBuilder:
         uc: np.ndarray,
         item: np.ndarray,
     ) -> ComputeTally:
+        """The tally of ``kind``, whose cut units are those where ``m``."""
         W, t = self.world_size, self.kinds[kind]
-        m = np.asarray([k == kind for k in kind_of], dtype=bool)
         a2a = np.zeros(W)
         if m.any():
             numel = (ub - ua)[m]
             size = item[m].astype(np.float64)
             held = np.zeros(W)
-            for b in np.unique(item[m]):  # a group's pieces in its own itemsize
+            low, high = item[m].min(), item[m].max()
+            for b in [low] if low == high else np.unique(item[m]):  # a group's pieces in its own itemsize
                 sel = m & (item == b)
                 held += b * rank_overlap(ua[sel], ub[sel], steps[sel], W)
             kept = np.zeros(W)

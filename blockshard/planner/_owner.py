@@ -38,7 +38,7 @@ from blockshard.planner._items import PlanItem
 from blockshard.planner._units import check_world_size, rank_overlap
 from blockshard.semantics import UnitGrid
 
-__all__ = ["OWNER_ENGINES", "OwnerPlan", "StraddlingUnit", "plan_owners", "unit_rows"]
+__all__ = ["OWNER_ENGINES", "OwnerPlan", "StraddlingUnit", "by_cost", "plan_owners", "unit_rows"]
 
 OWNER_ENGINES: tuple[str, ...] = ("fsdp2", "zero3")
 
@@ -232,28 +232,45 @@ def plan_owners(items: Sequence[PlanItem], world_size: int, *, engine: str = "fs
 
 
 def _assign(
-    cost: np.ndarray, ut: np.ndarray, ua: np.ndarray, ub: np.ndarray, uc: np.ndarray, steps: np.ndarray
+    cost: np.ndarray,
+    ut: np.ndarray,
+    ua: np.ndarray,
+    ub: np.ndarray,
+    uc: np.ndarray,
+    steps: np.ndarray,
+    order: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy owners of straddling units (updates ``cost`` in place); returns owners and their own pieces."""
+    """Greedy owners of straddling units (updates ``cost`` in place); returns owners and their own pieces.
+    ``order``: the units by the greedy's order, when the caller has it (else sorted here)."""
     n = ut.size
     owner = np.zeros(n, dtype=np.int64)
     own_piece = np.zeros(n, dtype=np.int64)
     if n == 0:
         return owner, own_piece
-    order = np.lexsort((ua, ut, -uc))  # largest cost first; ties by tensor order, then unit start
+    if order is None:
+        order = np.lexsort((ua, ut, -uc))  # largest cost first; ties by tensor order, then unit start
     a_o, b_o, s_o = ua[order], ub[order], steps[ut][order]
     ra_o, rb_o = a_o // s_o, (b_o - 1) // s_o
     first = np.minimum(b_o, (ra_o + 1) * s_o) - a_o  # the first holder's piece
     last = b_o - rb_o * s_o  # the last holder's piece
     c_o = uc[order]
-    units = (ra_o.tolist(), rb_o.tolist(), first.tolist(), last.tolist(), c_o.tolist(), s_o.tolist())
     costs = cost.tolist()
-    greedy = _greedy_by_level if _costs_rise(cost, c_o) else _greedy
-    owners = greedy(costs, *units)
+    if _costs_rise(cost, c_o):
+        wants = (first < s_o) | ((last > first) << 1)  # see _greedy_by_level
+        owners = _greedy_by_level(costs, ra_o.tolist(), rb_o.tolist(), wants.tolist(), c_o.astype(np.float64))
+    else:
+        units = (ra_o.tolist(), rb_o.tolist(), first.tolist(), last.tolist(), c_o.tolist(), s_o.tolist())
+        owners = _greedy(costs, *units)
     cost[:] = costs
     owner[order] = owners
     own_piece[:] = np.maximum(0, np.minimum(ub, (owner + 1) * steps[ut]) - np.maximum(ua, owner * steps[ut]))
     return owner, own_piece
+
+
+def by_cost(uc: np.ndarray) -> np.ndarray:
+    """The units largest cost first, ties in index order: :func:`_assign`'s order where every unit is
+    its own tensor (the planner's cut units), without its tie-break on the start."""
+    return np.argsort(-uc, kind="stable")
 
 
 def _costs_rise(cost: np.ndarray, uc: np.ndarray) -> bool:
@@ -308,19 +325,19 @@ def _greedy(
 
 
 def _greedy_by_level(
-    costs: list[float],
-    ras: list[int],
-    rbs: list[int],
-    firsts: list[int],
-    lasts: list[int],
-    ucs: list[float],
-    ss: list[int],
+    costs: list[float], ras: list[int], rbs: list[int], wants: list[int], ucs: np.ndarray
 ) -> list[int]:
     """:func:`_greedy`'s owners, a level at a time, where every added cost strictly raises a rank's
     (:func:`_costs_rise`). While ``m`` ranks tie at the lowest cost, the next ``m`` units each go to
     one of them (a rank that got one has risen above the tie): a level is its tied ranks as a
     bytearray, a unit's choice a few lookups and scans in C, and the ranks are kept by cost (a
-    heap of the distinct costs), not one heap entry per rank."""
+    heap of the distinct costs), not one heap entry per rank. The units come largest cost first,
+    so a level's units are a few runs of one cost (``ucs``), and the ranks that got a run's units
+    all rise to one cost, the level's plus the run's: they move to that level together.
+
+    A unit's pieces enter :func:`_greedy`'s choice only by comparison (every piece is at most the
+    segment ``s``): bit 1 of ``wants`` is ``first piece < s`` (a rank between the first and last
+    beats the first), bit 2 ``last piece > first piece`` (the last beats the first)."""
     W = len(costs)
     levels: dict[float, list[int]] = {}  # cost -> the ranks at it
     for r, c in enumerate(costs):
@@ -329,42 +346,59 @@ def _greedy_by_level(
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
     owners: list[int] = []
-    n, i = len(ucs), 0
+    n = ucs.size
+    run_ends = (np.flatnonzero(ucs[1:] != ucs[:-1]) + 1).tolist() + [n]
+    risen = np.asarray(costs, dtype=np.float64)  # every rank's cost as units arrive
+    i = run = 0
     while i < n:
-        tied = levels.pop(pop(heap))
-        if len(tied) == 1:
-            level = tied
-        else:
-            tied.sort()
-            left = bytearray(W)  # left[r]: rank r ties at the lowest cost and has no unit of this level yet
-            for r in tied:
-                left[r] = 1
-            lowest = tied[0]
-            level = []
-            e = min(n, i + len(tied))
-            find = left.find
-            for ra, rb, s, p_first, p_last in zip(ras[i:e], rbs[i:e], ss[i:e], firsts[i:e], lasts[i:e], strict=True):
-                o, best = -1, -1
-                if left[ra]:
-                    o, best = ra, p_first
-                if best < s and rb - ra > 1:
-                    m = find(1, ra + 1, rb)
-                    if m >= 0:
-                        o, best = m, s
-                if rb > ra and left[rb] and p_last > best:
-                    o = rb
-                if o < 0:
-                    o = lowest = find(1, lowest)
-                left[o] = 0
-                level.append(o)
-        for j, o in enumerate(level, i):
-            c = costs[o] = costs[o] + ucs[j]
+        low = pop(heap)
+        tied = levels.pop(low)
+        start, e = i, min(n, i + len(tied))
+        level = tied if len(tied) == 1 else _tied_level(tied, W, ras[i:e], rbs[i:e], wants[i:e])
+        while i < e:  # a run of units of one cost: their ranks rise to one cost
+            while run_ends[run] <= i:
+                run += 1
+            b = min(e, run_ends[run])
+            c = low + float(ucs[i])
+            ranks = level[i - start : b - start]
+            risen[ranks] = c
             at = levels.get(c)
             if at is None:
-                levels[c] = [o]
+                levels[c] = ranks
                 push(heap, c)
             else:
-                at.append(o)
+                at += ranks
+            i = b
         owners += level
-        i += len(level)
+    costs[:] = risen.tolist()
     return owners
+
+
+def _tied_level(tied: list[int], W: int, ras: list[int], rbs: list[int], wants: list[int]) -> list[int]:
+    """The ranks of ``tied`` (several, at the lowest cost) that the next units take, one each (see
+    :func:`_greedy_by_level`): a held rank where :func:`_greedy` would pick it, else the lowest."""
+    tied.sort()
+    left = bytearray(W)  # left[r]: rank r ties at the lowest cost and has no unit of this level yet
+    for r in tied:
+        left[r] = 1
+    lowest = tied[0]
+    level: list[int] = []
+    append, find = level.append, left.find
+    for ra, rb, want in zip(ras, rbs, wants, strict=True):
+        if left[ra]:  # the first holder, unless a middle one (whole segment) or the last holds more
+            o = ra
+            m = find(1, ra + 1, rb) if want & 1 and rb - ra > 1 else -1
+            if m >= 0:
+                o = m
+            elif want & 2 and rb > ra and left[rb]:
+                o = rb
+        else:  # the first middle holder, else the last, else the lowest rank
+            o = find(1, ra + 1, rb) if rb - ra > 1 else -1
+            if o < 0:
+                if rb > ra and left[rb]:
+                    o = rb
+                else:
+                    o = lowest = find(1, lowest)
+        left[o] = 0
+        append(o)
+    return level

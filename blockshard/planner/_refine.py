@@ -34,9 +34,7 @@ def refine_owners(cost: np.ndarray, owner: np.ndarray, uc: np.ndarray) -> bool:
     if owner.size == 0 or cost.size < 2:
         return False
     floor = max(float(cost.mean()), float(uc.max())) * (1 + 1e-12)
-    held: dict[int, list[int]] = {}
-    for u, o in enumerate(owner.tolist()):
-        held.setdefault(o, []).append(u)
+    held = _Held(owner, cost.size)
     work_cost, work_owner = cost.copy(), owner.copy()
     best_peak, best = float(cost.max()), None
     for _ in range(MAX_REFINE):
@@ -51,13 +49,28 @@ def refine_owners(cost: np.ndarray, owner: np.ndarray, uc: np.ndarray) -> bool:
     return True
 
 
+class _Held(dict[int, list[int]]):
+    """The cut units of each rank, in the order a rank got them: those it owned after the greedy
+    (ascending) listed the first time the rank is asked for, the moves and swaps appended since."""
+
+    def __init__(self, owner: np.ndarray, world_size: int) -> None:
+        super().__init__()
+        self._units = np.argsort(owner, kind="stable")  # by owner, ascending within one
+        self._bounds = np.searchsorted(owner[self._units], np.arange(world_size + 1)).tolist()
+
+    def __missing__(self, rank: int) -> list[int]:
+        units: list[int] = self._units[self._bounds[rank] : self._bounds[rank + 1]].tolist()
+        self[rank] = units
+        return units
+
+
 def _refine_step(
-    cost: np.ndarray, owner: np.ndarray, uc: np.ndarray, held: dict[int, list[int]], floor: float
+    cost: np.ndarray, owner: np.ndarray, uc: np.ndarray, held: _Held, floor: float
 ) -> tuple[int, int] | None:
     """One move or swap off the busiest rank (see :func:`refine_owners`); ``None`` when none helps."""
     r = int(np.argmax(cost))
     top = float(cost[r])
-    mine = np.asarray(held.get(r, ()), dtype=np.int64)
+    mine = np.asarray(held[r], dtype=np.int64)
     if top <= floor or not mine.size:
         return None
     k = min(REFINE_RANKS, cost.size - 1)
@@ -70,7 +83,7 @@ def _refine_step(
     if fits.size:
         u = int(fits[np.argmax(uc[fits])])
         best = (max(top - uc[u], cost[s] + uc[u]), u, -1)
-    others = np.asarray([v for t in low.tolist() for v in held.get(t, ())], dtype=np.int64)
+    others = np.asarray([v for t in low.tolist() for v in held[t]], dtype=np.int64)
     if others.size:
         delta = uc[mine][:, None] - uc[others][None, :]  # what r gives away in each swap
         ok = (delta > 0) & (delta < gap[owner[others]][None, :])
@@ -88,7 +101,7 @@ def _refine_step(
     cost[t] += moved
     owner[u] = t
     held[r].remove(u)
-    held.setdefault(t, []).append(u)
+    held[t].append(u)
     if v >= 0:
         owner[v] = r
         held[t].remove(v)

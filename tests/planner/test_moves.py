@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from blockshard.planner import model_tensors, plan_model, tensors_from_hf_config
-from blockshard.planner._compute import OwnerPlanBuilder, _with_offsets, straddling_units
+from blockshard.planner._candidates import with_offsets as _with_offsets
+from blockshard.planner._compute import OwnerPlanBuilder, straddling_units
 from blockshard.planner._moves import tensor_moves
 from blockshard.planner._refine import refine_owners
 from blockshard.runtime.core._owners import move_lists
