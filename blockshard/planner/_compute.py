@@ -369,7 +369,8 @@ class OwnerPlanBuilder:
 
     def _columns(self, units: list[_CutUnits]) -> tuple[list[np.ndarray], np.ndarray]:
         """Per cut unit: tensor index, start, end (tensor), start, end (bucket), S, cost, itemsize; and
-        its kind (an index into ``self.kinds``). A tensor's fields are repeated over its units."""
+        its kind (an index into ``self.kinds``; -1 for a kind no group added: the engine's
+        ``add_fixed`` collects units it does not tally). A tensor's fields are repeated over its units."""
         if not units:
             return [np.zeros(0, dtype=np.int64)] * 8, np.zeros(0, dtype=np.int64)
         names = {n: i for i, n in enumerate(dict.fromkeys(u[1] for u in self.units))}
@@ -378,7 +379,9 @@ class OwnerPlanBuilder:
         sizes = [u[2].size for u in units]
         kind, name, offset, S, density, itemsize = (
             np.repeat(np.asarray(col), sizes)
-            for col in zip(*((kinds[kd], names[n], o, seg, d, b) for kd, n, _, _, o, seg, d, b in units), strict=True)
+            for col in zip(
+                *((kinds.get(kd, -1), names[n], o, seg, d, b) for kd, n, _, _, o, seg, d, b in units), strict=True
+            )
         )
         return [name, us, ue, offset + us, offset + ue, S, density * (ue - us), itemsize], kind
 
