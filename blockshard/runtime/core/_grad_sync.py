@@ -108,6 +108,7 @@ class GradientSync:
         self._reduction: _Reduction | None = None  # the reduce-scatter in flight ([Note: async reduce-scatter])
         self._rs_in: torch.Tensor | None = None  # [W*S] while unsharded gradients view it ([Note: gradient views])
         self._views: dict[int, torch.Tensor] = {}  # layout index -> the gradient view set on its unsharded param
+        self._watching = False  # this backward's views are on (read once, at the group's pre-backward)
 
     def grad_buffer(self) -> torch.Tensor | None:
         """The local gradient [S] while some sharded ``.grad`` views it, else None ([Note: buffers])."""
@@ -132,7 +133,8 @@ class GradientSync:
 
     def prepare(self) -> None:
         """[Note: gradient views] Watch every eligible unsharded parameter (once per parameter object)."""
-        if self.buffers.layout is not None and self.views_on():
+        self._watching = self.buffers.layout is not None and self.views_on()
+        if self._watching:
             for sp in self.buffers.params:
                 if sp.order is None and sp.unsharded.dtype == self.reduce_dtype:
                     sp.watch_grad(self._grad_arrival)
@@ -147,12 +149,16 @@ class GradientSync:
         self._views[sp.index] = view
         return view
 
+    def _view_of(self, sp: ShardedParam) -> torch.Tensor:
+        """``sp``'s gradient view, made if it has none yet."""
+        return self._views[sp.index] if sp.index in self._views else self._view(sp)
+
     def _grad_arrival(self, sp: ShardedParam) -> None:
         """A gradient is about to be accumulated into ``sp.unsharded``: point its ``.grad`` at its view."""
         view = self._views.get(sp.index)
-        if (view is not None and sp.unsharded.grad is view) or not self.views_on():
+        if (view is not None and sp.unsharded.grad is view) or not self._watching:
             return
-        grad, view = sp.unsharded.grad, view if view is not None else self._view(sp)
+        grad, view = sp.unsharded.grad, self._view_of(sp)
         if grad is not None:  # a gradient from before its view: it holds the sum so far (a copy, rarely)
             view.copy_(grad)
         sp.unsharded.grad = view
@@ -161,18 +167,18 @@ class GradientSync:
         """Views on: add each row-major gradient autograd made on its own (another dtype than the
         reduce dtype, or a hook missed) into its view, cast on the fly, and drop it."""
         for sp in self.buffers.params:
-            grad, view = sp.unsharded.grad, self._views.get(sp.index)
             if sp.order is not None:
                 continue
             if sp.accumulated is not None:  # summed while views were off (set_gradient_views in between)
-                (view if view is not None else self._view(sp)).add_(sp.accumulated)
+                self._view_of(sp).add_(sp.accumulated)
                 sp.accumulated = None
+            grad, view = sp.unsharded.grad, self._views.get(sp.index)
             if grad is None or grad is view:
                 continue
             if view is not None and grad.dtype == view.dtype:  # replaced its view (create_graph): holds the sum
                 view.copy_(grad)
             else:
-                (view if view is not None else self._view(sp)).add_(grad)
+                self._view_of(sp).add_(grad)
             sp.unsharded.grad = None
 
     def accumulate(self) -> None:
@@ -206,7 +212,8 @@ class GradientSync:
         if self.views_on():
             self._fold()
         rs_in, views, self._rs_in, self._views = self._rs_in, self._views, None, {}
-        if rs_in is None:  # no gradient views this backward: every gradient is copied in
+        zeroed = rs_in is not None  # made by the views, zeroed; else every gradient is copied in
+        if rs_in is None:
             rs_in = torch.empty(b.gathered.numel(), dtype=self.reduce_dtype, device=b.device)  # [W*S]
             for lo, hi in b.holes:
                 rs_in[lo:hi].zero_()
@@ -222,7 +229,8 @@ class GradientSync:
                     acc += grad
                 grad, sp.accumulated = acc, None
             if grad is None:
-                dst.zero_()
+                if not zeroed:
+                    dst.zero_()
                 continue
             if sp.order is not None:  # stored in another order: the copy permutes (zeros in its padding)
                 sp.order.take_into(dst, grad.reshape(-1), 0)
@@ -287,7 +295,7 @@ class GradientSync:
         collective itself still completes in the background)."""
         self._partial = None
         self._reduction = None
-        self._rs_in, self._views = None, {}
+        self._rs_in, self._views, self._watching = None, {}, False
 
     def finish(self) -> None:
         """Wait for the reduce-scatter in flight (bounded, [Note: collective integrity]), free its
