@@ -80,25 +80,21 @@ class CommControls:
             raise ShardingError(
                 f"set_reduce_scatter_max_input_buffers(max_input_buffers={max_input_buffers!r}): pass an int >= 1"
             )
-        self._states(recurse)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Accepted, nothing to change: the reduce-scatters run on the engine's group, as its
         all-gathers (on gloo a group of its own beside the user's, [Note: collective integrity])."""
         _check_flag("set_separate_reduce_scatter_group", "enable", enable)
-        self._states(recurse)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted, nothing to change: the engine allocates no staging buffer per collective (the
         gathered buffer is the parameters, the reduce-scatter input their gradients)."""
         _check_flag("set_allocate_memory_from_process_group_for_comm", "enable", enable)
-        self._bs_state()
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Accepted, nothing to change (no staging buffers, as above); ``backend``: ``"NCCL"``, as FSDP2."""
         if backend != "NCCL":
             raise ShardingError(f"set_symm_mem_for_comm(backend={backend!r}): only 'NCCL' is supported, as in FSDP2")
-        self._bs_state()
 
     def set_custom_all_gather(self, comm: object) -> None:
         """Refused: see [Note: communication controls]."""
