@@ -69,7 +69,7 @@ __all__ = [
 
 from blockshard._errors import QuantizedWeightError, ShardingError
 from blockshard.runtime.checkpoint._state_dict import install_state_dict_hooks
-from blockshard.runtime.core._module import ShardedModule, UnshardHandle
+from blockshard.runtime.core._module import ShardedModule, UnshardHandle, mark_no_fsdp_state
 from blockshard.runtime.routes import install_torch_routes
 
 # One subclass per original class, as FSDP2's ``FSDP<Class>``: a cache, not state (same inputs
@@ -84,6 +84,7 @@ def _swap_class(module: nn.Module) -> None:
         sharded = type(f"BlockShard{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
         _SWAPPED[cls] = sharded
     module.__class__ = sharded
+    mark_no_fsdp_state(module)  # an FSDPModule without FSDP2's state ([Note: an FSDPModule])
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -472,6 +472,21 @@ def frozen_mixed_per_group(E) -> None:
     _train(E, model, ref, lambda s, r: _randn(10 * s + r, 4, DIM), _sum)
 
 
+def to_float64_after_init(E) -> None:
+    """test_fully_shard_training's ``test_to_float64_after_init``: ``model.to(torch.float64)`` after
+    ``fully_shard``, then the optimizer, float64 inputs."""
+    torch.manual_seed(42)
+    model = nn.Sequential(MLP(), MLP(), MLP())
+    ref = copy.deepcopy(model).to(torch.float64)
+    for m in model:
+        E.fully_shard(m)
+    E.fully_shard(model)
+    model.to(torch.float64)
+    dtypes = {p.dtype for p in model.parameters()}
+    assert dtypes == {torch.float64}, dtypes
+    _train(E, model, ref, lambda s, r: _randn(10 * s + r, 4, DIM).double(), _sum)
+
+
 SCENARIOS = {
     "reshard_after_forward=2": lambda E: reshard_after_forward_int(E, 2),
     "reshard_after_forward=1": lambda E: reshard_after_forward_int(E, 1),
@@ -488,6 +503,7 @@ SCENARIOS = {
     "partial list group, tied, chunked head": partial_group_tied_chunks,
     "frozen parameters mixed per group": frozen_mixed_per_group,
     "clip_grad_norm_ bound before fully_shard": clipped,
+    "model.to(torch.float64) after fully_shard": to_float64_after_init,
 }
 
 

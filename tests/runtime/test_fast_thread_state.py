@@ -64,17 +64,17 @@ def test_one_rank_inside_apply_leaves_the_other_ranks_checks_on():
                 return t
 
             model._apply(hold)
-            return {"after": _outcome(model.double)}  # the control: outside any _apply, refused
+            return {"after": _outcome(lambda: model.to("meta"))}  # the control: outside any _apply, refused
         assert inside.wait(30), "rank 0 never entered _apply"
         try:
-            return {"during": _outcome(model.double), "dtype": str(model.inner.weight.dtype)}
+            return {"during": _outcome(lambda: model.to("meta")), "device": str(model.inner.weight.device)}
         finally:
             done.set()
 
     outs = _inproc.run_ranks(run, 2)
-    assert outs[0]["after"].startswith("ShardingError: converting or moving a sharded module"), outs[0]
-    assert outs[1]["during"].startswith("ShardingError: converting or moving a sharded module"), outs[1]
-    assert outs[1]["dtype"] == "torch.float32"
+    assert outs[0]["after"].startswith("ShardingError: moving a sharded module to another device"), outs[0]
+    assert outs[1]["during"].startswith("ShardingError: moving a sharded module to another device"), outs[1]
+    assert outs[1]["device"] == "cpu"
 
 
 def test_one_rank_inside_uncounted_steps_leaves_the_other_ranks_steps_counted():

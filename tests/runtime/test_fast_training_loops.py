@@ -59,11 +59,23 @@ def test_a_parameter_replaced_after_sharding_raises_naming_it():
         model(torch.ones(2, 13))
 
 
-@pytest.mark.parametrize("convert", [lambda m: m.double(), lambda m: m.to(torch.bfloat16), lambda m: m.half()])
-def test_converting_a_sharded_model_raises_with_the_fix(convert):
+@pytest.mark.parametrize(
+    ("convert", "dtype"),
+    [
+        (lambda m: m.double(), torch.float64),
+        (lambda m: m.to(torch.bfloat16), torch.bfloat16),
+        (lambda m: m.half(), torch.float16),
+    ],
+)
+def test_converting_a_sharded_model_converts_the_engine_s_pieces(convert, dtype):
+    """As FSDP2 ([Note: converting a sharded model]); training after it: tests/runtime/test_fast_convert.py."""
     model = _sharded_mlp()
-    with pytest.raises(ShardingError, match=r"convert or move the model before fully_shard.*mp_policy"):
-        convert(model)
+    before = list(model.parameters())
+    assert convert(model) is model
+    after = list(model.parameters())
+    assert all(p.dtype == dtype for p in after)
+    assert all(a is not b for a, b in zip(before, after, strict=True))  # new pieces over the converted buffers
+    assert all(torch.equal(a.detach().to(dtype), b.detach()) for a, b in zip(before, after, strict=True))
 
 
 def test_a_conversion_that_changes_nothing_is_allowed():

@@ -10,7 +10,8 @@ list group and for a group nested in checkpoint wrappers, and torch's
 local pieces); the last two of them import torch's ``register_fsdp_forward_method`` and
 ``clip_grad_norm_`` before any ``fully_shard``, as scripts do (before blockshard rerouted torch's
 function objects themselves, those names kept torch's: the method ran on local pieces and the norm
-was the local one).
+was the local one). The last row, ``model.to(torch.float64)`` after ``fully_shard``, raised until
+blockshard converted its buffers as FSDP2 converts its DTensors.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ GPU are refused for now: the collectives outside the step (state dicts, export, 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,6 +90,8 @@ class ParamBuffers(BufferSet):
         self._version_guard: torch.autograd._unsafe_preserve_version_counter | None = None
         self.owner_computed: OwnerComputed | None = None  # [Note: engine owner plan], set by fully_shard
         self.grads: GradientSync | None = None  # None: nothing to reduce (no layout)
+        # mp_policy's dtypes as given (None: follow the parameters' dtype, which model.to(dtype) changes)
+        self.policy_dtypes = (param_dtype, reduce_dtype)
         self._layout = layout
         if layout is None:  # a module without parameters of its own: nothing to gather
             if self.params:
@@ -159,6 +161,42 @@ class ParamBuffers(BufferSet):
             self.grads.forget_grad_buffer()
         for sp in self.params:
             sp.requires_grad = sp.sharded.requires_grad
+        self._make_views()
+        self._free_gathered()
+        self.tag_views()
+
+    def check_convertible(self, dtype: torch.dtype) -> None:
+        """Raise if this buffer set cannot be converted to ``dtype`` now (a kind that never can says
+        why): called for every group before any is converted."""
+        held = [sp.fqn for sp in self.params if sp.sharded.grad is not None or sp.unsharded.grad is not None]
+        held += [sp.fqn for sp in self.params if sp.accumulated is not None]
+        if held or (self.grads is not None and (self.grads.reducing or self.grad_buffer() is not None)):
+            raise ShardingError(
+                f"converting group {self.name!r} to {dtype} (model.to(...), .half(), .double()) while its "
+                f"parameters hold gradients ({held[:3] or 'a reduction in flight'}): they would keep the old "
+                "dtype. Fix: call optimizer.zero_grad() (set_to_none=True) or model.zero_grad() first, or "
+                "convert before training"
+            )
+
+    @torch.no_grad()
+    def convert(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``model.to(dtype)``, ``.half()``, ``.double()`` after ``fully_shard`` ([Note: converting a
+        sharded model] in _module.py): the local buffer converted by ``fn``, the other buffers made
+        anew in the new dtype, new parameter objects over them; the old pieces are tagged replaced,
+        so an optimizer built over them raises at its first step. :meth:`check_convertible` first."""
+        expect(f"converting group {self.name!r}", self.sharded_state, ShardedState.SHARDED)
+        converted = fn(self.local)
+        dtype, S = converted.dtype, self.local.numel()
+        for sp in self.params:
+            sp.requires_grad = sp.sharded.requires_grad
+            tag_managed(sp.sharded, self.name, original=True, replaced_by=f"converting the model to {dtype} replaced")
+        self.orig_dtype = dtype
+        self.param_dtype = self.policy_dtypes[0] or dtype
+        self._alloc_buffers(self.device, S, zeros=False)
+        self.local.copy_(converted)
+        if self.grads is not None:
+            self.grads.reduce_dtype = self.policy_dtypes[1] or self.param_dtype
+            self.grads.forget_grad_buffer()
         self._make_views()
         self._free_gathered()
         self.tag_views()

@@ -1,5 +1,32 @@
 """``ShardedModule``: what ``fully_shard`` makes of a module, with FSDP2's ``FSDPModule`` controls.
 
+[Note: an FSDPModule]
+``ShardedModule`` subclasses torch's ``FSDPModule``, so ``isinstance(m, FSDPModule)`` holds for a
+module ``blockshard.fully_shard`` sharded and the code that dispatches on it (Accelerate's FSDP2
+preparation, the HF Trainer, torchtitan, torch's pipelining schedules) takes the FSDP2 branch.
+Every method of ``FSDPModule`` is overridden here (the public ones, ``_apply``,
+``_set_unshard_async_op``, ``__new__``), so torch's code never runs on a blockshard module;
+what reads FSDP2's internal state instead (``FSDPModule._get_fsdp_state``,
+``fully_shard.state(module)``) gets a :class:`ShardingError` naming blockshard's way. Each place
+in torch, Accelerate and transformers that checks the class is listed, with what it does then, in
+docs/engine.md ("isinstance(m, FSDPModule)") and tested in tests/runtime/test_fast_fsdp_module.py.
+
+[Note: converting a sharded model]
+``model.to(torch.float64)``, ``.half()``, ``.double()``, ``.bfloat16()`` after ``fully_shard`` do
+what they do under FSDP2 (whose ``_apply`` converts the sharded parameters and makes new DTensors
+over them): each group's local buffer is converted by torch's own function (element-wise, so the
+pieces hold what converting the whole parameters would), the gathered buffer, the send buffer and
+the gradients are made in the new dtype, and the module gets new parameter objects over them
+(``ParamBuffers.convert``). ``mp_policy`` keeps meaning what it said: a ``param_dtype`` or
+``reduce_dtype`` it set stays; one it left unset follows the new dtype. Buffers and parameters
+the engine does not hold are converted by torch, as always. As under FSDP2, an optimizer is built
+after: the old pieces are tagged replaced, so an optimizer built before raises at its first step
+([Note: optimizer guard] in _optim_guard.py), naming the conversion. Refused, each by a
+``ShardingError`` naming the group and the fix: a conversion while gradients are held (they would
+keep the old dtype), of weights all-gathered quantized (their quantizer is planned for the
+master's dtype), and moving to another device (the engine's collectives are bound to its device;
+``model.to_empty(device=...)`` of a model sharded on the meta device is the supported move).
+
 Every control keeps FSDP2's name, arguments and meaning (torch 2.13,
 ``torch/distributed/fsdp/_fully_shard/_fully_shard.py``); where blockshard's engine has nothing
 to control (its reduce-scatter completes inside backward, its collectives run on the current
@@ -15,6 +42,8 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import UnshardHandle as FSDPUnshardHandle
 
 from blockshard._errors import ShardingError
 from blockshard.runtime.core._module_comms import CommControls
@@ -24,13 +53,16 @@ __all__ = [
     "ShardedModule",
     "ShardingError",
     "UnshardHandle",
+    "mark_no_fsdp_state",
+    "not_fsdp_state",
     "register_forward_method",
     "unswapped_class",
 ]
 
 
-class UnshardHandle:
-    """What ``module.unshard(async_op=True)`` returns: ``wait()`` finishes the all-gathers."""
+class UnshardHandle(FSDPUnshardHandle):
+    """What ``module.unshard(async_op=True)`` returns: ``wait()`` finishes the all-gathers (an
+    FSDP2 ``UnshardHandle``, as code that keeps them expects)."""
 
     def __init__(self, state: ModuleState) -> None:
         self._state = state
@@ -39,13 +71,28 @@ class UnshardHandle:
         self._state.wait_unshard()
 
 
-class ShardedModule(CommControls, nn.Module):
-    """What ``fully_shard`` makes of a module (as FSDP2's ``FSDPModule``).
+class ShardedModule(CommControls, FSDPModule, nn.Module):
+    """What ``fully_shard`` makes of a module (as FSDP2's ``FSDPModule``, which it subclasses:
+    [Note: an FSDPModule]).
 
     ``fully_shard(m)`` swaps ``m``'s class for ``BlockShard<Class>``, a subclass of both this class
-    and ``m``'s own, so ``isinstance(m, ShardedModule)`` holds and the methods below exist; the
-    engine's state lives on the module (``m._blockshard_state``), nowhere else.
+    and ``m``'s own, so ``isinstance(m, ShardedModule)`` and ``isinstance(m, FSDPModule)`` hold and
+    the methods below exist; the engine's state lives on the module (``m._blockshard_state``),
+    nowhere else.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """As FSDP2's: constructing a swapped class (``type(m)(...)``: a ``ModuleList`` or
+        ``Sequential`` sliced) constructs the model's own class, not sharded."""
+        own = unswapped_class(cls)
+        module = own.__new__(own, *args, **kwargs)
+        module.__init__(*args, **kwargs)
+        return module
+
+    def _get_fsdp_state(self) -> NoReturn:
+        """torch code that reaches into FSDP2's internal state (not its public methods) cannot
+        drive a blockshard module: it raises, naming blockshard's way ([Note: an FSDPModule])."""
+        raise ShardingError(not_fsdp_state(self))
 
     def _bs_state(self) -> ModuleState:
         state = state_of(self)
@@ -90,12 +137,12 @@ class ShardedModule(CommControls, nn.Module):
         for st in self._states(recurse):
             st.controls.reshard_after_backward = reshard_after_backward
 
-    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters (asynchronously) right after this module's, in
         forward, instead of the next module of the recorded order."""
         self._bs_state().forward_prefetch = _prefetch_states("set_modules_to_forward_prefetch", modules)
 
-    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters (asynchronously) when this module's backward
         starts, instead of the previous module of the recorded order."""
         self._bs_state().backward_prefetch = _prefetch_states("set_modules_to_backward_prefetch", modules)
@@ -184,35 +231,43 @@ class ShardedModule(CommControls, nn.Module):
             state.ctx.reset_step()
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ShardedModule:
-        """``.to()``, ``.double()``, ``.cuda()``...: allowed only when they change nothing about the
-        parameters (the sharded parameters are views of the engine's buffers; a converted copy
-        would be trained while the engine gathers the old buffer), and to materialize a model
-        sharded on the meta device (``model.to_empty(device=...)``, [Note: meta init])."""
+        """``.to(dtype)``, ``.double()``, ``.half()``...: the engine's buffers converted, as FSDP2
+        converts its sharded parameters ([Note: converting a sharded model]); moves to another device
+        are refused (but for ``model.to_empty(device=...)`` of a model sharded on the meta device,
+        [Note: meta init])."""
         if self._bs_state().applying:  # an enclosing sharded module's _apply has handled this one's groups
-            applied: ShardedModule = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch's is unannotated
+            applied: ShardedModule = super(FSDPModule, self)._apply(fn, recurse)  # type: ignore[no-untyped-call]  # the model's own, past FSDP2's
             return applied
         states = self._states(True)
         groups = [(st, g) for st in states for g in st.param_buffers if g.layout is not None]
         # a list's group ([Note: a list of modules]) is checked and materialized with its first
         # module's subtree (its parameters are hidden from torch in every listed module's)
         inside = {id(m) for m in self.modules()}
-        mine = [g for st, g in groups if id(st.modules[0]) in inside]
-        for g in mine:
+        mine = [(st, g) for st, g in groups if id(st.modules[0]) in inside]
+        converting = []
+        for st, g in mine:  # every group checked before any changes
             probe = g.local[:1]
             out = fn(probe)
             if g.device.type == "meta" and out.device.type != "meta" and out.dtype == probe.dtype:
                 continue  # materialized below
-            if out is not probe:
+            if out is probe:
+                continue
+            if out.device != probe.device:
                 raise ShardingError(
-                    f"converting or moving a sharded module (model.to(...), .double(), .half(), .cuda()) "
-                    f"would replace the parameters of group {g.name!r} ({g.orig_dtype} on "
-                    f"{g.device}) with copies the engine does not own, so training would silently "
-                    "ignore them. Fix: convert or move the model before fully_shard, or keep the parameters "
-                    "and compute in another dtype with mp_policy=MixedPrecisionPolicy(param_dtype=...)"
+                    f"moving a sharded module to another device (model.to(device), .cuda(), .cpu()) would move the "
+                    f"parameters of group {g.name!r} from {g.device} to {out.device}, away from the engine's "
+                    "buffers and collectives (not supported after fully_shard). Fix: move the model before "
+                    "fully_shard, or shard it on the meta device and materialize it with model.to_empty(device=...)"
                 )
-        for g in mine:
-            if g.device.type == "meta":
+            g.check_convertible(out.dtype)
+            converting.append((st, g))
+        for _, g in mine:
+            if g.device.type == "meta" and fn(g.local[:1]).device.type != "meta":
                 g.materialize(fn(g.local[:1]).device)
+        for st, _ in converting:
+            st.reshard()  # as FSDP2's _apply: the sharded parameters are the ones converted
+        for _, g in converting:
+            g.convert(fn)
         # the rest (buffers, unsharded parameters) as torch does; the engine's own parameters are
         # hidden meanwhile, so torch does not replace their data
         hidden = [(ref, ref.module._parameters[ref.attr]) for _, g in groups for sp in g.params for ref in sp.refs]
@@ -221,7 +276,7 @@ class ShardedModule(CommControls, nn.Module):
         for st in states:  # torch's _apply recurses into them next: their groups are handled here
             st.applying = True
         try:
-            applied = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch's is unannotated
+            applied = super(FSDPModule, self)._apply(fn, recurse)  # type: ignore[no-untyped-call]  # the model's own, past FSDP2's
             return applied
         finally:
             for st in states:
@@ -242,7 +297,50 @@ def unswapped_class(cls: type) -> type:
     other class itself."""
     if not issubclass(cls, ShardedModule):
         return cls
-    return next(b for b in cls.__mro__[1:] if not issubclass(b, (ShardedModule, CommControls)))
+    return next(b for b in cls.__mro__[1:] if not issubclass(b, (ShardedModule, CommControls, FSDPModule)))
+
+
+def not_fsdp_state(module: nn.Module) -> str:
+    """What a torch function that reads FSDP2's internal state of a blockshard module is told."""
+    return (
+        f"this {type(module).__name__} was sharded by blockshard.fully_shard: it is an FSDPModule (every public "
+        "FSDPModule method works on it), but it has no FSDP2 internal state (FSDPModule._get_fsdp_state, "
+        "fully_shard.state) for torch code to drive. That code (torch's share_comm_ctx, FSDPMemTracker, "
+        "torch.distributed.pipelining's gradient reduction, or register_fsdp_forward_method with "
+        "BLOCKSHARD_TORCH_ROUTES off) is not supported on blockshard modules. Fix: use the public methods, "
+        "blockshard.register_forward_method for a forward method, or shard this module with "
+        "torch.distributed.fsdp.fully_shard"
+    )
+
+
+class _NoFSDPState:
+    """What ``torch.distributed.fsdp.fully_shard.state(m)`` returns for a blockshard module (torch's
+    pipelining reads it): any attribute raises, naming blockshard's way ([Note: an FSDPModule])."""
+
+    __slots__ = ("_text",)
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+
+    def __getattr__(self, name: str) -> NoReturn:
+        raise ShardingError(f"{self._text} (torch read FSDP2's state attribute {name!r})")
+
+
+def mark_no_fsdp_state(module: nn.Module) -> None:
+    """Give ``module`` the state ``fully_shard.state(module)`` returns: one that raises when read.
+    Where torch keeps that state elsewhere than this release's ``contract`` does, nothing is
+    stored and torch's own error stays (a ``None`` state)."""
+    import importlib
+
+    from torch.distributed.fsdp._fully_shard import _fully_shard as impl
+
+    contract = importlib.import_module(
+        "torch.distributed._composable.contract"
+    )  # the package exports a function of that name
+    func, key = getattr(impl.fully_shard, "__wrapped__", None), getattr(contract, "STATE_KEY", None)
+    if func is None or not isinstance(key, str):
+        return
+    module.__dict__.setdefault(key, {})[func] = _NoFSDPState(not_fsdp_state(module))
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -250,7 +348,7 @@ def _check_bool(name: str, value: object) -> None:
         raise ShardingError(f"{name}={value!r} must be True or False")
 
 
-def _prefetch_states(what: str, modules: Iterable[nn.Module]) -> list[ModuleState]:
+def _prefetch_states(what: str, modules: Iterable[object]) -> list[ModuleState]:
     if isinstance(modules, nn.Module) or not isinstance(modules, Iterable):
         raise ShardingError(f"{what}(modules={modules!r}): pass a list of sharded modules")
     out = []

@@ -275,11 +275,14 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
             tag = managed_tag(p)
             if tag is not None and tag.original:
                 what = f"parameter {names[j]!r}" if names is not None else "a parameter"
+                if tag.replaced_by is not None:  # a conversion after fully_shard ([Note: converting a sharded model])
+                    replaced, fix = tag.replaced_by, "build the optimizer after converting the model, as with FSDP2"
+                else:
+                    replaced, fix = "fully_shard replaced by its local piece", _stale_fix(optimizer)
                 raise ShardingError(
                     f"{type(optimizer).__name__} holds {what} of shape {tuple(p.shape)} "
-                    f"(param_groups[{i}]['params'][{j}]) that fully_shard replaced by its local piece "
-                    f"(in the group of a {tag.group_name}): stepping it would train nothing. Fix: "
-                    f"{_stale_fix(optimizer)}"
+                    f"(param_groups[{i}]['params'][{j}]) that {replaced} "
+                    f"(in the group of a {tag.group_name}): stepping it would train nothing. Fix: {fix}"
                 )
             if tag is not None and tag.group is not None:
                 groups.setdefault(id(tag.group), tag.group)

@@ -43,15 +43,23 @@ class ManagedTag:
     process_group: object = None
     # for a local piece: a weak reference to its ParamBuffers (weak: a tag never keeps a model alive)
     group: object = None
+    # for an original: what replaced it, in the optimizer guard's message (None: fully_shard)
+    replaced_by: str | None = None
 
 
 _TAG_ATTR = "_blockshard_managed"
 
 
 def tag_managed(
-    param: nn.Parameter, group_name: str, *, original: bool = False, process_group: object = None, group: object = None
+    param: nn.Parameter,
+    group_name: str,
+    *,
+    original: bool = False,
+    process_group: object = None,
+    group: object = None,
+    replaced_by: str | None = None,
 ) -> None:
-    setattr(param, _TAG_ATTR, ManagedTag(group_name, original, process_group, group))
+    setattr(param, _TAG_ATTR, ManagedTag(group_name, original, process_group, group, replaced_by))
 
 
 def managed_tag(param: torch.Tensor) -> ManagedTag | None:

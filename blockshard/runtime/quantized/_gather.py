@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from blockshard._errors import QuantizedWeightError
+from blockshard._errors import QuantizedWeightError, ShardingError
 from blockshard.planner import GroupLayout
 from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import all_gather_into
@@ -190,6 +190,15 @@ class QuantizedGatherBuffers(ParamBuffers):
 
     def quantizer(self, sp: ShardedParam) -> TileQuantizer:
         return self.quantizers[id(sp)]
+
+    def check_convertible(self, dtype: torch.dtype) -> None:
+        """Weights all-gathered quantized keep their masters' dtype ([Note: converting a sharded
+        model] in core/_module.py): their payload and the quantizer are planned for it."""
+        raise ShardingError(
+            f"converting group {self.name!r} (model.to(...), .half(), .double()) to {dtype}: its weights are "
+            f"all-gathered quantized from {self.orig_dtype} masters, planned for that dtype. Fix: convert the model "
+            "before fully_shard, or compute in another dtype with mp_policy=MixedPrecisionPolicy(param_dtype=...)"
+        )
 
     # -- buffers ----------------------------------------------------------------------------------
     def _place(self, layout: GroupLayout) -> None:
