@@ -80,7 +80,14 @@ def stock_adamw_state_dict(optim_state_dict: Mapping[str, Any]) -> dict[str, Any
 
 def _adamw_entries(name: str, entries: Mapping[str, Any]) -> dict[str, Any]:
     flat = {k: v for k, v in entries.items() if k != _BNB_NESTED} | dict(entries.get(_BNB_NESTED, {}))
-    if set(flat) <= set(_ADAMW_STATE):  # torch's AdamW already
+    if set(flat) <= set(_ADAMW_STATE):  # torch's AdamW's keys: plain fp32 moments pass as they are
+        odd = [k for k, v in flat.items() if k != "step" and not _plain_float(v)]
+        if odd:
+            raise CheckpointError(
+                f"optimizer state {odd} of parameter {name!r} is {[_kind(flat[k]) for k in odd]}, not a plain floating "
+                "tensor: quantized state (torchao's OptimState8bit / OptimStateFp8 / OptimState4bit, saved by "
+                "blockshard as its codes and scales) that torch's AdamW would not read. Fix: " + _FIX
+            )
         return dict(flat)
     unknown = sorted(set(flat) - {"step"} - {k for m in _MOMENTS for k in m[:3]})
     if unknown:
@@ -101,6 +108,16 @@ def _adamw_entries(name: str, entries: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _plain_float(value: Any) -> bool:
+    return type(value) in (torch.Tensor, PieceTensor) and value.is_floating_point()
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return f"entries {sorted(value)}"
+    return f"{type(value).__name__} of {getattr(value, 'dtype', '?')}"
+
+
 def _step(name: str, step: Any) -> torch.Tensor:
     if isinstance(step, torch.Tensor) and step.numel() == 1:
         return step.detach().reshape(()).to(torch.float32).clone()
@@ -117,6 +134,11 @@ def _moment(name: str, flat: Mapping[str, Any], code: str, absmax: str, qmap: st
     absmax`` per 256-element block of the parameter's row-major flattening (a piece starts on a
     block: the bnb8bit semantics place it so)."""
     value = flat[code]
+    if not isinstance(value, torch.Tensor):
+        raise CheckpointError(
+            f"optimizer state {code!r} of parameter {name!r} is {_kind(value)}, not a tensor. Fix: pass the state dict "
+            "as get_optimizer_state_dict returns it"
+        )
     if value.dtype == torch.float32:
         return value
     if value.dtype != torch.uint8 or absmax not in flat or qmap not in flat:
@@ -139,7 +161,7 @@ def _moment(name: str, flat: Mapping[str, Any], code: str, absmax: str, qmap: st
             f"optimizer state {absmax!r} of parameter {name!r} holds {scales.numel()} scales for {codes.numel()} codes "
             f"(one per {_BNB_BLOCK} expected). Fix: pass the state dict as get_optimizer_state_dict returns it"
         )
-    book = flat[qmap].detach().reshape(-1).to(torch.float32)
+    book: torch.Tensor = flat[qmap].detach().reshape(-1).to(torch.float32)
     fp32 = book[codes.long()] * scales.to(torch.float32).repeat_interleave(_BNB_BLOCK)[: codes.numel()]
     if isinstance(value, PieceTensor):
         return value._like(fp32)
