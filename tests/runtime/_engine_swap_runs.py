@@ -267,3 +267,76 @@ def bnb_load_stock(rank: int, world: int, path: str) -> dict:
     _wide_train(m, o, range(STEPS_BEFORE, STEPS))
     out["converted_final"] = values(m)
     return out
+
+
+# -- Muon momentum (item 4 b): torch.optim.Muon on whole matrices, AdamW on the rest --------------
+_MATRICES = ("qkv.weight", "up.weight", "down.weight")
+
+
+def _muon(engine: str, seed: int) -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+    """blockshard places each block matrix whole on one rank (``matrix``, ``policy="whole"``), so
+    unmodified ``torch.optim.Muon`` steps whole matrices; ranks leave out their empty pieces."""
+    m = TinyLM(seed)
+    if engine == "stock":
+        from torch.distributed.fsdp import fully_shard
+
+        blockshard.uninstall_torch_routes()
+        for b in m.blocks:
+            fully_shard(b)
+        fully_shard(m)
+    elif engine == "blockshard":
+        rules = {f"*{k}": "matrix" for k in _MATRICES}
+        for b in m.blocks:
+            blockshard.fully_shard(b, semantics=rules, policy="whole")
+        blockshard.fully_shard(m)
+    named = [(n, p) for n, p in m.named_parameters() if p.numel() > 0]
+    mats = [p for n, p in named if n.endswith(_MATRICES)]
+    rest = [p for n, p in named if not n.endswith(_MATRICES)]
+    return m, [torch.optim.Muon(mats, lr=0.02), torch.optim.AdamW(rest, lr=0.01)]
+
+
+class _Both:
+    def __init__(self, opts: list[torch.optim.Optimizer]) -> None:
+        self.opts = opts
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self) -> None:
+        for o in self.opts:
+            o.zero_grad()
+
+
+def _muon_full_state(m: nn.Module, opts: list) -> dict:
+    return {
+        n: {k: v.detach().clone() for k, v in e.items() if isinstance(v, torch.Tensor)}
+        for n, e in get_optimizer_state_dict(m, opts, options=FULL)["state"].items()
+    }
+
+
+def _muon_resume(engine: str, path: str) -> tuple[nn.Module, list]:
+    m, opts = _muon(engine, 1)
+    msd, osd = get_state_dict(m, opts)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(m, opts, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return m, opts
+
+
+def muon_save(rank: int, world: int, path: str, engine: str) -> dict:
+    """``engine`` trains with Muon + AdamW and saves; the full optimizer state as saved."""
+    m, opts = _muon(engine, 0)
+    train(m, _Both(opts), range(STEPS_BEFORE))  # type: ignore[arg-type]
+    msd, osd = get_state_dict(m, opts)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, f"muon-{engine}{world}"))
+    return {"state": _muon_full_state(m, opts)}
+
+
+def muon_load(rank: int, world: int, path: str, engine: str, source: str) -> dict:
+    """``engine`` resumes ``source``'s Muon checkpoint: the full optimizer state as loaded, and the run on."""
+    m, opts = _muon_resume(engine, os.path.join(path, f"muon-{source}"))
+    loaded = _muon_full_state(m, opts)
+    train(m, _Both(opts), range(STEPS_BEFORE, STEPS))  # type: ignore[arg-type]
+    final = values(m) if world > 1 else {k: v.detach().clone() for k, v in m.state_dict().items()}
+    return {"state": loaded, "final": final}
