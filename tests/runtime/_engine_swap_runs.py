@@ -228,6 +228,9 @@ def bnb_save(rank: int, world: int, path: str) -> None:
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "bnb-raw"))
     converted = blockshard.stock_adamw_state_dict(osd)
     dcp.save({"model": msd, "optim": converted}, checkpoint_id=os.path.join(path, "bnb-adamw"))
+    full = get_optimizer_state_dict(m, o, options=FULL)  # collective
+    if rank == 0:
+        torch.save(full, os.path.join(path, "bnb-full.pt"))
 
 
 def bnb_load_stock(rank: int, world: int, path: str) -> dict:
@@ -261,6 +264,13 @@ def bnb_load_stock(rank: int, world: int, path: str) -> dict:
     }
     _wide_train(m, o, range(STEPS_BEFORE, STEPS))
     out["partial_final"] = values(m)
+    m, o, state = stock()
+    try:  # blockshard's full state dict (bitsandbytes' layout, as an unsharded model's)
+        full = torch.load(os.path.join(path, "bnb-full.pt"), weights_only=False)
+        set_optimizer_state_dict(m, o, full, options=FULL)
+        out["full"] = "no error"
+    except Exception as e:
+        out["full"] = f"{type(e).__name__}: {e}"
     m, o, state = stock()
     dcp.load(state, checkpoint_id=os.path.join(path, "bnb-adamw"))
     set_state_dict(m, o, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -88,6 +88,7 @@ def bnb_loaded() -> list[dict]:
 def test_bnb_8bit_state_raises_in_stock_fsdp2_by_default():
     for r in bnb_loaded():
         assert "Missing key in checkpoint state_dict: optim.state.up.weight.exp_avg" in r["raw"], r["raw"]
+        assert r["full"] == "KeyError: 'param_groups.0.alpha'", r["full"]  # set_optimizer_state_dict, full
 
 
 def test_bnb_8bit_state_loaded_partially_by_stock_fsdp2_is_silently_wrong():
