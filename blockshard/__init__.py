@@ -46,6 +46,7 @@ _RUNTIME = (
     "init_parameters",
     "check_finished",
     "save_pretrained",
+    "stock_adamw_state_dict",
     "peft_state_dict",
     "quantized_stats",
     "precompute_quantized_gather",
@@ -93,6 +94,7 @@ if TYPE_CHECKING:  # what __getattr__ loads, as mypy sees it (`X as X`: exported
     from blockshard.runtime import save_pretrained as save_pretrained
     from blockshard.runtime import set_step_log as set_step_log
     from blockshard.runtime import sharded_state_dict as sharded_state_dict
+    from blockshard.runtime import stock_adamw_state_dict as stock_adamw_state_dict
     from blockshard.runtime import uninstall_torch_routes as uninstall_torch_routes
 
 

@@ -36,6 +36,7 @@ from blockshard.runtime.checkpoint._state_dict import (
     load_sharded_state_dict,
     sharded_state_dict,
 )
+from blockshard.runtime.checkpoint._stock_optim import stock_adamw_state_dict
 from blockshard.runtime.core._clip import clip_grad_norm_
 from blockshard.runtime.core._collectives import check_finished
 from blockshard.runtime.core._common import ShardedState, TrainingState
@@ -105,5 +106,6 @@ __all__ = [
     "save_pretrained",
     "set_step_log",
     "sharded_state_dict",
+    "stock_adamw_state_dict",
     "uninstall_torch_routes",
 ]

@@ -179,3 +179,23 @@ def test_torchao_4bit_and_fp8_state_saved_at_w2_loads_at_w1_exactly(kind, tmp_pa
         assert torch.equal(codes, _global(f"0.weight.{key}.codes", int(8192 * per), torch.uint8))
         assert torch.equal(live.scale, _global(f"0.weight.{key}.scale", 8192 // block, torch.float32))
     assert not torch.equal(before.view(torch.uint8), opt.state[w]["exp_avg"].codes.view(torch.uint8))  # control
+
+
+def test_bnb_code_books_stay_plain_tensors_for_a_256_element_piece():
+    """A piece of exactly 256 elements (8-bit with ``min_8bit_size=256``) has the shape of its code
+    book ``qmap1``: the book is the same on every rank, never a piece of the parameter (it was
+    saved as one, read back at another placement as other ranks' elements)."""
+    import bitsandbytes as bnb
+
+    with _inproc.serial():
+        model = nn.Sequential(nn.Linear(16, 256))
+    blockshard.fully_shard(model, semantics="bnb8bit")
+    opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=256)
+    (model(torch.ones(2, 16)) ** 2).mean().backward()
+    opt.step()
+    state = blockshard.optimizer_state_dict(model, opt)["state"]
+    bias = state["0.bias"]
+    assert bias["state1"].dtype == torch.uint8 and isinstance(bias["state1"], PieceTensor)  # 8-bit, a piece
+    for book in ("qmap1", "qmap2"):
+        assert type(bias[book]) is torch.Tensor and torch.equal(bias[book], opt.state[model[0].bias][book])
+        assert type(state["0.weight"][book]) is torch.Tensor  # control: a 4096-element piece's book, as before

@@ -166,6 +166,8 @@ def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedPa
         )
     if sp is None or (value.dim() == 0 and p.dim() != 0):
         return value  # the same on every rank (a parameter outside any group, a step count)
+    if _is_bnb(optimizer) and key in _BNB_CODE_BOOKS:  # before the shape test: a 256-element piece has its shape
+        return value  # the fixed code book, the same on every rank
     if tuple(value.shape) == tuple(p.shape):  # element-wise state; a master in packed tile order: as its boxes
         boxes = sp.piece_boxes()
         return PieceTensor(
@@ -173,8 +175,6 @@ def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedPa
         )
     if _is_bnb(optimizer) and key in _BNB_PER_BLOCK:
         return _per_block(name, key, value, sp, _BNB_BLOCK)
-    if _is_bnb(optimizer) and key in _BNB_CODE_BOOKS:
-        return value  # the fixed code book, the same on every rank
     raise _error(
         name,
         key,
