@@ -49,8 +49,10 @@ def test_set_reshard_after_forward_takes_bools_only_as_fsdp2_s(gloo_w1):
 
 
 def _step(rank: int, world: int, raf: object) -> tuple[dict, list[int], int, int]:
-    torch.manual_seed(0)
     model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 8)) for _ in range(2)))
+    with torch.no_grad():  # the same values on every thread rank (they share the global generator)
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) / 3)
     for m in model:
         blockshard.fully_shard(m, reshard_after_forward=raf)
     blockshard.fully_shard(model)
