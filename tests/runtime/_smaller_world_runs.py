@@ -175,7 +175,7 @@ def hsdp(rank: int, world: int, raf: object) -> dict:
 def refusals(rank: int, world: int) -> dict[str, str]:
     """What an int refuses at W = 4: a non-factor, and a group with a quantized gather."""
     import blockshard
-    from blockshard import ShardingError
+    from blockshard.runtime import ShardingError
 
     out = {}
     for what, fn in {

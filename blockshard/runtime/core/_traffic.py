@@ -13,7 +13,10 @@ must agree: a collective that moves other bytes than its plan (a cast the policy
 a bucket the layout does not hold, a quantized gather that sends floats) is a
 :class:`~blockshard.runtime.TrafficMismatchError` under ``BLOCKSHARD_STRICT=1`` and a warning
 otherwise, once per buffer set. The counters are plain integers, always on (one dict update per
-collective); :func:`collective_counts` reads them.
+collective); :func:`collective_counts` reads them, a row per kind, wire format, dtype and size of the
+process group the calls ran over (the engine's buffer sets record it: their shard group's, or the
+``k``-group of an int ``reshard_after_forward``, whose all-gather still fills the whole gathered
+buffer and so moves the planned bytes; [Note: reshard to a smaller world] in _post_forward.py).
 
 The adapters count another engine's collectives into the same counters, hung on the module they
 count (:func:`tag_traffic`), against their own plan: the FSDP2 adapter's counting comms
