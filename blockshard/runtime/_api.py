@@ -19,6 +19,7 @@ from blockshard.planner._tile_placement import packed_masters
 from blockshard.planner._units import check_alignment_bytes
 from blockshard.runtime._arguments import (
     check_fsdp_arguments,
+    check_post_forward,
     check_quantized_below,
     check_same_settings,
     ignored_ids,
@@ -46,6 +47,7 @@ from blockshard.runtime.core._owners import (
     record_compute,
 )
 from blockshard.runtime.core._param import ParamRef, ShardedParam, check_plain, managed_tag, tag_managed
+from blockshard.runtime.core._post_forward import post_forward_group
 from blockshard.runtime.core._state import STATE_ATTR, ModuleState, state_of
 from blockshard.runtime.core._traffic import step_log_steps
 from blockshard.runtime.quantized._frozen import FrozenQuantizedBuffers, collect_quantized, ignored_quantized
@@ -243,8 +245,11 @@ def fully_shard(
     multiple of it (16 suits vectorized kernels and NCCL). ``mp_policy`` is torch's
     ``MixedPrecisionPolicy`` (``param_dtype``, ``reduce_dtype``, ``output_dtype``,
     ``cast_forward_inputs``). ``reshard_after_forward``: as FSDP2's (``None``: free the
-    gathered parameters after forward, but the root's; an int: ``1`` is False, the shard group's
-    size is True). ``ignored_params``: parameters left as
+    gathered parameters after forward, but the root's; an int ``k``, a factor of the shard group's
+    size ``W``: ``1`` is False, ``W`` is True, and otherwise each rank keeps ``1/k`` of the
+    parameters between forward and backward, whose all-gather then runs within ``k`` consecutive
+    ranks; refused for groups with quantized weights: see [Note: reshard to a smaller world] in
+    core/_post_forward.py). ``ignored_params``: parameters left as
     they are (not sharded, their gradients not reduced), as FSDP2's. ``offload_policy``: FSDP2's
     ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy()``: local shards and gradients on the host,
     copied to the device to be gathered (parameters on the CPU or meta device only, so far).
@@ -384,6 +389,11 @@ def fully_shard(
             name, quantized, process_group, alignment_bytes=alignment_bytes, tile_placement=tile_placement
         )
         buffer_sets.insert(0, frozen)
+    check_post_forward(name, reshard_after_forward, buffer_sets)
+    if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+        smaller = post_forward_group(process_group, reshard_after_forward)  # [Note: reshard to a smaller world]
+        for g in groups:
+            g.post_forward = smaller
     state = ModuleState(
         module,
         group,

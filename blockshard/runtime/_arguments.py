@@ -11,12 +11,14 @@ import torch.distributed as dist
 from torch import nn
 
 from blockshard._errors import LayoutMismatchError, QuantizedWeightError, ShardingError
+from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import engine_group
 from blockshard.runtime.core._state import state_of
 from blockshard.runtime.quantized._gather import QuantizedGatherBuffers
 
 __all__ = [
     "check_fsdp_arguments",
+    "check_post_forward",
     "check_quantized_below",
     "check_same_settings",
     "ignored_ids",
@@ -54,19 +56,46 @@ def process_group_of(mesh: object) -> dist.ProcessGroup:
     raise ShardingError(f"mesh={mesh!r} must be None, a 1-D DeviceMesh or a ProcessGroup")
 
 
-def reshard_after_forward_of(value: object, world_size: int) -> bool | None:
-    """FSDP2's ``reshard_after_forward``; an int as FSDP2 reads it: 1 is ``False`` (reshard to a
-    world of one: keep the gathered parameters), the shard group's size is ``True``."""
+def reshard_after_forward_of(value: object, world_size: int) -> bool | int | None:
+    """FSDP2's ``reshard_after_forward``; an int ``k`` as FSDP2 reads it (torch 2.13's
+    ``_get_post_forward_mesh_info``): a factor of the shard group's size ``W``. ``1`` is ``False``
+    (reshard to a world of one: keep the gathered parameters), ``W`` is ``True``, and any other
+    factor stays an int: after forward the parameters are resharded to ``k`` ranks, and backward
+    gathers them within those ``k`` ([Note: reshard to a smaller world] in core/_post_forward.py)."""
     if value is None or isinstance(value, bool):
         return value
-    if isinstance(value, int) and value in (1, world_size):
-        return value != 1  # 1 first, as FSDP2: a group of one rank keeps its parameters
+    if isinstance(value, int) and 1 <= value <= world_size and world_size % value == 0:
+        if value in (1, world_size):
+            return value != 1  # 1 first, as FSDP2: a group of one rank keeps its parameters
+        return value
+    factors = [k for k in range(1, world_size + 1) if world_size % k == 0]
     raise ShardingError(
-        f"reshard_after_forward={value!r} must be True, False, None, or an int equal to 1 (as False) or to "
-        f"the shard group's size {world_size} (as True), as FSDP2 reads them (FSDP2's int, resharding to a "
-        "smaller world after forward, is not supported for other values). Fix: pass True to free the "
-        "gathered parameters after forward, False to keep them, None for FSDP2's default"
+        f"reshard_after_forward={value!r} must be True, False, None, or an int that divides the shard group's "
+        f"size {world_size} (1 <= k <= {world_size}: one of {factors}), as FSDP2 reads it: the number of ranks "
+        "the parameters are resharded to after forward (1 is False, the group's size is True). Fix: pass True "
+        "to free the gathered parameters after forward, False to keep them, None for FSDP2's default, or a "
+        f"factor of {world_size} (e.g. the ranks of one node) to keep them sharded over that many ranks until "
+        "backward"
     )
+
+
+def check_post_forward(name: str, reshard_after_forward: bool | int | None, buffer_sets: Sequence[object]) -> None:
+    """An int ``reshard_after_forward`` (a smaller world after forward) is refused for a group that
+    gathers quantized tiles (``quantized_gather=True``) or holds frozen quantized weights: those
+    buffer sets gather bytes of their own, not the float segments a kept run refills ([Note:
+    reshard to a smaller world] in core/_post_forward.py); refused rather than resharded otherwise."""
+    if isinstance(reshard_after_forward, bool) or not isinstance(reshard_after_forward, int):
+        return
+    for b in buffer_sets:
+        if isinstance(b, QuantizedGatherBuffers) or not isinstance(b, ParamBuffers):
+            what = "quantized_gather=True" if isinstance(b, QuantizedGatherBuffers) else "frozen quantized weights"
+            raise ShardingError(
+                f"fully_shard of {name}: reshard_after_forward={reshard_after_forward} (reshard to "
+                f"{reshard_after_forward} ranks after forward) is not supported for a group with {what} yet: "
+                "their buffers are gathered as quantized bytes, which the smaller world's kept run does not "
+                "hold. Fix: pass reshard_after_forward=True (gather over the whole shard group in backward) or "
+                "False for this group"
+            )
 
 
 def check_fsdp_arguments(offload_policy: object) -> None:

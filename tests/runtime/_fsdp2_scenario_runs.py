@@ -184,8 +184,9 @@ def _sum(m, x):
 
 # -- scenarios: each returns None (passed) or raises --------------------------------------------
 def reshard_after_forward_int(E, value: int) -> None:
-    """test_fully_shard_autograd's ``reshard_after_forward=2`` (the shard group's size: True) and
-    test_fully_shard_training's ``=1`` (False); the non-root group after forward shows which."""
+    """test_fully_shard_autograd's ``reshard_after_forward=2`` (at W = 2 the shard group's size:
+    True; at W = 4 a smaller world of 2 ranks) and test_fully_shard_training's ``=1`` (False); the
+    non-root group after forward shows whether it keeps its gathered parameters."""
     torch.manual_seed(42)
     model = DoubleLinear(use_second_linear=True)
     ref = copy.deepcopy(model)
@@ -507,13 +508,25 @@ SCENARIOS = {
 }
 
 
-def all_scenarios(rank: int, world: int) -> dict[str, dict[str, str]]:
-    """Every scenario with both engines: ``{scenario: {engine: "ok" | error}}``."""
-    assert world == W
+# W = 4, where an int reshard_after_forward other than 1 and W is FSDP2's smaller world after
+# forward (2: each rank keeps half of each parameter, backward gathers within 2 consecutive ranks)
+SCENARIOS_W4 = {
+    "reshard_after_forward=2 at W = 4": lambda E: reshard_after_forward_int(E, 2),
+    "reshard_after_forward=3 refused at W = 4": reshard_after_forward_bad_int,
+}
+
+
+def all_scenarios(rank: int, world: int, rows: str = "W2") -> dict[str, dict[str, str]]:
+    """Every scenario with both engines: ``{scenario: {engine: "ok" | error}}``; ``rows="W4"``:
+    those of :data:`SCENARIOS_W4` on 4 ranks."""
+    global W
+    W = world
+    scenarios = SCENARIOS_W4 if rows == "W4" else SCENARIOS
+    assert world == (4 if rows == "W4" else 2)
     out: dict[str, dict[str, str]] = {}
     for engine in ("fsdp2", "blockshard"):
         E = Engine(engine)
-        for name, fn in SCENARIOS.items():
+        for name, fn in scenarios.items():
             try:
                 fn(E)
                 result = "ok"

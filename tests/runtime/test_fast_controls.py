@@ -246,7 +246,7 @@ def test_controls_that_have_nothing_to_change_accept_fsdp2_s_arguments(gloo_w1):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"reshard_after_forward": 2}, "FSDP2's int, resharding to a smaller world"),
+        ({"reshard_after_forward": 2}, r"reshard_after_forward=2 must be .*a factor of 1"),
         # shard_placement_fn is accepted since FSDP2 parity (tests/runtime/test_fsdp2_init_scenarios.py);
         # what FSDP2 refuses still raises, naming the fix
         ({"shard_placement_fn": lambda p: Shard(1)}, r"Shard dim 1 is invalid for a 1D tensor\. Fix: return a dim"),

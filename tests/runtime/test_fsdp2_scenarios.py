@@ -37,6 +37,21 @@ def test_fsdp2_s_scenarios_pass_with_fsdp2_and_blockshard_alike():
     assert not failed, "\n".join(f"rank {r} {n!r} [{e}]: {o}" for (r, n, e), o in failed.items())
 
 
+def test_fsdp2_s_int_reshard_after_forward_at_w4_passes_with_fsdp2_and_blockshard_alike():
+    """At W = 4, ``reshard_after_forward=2`` is FSDP2's smaller world after forward (2 ranks), not
+    True or False; 3, no factor of 4, is refused by both."""
+    results = spawn_gloo(_fsdp2_scenario_runs.all_scenarios, 4, args=("W4",), timeout=240)
+    assert results[0].keys() == _fsdp2_scenario_runs.SCENARIOS_W4.keys()
+    failed = {
+        (rank, name, engine): outcome
+        for rank, rows in enumerate(results)
+        for name, row in rows.items()
+        for engine, outcome in row.items()
+        if outcome != "ok"
+    }
+    assert not failed, "\n".join(f"rank {r} {n!r} [{e}]: {o}" for (r, n, e), o in failed.items())
+
+
 def test_the_checkpoint_prefix_blockshard_drops_is_torch_s():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 

@@ -99,12 +99,17 @@ class BufferSet(abc.ABC):
         if self.tally is not None:
             self.tally.record(self.tally_index, kind)
 
-    def sent(self, kind: int, nbytes: int, predicted: int, dtype: torch.dtype, wire: str = "float") -> None:
+    def sent(
+        self, kind: int, nbytes: int, predicted: int, dtype: torch.dtype, wire: str = "float", ranks: int | None = None
+    ) -> None:
         """Record one collective of ``kind`` that moves ``nbytes`` where the plan predicts
-        ``predicted`` ([Note: traffic]); call it where the collective is issued."""
+        ``predicted`` ([Note: traffic]); call it where the collective is issued. ``ranks``: the
+        size of the process group it runs over, if not this buffer set's (the ``k``-group of
+        [Note: reshard to a smaller world] in _post_forward.py)."""
         step = 1 if self.tally is None else self.tally.steps + 1
         planned = self.gather_wire if kind == 0 else None
-        self.traffic.record(self.described, kind, nbytes, predicted, dtype, wire, step, planned)
+        over = self.world_size if ranks is None else ranks
+        self.traffic.record(self.described, kind, nbytes, predicted, dtype, wire, step, planned, ranks=over)
 
     @property
     def gather_wire(self) -> str:

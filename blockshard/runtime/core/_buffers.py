@@ -49,9 +49,10 @@ from blockshard.planner import GroupLayout
 from blockshard.planner._units import block_shape
 from blockshard.runtime.core._buffer_set import BufferSet, GroupControls
 from blockshard.runtime.core._collectives import all_gather_into, holds_copies, shift_ranks
-from blockshard.runtime.core._common import DeviceStreams, ShardedState, expect
+from blockshard.runtime.core._common import DeviceStreams, ShardedState, expect, in_backward
 from blockshard.runtime.core._grad_sync import GradientSync
 from blockshard.runtime.core._param import ShardedParam, tag_managed
+from blockshard.runtime.core._post_forward import PostForwardGroup, keep_run, run_slices
 
 if TYPE_CHECKING:
     from blockshard.runtime.core._owners import OwnerComputed
@@ -62,6 +63,11 @@ __all__ = ["ParamBuffers"]
 class ParamBuffers(BufferSet):
     """The buffers and collectives of a group's parameters of one dtype ([Note: buffers]); its
     gradients are reduced by ``grads`` (a :class:`GradientSync`) where ``trainable``."""
+
+    # an int reshard_after_forward: this rank's k-group, set by fully_shard, and the run kept
+    # between forward and backward ([Note: reshard to a smaller world] in _post_forward.py)
+    post_forward: PostForwardGroup | None = None
+    _run: torch.Tensor | None = None
 
     def __init__(
         self,
@@ -255,6 +261,11 @@ class ParamBuffers(BufferSet):
         if self._layout is None:
             self.sharded_state = ShardedState.UNSHARDED
             return
+        if self._run is not None:  # [Note: reshard to a smaller world]
+            if in_backward():
+                self._unshard_from_run(async_op)
+                return
+            self._run = None  # outside backward the shards may have changed: gather them
         layout, W = self._layout, self.world_size
         self.agree(f"the all-gather of group {self.described}", self.local.numel(), self.send.dtype)
         self._start_gather()
@@ -269,6 +280,37 @@ class ParamBuffers(BufferSet):
                 moved += gathered.numel() * gathered.element_size()
         self.sent(0, moved, layout.padded_numel * self.param_dtype.itemsize, self.send.dtype)  # [Note: traffic]
         self._issued(async_op)
+
+    def _unshard_from_run(self, async_op: bool) -> None:
+        """Backward's all-gather after a forward that kept a run: one all-gather per bucket over
+        the ``k``-group refills the gathered bucket in place ([Note: reshard to a smaller world])."""
+        pf, run, layout = self.post_forward, self._run, self._layout
+        assert pf is not None and run is not None and layout is not None
+        what = f"{self.gather_what} over its post-forward group of {pf.size} ranks"
+        self.agree(what, run.numel(), run.dtype)  # on the shard group: every rank issues its k-group's now
+        self._start_gather()
+        with self.streams.on("all_gather"):  # [Note: streams]
+            moved = 0
+            for full, part in run_slices(layout, pf):
+                gathered = self.gathered[full]
+                self._pending.append(all_gather_into(gathered, run[part], pf.group, async_op=True))
+                moved += gathered.numel() * gathered.element_size()
+        self.sent(0, moved, layout.padded_numel * self.param_dtype.itemsize, run.dtype, ranks=pf.size)
+        self._issued(async_op)
+
+    def reshard_after_forward(self) -> None:
+        """Post-forward under an int ``reshard_after_forward``: keep this member's run of the
+        gathered buffer, then reshard ([Note: reshard to a smaller world]); without a ``k``-group
+        (or nothing gathered), a plain :meth:`reshard`."""
+        if self.sharded_state is ShardedState.UNSHARDING:  # a prefetch nobody used
+            self.wait_unshard()
+        pf, layout = self.post_forward, self._layout
+        if pf is None or layout is None or self.sharded_state is not ShardedState.UNSHARDED:
+            self.reshard()
+            return
+        run = keep_run(self.gathered, layout, pf)
+        self.reshard()
+        self._run = run
 
     def _start_gather(self) -> None:
         """Allocate the gathered buffer for an all-gather about to be issued."""
@@ -292,6 +334,7 @@ class ParamBuffers(BufferSet):
     def _finish_unshard(self) -> None:
         if self._layout is not None:
             self.streams.current_waits("all_gather")
+        self._run = None  # gathered from, if kept ([Note: reshard to a smaller world])
         if self._version_guard is not None:
             self._version_guard.__exit__(None, None, None)  # the version before the all-gathers
             self._version_guard = None
@@ -302,6 +345,7 @@ class ParamBuffers(BufferSet):
 
     def reshard(self) -> None:
         """Free the gathered storage and give the module its local pieces back (-> SHARDED)."""
+        self._run = None  # a run kept after forward goes too ([Note: reshard to a smaller world])
         if self.sharded_state is ShardedState.UNSHARDING:  # a prefetch nobody used
             self.wait_unshard()
         if self.sharded_state is ShardedState.SHARDED:

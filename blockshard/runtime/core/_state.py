@@ -7,7 +7,8 @@ Forward, per sharded module in forward order (:class:`TrainingState` IDLE -> FOR
      previous step).
   2. post-forward: register a pre-backward hook on the outputs; reshard (free the gathered
      storage, swap back to sharded parameters) unless ``reshard_after_forward`` says to keep them
-     (``False``; ``None``, the default: the root keeps them) and a backward follows.
+     (``False``; ``None``, the default: the root keeps them) and a backward follows; an int keeps
+     this rank's run of a smaller world ([Note: reshard to a smaller world] in _post_forward.py).
 Backward, in reverse (IDLE -> PRE_BACKWARD -> POST_BACKWARD):
   3. pre-backward (first gradient reaching the module's outputs): all-gather again if resharded,
      prefetch the group before this one.
@@ -106,7 +107,7 @@ class ModuleState:
         module: nn.Module,
         buffers: ParamBuffers,
         *,
-        reshard_after_forward: bool | None,
+        reshard_after_forward: bool | int | None,
         param_dtype: torch.dtype | None = None,
         output_dtype: torch.dtype | None = None,
         cast_forward_inputs: bool = True,
@@ -124,7 +125,8 @@ class ModuleState:
         self.controls: GroupControls = buffers.controls  # FSDP2's controls, shared with the buffer sets
         self.modules: tuple[nn.Module, ...] = modules or (module,)
         self.method_depth = 0  # inside a register_forward_method method (generate): forwards nest in it
-        self.reshard_after_forward = reshard_after_forward  # None: True but for the root (FSDP2's default)
+        # None: True but for the root (FSDP2's default); an int k: True, to k ranks ([Note: reshard to a smaller world])
+        self.reshard_after_forward = reshard_after_forward
         # set_modules_to_forward_prefetch / _backward_prefetch: None = the recorded order's neighbour
         self.forward_prefetch: list[ModuleState] | None = None
         self.backward_prefetch: list[ModuleState] | None = None
@@ -304,7 +306,18 @@ class ModuleState:
         return [] if nb is None else [nb]
 
     def _reshards_after_forward(self) -> bool:
-        return not self.is_root if self.reshard_after_forward is None else self.reshard_after_forward
+        """``None``: all but the root; an int (a smaller world, [Note: reshard to a smaller world]): yes."""
+        return not self.is_root if self.reshard_after_forward is None else bool(self.reshard_after_forward)
+
+    def _reshard_after_forward(self) -> None:
+        """Reshard after a forward that a backward follows: to the ``k``-group's runs under an int
+        ``reshard_after_forward`` ([Note: reshard to a smaller world] in _post_forward.py), else fully."""
+        smaller = not isinstance(self.reshard_after_forward, bool) and isinstance(self.reshard_after_forward, int)
+        for g in self.buffer_sets:
+            if smaller and isinstance(g, ParamBuffers):
+                g.reshard_after_forward()
+            else:
+                g.reshard()
 
     def _reset_if_interrupted(self, ctx: RootContext) -> None:
         """A backward that raised midway leaves states behind: drop its partial gradients."""
@@ -332,8 +345,10 @@ class ModuleState:
         return output
 
     def _finish_forward(self) -> None:
-        if not self._backward_follows or self._reshards_after_forward():
+        if not self._backward_follows:
             self.reshard()
+        elif self._reshards_after_forward():
+            self._reshard_after_forward()
         self.training_state = TrainingState.IDLE
         self._end_pass()  # its backward's flags stay until the final callback
 

@@ -13,7 +13,10 @@ must agree: a collective that moves other bytes than its plan (a cast the policy
 a bucket the layout does not hold, a quantized gather that sends floats) is a
 :class:`~blockshard.runtime.TrafficMismatchError` under ``BLOCKSHARD_STRICT=1`` and a warning
 otherwise, once per buffer set. The counters are plain integers, always on (one dict update per
-collective); :func:`collective_counts` reads them.
+collective); :func:`collective_counts` reads them, a row per kind, wire format, dtype and size of the
+process group the calls ran over (the engine's buffer sets record it: their shard group's, or the
+``k``-group of an int ``reshard_after_forward``, whose all-gather still fills the whole gathered
+buffer and so moves the planned bytes; [Note: reshard to a smaller world] in _post_forward.py).
 
 The adapters count another engine's collectives into the same counters, hung on the module they
 count (:func:`tag_traffic`), against their own plan: the FSDP2 adapter's counting comms
@@ -82,6 +85,9 @@ class CollectiveCount:
     calls: int
     bytes: int  # summed over the calls: each call's full operand (see [Note: traffic])
     predicted_bytes: int  # the plan's figure for the same calls
+    # the size of the process group the calls ran over, where the counter records it (the engine's
+    # buffer sets do: W, or k for backward's all-gathers of an int reshard_after_forward); else None
+    ranks: int | None = None
 
     @property
     def agrees(self) -> bool:
@@ -99,7 +105,8 @@ class _Row:
 class Traffic:
     """One buffer set's counters: since it was built, and in the current step."""
 
-    rows: dict[tuple[str, str, str], _Row] = field(default_factory=dict)  # (kind, wire, dtype) -> totals
+    # (kind, wire, dtype, ranks) -> totals; ranks: the collective's group size where recorded, else None
+    rows: dict[tuple[str, str, str, int | None], _Row] = field(default_factory=dict)
     step_bytes: dict[str, int] = field(default_factory=dict)  # kind -> bytes this step
     step_predicted: dict[str, int] = field(default_factory=dict)
     warned: bool = False
@@ -121,15 +128,18 @@ class Traffic:
         wire: str,
         step: int,
         planned_wire: str | None = None,
+        *,
+        ranks: int | None = None,
     ) -> None:
         """Count one collective; ``planned_wire``: the wire format its plan gathers in (a quantized
         gather planned, floats sent: the plan predicts none of these bytes). ``predicted=None``:
         the plan predicts these calls together, not one by one (DeepSpeed's gradient buckets are
-        its own choice; their sum is the plan's): :meth:`settle` checks them."""
+        its own choice; their sum is the plan's): :meth:`settle` checks them. ``ranks``: the size of
+        the process group the call ran over (a row of its own per size)."""
         if planned_wire is not None and wire != planned_wire:
             predicted = 0
         name, dt = KINDS[kind], str(dtype).removeprefix("torch.")
-        row = self.rows.setdefault((name, wire, dt), _Row())
+        row = self.rows.setdefault((name, wire, dt, ranks), _Row())
         row.calls, row.nbytes = row.calls + 1, row.nbytes + nbytes
         self.step_bytes[name] = self.step_bytes.get(name, 0) + nbytes
         if predicted is None:
@@ -159,7 +169,7 @@ class Traffic:
         kind or dtype are a mismatch too: the plan predicts none of them."""
         name, dt = KINDS[kind], str(dtype).removeprefix("torch.")
         got = self.unsettled.pop((name, wire, dt), 0)
-        row = self.rows.setdefault((name, wire, dt), _Row())
+        row = self.rows.setdefault((name, wire, dt, None), _Row())
         row.predicted += predicted
         self.step_predicted[name] = self.step_predicted.get(name, 0) + predicted
         if got != predicted:
@@ -187,8 +197,8 @@ class Traffic:
 
     def counts(self, group: str, buffer_set: str) -> list[CollectiveCount]:
         return [
-            CollectiveCount(group, buffer_set, kind, wire, dt, r.calls, r.nbytes, r.predicted)
-            for (kind, wire, dt), r in self.rows.items()
+            CollectiveCount(group, buffer_set, kind, wire, dt, r.calls, r.nbytes, r.predicted, ranks)
+            for (kind, wire, dt, ranks), r in self.rows.items()
         ]
 
 
