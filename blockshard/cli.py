@@ -114,6 +114,13 @@ def _parser() -> argparse.ArgumentParser:
         help="muon (default: torch Muon on the whole hidden matrices each rank owns, AdamW on the rest) or adamw",
     )
     _add_accelerate_config(sub)
+    ds = sub.add_parser(
+        "deepspeed-to-dcp",
+        help="write a DeepSpeed ZeRO-1/2 checkpoint as a DCP checkpoint any engine resumes (set_state_dict)",
+    )
+    ds.add_argument("checkpoint", help="the directory engine.save_checkpoint wrote")
+    ds.add_argument("out", help="the DCP checkpoint directory to write")
+    ds.add_argument("--tag", help="the tag save_checkpoint used (default: the checkpoint's 'latest')")
     return parser
 
 
@@ -146,6 +153,18 @@ def _cmd_accelerate_config(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     print(
         f"launch: {'DS_ACCELERATOR=cpu ' if args.cpu and args.engine == 'deepspeed' else ''}accelerate launch --config_file {paths[0]} your_script.py"
+    )
+    return 0
+
+
+def _cmd_deepspeed_to_dcp(args: argparse.Namespace) -> int:
+    from blockshard.integrations.deepspeed import export_dcp  # type: ignore[import-not-found]  # see above
+
+    summary = export_dcp(args.checkpoint, args.out, tag=args.tag)
+    print(
+        f"wrote {summary.path}: {summary.parameters} parameters and their optimizer state "
+        f"({', '.join(summary.state_keys)}) from ZeRO-{summary.zero_stage} on {summary.world_size} ranks"
+        f"{' (blockshard hook)' if summary.hooked else ''}; load with dcp.load + set_state_dict"
     )
     return 0
 
@@ -351,7 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = _cmd_list(args)
         else:
             commands = {"plan": _cmd_plan, "inspect": _cmd_inspect, "report": _cmd_report, "demo": _cmd_demo}
-            code = {**commands, "accelerate-config": _cmd_accelerate_config}[args.command](args)
+            extra = {"accelerate-config": _cmd_accelerate_config, "deepspeed-to-dcp": _cmd_deepspeed_to_dcp}
+            code = {**commands, **extra}[args.command](args)
         sys.stdout.flush()  # a write that fails fails here, not at exit
         return code
     except BlockshardError as exc:  # bad input: one clear line, exit 2 (like argparse)

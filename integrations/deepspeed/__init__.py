@@ -50,6 +50,7 @@ from ._config import (
     load_config,
     parse_section,
 )
+from ._export import ExportSummary, export_dcp, read_deepspeed_checkpoint
 from ._hook import LAYOUT_KEY, ZERO3_REFUSAL, hooked_classes
 
 if TYPE_CHECKING:  # DeepSpeed ships no type information: its classes are Any to mypy
@@ -64,8 +65,10 @@ __all__ = [
     "TESTED_DEEPSPEED_VERSIONS",
     "ZERO3_REFUSAL",
     "DeepSpeedHookError",
+    "ExportSummary",
     "HookConfig",
     "check_deepspeed_version",
+    "export_dcp",
     "initialize",
     "install",
     "installed",
@@ -73,6 +76,7 @@ __all__ = [
     "is_installed",
     "layout_report",
     "parse_section",
+    "read_deepspeed_checkpoint",
     "uninstall",
 ]
 

@@ -1,0 +1,268 @@
+"""A DeepSpeed ZeRO-1/2 checkpoint as a DCP checkpoint of torch's ``get_state_dict`` layout.
+
+[Note: DeepSpeed to DCP]
+``engine.save_checkpoint(dir)`` at ZeRO-1/2 writes, under ``dir/<tag>/``, the module's state dict
+(``mp_rank_00_model_states.pt``: every parameter whole, in the compute dtype) and one file per
+data-parallel rank (``zero_pp_rank_<r>_mp_rank_00_optim_states.pt``): that rank's fp32 partition of
+each ``param_group``'s flat buffer and its inner optimizer's ``state_dict()``. :func:`export_dcp`
+reads them in one process and writes what torch's ``get_state_dict(model, optimizer)`` gives for the
+same model, as ``{"model": ..., "optim": ...}``: the parameters by name (the fp32 masters where
+DeepSpeed keeps them, so a bf16 run continues from its masters), the optimizer state by parameter
+name, its ``param_groups`` by names. Any engine that loads a DCP checkpoint with ``dcp.load`` +
+``set_state_dict`` (``blockshard.fully_shard``, stock FSDP2, one process) resumes from it at any
+world size.
+
+Where each parameter's values are:
+  * stock DeepSpeed: the flat buffer is the ranks' partitions one after the other, and each
+    rank's ``param_slice_mappings`` names the run of its partition each parameter holds; a
+    parameter is its runs in rank order. The inner optimizer's state is one flat tensor per group,
+    cut the same way;
+  * with blockshard's hook ([Note: the hook] in _hook.py): the checkpoint's ``blockshard_layout``
+    gives each parameter's start in the flat buffer and the segment per rank; the inner optimizer
+    holds one view per (parameter, rank) piece, in the layout's order, so its state is per piece.
+Only element-wise state converts this way (tensors with one value per element: AdamW's moments,
+SGD's momentum; scalars such as ``step``): anything else (bitsandbytes' 8-bit blocks, Muon's whole
+matrices on one owner) raises :class:`~blockshard.runtime.CheckpointError` naming the parameter and
+the key. A checkpoint with tensor or pipeline parallelism, ZeRO-3, or files missing raises too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blockshard._errors import CheckpointError
+
+from ._hook import LAYOUT_KEY
+
+__all__ = ["ExportSummary", "export_dcp", "read_deepspeed_checkpoint"]
+
+_OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_MODEL_FILE = "mp_rank_00_model_states.pt"
+
+
+@dataclass(frozen=True)
+class ExportSummary:
+    """What :func:`export_dcp` wrote (``path``: the DCP directory; :func:`read_deepspeed_checkpoint`:
+    the DeepSpeed tag directory read)."""
+
+    path: str
+    world_size: int  # the data-parallel ranks that saved the checkpoint
+    zero_stage: int
+    hooked: bool  # saved with blockshard's hook
+    parameters: int
+    state_keys: tuple[str, ...]  # the optimizer's per-parameter state keys
+
+
+def _error(where: Path, what: str, fix: str) -> CheckpointError:
+    return CheckpointError(f"DeepSpeed checkpoint {where}: {what}. Fix: {fix}")
+
+
+def _tag_dir(checkpoint_dir: Path, tag: str | None) -> Path:
+    if tag is None:
+        latest = checkpoint_dir / "latest"
+        if not latest.is_file():
+            raise _error(checkpoint_dir, "no tag given and no 'latest' file", "pass tag=<the tag save_checkpoint used>")
+        tag = latest.read_text().strip()
+    where = checkpoint_dir / tag
+    if not (where / _MODEL_FILE).is_file():
+        raise _error(where, f"{_MODEL_FILE} is missing", "pass the directory and tag engine.save_checkpoint wrote")
+    return where
+
+
+def _load(path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed pickles its enums
+    return out
+
+
+def read_deepspeed_checkpoint(
+    checkpoint_dir: str | os.PathLike[str], tag: str | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], ExportSummary]:
+    """The model state (parameters by name, buffers) and the optimizer state of a ZeRO-1/2
+    checkpoint in torch's ``get_state_dict`` layout ([Note: DeepSpeed to DCP]), and what it found."""
+    where = _tag_dir(Path(checkpoint_dir), tag)
+    model_states = _load(where / _MODEL_FILE)
+    if model_states.get("mp_world_size", 1) != 1:
+        raise _error(
+            where,
+            f"saved with tensor / pipeline parallelism (mp_world_size={model_states.get('mp_world_size')})",
+            "export a checkpoint of data parallelism only (ZeRO-1/2 over every rank)",
+        )
+    files = sorted(
+        ((int(m.group(1)), where / f) for f in os.listdir(where) if (m := _OPTIM_FILE.match(f))), key=lambda t: t[0]
+    )
+    if not files or [r for r, _ in files] != list(range(len(files))):
+        raise _error(
+            where,
+            f"optimizer files of ranks {[r for r, _ in files]} (expected 0..W-1)",
+            "copy every rank's zero_pp_rank_*_optim_states.pt",
+        )
+    ranks = [_load(f)["optimizer_state_dict"] for _, f in files]
+    W = len(ranks)
+    stage = int(getattr(ranks[0].get("zero_stage"), "value", ranks[0].get("zero_stage", 0)))
+    if stage not in (1, 2):
+        raise _error(
+            where, f"zero_stage {stage}", "export a ZeRO-1 or ZeRO-2 checkpoint (ZeRO-3 is not supported here)"
+        )
+    hooked = LAYOUT_KEY in ranks[0]
+    names_per_group: list[list[str]] = [list(g) for g in model_states["param_shapes"]]
+    shapes = {n: torch.Size(s) for g in model_states["param_shapes"] for n, s in g.items()}
+    if hooked:
+        params, state, groups = _hooked(where, ranks, names_per_group, shapes)
+    else:
+        params, state, groups = _stock(where, ranks, names_per_group, shapes)
+    model_sd: dict[str, torch.Tensor] = {}
+    for name, value in model_states["module"].items():
+        model_sd[name] = params.get(name, value)
+    for alias, target in (model_states.get("shared_params") or {}).items():  # tied weights: one tensor
+        if target in model_sd:
+            model_sd[alias] = model_sd[target]
+    optim_sd = {"state": state, "param_groups": groups}
+    keys = tuple(sorted({k for s in state.values() for k in s}))
+    summary = ExportSummary(str(where), W, stage, hooked, len(params), keys)
+    return model_sd, optim_sd, summary
+
+
+def _state_of(where: Path, rank: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    base = rank["base_optimizer_state"]
+    if not isinstance(base, dict) or "state" not in base or "param_groups" not in base:
+        raise _error(
+            where, "the inner optimizer's state is not a torch optimizer state_dict", "save with a torch optimizer"
+        )
+    return base["state"], base["param_groups"]
+
+
+def _group_settings(group: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"} | {"params": list(names)}
+
+
+def _elementwise(where: Path, name: str, key: str, value: object, numel: int) -> bool:
+    """True for a tensor with one value per element of the run, False for a scalar; else raise."""
+    if isinstance(value, (bool, int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        return False
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() == numel:
+        return True
+    what = (
+        f"is {value.dtype} with {value.numel()} values for a run of {numel} elements"
+        if isinstance(value, torch.Tensor)
+        else f"is a {type(value).__name__}"
+    )
+    raise _error(
+        where,
+        f"optimizer state {key!r} of parameter {name!r} {what} (not element-wise float state: 8-bit blocks, "
+        "a whole-matrix optimizer's state on its owner)",
+        "export only element-wise optimizer state (AdamW, SGD, Adam); for 8-bit or whole-matrix state, move "
+        "with DeepSpeed's own checkpoints at the same world size",
+    )
+
+
+def _assemble(runs: list[tuple[int, torch.Tensor]], numel: int) -> torch.Tensor:
+    """A parameter's flat values from its (offset, values) runs."""
+    out = torch.empty(numel, dtype=runs[0][1].dtype)
+    covered = 0
+    for off, values in runs:
+        out[off : off + values.numel()] = values.reshape(-1)
+        covered += values.numel()
+    if covered != numel:
+        raise AssertionError(f"runs cover {covered} of {numel} elements")
+    return out
+
+
+def _collect(
+    where: Path, pieces: Iterator[tuple[str, int, int, torch.Tensor, dict[str, Any]]], shapes: dict[str, torch.Size]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """Parameters and element-wise state from ``(name, offset, numel, fp32 run, state of the run)``."""
+    runs: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    state_runs: dict[str, dict[str, list[tuple[int, torch.Tensor]]]] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for name, off, numel, values, st in pieces:
+        runs.setdefault(name, []).append((off, values))
+        for key, value in st.items():
+            if _elementwise(where, name, key, value, numel):
+                state_runs.setdefault(name, {}).setdefault(key, []).append((off, value))
+            else:
+                scalars.setdefault(name, {})[key] = value
+    params = {n: _assemble(r, shapes[n].numel()).view(shapes[n]) for n, r in runs.items()}
+    state: dict[str, dict[str, Any]] = {}
+    for name in params:
+        entry = dict(scalars.get(name, {}))
+        for key, key_runs in state_runs.get(name, {}).items():
+            entry[key] = _assemble(key_runs, shapes[name].numel()).view(shapes[name])
+        if entry:
+            state[name] = entry
+    return params, state
+
+
+def _stock(
+    where: Path, ranks: list[dict[str, Any]], names: list[list[str]], shapes: dict[str, torch.Size]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Stock ZeRO-1/2: flat partitions cut by each rank's ``param_slice_mappings``."""
+
+    def pieces() -> Iterator[tuple[str, int, int, torch.Tensor, dict[str, Any]]]:
+        done: dict[str, int] = {}
+        for rank in ranks:
+            mappings = rank.get("param_slice_mappings")
+            if mappings is None:
+                raise _error(where, "no param_slice_mappings (DeepSpeed older than 0.9)", "save with DeepSpeed >= 0.9")
+            state, _ = _state_of(where, rank)
+            for i, (fp32, mapping) in enumerate(zip(rank["single_partition_of_fp32_groups"], mappings, strict=True)):
+                group_state = state.get(i, {})
+                for name, frag in mapping.items():  # rank order, partition order: a parameter's runs in order
+                    lo, n = frag.start, frag.numel
+                    st = {
+                        k: (v.reshape(-1)[lo : lo + n] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                        for k, v in group_state.items()
+                    }
+                    yield name, done.get(name, 0), n, fp32[lo : lo + n], st
+                    done[name] = done.get(name, 0) + n
+
+    params, state = _collect(where, pieces(), shapes)
+    _, groups = _state_of(where, ranks[0])
+    return params, state, [_group_settings(g, names[i]) for i, g in enumerate(groups)]
+
+
+def _hooked(
+    where: Path, ranks: list[dict[str, Any]], names: list[list[str]], shapes: dict[str, torch.Size]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """blockshard's hook: per-piece views laid out by the checkpoint's ``blockshard_layout``."""
+    layouts = ranks[0][LAYOUT_KEY]["layout"]
+
+    def pieces() -> Iterator[tuple[str, int, int, torch.Tensor, dict[str, Any]]]:
+        for r, rank in enumerate(ranks):
+            if rank[LAYOUT_KEY]["layout"] != layouts:
+                raise _error(where, f"rank {r} saved another layout than rank 0", "export one run's checkpoint")
+            state, groups = _state_of(where, rank)
+            for i, (fp32, layout) in enumerate(zip(rank["single_partition_of_fp32_groups"], layouts, strict=True)):
+                seg = layout["segment"]
+                keys = iter(groups[i]["params"])
+                for name, start, numel in zip(layout["names"], layout["starts"], layout["numels"], strict=True):
+                    lo, hi = max(start, r * seg), min(start + numel, (r + 1) * seg)
+                    if hi <= lo:
+                        continue
+                    st = state.get(next(keys), {})  # the views are the pieces in layout order
+                    yield name, lo - start, hi - lo, fp32[lo - r * seg : hi - r * seg], st
+
+    params, state = _collect(where, pieces(), shapes)
+    _, groups = _state_of(where, ranks[0])
+    return params, state, [_group_settings(g, names[i]) for i, g in enumerate(groups)]
+
+
+def export_dcp(
+    checkpoint_dir: str | os.PathLike[str], out: str | os.PathLike[str], *, tag: str | None = None
+) -> ExportSummary:
+    """Write the ZeRO-1/2 checkpoint ``checkpoint_dir`` (``tag``, default: its ``latest``) as a DCP
+    checkpoint at ``out`` holding ``{"model": ..., "optim": ...}`` in torch's ``get_state_dict``
+    layout ([Note: DeepSpeed to DCP]); one process, no process group. Load it with
+    ``dcp.load({"model": msd, "optim": osd}, checkpoint_id=out)`` then ``set_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+
+    model_sd, optim_sd, summary = read_deepspeed_checkpoint(checkpoint_dir, tag)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.fspath(out), no_dist=True)
+    return dataclasses.replace(summary, path=os.fspath(out))

@@ -1,0 +1,82 @@
+"""DeepSpeed ZeRO-1/2 checkpoints exported to DCP ([Note: DeepSpeed to DCP] in
+integrations/deepspeed/_export.py) and resumed by ``blockshard.fully_shard``, for
+test_deepspeed_export.py (top-level functions for spawned ranks; every rank the whole batch)."""
+
+from __future__ import annotations
+
+import _ds_runs as R
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+import blockshard
+
+BEFORE, STEPS = 2, 4
+
+
+def _resume(out: str, *, optimizer_state: bool = True) -> list[torch.Tensor]:
+    """blockshard at this world size loads the DCP checkpoint and trains the remaining steps."""
+    model = R.make_model("adamw")
+    for m in (model.fc1, model.fc2, model.fc3):
+        blockshard.fully_shard(m)
+    blockshard.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=R.LR["adamw"])
+    msd, osd = get_state_dict(model, opt)
+    if optimizer_state:
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=out)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    else:  # the control: the parameters only, a fresh AdamW
+        sd = {"model": msd}
+        dcp.load(sd, checkpoint_id=out)
+        set_model_state_dict(model, sd["model"])
+        opt = torch.optim.AdamW(model.parameters(), lr=R.LR["adamw"])
+    for x, y in R.batches(STEPS)[BEFORE:]:
+        R._loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    full = blockshard.full_state_dict(model)
+    return [full[n].clone() for n, _ in model.named_parameters()]
+
+
+def export_case(rank: int, world: int, stage: int, hooked: bool, ckpt: str, out: str) -> dict:
+    """DeepSpeed (stock or with blockshard's hook) trains ``BEFORE`` steps and saves; rank 0 exports
+    to DCP; blockshard at this world size resumes and trains the rest. Rank 0 also returns one
+    process's ``STEPS`` steps."""
+    from blockshard.integrations.deepspeed import export_dcp
+
+    R.setup_env(rank, world)
+    _, engine = R._engine(stage, "adamw", hooked, extra={"gradient_clipping": 0})
+    R._train(engine, R.batches(STEPS)[:BEFORE], rank, world, False)
+    engine.save_checkpoint(ckpt, tag="t")
+    dist.barrier()
+    summary = export_dcp(ckpt, out, tag="t") if rank == 0 else None
+    dist.barrier()
+    result = {"resumed": _resume(out), "model_only": _resume(out, optimizer_state=False)}
+    if rank == 0:
+        result["summary"] = summary
+        result["reference"] = R.reference("adamw", steps=STEPS)
+    return result
+
+
+def refused_case(rank: int, world: int, ckpt: str, out: str) -> str:
+    """bitsandbytes AdamW8bit under the hook: its 8-bit state is not element-wise: refused by name."""
+    from blockshard.integrations.deepspeed import export_dcp
+    from blockshard.runtime import CheckpointError
+
+    R.setup_env(rank, world)
+    _, engine = R._engine(2, "bnb", True)
+    R._train(engine, R.batches(1), rank, world, False)
+    engine.save_checkpoint(ckpt, tag="t")
+    dist.barrier()
+    message = ""
+    if rank == 0:
+        try:
+            summary = export_dcp(ckpt, out, tag="t")
+        except CheckpointError as e:
+            message = str(e)
+        else:
+            message = f"exported {summary}"
+    dist.barrier()
+    return message
