@@ -50,7 +50,7 @@ from ._config import (
     load_config,
     parse_section,
 )
-from ._export import ExportSummary, export_dcp, read_deepspeed_checkpoint
+from ._dcp import ExportSummary, export_dcp, import_dcp, read_deepspeed_checkpoint
 from ._hook import LAYOUT_KEY, ZERO3_REFUSAL, hooked_classes
 
 if TYPE_CHECKING:  # DeepSpeed ships no type information: its classes are Any to mypy
@@ -69,6 +69,7 @@ __all__ = [
     "HookConfig",
     "check_deepspeed_version",
     "export_dcp",
+    "import_dcp",
     "initialize",
     "install",
     "installed",

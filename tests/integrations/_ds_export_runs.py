@@ -1,6 +1,7 @@
-"""DeepSpeed ZeRO-1/2 checkpoints exported to DCP ([Note: DeepSpeed to DCP] in
-integrations/deepspeed/_export.py) and resumed by ``blockshard.fully_shard``, for
-test_deepspeed_export.py (top-level functions for spawned ranks; every rank the whole batch)."""
+"""DeepSpeed ZeRO-1/2 checkpoints exported to DCP and resumed by ``blockshard.fully_shard``, and DCP
+checkpoints of ``blockshard.fully_shard`` imported into DeepSpeed engines ([Note: DeepSpeed to
+DCP], [Note: DCP into DeepSpeed] in integrations/deepspeed/_dcp.py), for test_deepspeed_export.py
+(top-level functions for spawned ranks; every rank the whole batch)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,17 @@ import blockshard
 BEFORE, STEPS = 2, 4
 
 
-def _resume(out: str, *, optimizer_state: bool = True) -> list[torch.Tensor]:
-    """blockshard at this world size loads the DCP checkpoint and trains the remaining steps."""
+def _sharded() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = R.make_model("adamw")
     for m in (model.fc1, model.fc2, model.fc3):
         blockshard.fully_shard(m)
     blockshard.fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=R.LR["adamw"])
+    return model, torch.optim.AdamW(model.parameters(), lr=R.LR["adamw"])
+
+
+def _resume(out: str, *, optimizer_state: bool = True) -> list[torch.Tensor]:
+    """blockshard at this world size loads the DCP checkpoint and trains the remaining steps."""
+    model, opt = _sharded()
     msd, osd = get_state_dict(model, opt)
     if optimizer_state:
         sd = {"model": msd, "optim": osd}
@@ -80,3 +85,28 @@ def refused_case(rank: int, world: int, ckpt: str, out: str) -> str:
             message = f"exported {summary}"
     dist.barrier()
     return message
+
+
+def import_case(rank: int, world: int, stage: int, hooked: bool, out: str) -> dict:
+    """blockshard trains ``BEFORE`` steps and saves DCP (torch's ``get_state_dict`` layout); a DeepSpeed
+    engine (stock or hooked) imports it and trains the rest; the control imports the model only."""
+    from blockshard.integrations.deepspeed import import_dcp
+
+    R.setup_env(rank, world)
+    model, opt = _sharded()
+    for x, y in R.batches(STEPS)[:BEFORE]:
+        R._loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+    dist.barrier()
+    result: dict = {}
+    for optimizer_state in (True, False):
+        ds_model, engine = R._engine(stage, "adamw", hooked, extra={"gradient_clipping": 0})
+        import_dcp(engine, out, optimizer_state=optimizer_state)
+        R._train(engine, R.batches(STEPS)[BEFORE:], rank, world, False)
+        result["resumed" if optimizer_state else "model_only"] = R._params(ds_model)
+    if rank == 0:
+        result["reference"] = R.reference("adamw", steps=STEPS)
+    return result

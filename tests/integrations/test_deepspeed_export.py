@@ -1,9 +1,10 @@
 """A DeepSpeed ZeRO-1/2 checkpoint moves to DCP (``blockshard.integrations.deepspeed.export_dcp``,
-[Note: DeepSpeed to DCP]) and ``blockshard.fully_shard`` resumes it: real DeepSpeed engines on 2
-spawned gloo ranks (``DS_ACCELERATOR=cpu``, ``"gradient_clipping": 0``), stock and with
-blockshard's hook, AdamW. Two steps in DeepSpeed, the export, two steps in blockshard equal four
-steps of one process bitwise. Control: resuming the model without the exported optimizer state
-differs."""
+[Note: DeepSpeed to DCP]) and ``blockshard.fully_shard`` resumes it, and a DCP checkpoint of
+``blockshard.fully_shard`` moves into a DeepSpeed engine (``import_dcp``, [Note: DCP into
+DeepSpeed]): real DeepSpeed engines on 2 spawned gloo ranks (``DS_ACCELERATOR=cpu``,
+``"gradient_clipping": 0``), stock and with blockshard's hook, AdamW. Two steps in one engine, the
+move, two steps in the other equal four steps of one process bitwise. Control: resuming the
+parameters without the optimizer state differs."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def test_a_zero_checkpoint_exported_to_dcp_resumes_in_blockshard_bitwise(tmp_pat
     for r in results:
         assert all(torch.equal(a, b) for a, b in zip(r["resumed"], reference, strict=True))
         # control: the moments are what makes the resume exact
+        assert not all(torch.equal(a, b) for a, b in zip(r["model_only"], reference, strict=True))
+
+
+@pytest.mark.parametrize(("stage", "hooked"), [(2, False), (1, False), (2, True)])
+def test_a_blockshard_dcp_checkpoint_imported_into_deepspeed_resumes_bitwise(tmp_path, stage, hooked):
+    results = spawn_gloo(_ds_export_runs.import_case, 2, args=(stage, hooked, str(tmp_path / "dcp")), timeout=300)
+    reference = results[0]["reference"]
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], reference, strict=True))
         assert not all(torch.equal(a, b) for a, b in zip(r["model_only"], reference, strict=True))
 
 

@@ -1,4 +1,4 @@
-"""A DeepSpeed ZeRO-1/2 checkpoint as a DCP checkpoint of torch's ``get_state_dict`` layout.
+"""DeepSpeed ZeRO-1/2 checkpoints to and from DCP checkpoints of torch's ``get_state_dict`` layout.
 
 [Note: DeepSpeed to DCP]
 ``engine.save_checkpoint(dir)`` at ZeRO-1/2 writes, under ``dir/<tag>/``, the module's state dict
@@ -24,6 +24,17 @@ Only element-wise state converts this way (tensors with one value per element: A
 SGD's momentum; scalars such as ``step``): anything else (bitsandbytes' 8-bit blocks, Muon's whole
 matrices on one owner) raises :class:`~blockshard.runtime.CheckpointError` naming the parameter and
 the key. A checkpoint with tensor or pipeline parallelism, ZeRO-3, or files missing raises too.
+
+[Note: DCP into DeepSpeed]
+:func:`import_dcp` goes the other way, into a live ZeRO-1/2 engine (stock or hooked, any W): every
+rank reads the whole checkpoint (ZeRO-1/2 keeps every parameter whole on every rank anyway),
+copies the parameters into the module, and cuts the fp32 masters and the optimizer state into its
+own partition: parameter ``j`` of ``param_group`` ``i`` starts at ``round_robin_bit16_offsets[i][j]``
+of the group's flat buffer (the hook sets these to its layout's starts), rank ``r`` holds
+``[r * P, (r + 1) * P)`` with ``P = partition_size[i]``. The inner optimizer's state is set per
+tensor it steps: the one flat partition (stock; a scalar such as ``step`` must then agree across
+the group's parameters) or each parameter piece's view (the hook). Its hyperparameters stay the
+engine's (DeepSpeed sets them from its config and scheduler).
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ from blockshard._errors import CheckpointError
 
 from ._hook import LAYOUT_KEY
 
-__all__ = ["ExportSummary", "export_dcp", "read_deepspeed_checkpoint"]
+__all__ = ["ExportSummary", "export_dcp", "import_dcp", "read_deepspeed_checkpoint"]
 
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -266,3 +277,117 @@ def export_dcp(
     model_sd, optim_sd, summary = read_deepspeed_checkpoint(checkpoint_dir, tag)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.fspath(out), no_dist=True)
     return dataclasses.replace(summary, path=os.fspath(out))
+
+
+def _template(path: str, names: list[str]) -> dict[str, Any]:
+    """Empty tensors for every ``model.*`` and ``optim.state.*`` entry of the checkpoint at ``path``
+    (its metadata's sizes and dtypes), for ``dcp.load`` to fill."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = FileSystemReader(path).read_metadata().state_dict_metadata
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, meta in entries.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        empty = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        if key.startswith("model."):
+            model[key.removeprefix("model.")] = empty
+        elif key.startswith("optim.state."):
+            rest = key.removeprefix("optim.state.")
+            name = max((n for n in names if rest.startswith(n + ".")), key=len, default=None)
+            if name is not None:
+                state.setdefault(name, {})[rest.removeprefix(name + ".")] = empty
+    return {"model": model, "optim": {"state": state}}
+
+
+def import_dcp(engine: Any, checkpoint: str | os.PathLike[str], *, optimizer_state: bool = True) -> None:
+    """Load a DCP checkpoint in torch's ``get_state_dict`` layout (``{"model": ..., "optim": ...}``,
+    as :func:`export_dcp`, ``blockshard.fully_shard`` or stock FSDP2 write it) into the ZeRO-1/2
+    ``engine`` ([Note: DCP into DeepSpeed]): the module's parameters and buffers, the fp32 masters
+    and, with ``optimizer_state``, the inner optimizer's element-wise state. Every rank calls it,
+    between steps."""
+    import torch.distributed.checkpoint as dcp
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    path, where = os.fspath(checkpoint), Path(checkpoint)
+    opt = getattr(engine, "optimizer", None)
+    if not isinstance(opt, DeepSpeedZeroOptimizer):
+        raise _error(
+            where,
+            f"the engine's optimizer is a {type(opt).__name__}, not ZeRO-1/2's DeepSpeedZeroOptimizer",
+            "import into a ZeRO-1 or ZeRO-2 engine (ZeRO-3 and BF16_Optimizer are not supported here)",
+        )
+    module = engine.module
+    names = [n for n, _ in module.named_parameters()]
+    sd = _template(path, names)
+    wanted = dict(module.state_dict())
+    missing = sorted(set(wanted) - set(sd["model"]))
+    if missing:
+        raise _error(where, f"no values for {missing[:4]}", "import a checkpoint of this model (model.* keys)")
+    sd["model"] = {k: v for k, v in sd["model"].items() if k in wanted}
+    dcp.load(sd, checkpoint_id=path, no_dist=True)
+    full, state = sd["model"], sd["optim"]["state"]
+    with torch.no_grad():
+        for name, value in wanted.items():
+            value.copy_(full[name])  # the module's own tensors (DeepSpeed's bit16 views among them)
+        inner = opt.optimizer
+        rank = torch.distributed.get_rank(group=opt.dp_process_group)
+        for i, (params, offsets) in enumerate(
+            zip(opt.round_robin_bit16_groups, opt.round_robin_bit16_offsets, strict=True)
+        ):
+            P, part = int(opt.partition_size[i]), opt.single_partition_of_fp32_groups[i]
+            lo_rank, runs = rank * P, []
+            for p, off in zip(params, offsets, strict=True):
+                name = opt.param_names[p]
+                lo, hi = max(off, lo_rank), min(off + p.numel(), lo_rank + P)
+                if hi > lo:
+                    runs.append((name, lo - off, lo - lo_rank, hi - lo))
+                    part[lo - lo_rank : hi - lo_rank] = full[name].reshape(-1)[lo - off : hi - off]
+            if optimizer_state:
+                _set_state(where, opt, inner, i, runs, state, part)
+
+
+def _set_state(
+    where: Path,
+    opt: Any,
+    inner: torch.optim.Optimizer,
+    i: int,
+    runs: list[tuple[str, int, int, int]],
+    state: dict[str, dict[str, torch.Tensor]],
+    part: torch.Tensor,
+) -> None:
+    """The inner optimizer's state of ``param_group`` ``i`` from the whole tensors ``state``."""
+    groups = getattr(opt, "_bs_groups", None)
+    if groups is not None:  # the hook: one view per piece, in the layout's order
+        views = groups[i].views
+        if len(views) != len(runs):
+            raise AssertionError(f"{len(views)} views for {len(runs)} pieces")
+        for v, (name, p_off, _part_off, n) in zip(views, runs, strict=True):
+            piece = {}
+            for key, value in state.get(name, {}).items():
+                if value.dim() == 0:
+                    piece[key] = value.clone()
+                else:
+                    piece[key] = value.reshape(-1)[p_off : p_off + n].clone().view(v.tensor.shape)
+            if piece:
+                inner.state[v.tensor] = piece
+        return
+    entry: dict[str, torch.Tensor] = {}  # stock: the one flat partition
+    for name, p_off, part_off, n in runs:
+        for key, value in state.get(name, {}).items():
+            if value.dim() == 0:
+                if key in entry and not torch.equal(entry[key], value):
+                    raise _error(
+                        where,
+                        f"optimizer state {key!r} differs between parameters of param_group {i} "
+                        f"({name!r}: {value.item()}, another: {entry[key].item()}), and stock ZeRO keeps one per group",
+                        "import with blockshard's hook (state per parameter), or a checkpoint whose parameters stepped together",
+                    )
+                entry[key] = value.clone()
+            else:
+                flat = entry.setdefault(key, torch.zeros_like(part))
+                flat[part_off : part_off + n] = value.reshape(-1)[p_off : p_off + n]
+    if entry:
+        inner.state[inner.param_groups[i]["params"][0]] = entry
