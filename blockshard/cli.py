@@ -1,4 +1,5 @@
-"""``blockshard`` command line: ``plan``, ``inspect``, ``report``, ``demo`` and ``accelerate-config``."""
+"""``blockshard`` command line: ``plan``, ``inspect``, ``report``, ``demo``, ``accelerate-config`` and
+``deepspeed-to-dcp``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from blockshard._errors import BlockshardError
@@ -84,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", metavar="FILE.png", help="draw per-rank loads to this file")
     plan.add_argument("--layouts", action="store_true", help="with --json: include every group's layout")
     inspect = sub.add_parser(
-        "inspect", help="show one group's layout, what one rank holds, or what a DCP checkpoint directory holds"
+        "inspect",
+        help="show one group's layout, what one rank holds, or what a checkpoint directory holds (DCP or DeepSpeed ZeRO-1/2)",
     )
     inspect.add_argument(
         "checkpoint", nargs="?", help="a checkpoint directory written by dcp.save(model.state_dict(), ...)"
@@ -296,13 +299,23 @@ def _cmd_inspect_checkpoint(args: argparse.Namespace) -> int:
     from blockshard._render import checkpoint_table, console
     from blockshard.runtime import describe_checkpoint
 
-    info = describe_checkpoint(args.checkpoint)
+    if _is_deepspeed(args.checkpoint):  # what engine.save_checkpoint wrote (ZeRO-1/2)
+        from blockshard.integrations.deepspeed._dcp import describe_deepspeed_checkpoint  # type: ignore[import-not-found]
+
+        info = describe_deepspeed_checkpoint(args.checkpoint)
+    else:
+        info = describe_checkpoint(args.checkpoint)
     if args.json:
         json.dump(info, sys.stdout, indent=2)
         print()
     else:
         console().print(checkpoint_table(info))
     return 0 if info["complete"] else 1
+
+
+def _is_deepspeed(path: str) -> bool:
+    p = Path(path)
+    return (p / "latest").is_file() or (p / "mp_rank_00_model_states.pt").is_file()
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -53,7 +53,7 @@ from blockshard._errors import CheckpointError
 
 from ._hook import LAYOUT_KEY
 
-__all__ = ["ExportSummary", "export_dcp", "import_dcp", "read_deepspeed_checkpoint"]
+__all__ = ["ExportSummary", "describe_deepspeed_checkpoint", "export_dcp", "import_dcp", "read_deepspeed_checkpoint"]
 
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -139,6 +139,63 @@ def read_deepspeed_checkpoint(
     keys = tuple(sorted({k for s in state.values() for k in s}))
     summary = ExportSummary(str(where), W, stage, hooked, len(params), keys)
     return model_sd, optim_sd, summary
+
+
+def _tensors(prefix: str, value: object) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensors(f"{prefix}.{k}" if prefix else str(k), v)
+    elif isinstance(value, (list, tuple)):
+        for k, v in enumerate(value):
+            yield from _tensors(f"{prefix}.{k}", v)
+
+
+def describe_deepspeed_checkpoint(path: str | os.PathLike[str], tag: str | None = None) -> dict[str, Any]:
+    """What a ZeRO-1/2 checkpoint holds, as ``blockshard.runtime.describe_checkpoint`` says it of a
+    DCP checkpoint (``blockshard inspect`` renders both): the module's tensors whole, and per rank
+    its fp32 partitions and its inner optimizer's state tensors as saved (any optimizer)."""
+    p = Path(path)
+    where = _tag_dir(p.parent, p.name) if (p / _MODEL_FILE).is_file() else _tag_dir(p, tag)
+    model_states = _load(where / _MODEL_FILE)
+    files = sorted(
+        ((int(m.group(1)), where / f) for f in os.listdir(where) if (m := _OPTIM_FILE.match(f))), key=lambda t: t[0]
+    )
+    tensors = [("model." + n, t) for n, t in _tensors("", model_states["module"])]
+    stage, hooked = 0, False
+    for r, f in files:
+        osd = _load(f)["optimizer_state_dict"]
+        stage = int(getattr(osd.get("zero_stage"), "value", osd.get("zero_stage", 0)))
+        hooked = LAYOUT_KEY in osd
+        for i, part in enumerate(osd["single_partition_of_fp32_groups"]):
+            tensors.append((f"rank{r}.fp32_partition.{i}", part))
+        tensors += [(f"rank{r}.optim.{n}", t) for n, t in _tensors("", osd.get("base_optimizer_state", {}))]
+    ranks = [r for r, _ in files]
+    problems = [] if ranks == list(range(len(ranks))) and ranks else [f"optimizer files of ranks {ranks}"]
+    return {
+        "path": str(where),
+        "tensors": [
+            {
+                "name": n,
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "bytes": t.numel() * t.element_size(),
+                "chunks": 1,
+            }
+            for n, t in tensors
+        ],
+        "tensor_bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+        "file_bytes": sum(f.stat().st_size for f in where.iterdir() if f.is_file()),
+        "ranks_that_wrote": len(files),
+        "saved_by": f"DeepSpeed ZeRO-{stage}" + (" with blockshard's hook" if hooked else ""),
+        "blockshard_version": f"(DeepSpeed {model_states.get('ds_version', 'of unknown version')})",
+        "world_size": len(files),
+        "complete": not problems,
+        "problems": problems,
+        "objects": [],
+        "optimizers": [],
+    }
 
 
 def _state_of(where: Path, rank: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:

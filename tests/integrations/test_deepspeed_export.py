@@ -20,10 +20,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(("stage", "hooked"), [(2, False), (2, True), (1, True)])
-def test_a_zero_checkpoint_exported_to_dcp_resumes_in_blockshard_bitwise(tmp_path, stage, hooked):
+def test_a_zero_checkpoint_exported_to_dcp_resumes_in_blockshard_bitwise(tmp_path, capsys, stage, hooked):
     ckpt, out = str(tmp_path / "ds"), str(tmp_path / "dcp")
     results = spawn_gloo(_ds_export_runs.export_case, 2, args=(stage, hooked, ckpt, out), timeout=300)
     summary, reference = results[0]["summary"], results[0]["reference"]
+    assert cli.main(["inspect", ckpt]) == 0  # the DeepSpeed checkpoint itself
+    shown = capsys.readouterr().out
+    assert f"DeepSpeed ZeRO-{stage}" in shown and "model.fc1.weight" in shown and "rank1.fp32_partition.0" in shown
     info = describe_checkpoint(out)  # what `blockshard inspect` shows
     assert info["complete"] and {t["name"] for t in info["tensors"]} >= {
         "model.fc1.weight",
