@@ -1,5 +1,6 @@
 """FSDP2's own test scenarios (torch's test/distributed/_composable/fsdp/test_fully_shard_{autograd,
-training,frozen,comm}.py), rebuilt here with tiny models, for test_fsdp2_scenarios.py.
+training,frozen,comm}.py), rebuilt here with tiny models, for test_fsdp2_scenarios.py; more rows
+in _fsdp2_scenario_rows.py (:func:`w2_rows` joins them).
 
 One spawned W = 2 run calls :func:`all_scenarios`: every scenario trains with stock FSDP2 and
 with blockshard (the same code, only ``fully_shard`` swapped) and compares each against a
