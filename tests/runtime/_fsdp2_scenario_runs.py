@@ -1,5 +1,6 @@
 """FSDP2's own test scenarios (torch's test/distributed/_composable/fsdp/test_fully_shard_{autograd,
-training,frozen,comm}.py), rebuilt here with tiny models, for test_fsdp2_scenarios.py.
+training,frozen,comm}.py), rebuilt here with tiny models, for test_fsdp2_scenarios.py; more rows
+in _fsdp2_scenario_rows.py (:func:`w2_rows` joins them).
 
 One spawned W = 2 run calls :func:`all_scenarios`: every scenario trains with stock FSDP2 and
 with blockshard (the same code, only ``fully_shard`` swapped) and compares each against a
@@ -47,7 +48,9 @@ class Engine:
     def full(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Full parameters by ``named_parameters`` name (checkpoint-wrapper prefixes dropped)."""
         if self.name == "fsdp2":
-            got = {n: p.full_tensor() for n, p in model.named_parameters()}
+            from torch.distributed.tensor import DTensor
+
+            got = {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()}
         else:
             import blockshard
 
@@ -60,7 +63,14 @@ class Engine:
         if self.name == "fsdp2":
             from torch.distributed.tensor import DTensor
 
-            return not isinstance(next(module.parameters()), DTensor)
+            nested = {
+                p
+                for m in module.modules()
+                if m is not module and isinstance(m, self.module_type)
+                for p in m.parameters()
+            }
+            own = [p for p in module.parameters() if p not in nested]  # this group's, not nested groups'
+            return not isinstance(own[0], DTensor)
         from blockshard.runtime.core._common import ShardedState
         from blockshard.runtime.core._state import state_of
 
@@ -516,12 +526,20 @@ SCENARIOS_W4 = {
 }
 
 
-def all_scenarios(rank: int, world: int, rows: str = "W2") -> dict[str, dict[str, str]]:
+def w2_rows() -> dict:
+    """:data:`SCENARIOS` and those of _fsdp2_scenario_rows.py, every row of the W = 2 run."""
+    import _fsdp2_scenario_rows  # imports this module: late, not at the top
+
+    return {**SCENARIOS, **_fsdp2_scenario_rows.ROWS}
+
+
+def all_scenarios(rank: int, world: int, rows: str = "W2", only: str = "") -> dict[str, dict[str, str]]:
     """Every scenario with both engines: ``{scenario: {engine: "ok" | error}}``; ``rows="W4"``:
-    those of :data:`SCENARIOS_W4` on 4 ranks."""
+    those of :data:`SCENARIOS_W4` on 4 ranks; ``only``: the rows whose name contains it."""
     global W
     W = world
-    scenarios = SCENARIOS_W4 if rows == "W4" else SCENARIOS
+    scenarios = SCENARIOS_W4 if rows == "W4" else w2_rows()
+    scenarios = {k: v for k, v in scenarios.items() if only in k}
     assert world == (4 if rows == "W4" else 2)
     out: dict[str, dict[str, str]] = {}
     for engine in ("fsdp2", "blockshard"):

@@ -139,7 +139,6 @@ def test_bad_arguments_and_custom_collectives_are_refused_by_name(gloo_w1):
         (lambda: model.set_force_sum_reduction_for_comms(1), r"set_force_sum_reduction_for_comms\(enable=1\)"),
         (lambda: model.set_reduce_scatter_unused_params("yes"), r"reduce_scatter_unused_params='yes'"),
         (lambda: model.set_reduce_scatter_max_input_buffers(0), r"max_input_buffers=0\): pass an int >= 1"),
-        (lambda: model.set_reduce_scatter_max_input_buffers(True), r"max_input_buffers=True\)"),
         (lambda: model.set_symm_mem_for_comm("gloo"), r"backend='gloo'\): only 'NCCL'"),
         (lambda: model.set_custom_all_gather(object()), r"set_custom_all_gather: .* Fix: leave it unset"),
         (lambda: model.set_custom_reduce_scatter(object()), r"set_custom_reduce_scatter: .* Fix: leave it unset"),
@@ -147,6 +146,9 @@ def test_bad_arguments_and_custom_collectives_are_refused_by_name(gloo_w1):
     for call, message in cases:
         with pytest.raises(ShardingError, match=message):
             call()
+    for bad in (True, 2.5):  # not a count: a TypeError, as FSDP2's
+        with pytest.raises(TypeError, match=rf"max_input_buffers={bad!r}\): pass an int >= 1"):
+            model.set_reduce_scatter_max_input_buffers(bad)
 
 
 def test_every_public_method_of_fsdp2s_module_exists():

@@ -76,10 +76,11 @@ class CommControls:
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Accepted, nothing to change: one reduce-scatter is in flight per buffer set, waited for
         at the next group's post-backward ([Note: async reduce-scatter] in _grad_sync.py)."""
-        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) or max_input_buffers < 1:
-            raise ShardingError(
-                f"set_reduce_scatter_max_input_buffers(max_input_buffers={max_input_buffers!r}): pass an int >= 1"
-            )
+        message = f"set_reduce_scatter_max_input_buffers(max_input_buffers={max_input_buffers!r}): pass an int >= 1"
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(message)  # a TypeError, as FSDP2's (2.5 or True: no count of buffers)
+        if max_input_buffers < 1:
+            raise ShardingError(message)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Accepted, nothing to change: the reduce-scatters run on the engine's group, as its
