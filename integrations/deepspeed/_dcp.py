@@ -390,10 +390,10 @@ def import_dcp(engine: Any, checkpoint: str | os.PathLike[str], *, optimizer_sta
         for name, value in wanted.items():
             value.copy_(full[name])  # the module's own tensors (DeepSpeed's bit16 views among them)
         inner = opt.optimizer
-        rank = torch.distributed.get_rank(group=opt.dp_process_group)
         for i, (params, offsets) in enumerate(
             zip(opt.round_robin_bit16_groups, opt.round_robin_bit16_offsets, strict=True)
         ):
+            rank = torch.distributed.get_rank(group=opt.real_dp_process_group[i])  # this group's partition
             P, part = int(opt.partition_size[i]), opt.single_partition_of_fp32_groups[i]
             lo_rank, runs = rank * P, []
             for p, off in zip(params, offsets, strict=True):

@@ -46,14 +46,7 @@ pytestmark = pytest.mark.slow  # in the slow tier to keep `make test-fast` under
 def test_fsdp2_s_scenarios_pass_with_fsdp2_and_blockshard_alike():
     results = spawn_gloo(_fsdp2_scenario_runs.all_scenarios, 2, timeout=240)
     assert results[0].keys() == _fsdp2_scenario_runs.w2_rows().keys()
-    failed = {
-        (rank, name, engine): outcome
-        for rank, rows in enumerate(results)
-        for name, row in rows.items()
-        for engine, outcome in row.items()
-        if outcome != "ok"
-    }
-    assert not failed, "\n".join(f"rank {r} {n!r} [{e}]: {o}" for (r, n, e), o in failed.items())
+    _assert_all_ok(results)
 
 
 def test_fsdp2_s_int_reshard_after_forward_at_w4_passes_with_fsdp2_and_blockshard_alike():
@@ -61,6 +54,11 @@ def test_fsdp2_s_int_reshard_after_forward_at_w4_passes_with_fsdp2_and_blockshar
     True or False; 3, no factor of 4, is refused by both."""
     results = spawn_gloo(_fsdp2_scenario_runs.all_scenarios, 4, args=("W4",), timeout=240)
     assert results[0].keys() == _fsdp2_scenario_runs.SCENARIOS_W4.keys()
+    _assert_all_ok(results)
+
+
+def _assert_all_ok(results: list[dict[str, dict[str, str]]]) -> None:
+    """Every row "ok" with both engines on every rank; else every failing row with its error."""
     failed = {
         (rank, name, engine): outcome
         for rank, rows in enumerate(results)
