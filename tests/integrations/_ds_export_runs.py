@@ -47,22 +47,16 @@ def _resume(out: str, *, optimizer_state: bool = True) -> list[torch.Tensor]:
 
 def export_case(rank: int, world: int, stage: int, hooked: bool, ckpt: str, out: str) -> dict:
     """DeepSpeed (stock or with blockshard's hook) trains ``BEFORE`` steps and saves; rank 0 exports
-    to DCP; blockshard at this world size resumes and trains the rest. Rank 0 also returns one
-    process's ``STEPS`` steps."""
+    to DCP; blockshard at this world size resumes and trains the rest."""
     from blockshard.integrations.deepspeed import export_dcp
 
-    R.setup_env(rank, world)
     _, engine = R._engine(stage, "adamw", hooked, extra={"gradient_clipping": 0})
     R._train(engine, R.batches(STEPS)[:BEFORE], rank, world, False)
     engine.save_checkpoint(ckpt, tag="t")
     dist.barrier()
     summary = export_dcp(ckpt, out, tag="t") if rank == 0 else None
     dist.barrier()
-    result = {"resumed": _resume(out), "model_only": _resume(out, optimizer_state=False)}
-    if rank == 0:
-        result["summary"] = summary
-        result["reference"] = R.reference("adamw", steps=STEPS)
-    return result
+    return {"resumed": _resume(out), "model_only": _resume(out, optimizer_state=False), "summary": summary}
 
 
 def refused_case(rank: int, world: int, ckpt: str, out: str) -> str:
@@ -70,7 +64,6 @@ def refused_case(rank: int, world: int, ckpt: str, out: str) -> str:
     from blockshard.integrations.deepspeed import export_dcp
     from blockshard.runtime import CheckpointError
 
-    R.setup_env(rank, world)
     _, engine = R._engine(2, "bnb", True)
     R._train(engine, R.batches(1), rank, world, False)
     engine.save_checkpoint(ckpt, tag="t")
@@ -92,7 +85,6 @@ def import_case(rank: int, world: int, stage: int, hooked: bool, out: str) -> di
     engine (stock or hooked) imports it and trains the rest; the control imports the model only."""
     from blockshard.integrations.deepspeed import import_dcp
 
-    R.setup_env(rank, world)
     model, opt = _sharded()
     for x, y in R.batches(STEPS)[:BEFORE]:
         R._loss(model, x, y).backward()
@@ -107,6 +99,25 @@ def import_case(rank: int, world: int, stage: int, hooked: bool, out: str) -> di
         import_dcp(engine, out, optimizer_state=optimizer_state)
         R._train(engine, R.batches(STEPS)[BEFORE:], rank, world, False)
         result["resumed" if optimizer_state else "model_only"] = R._params(ds_model)
-    if rank == 0:
-        result["reference"] = R.reference("adamw", steps=STEPS)
     return result
+
+
+EXPORTS = [(2, False), (2, True), (1, True)]  # (ZeRO stage, blockshard's hook)
+IMPORTS = [(2, False), (1, False), (2, True)]
+
+
+def all_cases(rank: int, world: int, base: str) -> dict:
+    """Every case in one spawn (starting ranks that import DeepSpeed dominates the time), one after
+    the other in the same gloo group; rank 0 also returns one process's ``STEPS`` steps. The
+    DeepSpeed checkpoints stay under ``base`` (``export-<stage>-<hooked>/ds``) for the test to inspect."""
+    R.setup_env(rank, world)
+    out: dict = {}
+    for stage, hooked in EXPORTS:
+        where = f"{base}/export-{stage}-{hooked}"
+        out["export", stage, hooked] = export_case(rank, world, stage, hooked, f"{where}/ds", f"{where}/dcp")
+    for stage, hooked in IMPORTS:
+        out["import", stage, hooked] = import_case(rank, world, stage, hooked, f"{base}/import-{stage}-{hooked}")
+    out["refused"] = refused_case(rank, world, f"{base}/refused/ds", f"{base}/refused/dcp")
+    if rank == 0:
+        out["reference"] = R.reference("adamw", steps=STEPS)
+    return out

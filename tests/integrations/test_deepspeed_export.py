@@ -19,45 +19,49 @@ from blockshard.runtime import describe_checkpoint
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("stage", "hooked"), [(2, False), (2, True), (1, True)])
-def test_a_zero_checkpoint_exported_to_dcp_resumes_in_blockshard_bitwise(tmp_path, capsys, stage, hooked):
-    ckpt, out = str(tmp_path / "ds"), str(tmp_path / "dcp")
-    results = spawn_gloo(_ds_export_runs.export_case, 2, args=(stage, hooked, ckpt, out), timeout=300)
-    summary, reference = results[0]["summary"], results[0]["reference"]
-    assert cli.main(["inspect", ckpt]) == 0  # the DeepSpeed checkpoint itself
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> tuple[str, list[dict]]:
+    base = str(tmp_path_factory.mktemp("ds-dcp"))
+    return base, spawn_gloo(_ds_export_runs.all_cases, 2, args=(base,), timeout=600)
+
+
+@pytest.mark.parametrize(("stage", "hooked"), _ds_export_runs.EXPORTS)
+def test_a_zero_checkpoint_exported_to_dcp_resumes_in_blockshard_bitwise(cases, capsys, stage, hooked):
+    base, results = cases
+    where = f"{base}/export-{stage}-{hooked}"
+    summary, reference = results[0]["export", stage, hooked]["summary"], results[0]["reference"]
+    assert (summary.world_size, summary.zero_stage, summary.hooked) == (2, stage, hooked)
+    assert summary.state_keys == ("exp_avg", "exp_avg_sq", "step") and summary.parameters == 8
+    assert cli.main(["inspect", f"{where}/ds"]) == 0  # the DeepSpeed checkpoint itself
     shown = capsys.readouterr().out
     assert f"DeepSpeed ZeRO-{stage}" in shown and "model.fc1.weight" in shown and "rank1.fp32_partition.0" in shown
-    info = describe_checkpoint(out)  # what `blockshard inspect` shows
+    info = describe_checkpoint(f"{where}/dcp")  # what `blockshard inspect` shows of the export
     assert info["complete"] and {t["name"] for t in info["tensors"]} >= {
         "model.fc1.weight",
         "optim.state.fc1.weight.exp_avg",
     }
-    assert (summary.world_size, summary.zero_stage, summary.hooked) == (2, stage, hooked)
-    assert summary.state_keys == ("exp_avg", "exp_avg_sq", "step") and summary.parameters == 8
     for r in results:
-        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], reference, strict=True))
+        got = r["export", stage, hooked]
+        assert all(torch.equal(a, b) for a, b in zip(got["resumed"], reference, strict=True))
         # control: the moments are what makes the resume exact
-        assert not all(torch.equal(a, b) for a, b in zip(r["model_only"], reference, strict=True))
+        assert not all(torch.equal(a, b) for a, b in zip(got["model_only"], reference, strict=True))
 
 
-@pytest.mark.parametrize(("stage", "hooked"), [(2, False), (1, False), (2, True)])
-def test_a_blockshard_dcp_checkpoint_imported_into_deepspeed_resumes_bitwise(tmp_path, stage, hooked):
-    results = spawn_gloo(_ds_export_runs.import_case, 2, args=(stage, hooked, str(tmp_path / "dcp")), timeout=300)
+@pytest.mark.parametrize(("stage", "hooked"), _ds_export_runs.IMPORTS)
+def test_a_blockshard_dcp_checkpoint_imported_into_deepspeed_resumes_bitwise(cases, stage, hooked):
+    _, results = cases
     reference = results[0]["reference"]
     for r in results:
-        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], reference, strict=True))
-        assert not all(torch.equal(a, b) for a, b in zip(r["model_only"], reference, strict=True))
+        got = r["import", stage, hooked]
+        assert all(torch.equal(a, b) for a, b in zip(got["resumed"], reference, strict=True))
+        assert not all(torch.equal(a, b) for a, b in zip(got["model_only"], reference, strict=True))
 
 
-def test_8bit_state_is_refused_naming_the_parameter_and_key(tmp_path):
-    messages = spawn_gloo(
-        _ds_export_runs.refused_case, 2, args=(str(tmp_path / "ds"), str(tmp_path / "dcp")), timeout=300
-    )
+def test_8bit_state_is_refused_naming_the_parameter_and_key(cases):
+    message = cases[1][0]["refused"]
     # bitsandbytes' state_dict packs its 8-bit state into one entry per parameter
-    assert "optimizer state '__bnb_optimizer_quant_state__' of parameter 'fc1.weight' is a dict" in messages[0], (
-        messages[0]
-    )
-    assert "Fix: export only element-wise optimizer state" in messages[0]
+    assert "optimizer state '__bnb_optimizer_quant_state__' of parameter 'fc1.weight' is a dict" in message, message
+    assert "Fix: export only element-wise optimizer state" in message
 
 
 def test_the_cli_exports_and_bad_input_is_one_line_and_exit_2(tmp_path, capsys):

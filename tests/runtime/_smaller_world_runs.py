@@ -191,3 +191,10 @@ def refusals(rank: int, world: int) -> dict[str, str]:
             out[what] = str(e)
         dist.barrier()
     return out
+
+
+def many(rank: int, world: int, name: str, calls: list[tuple]) -> list:
+    """``name(rank, world, *args)`` for each ``args`` of ``calls``, one after the other in one spawn
+    (starting ranks is most of a small run's time)."""
+    fn = globals()[name]
+    return [fn(rank, world, *args) for args in calls]

@@ -21,20 +21,32 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
+# every plain run of this file, by (engine, reshard_after_forward of the blocks, of the root)
+PLAIN = [("blockshard", K, None), ("blockshard", True, None), ("blockshard", False, None)]
+PLAIN += [("fsdp2", K, None), ("blockshard", K, K), ("fsdp2", K, K)]
+
+
 @pytest.fixture(scope="module")
-def blocks_int() -> list[dict]:
+def plain() -> dict[tuple[str, object, object], list[dict]]:
+    """One spawn of W ranks runs them all, one after the other (starting ranks is most of the time)."""
+    results = spawn_gloo(runs.many, W, args=("train", PLAIN), timeout=600)
+    return {args: [r[i] for r in results] for i, args in enumerate(PLAIN)}
+
+
+@pytest.fixture(scope="module")
+def blocks_int(plain) -> list[dict]:
     """Every block at ``reshard_after_forward=2``, the root at its default (None: keeps its own)."""
-    return spawn_gloo(runs.train, W, args=("blockshard", K), timeout=240)
+    return plain["blockshard", K, None]
 
 
 @pytest.fixture(scope="module")
-def blocks_true() -> list[dict]:
-    return spawn_gloo(runs.train, W, args=("blockshard", True), timeout=240)
+def blocks_true(plain) -> list[dict]:
+    return plain["blockshard", True, None]
 
 
 @pytest.fixture(scope="module")
-def blocks_false() -> list[dict]:
-    return spawn_gloo(runs.train, W, args=("blockshard", False), timeout=240)
+def blocks_false(plain) -> list[dict]:
+    return plain["blockshard", False, None]
 
 
 def test_training_with_a_smaller_world_is_bitwise_true_s_and_one_process_s(blocks_int, blocks_true, blocks_false):
@@ -48,19 +60,18 @@ def test_training_with_a_smaller_world_is_bitwise_true_s_and_one_process_s(block
     assert all(moved.values()), f"parameters that never changed (the comparison could not fail): {moved}"
 
 
-def test_stock_fsdp2_with_the_same_int_trains_the_same_parameters(blocks_int):
-    fsdp2 = spawn_gloo(runs.train, W, args=("fsdp2", K), timeout=240)
+def test_stock_fsdp2_with_the_same_int_trains_the_same_parameters(plain, blocks_int):
+    fsdp2 = plain["fsdp2", K, None]
     for n, want in fsdp2[0]["params"].items():
         torch.testing.assert_close(blocks_int[0]["params"][n], want, msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("root_raf", [None, K], ids=["root default", "root int"])
-def test_all_gathers_are_fsdp2_s_forward_over_w_backward_within_the_k_group(root_raf):
+def test_all_gathers_are_fsdp2_s_forward_over_w_backward_within_the_k_group(plain, root_raf):
     """FSDP2's own count (torch's test_fully_shard_comm ``_test_communication_count``): forward
     one all-gather per group over W; backward one per group that resharded (the root at None keeps
     its parameters), within k ranks. Stock FSDP2 in the same run issues exactly the same."""
-    mine = spawn_gloo(runs.train, W, args=("blockshard", K, root_raf), timeout=240)
-    theirs = spawn_gloo(runs.train, W, args=("fsdp2", K, root_raf), timeout=240)
+    mine, theirs = plain["blockshard", K, root_raf], plain["fsdp2", K, root_raf]
     backward = runs.N_BLOCKS + (root_raf is not None)
     want = {"forward": [W] * (runs.N_BLOCKS + 1), "backward": [K] * backward}
     for rank in range(W):
@@ -85,10 +96,20 @@ def test_between_forward_and_backward_a_rank_holds_w_over_k_segments(blocks_int,
     assert kept[0]["held"] == {"local": S, "run": 0, "gathered": W * S}
 
 
-@pytest.mark.parametrize("variant", ["mp", "offload", "frozen_mixed"])
-def test_mixed_precision_offload_and_frozen_dtypes_train_as_under_true(variant):
-    got = spawn_gloo(runs.train, W, args=("blockshard", K, None, variant), timeout=240)
-    want = spawn_gloo(runs.train, W, args=("blockshard", True, None, variant), timeout=240)
+VARIANTS = ("mp", "offload", "frozen_mixed")
+
+
+@pytest.fixture(scope="module")
+def variants() -> dict[tuple[str, object], list[dict]]:
+    """Each variant under the int and under ``True``: one spawn of W ranks runs them all."""
+    calls = [("blockshard", raf, None, v) for v in VARIANTS for raf in (K, True)]
+    results = spawn_gloo(runs.many, W, args=("train", calls), timeout=600)
+    return {(args[3], args[1]): [r[i] for r in results] for i, args in enumerate(calls)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mixed_precision_offload_and_frozen_dtypes_train_as_under_true(variants, variant):
+    got, want = variants[variant, K], variants[variant, True]
     assert _equal(got[0]["params"], want[0]["params"])
     sets = 2 if variant == "frozen_mixed" else 1  # a buffer set per dtype, each gathered within k
     assert got[0]["phases"]["backward"] == [K] * runs.N_BLOCKS * sets
@@ -98,10 +119,10 @@ def test_mixed_precision_offload_and_frozen_dtypes_train_as_under_true(variant):
 
 
 def test_hsdp_cuts_each_replica_s_shard_group_and_trains_as_under_true():
-    got = spawn_gloo(runs.hsdp, 8, args=(K,), timeout=300)
-    want = spawn_gloo(runs.hsdp, 8, args=(True,), timeout=300)
-    assert _equal(got[0]["params"], want[0]["params"])
-    assert got[0]["backward"] == [K] * runs.N_BLOCKS and want[0]["backward"] == [W] * runs.N_BLOCKS
+    results = spawn_gloo(runs.many, 8, args=("hsdp", [(K,), (True,)]), timeout=600)
+    got, want = results[0]
+    assert _equal(got["params"], want["params"])
+    assert got["backward"] == [K] * runs.N_BLOCKS and want["backward"] == [W] * runs.N_BLOCKS
 
 
 def test_a_non_factor_and_a_quantized_gather_are_refused_naming_the_fix():
