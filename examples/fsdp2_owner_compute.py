@@ -15,6 +15,7 @@ equal one process's bitwise.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -56,8 +57,10 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"world_size={dist.get_world_size()} losses={losses}")
         write_result(args.out, world_size=dist.get_world_size(), losses=losses, params=params)
+    dist.barrier()  # every rank is done before any tears the group down
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # free what still holds the gloo groups now, not during interpreter shutdown

@@ -13,6 +13,7 @@ Every rank trains on the whole batch, so the final parameters equal one process'
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -53,8 +54,10 @@ def main() -> None:
     if rank == 0:
         print(f"world_size={world_size} losses={losses}")
         write_result(args.out, world_size=world_size, losses=losses, params=params)
+    dist.barrier()  # every rank is done before any tears the group down
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # free what still holds the gloo groups now, not during interpreter shutdown

@@ -14,6 +14,7 @@ whole batch the final parameters equal one process's bitwise.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import torch
@@ -65,8 +66,10 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump({"world_size": world_size, "pieces_start_on_tiles": all(flags), "losses": losses}, f)
             torch.save(params, args.out + ".pt")
+    dist.barrier()  # every rank is done before any tears the group down
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # free what still holds the gloo groups now, not during interpreter shutdown

@@ -675,6 +675,58 @@ def unshard_without_lazy_init(E) -> None:
     model.reshard()
 
 
+class _ReduceModule(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(_randn(7, dim, dim))
+
+    def forward(self, x):
+        return torch.relu(x @ self.weight)
+
+
+class _MLPs(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.mlp1, self.mlp2, self.mlp3 = MLP(dim), MLP(dim), MLP(dim)
+
+    def forward(self, ys):
+        return self.mlp1(ys[0]) + self.mlp2(ys[1]) + self.mlp3(ys[2])
+
+
+class _ReduceModel(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.reduce_module1, self.reduce_module2, self.reduce_module3 = (_ReduceModule(dim) for _ in range(3))
+        self.mlps = _MLPs(dim)
+
+    def forward(self, x):
+        ys = []
+        for reduce, mlp in zip(
+            (self.reduce_module1, self.reduce_module2, self.reduce_module3), self.mlps.children(), strict=True
+        ):
+            ys.append(reduce(x))
+            if hasattr(mlp, "unshard"):  # sharded (isinstance FSDPModule): overlap its all-gather
+                mlp.unshard(async_op=True)
+        return self.mlps(ys)
+
+
+def replicate_over_sharded(E) -> None:
+    """test_unshard_async: torch's composable ``replicate`` over a model whose MLPs are sharded
+    (``reshard_after_forward=False``), each MLP's all-gather issued early with
+    ``unshard(async_op=True)``; DDP all-reduces the rest. Leaves out the method's non-differentiable
+    all-reduce of activations in forward (the overlap it exercises is CUDA's)."""
+    from torch.distributed._composable import replicate
+
+    torch.manual_seed(42)
+    model = _ReduceModel(8)
+    ref = copy.deepcopy(model)
+    for mlp in (model.mlps.mlp1, model.mlps.mlp2, model.mlps.mlp3):
+        E.fully_shard(mlp, reshard_after_forward=False)
+    E.fully_shard(model.mlps)
+    replicate(model)
+    base._train(E, model, ref, lambda s, r: _randn(10 * s + r, 2, 8), _sum)
+
+
 ROWS = {
     "paramless root, tuple among its inputs": root_paramless_nested_inputs,
     "root forward without inputs": root_no_forward_inputs,
@@ -723,4 +775,5 @@ ROWS = {
     "backward misprefetch": backward_misprefetch,
     "unshard() on a root without parameters": unshard_no_param_group,
     "unshard() before the first forward": unshard_without_lazy_init,
+    "replicate over sharded MLPs, unshard(async_op=True)": replicate_over_sharded,
 }

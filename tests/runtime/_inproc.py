@@ -83,7 +83,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from blockshard.runtime.core._collectives import issuing_header
+from blockshard.runtime.core._collectives import issuing_header, watch_skipped
 
 __all__ = [
     "CollectiveLog",
@@ -286,7 +286,9 @@ class CollectiveLog(TorchDispatchMode):
     the gradient buffer, which it allocates; see [Note: buffers]); :meth:`label_groups` registers a
     sharded model, whose buffers are looked up again when a collective's tensor is not known yet.
     ``events`` is a list of ``(kind, label)`` and of ``("mark", text)`` added with :meth:`mark`;
-    blockshard's headers are logged as kind ``"header"``.
+    blockshard's headers are logged as kind ``"header"``. On a group of one rank the engine issues
+    no collective ([Note: one rank] in _collectives.py); the log records the ones it skipped as if
+    issued, so the engine's schedule reads the same at W = 1.
     The first use of a dispatch mode in a process imports ``torch._dynamo`` (about 1-2 s).
     """
 
@@ -312,15 +314,29 @@ class CollectiveLog(TorchDispatchMode):
     def mark(self, what: str) -> None:
         self.events.append(("mark", what))
 
+    def __enter__(self):
+        self._watch = watch_skipped(self._record)
+        self._watch.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._watch.__exit__(*exc)
+
+    def _record(self, kind: str, tensors: tuple) -> None:
+        label = None
+        self._refresh()  # gradient buffers come and go with the step
+        for t in tensors[:2]:
+            if isinstance(t, torch.Tensor) and label is None:
+                label = self.groups.get(t.untyped_storage().data_ptr())
+        self.events.append((kind, label))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             kind = "header" if issuing_header() else _KINDS.get(func._opname, func._opname)
-            label = None
-            self._refresh()  # gradient buffers come and go with the step
-            for t in args[:2]:
-                if isinstance(t, torch.Tensor) and label is None:
-                    label = self.groups.get(t.untyped_storage().data_ptr())
-            self.events.append((kind, label))
+            self._record(kind, args)
         return func(*args, **(kwargs or {}))
 
     def count(self, kind: str) -> int:

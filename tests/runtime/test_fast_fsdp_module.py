@@ -76,6 +76,19 @@ def test_torch_code_that_reads_fsdp2_state_raises_naming_blockshard_s_way(gloo_w
         torch_fully_shard(model[0])
 
 
+def test_torch_s_replicate_leaves_blockshard_modules_to_blockshard_as_fsdp2_s(gloo_w1):
+    """torch's composable ``replicate`` skips the parameters of modules in whose registry it finds
+    ``fully_shard`` (DDP over ranks' pieces of other sizes aborts gloo: the spawned
+    "replicate over sharded MLPs" row of test_fsdp2_scenarios.py), and refuses a sharded module."""
+    from torch.distributed._composable import replicate
+    from torch.distributed._composable.replicate import _is_fully_sharded
+
+    model = _model()
+    assert _is_fully_sharded(model) and _is_fully_sharded(model[0])
+    with pytest.raises(RuntimeError, match=r"already managed by `fully_shard`"):
+        replicate(model[0])
+
+
 def test_torch_s_forward_method_registration_with_the_routes_off_raises_at_the_call(gloo_w1, monkeypatch):
     """With ``BLOCKSHARD_TORCH_ROUTES=none`` torch's ``register_fsdp_forward_method`` sees an
     ``FSDPModule`` and wraps the method; the wrapped call raises (before: a silent no-op, the

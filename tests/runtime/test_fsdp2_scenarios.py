@@ -5,18 +5,20 @@ and _fsdp2_scenario_rows.py).
 
 The count (issue 28 item 5; torch main's test_fully_shard_{autograd,training,frozen,comm}.py read
 2026-12, each test method rebuilt in our own words with tiny models): 74 test methods read; 49
-portable to CPU / gloo at W = 2 and about user-visible behaviour, 25 not. Of the 49, 44 are rows
-here (57 rows: some methods give several, a few rows come from other files) and two more
+portable to CPU / gloo at W = 2 and about user-visible behaviour, 25 not. Of the 49, 45 are rows
+here (58 rows: some methods give several, a few rows come from other files), two more
 (test_train_parity_single_group_shard_largest_dim, test_train_parity_shard_placement_fn_shard_largest_dim)
-are ``shard_placement_fn_parity`` of test_fsdp2_init_scenarios.py; all pass with both engines.
+are ``shard_placement_fn_parity`` of test_fsdp2_init_scenarios.py and one
+(test_train_parity_single_worldsize1: no collective on a mesh of one rank) is
+test_fast_one_rank.py; all pass with both engines.
 Stock FSDP2 itself fails one on gloo (test_set_reduce_scatter_divide_factor: gloo has no
-``ReduceOp.PREMUL_SUM``), so it is no row: stock passes 48 of the 49. blockshard passes 46 of
-those 48 and fails two, left out: on a mesh of one rank (test_train_parity_single_worldsize1) it
-trains as one process but still issues an all-gather, a reduce-scatter and an all-reduce per step
-where FSDP2 issues none (the method asserts none); and composable ``replicate`` over
-blockshard-sharded MLPs (test_unshard_async) aborts in gloo ("Received data size doesn't match
-expected size", 336 vs 288 bytes): DDP all-reduces each rank's local pieces, whose sizes differ
-by rank. The 25 not portable: 10 need CUDA, NCCL logs, CUDA graphs, streams or events, symmetric
+``ReduceOp.PREMUL_SUM``), so it is no row: stock passes 48 of the 49, and blockshard passes those
+48. The last two it passed: on a mesh of one rank it issued an all-gather, a reduce-scatter and an
+all-reduce per step where FSDP2 issues none ([Note: one rank] in core/_collectives.py); and
+torch's composable ``replicate`` over blockshard-sharded MLPs (test_unshard_async) aborted in gloo
+("Received data size doesn't match expected size", 336 vs 288 bytes): DDP all-reduced each rank's
+local pieces, whose sizes differ by rank, until blockshard modules carried ``fully_shard`` in
+torch's composable registry, as FSDP2's do (replicate leaves them alone). The 25 not portable: 10 need CUDA, NCCL logs, CUDA graphs, streams or events, symmetric
 memory or a CUDA kernel; 12 assert on FSDP2's private objects (FSDPParamGroup events, comm
 contexts, private helpers) or a torch op that is not ``fully_shard``; 3 need 4 to 8 ranks with
 tensor or expert parallelism through torch's test-internal helpers. Each method, with its row or

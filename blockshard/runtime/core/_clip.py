@@ -48,7 +48,7 @@ from torch.utils._foreach_utils import (
 )
 
 from blockshard._errors import ClipError
-from blockshard.runtime.core._collectives import agree, wait
+from blockshard.runtime.core._collectives import agree, all_reduce_in_place
 from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._param import managed_tag
 from blockshard.runtime.core._state import state_of
@@ -205,7 +205,7 @@ def clip_grad_norm_(
         if pg is not None:
             op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
             agree(pg, "the gradient-norm all-reduce (clip_grad_norm_)", numel=part.numel(), dtype=part.dtype)
-            wait(dist.all_reduce(part, op=op, group=pg, async_op=True), "the gradient-norm all-reduce", pg)
+            all_reduce_in_place(part, op, pg, "the gradient-norm all-reduce")
         parts.append(part.to(device))
     stacked = torch.stack(parts)
     total = (stacked.max() if math.isinf(p) else stacked.sum().pow(1.0 / p)).to(out_dtype)

@@ -26,6 +26,16 @@ asynchronous collective holds a second copy of its largest operand while in flig
     (``unshard_async_op=False``): :func:`holds_copies` is the switch.
 On NCCL neither copy exists (collectives run in place on their own stream).
 
+[Note: one rank]
+Over a group of one rank (W = 1, or an HSDP replicate dimension of 1) the engine issues no
+collective, as FSDP2 issues none (its test_train_parity_single_worldsize1 asserts it): the
+all-gather and the reduce-scatter are copies (the average over one rank is the rank's own value,
+bitwise), and the all-reduces (HSDP's, the gradient norm's, the end-of-step check's) have nothing
+to combine. Headers are off there too. The bookkeeping (step counts, traffic, the optimizer
+checks) runs as at W > 1. Measured with torch's ``CommDebugMode`` in test_fast_one_rank.py. A tool that
+follows the engine's schedule through c10d's ops (the tests' collective log) sees the collectives
+not issued through :func:`watch_skipped`.
+
 [Note: collective integrity]
 Collectives that do not line up across ranks (a rank skips a step, runs an extra forward, leaves
 a module unused, or has other requires_grad flags) either hang or pair the wrong buffers. Three
@@ -124,6 +134,7 @@ from blockshard._errors import BlockshardError, CollectiveIntegrityError, Layout
 from blockshard.runtime.core._common import phase_kind
 
 __all__ = [
+    "DONE",
     "HEADERS_ENV",
     "TIMEOUT_ENV",
     "CollectiveIntegrityError",
@@ -131,6 +142,7 @@ __all__ = [
     "agree",
     "agree_call",
     "all_gather_into",
+    "all_reduce_in_place",
     "check_finished",
     "check_same_layout",
     "collective_timeout_s",
@@ -143,6 +155,7 @@ __all__ = [
     "step_mismatch",
     "uses_headers",
     "wait",
+    "watch_skipped",
 ]
 
 #: Seconds an engine collective may wait for its peers before every waiting rank raises.
@@ -497,6 +510,50 @@ def _wait_for_peers(store: dist.Store, gen: int, rank: int, W: int, mine: int, b
         )
 
 
+_skipped = threading.local()  # [Note: one rank]: this thread's watchers of the collectives not issued
+
+
+@contextlib.contextmanager
+def watch_skipped(hook: Callable[[str, tuple[torch.Tensor, ...]], None]) -> Iterator[None]:
+    """[Note: one rank] While inside, ``hook(kind, tensors)`` sees each collective this thread did
+    not issue because its group has one rank (``kind``: ``"all_gather"``, ``"reduce_scatter"`` or
+    ``"all_reduce"``; ``tensors``: the output and the input, as c10d's ops take them), so a tool
+    that follows the engine's schedule through c10d's ops sees it at W = 1 too."""
+    hooks = getattr(_skipped, "hooks", [])
+    _skipped.hooks = [*hooks, hook]
+    try:
+        yield
+    finally:
+        _skipped.hooks = hooks
+
+
+def _skip(kind: str, *tensors: torch.Tensor) -> None:
+    for hook in getattr(_skipped, "hooks", ()):
+        hook(kind, tensors)
+
+
+class _Done(dist.Work):
+    """A collective that completed where it was issued ([Note: one rank])."""
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE: dist.Work = _Done()
+
+
+def all_reduce_in_place(t: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup, what: str) -> None:
+    """All-reduce ``t`` (SUM, AVG or MAX) over ``group`` and wait (bounded, :func:`wait`); over one
+    rank ``t`` is already the result: nothing is issued ([Note: one rank])."""
+    if group.size() == 1:
+        _skip("all_reduce")
+        return
+    wait(dist.all_reduce(t, op=op, group=group, async_op=True), what, group)
+
+
 def holds_copies(process_group: dist.ProcessGroup, device: torch.device) -> bool:
     """[Note: gloo's copies] Whether asynchronous collectives on ``process_group`` work on copies
     of their own: gloo on the CPU, with W > 1."""
@@ -520,6 +577,10 @@ def all_gather_into(
     out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False
 ) -> dist.Work | None:
     assert out.numel() == inp.numel() * group.size() and out.dtype == inp.dtype, (out.shape, inp.shape)
+    if group.size() == 1:  # [Note: one rank]
+        out.copy_(inp.reshape(out.shape) if inp.numel() else inp)
+        _skip("all_gather", out, inp)
+        return DONE if async_op else None
     return _all_gather(_wire(out), _wire(inp), group=group, async_op=async_op)
 
 
@@ -541,12 +602,19 @@ def reduce_scatter_avg(
 ) -> dist.Work | None:
     """The average over ranks (``summed``: the sum, for a custom divide factor)."""
     assert inp.numel() == out.numel() * group.size() and out.dtype == inp.dtype, (out.shape, inp.shape)
+    if group.size() == 1:  # [Note: one rank]: the average (and the sum) over one rank is its own value
+        if out.data_ptr() != inp.data_ptr() or out.numel() == 0:  # the engine may reduce in place
+            out.copy_(inp.reshape(out.shape) if inp.numel() else inp)
+        _skip("reduce_scatter", out, inp)
+        return DONE if async_op else None
     op = dist.ReduceOp.SUM if summed else dist.ReduceOp.AVG
     return _reduce_scatter(out, inp, op=op, group=group, async_op=async_op)
 
 
 def check_same_layout(group_name: str, layout_hash: str, group: dist.ProcessGroup) -> None:
     """Raise :class:`LayoutMismatchError` on every rank unless all ranks computed ``layout_hash``."""
+    if group.size() == 1:
+        return  # [Note: one rank]
     mine = (group_name, layout_hash)
     everyone: list[Any] = [None] * group.size()
     dist.all_gather_object(everyone, mine, group=group)

@@ -70,7 +70,7 @@ import torch
 import torch.distributed as dist
 
 from blockshard._errors import BlockshardError
-from blockshard.runtime.core._collectives import holds_copies, reduce_scatter_avg, wait
+from blockshard.runtime.core._collectives import all_reduce_in_place, holds_copies, reduce_scatter_avg, wait
 
 if TYPE_CHECKING:
     from blockshard.runtime.core._buffers import ParamBuffers
@@ -124,6 +124,13 @@ class GradientSync:
         buf = torch.empty(b.local.numel(), dtype=b.orig_dtype, device=b.host, pin_memory=b.streams.pinned)
         self._grad = weakref.ref(buf)
         return buf
+
+    def _adopt_grad_buffer(self, rs_in: torch.Tensor) -> torch.Tensor:
+        """[Note: one rank] On one rank the reduce-scatter input [S] (in the local layout, the
+        parameters' dtype, made for this reduction) is the local gradient: it becomes the gradient
+        buffer, and the reduce-scatter (a copy onto itself) copies nothing."""
+        self._grad = weakref.ref(rs_in)
+        return rs_in
 
     def views_on(self) -> bool:
         """Whether this backward's gradients go into views ([Note: gradient views])."""
@@ -256,7 +263,11 @@ class GradientSync:
         accumulate = any(sp.sharded.grad is not None for sp in b.params)
         direct = not accumulate and self.reduce_dtype == b.orig_dtype and not b.offload
         S = b.local.numel()
-        buf = self._new_grad_buffer() if direct else self.grad_buffer() if accumulate else None
+        buf: torch.Tensor | None
+        if direct and W == 1 and rs_in.is_contiguous():
+            buf = self._adopt_grad_buffer(rs_in)  # [Note: one rank]: the input is the reduced gradient
+        else:
+            buf = self._new_grad_buffer() if direct else self.grad_buffer() if accumulate else None
         out = buf if direct else torch.empty(S, dtype=self.reduce_dtype, device=b.device)
         assert out is not None
         b.agree(f"the reduce-scatter of group {b.described}", S, self.reduce_dtype)  # [Note: collective headers]
@@ -371,7 +382,7 @@ class GradientSync:
         assert b.layout is not None
         planned = b.layout.segment_numel * self.reduce_dtype.itemsize
         b.sent(2, out.numel() * out.element_size(), planned, out.dtype)  # [Note: traffic]
-        wait(dist.all_reduce(out, op=op, group=pg, async_op=True), f"the all-reduce of group {b.described}", pg)
+        all_reduce_in_place(out, op, pg, f"the all-reduce of group {b.described}")
         return True
 
 

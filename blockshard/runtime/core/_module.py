@@ -37,6 +37,7 @@ docstring, so FSDP2 code runs unchanged and never silently means something else.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
@@ -327,9 +328,12 @@ class _NoFSDPState:
 
 
 def mark_no_fsdp_state(module: nn.Module) -> None:
-    """Give ``module`` the state ``fully_shard.state(module)`` returns: one that raises when read.
-    Where torch keeps that state elsewhere than this release's ``contract`` does, nothing is
-    stored and torch's own error stays (a ``None`` state)."""
+    """Give ``module`` the state ``fully_shard.state(module)`` returns: one that raises when read,
+    and put ``"fully_shard"`` in its composable-API registry, as torch's ``fully_shard`` does: torch's
+    composable ``replicate`` over a model then leaves this module's parameters to blockshard (it
+    would all-reduce the ranks' pieces, whose sizes differ by rank: gloo aborts), and refuses to
+    replicate the module itself. Where torch keeps that state elsewhere than this release's
+    ``contract`` does, nothing is stored and torch's own error stays (a ``None`` state)."""
     import importlib
 
     from torch.distributed.fsdp._fully_shard import _fully_shard as impl
@@ -341,6 +345,9 @@ def mark_no_fsdp_state(module: nn.Module) -> None:
     if func is None or not isinstance(key, str):
         return
     module.__dict__.setdefault(key, {})[func] = _NoFSDPState(not_fsdp_state(module))
+    registry, item = getattr(contract, "REGISTRY_KEY", None), getattr(contract, "RegistryItem", None)
+    if isinstance(registry, str) and item is not None:
+        module.__dict__.setdefault(registry, OrderedDict()).setdefault(func.__name__, item())
 
 
 def _check_bool(name: str, value: object) -> None:

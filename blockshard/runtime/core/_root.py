@@ -13,7 +13,14 @@ import torch.distributed as dist
 
 from blockshard._errors import CollectiveIntegrityError
 from blockshard.runtime.core._buffer_set import BufferSet
-from blockshard.runtime.core._collectives import agree, all_gather_into, note_step, step_mismatch, wait
+from blockshard.runtime.core._collectives import (
+    agree,
+    all_gather_into,
+    all_reduce_in_place,
+    note_step,
+    step_mismatch,
+    wait,
+)
 from blockshard.runtime.core._common import CollectiveTally, TrainingState
 from blockshard.runtime.core._optim_checks import checks_on, compare_across_ranks
 from blockshard.runtime.core._traffic import log_step_summary
@@ -129,7 +136,7 @@ class RootContext:
         lows = fields[:-1] + [fields[-1] or (0 if holds else _NEVER)]
         device = next((st.buffers.device for st in self.states if st.buffers.layout is not None), None)
         extremes = torch.tensor(fields + [-v for v in lows], dtype=torch.int64, device=device)  # NCCL: on the GPU
-        wait(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=pg, async_op=True), what, pg)
+        all_reduce_in_place(extremes, dist.ReduceOp.MAX, pg, what)  # over one rank: nothing to compare
         tally.reset()
         top = extremes.tolist()
         highs, mins = top[:n], [-v for v in top[n:]]
