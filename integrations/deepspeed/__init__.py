@@ -23,8 +23,8 @@ process-wide; engines whose config has a ``"blockshard"`` section get the hook, 
 
     bs_deepspeed.install()          # or: with bs_deepspeed.installed(): trainer.train()
 
-ZeRO-3 is refused at initialize with :data:`ZERO3_REFUSAL` (the reason, with DeepSpeed file/line
-evidence). The hook checks the DeepSpeed version (:data:`TESTED_DEEPSPEED_VERSIONS`); override with
+ZeRO-3 keeps DeepSpeed's partitions; an optimizer that is not element-wise (8-bit, Muon, Shampoo)
+steps whole parameters by owner-compute ([Note: ZeRO-3 owner-compute] in _stage3.py). The hook checks the DeepSpeed version (:data:`TESTED_DEEPSPEED_VERSIONS`); override with
 ``"allow_untested_deepspeed": true`` or ``BLOCKSHARD_ALLOW_UNTESTED_DEEPSPEED=1``.
 """
 
@@ -51,7 +51,7 @@ from ._config import (
     parse_section,
 )
 from ._dcp import ExportSummary, export_dcp, import_dcp, read_deepspeed_checkpoint
-from ._hook import LAYOUT_KEY, ZERO3_REFUSAL, hooked_classes
+from ._hook import LAYOUT_KEY, hooked_classes
 
 if TYPE_CHECKING:  # DeepSpeed ships no type information: its classes are Any to mypy
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -63,7 +63,6 @@ __all__ = [
     "LAYOUT_KEY",
     "SECTION",
     "TESTED_DEEPSPEED_VERSIONS",
-    "ZERO3_REFUSAL",
     "DeepSpeedHookError",
     "ExportSummary",
     "HookConfig",
@@ -117,13 +116,13 @@ def initialize(
     mesh_param: object = None,
     config_params: object = None,
 ) -> Any:  # deepspeed.initialize's (engine, optimizer, dataloader, lr_scheduler); DeepSpeed is untyped
-    """``deepspeed.initialize`` with blockshard's ZeRO-1/2 hook for this engine (same arguments, same returns).
+    """``deepspeed.initialize`` with blockshard's ZeRO hook for this engine (same arguments, same returns).
 
     Reads the ``"blockshard"`` section of the config (``config``, ``config_params`` or
     ``args.deepspeed_config``; a dict or a path); a missing section means the defaults (element-wise
     semantics), ``"enabled": false`` means plain DeepSpeed. Raises :class:`DeepSpeedHookError` for a
-    bad section (naming the key), an untested DeepSpeed version, ZeRO-3 and the other unsupported
-    setups listed in ``docs/deepspeed.md``.
+    bad section (naming the key), an untested DeepSpeed version and the unsupported setups listed
+    in ``docs/deepspeed.md``.
     """
     kwargs = dict(
         args=args,
@@ -156,9 +155,6 @@ def _initialize(kwargs: dict[str, Any], *, require_section: bool) -> Any:
     if not hc.enabled:
         return original(**kwargs)
     check_deepspeed_version(hc.allow_untested_deepspeed)
-    zero = cfg.get("zero_optimization")
-    if isinstance(zero, dict) and str(zero.get("stage")) == "3":
-        raise DeepSpeedHookError(ZERO3_REFUSAL)
     if which in ("config", "config_params"):
         kwargs[which] = cfg  # a path was read once here; DeepSpeed gets the same dict
     import deepspeed.runtime.engine as ds_engine
@@ -186,6 +182,16 @@ def _initialize(kwargs: dict[str, Any], *, require_section: bool) -> Any:
             'use stage 2 or "data_types": {"grad_accum_dtype": "bf16"}); remove the blockshard section to '
             "run stock DeepSpeed"
         )
+    if stage == 3:
+        if not isinstance(engine.optimizer, classes["zero3"]):
+            raise DeepSpeedHookError(
+                f"ZeRO stage 3 built {type(engine.optimizer).__name__}, not DeepSpeedZeroOptimizer_Stage3 (MiCS?), so "
+                "the blockshard hook is not active; remove mics_shard_size or the blockshard section"
+            )
+        owner = engine.optimizer.owner_traffic()["owner"]  # type: ignore[attr-defined]
+        how = "owner-compute on whole parameters" if owner else "the stock step (an element-wise optimizer)"
+        _log.info("blockshard: DeepSpeed ZeRO-3 with the hook (%s)", how)
+        return out
     if stage == 0:
         _log.info("blockshard: ZeRO stage 0 keeps whole parameters on every rank; nothing to align")
     else:  # [Note: engage line] in blockshard/runtime/_report/_engaged.py

@@ -37,8 +37,9 @@ The hook (:class:`BlockshardZeroOptimizer`):
    ``load_state_dict`` refuses optimizer state or fp32 weights saved with another layout (another
    world size, semantics or parameter set) with a :class:`DeepSpeedHookError`.
 
-Refused with a :class:`DeepSpeedHookError` (not silently wrong): ZeRO-3 (see
-:data:`ZERO3_REFUSAL`), optimizer offload, ZenFlow, MoE layers (expert ``param_groups``),
+ZeRO-3 is integrations/deepspeed/_stage3.py ([Note: ZeRO-3 owner-compute]).
+
+Refused with a :class:`DeepSpeedHookError` (not silently wrong): optimizer offload, ZenFlow, MoE layers (expert ``param_groups``),
 ``elastic_checkpoint``, DeepSpeed's own ``MuonWithAuxAdam`` and ``Adagrad`` (both assume the
 single flat tensor), Muon-like inner optimizers whose matrices would be split (use
 ``"semantics": "matrix"``), and engines whose ZeRO-1/2 optimizer is not DeepSpeedZeroOptimizer
@@ -65,25 +66,9 @@ from ._bnb_overrides import follow_overrides, resolve_module_overrides
 from ._config import DeepSpeedHookError, HookConfig
 from ._traffic import HookTraffic
 
-__all__ = ["LAYOUT_KEY", "ZERO3_REFUSAL", "BlockshardZeroOptimizer", "hooked_classes", "pending"]  # noqa: F822 (created lazily by __getattr__)
+__all__ = ["LAYOUT_KEY", "BlockshardZeroOptimizer", "hooked_classes", "pending"]  # noqa: F822 (created lazily by __getattr__)
 
 LAYOUT_KEY = "blockshard_layout"
-
-# ZeRO-3 keeps DeepSpeed's per-parameter partition ceil(numel / W), recomputed independently in
-# several places of DeepSpeed 0.19.8; aligning it to units would need all of them patched together.
-ZERO3_REFUSAL = (
-    "ZeRO stage 3 is not supported by blockshard's DeepSpeed hook. DeepSpeed 0.19.8 partitions every "
-    "parameter on its own into ceil(numel / W) elements per rank and recomputes that size independently in "
-    "deepspeed/runtime/zero/partition_parameters.py (_padding_size/_aligned_size, lines 1690-1696; "
-    "_partition_param, lines 1816-1817; _partition_param_sec, lines 1909-1910; _all_gather_sequential, "
-    "line 1376: math.ceil(param.ds_numel / world_size)), deepspeed/runtime/zero/stage3.py "
-    "(__avg_scatter_contiguous_grads, line 1892, and _muon_update_sub_group, line 1796: "
-    "math.ceil(grad.numel() / world_sz)) and deepspeed/runtime/comm/coalesced_collectives.py "
-    "(reduce_scatter_coalesced, lines 95 and 100), so partitions cannot be unit-aligned without patching all "
-    "of them consistently, and blockshard's owner-compute path for stage 3 is not implemented. Use ZeRO "
-    "stage 1 or 2 with the hook, or blockshard.integrations.fsdp2 / blockshard.fully_shard to shard "
-    "parameters."
-)
 
 
 @dataclass
@@ -127,10 +112,12 @@ _CLASSES: dict[str, type] = {}
 
 
 def hooked_classes() -> dict[str, type]:
-    """``{"zero12": BlockshardZeroOptimizer, "zero3": the refusing stage-3 class}`` (created on first use)."""
+    """``{"zero12": BlockshardZeroOptimizer, "zero3": BlockshardStage3}`` (created on first use)."""
     if not _CLASSES:
+        from ._stage3 import make_stage3
+
         _CLASSES["zero12"] = _make_zero12()
-        _CLASSES["zero3"] = _make_zero3()
+        _CLASSES["zero3"] = make_stage3()
     return _CLASSES
 
 
@@ -138,16 +125,6 @@ def __getattr__(name: str) -> type:
     if name == "BlockshardZeroOptimizer":
         return hooked_classes()["zero12"]
     raise AttributeError(name)
-
-
-def _make_zero3() -> type:
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    class BlockshardRefusedStage3(DeepSpeedZeroOptimizer_Stage3):
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            raise DeepSpeedHookError(ZERO3_REFUSAL)
-
-    return BlockshardRefusedStage3
 
 
 def _refuse_unsupported(init_optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:

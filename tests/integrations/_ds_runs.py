@@ -292,7 +292,8 @@ def variant_case(rank: int, world_size: int, name: str) -> dict:
 
 def run_world(rank: int, world_size: int, spec: dict) -> dict:
     """``spec``: ``cases`` [(name, stage, kind, hooked, split)], ``ckpt`` [(stage, kind)], ``errors``
-    [what], ``variants`` [name of VARIANTS], ``refs`` [kind] (references computed on rank 0).
+    [what], ``variants`` [name of VARIANTS], ``refs`` [kind] (references computed on rank 0),
+    ``zero3`` (the spec of ``_ds_zero3_runs.run_cases``).
     Returns the same keys with results (and ``variant_refs`` on rank 0)."""
     setup_env(rank, world_size)
     out: dict = {"cases": {}, "ckpt": {}, "errors": {}, "refs": {}}
@@ -309,6 +310,10 @@ def run_world(rank: int, world_size: int, spec: dict) -> dict:
     out["variant_counts"] = {
         name: {k: v[k] for k in ("counts", "layout", "handed_numel")} for name, v in variants.items()
     }
+    if spec.get("zero3"):  # ZeRO-3 cases in the same ranks (starting ranks that import DeepSpeed dominates)
+        import _ds_zero3_runs
+
+        out["zero3"] = _ds_zero3_runs.run_cases(rank, spec["zero3"])
     if rank == 0:
         for kind in spec.get("refs", []):
             out["refs"][kind] = reference(kind)

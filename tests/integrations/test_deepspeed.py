@@ -1,7 +1,7 @@
-"""blockshard.integrations.deepspeed: block-aligned DeepSpeed ZeRO-1/2 partitions.
+"""blockshard.integrations.deepspeed: block-aligned DeepSpeed ZeRO-1/2 partitions, and ZeRO-3 with
+owner-compute on whole parameters ([Note: ZeRO-3 owner-compute] in integrations/deepspeed/_stage3.py).
 
-Pure tests: the config section and its errors, the version guard, install/uninstall, the ZeRO-3
-refusal. The ordered layout itself (pure) is tested in ``tests/planner/test_ordered.py``.
+Pure tests: the config section and its errors, the version guard, install/uninstall. The ordered layout itself (pure) is tested in ``tests/planner/test_ordered.py``.
 
 Multi-process tests (``slow``): real DeepSpeed 0.19.8 engines on spawned gloo ranks (one spawn per
 world size runs every scenario; the single-process references -- plain torch, one optimizer over
@@ -14,6 +14,12 @@ invariance"):
   AdamW and torch Muon (``"matrix"`` semantics) equal one process **bitwise** after 4 steps.
 * Control (asserted): stock ZeRO-2 + AdamW8bit differs. Measured 3.1e-3 (W = 2), 3.1e-3 (W = 4),
   4.1e-3 (W = 3); threshold ``CONTROL_MIN = 1e-3``.
+* ZeRO-3 (``_ds_zero3_runs``, in the same spawns; every parameter partitioned): AdamW, bitsandbytes
+  and torchao AdamW8bit, torch Muon and BlockedShampoo, each plain, with gradient accumulation 2
+  and (not Muon: torch's Muon refuses zero.Init's 1-D placeholders at construction) under
+  ``deepspeed.zero.Init``, equal one process **bitwise** after 3 steps at W = 2 and 4. Controls:
+  stock ZeRO-3 + AdamW8bit differs by more than ``CONTROL_MIN`` (measured 5.6e-3 at W = 2, 4.5e-3
+  at W = 4); stock ZeRO-3 + torch Muon raises (its flat partition is 1-D).
 * W = 3: ``g/3 + g/3 + g/3`` is not exactly ``g``. Measured after 4 steps with the whole batch:
   AdamW 8.2e-8, bnb AdamW8bit 2.1e-4 (8-bit quantization amplifies ulps). Tolerances:
   ``W3_ADAMW_ATOL = 1e-5``, ``W3_BNB_ATOL = 1e-3`` (the control at W = 3 is above ``CONTROL_MIN``).
@@ -118,15 +124,6 @@ def test_deepspeed_ignores_unknown_top_level_keys():
     assert cfg.zero_optimization_stage == 2
 
 
-def test_zero3_is_refused_with_evidence():
-    model = torch.nn.Linear(3, 2)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "blockshard": {}}
-    with pytest.raises(DeepSpeedHookError, match="ZeRO stage 3 is not supported") as e:
-        bsd.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
-    for where in ("partition_parameters.py", "stage3.py", "coalesced_collectives.py", "math.ceil"):
-        assert where in str(e.value)
-
-
 # -- version guard (pure) -----------------------------------------------------------------------
 def test_version_guard(monkeypatch):
     import deepspeed
@@ -189,9 +186,29 @@ CASES_24 = [
 ]
 
 
+def _zero3_spec(full: bool) -> dict:
+    """ZeRO-3 cases (``_ds_zero3_runs``): every optimizer plain, with gradient accumulation 2 and
+    under zero.Init (``full``), else a few; the stock controls; the refusals (``full``)."""
+    import _ds_zero3_runs as z3
+
+    cases: dict = {}
+    for kind in z3.KINDS:
+        if full or kind in ("bnb", "muon"):
+            cases[kind] = (kind, {})
+        if full or kind in ("ao8bit", "muon"):
+            cases[f"{kind}_gas2"] = (kind, {"gas": 2})
+        if kind != "muon" and (full or kind in ("bnb", "shampoo")):
+            cases[f"{kind}_zinit"] = (kind, {"zero_init": True})
+    cases["bnb_stock"] = ("bnb", {"stock": True})
+    cases["muon_stock"] = ("muon", {"stock": True})
+    refs = sorted({(kind, kw.get("gas", 1)) for kind, kw in cases.values()})
+    return {"cases": cases, "refs": refs, "errors": ["offload", "checkpoint"] if full else []}
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     spec = {
+        "zero3": _zero3_spec(full=True),
         "cases": CASES_24,
         "refs": ["bnb", "adamw", "muon"],
         "ckpt": [(2, "bnb"), (1, "muon")],
@@ -209,6 +226,7 @@ def world4(tmp_path_factory):
         "cases": cases,
         "refs": ["bnb", "adamw", "muon"],
         "ckpt": [(2, "adamw")],
+        "zero3": _zero3_spec(full=False),
         "tmp": str(tmp_path_factory.mktemp("ds4")),
     }
     return spawn_gloo(runs.run_world, 4, args=(spec,), timeout=300)
@@ -412,3 +430,52 @@ def test_world3_within_tolerance(world3):
     hooked = max_diff(out[0]["cases"]["z2_bnb"]["params"], ref_bnb)
     stock = max_diff(out[0]["cases"]["z2_bnb_stock"]["params"], ref_bnb)
     assert hooked < W3_BNB_ATOL < stock, (hooked, stock)
+
+
+# -- ZeRO-3 ------------------------------------------------------------------------------------
+ZERO3 = [(2, name) for name in _zero3_spec(True)["cases"] if not name.endswith("_stock")]
+ZERO3 += [(4, name) for name in _zero3_spec(False)["cases"] if not name.endswith("_stock")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("w", "case"), ZERO3)
+def test_zero3_hook_equals_one_process_bitwise(request, w, case):
+    z3 = _world(request, w)[0]["zero3"]
+    import _ds_zero3_runs
+
+    kind, kw = _zero3_spec(w == 2)["cases"][case]
+    got = z3["cases"][case]
+    assert "error" not in got, got.get("error")
+    assert bitwise(got["params"], z3["refs"][kind, kw.get("gas", 1)])
+    traffic = got["traffic"]
+    assert traffic["owner"] == (kind != "adamw")  # element-wise: DeepSpeed's own step, nothing moved
+    if kind == "adamw":
+        assert traffic["bytes_per_step"] == []
+        return
+    # every parameter has one owner; the owners' shares are balanced (largest first)
+    model = _ds_zero3_runs.make_model(kind)
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    assert sorted(traffic["owners"]) == sorted(numel)
+    loads = [sum(numel[n] for n, o in traffic["owners"].items() if o == r) for r in range(w)]
+    assert max(loads) - min(loads) <= max(numel.values())
+    # bytes sent per step on rank 0: its real elements of every gradient and value (to their
+    # owners), and every rank's slice of the new values of what it owns, in fp32
+    held = sum(max(0, min(-(-n // w), n)) for n in numel.values())  # rank 0's partition: ceil(n / W)
+    owned = sum(numel[n] for n, o in traffic["owners"].items() if o == 0)
+    steps = _ds_zero3_runs.STEPS
+    assert traffic["bytes_per_step"] == [4 * (2 * held + owned)] * steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("w", [2, 4])
+def test_control_stock_zero3_differs_from_one_process(request, w):
+    z3 = _world(request, w)[0]["zero3"]
+    assert max_diff(z3["cases"]["bnb_stock"]["params"], z3["refs"]["bnb", 1]) > CONTROL_MIN
+    assert "Param gradient must be a 2D matrix" in z3["cases"]["muon_stock"]["error"]
+
+
+@pytest.mark.slow
+def test_zero3_owner_compute_refuses_what_it_cannot_do(world2):
+    errs = world2[0]["zero3"]["errors"]
+    assert "DeepSpeedHookError" in errs["offload"] and "zero_optimization.offload_optimizer" in errs["offload"]
+    assert "DeepSpeedHookError" in errs["checkpoint"] and "saving the optimizer state" in errs["checkpoint"]

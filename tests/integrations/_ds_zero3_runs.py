@@ -1,0 +1,152 @@
+"""ZeRO-3 runs for tests/integrations/test_deepspeed_zero3.py (top-level functions for spawned ranks).
+
+One spawn per world size runs every case with real DeepSpeed ZeRO-3 engines (one after the other
+in the same gloo group; ``stage3_param_persistence_threshold: 0`` so every parameter is
+partitioned, as in a large model) and, on rank 0, the one-process references (plain torch, the
+same optimizer over the model's parameters, the same micro-batches). Every rank gets the whole
+batch, so the data-parallel average is every rank's own gradient exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import _ds_runs as base
+import torch
+from torch import nn
+
+STEPS = 3
+LR = {"adamw": 1e-2, "bnb": 1e-2, "ao8bit": 1e-2, "muon": 0.02, "shampoo": 1e-2}
+KINDS = tuple(LR)
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    params = list(params)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=LR[kind])
+    if kind == "bnb":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=LR[kind])
+    if kind == "ao8bit":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(params, lr=LR[kind])
+    if kind == "muon":
+        return torch.optim.Muon(params, lr=LR[kind])
+    if kind == "shampoo":
+        from blockshard.optim import BlockedShampoo
+
+        return BlockedShampoo(params, lr=LR[kind], max_preconditioner_dim=32)
+    raise ValueError(kind)
+
+
+def make_model(kind: str) -> nn.Module:
+    return base.MatrixMLP() if kind == "muon" else base.BlockMLP()
+
+
+def config(gas: int = 1, stock: bool = False, batch: int = 12) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": batch // gas,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    if not stock:
+        cfg["blockshard"] = {}
+    return cfg
+
+
+def _micro(gas: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each step's batch cut into ``gas`` micro-batches."""
+    out = []
+    for x, y in base.batches(STEPS):
+        b = x.shape[0] // gas
+        out.append([(x[k * b : (k + 1) * b], y[k * b : (k + 1) * b]) for k in range(gas)])
+    return out
+
+
+def reference(kind: str, gas: int = 1) -> list[torch.Tensor]:
+    """One process: each micro-batch's loss / gas backward (as DeepSpeed scales it), then a step."""
+    model = make_model(kind)
+    opt = make_optimizer(kind, model.parameters())
+    for micro in _micro(gas):
+        for x, y in micro:
+            (base._loss(model, x, y) / gas).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train(kind: str, *, gas: int = 1, zero_init: bool = False, stock: bool = False) -> dict:
+    """A ZeRO-3 engine (hooked unless ``stock``) trained on the whole batch; the full parameters
+    and the hook's owner traffic."""
+    import deepspeed
+
+    from blockshard.integrations import deepspeed as bsd
+
+    cfg = config(gas, stock)
+    ctx = deepspeed.zero.Init(config_dict_or_path=cfg) if zero_init else contextlib.nullcontext()
+    with ctx:
+        model = make_model(kind)
+    if zero_init:
+        assert all(p.numel() == 0 for p in model.parameters())  # partitioned at construction
+    opt = make_optimizer(kind, model.parameters())
+    init = deepspeed.initialize if stock else bsd.initialize
+    engine, _, _, _ = init(model=model, optimizer=opt, config=cfg)
+    for micro in _micro(gas):
+        for x, y in micro:
+            engine.backward(base._loss(engine, x, y))
+            engine.step()
+    params = list(model.parameters())
+    assert all(p.numel() == 0 for p in params)  # every parameter partitioned (nothing persistent)
+    with deepspeed.zero.GatheredParameters(params):
+        full = [p.detach().clone() for p in params]
+    out: dict = {"params": full}
+    if not stock:
+        out["traffic"] = engine.optimizer.owner_traffic()
+    engine.destroy()
+    return out
+
+
+def error(what: str) -> str:
+    """What a refused setup raises (the message), or "no error"."""
+    from blockshard.integrations import deepspeed as bsd
+
+    cfg = config()
+    if what == "offload":
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    model = make_model("bnb")
+    opt = make_optimizer("bnb", model.parameters())
+    try:
+        engine, _, _, _ = bsd.initialize(model=model, optimizer=opt, config=cfg)
+        if what == "checkpoint":
+            engine.save_checkpoint(os.environ.get("TMPDIR", "/tmp") + f"/bs-z3-refused-{os.getpid()}")
+    except Exception as e:  # the test reads the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def run_cases(rank: int, spec: dict) -> dict:
+    """In a spawned rank that ran ``_ds_runs.setup_env`` (``_ds_runs.run_world`` calls this with
+    its spec's ``zero3``): ``cases`` {name: (kind, kwargs of :func:`train`)}, ``refs`` [(kind,
+    gas)] (rank 0), ``errors`` [what]."""
+    out: dict = {"cases": {}, "refs": {}, "errors": {}}
+    for name, (kind, kw) in spec.get("cases", {}).items():
+        try:
+            out["cases"][name] = train(kind, **kw)
+        except Exception as e:  # a refused stock setup (torch's Muon on DeepSpeed's flat partition)
+            out["cases"][name] = {"error": f"{type(e).__name__}: {e}"}
+    for what in spec.get("errors", []):
+        out["errors"][what] = error(what)
+    if rank == 0:
+        with torch.random.fork_rng(devices=[]):
+            for kind, gas in spec.get("refs", []):
+                out["refs"][kind, gas] = reference(kind, gas)
+    return out
