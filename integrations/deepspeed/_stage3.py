@@ -36,8 +36,14 @@ gradient accumulation, clipping and loss scaling as they are, and replaces only
 Refused with a :class:`DeepSpeedHookError` under owner-compute (checked at ``initialize``, nothing
 silently wrong): optimizer offload and NVMe, parameter offload, ZenFlow, MoE, MiCS / hpZ (the
 partition group is not the data-parallel group), 16-bit master weights, torch autocast's
-GradScaler, parameters tagged ``use_muon`` (DeepSpeed's own Muon path), and saving or loading
-checkpoints (the owners' state is not in DeepSpeed's flat layout; not done yet).
+GradScaler, parameters tagged ``use_muon`` (DeepSpeed's own Muon path).
+
+Checkpoints (``engine.save_checkpoint`` / ``load_checkpoint``) under owner-compute: each rank's
+optimizer file holds the state of the parameters it owns (DeepSpeed puts the owners' whole tensors
+in the inner optimizer's ``param_groups`` around ``state_dict()``), with the owner plan
+(:data:`OWNER_PLAN_KEY`). Loading checks the plan on every rank: a checkpoint saved at another world
+size, over other parameters or with the other kind of optimizer raises a :class:`DeepSpeedHookError`
+(DeepSpeed's universal checkpoints too): moving a ZeRO-3 run to another world size is not done yet.
 """
 
 from __future__ import annotations
@@ -52,7 +58,24 @@ from blockshard.optim import semantics_for_optimizer
 
 from ._config import DeepSpeedHookError
 
-__all__ = ["is_elementwise", "make_stage3"]
+__all__ = ["OWNER_PLAN_KEY", "is_elementwise", "make_stage3"]
+
+#: Where a ZeRO-3 optimizer state under owner-compute records its owner plan.
+OWNER_PLAN_KEY = "blockshard_owner_plan"
+
+
+def _plan_mismatch(saved: dict[str, Any] | None, mine: dict[str, Any] | None) -> str:
+    def said(plan: dict[str, Any] | None) -> str:
+        if plan is None:
+            return "DeepSpeed's flat layout (no owner-compute: an element-wise optimizer or stock DeepSpeed)"
+        return f"owner-compute at W = {plan['world_size']} over {len(plan['params'])} parameters"
+
+    return (
+        f"this ZeRO-3 checkpoint's optimizer state was saved with {said(saved)}, and this engine steps with "
+        f"{said(mine)}: its state would land on other parameters. Load it with the same world size, "
+        "parameters and optimizer kind (element-wise or not) it was saved with; moving a run to another world "
+        "size is not done yet for ZeRO-3"
+    )
 
 
 def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
@@ -271,21 +294,46 @@ def make_stage3() -> type:
                 "bytes_per_step": list(self._bs_moved),
             }
 
-        # -- checkpoints (not done under owner-compute) --------------------------------------------
-        def _bs_no_checkpoint(self, what: str) -> None:
-            if self._bs_owner:
-                raise DeepSpeedHookError(
-                    f"{what} of a ZeRO-3 engine under blockshard's owner-compute (inner optimizer "
-                    f"{type(self.optimizer).__name__}) is not supported yet: the owners' optimizer state is "
-                    "not in DeepSpeed's flat layout. Use ZeRO stage 1 or 2 with the hook for checkpoints"
-                )
+        # -- checkpoints ---------------------------------------------------------------------------
+        # DeepSpeed's _rigid_state_dict / _rigid_load_state_dict put the fp32 partitions in the
+        # inner optimizer's param_groups around its state_dict() / load_state_dict(); under
+        # owner-compute the state is keyed by the owners' whole tensors, so those go there instead
+        # (each rank's file holds the state of the parameters it owns), with the plan beside it.
+        def _set_fp32_optimizer_param_groups(self) -> None:
+            if not self._bs_owner:
+                super()._set_fp32_optimizer_param_groups()
+                return
+            for i, sg in enumerate(self._bs_subgroups):
+                gid = self.sub_group_to_group_id[i]
+                self.optimizer.param_groups[gid]["params"].extend(q.whole for q in sg.params if q.whole is not None)
+
+        def _bs_plan_record(self) -> dict[str, Any]:
+            group = self.dp_process_group
+            return {
+                "world_size": dist.get_world_size(group=group),
+                "params": [[q.name, list(q.shape), q.owner] for sg in self._bs_subgroups for q in sg.params],
+            }
 
         def state_dict(self) -> Any:
-            self._bs_no_checkpoint("saving the optimizer state")
-            return super().state_dict()
+            out = super().state_dict()
+            if self._bs_owner:
+                out[OWNER_PLAN_KEY] = self._bs_plan_record()
+            return out
 
-        def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
-            self._bs_no_checkpoint("loading the optimizer state")
-            return super().load_state_dict(*args, **kwargs)
+        def _rigid_load_state_dict(self, state_dict: dict[str, Any], load_optimizer_states: bool = True) -> None:
+            saved = state_dict.get(OWNER_PLAN_KEY)
+            mine = self._bs_plan_record() if self._bs_owner else None
+            if load_optimizer_states and saved != mine:
+                raise DeepSpeedHookError(_plan_mismatch(saved, mine))
+            super()._rigid_load_state_dict(state_dict, load_optimizer_states=load_optimizer_states)
+
+        def _load_universal_checkpoint(self, *args: Any, **kwargs: Any) -> None:
+            if self._bs_owner:
+                raise DeepSpeedHookError(
+                    "universal checkpoints are not supported by blockshard's ZeRO-3 owner-compute (the state is "
+                    "per whole parameter on its owner, not DeepSpeed's flat fp32 partitions); load the checkpoint "
+                    "at the world size it was saved at"
+                )
+            super()._load_universal_checkpoint(*args, **kwargs)
 
     return BlockshardStage3

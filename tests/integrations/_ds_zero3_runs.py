@@ -114,6 +114,55 @@ def train(kind: str, *, gas: int = 1, zero_init: bool = False, stock: bool = Fal
     return out
 
 
+def _engine(kind: str, cfg: dict, optimizer: str | None = None):
+    """A hooked engine on ``kind``'s model with ``optimizer`` (default: ``kind``'s)."""
+    from blockshard.integrations import deepspeed as bsd
+
+    model = make_model(kind)
+    opt = make_optimizer(optimizer or kind, model.parameters())
+    engine, _, _, _ = bsd.initialize(model=model, optimizer=opt, config=cfg)
+    return model, engine
+
+
+def _full(model) -> list[torch.Tensor]:
+    import deepspeed
+
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def checkpoint(kind: str, ckpt_dir: str) -> dict:
+    """Two steps, ``save_checkpoint``, one more step (``a``); a new engine loads the checkpoint and
+    takes that step (``b``); an engine with an element-wise optimizer must refuse the checkpoint."""
+    cfg = config()
+    steps = _micro(1)
+    model, engine = _engine(kind, cfg)
+    for k, micro in enumerate(steps):
+        if k == 2:
+            engine.save_checkpoint(ckpt_dir, tag="t2")
+        for x, y in micro:
+            engine.backward(base._loss(engine, x, y))
+            engine.step()
+    a = _full(model)
+    engine.destroy()
+    model2, engine2 = _engine(kind, cfg)
+    engine2.load_checkpoint(ckpt_dir, tag="t2")
+    for x, y in steps[2]:
+        engine2.backward(base._loss(engine2, x, y))
+        engine2.step()
+    b = _full(model2)
+    engine2.destroy()
+    _, engine3 = _engine(kind, cfg, optimizer="adamw")
+    try:
+        engine3.load_checkpoint(ckpt_dir, tag="t2")
+        mismatch = "no error"
+    except Exception as e:  # the test reads the message
+        mismatch = f"{type(e).__name__}: {e}"
+    engine3.destroy()
+    return {"a": a, "b": b, "mismatch": mismatch}
+
+
 def error(what: str) -> str:
     """What a refused setup raises (the message), or "no error"."""
     from blockshard.integrations import deepspeed as bsd
@@ -125,9 +174,7 @@ def error(what: str) -> str:
     model = make_model("bnb")
     opt = make_optimizer("bnb", model.parameters())
     try:
-        engine, _, _, _ = bsd.initialize(model=model, optimizer=opt, config=cfg)
-        if what == "checkpoint":
-            engine.save_checkpoint(os.environ.get("TMPDIR", "/tmp") + f"/bs-z3-refused-{os.getpid()}")
+        bsd.initialize(model=model, optimizer=opt, config=cfg)
     except Exception as e:  # the test reads the message
         return f"{type(e).__name__}: {e}"
     return "no error"
@@ -136,7 +183,7 @@ def error(what: str) -> str:
 def run_cases(rank: int, spec: dict) -> dict:
     """In a spawned rank that ran ``_ds_runs.setup_env`` (``_ds_runs.run_world`` calls this with
     its spec's ``zero3``): ``cases`` {name: (kind, kwargs of :func:`train`)}, ``refs`` [(kind,
-    gas)] (rank 0), ``errors`` [what]."""
+    gas)] (rank 0), ``errors`` [what], ``ckpt`` [kind] (in the directory ``tmp``)."""
     out: dict = {"cases": {}, "refs": {}, "errors": {}}
     for name, (kind, kw) in spec.get("cases", {}).items():
         try:
@@ -145,6 +192,8 @@ def run_cases(rank: int, spec: dict) -> dict:
             out["cases"][name] = {"error": f"{type(e).__name__}: {e}"}
     for what in spec.get("errors", []):
         out["errors"][what] = error(what)
+    for kind in spec.get("ckpt", []):
+        out.setdefault("ckpt", {})[kind] = checkpoint(kind, os.path.join(spec["tmp"], f"z3-{kind}"))
     if rank == 0:
         with torch.random.fork_rng(devices=[]):
             for kind, gas in spec.get("refs", []):
