@@ -189,8 +189,15 @@ def _initialize(kwargs: dict[str, Any], *, require_section: bool) -> Any:
                 "the blockshard hook is not active; remove mics_shard_size or the blockshard section"
             )
         owner = engine.optimizer.owner_traffic()["owner"]  # type: ignore[attr-defined]
-        how = "owner-compute on whole parameters" if owner else "the stock step (an element-wise optimizer)"
-        _log.info("blockshard: DeepSpeed ZeRO-3 with the hook (%s)", how)
+        policy = "owner (whole parameters)" if owner else "stock (an element-wise optimizer)"
+        log_engaged(
+            engine,
+            "the DeepSpeed hook",
+            engine="DeepSpeed ZeRO-3",
+            semantics=hc.semantics,
+            policy=policy,
+            with_report=False,
+        )
         return out
     if stage == 0:
         _log.info("blockshard: ZeRO stage 0 keeps whole parameters on every rank; nothing to align")
@@ -203,13 +210,14 @@ def _initialize(kwargs: dict[str, Any], *, require_section: bool) -> Any:
 
 
 def is_hooked(engine: object) -> bool:
-    """Whether ``engine``'s ZeRO optimizer is blockshard's."""
-    return isinstance(getattr(engine, "optimizer", None), hooked_classes()["zero12"])
+    """Whether ``engine``'s ZeRO optimizer is blockshard's (ZeRO-1/2 or ZeRO-3)."""
+    classes = hooked_classes()
+    return isinstance(getattr(engine, "optimizer", None), (classes["zero12"], classes["zero3"]))
 
 
 def layout_report(engine: DeepSpeedEngine) -> list[dict[str, Any]]:
     """Per ``param_group`` of a hooked engine: layout (segment, starts), names, semantics, padding."""
-    if not is_hooked(engine):
+    if not isinstance(getattr(engine, "optimizer", None), hooked_classes()["zero12"]):
         raise DeepSpeedHookError(
             "layout_report needs an engine made by blockshard.integrations.deepspeed.initialize with ZeRO stage 1 or 2"
         )

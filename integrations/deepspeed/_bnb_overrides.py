@@ -13,7 +13,8 @@ misses and the embedding gets 8-bit state (1.5e-4 from one process after 4 Train
 :func:`follow_overrides` gives each view its parameter's config for one ``_optimizer_step``:
 ``pid2config[id(view)]`` is the parameter's config dict itself (so a later ``override_config`` on
 the parameter reaches the view) and ``index2config`` holds, at the positions DeepSpeed steps
-(``_optimizer_step`` leaves one ``param_group``, so ``gindex`` is 0), exactly the views' configs;
+(ZeRO-1/2's ``_optimizer_step`` leaves one ``param_group``, so ``gindex`` is 0; ZeRO-3 steps the
+group in place, at its own position), exactly the views' configs;
 the previous ``index2config`` entries at those positions are restored afterwards, since the table
 is process-wide and another bitsandbytes optimizer may use the same positions.
 """
@@ -60,9 +61,14 @@ def resolve_module_overrides(optimizer: torch.optim.Optimizer, params: Sequence[
 
 @contextlib.contextmanager
 def follow_overrides(
-    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], views: Sequence[tuple[torch.Tensor, int]]
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    views: Sequence[tuple[torch.Tensor, int]],
+    gindex: int = 0,
 ) -> Iterator[None]:
-    """During the block: view ``k`` (``(tensor, index into params)``) carries ``params[index]``'s config."""
+    """During the block: view ``k`` (``(tensor, index into params)``) carries ``params[index]``'s config;
+    ``gindex``: the position of the ``param_group`` holding the views (ZeRO-3 steps the group in place,
+    ZeRO-1/2 alone as group 0)."""
     mng = _manager(optimizer)
     if mng is None:
         yield
@@ -70,12 +76,12 @@ def follow_overrides(
     saved = {}
     for k, (view, index) in enumerate(views):
         config = mng.pid2config.get(id(params[index]))
-        saved[(0, k)] = mng.index2config.pop((0, k), None)
+        saved[(gindex, k)] = mng.index2config.pop((gindex, k), None)
         if config is None:
             mng.pid2config.pop(id(view), None)
         else:
             mng.pid2config[id(view)] = config
-            mng.index2config[(0, k)] = config
+            mng.index2config[(gindex, k)] = config
     try:
         yield
     finally:

@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from blockshard.optim import semantics_for_optimizer
 
+from ._bnb_overrides import follow_overrides, resolve_module_overrides
 from ._config import DeepSpeedHookError
 
 __all__ = ["OWNER_PLAN_KEY", "is_elementwise", "make_stage3"]
@@ -169,6 +170,7 @@ def make_stage3() -> type:
             self._bs_subgroups: list[_SubGroup] = []
             self._bs_moved: list[int] = []  # bytes this rank sent per optimizer step
             self._bs_names = {id(q): n for q, n in getattr(self, "param_names", {}).items()}
+            self._bs_overrides_resolved = False
             if self._bs_owner:
                 self._bs_plan()
 
@@ -252,10 +254,16 @@ def make_stage3() -> type:
                 assert q.whole is not None
                 q.whole.grad = grads[id(q)]
                 tensors.append(q.whole)
+            if not self._bs_overrides_resolved:  # bitsandbytes' check_overrides, first step
+                resolve_module_overrides(self.optimizer, [q for g in self.fp16_groups for q in g])
+                self._bs_overrides_resolved = True
             if tensors:
                 self.optimizer.param_groups[gid]["params"] = tensors
+                index = {id(q): j for j, q in enumerate(self.fp16_groups[i])}
+                owned = [(t, index[id(q)]) for t, q in zip(tensors, self._bs_owned_params(i), strict=True)]
                 try:
-                    self.optimizer.step()
+                    with follow_overrides(self.optimizer, self.fp16_groups[i], owned, gindex=gid):
+                        self.optimizer.step()
                 finally:
                     self.optimizer.param_groups[gid]["params"] = []
                     for t in tensors:
@@ -283,6 +291,14 @@ def make_stage3() -> type:
                     flat.data.narrow(0, q.flat_offset, n).copy_(out2.narrow(0, pos, n))
                     pos += n
             self._bs_moved.append((inp.numel() + inp2.numel()) * flat.element_size())
+
+        def _bs_owned_params(self, i: int) -> list[torch.Tensor]:
+            """The module parameters of sub-group ``i`` this rank owns, in plan order."""
+            return [
+                q
+                for q, prm in zip(self.fp16_groups[i], self._bs_subgroups[i].params, strict=True)
+                if prm.whole is not None
+            ]
 
         # -- what the hook reports -----------------------------------------------------------------
         def owner_traffic(self) -> dict[str, Any]:

@@ -26,10 +26,33 @@ __all__ = ["log_engaged"]
 
 
 def log_engaged(
-    model: nn.Module, source: str, *, engine: str, semantics: object, policy: str, optimizers: Sequence[object] = ()
+    model: nn.Module,
+    source: str,
+    *,
+    engine: str,
+    semantics: object,
+    policy: str,
+    optimizers: Sequence[object] = (),
+    with_report: bool = True,
 ) -> None:
-    """[Note: engage line] Log that blockshard engaged on ``model`` and its report (every rank calls it)."""
+    """[Note: engage line] Log that blockshard engaged on ``model`` and its report (every rank calls
+    it; ``with_report=False``: the line alone, for engines the report does not read: DeepSpeed ZeRO-3)."""
     if not log_on():
+        return
+    if not with_report:
+        W = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if W == 1 or dist.get_rank() == 0:
+            said = semantics if isinstance(semantics, str) else repr(semantics)
+            s = "" if W == 1 else "s"
+            logger.info(
+                "blockshard engaged (%s): engine %s, semantics %s, policy %s, over %d rank%s",
+                source,
+                engine,
+                said,
+                policy,
+                W,
+                s,
+            )
         return
     from rich.console import Console
 
