@@ -48,11 +48,11 @@ def make_model(kind: str) -> nn.Module:
     return base.MatrixMLP() if kind == "muon" else base.BlockMLP()
 
 
-def config(gas: int = 1, stock: bool = False, batch: int = 12) -> dict:
+def config(gas: int = 1, stock: bool = False, batch: int = 12, clip: float = 0.0) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": batch // gas,
         "gradient_accumulation_steps": gas,
-        "gradient_clipping": 0,
+        "gradient_clipping": clip,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
@@ -71,32 +71,49 @@ def _micro(gas: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     return out
 
 
-def reference(kind: str, gas: int = 1) -> list[torch.Tensor]:
-    """One process: each micro-batch's loss / gas backward (as DeepSpeed scales it), then a step."""
+def _trainable(model: nn.Module, frozen: bool) -> list[nn.Parameter]:
+    """``frozen``: ``fc1`` does not train (its parameters stay out of the optimizer)."""
+    if frozen:
+        model.fc1.requires_grad_(False)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def reference(kind: str, gas: int = 1, clip: float = 0.0, frozen: bool = False) -> list[torch.Tensor]:
+    """One process: each micro-batch's loss / gas backward (as DeepSpeed scales it), torch's
+    ``clip_grad_norm_`` (``clip``), then a step."""
     model = make_model(kind)
-    opt = make_optimizer(kind, model.parameters())
+    opt = make_optimizer(kind, _trainable(model, frozen))
     for micro in _micro(gas):
         for x, y in micro:
             (base._loss(model, x, y) / gas).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
 
 
-def train(kind: str, *, gas: int = 1, zero_init: bool = False, stock: bool = False) -> dict:
+def ref_key(kind: str, kw: dict) -> tuple:
+    """The reference a case compares with: ``(kind, gas, clip, frozen)``."""
+    return (kind, kw.get("gas", 1), kw.get("clip", 0.0), kw.get("frozen", False))
+
+
+def train(
+    kind: str, *, gas: int = 1, zero_init: bool = False, stock: bool = False, clip: float = 0.0, frozen: bool = False
+) -> dict:
     """A ZeRO-3 engine (hooked unless ``stock``) trained on the whole batch; the full parameters
     and the hook's owner traffic."""
     import deepspeed
 
     from blockshard.integrations import deepspeed as bsd
 
-    cfg = config(gas, stock)
+    cfg = config(gas, stock, clip=clip)
     ctx = deepspeed.zero.Init(config_dict_or_path=cfg) if zero_init else contextlib.nullcontext()
     with ctx:
         model = make_model(kind)
     if zero_init:
         assert all(p.numel() == 0 for p in model.parameters())  # partitioned at construction
-    opt = make_optimizer(kind, model.parameters())
+    opt = make_optimizer(kind, _trainable(model, frozen))
     init = deepspeed.initialize if stock else bsd.initialize
     engine, _, _, _ = init(model=model, optimizer=opt, config=cfg)
     for micro in _micro(gas):
@@ -182,8 +199,8 @@ def error(what: str) -> str:
 
 def run_cases(rank: int, spec: dict) -> dict:
     """In a spawned rank that ran ``_ds_runs.setup_env`` (``_ds_runs.run_world`` calls this with
-    its spec's ``zero3``): ``cases`` {name: (kind, kwargs of :func:`train`)}, ``refs`` [(kind,
-    gas)] (rank 0), ``errors`` [what], ``ckpt`` [kind] (in the directory ``tmp``)."""
+    its spec's ``zero3``): ``cases`` {name: (kind, kwargs of :func:`train`)}, ``refs`` [:func:`ref_key`]
+    (rank 0), ``errors`` [what], ``ckpt`` [kind] (in the directory ``tmp``)."""
     out: dict = {"cases": {}, "refs": {}, "errors": {}}
     for name, (kind, kw) in spec.get("cases", {}).items():
         try:
@@ -196,6 +213,6 @@ def run_cases(rank: int, spec: dict) -> dict:
         out.setdefault("ckpt", {})[kind] = checkpoint(kind, os.path.join(spec["tmp"], f"z3-{kind}"))
     if rank == 0:
         with torch.random.fork_rng(devices=[]):
-            for kind, gas in spec.get("refs", []):
-                out["refs"][kind, gas] = reference(kind, gas)
+            for key in spec.get("refs", []):
+                out["refs"][key] = reference(*key)
     return out
