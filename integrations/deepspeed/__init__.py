@@ -52,6 +52,7 @@ from ._config import (
 )
 from ._dcp import ExportSummary, export_dcp, import_dcp, read_deepspeed_checkpoint
 from ._hook import LAYOUT_KEY, hooked_classes
+from ._stage3 import zero3_optimizer
 
 if TYPE_CHECKING:  # DeepSpeed ships no type information: its classes are Any to mypy
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -78,6 +79,7 @@ __all__ = [
     "parse_section",
     "read_deepspeed_checkpoint",
     "uninstall",
+    "zero3_optimizer",
 ]
 
 _log = logging.getLogger(__name__)

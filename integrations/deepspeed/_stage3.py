@@ -48,6 +48,7 @@ size, over other parameters or with the other kind of optimizer raises a :class:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +60,7 @@ from blockshard.optim import semantics_for_optimizer
 from ._bnb_overrides import follow_overrides, resolve_module_overrides
 from ._config import DeepSpeedHookError
 
-__all__ = ["OWNER_PLAN_KEY", "is_elementwise", "make_stage3"]
+__all__ = ["OWNER_PLAN_KEY", "is_elementwise", "make_stage3", "zero3_optimizer"]
 
 #: Where a ZeRO-3 optimizer state under owner-compute records its owner plan.
 OWNER_PLAN_KEY = "blockshard_owner_plan"
@@ -77,6 +78,39 @@ def _plan_mismatch(saved: dict[str, Any] | None, mine: dict[str, Any] | None) ->
         "parameters and optimizer kind (element-wise or not) it was saved with; moving a run to another world "
         "size is not done yet for ZeRO-3"
     )
+
+
+def zero3_optimizer(factory: Callable[[Any], torch.optim.Optimizer], params: Any) -> torch.optim.Optimizer:
+    """``factory(params)`` for parameters that ``deepspeed.zero.Init`` partitioned at construction.
+
+    Their tensors are 1-D placeholders until DeepSpeed gathers them, so an optimizer whose
+    constructor checks shapes refuses them (torch's ``Muon``: "Muon only supports 2D parameters").
+    The constructor here sees meta tensors of each parameter's full shape (``ds_shape``); then every
+    ``param_group`` holds the real parameters again, which is what ``deepspeed.initialize`` reads.
+    Under the hook's ZeRO-3 owner-compute the optimizer steps whole parameters of those shapes.
+    ``params``: parameters or ``param_groups`` (dicts with ``"params"``), as the optimizer takes.
+    """
+    real: dict[int, torch.Tensor] = {}
+
+    def stand_in(p: torch.Tensor) -> torch.Tensor:
+        shape = getattr(p, "ds_shape", None)
+        if shape is None:
+            return p
+        t = torch.empty(tuple(shape), dtype=p.dtype, device="meta", requires_grad=p.requires_grad)
+        real[id(t)] = p
+        return t
+
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        args: list[Any] = [{**g, "params": [stand_in(p) for p in g["params"]]} for g in params]
+    else:
+        args = [stand_in(p) for p in params]
+    opt = factory(args)
+    for g in opt.param_groups:
+        g["params"] = [real.get(id(t), t) for t in g["params"]]
+    return opt
 
 
 def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:

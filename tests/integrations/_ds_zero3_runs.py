@@ -113,7 +113,10 @@ def train(
         model = make_model(kind)
     if zero_init:
         assert all(p.numel() == 0 for p in model.parameters())  # partitioned at construction
-    opt = make_optimizer(kind, _trainable(model, frozen))
+    if zero_init:  # torch's Muon checks shapes at construction: zero.Init's placeholders are 1-D
+        opt = bsd.zero3_optimizer(lambda ps: make_optimizer(kind, ps), _trainable(model, frozen))
+    else:
+        opt = make_optimizer(kind, _trainable(model, frozen))
     init = deepspeed.initialize if stock else bsd.initialize
     engine, _, _, _ = init(model=model, optimizer=opt, config=cfg)
     for micro in _micro(gas):

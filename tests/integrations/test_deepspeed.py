@@ -16,8 +16,8 @@ invariance"):
   4.1e-3 (W = 3); threshold ``CONTROL_MIN = 1e-3``.
 * ZeRO-3 (``_ds_zero3_runs``, in the same spawns; every parameter partitioned): AdamW, bitsandbytes
   and torchao AdamW8bit, torch Muon and BlockedShampoo, each plain, with gradient accumulation 2
-  and (not Muon: torch's Muon refuses zero.Init's 1-D placeholders at construction) under
-  ``deepspeed.zero.Init``, equal one process **bitwise** after 3 steps at W = 2 and 4. Controls:
+  and under ``deepspeed.zero.Init`` (the optimizer built by ``zero3_optimizer``: torch's Muon
+  refuses zero.Init's 1-D placeholders at construction), equal one process **bitwise** after 3 steps at W = 2 and 4. Controls:
   stock ZeRO-3 + AdamW8bit differs by more than ``CONTROL_MIN`` (measured 5.6e-3 at W = 2, 4.5e-3
   at W = 4); stock ZeRO-3 + torch Muon raises (its flat partition is 1-D). With a frozen layer
   bitwise too; with DeepSpeed's gradient clipping (0.05, the norm is about 0.3) against torch's
@@ -128,6 +128,19 @@ def test_deepspeed_ignores_unknown_top_level_keys():
     assert cfg.zero_optimization_stage == 2
 
 
+def test_zero3_optimizer_builds_a_shape_checking_optimizer_over_partitioned_placeholders():
+    """deepspeed.zero.Init leaves 1-D placeholders with the full shape in ``ds_shape``: torch's Muon
+    refuses them (the control); built by ``zero3_optimizer`` its param_groups hold the parameters."""
+    w, v = torch.nn.Parameter(torch.empty(0)), torch.nn.Parameter(torch.empty(0))
+    w.ds_shape, v.ds_shape = torch.Size([3, 4]), torch.Size([5, 2])
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+        torch.optim.Muon([w, v], lr=0.02)
+    opt = bsd.zero3_optimizer(lambda ps: torch.optim.Muon(ps, lr=0.02), [w, v])
+    assert opt.param_groups[0]["params"][0] is w and opt.param_groups[0]["params"][1] is v
+    groups = bsd.zero3_optimizer(lambda g: torch.optim.Muon(g), [{"params": [w], "lr": 0.1}, {"params": [v]}])
+    assert [g["params"] for g in groups.param_groups] == [[w], [v]] and groups.param_groups[0]["lr"] == 0.1
+
+
 # -- version guard (pure) -----------------------------------------------------------------------
 def test_version_guard(monkeypatch):
     import deepspeed
@@ -201,7 +214,7 @@ def _zero3_spec(full: bool) -> dict:
             cases[kind] = (kind, {})
         if full or kind in ("ao8bit", "muon"):
             cases[f"{kind}_gas2"] = (kind, {"gas": 2})
-        if kind != "muon" and (full or kind in ("bnb", "shampoo")):
+        if full or kind in ("bnb", "shampoo"):
             cases[f"{kind}_zinit"] = (kind, {"zero_init": True})
     cases["bnb_clip"] = ("bnb", {"clip": 0.05})  # DeepSpeed's global-norm clipping acts (norm about 0.3)
     if full:
