@@ -1,4 +1,4 @@
-"""The ZeRO-3 hook: DeepSpeed keeps its partitions; the optimizer step computes on whole parameters.
+"""The ZeRO-3 hook: DeepSpeed keeps its partitions; the optimizer step computes on whole units.
 
 [Note: ZeRO-3 owner-compute]
 What stock DeepSpeed 0.19.8 does (``deepspeed/runtime/zero/stage3.py``): every parameter is
@@ -19,19 +19,28 @@ gradient accumulation, clipping and loss scaling as they are, and replaces only
 * **Element-wise inner optimizers** (torch's AdamW, Adam, SGD, ... :func:`is_elementwise`): the
   stock step, nothing added.
 * **Every other optimizer** (bitsandbytes / torchao 8-bit, ``Muon``, ``BlockedShampoo``, any the
-  hook does not know): *owner-compute on whole parameters*. Each parameter has one owner rank
-  (largest first, to the least-loaded rank, over all sub-groups: the same plan on every rank). One
-  ``all_to_all_single`` on the data-parallel group moves every rank's real elements (padding left
-  out) of each parameter's gradient and fp32 master value to its owner, which rebuilds the whole
-  parameter (its own shape) in a tensor of its own, kept across steps (the optimizer's state is
-  keyed by it), and runs the unmodified inner optimizer on those tensors; a second
-  ``all_to_all_single`` sends each rank its slice of the new values, written into the flat master
-  partition. So the optimizer computes on every parameter what it computes on one process: whole
-  matrices for Muon (Newton-Schulz once per optimizer step), bitsandbytes' blocks from each
-  parameter's start and its 32-bit state below 4096 elements. The optimizer state of a parameter
-  lives on its owner only (about 1 / W of the total per rank).
-* **Bytes moved per step** (:meth:`owner_traffic`): per rank, ``2 x 4`` bytes per real element it
-  holds in (gradient and value), ``4`` bytes per element back: ``12 x numel / W`` bytes on average.
+  hook does not know): *owner-compute on runs*. :func:`plan_runs` cuts each parameter into runs the
+  optimizer may compute on alone, given the optimizer's block semantics (its
+  :class:`~blockshard.semantics.UnitGrid`): a parameter whose grid is whole (a Muon matrix, a tensor
+  below 4096 elements for 8-bit state, an optimizer blockshard does not know) is one run, owned by
+  the least-loaded rank (largest first); any other is cut at the allowed cuts nearest to DeepSpeed's
+  partition boundaries, keeping every run at least ``min_cut`` long (bitsandbytes: multiples of 256,
+  runs of at least 4096 elements, so each run gets 8-bit state in blocks that start where one
+  process's do), and each run is owned by the rank whose partition holds most of it. One
+  ``all_to_all_single`` on the data-parallel group moves every rank's real elements of each run
+  (gradient and fp32 master value; padding left out) to the run's owner, which assembles the run in
+  a tensor of its own (the parameter's shape, whole rows, or flat: :func:`blockshard._arith.block_shape`)
+  kept across steps (the optimizer's state is keyed by it) and runs the unmodified inner optimizer
+  on those tensors; a second ``all_to_all_single`` sends each rank its slice of the new values,
+  written into the flat master partition. So the optimizer computes on every parameter what it
+  computes on one process (Newton-Schulz once per optimizer step on whole matrices; bitsandbytes'
+  blocks from each parameter's start; 32-bit state below 4096 elements), and the state of a run
+  lives on its owner only.
+* **Balance and bytes** (:func:`plan_runs`, :meth:`owner_traffic`): a cut run's owner already holds
+  most of it, so only the few elements between a partition boundary and the nearest allowed cut
+  move; whole runs move to one rank. The optimizer state per rank is about ``1 / W`` of the total
+  where parameters can be cut (every 8-bit tensor of at least 4096 elements), and whole matrices are
+  placed largest first.
 
 Refused with a :class:`DeepSpeedHookError` under owner-compute (checked at ``initialize``, nothing
 silently wrong): optimizer offload and NVMe, parameter offload, ZenFlow, MoE, MiCS / hpZ (the
@@ -39,7 +48,7 @@ partition group is not the data-parallel group), 16-bit master weights, torch au
 GradScaler, parameters tagged ``use_muon`` (DeepSpeed's own Muon path).
 
 Checkpoints (``engine.save_checkpoint`` / ``load_checkpoint``) under owner-compute: each rank's
-optimizer file holds the state of the parameters it owns (DeepSpeed puts the owners' whole tensors
+optimizer file holds the state of the runs it owns (DeepSpeed puts the owners' run tensors
 in the inner optimizer's ``param_groups`` around ``state_dict()``), with the owner plan
 (:data:`OWNER_PLAN_KEY`). Loading checks the plan on every rank: a checkpoint saved at another world
 size, over other parameters or with the other kind of optimizer raises a :class:`DeepSpeedHookError`
@@ -48,6 +57,8 @@ size, over other parameters or with the other kind of optimizer raises a :class:
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,12 +66,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from blockshard._arith import block_shape
 from blockshard.optim import semantics_for_optimizer
+from blockshard.semantics import TensorSpec, UnitGrid, get_semantics
 
 from ._bnb_overrides import follow_overrides, resolve_module_overrides
 from ._config import DeepSpeedHookError
 
-__all__ = ["OWNER_PLAN_KEY", "is_elementwise", "make_stage3", "zero3_optimizer"]
+__all__ = ["OWNER_PLAN_KEY", "Run", "is_elementwise", "make_stage3", "moved_bytes", "plan_runs", "zero3_optimizer"]
 
 #: Where a ZeRO-3 optimizer state under owner-compute records its owner plan.
 OWNER_PLAN_KEY = "blockshard_owner_plan"
@@ -122,20 +135,106 @@ def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
 
 
 @dataclass
+class Run:
+    """Elements ``[start, end)`` of a parameter's flattening, computed on ``owner`` as a tensor of ``shape``."""
+
+    start: int
+    end: int
+    owner: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def _cuts(grid: UnitGrid, partition: int, world_size: int) -> list[int]:
+    """The allowed cuts nearest DeepSpeed's partition boundaries, runs at least ``grid.min_cut`` long."""
+    n, u, m = grid.numel, grid.unit_numel, grid.min_cut
+    if grid.min_cut > grid.max_cut:
+        return []  # whole
+    out: list[int] = []
+    last = 0
+    for k in range(1, world_size):
+        t = k * partition
+        if t >= n:
+            break
+        c = min(max((t + u // 2) // u * u, grid.min_cut), grid.max_cut)
+        if c - last >= m and n - c >= m and c > last:
+            out.append(c)
+            last = c
+    return out
+
+
+def plan_runs(
+    shapes: list[tuple[int, ...]], grids: list[UnitGrid], world_size: int
+) -> tuple[list[list[Run]], list[int]]:
+    """Pure: the runs of every parameter (``shapes[j]``, its optimizer's ``grids[j]``) under ZeRO-3's
+    partition ``ceil(numel / W)``, and each rank's owned elements. The same on every rank."""
+    W = world_size
+    load = [0] * W
+    runs: list[list[Run]] = []
+    whole: list[tuple[int, int]] = []  # (numel, parameter index)
+    for j, (shape, grid) in enumerate(zip(shapes, grids, strict=True)):
+        n = math.prod(shape)
+        P = -(-n // W) if n else 0
+        cuts = _cuts(grid, P, W) if n else []
+        if grid.min_cut > grid.max_cut or (not cuts and n > P):
+            runs.append([])
+            whole.append((n, j))
+            continue
+        bounds = [0, *cuts, n]
+        mine = []
+        for a, b in itertools.pairwise(bounds):
+            # the rank whose partition holds most of [a, b); ties: the lower rank
+            near = range(a // P, min(W, (b - 1) // P + 1))  # the ranks whose partitions [r*P, (r+1)*P) meet it
+            owner = max(near, key=lambda r: (min(b, (r + 1) * P) - max(a, r * P), -r))
+            load[owner] += b - a
+            mine.append(Run(a, b, owner, block_shape(shape, a, b - a)))
+        runs.append(mine)
+    for n, j in sorted(whole, key=lambda e: (-e[0], e[1])):
+        owner = min(range(W), key=lambda r: (load[r], r))
+        load[owner] += n
+        runs[j] = [Run(0, n, owner, tuple(shapes[j]))]
+    return runs, load
+
+
+def _span(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The real elements ``[lo, hi)`` of ``rank``'s partition of a parameter."""
+    P = -(-numel // world_size) if numel else 0
+    lo = min(rank * P, numel)
+    return lo, min(lo + P, numel)
+
+
+def moved_bytes(runs: list[list[Run]], numels: list[int], world_size: int, rank: int, itemsize: int = 4) -> int:
+    """Pure: the bytes ``rank`` sends per optimizer step under the plan (its real elements of every
+    run owned elsewhere, gradient and value; the new values of the runs it owns, to the other ranks)."""
+    sent = 0
+    for param_runs, n in zip(runs, numels, strict=True):
+        lo, hi = _span(n, world_size, rank)
+        for run in param_runs:
+            if run.owner != rank:
+                sent += 2 * max(0, min(hi, run.end) - max(lo, run.start))
+            else:
+                P = -(-n // world_size)
+                for r in range(run.start // P, min(world_size, (run.end - 1) // P + 1)):
+                    if r != rank:
+                        a, b = _span(n, world_size, r)
+                        sent += max(0, min(b, run.end) - max(a, run.start))
+    return sent * itemsize
+
+
+@dataclass(eq=False)
 class _Param:
-    """One parameter of a sub-group: where its partition sits in the flat fp32 partition."""
+    """One parameter of a sub-group: where this rank's partition sits in the flat fp32 partition."""
 
     name: str
     shape: tuple[int, ...]
     numel: int
-    partition: int  # P = ceil(numel / W): each rank's partition_numel()
     flat_offset: int  # of this rank's partition in fp32_partitioned_groups_flat[i]
-    owner: int
-    whole: torch.Tensor | None = None  # on the owner: the whole fp32 parameter, kept across steps
-
-    def real(self, rank: int) -> int:
-        """Real elements of ``rank``'s partition (the rest is padding)."""
-        return max(0, min(self.partition, self.numel - rank * self.partition))
+    label: str  # the block semantics its runs follow
+    runs: list[Run] = field(default_factory=list)
+    tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # run index -> the owner's run tensor
 
 
 @dataclass
@@ -183,7 +282,7 @@ def make_stage3() -> type:
     from ._hook import pending
 
     class BlockshardStage3(DeepSpeedZeroOptimizer_Stage3):
-        """DeepSpeed's ZeRO-3 optimizer whose step computes on whole parameters ([Note: ZeRO-3 owner-compute])."""
+        """DeepSpeed's ZeRO-3 optimizer whose step computes on whole units ([Note: ZeRO-3 owner-compute])."""
 
         def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
             p = pending()
@@ -209,33 +308,58 @@ def make_stage3() -> type:
                 self._bs_plan()
 
         # -- plan ----------------------------------------------------------------------------------
+        def _bs_semantics(self, name: str, shape: tuple[int, ...], gid: int) -> tuple[str, UnitGrid]:
+            """The block semantics a parameter's runs follow: the inner optimizer's where blockshard knows
+            it, else the ``"blockshard"`` section's rules, else whole parameters."""
+            n = math.prod(shape)
+            try:
+                label = semantics_for_optimizer(self.optimizer)
+            except ValueError:
+                if self._bs_config.semantics is None:
+                    return "whole", UnitGrid.whole(n)
+                res = self._bs_config.rules.resolve(
+                    TensorSpec(name=name, shape=shape, dtype="float32", param_group=gid)
+                )
+                return res.label, res.grid
+            return label, get_semantics(label).grid(shape, "float32", tensor=name)
+
         def _bs_plan(self) -> None:
             group = self.dp_process_group
             W, me = dist.get_world_size(group=group), dist.get_rank(group=group)
-            load = [0] * W
-            entries: list[tuple[int, int, int]] = []  # (numel, sub-group, index): the owner plan's order
+            flat_params: list[_Param] = []
+            grids: list[UnitGrid] = []
             for i, params in enumerate(self.fp16_groups):
                 sg, off = _SubGroup(), 0
+                gid = self.sub_group_to_group_id[i]
                 for j, q in enumerate(params):
                     if q.ds_process_group is not group and dist.get_world_size(group=q.ds_process_group) != W:
                         raise DeepSpeedHookError(
                             "a parameter is partitioned over another group than the data-parallel group (MiCS / "
                             "hpZ); not supported by blockshard's ZeRO-3 owner-compute"
                         )
-                    P = int(q.partition_numel())
-                    name = self._bs_names.get(id(q)) or f"param_group{self.sub_group_to_group_id[i]}.{j}"
-                    sg.params.append(_Param(name, tuple(q.ds_shape), int(q.ds_numel), P, off, owner=-1))
-                    entries.append((int(q.ds_numel), i, j))
-                    off += P
+                    name = self._bs_names.get(id(q)) or f"param_group{gid}.{j}"
+                    shape = tuple(int(d) for d in q.ds_shape)
+                    label, grid = self._bs_semantics(name, shape, gid)
+                    prm = _Param(name, shape, int(q.ds_numel), off, label)
+                    if int(q.partition_numel()) != -(-prm.numel // W):
+                        raise DeepSpeedHookError(
+                            f"parameter {name!r}: DeepSpeed partitioned it into {int(q.partition_numel())} elements "
+                            f"per rank, not ceil({prm.numel} / {W}); this DeepSpeed's ZeRO-3 layout is not the one "
+                            "blockshard's owner-compute reads"
+                        )
+                    sg.params.append(prm)
+                    flat_params.append(prm)
+                    grids.append(grid)
+                    off += int(q.partition_numel())
                 self._bs_subgroups.append(sg)
-            for numel, i, j in sorted(entries, key=lambda e: (-e[0], e[1], e[2])):
-                owner = min(range(W), key=lambda r: (load[r], r))
-                load[owner] += numel
-                prm = self._bs_subgroups[i].params[j]
-                prm.owner = owner
-                if owner == me:
-                    flat = self.fp32_partitioned_groups_flat[i]
-                    prm.whole = torch.zeros(prm.shape, dtype=flat.dtype, device=flat.device)
+            runs = iter(plan_runs([q.shape for q in flat_params], grids, W)[0])
+            for i, sg in enumerate(self._bs_subgroups):
+                flat = self.fp32_partitioned_groups_flat[i]
+                for prm in sg.params:
+                    prm.runs = next(runs)
+                    for k, run in enumerate(prm.runs):
+                        if run.owner == me:
+                            prm.tensors[k] = torch.zeros(run.shape, dtype=flat.dtype, device=flat.device)
 
         # -- step ----------------------------------------------------------------------------------
         def _optimizer_step(self, sub_group_id: int) -> None:
@@ -250,97 +374,120 @@ def make_stage3() -> type:
             flat = self.fp32_partitioned_groups_flat[i]
             grad = flat.grad
             params = self._bs_subgroups[i].params
-            mine = [q for q in params if q.owner == me]
-            # in: to each owner, my real elements of its parameters' gradients and values
+            zeros = None if grad is not None else torch.zeros_like(flat)
+
+            def overlap(q: _Param, run: Run, rank: int) -> tuple[int, int]:
+                lo, hi = _span(q.numel, W, rank)
+                return max(lo, run.start), min(hi, run.end)
+
+            # in: to each run's owner, my real elements of the run (gradient, then value)
             chunks: list[torch.Tensor] = []
             send = [0] * W
             for dest in range(W):
                 for q in params:
-                    if q.owner != dest or not q.real(me):
-                        continue
-                    n = q.real(me)
-                    lo = q.flat_offset
-                    chunks.append(grad.detach().narrow(0, lo, n) if grad is not None else flat.new_zeros(n))
-                    chunks.append(flat.detach().narrow(0, lo, n))
-                    send[dest] += 2 * n
-            recv = [2 * sum(q.real(src) for q in mine) for src in range(W)]
+                    base = q.flat_offset - _span(q.numel, W, me)[0]  # flat index of element 0 of the parameter
+                    for run in q.runs:
+                        a, b = overlap(q, run, me)
+                        if run.owner != dest or b <= a:
+                            continue
+                        g = grad if grad is not None else zeros
+                        assert g is not None
+                        chunks.append(g.detach().narrow(0, base + a, b - a))
+                        chunks.append(flat.detach().narrow(0, base + a, b - a))
+                        send[dest] += 2 * (b - a)
+            recv = [0] * W
+            for src in range(W):
+                for q in params:
+                    for run in q.runs:
+                        if run.owner == me:
+                            a, b = overlap(q, run, src)
+                            recv[src] += 2 * max(0, b - a)
             inp = torch.cat(chunks) if chunks else flat.new_empty(0)
             out = flat.new_empty(sum(recv))
             dist.all_to_all_single(out, inp, recv, send, group=group)
             pos = 0
-            grads: dict[int, torch.Tensor] = {}
+            grads: dict[tuple[int, int], torch.Tensor] = {}
             for src in range(W):
-                for q in mine:
-                    n = q.real(src)
-                    if not n:
-                        continue
-                    whole = q.whole
-                    assert whole is not None
-                    g = grads.setdefault(id(q), torch.zeros_like(whole))
-                    lo = src * q.partition
-                    g.view(-1).narrow(0, lo, n).copy_(out.narrow(0, pos, n))
-                    whole.view(-1).narrow(0, lo, n).copy_(out.narrow(0, pos + n, n))
-                    pos += 2 * n
-            # the unmodified inner optimizer on whole parameters
+                for j, q in enumerate(params):
+                    for k, run in enumerate(q.runs):
+                        a, b = overlap(q, run, src)
+                        if run.owner != me or b <= a:
+                            continue
+                        t = q.tensors[k]
+                        g = grads.setdefault((j, k), torch.zeros_like(t))
+                        g.view(-1).narrow(0, a - run.start, b - a).copy_(out.narrow(0, pos, b - a))
+                        t.view(-1).narrow(0, a - run.start, b - a).copy_(out.narrow(0, pos + b - a, b - a))
+                        pos += 2 * (b - a)
+            # the unmodified inner optimizer on the runs this rank owns
             gid = self.sub_group_to_group_id[i]
-            tensors = []
-            for q in mine:
-                assert q.whole is not None
-                q.whole.grad = grads[id(q)]
-                tensors.append(q.whole)
+            owned = [(q.tensors[k], j) for j, q in enumerate(params) for k in sorted(q.tensors)]
+            for (j, k), g in grads.items():
+                params[j].tensors[k].grad = g
             if not self._bs_overrides_resolved:  # bitsandbytes' check_overrides, first step
                 resolve_module_overrides(self.optimizer, [q for g in self.fp16_groups for q in g])
                 self._bs_overrides_resolved = True
-            if tensors:
-                self.optimizer.param_groups[gid]["params"] = tensors
-                index = {id(q): j for j, q in enumerate(self.fp16_groups[i])}
-                owned = [(t, index[id(q)]) for t, q in zip(tensors, self._bs_owned_params(i), strict=True)]
+            if owned:
+                self.optimizer.param_groups[gid]["params"] = [t for t, _ in owned]
                 try:
                     with follow_overrides(self.optimizer, self.fp16_groups[i], owned, gindex=gid):
                         self.optimizer.step()
                 finally:
                     self.optimizer.param_groups[gid]["params"] = []
-                    for t in tensors:
+                    for t, _ in owned:
                         t.grad = None
-            # out: each rank's slice of the new values
+            # out: each rank's slice of the new values of the runs this rank owns
             back: list[torch.Tensor] = []
             send_back = [0] * W
             for dest in range(W):
-                for q in mine:
-                    n = q.real(dest)
-                    if n:
-                        assert q.whole is not None
-                        back.append(q.whole.detach().view(-1).narrow(0, dest * q.partition, n))
-                        send_back[dest] += n
-            recv_back = [sum(q.real(me) for q in params if q.owner == src) for src in range(W)]
+                for q in params:
+                    for k, run in enumerate(q.runs):
+                        a, b = overlap(q, run, dest)
+                        if run.owner == me and b > a:
+                            back.append(q.tensors[k].detach().view(-1).narrow(0, a - run.start, b - a))
+                            send_back[dest] += b - a
+            recv_back = [0] * W
+            for src in range(W):
+                for q in params:
+                    for run in q.runs:
+                        a, b = overlap(q, run, me)
+                        if run.owner == src:
+                            recv_back[src] += max(0, b - a)
             inp2 = torch.cat(back) if back else flat.new_empty(0)
             out2 = flat.new_empty(sum(recv_back))
             dist.all_to_all_single(out2, inp2, recv_back, send_back, group=group)
             pos = 0
             for src in range(W):
                 for q in params:
-                    if q.owner != src or not q.real(me):
-                        continue
-                    n = q.real(me)
-                    flat.data.narrow(0, q.flat_offset, n).copy_(out2.narrow(0, pos, n))
-                    pos += n
-            self._bs_moved.append((inp.numel() + inp2.numel()) * flat.element_size())
-
-        def _bs_owned_params(self, i: int) -> list[torch.Tensor]:
-            """The module parameters of sub-group ``i`` this rank owns, in plan order."""
-            return [
-                q
-                for q, prm in zip(self.fp16_groups[i], self._bs_subgroups[i].params, strict=True)
-                if prm.whole is not None
-            ]
+                    base = q.flat_offset - _span(q.numel, W, me)[0]
+                    for run in q.runs:
+                        a, b = overlap(q, run, me)
+                        if run.owner != src or b <= a:
+                            continue
+                        flat.data.narrow(0, base + a, b - a).copy_(out2.narrow(0, pos, b - a))
+                        pos += b - a
+            itemsize = flat.element_size()
+            self_bytes = sum(
+                (b - a) * itemsize * 3
+                for q in params
+                for run in q.runs
+                if run.owner == me
+                for a, b in [overlap(q, run, me)]
+                if b > a
+            )
+            self._bs_moved.append((inp.numel() + inp2.numel()) * itemsize - self_bytes)
 
         # -- what the hook reports -----------------------------------------------------------------
         def owner_traffic(self) -> dict[str, Any]:
-            """Owner-compute's plan and bytes: ``owner`` (whether on), ``owners`` (parameter name ->
-            owner rank), ``bytes_per_step`` (this rank's bytes sent, per ``_optimizer_step`` call)."""
+            """Owner-compute's plan and bytes: ``owner`` (whether on), ``runs`` (parameter name -> its
+            runs ``(start, end, owner)``), ``semantics`` (parameter name -> the semantics its runs
+            follow), ``bytes_per_step`` (the bytes this rank sent to other ranks, per
+            ``_optimizer_step`` call: what :func:`moved_bytes` predicts)."""
             return {
                 "owner": self._bs_owner,
-                "owners": {q.name: q.owner for sg in self._bs_subgroups for q in sg.params},
+                "runs": {
+                    q.name: [(r.start, r.end, r.owner) for r in q.runs] for sg in self._bs_subgroups for q in sg.params
+                },
+                "semantics": {q.name: q.label for sg in self._bs_subgroups for q in sg.params},
                 "bytes_per_step": list(self._bs_moved),
             }
 
@@ -355,13 +502,19 @@ def make_stage3() -> type:
                 return
             for i, sg in enumerate(self._bs_subgroups):
                 gid = self.sub_group_to_group_id[i]
-                self.optimizer.param_groups[gid]["params"].extend(q.whole for q in sg.params if q.whole is not None)
+                self.optimizer.param_groups[gid]["params"].extend(
+                    q.tensors[k] for q in sg.params for k in sorted(q.tensors)
+                )
 
         def _bs_plan_record(self) -> dict[str, Any]:
             group = self.dp_process_group
             return {
                 "world_size": dist.get_world_size(group=group),
-                "params": [[q.name, list(q.shape), q.owner] for sg in self._bs_subgroups for q in sg.params],
+                "params": [
+                    [q.name, list(q.shape), [[r.start, r.end, r.owner] for r in q.runs]]
+                    for sg in self._bs_subgroups
+                    for q in sg.params
+                ],
             }
 
         def state_dict(self) -> Any:

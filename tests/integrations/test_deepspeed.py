@@ -37,6 +37,7 @@ invariance"):
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import re
@@ -477,18 +478,25 @@ def test_zero3_hook_equals_one_process_bitwise(request, w, case):
     if kind == "adamw":
         assert traffic["bytes_per_step"] == []
         return
-    # every parameter has one owner; the owners' shares are balanced (largest first)
+    # the runs are the pure plan's (every parameter covered once, in order), and so are the bytes
+    from blockshard.integrations.deepspeed._stage3 import moved_bytes, plan_runs
+    from blockshard.semantics import UnitGrid, get_semantics
+
     model = _ds_zero3_runs.make_model(kind)
-    numel = {n: p.numel() for n, p in model.named_parameters() if not (kw.get("frozen") and n.startswith("fc1."))}
-    assert sorted(traffic["owners"]) == sorted(numel)
-    loads = [sum(numel[n] for n, o in traffic["owners"].items() if o == r) for r in range(w)]
-    assert max(loads) - min(loads) <= max(numel.values())
-    # bytes sent per step on rank 0: its real elements of every gradient and value (to their
-    # owners), and every rank's slice of the new values of what it owns, in fp32
-    held = sum(max(0, min(-(-n // w), n)) for n in numel.values())  # rank 0's partition: ceil(n / W)
-    owned = sum(numel[n] for n, o in traffic["owners"].items() if o == 0)
-    steps = _ds_zero3_runs.STEPS
-    assert traffic["bytes_per_step"] == [4 * (2 * held + owned)] * steps
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if not (kw.get("frozen") and n.startswith("fc1."))}
+    assert list(traffic["runs"]) == list(shapes) and all(
+        traffic["semantics"][n] == {"bnb": "bnb8bit", "ao8bit": "ao8bit", "muon": "matrix"}.get(kind, "shampoo:32")
+        for n in shapes
+    )
+    grids = [get_semantics(traffic["semantics"][n]).grid(shape, "float32") for n, shape in shapes.items()]
+    runs, _ = plan_runs(list(shapes.values()), grids, w)
+    assert [[(r.start, r.end, r.owner) for r in rs] for rs in runs] == list(traffic["runs"].values())
+    numels = [math.prod(shape) for shape in shapes.values()]
+    moved = moved_bytes(runs, numels, w, 0)
+    assert traffic["bytes_per_step"] == [moved] * _ds_zero3_runs.STEPS
+    if kind == "bnb":  # runs cut near the partitions move far less than whole parameters would
+        whole, _ = plan_runs(list(shapes.values()), [UnitGrid.whole(n) for n in numels], w)
+        assert moved < moved_bytes(whole, numels, w, 0)
 
 
 @pytest.mark.slow
