@@ -24,7 +24,8 @@ process-wide; engines whose config has a ``"blockshard"`` section get the hook, 
     bs_deepspeed.install()          # or: with bs_deepspeed.installed(): trainer.train()
 
 ZeRO-3 keeps DeepSpeed's partitions; an optimizer that is not element-wise (8-bit, Muon, Shampoo)
-steps whole parameters by owner-compute ([Note: ZeRO-3 owner-compute] in _stage3.py). The hook checks the DeepSpeed version (:data:`TESTED_DEEPSPEED_VERSIONS`); override with
+steps runs of whole units on owner ranks ([Note: ZeRO-3 owner-compute] in _stage3.py). The hook
+checks the DeepSpeed version (:data:`TESTED_DEEPSPEED_VERSIONS`); override with
 ``"allow_untested_deepspeed": true`` or ``BLOCKSHARD_ALLOW_UNTESTED_DEEPSPEED=1``.
 """
 
@@ -191,7 +192,7 @@ def _initialize(kwargs: dict[str, Any], *, require_section: bool) -> Any:
                 "the blockshard hook is not active; remove mics_shard_size or the blockshard section"
             )
         owner = engine.optimizer.owner_traffic()["owner"]  # type: ignore[attr-defined]
-        policy = "owner (whole parameters)" if owner else "stock (an element-wise optimizer)"
+        policy = "owner (runs of whole units)" if owner else "stock (an element-wise optimizer)"
         log_engaged(
             engine,
             "the DeepSpeed hook",

@@ -100,7 +100,7 @@ def zero3_optimizer(factory: Callable[[Any], torch.optim.Optimizer], params: Any
     constructor checks shapes refuses them (torch's ``Muon``: "Muon only supports 2D parameters").
     The constructor here sees meta tensors of each parameter's full shape (``ds_shape``); then every
     ``param_group`` holds the real parameters again, which is what ``deepspeed.initialize`` reads.
-    Under the hook's ZeRO-3 owner-compute the optimizer steps whole parameters of those shapes.
+    Under the hook's ZeRO-3 owner-compute the optimizer steps runs of those shapes.
     ``params``: parameters or ``param_groups`` (dicts with ``"params"``), as the optimizer takes.
     """
     real: dict[int, torch.Tensor] = {}

@@ -1,5 +1,5 @@
 """blockshard.integrations.deepspeed: block-aligned DeepSpeed ZeRO-1/2 partitions, and ZeRO-3 with
-owner-compute on whole parameters ([Note: ZeRO-3 owner-compute] in integrations/deepspeed/_stage3.py).
+owner-compute on whole units ([Note: ZeRO-3 owner-compute] in integrations/deepspeed/_stage3.py).
 
 Pure tests: the config section and its errors, the version guard, install/uninstall. The ordered layout itself (pure) is tested in ``tests/planner/test_ordered.py``.
 

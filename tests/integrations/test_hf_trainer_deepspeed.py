@@ -1,7 +1,7 @@
 """The Hugging Face Trainer on DeepSpeed ZeRO-1/2/3 with blockshard's ``install()`` and ``optim="adamw_bnb_8bit"``.
 
 Runs ``examples/hf_trainer_deepspeed.py`` through the real launchers (``torchrun`` for ZeRO-1 and ZeRO-3
-(owner-compute on whole parameters), ``deepspeed`` for ZeRO-2) with 2 CPU ranks (gloo, ``DS_ACCELERATOR=cpu``), every rank the whole batch, and compares the
+(owner-compute on whole units), ``deepspeed`` for ZeRO-2) with 2 CPU ranks (gloo, ``DS_ACCELERATOR=cpu``), every rank the whole batch, and compares the
 final parameters with the same Trainer script on one process without DeepSpeed (``--stage 0``: the same
 tiny Llama, data order, learning-rate schedule, AdamW8bit with the Trainer's 32-bit override for
 ``nn.Embedding``, no clipping on either side). Expected: **bitwise** equal (gradient averaging of identical
