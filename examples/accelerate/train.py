@@ -5,7 +5,8 @@
     DS_ACCELERATOR=cpu accelerate launch --config_file examples/accelerate/deepspeed.yaml examples/accelerate/train.py
 
 Run without a launcher (`python examples/accelerate/train.py`) it trains on one process: the reference.
-`--accumulate N` splits each batch into N micro-batches (`accelerator.accumulate`).
+`--accumulate N` splits each batch into N micro-batches (`accelerator.accumulate`); `--optimizer bnb8bit`
+trains with bitsandbytes' AdamW8bit instead of torch's AdamW.
 Every rank trains on the whole batch (the data is not split), so W processes compute exactly what one
 process computes (docs/design.md). `--out FILE` writes what the tests check (JSON + a .pt file).
 """
@@ -61,9 +62,9 @@ def optimizer_chain(optimizer) -> list:
 
 
 def state_numel(optimizer) -> int:
-    """Elements of optimizer state this rank holds (AdamW's exp_avg)."""
+    """Elements of optimizer state this rank holds (AdamW's exp_avg, bitsandbytes' state1)."""
     inner = optimizer_chain(optimizer)[-1]
-    return sum(s["exp_avg"].numel() for s in inner.state.values() if "exp_avg" in s)
+    return sum(s[k].numel() for s in inner.state.values() for k in ("exp_avg", "state1") if k in s)
 
 
 def main() -> None:
@@ -71,6 +72,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (accelerator.accumulate)")
+    p.add_argument("--optimizer", choices=("adamw", "bnb8bit"), default="adamw")
     p.add_argument("--save-at", type=int, help="accelerator.save_state(--ckpt) after this step")
     p.add_argument("--resume-at", type=int, help="accelerator.load_state(--ckpt), then train from this step on")
     p.add_argument("--ckpt", default="ckpt")
@@ -86,7 +88,12 @@ def main() -> None:
     accelerator = Accelerator(gradient_accumulation_steps=args.accumulate)
     torch.manual_seed(int(os.environ.get("RANK", "0")) if args.seed_per_rank else 0)
     model = Net()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if args.optimizer == "bnb8bit":
+        import bitsandbytes as bnb
+
+        optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-2)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
     local_numel = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     first = 0
@@ -108,14 +115,15 @@ def main() -> None:
         accelerator.print(f"step {step}: loss {loss.item():.6f}")
         if args.save_at is not None and step + 1 == args.save_at:
             accelerator.save_state(args.ckpt)
-    state = accelerator.get_state_dict(model)
+    state = accelerator.get_state_dict(model)  # DeepSpeed ZeRO-3: gathered to the main process only (None elsewhere)
+    total = sum(getattr(p, "ds_numel", 0) for p in model.parameters()) if state is None else None
     if args.out:
         info = dict(
             rank=accelerator.process_index,
             world_size=accelerator.num_processes,
             distributed_type=str(accelerator.distributed_type),
             local_numel=local_numel,
-            total_numel=sum(t.numel() for t in state.values()),
+            total_numel=total if state is None else sum(t.numel() for t in state.values()),
             state_numel=state_numel(optimizer),
             optimizers=[type(o).__module__ + "." + type(o).__name__ for o in optimizer_chain(optimizer)],
             norms=norms,

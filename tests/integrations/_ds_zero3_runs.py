@@ -78,9 +78,14 @@ def _trainable(model: nn.Module, frozen: bool) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def reference(kind: str, gas: int = 1, clip: float = 0.0, frozen: bool = False) -> list[torch.Tensor]:
+def reference(
+    kind: str, gas: int = 1, clip: float = 0.0, frozen: bool = False, bf16: bool = False
+) -> list[torch.Tensor]:
     """One process: each micro-batch's loss / gas backward (as DeepSpeed scales it), torch's
-    ``clip_grad_norm_`` (``clip``), then a step."""
+    ``clip_grad_norm_`` (``clip``), then a step; ``bf16``: the model in bfloat16 over fp32 master
+    weights (what DeepSpeed's ``"bf16"`` keeps), the optimizer on the masters."""
+    if bf16:
+        return _reference_bf16(kind)
     model = make_model(kind)
     opt = make_optimizer(kind, _trainable(model, frozen))
     for micro in _micro(gas):
@@ -93,13 +98,37 @@ def reference(kind: str, gas: int = 1, clip: float = 0.0, frozen: bool = False) 
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _reference_bf16(kind: str) -> list[torch.Tensor]:
+    model = make_model(kind).to(torch.bfloat16)
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    opt = make_optimizer(kind, masters)
+    for micro in _micro(1):
+        for x, y in micro:
+            base._loss(model, x.to(torch.bfloat16), y.to(torch.bfloat16)).backward()
+        for m, p in zip(masters, model.parameters(), strict=True):
+            m.grad, p.grad = p.grad.float(), None
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters(), strict=True):
+                p.copy_(m)
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def ref_key(kind: str, kw: dict) -> tuple:
-    """The reference a case compares with: ``(kind, gas, clip, frozen)``."""
-    return (kind, kw.get("gas", 1), kw.get("clip", 0.0), kw.get("frozen", False))
+    """The reference a case compares with: ``(kind, gas, clip, frozen, bf16)``."""
+    return (kind, kw.get("gas", 1), kw.get("clip", 0.0), kw.get("frozen", False), kw.get("bf16", False))
 
 
 def train(
-    kind: str, *, gas: int = 1, zero_init: bool = False, stock: bool = False, clip: float = 0.0, frozen: bool = False
+    kind: str,
+    *,
+    gas: int = 1,
+    zero_init: bool = False,
+    stock: bool = False,
+    clip: float = 0.0,
+    frozen: bool = False,
+    bf16: bool = False,
 ) -> dict:
     """A ZeRO-3 engine (hooked unless ``stock``) trained on the whole batch; the full parameters
     and the hook's owner traffic."""
@@ -108,6 +137,9 @@ def train(
     from blockshard.integrations import deepspeed as bsd
 
     cfg = config(gas, stock, clip=clip)
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    dtype = torch.bfloat16 if bf16 else torch.float32
     ctx = deepspeed.zero.Init(config_dict_or_path=cfg) if zero_init else contextlib.nullcontext()
     with ctx:
         model = make_model(kind)
@@ -121,7 +153,7 @@ def train(
     engine, _, _, _ = init(model=model, optimizer=opt, config=cfg)
     for micro in _micro(gas):
         for x, y in micro:
-            engine.backward(base._loss(engine, x, y))
+            engine.backward(base._loss(engine, x.to(dtype), y.to(dtype)))
             engine.step()
     params = list(model.parameters())
     assert all(p.numel() == 0 for p in params)  # every parameter partitioned (nothing persistent)

@@ -564,6 +564,40 @@ def test_deepspeed_engine_is_hooked_and_equals_one_process(tmp_path, reference):
     assert _max_diff(state, reference()[1]) <= DEEPSPEED_ATOL
 
 
+@pytest.fixture(scope="module")
+def reference_bnb(tmp_path_factory):
+    """One process with bitsandbytes' AdamW8bit (``--optimizer bnb8bit``)."""
+    yield from _reference(tmp_path_factory, "--optimizer", "bnb8bit")
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_with_8bit_state_equals_one_process(tmp_path, reference_bnb):
+    """``accelerate launch`` with a DeepSpeed ZeRO-3 config (every parameter partitioned) and
+    bitsandbytes' AdamW8bit: the hook's owner-compute steps whole units (each tensor here is below
+    4096 elements: fp32 state, as on one process), so the result equals one process within
+    ``DEEPSPEED_ATOL`` (DeepSpeed's clipping norm; stock ZeRO-3 quantizes its flat partitions in
+    8 bits: ``test_control_stock_zero3_differs_from_one_process`` in test_deepspeed.py)."""
+    cfg = json.loads((EXAMPLES / "deepspeed.json").read_text())
+    cfg["zero_optimization"] = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_gather_16bit_weights_on_model_save": True,  # accelerator.get_state_dict gathers the weights
+    }
+    cfg["blockshard"] = {}
+    (tmp_path / "z3.json").write_text(json.dumps(cfg))
+    acc = yaml.safe_load((EXAMPLES / "deepspeed.yaml").read_text())
+    acc["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / "z3.json")
+    infos, state = _launch(_write(tmp_path, acc), tmp_path / "run", "--optimizer", "bnb8bit")
+    assert [i["world_size"] for i in infos] == [2, 2] and infos[0]["distributed_type"] == "DistributedType.DEEPSPEED"
+    lines = _engaged(tmp_path / "run")
+    engaged = [x for x in lines if "blockshard engaged (the DeepSpeed hook): engine DeepSpeed ZeRO-3" in x]
+    assert len(engaged) == 1 and "policy owner" in engaged[0], lines
+    assert all(i["local_numel"] == 0 for i in infos)  # every parameter partitioned away between steps
+    total = infos[0]["total_numel"]
+    assert all(0 < i["state_numel"] < total for i in infos) and sum(i["state_numel"] for i in infos) == total
+    assert _max_diff(state, reference_bnb()[1]) <= DEEPSPEED_ATOL
+
+
 @pytest.mark.slow
 def test_control_stock_accelerate_does_not_shard(tmp_path):
     script = tmp_path / "stock_train.py"

@@ -22,7 +22,9 @@ invariance"):
   at W = 4); stock ZeRO-3 + torch Muon raises (its flat partition is 1-D). With a frozen layer
   bitwise too; with DeepSpeed's gradient clipping (0.05, the norm is about 0.3) against torch's
   ``clip_grad_norm_``: DeepSpeed sums the squares per partition, so the norm's last bits differ:
-  measured 1.5e-8 (bnb) and 0 (Muon) at W = 2 and 4, tolerance ``ZERO3_CLIP_ATOL = 1e-6``.
+  measured 1.5e-8 (bnb) and 0 (Muon) at W = 2 and 4, tolerance ``ZERO3_CLIP_ATOL = 1e-6``. With
+  ``"bf16"`` (bfloat16 parameters over fp32 masters) bitwise against one process keeping fp32
+  masters the same way (bnb, Muon; stock bnb differs by 3.9e-3).
 * W = 3: ``g/3 + g/3 + g/3`` is not exactly ``g``. Measured after 4 steps with the whole batch:
   AdamW 8.2e-8, bnb AdamW8bit 2.1e-4 (8-bit quantization amplifies ulps). Tolerances:
   ``W3_ADAMW_ATOL = 1e-5``, ``W3_BNB_ATOL = 1e-3`` (the control at W = 3 is above ``CONTROL_MIN``).
@@ -259,8 +261,11 @@ def _zero3_spec(full: bool) -> dict:
         if full or kind in ("bnb", "shampoo"):
             cases[f"{kind}_zinit"] = (kind, {"zero_init": True})
     cases["bnb_clip"] = ("bnb", {"clip": 0.05})  # DeepSpeed's global-norm clipping acts (norm about 0.3)
+    cases["bnb_bf16"] = ("bnb", {"bf16": True})  # bfloat16 parameters over fp32 masters
     if full:
         cases["muon_frozen"] = ("muon", {"frozen": True})  # fc1 frozen: out of the optimizer
+        cases["muon_bf16"] = ("muon", {"bf16": True})
+        cases["bnb_bf16_stock"] = ("bnb", {"bf16": True, "stock": True})
     cases["bnb_stock"] = ("bnb", {"stock": True})
     cases["muon_stock"] = ("muon", {"stock": True})
     refs = sorted({z3.ref_key(kind, kw) for kind, kw in cases.values()})
@@ -544,7 +549,10 @@ def test_zero3_hook_equals_one_process_bitwise(request, w, case):
 @pytest.mark.parametrize("w", [2, 4])
 def test_control_stock_zero3_differs_from_one_process(request, w):
     z3 = _world(request, w)[0]["zero3"]
-    assert max_diff(z3["cases"]["bnb_stock"]["params"], z3["refs"]["bnb", 1, 0.0, False]) > CONTROL_MIN
+    assert max_diff(z3["cases"]["bnb_stock"]["params"], z3["refs"]["bnb", 1, 0.0, False, False]) > CONTROL_MIN
+    if w == 2:  # bf16: stock quantizes the flat fp32 masters too (measured 3.9e-3, one bf16 ulp of the weights)
+        stock16 = z3["cases"]["bnb_bf16_stock"]["params"]
+        assert max_diff(stock16, z3["refs"]["bnb", 1, 0.0, False, True]) > CONTROL_MIN
     assert "Param gradient must be a 2D matrix" in z3["cases"]["muon_stock"]["error"]
 
 
@@ -564,4 +572,4 @@ def test_zero3_checkpoint_resumes_bitwise_and_refuses_another_plan(request, w, k
         got = out[r]["zero3"]["ckpt"][kind]
         assert bitwise(got["b"], got["a"])
         assert "DeepSpeedHookError" in got["mismatch"] and "owner-compute at W = " in got["mismatch"]
-    assert bitwise(out[0]["zero3"]["ckpt"][kind]["a"], out[0]["zero3"]["refs"][kind, 1, 0.0, False])
+    assert bitwise(out[0]["zero3"]["ckpt"][kind]["a"], out[0]["zero3"]["refs"][kind, 1, 0.0, False, False])
