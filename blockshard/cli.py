@@ -299,7 +299,7 @@ def _cmd_inspect_checkpoint(args: argparse.Namespace) -> int:
     from blockshard._render import checkpoint_table, console
     from blockshard.runtime import describe_checkpoint
 
-    if _is_deepspeed(args.checkpoint):  # what engine.save_checkpoint wrote (ZeRO-1/2)
+    if _is_deepspeed(args.checkpoint):  # what engine.save_checkpoint wrote (ZeRO-1/2/3)
         from blockshard.integrations.deepspeed._dcp import describe_deepspeed_checkpoint  # type: ignore[import-not-found]
 
         info = describe_deepspeed_checkpoint(args.checkpoint)
@@ -315,7 +315,10 @@ def _cmd_inspect_checkpoint(args: argparse.Namespace) -> int:
 
 def _is_deepspeed(path: str) -> bool:
     p = Path(path)
-    return (p / "latest").is_file() or (p / "mp_rank_00_model_states.pt").is_file()
+    zero3 = p.is_dir() and any(
+        f.name.startswith("zero_pp_rank_") and f.name.endswith("_model_states.pt") for f in p.iterdir()
+    )
+    return (p / "latest").is_file() or (p / "mp_rank_00_model_states.pt").is_file() or zero3
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -51,7 +51,7 @@ from ._config import (
     load_config,
     parse_section,
 )
-from ._dcp import ExportSummary, export_dcp, import_dcp, read_deepspeed_checkpoint
+from ._dcp import ExportSummary, export_dcp, import_dcp, read_deepspeed_checkpoint, read_zero3_weights
 from ._hook import LAYOUT_KEY, hooked_classes
 from ._stage3 import zero3_optimizer
 
@@ -79,6 +79,7 @@ __all__ = [
     "layout_report",
     "parse_section",
     "read_deepspeed_checkpoint",
+    "read_zero3_weights",
     "uninstall",
     "zero3_optimizer",
 ]

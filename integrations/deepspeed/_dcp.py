@@ -40,6 +40,7 @@ engine's (DeepSpeed sets them from its config and scheduler).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -53,10 +54,18 @@ from blockshard._errors import CheckpointError
 
 from ._hook import LAYOUT_KEY
 
-__all__ = ["ExportSummary", "describe_deepspeed_checkpoint", "export_dcp", "import_dcp", "read_deepspeed_checkpoint"]
+__all__ = [
+    "ExportSummary",
+    "describe_deepspeed_checkpoint",
+    "export_dcp",
+    "import_dcp",
+    "read_deepspeed_checkpoint",
+    "read_zero3_weights",
+]
 
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _MODEL_FILE = "mp_rank_00_model_states.pt"
+_Z3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")  # ZeRO-3: one per rank
 
 
 @dataclass(frozen=True)
@@ -83,9 +92,47 @@ def _tag_dir(checkpoint_dir: Path, tag: str | None) -> Path:
             raise _error(checkpoint_dir, "no tag given and no 'latest' file", "pass tag=<the tag save_checkpoint used>")
         tag = latest.read_text().strip()
     where = checkpoint_dir / tag
-    if not (where / _MODEL_FILE).is_file():
+    if not (where / _MODEL_FILE).is_file() and not _is_zero3(where):
         raise _error(where, f"{_MODEL_FILE} is missing", "pass the directory and tag engine.save_checkpoint wrote")
     return where
+
+
+def _is_zero3(where: Path) -> bool:
+    return where.is_dir() and any(_Z3_MODEL_FILE.match(f) for f in os.listdir(where))
+
+
+def read_zero3_weights(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a ZeRO-3 checkpoint (stock or with blockshard's hook), whole, by
+    parameter name: each rank's flat partition of a sub-group holds ``ceil(numel / W)`` elements of
+    every parameter of the sub-group in order (``param_shapes``), the last ranks' ending in padding."""
+    p = Path(checkpoint_dir)
+    where = p if _is_zero3(p) else _tag_dir(p, tag)
+    if not _is_zero3(where):
+        raise _error(where, "not a ZeRO-3 checkpoint (no zero_pp_rank_*_model_states.pt)", "pass a ZeRO-3 save")
+    model_states = _load(where / _z3_name(0, "model"))
+    files = _rank_files(where)
+    W = len(files)
+    flats = [_load(f)["optimizer_state_dict"]["fp32_flat_groups"] for _, f in files]
+    out: dict[str, torch.Tensor] = {}
+    for i, shapes in enumerate(model_states["param_shapes"]):
+        off = 0
+        for name, shape in shapes.items():
+            n = math.prod(shape)
+            P = -(-n // W) if n else 0
+            whole = torch.cat([flats[r][i][off : off + P] for r in range(W)])[:n]
+            out[name] = whole.reshape(shape).clone()
+            off += P
+    return out
+
+
+def _z3_name(rank: int, kind: str) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"
+
+
+def _rank_files(where: Path) -> list[tuple[int, Path]]:
+    return sorted(
+        ((int(m.group(1)), where / f) for f in os.listdir(where) if (m := _OPTIM_FILE.match(f))), key=lambda t: t[0]
+    )
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -157,7 +204,9 @@ def describe_deepspeed_checkpoint(path: str | os.PathLike[str], tag: str | None 
     DCP checkpoint (``blockshard inspect`` renders both): the module's tensors whole, and per rank
     its fp32 partitions and its inner optimizer's state tensors as saved (any optimizer)."""
     p = Path(path)
-    where = _tag_dir(p.parent, p.name) if (p / _MODEL_FILE).is_file() else _tag_dir(p, tag)
+    where = _tag_dir(p.parent, p.name) if (p / _MODEL_FILE).is_file() or _is_zero3(p) else _tag_dir(p, tag)
+    if _is_zero3(where):
+        return _describe_zero3(where)
     model_states = _load(where / _MODEL_FILE)
     files = sorted(
         ((int(m.group(1)), where / f) for f in os.listdir(where) if (m := _OPTIM_FILE.match(f))), key=lambda t: t[0]
@@ -190,6 +239,57 @@ def describe_deepspeed_checkpoint(path: str | os.PathLike[str], tag: str | None 
         "ranks_that_wrote": len(files),
         "saved_by": f"DeepSpeed ZeRO-{stage}" + (" with blockshard's hook" if hooked else ""),
         "blockshard_version": f"(DeepSpeed {model_states.get('ds_version', 'of unknown version')})",
+        "world_size": len(files),
+        "complete": not problems,
+        "problems": problems,
+        "objects": [],
+        "optimizers": [],
+    }
+
+
+def _describe_zero3(where: Path) -> dict[str, Any]:
+    """:func:`describe_deepspeed_checkpoint` of a ZeRO-3 save: the fp32 master weights whole
+    (:func:`read_zero3_weights`), and per rank its fp32 partitions and its inner optimizer's state
+    tensors (under blockshard's owner-compute: the state of the runs the rank owns)."""
+    from ._stage3 import OWNER_PLAN_KEY
+
+    files = _rank_files(where)
+    tensors = [("model." + n, t) for n, t in read_zero3_weights(where).items()]
+    hooked, plan = False, None
+    for r, f in files:
+        osd = _load(f)["optimizer_state_dict"]
+        plan = osd.get(OWNER_PLAN_KEY, plan)
+        hooked = hooked or plan is not None
+        for i, part in enumerate(osd["fp32_flat_groups"]):
+            tensors.append((f"rank{r}.fp32_partition.{i}", part))
+        tensors += [(f"rank{r}.optim.{n}", t) for n, t in _tensors("", osd.get("optimizer_state_dict", {}))]
+    ranks = [r for r, _ in files]
+    models = sorted(int(m.group(1)) for f in os.listdir(where) if (m := _Z3_MODEL_FILE.match(f)))
+    problems = (
+        []
+        if ranks == list(range(len(ranks))) and ranks and models == ranks
+        else [f"optimizer files of ranks {ranks}, model files of ranks {models}"]
+    )
+    if plan is not None and plan.get("world_size") != len(files):
+        problems.append(f"owner plan of W = {plan.get('world_size')}, files of {len(files)} ranks")
+    version = _load(where / _z3_name(0, "model")).get("ds_version", "of unknown version")
+    return {
+        "path": str(where),
+        "tensors": [
+            {
+                "name": n,
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "bytes": t.numel() * t.element_size(),
+                "chunks": 1,
+            }
+            for n, t in tensors
+        ],
+        "tensor_bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+        "file_bytes": sum(f.stat().st_size for f in where.iterdir() if f.is_file()),
+        "ranks_that_wrote": len(files),
+        "saved_by": "DeepSpeed ZeRO-3" + (" with blockshard's hook (owner-compute)" if hooked else ""),
+        "blockshard_version": f"(DeepSpeed {version})",
         "world_size": len(files),
         "complete": not problems,
         "problems": problems,

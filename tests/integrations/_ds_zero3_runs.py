@@ -79,7 +79,7 @@ def _trainable(model: nn.Module, frozen: bool) -> list[nn.Parameter]:
 
 
 def reference(
-    kind: str, gas: int = 1, clip: float = 0.0, frozen: bool = False, bf16: bool = False
+    kind: str, gas: int = 1, clip: float = 0.0, frozen: bool = False, bf16: bool = False, steps: int = STEPS
 ) -> list[torch.Tensor]:
     """One process: each micro-batch's loss / gas backward (as DeepSpeed scales it), torch's
     ``clip_grad_norm_`` (``clip``), then a step; ``bf16``: the model in bfloat16 over fp32 master
@@ -88,7 +88,7 @@ def reference(
         return _reference_bf16(kind)
     model = make_model(kind)
     opt = make_optimizer(kind, _trainable(model, frozen))
-    for micro in _micro(gas):
+    for micro in _micro(gas)[:steps]:
         for x, y in micro:
             (base._loss(model, x, y) / gas).backward()
         if clip:
@@ -245,7 +245,9 @@ def run_cases(rank: int, spec: dict) -> dict:
     for what in spec.get("errors", []):
         out["errors"][what] = error(what)
     for kind in spec.get("ckpt", []):
-        out.setdefault("ckpt", {})[kind] = checkpoint(kind, os.path.join(spec["tmp"], f"z3-{kind}"))
+        d = os.path.join(spec["tmp"], f"z3-{kind}")
+        out.setdefault("ckpt", {})[kind] = checkpoint(kind, d)
+        out.setdefault("ckpt_dirs", {})[kind] = d
     if rank == 0:
         with torch.random.fork_rng(devices=[]):
             for key in spec.get("refs", []):
