@@ -1,5 +1,5 @@
-"""``blockshard`` command line: ``plan``, ``inspect``, ``report``, ``demo``, ``accelerate-config`` and
-``deepspeed-to-dcp``."""
+"""``blockshard`` command line: ``plan``, ``inspect``, ``report``, ``demo``, ``accelerate-config``,
+``deepspeed-to-dcp`` and ``deepspeed-reshard``."""
 
 from __future__ import annotations
 
@@ -124,6 +124,14 @@ def _parser() -> argparse.ArgumentParser:
     ds.add_argument("checkpoint", help="the directory engine.save_checkpoint wrote")
     ds.add_argument("out", help="the DCP checkpoint directory to write")
     ds.add_argument("--tag", help="the tag save_checkpoint used (default: the checkpoint's 'latest')")
+    rs = sub.add_parser(
+        "deepspeed-reshard",
+        help="rewrite a DeepSpeed ZeRO-3 checkpoint of blockshard's owner-compute for another world size",
+    )
+    rs.add_argument("checkpoint", help="the directory engine.save_checkpoint wrote")
+    rs.add_argument("out", help="the checkpoint directory to write (load it with engine.load_checkpoint)")
+    rs.add_argument("--world-size", type=int, required=True, help="the number of ranks that will load it")
+    rs.add_argument("--tag", help="the tag save_checkpoint used (default: the checkpoint's 'latest')")
     return parser
 
 
@@ -169,6 +177,14 @@ def _cmd_deepspeed_to_dcp(args: argparse.Namespace) -> int:
         f"({', '.join(summary.state_keys)}) from ZeRO-{summary.zero_stage} on {summary.world_size} ranks"
         f"{' (blockshard hook)' if summary.hooked else ''}; load with dcp.load + set_state_dict"
     )
+    return 0
+
+
+def _cmd_deepspeed_reshard(args: argparse.Namespace) -> int:
+    from blockshard.integrations.deepspeed import reshard_zero3_checkpoint
+
+    where = reshard_zero3_checkpoint(args.checkpoint, args.out, args.world_size, tag=args.tag)
+    print(f"wrote {where} for {args.world_size} ranks; load it with engine.load_checkpoint({str(args.out)!r})")
     return 0
 
 
@@ -386,7 +402,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = _cmd_list(args)
         else:
             commands = {"plan": _cmd_plan, "inspect": _cmd_inspect, "report": _cmd_report, "demo": _cmd_demo}
-            extra = {"accelerate-config": _cmd_accelerate_config, "deepspeed-to-dcp": _cmd_deepspeed_to_dcp}
+            extra = {
+                "accelerate-config": _cmd_accelerate_config,
+                "deepspeed-to-dcp": _cmd_deepspeed_to_dcp,
+                "deepspeed-reshard": _cmd_deepspeed_reshard,
+            }
             code = {**commands, **extra}[args.command](args)
         sys.stdout.flush()  # a write that fails fails here, not at exit
         return code

@@ -54,6 +54,7 @@ from ._config import (
 from ._dcp import ExportSummary, export_dcp, import_dcp, read_deepspeed_checkpoint, read_zero3_weights
 from ._hook import LAYOUT_KEY, hooked_classes
 from ._stage3 import zero3_optimizer
+from ._zero3_reshard import reshard_zero3_checkpoint
 
 if TYPE_CHECKING:  # DeepSpeed ships no type information: its classes are Any to mypy
     from deepspeed.runtime.engine import DeepSpeedEngine
@@ -80,6 +81,7 @@ __all__ = [
     "parse_section",
     "read_deepspeed_checkpoint",
     "read_zero3_weights",
+    "reshard_zero3_checkpoint",
     "uninstall",
     "zero3_optimizer",
 ]

@@ -114,6 +114,8 @@ def read_zero3_weights(checkpoint_dir: str | os.PathLike[str], tag: str | None =
     W = len(files)
     flats = [_load(f)["optimizer_state_dict"]["fp32_flat_groups"] for _, f in files]
     out: dict[str, torch.Tensor] = {}
+    if len(model_states["param_shapes"]) != len(flats[0]):
+        raise _error(where, "sub-groups that split a param_group (zero_optimization.sub_group_size)", "not done")
     for i, shapes in enumerate(model_states["param_shapes"]):
         off = 0
         for name, shape in shapes.items():
@@ -122,6 +124,10 @@ def read_zero3_weights(checkpoint_dir: str | os.PathLike[str], tag: str | None =
             whole = torch.cat([flats[r][i][off : off + P] for r in range(W)])[:n]
             out[name] = whole.reshape(shape).clone()
             off += P
+        if off != flats[0][i].numel():
+            raise _error(
+                where, f"sub-group {i} holds {flats[0][i].numel()} elements per rank, its parameters {off}", "not done"
+            )
     return out
 
 

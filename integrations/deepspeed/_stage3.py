@@ -515,6 +515,7 @@ def make_stage3() -> type:
                     for sg in self._bs_subgroups
                     for q in sg.params
                 ],
+                "semantics": [q.label for sg in self._bs_subgroups for q in sg.params],
             }
 
         def state_dict(self) -> Any:

@@ -215,6 +215,32 @@ def checkpoint(kind: str, ckpt_dir: str) -> dict:
     return {"a": a, "b": b, "mismatch": mismatch}
 
 
+def resume_world(rank: int, world_size: int, dirs: dict[str, str]) -> dict:
+    """A spawned rank: for each ``kind: checkpoint_dir`` (saved after 2 steps, resharded for this
+    world size), a new hooked engine loads it and takes the third step; the full parameters
+    (``"stock"``: a save of another world size loaded as it is; the error)."""
+    base.setup_env(rank, world_size)
+    out: dict = {}
+    for kind, d in dirs.items():
+        if kind == "stock":  # the control: the save of another world size, as it is
+            _, engine = _engine("bnb", config())
+            try:
+                engine.load_checkpoint(d, tag="t2")
+                out[kind] = "no error"
+            except Exception as e:  # DeepSpeed's ZeRORuntimeException
+                out[kind] = f"{type(e).__name__}: {e}"
+            engine.destroy()
+            continue
+        model, engine = _engine(kind, config())
+        engine.load_checkpoint(d)
+        for x, y in _micro(1)[2]:
+            engine.backward(base._loss(engine, x, y))
+            engine.step()
+        out[kind] = _full(model)
+        engine.destroy()
+    return out
+
+
 def error(what: str) -> str:
     """What a refused setup raises (the message), or "no error"."""
     from blockshard.integrations import deepspeed as bsd

@@ -51,6 +51,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import _ds_runs as runs
 
+from blockshard._errors import CheckpointError
 from blockshard._launch import spawn_gloo
 from blockshard.integrations import deepspeed as bsd
 from blockshard.integrations.deepspeed import DeepSpeedHookError, parse_section
@@ -269,7 +270,7 @@ def _zero3_spec(full: bool) -> dict:
     cases["bnb_stock"] = ("bnb", {"stock": True})
     cases["muon_stock"] = ("muon", {"stock": True})
     refs = sorted({z3.ref_key(kind, kw) for kind, kw in cases.values()})
-    errors, ckpt = (["offload"], ["bnb", "muon"]) if full else ([], ["shampoo"])
+    errors, ckpt = (["offload"], ["bnb", "muon"]) if full else ([], ["shampoo", "bnb", "muon"])
     return {"cases": cases, "refs": refs, "errors": errors, "ckpt": ckpt}
 
 
@@ -563,7 +564,7 @@ def test_zero3_owner_compute_refuses_what_it_cannot_do(world2):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("w", "kind"), [(2, "bnb"), (2, "muon"), (4, "shampoo")])
+@pytest.mark.parametrize(("w", "kind"), [(2, "bnb"), (2, "muon"), (4, "shampoo"), (4, "bnb")])
 def test_zero3_checkpoint_resumes_bitwise_and_refuses_another_plan(request, w, kind):
     """Saved after 2 steps, loaded into a new engine, one more step: equal to the run that went on and
     to 3 steps of one process (the owners' state, 8-bit with its absmax, came back exactly)."""
@@ -593,3 +594,35 @@ def test_zero3_checkpoint_weights_read_whole_and_inspected(world2, tmp_path_fact
     info = json.loads(capsys.readouterr().out)
     assert info["saved_by"] == "DeepSpeed ZeRO-3 with blockshard's hook (owner-compute)" and info["complete"]
     assert info["world_size"] == 2 and {t["name"] for t in info["tensors"]} >= {f"model.{n}" for n in names}
+
+
+@pytest.mark.slow
+def test_zero3_checkpoint_resharded_from_4_to_2_ranks_continues_bitwise(world4, tmp_path, capsys):
+    """A save at W = 4 (after 2 steps), rewritten for W = 2 by ``blockshard deepspeed-reshard``
+    ([Note: ZeRO-3 resharding]), loaded by a W = 2 engine: its third step equals 3 steps of one
+    process (bitsandbytes' 8-bit state re-cut by element and 256-block, Muon's momentum moved to new
+    owners). Shampoo's preconditioners are refused, naming the parameter and the key. Control: the
+    W = 4 save itself is refused at W = 2 (by DeepSpeed)."""
+    import _ds_zero3_runs
+
+    from blockshard import cli
+    from blockshard.integrations import deepspeed as bsd
+
+    dirs = world4[0]["zero3"]["ckpt_dirs"]
+    out = {}
+    for kind in ("bnb", "muon"):
+        out[kind] = tmp_path / f"w2-{kind}"
+        assert cli.main(["deepspeed-reshard", dirs[kind], str(out[kind]), "--world-size", "2", "--tag", "t2"]) == 0
+    assert "for 2 ranks" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match=r"parameter 'fc1\.weight': state .* Shampoo"):
+        bsd.reshard_zero3_checkpoint(dirs["shampoo"], tmp_path / "w2-shampoo", 2, tag="t2")
+    assert cli.main(["deepspeed-reshard", dirs["bnb"], str(tmp_path / "x"), "--world-size", "0"]) == 2
+    results = spawn_gloo(
+        _ds_zero3_runs.resume_world,
+        2,
+        args=({**{k: str(v) for k, v in out.items()}, "stock": dirs["bnb"]},),
+        timeout=300,
+    )
+    for kind in ("bnb", "muon"):
+        assert bitwise(results[0][kind], _ds_zero3_runs.reference(kind))
+    assert "world size of 4" in results[0]["stock"]

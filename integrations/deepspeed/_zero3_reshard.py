@@ -1,0 +1,250 @@
+"""A ZeRO-3 checkpoint of blockshard's owner-compute, rewritten for another world size.
+
+[Note: ZeRO-3 resharding]
+DeepSpeed 0.19.8 refuses to load a ZeRO-3 checkpoint at another data-parallel world size
+(``engine._load_zero_checkpoint``: "Automatic adjustment of ZeRO's optimizer state partitioning
+with a new world size is not currently supported"), and its universal checkpoints read one flat
+optimizer state per sub-group, which owner-compute does not have. :func:`reshard_zero3_checkpoint`
+rewrites the files offline, for ``W'`` ranks, so that ``engine.load_checkpoint`` at ``W'`` continues
+the run exactly:
+
+* **fp32 masters**: every parameter rebuilt whole from the ``W`` partitions
+  (:func:`~integrations.deepspeed._dcp.read_zero3_weights`) and cut again into ``ceil(numel / W')``
+  per rank, concatenated per sub-group as DeepSpeed lays them out.
+* **optimizer state**: the saved plan names each run (parameter, ``[start, end)``, owner) and the
+  block semantics it followed; the runs at ``W'`` come from the same :func:`plan_runs`. A new run's
+  state is assembled from the old runs that overlap it: a tensor with one value per element (fp32
+  moments, bitsandbytes' 8-bit codes, Muon's momentum) is cut and joined by element; one with one
+  value per 256-element block (bitsandbytes' ``absmax``) by block, which is exact because every run
+  starts on a multiple of 256 from its parameter's start (the 8-bit grids cut only there); a
+  bitsandbytes code table (``qmap``) and scalars (``step``) are the same in every run of a parameter
+  and are copied. Anything else (torchao's 8-bit tensor subclasses, Shampoo's preconditioners, a
+  state the plan does not describe) raises :class:`CheckpointError` naming the parameter and key.
+* **model files**: rank 0's copied for every new rank with ``dp_world_size = W'``.
+
+The new plan is recorded in every optimizer file, so the load's plan check
+(:data:`~integrations.deepspeed._stage3.OWNER_PLAN_KEY`) passes only at ``W'``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blockshard._errors import CheckpointError
+from blockshard.semantics import UnitGrid, get_semantics
+
+from ._dcp import _is_zero3, _load, _rank_files, _tag_dir, _z3_name, read_zero3_weights
+from ._stage3 import OWNER_PLAN_KEY, Run, plan_runs
+
+__all__ = ["reshard_zero3_checkpoint"]
+
+_BLOCK = 256  # bitsandbytes' state block: absmax per block
+_QUANT = "__bnb_optimizer_quant_state__"
+
+
+def _fail(where: Path, what: str, fix: str) -> CheckpointError:
+    return CheckpointError(f"ZeRO-3 checkpoint {where}: {what}. Fix: {fix}")
+
+
+def _grid(label: str, shape: tuple[int, ...]) -> UnitGrid:
+    return UnitGrid.whole(math.prod(shape)) if label == "whole" else get_semantics(label).grid(shape, "float32")
+
+
+def reshard_zero3_checkpoint(
+    checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], world_size: int, tag: str | None = None
+) -> Path:
+    """Rewrite the ZeRO-3 save ``checkpoint_dir`` (tag ``tag``, default ``latest``), written by
+    blockshard's owner-compute, for ``world_size`` ranks into ``out_dir`` (same tag, a ``latest``
+    file): ``engine.load_checkpoint(out_dir)`` at ``world_size`` continues the run ([Note: ZeRO-3
+    resharding]). Returns the new tag directory."""
+    src = Path(checkpoint_dir)
+    where = src if _is_zero3(src) else _tag_dir(src, tag)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise _fail(where, f"world_size={world_size!r}", "pass the number of ranks to load at, an integer >= 1")
+    files = _rank_files(where)
+    W = len(files)
+    saved = [_load(f) for _, f in files]
+    plan = saved[0]["optimizer_state_dict"].get(OWNER_PLAN_KEY)
+    if plan is None or "semantics" not in plan:
+        raise _fail(
+            where,
+            "no owner plan with its semantics (not saved by blockshard's ZeRO-3 owner-compute, or by an older version)",
+            "reshard checkpoints of blockshard's ZeRO-3 hook with a non-element-wise optimizer",
+        )
+    if plan["world_size"] != W:
+        raise _fail(
+            where, f"the plan says W = {plan['world_size']}, the files are of {W} ranks", "copy every rank's file"
+        )
+    names = [p[0] for p in plan["params"]]
+    shapes = [tuple(p[1]) for p in plan["params"]]
+    old_runs = [[Run(a, b, o, ()) for a, b, o in p[2]] for p in plan["params"]]
+    labels = list(plan["semantics"])
+    new_runs, _ = plan_runs(shapes, [_grid(lbl, s) for lbl, s in zip(labels, shapes, strict=True)], world_size)
+    new_plan = {
+        "world_size": world_size,
+        "params": [
+            [n, list(s), [[r.start, r.end, r.owner] for r in rs]]
+            for n, s, rs in zip(names, shapes, new_runs, strict=True)
+        ],
+        "semantics": labels,
+    }
+    # every old run's state, by (parameter, run index): DeepSpeed saved each rank's owned runs in plan order
+    old_state: dict[tuple[int, int], dict[str, Any]] = {}
+    groups_template = None
+    for r, sd in enumerate(saved):
+        inner = sd["optimizer_state_dict"]["optimizer_state_dict"]
+        groups_template = groups_template or inner["param_groups"]
+        owned = [(j, k) for j, rs in enumerate(old_runs) for k, run in enumerate(rs) if run.owner == r]
+        order = [i for g in inner["param_groups"] for i in g["params"]]
+        if len(order) != len(owned):
+            raise _fail(
+                where,
+                f"rank {r}'s optimizer holds {len(order)} tensors, its plan {len(owned)} runs",
+                "reshard an unmodified save",
+            )
+        for idx, key in zip(order, owned, strict=True):
+            old_state[key] = inner["state"].get(idx, {})
+    if groups_template is None or len(groups_template) != 1:
+        raise _fail(
+            where, "more than one optimizer param_group", "reshard saves of one param_group (not done for several)"
+        )
+    masters = read_zero3_weights(where)
+    model0 = _load(where / _z3_name(0, "model"))
+    out_tag = Path(out_dir) / where.name
+    if out_tag.exists():
+        shutil.rmtree(out_tag)
+    out_tag.mkdir(parents=True)
+    for r in range(world_size):
+        state: dict[int, dict[str, Any]] = {}
+        idx = 0
+        for j, rs in enumerate(new_runs):
+            for run in rs:
+                if run.owner != r:
+                    continue
+                state[idx] = _assemble(
+                    where, names[j], run, old_runs[j], [old_state[j, k] for k in range(len(old_runs[j]))]
+                )
+                idx += 1
+        flat = []
+        for shapes_i in model0["param_shapes"]:
+            parts = []
+            for name, shape in shapes_i.items():
+                n = math.prod(shape)
+                P = -(-n // world_size) if n else 0
+                piece = masters[name].reshape(-1)[r * P : min((r + 1) * P, n)]
+                parts += [piece, torch.zeros(P - piece.numel(), dtype=piece.dtype)]
+            flat.append(torch.cat(parts) if parts else torch.empty(0))
+        sd = dict(saved[0])
+        osd = dict(sd["optimizer_state_dict"])
+        osd["partition_count"] = world_size
+        osd["fp32_flat_groups"] = flat
+        osd[OWNER_PLAN_KEY] = new_plan
+        osd["optimizer_state_dict"] = {
+            "state": state,
+            "param_groups": [{**groups_template[0], "params": list(range(idx))}],
+        }
+        sd["optimizer_state_dict"] = osd
+        torch.save(sd, out_tag / _z3_name(r, "optim"))
+        model = dict(model0)
+        model["dp_world_size"] = world_size
+        torch.save(model, out_tag / _z3_name(r, "model"))
+    (Path(out_dir) / "latest").write_text(where.name)
+    return out_tag
+
+
+def _assemble(where: Path, name: str, run: Run, olds: list[Run], states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The state of ``run`` from the old runs ``olds`` of the same parameter (``states``)."""
+    pieces = [(o, s) for o, s in zip(olds, states, strict=True) if o.start < run.end and run.start < o.end]
+    first = pieces[0][1]
+    return _merge(where, name, run, pieces, first, ())
+
+
+def _merge(
+    where: Path,
+    name: str,
+    run: Run,
+    pieces: list[tuple[Run, dict[str, Any]]],
+    template: dict[str, Any],
+    path: tuple[str, ...],
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in template.items():
+        at = (*path, key)
+        values = [_at(s, at) for _, s in pieces]
+        if isinstance(value, dict):
+            out[key] = _merge(where, name, run, pieces, value, at)
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in _leaves(value)):
+            raise _fail(
+                where,
+                f"parameter {name!r}: state {'.'.join(at)!r} is a {type(value).__name__} of tensors (Shampoo's "
+                "preconditioners per tile), which cannot be re-cut by element",
+                "reshard fp32, bitsandbytes 8-bit or Muon state; Shampoo and torchao 8-bit state are not done",
+            )
+        elif not isinstance(value, torch.Tensor) or value.dim() == 0 or key.startswith("qmap"):
+            if any(not _same(v, value) for v in values):
+                raise _fail(
+                    where,
+                    f"parameter {name!r}: state {'.'.join(at)!r} differs between its runs",
+                    "reshard an unmodified save",
+                )
+            out[key] = value
+        else:
+            out[key] = _cut(where, name, run, pieces, values, ".".join(at))
+    return out
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _leaves(v)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _leaves(v)]
+    return [value]
+
+
+def _at(state: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for k in path:
+        state = state[k]
+    return state
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    return bool(a == b)
+
+
+def _cut(
+    where: Path, name: str, run: Run, pieces: list[tuple[Run, dict[str, Any]]], values: list[torch.Tensor], key: str
+) -> torch.Tensor:
+    """Join ``values`` (one per old run) over ``run``'s elements (or 256-blocks)."""
+    if type(values[0]) is not torch.Tensor:
+        raise _fail(
+            where,
+            f"parameter {name!r}: state {key!r} is a {type(values[0]).__name__}",
+            "reshard fp32, bitsandbytes or Muon state",
+        )
+    per_element = all(v.numel() == o.numel for (o, _), v in zip(pieces, values, strict=True))
+    per_block = all(v.numel() == -(-o.numel // _BLOCK) for (o, _), v in zip(pieces, values, strict=True))
+    parts = []
+    if per_element:
+        for (o, _), v in zip(pieces, values, strict=True):
+            a, b = max(o.start, run.start), min(o.end, run.end)
+            parts.append(v.reshape(-1)[a - o.start : b - o.start])
+        return torch.cat(parts).reshape(run.shape).clone()
+    if per_block and all(o.start % _BLOCK == 0 for o, _ in pieces) and run.start % _BLOCK == 0:
+        for (o, _), v in zip(pieces, values, strict=True):
+            a, b = max(o.start, run.start), min(o.end, run.end)
+            parts.append(v.reshape(-1)[(a - o.start) // _BLOCK : -(-(b - o.start) // _BLOCK)])
+        return torch.cat(parts).clone()
+    raise _fail(
+        where,
+        f"parameter {name!r}: state {key!r} has {values[0].numel()} values for a run of {pieces[0][0].numel} elements "
+        "(neither one per element nor one per 256-element block)",
+        "reshard fp32, bitsandbytes 8-bit or Muon state; Shampoo and torchao 8-bit state are not done",
+    )
