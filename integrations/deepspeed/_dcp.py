@@ -53,6 +53,7 @@ import torch
 from blockshard._errors import CheckpointError
 
 from ._hook import LAYOUT_KEY
+from ._stage3 import OWNER_PLAN_KEY
 
 __all__ = [
     "ExportSummary",
@@ -257,8 +258,6 @@ def _describe_zero3(where: Path) -> dict[str, Any]:
     """:func:`describe_deepspeed_checkpoint` of a ZeRO-3 save: the fp32 master weights whole
     (:func:`read_zero3_weights`), and per rank its fp32 partitions and its inner optimizer's state
     tensors (under blockshard's owner-compute: the state of the runs the rank owns)."""
-    from ._stage3 import OWNER_PLAN_KEY
-
     files = _rank_files(where)
     tensors = [("model." + n, t) for n, t in read_zero3_weights(where).items()]
     hooked, plan = False, None

@@ -51,7 +51,6 @@ one flat state tensor per ``param_group``).
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,29 +62,14 @@ from blockshard.runtime._report import PartitionGroup
 from blockshard.semantics import TensorSpec
 
 from ._bnb_overrides import follow_overrides, resolve_module_overrides
-from ._config import DeepSpeedHookError, HookConfig
+from ._config import DeepSpeedHookError
+from ._pending import pending
+from ._stage3 import make_stage3
 from ._traffic import HookTraffic
 
 __all__ = ["LAYOUT_KEY", "BlockshardZeroOptimizer", "hooked_classes", "pending"]  # noqa: F822 (created lazily by __getattr__)
 
 LAYOUT_KEY = "blockshard_layout"
-
-
-@dataclass
-class _Pending:
-    config: HookConfig
-    module_types: dict[int, str] = field(default_factory=dict)
-
-
-_LOCAL = threading.local()
-
-
-def pending() -> _Pending | None:
-    return getattr(_LOCAL, "pending", None)
-
-
-def set_pending(value: _Pending | None) -> None:
-    _LOCAL.pending = value
 
 
 @dataclass
@@ -114,8 +98,6 @@ _CLASSES: dict[str, type] = {}
 def hooked_classes() -> dict[str, type]:
     """``{"zero12": BlockshardZeroOptimizer, "zero3": BlockshardStage3}`` (created on first use)."""
     if not _CLASSES:
-        from ._stage3 import make_stage3
-
         _CLASSES["zero12"] = _make_zero12()
         _CLASSES["zero3"] = make_stage3()
     return _CLASSES

@@ -72,6 +72,7 @@ from blockshard.semantics import TensorSpec, UnitGrid, get_semantics
 
 from ._bnb_overrides import follow_overrides, resolve_module_overrides
 from ._config import DeepSpeedHookError
+from ._pending import pending
 
 __all__ = ["OWNER_PLAN_KEY", "Run", "is_elementwise", "make_stage3", "moved_bytes", "plan_runs", "zero3_optimizer"]
 
@@ -278,8 +279,6 @@ def _refuse(kwargs: dict[str, Any], init_optimizer: torch.optim.Optimizer) -> No
 
 def make_stage3() -> type:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    from ._hook import pending
 
     class BlockshardStage3(DeepSpeedZeroOptimizer_Stage3):
         """DeepSpeed's ZeRO-3 optimizer whose step computes on whole units ([Note: ZeRO-3 owner-compute])."""
