@@ -166,19 +166,19 @@ def _initialize(kwargs: dict[str, Any], *, require_section: bool) -> Any:
     import deepspeed.runtime.engine as ds_engine
     import deepspeed.runtime.zero.stage3 as ds_stage3
 
-    from . import _hook
+    from . import _pending
 
     classes = hooked_classes()
     with _LOCK:
-        saved = (ds_engine.DeepSpeedZeroOptimizer, ds_stage3.DeepSpeedZeroOptimizer_Stage3, _hook.pending())
+        saved = (ds_engine.DeepSpeedZeroOptimizer, ds_stage3.DeepSpeedZeroOptimizer_Stage3, _pending.pending())
         ds_engine.DeepSpeedZeroOptimizer = classes["zero12"]
         ds_stage3.DeepSpeedZeroOptimizer_Stage3 = classes["zero3"]
-        _hook.set_pending(_hook._Pending(hc, _module_types(kwargs.get("model"))))
+        _pending.set_pending(_pending._Pending(hc, _module_types(kwargs.get("model"))))
         try:
             out = original(**kwargs)
         finally:
             ds_engine.DeepSpeedZeroOptimizer, ds_stage3.DeepSpeedZeroOptimizer_Stage3 = saved[:2]
-            _hook.set_pending(saved[2])
+            _pending.set_pending(saved[2])
     engine = out[0]
     stage = int(engine.zero_optimization_stage())
     if stage in (1, 2) and not isinstance(engine.optimizer, classes["zero12"]):

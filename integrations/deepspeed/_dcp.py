@@ -153,7 +153,8 @@ def read_deepspeed_checkpoint(
     """The model state (parameters by name, buffers) and the optimizer state of a ZeRO-1/2
     checkpoint in torch's ``get_state_dict`` layout ([Note: DeepSpeed to DCP]), and what it found."""
     where = _tag_dir(Path(checkpoint_dir), tag)
-    model_states = _load(where / _MODEL_FILE)
+    zero3 = _is_zero3(where)
+    model_states = _load(where / (_z3_name(0, "model") if zero3 else _MODEL_FILE))
     if model_states.get("mp_world_size", 1) != 1:
         raise _error(
             where,
@@ -172,14 +173,14 @@ def read_deepspeed_checkpoint(
     ranks = [_load(f)["optimizer_state_dict"] for _, f in files]
     W = len(ranks)
     stage = int(getattr(ranks[0].get("zero_stage"), "value", ranks[0].get("zero_stage", 0)))
-    if stage not in (1, 2):
-        raise _error(
-            where, f"zero_stage {stage}", "export a ZeRO-1 or ZeRO-2 checkpoint (ZeRO-3 is not supported here)"
-        )
-    hooked = LAYOUT_KEY in ranks[0]
+    if stage not in (1, 2, 3):
+        raise _error(where, f"zero_stage {stage}", "export a ZeRO-1, ZeRO-2 or ZeRO-3 checkpoint")
+    hooked = LAYOUT_KEY in ranks[0] or OWNER_PLAN_KEY in ranks[0]
     names_per_group: list[list[str]] = [list(g) for g in model_states["param_shapes"]]
     shapes = {n: torch.Size(s) for g in model_states["param_shapes"] for n, s in g.items()}
-    if hooked:
+    if stage == 3:
+        params, state, groups = _zero3(where, ranks, names_per_group, shapes)
+    elif hooked:
         params, state, groups = _hooked(where, ranks, names_per_group, shapes)
     else:
         params, state, groups = _stock(where, ranks, names_per_group, shapes)
@@ -424,6 +425,56 @@ def _hooked(
 
     params, state = _collect(where, pieces(), shapes)
     _, groups = _state_of(where, ranks[0])
+    return params, state, [_group_settings(g, names[i]) for i, g in enumerate(groups)]
+
+
+def _zero3(
+    where: Path, ranks: list[dict[str, Any]], names: list[list[str]], shapes: dict[str, torch.Size]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """ZeRO-3: stock, each rank's flat fp32 partition of a sub-group (a ``param_group``) holds
+    ``ceil(numel / W)`` elements of each parameter in order, its state keyed by the sub-group; with
+    blockshard's owner-compute, the state of each run on its owner, in plan order
+    ([Note: ZeRO-3 owner-compute])."""
+    W = len(ranks)
+    masters = read_zero3_weights(where)
+    plan = ranks[0].get(OWNER_PLAN_KEY)
+
+    def inner(rank: dict[str, Any]) -> dict[str, Any]:
+        sd = rank["optimizer_state_dict"]
+        if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+            raise _error(
+                where, "the inner optimizer's state is not a torch optimizer state_dict", "save with a torch optimizer"
+            )
+        return sd
+
+    def pieces() -> Iterator[tuple[str, int, int, torch.Tensor, dict[str, Any]]]:
+        if plan is not None:
+            for r, rank in enumerate(ranks):
+                sd = inner(rank)
+                order = iter(i for g in sd["param_groups"] for i in g["params"])
+                for name, _, runs in plan["params"]:
+                    for a, b, owner in runs:
+                        if owner == r:
+                            yield name, a, b - a, masters[name].reshape(-1)[a:b], sd["state"].get(next(order), {})
+            return
+        for r, rank in enumerate(ranks):
+            sd = inner(rank)
+            for i, group_names in enumerate(names):
+                state, off = sd["state"].get(i, {}), 0
+                for name in group_names:
+                    n = shapes[name].numel()
+                    P = -(-n // W) if n else 0
+                    lo, hi = min(r * P, n), min((r + 1) * P, n)
+                    st = {
+                        k: (v.reshape(-1)[off : off + hi - lo] if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                        for k, v in state.items()
+                    }
+                    if hi > lo:
+                        yield name, lo, hi - lo, masters[name].reshape(-1)[lo:hi], st
+                    off += P
+
+    params, state = _collect(where, pieces(), shapes)
+    groups = inner(ranks[0])["param_groups"]
     return params, state, [_group_settings(g, names[i]) for i, g in enumerate(groups)]
 
 

@@ -67,7 +67,7 @@ from ._pending import pending
 from ._stage3 import make_stage3
 from ._traffic import HookTraffic
 
-__all__ = ["LAYOUT_KEY", "BlockshardZeroOptimizer", "hooked_classes", "pending"]  # noqa: F822 (created lazily by __getattr__)
+__all__ = ["LAYOUT_KEY", "BlockshardZeroOptimizer", "hooked_classes"]  # noqa: F822 (created lazily by __getattr__)
 
 LAYOUT_KEY = "blockshard_layout"
 

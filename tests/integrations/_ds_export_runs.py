@@ -102,7 +102,7 @@ def import_case(rank: int, world: int, stage: int, hooked: bool, out: str) -> di
     return result
 
 
-EXPORTS = [(2, False), (2, True), (1, True)]  # (ZeRO stage, blockshard's hook)
+EXPORTS = [(2, False), (2, True), (1, True), (3, False)]  # (ZeRO stage, blockshard's hook)
 IMPORTS = [(2, False), (1, False), (2, True)]
 
 
