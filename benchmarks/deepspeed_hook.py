@@ -1,4 +1,4 @@
-"""Stock DeepSpeed ZeRO-2 against blockshard-hooked ZeRO-2 in one run: padding, step time, Muon momentum.
+"""Stock DeepSpeed ZeRO-2 and ZeRO-3 against blockshard-hooked ones in one run: step time, memory, Muon momentum.
 
     python benchmarks/deepspeed_hook.py --world-size 2 4 --json --out docs/results/deepspeed_hook.json
 
@@ -18,6 +18,20 @@ DeepSpeed 0.19.8 engines on CPU).
   touches a rank's partition (whole matrices, also those split across partitions); hooked is
   ``torch.optim.Muon`` with ``"semantics": "matrix"`` (whole matrices per partition, momentum on the
   owning rank only). Reported: momentum bytes per rank after 2 steps, against ``total / W``.
+* **bnb AdamW8bit, ZeRO-3** on the same Llama (``"stage": 3``, ``stage3_param_persistence_threshold:
+  0`` so every parameter is partitioned, ``reduce_bucket_size`` 2**20 instead of DeepSpeed's 5e8
+  elements, no clipping): stock is ``deepspeed.initialize``, hooked is owner-compute on runs
+  ([Note: ZeRO-3 owner-compute] in ``integrations/deepspeed/_stage3.py``); rounds, alternation and
+  step times as for ZeRO-2. Reported: median step times and their ratio (target <= 1.10); the bytes
+  each rank sent per optimizer step for owner-compute (``owner_traffic()["bytes_per_step"]``) next to
+  the parameter bytes (4 * numel); the fp32 master elements each rank owner-computes (its runs).
+* **Peak memory, ZeRO-3**: per rank, a fresh engine of each kind is built inside torch's profiler
+  (allocator events, frees on every thread counted: ``engine_vs_fsdp2._track_cpu_allocations`` and
+  ``_memory``), takes ``max(1, warmup)`` steps, then one marked step: peak, live bytes at the step's
+  start, transient (peak minus start), all relative to the total before the model is built, and
+  the ratio of peaks hooked / stock (target <= 1.05).
+* **torch.optim.Muon, ZeRO-3** on the matrices: stock raises (its error is recorded); hooked steps
+  whole matrices on owners. Reported: momentum bytes per rank against ``total / W``, bytes per step.
 """
 
 from __future__ import annotations
@@ -42,6 +56,9 @@ LLAMA = dict(
     num_key_value_heads=2,
 )
 SEQ, BATCH = 64, 4
+# DeepSpeed's default ZeRO-3 reduce bucket is 5e8 elements (a 2 GB fp32 buffer on every rank, 150 times
+# the small Llama): sized to the model instead, so the peak-memory ratio measures the engines.
+Z3_BUCKET = {"reduce_bucket_size": 2**20}
 # Llama-like projections of 2 layers (q, k, v, o, gate, up, down) and an odd 300 x 37 head: sizes that
 # do not divide evenly, so stock partition boundaries fall inside matrices.
 MUON_SHAPES = [(256, 256), (128, 256), (128, 256), (256, 256), (688, 256), (688, 256), (256, 688)] * 2 + [(300, 37)]
@@ -101,7 +118,7 @@ def _setup(rank: int, world_size: int) -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
-def _config(hooked: bool, semantics, extra=None) -> dict:
+def _config(hooked: bool, semantics, extra=None, stage: int = 2) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
@@ -109,8 +126,11 @@ def _config(hooked: bool, semantics, extra=None) -> dict:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
+    if stage == 3:  # every parameter partitioned, as in a large model; no clipping (as the tests)
+        cfg["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": 0, **Z3_BUCKET}
+        cfg["gradient_clipping"] = 0
     if hooked:
-        cfg["blockshard"] = {"semantics": semantics}
+        cfg["blockshard"] = {"semantics": semantics} if stage == 2 else {}
     cfg.update(extra or {})
     return cfg
 
@@ -130,7 +150,7 @@ def _padding(engine) -> dict:
     }
 
 
-def _bnb_engine(hooked: bool):
+def _bnb_engine(hooked: bool, stage: int = 2):
     import bitsandbytes as bnb
     import deepspeed
 
@@ -139,7 +159,7 @@ def _bnb_engine(hooked: bool):
     model = _llama()
     opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
     init = bsd.initialize if hooked else deepspeed.initialize
-    engine, _, _, _ = init(model=model, optimizer=opt, config=_config(hooked, "bnb8bit"))
+    engine, _, _, _ = init(model=model, optimizer=opt, config=_config(hooked, "bnb8bit", stage=stage))
     return engine
 
 
@@ -205,6 +225,99 @@ def _muon(hooked: bool) -> dict:
     }
 
 
+def _owned_numel(runs: dict, world_size: int) -> list[int]:
+    """Elements of the fp32 master each rank owner-computes: ``owner_traffic()["runs"]`` summed by owner."""
+    owned = [0] * world_size
+    for param_runs in runs.values():
+        for start, end, owner in param_runs:
+            owned[owner] += end - start
+    return owned
+
+
+def _z3_memory(hooked: bool, data, warmup: int) -> dict:
+    """Allocator totals of one timed step of a fresh ZeRO-3 engine, relative to the total before the
+    model is built (``engine_vs_fsdp2._memory``; the caller turned on ``_track_cpu_allocations``)."""
+    import gc
+
+    import torch.distributed as dist
+    from engine_vs_fsdp2 import _MARK, _memory
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    gc.collect()
+    n = max(1, warmup)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.empty(1)  # an allocation event that fixes the baseline total
+        engine = _bnb_engine(hooked, stage=3)
+        _timed_steps(engine, data[:n], n)  # lazy state, prefetch order
+        dist.barrier()
+        with record_function(_MARK):
+            _timed_steps(engine, data[n : n + 1], 0)
+    memory = _memory(prof)
+    del prof
+    engine.destroy()
+    return {k: memory[k] for k in ("peak", "at_step_start", "transient", "peak_at")}
+
+
+def _muon_z3(hooked: bool) -> dict:
+    """torch's Muon under ZeRO-3: hooked (owner-compute on whole matrices), or stock's error."""
+    import deepspeed
+
+    from blockshard.integrations import deepspeed as bsd
+
+    model = _Matrices()
+    opt = torch.optim.Muon(model.parameters(), lr=0.02)
+    init = bsd.initialize if hooked else deepspeed.initialize
+    gen = torch.Generator().manual_seed(2)
+    engine, t = None, []
+    try:
+        engine, _, _, _ = init(model=model, optimizer=opt, config=_config(hooked, None, stage=3))
+        for _ in range(2):
+            x = torch.randn(BATCH, 256, generator=gen)
+            t0 = time.perf_counter()
+            engine.backward(engine(x).square().mean())
+            engine.step()
+            t.append(time.perf_counter() - t0)
+    except Exception as e:  # stock ZeRO-3 hands torch's Muon a 1-D flat partition (at the first step)
+        if engine is not None:
+            engine.destroy()
+        if hooked:
+            raise
+        return {"error": f"{type(e).__name__}: {e}"}
+    traffic = engine.optimizer.owner_traffic()
+    out = {
+        "momentum_bytes": _momentum_bytes(engine.optimizer.optimizer),
+        "bytes_per_step": traffic["bytes_per_step"],
+        "runs": traffic["runs"],
+        "last_step_s": t[-1],
+    }
+    engine.destroy()
+    return out
+
+
+def _zero3(data, rounds: int, warmup: int) -> dict:
+    """bnb AdamW8bit under ZeRO-3, stock vs hooked (alternating per round), then memory and Muon."""
+    from engine_vs_fsdp2 import _track_cpu_allocations
+
+    times: dict[str, list[float]] = {"stock": [], "hooked": []}
+    traffic = None
+    for r in range(rounds):
+        for name in ("stock", "hooked") if r % 2 == 0 else ("hooked", "stock"):
+            engine = _bnb_engine(name == "hooked", stage=3)
+            times[name] += _timed_steps(engine, data, warmup)
+            if name == "hooked" and traffic is None:
+                traffic = engine.optimizer.owner_traffic()
+            engine.destroy()
+            del engine
+    _track_cpu_allocations()
+    memory = {name: _z3_memory(name == "hooked", data, warmup) for name in ("stock", "hooked")}
+    return {
+        "times": times,
+        "traffic": traffic,
+        "memory": memory,
+        "muon": {n: _muon_z3(n == "hooked") for n in ("stock", "hooked")},
+    }
+
+
 def _rank(rank: int, world_size: int, rounds: int, steps: int, warmup: int) -> dict:
     torch.set_num_threads(1)
     _setup(rank, world_size)
@@ -224,6 +337,7 @@ def _rank(rank: int, world_size: int, rounds: int, steps: int, warmup: int) -> d
             del engine
     muon = {"stock": _muon(False), "hooked": _muon(True)}
     return {
+        "zero3": _zero3(data, rounds, warmup),
         "times": times,
         "padding": padding,
         "muon": muon,
@@ -237,6 +351,60 @@ def _parser():
     p.add_argument("--world-size", type=int, nargs="+", default=[2], help="one run per world size")
     p.add_argument("--rounds", type=int, default=4)
     return add_output_args(p, timeout=None)
+
+
+def _zero3_summary(res: list[dict], w: int) -> dict:
+    z = [res[r]["zero3"] for r in range(w)]
+    med = {k: statistics.median(v) for k, v in z[0]["times"].items()}
+    num_params = res[0]["num_params"]
+    sent = [z[r]["traffic"]["bytes_per_step"] for r in range(w)]
+    runs = z[0]["traffic"]["runs"]
+    memory = {}
+    for name in ("stock", "hooked"):
+        memory[name] = {k: [z[r]["memory"][name][k] for r in range(w)] for k in ("peak", "at_step_start", "transient")}
+        memory[name]["peak_at_rank0"] = z[0]["memory"][name]["peak_at"]
+    peak_ratio = [h / s for h, s in zip(memory["hooked"]["peak"], memory["stock"]["peak"], strict=True)]
+    muon_total = 4 * sum(a * b for a, b in MUON_SHAPES)
+    hm = [z[r]["muon"]["hooked"] for r in range(w)]
+    momentum = [m["momentum_bytes"] for m in hm]
+    return {
+        "bnb_adamw8bit_zero3": {
+            "config": {"stage": 3, "stage3_param_persistence_threshold": 0, **Z3_BUCKET, "gradient_clipping": 0},
+            "median_step_s": med,
+            "step_time_ratio_hooked_over_stock": med["hooked"] / med["stock"],
+            "step_time_target": 1.10,
+            "step_times_s": z[0]["times"],
+            "param_bytes": 4 * num_params,
+            "owner_compute_bytes_per_step_per_rank": sent,
+            "bytes_per_step_rank0": sent[0][-1],
+            "bytes_per_step_max_over_ranks": max(b for per_rank in sent for b in per_rank),
+            "bytes_per_step_max_over_param_bytes": max(b for per_rank in sent for b in per_rank) / (4 * num_params),
+            "num_runs": sum(len(v) for v in runs.values()),
+            "owned_numel_per_rank": _owned_numel(runs, w),
+            "num_params_div_w": num_params / w,
+            "peak_memory_bytes": memory,
+            "peak_ratio_hooked_over_stock_per_rank": peak_ratio,
+            "peak_ratio_max": max(peak_ratio),
+            "peak_ratio_target": 1.05,
+            "memory_measured": "torch profiler allocator events (engine_vs_fsdp2._memory), one step after "
+            "max(1, warmup) steps of a fresh engine, relative to the total before the model is built",
+        },
+        "muon_zero3": {
+            "shapes": MUON_SHAPES,
+            "stock": z[0]["muon"]["stock"],
+            "hooked": {
+                "optimizer": "Muon",
+                "momentum_total_bytes": muon_total,
+                "momentum_total_div_w_bytes": muon_total / w,
+                "momentum_bytes_per_rank": momentum,
+                "max_momentum_over_total_div_w": max(momentum) / (muon_total / w),
+                "owned_numel_per_rank": _owned_numel(hm[0]["runs"], w),
+                "bytes_per_step_per_rank": [m["bytes_per_step"] for m in hm],
+                "param_bytes": muon_total,
+                "last_step_s_rank0": hm[0]["last_step_s"],
+            },
+        },
+    }
 
 
 def _one(w: int, args) -> dict:
@@ -287,6 +455,7 @@ def _one(w: int, args) -> dict:
             "momentum_total_div_w_bytes": muon_total / w,
             **muon,
         },
+        **_zero3_summary(res, w),
         "wall_s": wall,
     }
 
