@@ -30,7 +30,8 @@ gradient accumulation, clipping and loss scaling as they are, and replaces only
   ``all_to_all_single`` on the data-parallel group moves every rank's real elements of each run
   (gradient and fp32 master value; padding left out) to the run's owner, which assembles the run in
   a tensor of its own (the parameter's shape, whole rows, or flat: :func:`blockshard._arith.block_shape`)
-  kept across steps (the optimizer's state is keyed by it) and runs the unmodified inner optimizer
+  kept across steps (the optimizer's state is keyed by it; its storage is freed between steps, so no
+  second fp32 copy of the owned elements stays) and runs the unmodified inner optimizer
   on those tensors; a second ``all_to_all_single`` sends each rank its slice of the new values,
   written into the flat master partition. So the optimizer computes on every parameter what it
   computes on one process (Newton-Schulz once per optimizer step on whole matrices; bitsandbytes'
@@ -405,6 +406,10 @@ def make_stage3() -> type:
             out = flat.new_empty(sum(recv))
             dist.all_to_all_single(out, inp, recv, send, group=group)
             pos = 0
+            for q in params:  # the run tensors' storage lives only during the step (freed below)
+                for t in q.tensors.values():
+                    if t.untyped_storage().size() == 0:
+                        t.untyped_storage().resize_(t.numel() * t.element_size())
             grads: dict[tuple[int, int], torch.Tensor] = {}
             for src in range(W):
                 for j, q in enumerate(params):
@@ -474,6 +479,11 @@ def make_stage3() -> type:
                 if b > a
             )
             self._bs_moved.append((inp.numel() + inp2.numel()) * itemsize - self_bytes)
+            # between steps the run tensors hold nothing (their values are in DeepSpeed's partitions; the
+            # optimizer's state stays keyed by them): no second fp32 copy of the owned elements
+            for q in params:
+                for t in q.tensors.values():
+                    t.untyped_storage().resize_(0)
 
         # -- what the hook reports -----------------------------------------------------------------
         def owner_traffic(self) -> dict[str, Any]:
