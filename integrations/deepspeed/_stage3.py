@@ -326,16 +326,18 @@ def make_stage3() -> type:
         def _bs_plan(self) -> None:
             group = self.dp_process_group
             W, me = dist.get_world_size(group=group), dist.get_rank(group=group)
+            ranks = dist.get_process_group_ranks(group)
             flat_params: list[_Param] = []
             grids: list[UnitGrid] = []
             for i, params in enumerate(self.fp16_groups):
                 sg, off = _SubGroup(), 0
                 gid = self.sub_group_to_group_id[i]
                 for j, q in enumerate(params):
-                    if q.ds_process_group is not group and dist.get_world_size(group=q.ds_process_group) != W:
+                    if q.ds_process_group is not group and dist.get_process_group_ranks(q.ds_process_group) != ranks:
                         raise DeepSpeedHookError(
-                            "a parameter is partitioned over another group than the data-parallel group (MiCS / "
-                            "hpZ); not supported by blockshard's ZeRO-3 owner-compute"
+                            f"parameter {self._bs_names.get(id(q), j)!r} is partitioned over another group than the "
+                            "data-parallel group (MoE experts, MiCS, hpZ); not supported by blockshard's ZeRO-3 "
+                            "owner-compute: use an element-wise optimizer there, or ZeRO-1/2"
                         )
                     name = self._bs_names.get(id(q)) or f"param_group{gid}.{j}"
                     shape = tuple(int(d) for d in q.ds_shape)
@@ -369,64 +371,73 @@ def make_stage3() -> type:
             self._bs_owner_step(sub_group_id)
 
         def _bs_owner_step(self, i: int) -> None:
+            """One sub-group's step ([Note: ZeRO-3 owner-compute]); this rank's own elements of the runs it
+            owns are copied in place, only the other ranks' go through the all_to_alls."""
             group = self.dp_process_group
             W, me = dist.get_world_size(group=group), dist.get_rank(group=group)
             flat = self.fp32_partitioned_groups_flat[i]
-            grad = flat.grad
+            grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
             params = self._bs_subgroups[i].params
-            zeros = None if grad is not None else torch.zeros_like(flat)
 
             def overlap(q: _Param, run: Run, rank: int) -> tuple[int, int]:
                 lo, hi = _span(q.numel, W, rank)
                 return max(lo, run.start), min(hi, run.end)
 
-            # in: to each run's owner, my real elements of the run (gradient, then value)
-            chunks: list[torch.Tensor] = []
-            send = [0] * W
-            for dest in range(W):
-                for q in params:
-                    base = q.flat_offset - _span(q.numel, W, me)[0]  # flat index of element 0 of the parameter
-                    for run in q.runs:
-                        a, b = overlap(q, run, me)
-                        if run.owner != dest or b <= a:
-                            continue
-                        g = grad if grad is not None else zeros
-                        assert g is not None
-                        chunks.append(g.detach().narrow(0, base + a, b - a))
-                        chunks.append(flat.detach().narrow(0, base + a, b - a))
-                        send[dest] += 2 * (b - a)
-            recv = [0] * W
-            for src in range(W):
-                for q in params:
-                    for run in q.runs:
-                        if run.owner == me:
-                            a, b = overlap(q, run, src)
-                            recv[src] += 2 * max(0, b - a)
-            inp = torch.cat(chunks) if chunks else flat.new_empty(0)
-            out = flat.new_empty(sum(recv))
-            dist.all_to_all_single(out, inp, recv, send, group=group)
-            pos = 0
+            def base(q: _Param) -> int:  # flat index of element 0 of the parameter on this rank
+                return q.flat_offset - _span(q.numel, W, me)[0]
+
             for q in params:  # the run tensors' storage lives only during the step (freed below)
                 for t in q.tensors.values():
                     if t.untyped_storage().size() == 0:
                         t.untyped_storage().resize_(t.numel() * t.element_size())
+            # in: to each other run owner, my real elements of the run (gradient, then value)
+            chunks: list[torch.Tensor] = []
+            send, recv = [0] * W, [0] * W
+            for dest in range(W):
+                for q in params:
+                    for run in q.runs:
+                        lo, hi = overlap(q, run, me)
+                        if run.owner == dest and dest != me and hi > lo:
+                            chunks.append(grad.detach().narrow(0, base(q) + lo, hi - lo))
+                            chunks.append(flat.detach().narrow(0, base(q) + lo, hi - lo))
+                            send[dest] += 2 * (hi - lo)
+            for src in range(W):
+                for q in params:
+                    for run in q.runs:
+                        if run.owner == me and src != me:
+                            lo, hi = overlap(q, run, src)
+                            recv[src] += 2 * max(0, hi - lo)
+            inp = torch.cat(chunks) if chunks else flat.new_empty(0)
+            out = flat.new_empty(sum(recv))
+            dist.all_to_all_single(out, inp, recv, send, group=group)
             grads: dict[tuple[int, int], torch.Tensor] = {}
+            pos = 0
             for src in range(W):
                 for j, q in enumerate(params):
                     for k, run in enumerate(q.runs):
-                        a, b = overlap(q, run, src)
-                        if run.owner != me or b <= a:
+                        lo, hi = overlap(q, run, src)
+                        if run.owner != me or hi <= lo:
                             continue
                         t = q.tensors[k]
-                        g = grads.setdefault((j, k), torch.zeros_like(t))
-                        g.view(-1).narrow(0, a - run.start, b - a).copy_(out.narrow(0, pos, b - a))
-                        t.view(-1).narrow(0, a - run.start, b - a).copy_(out.narrow(0, pos + b - a, b - a))
-                        pos += 2 * (b - a)
+                        g = grads.setdefault((j, k), torch.empty_like(t))
+                        g_at, t_at = (
+                            g.view(-1).narrow(0, lo - run.start, hi - lo),
+                            t.view(-1).narrow(0, lo - run.start, hi - lo),
+                        )
+                        if src == me:  # in place, from DeepSpeed's partition
+                            g_at.copy_(grad.detach().narrow(0, base(q) + lo, hi - lo))
+                            t_at.copy_(flat.detach().narrow(0, base(q) + lo, hi - lo))
+                            continue
+                        g_at.copy_(out.narrow(0, pos, hi - lo))
+                        t_at.copy_(out.narrow(0, pos + hi - lo, hi - lo))
+                        pos += 2 * (hi - lo)
+            del inp, out
             # the unmodified inner optimizer on the runs this rank owns
             gid = self.sub_group_to_group_id[i]
             owned = [(q.tensors[k], j) for j, q in enumerate(params) for k in sorted(q.tensors)]
             for (j, k), g in grads.items():
                 params[j].tensors[k].grad = g
+            del grads
             if not self._bs_overrides_resolved:  # bitsandbytes' check_overrides, first step
                 resolve_module_overrides(self.optimizer, [q for g in self.fp16_groups for q in g])
                 self._bs_overrides_resolved = True
@@ -439,46 +450,40 @@ def make_stage3() -> type:
                     self.optimizer.param_groups[gid]["params"] = []
                     for t, _ in owned:
                         t.grad = None
-            # out: each rank's slice of the new values of the runs this rank owns
+            # out: each other rank's slice of the new values of the runs this rank owns; mine in place
             back: list[torch.Tensor] = []
-            send_back = [0] * W
+            send_back, recv_back = [0] * W, [0] * W
             for dest in range(W):
                 for q in params:
                     for k, run in enumerate(q.runs):
-                        a, b = overlap(q, run, dest)
-                        if run.owner == me and b > a:
-                            back.append(q.tensors[k].detach().view(-1).narrow(0, a - run.start, b - a))
-                            send_back[dest] += b - a
-            recv_back = [0] * W
+                        lo, hi = overlap(q, run, dest)
+                        if run.owner != me or hi <= lo:
+                            continue
+                        new = q.tensors[k].detach().view(-1).narrow(0, lo - run.start, hi - lo)
+                        if dest == me:
+                            flat.data.narrow(0, base(q) + lo, hi - lo).copy_(new)
+                        else:
+                            back.append(new)
+                            send_back[dest] += hi - lo
             for src in range(W):
                 for q in params:
                     for run in q.runs:
-                        a, b = overlap(q, run, me)
-                        if run.owner == src:
-                            recv_back[src] += max(0, b - a)
+                        lo, hi = overlap(q, run, me)
+                        if run.owner == src and src != me:
+                            recv_back[src] += max(0, hi - lo)
             inp2 = torch.cat(back) if back else flat.new_empty(0)
             out2 = flat.new_empty(sum(recv_back))
             dist.all_to_all_single(out2, inp2, recv_back, send_back, group=group)
             pos = 0
             for src in range(W):
                 for q in params:
-                    base = q.flat_offset - _span(q.numel, W, me)[0]
                     for run in q.runs:
-                        a, b = overlap(q, run, me)
-                        if run.owner != src or b <= a:
+                        lo, hi = overlap(q, run, me)
+                        if run.owner != src or src == me or hi <= lo:
                             continue
-                        flat.data.narrow(0, base + a, b - a).copy_(out2.narrow(0, pos, b - a))
-                        pos += b - a
-            itemsize = flat.element_size()
-            self_bytes = sum(
-                (b - a) * itemsize * 3
-                for q in params
-                for run in q.runs
-                if run.owner == me
-                for a, b in [overlap(q, run, me)]
-                if b > a
-            )
-            self._bs_moved.append((inp.numel() + inp2.numel()) * itemsize - self_bytes)
+                        flat.data.narrow(0, base(q) + lo, hi - lo).copy_(out2.narrow(0, pos, hi - lo))
+                        pos += hi - lo
+            self._bs_moved.append((sum(send) + sum(send_back)) * flat.element_size())
             # between steps the run tensors hold nothing (their values are in DeepSpeed's partitions; the
             # optimizer's state stays keyed by them): no second fp32 copy of the owned elements
             for q in params:
