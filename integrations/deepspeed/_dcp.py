@@ -230,29 +230,8 @@ def describe_deepspeed_checkpoint(path: str | os.PathLike[str], tag: str | None 
         tensors += [(f"rank{r}.optim.{n}", t) for n, t in _tensors("", osd.get("base_optimizer_state", {}))]
     ranks = [r for r, _ in files]
     problems = [] if ranks == list(range(len(ranks))) and ranks else [f"optimizer files of ranks {ranks}"]
-    return {
-        "path": str(where),
-        "tensors": [
-            {
-                "name": n,
-                "shape": list(t.shape),
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "bytes": t.numel() * t.element_size(),
-                "chunks": 1,
-            }
-            for n, t in tensors
-        ],
-        "tensor_bytes": sum(t.numel() * t.element_size() for _, t in tensors),
-        "file_bytes": sum(f.stat().st_size for f in where.iterdir() if f.is_file()),
-        "ranks_that_wrote": len(files),
-        "saved_by": f"DeepSpeed ZeRO-{stage}" + (" with blockshard's hook" if hooked else ""),
-        "blockshard_version": f"(DeepSpeed {model_states.get('ds_version', 'of unknown version')})",
-        "world_size": len(files),
-        "complete": not problems,
-        "problems": problems,
-        "objects": [],
-        "optimizers": [],
-    }
+    saved_by = f"DeepSpeed ZeRO-{stage}" + (" with blockshard's hook" if hooked else "")
+    return _description(where, tensors, len(files), saved_by, model_states.get("ds_version"), problems)
 
 
 def _describe_zero3(where: Path) -> dict[str, Any]:
@@ -278,7 +257,20 @@ def _describe_zero3(where: Path) -> dict[str, Any]:
     )
     if plan is not None and plan.get("world_size") != len(files):
         problems.append(f"owner plan of W = {plan.get('world_size')}, files of {len(files)} ranks")
-    version = _load(where / _z3_name(0, "model")).get("ds_version", "of unknown version")
+    version = _load(where / _z3_name(0, "model")).get("ds_version")
+    saved_by = "DeepSpeed ZeRO-3" + (" with blockshard's hook (owner-compute)" if hooked else "")
+    return _description(where, tensors, len(files), saved_by, version, problems)
+
+
+def _description(
+    where: Path,
+    tensors: list[tuple[str, torch.Tensor]],
+    ranks: int,
+    saved_by: str,
+    ds_version: str | None,
+    problems: list[str],
+) -> dict[str, Any]:
+    """What ``blockshard inspect`` renders of a DeepSpeed save (``describe_checkpoint``'s keys)."""
     return {
         "path": str(where),
         "tensors": [
@@ -293,10 +285,10 @@ def _describe_zero3(where: Path) -> dict[str, Any]:
         ],
         "tensor_bytes": sum(t.numel() * t.element_size() for _, t in tensors),
         "file_bytes": sum(f.stat().st_size for f in where.iterdir() if f.is_file()),
-        "ranks_that_wrote": len(files),
-        "saved_by": "DeepSpeed ZeRO-3" + (" with blockshard's hook (owner-compute)" if hooked else ""),
-        "blockshard_version": f"(DeepSpeed {version})",
-        "world_size": len(files),
+        "ranks_that_wrote": ranks,
+        "saved_by": saved_by,
+        "blockshard_version": f"(DeepSpeed {ds_version or 'of unknown version'})",
+        "world_size": ranks,
         "complete": not problems,
         "problems": problems,
         "objects": [],

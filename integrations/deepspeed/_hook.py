@@ -64,6 +64,7 @@ from blockshard.semantics import TensorSpec
 from ._bnb_overrides import follow_overrides, resolve_module_overrides
 from ._config import DeepSpeedHookError
 from ._pending import pending
+from ._refusals import refuse_shared
 from ._stage3 import make_stage3
 from ._traffic import HookTraffic
 
@@ -110,16 +111,7 @@ def __getattr__(name: str) -> type:
 
 
 def _refuse_unsupported(init_optimizer: torch.optim.Optimizer, kwargs: dict[str, Any]) -> None:
-    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-
-    off = kwargs.get("offload_optimizer_config")
-    if off is not None and getattr(off, "device", OffloadDeviceEnum.none) != OffloadDeviceEnum.none:
-        raise DeepSpeedHookError(
-            "zero_optimization.offload_optimizer is not supported by blockshard's DeepSpeed "
-            "hook (its CPU-gradient path was not verified); remove it or the blockshard section"
-        )
-    if kwargs.get("zenflow_config") is not None:
-        raise DeepSpeedHookError("ZenFlow is not supported by blockshard's DeepSpeed hook")
+    refuse_shared(init_optimizer, kwargs, "blockshard's DeepSpeed hook", ("offload_optimizer_config",))
     if kwargs.get("has_moe_layers"):
         raise DeepSpeedHookError("MoE layers (expert param_groups) are not supported by blockshard's DeepSpeed hook")
     if kwargs.get("elastic_checkpoint"):
@@ -127,19 +119,11 @@ def _refuse_unsupported(init_optimizer: torch.optim.Optimizer, kwargs: dict[str,
             "zero_optimization.elastic_checkpoint merges one flat optimizer state per param_group across ranks; with "
             "the blockshard hook the state is per parameter piece: set elastic_checkpoint to false"
         )
-    name = type(init_optimizer).__name__
-    if name == "MuonWithAuxAdam" or isinstance(init_optimizer, torch.optim.Adagrad):
+    if isinstance(init_optimizer, torch.optim.Adagrad):
         raise DeepSpeedHookError(
-            f"inner optimizer {name} assumes DeepSpeed's single flat tensor per param_group; with blockshard use "
+            "inner optimizer Adagrad assumes DeepSpeed's single flat tensor per param_group; with blockshard use "
             'torch.optim.Muon (with "semantics": "matrix") or another torch/bitsandbytes optimizer'
         )
-    for g in init_optimizer.param_groups:
-        for p in g["params"]:
-            if getattr(p, "use_muon", False):
-                raise DeepSpeedHookError(
-                    "parameters tagged use_muon select DeepSpeed's own flat-partition Muon path, which the "
-                    "blockshard hook does not support; pass torch.optim.Muon as the optimizer instead"
-                )
 
 
 def _make_zero12() -> type:

@@ -74,6 +74,7 @@ from blockshard.semantics import TensorSpec, UnitGrid, get_semantics
 from ._bnb_overrides import follow_overrides, resolve_module_overrides
 from ._config import DeepSpeedHookError
 from ._pending import pending
+from ._refusals import refuse_shared
 
 __all__ = ["OWNER_PLAN_KEY", "Run", "is_elementwise", "make_stage3", "moved_bytes", "plan_runs", "zero3_optimizer"]
 
@@ -245,16 +246,9 @@ class _SubGroup:
 
 
 def _refuse(kwargs: dict[str, Any], init_optimizer: torch.optim.Optimizer) -> None:
-    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-
     where = "blockshard's ZeRO-3 owner-compute (an optimizer that is not element-wise: "
     where += f"{type(init_optimizer).__name__})"
-    for key, what in (("offload_optimizer_config", "offload_optimizer"), ("offload_param_config", "offload_param")):
-        off = kwargs.get(key)
-        if off is not None and getattr(off, "device", OffloadDeviceEnum.none) != OffloadDeviceEnum.none:
-            raise DeepSpeedHookError(f"zero_optimization.{what} is not supported by {where}; remove it")
-    if kwargs.get("zenflow_config") is not None:
-        raise DeepSpeedHookError(f"ZenFlow is not supported by {where}")
+    refuse_shared(init_optimizer, kwargs, where, ("offload_optimizer_config", "offload_param_config"))
     if int(kwargs.get("zero_hpz_partition_size") or 1) > 1:
         raise DeepSpeedHookError(
             f"zero_optimization.zero_hpz_partition_size > 1 is not supported by {where}: set it to 1"
@@ -264,18 +258,6 @@ def _refuse(kwargs: dict[str, Any], init_optimizer: torch.optim.Optimizer) -> No
             f"16-bit master weights are not supported by {where}: the owner computes on fp32 masters; remove "
             "fp16_master_weights_and_gradients / bf16_master_weights_and_gradients"
         )
-    name = type(init_optimizer).__name__
-    if name == "MuonWithAuxAdam":
-        raise DeepSpeedHookError(
-            "DeepSpeed's MuonWithAuxAdam steps its own flat partitions; with blockshard pass torch.optim.Muon"
-        )
-    for g in init_optimizer.param_groups:
-        for p in g["params"]:
-            if getattr(p, "use_muon", False):
-                raise DeepSpeedHookError(
-                    "parameters tagged use_muon select DeepSpeed's own flat-partition Muon path, which the "
-                    "blockshard hook does not support; pass torch.optim.Muon as the optimizer instead"
-                )
 
 
 def make_stage3() -> type:

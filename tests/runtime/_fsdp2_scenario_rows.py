@@ -379,21 +379,30 @@ def gradient_accumulation(E, mode: str, raf) -> None:
     for m in model[1:]:
         E.fully_shard(m, reshard_after_forward=raf)
     E.fully_shard(model, reshard_after_forward=raf)
+
+    def sync(last: bool) -> None:
+        if mode == "all":
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+        elif mode == "root_only":
+            model.set_requires_gradient_sync(last, recurse=False)
+        else:
+            for m in model[1:3]:
+                m.set_requires_gradient_sync(last)
+
+    _train_microbatches(E, model, ref, sync, batch=2)
+
+
+def _train_microbatches(E, model, ref, sync, batch: int) -> None:
+    """Two steps of three microbatches (``sync(last)`` before each), Adam on both models; every rank
+    its own microbatch, ``ref`` their mean; the parameters checked at the end."""
     o, ro = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
     rank = dist.get_rank()
     for step in range(2):
         for i in range(3):
-            last = i == 2
-            if mode == "all":
-                model.set_requires_gradient_sync(last)
-                model.set_reshard_after_backward(last)
-            elif mode == "root_only":
-                model.set_requires_gradient_sync(last, recurse=False)
-            else:
-                for m in model[1:3]:
-                    m.set_requires_gradient_sync(last)
-            _sum(model, _randn(100 * step + 10 * i + rank, 2, DIM)).backward()
-            base._mean_loss(_sum, ref, [_randn(100 * step + 10 * i + r, 2, DIM) for r in range(base.W)]).backward()
+            sync(i == 2)
+            _sum(model, _randn(100 * step + 10 * i + rank, batch, DIM)).backward()
+            base._mean_loss(_sum, ref, [_randn(100 * step + 10 * i + r, batch, DIM) for r in range(base.W)]).backward()
         for op in (o, ro):
             op.step()
             op.zero_grad(set_to_none=step % 2 == 0)
@@ -412,17 +421,7 @@ def hsdp_replicate_only(E) -> None:
         checkpoint(m)
         E.fully_shard(m, **kwargs)
     E.fully_shard(model, **kwargs)
-    o, ro = torch.optim.Adam(model.parameters(), lr=1e-2), torch.optim.Adam(ref.parameters(), lr=1e-2)
-    rank = dist.get_rank()
-    for step in range(2):
-        for i in range(3):
-            model.set_requires_gradient_sync(i == 2)
-            _sum(model, _randn(100 * step + 10 * i + rank, 8, DIM)).backward()
-            base._mean_loss(_sum, ref, [_randn(100 * step + 10 * i + r, 8, DIM) for r in range(base.W)]).backward()
-        for op in (o, ro):
-            op.step()
-            op.zero_grad(set_to_none=step % 2 == 0)
-    _check(E.full(model), _ref_params(ref), "params")
+    _train_microbatches(E, model, ref, model.set_requires_gradient_sync, batch=8)
 
 
 def shard_dim1_contiguous(E) -> None:
