@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_accelerate_config(sub)
     ds = sub.add_parser(
         "deepspeed-to-dcp",
-        help="write a DeepSpeed ZeRO-1/2 checkpoint as a DCP checkpoint any engine resumes (set_state_dict)",
+        help="write a DeepSpeed ZeRO-1/2/3 checkpoint as a DCP checkpoint any engine resumes (set_state_dict)",
     )
     ds.add_argument("checkpoint", help="the directory engine.save_checkpoint wrote")
     ds.add_argument("out", help="the DCP checkpoint directory to write")

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2 checkpoints to and from DCP checkpoints of torch's ``get_state_dict`` layout.
+"""DeepSpeed ZeRO-1/2/3 checkpoints to and from DCP checkpoints of torch's ``get_state_dict`` layout.
 
 [Note: DeepSpeed to DCP]
 ``engine.save_checkpoint(dir)`` at ZeRO-1/2 writes, under ``dir/<tag>/``, the module's state dict
@@ -35,6 +35,15 @@ of the group's flat buffer (the hook sets these to its layout's starts), rank ``
 tensor it steps: the one flat partition (stock; a scalar such as ``step`` must then agree across
 the group's parameters) or each parameter piece's view (the hook). Its hyperparameters stay the
 engine's (DeepSpeed sets them from its config and scheduler).
+
+Into a ZeRO-3 engine, each parameter ``p`` is partitioned on its own: rank ``r`` of its group holds
+``[r * P, (r + 1) * P)`` of the flattened parameter, ``P = p.partition_numel()``, in ``p.ds_tensor``
+(the compute dtype; a persistent parameter also keeps its gathered tensor, written whole), and each
+sub-group's flat fp32 master holds its parameters' partitions in turn. The state goes to the
+sub-group's flat partition (stock) or, under the hook's owner-compute, to each run this rank owns
+([Note: ZeRO-3 owner-compute] in _stage3.py), cut from the whole tensors by element. Only state with
+one floating-point value per element, or a scalar, is cut; anything else raises naming the
+parameter and the key.
 """
 
 from __future__ import annotations
@@ -509,31 +518,36 @@ def _template(path: str, names: list[str]) -> dict[str, Any]:
 
 def import_dcp(engine: Any, checkpoint: str | os.PathLike[str], *, optimizer_state: bool = True) -> None:
     """Load a DCP checkpoint in torch's ``get_state_dict`` layout (``{"model": ..., "optim": ...}``,
-    as :func:`export_dcp`, ``blockshard.fully_shard`` or stock FSDP2 write it) into the ZeRO-1/2
-    ``engine`` ([Note: DCP into DeepSpeed]): the module's parameters and buffers, the fp32 masters
-    and, with ``optimizer_state``, the inner optimizer's element-wise state. Every rank calls it,
-    between steps."""
+    as :func:`export_dcp`, ``blockshard.fully_shard`` or stock FSDP2 write it) into the DeepSpeed
+    ``engine`` ([Note: DCP into DeepSpeed]; ZeRO-1/2 or ZeRO-3, stock or with blockshard's hook, any
+    world size): the module's parameters and buffers, the fp32 masters and, with
+    ``optimizer_state``, the inner optimizer's element-wise state. Every rank calls it, between steps."""
     import torch.distributed.checkpoint as dcp
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     path, where = os.fspath(checkpoint), Path(checkpoint)
     opt = getattr(engine, "optimizer", None)
-    if not isinstance(opt, DeepSpeedZeroOptimizer):
+    if not isinstance(opt, DeepSpeedZeroOptimizer | DeepSpeedZeroOptimizer_Stage3):
         raise _error(
             where,
-            f"the engine's optimizer is a {type(opt).__name__}, not ZeRO-1/2's DeepSpeedZeroOptimizer",
-            "import into a ZeRO-1 or ZeRO-2 engine (ZeRO-3 and BF16_Optimizer are not supported here)",
+            f"the engine's optimizer is a {type(opt).__name__}, not ZeRO's DeepSpeedZeroOptimizer (stage 1/2) "
+            "or DeepSpeedZeroOptimizer_Stage3",
+            "import into a ZeRO-1, ZeRO-2 or ZeRO-3 engine (BF16_Optimizer is not supported here)",
         )
     module = engine.module
     names = [n for n, _ in module.named_parameters()]
     sd = _template(path, names)
-    wanted = dict(module.state_dict())
+    wanted = dict(module.state_dict(keep_vars=True))
     missing = sorted(set(wanted) - set(sd["model"]))
     if missing:
         raise _error(where, f"no values for {missing[:4]}", "import a checkpoint of this model (model.* keys)")
     sd["model"] = {k: v for k, v in sd["model"].items() if k in wanted}
     dcp.load(sd, checkpoint_id=path, no_dist=True)
     full, state = sd["model"], sd["optim"]["state"]
+    if isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+        _import_zero3(where, module, opt, full, state if optimizer_state else None)
+        return
     with torch.no_grad():
         for name, value in wanted.items():
             value.copy_(full[name])  # the module's own tensors (DeepSpeed's bit16 views among them)
@@ -554,6 +568,123 @@ def import_dcp(engine: Any, checkpoint: str | os.PathLike[str], *, optimizer_sta
                 _set_state(where, opt, inner, i, runs, state, part)
 
 
+def _import_zero3(
+    where: Path,
+    module: torch.nn.Module,
+    opt: Any,
+    full: dict[str, torch.Tensor],
+    state: dict[str, dict[str, torch.Tensor]] | None,
+) -> None:
+    """ZeRO-3 ([Note: DCP into DeepSpeed]): each parameter's partition ``[r * P, (r + 1) * P)``,
+    ``P = partition_numel()``, into its 16/32-bit ``ds_tensor`` (and its gathered tensor where
+    DeepSpeed keeps one, as for persistent parameters) and into the sub-group's flat fp32 master
+    partition; the state per sub-group's flat partition (stock) or per run this rank owns
+    (blockshard's owner-compute, [Note: ZeRO-3 owner-compute])."""
+    import torch.distributed as dist
+
+    names = {id(p): n for n, p in module.named_parameters()}
+    params: dict[str, Any] = dict(module.named_parameters())
+    for name, p in params.items():
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        if tuple(full[name].shape) != shape:
+            raise _error(
+                where,
+                f"parameter {name!r} has shape {tuple(full[name].shape)} in the checkpoint, {shape} in the engine",
+                "import a checkpoint of this model",
+            )
+
+    def span(p: Any) -> tuple[int, int]:  # this rank's elements of the flattened parameter
+        P, n = int(p.partition_numel()), int(p.ds_numel)
+        r = dist.get_rank(group=p.ds_process_group)
+        return min(r * P, n), min((r + 1) * P, n)
+
+    with torch.no_grad():
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if name not in params:  # buffers are whole on every rank
+                tensor.copy_(full[name])
+        for name, p in params.items():  # the 16/32-bit partitions, frozen parameters too
+            lo, hi = span(p)
+            p.ds_tensor.data.zero_()
+            p.ds_tensor.data.narrow(0, 0, hi - lo).copy_(full[name].reshape(-1)[lo:hi])
+            if p.data.numel() == p.ds_numel:  # gathered now (a persistent parameter): the same values
+                p.data.copy_(full[name].reshape(p.data.shape))
+        for i, group in enumerate(opt.fp16_groups):  # the fp32 masters: each partition in turn
+            flat, off, pieces = opt.fp32_partitioned_groups_flat[i], 0, []
+            for p in group:
+                name, (lo, hi), P = names[id(p)], span(p), int(p.partition_numel())
+                flat.data.narrow(0, off, P).zero_()
+                flat.data.narrow(0, off, hi - lo).copy_(full[name].reshape(-1)[lo:hi])
+                pieces.append((name, int(p.ds_numel), lo, off, hi - lo))
+                off += P
+            if state is None:
+                continue
+            if getattr(opt, "_bs_owner", False):  # the state of each run this rank owns
+                for p, q in zip(group, opt._bs_subgroups[i].params, strict=True):
+                    name = names[id(p)]
+                    for k, t in q.tensors.items():
+                        run = q.runs[k]
+                        entry = _elementwise_slices(where, name, state.get(name, {}), q.numel, run.start, run.end)
+                        if entry:
+                            opt.optimizer.state[t] = {
+                                key: v if v.dim() == 0 else v.view(run.shape) for key, v in entry.items()
+                            }
+                continue
+            flat_state: dict[str, torch.Tensor] = {}  # stock: one state for the sub-group's flat partition
+            for name, numel, p_off, part_off, n in pieces:
+                for key, v in _elementwise_slices(where, name, state.get(name, {}), numel, p_off, p_off + n).items():
+                    _merge(where, i, name, key, v, flat_state, flat, part_off)
+            if flat_state:
+                opt.optimizer.state[flat] = flat_state
+
+
+def _elementwise_slices(
+    where: Path, name: str, state: dict[str, torch.Tensor], numel: int, lo: int, hi: int
+) -> dict[str, torch.Tensor]:
+    """Elements ``[lo, hi)`` of each of parameter ``name``'s state tensors (scalars whole); refused for
+    state that is not one floating-point value per element of the ``numel`` (8-bit blocks,
+    preconditioners)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if value.dim() == 0:
+            out[key] = value.clone()
+            continue
+        if not value.is_floating_point() or value.numel() != numel:
+            raise _error(
+                where,
+                f"optimizer state {key!r} of parameter {name!r} is not element-wise (shape {tuple(value.shape)}, "
+                f"{value.dtype}, for {numel} elements), so it cannot be cut into DeepSpeed's partitions",
+                "import only element-wise optimizer state (AdamW's moments, Muon's momentum), or optimizer_state=False",
+            )
+        out[key] = value.reshape(-1)[lo:hi].clone()
+    return out
+
+
+def _merge(
+    where: Path,
+    i: int,
+    name: str,
+    key: str,
+    value: torch.Tensor,
+    entry: dict[str, torch.Tensor],
+    part: torch.Tensor,
+    part_off: int,
+) -> None:
+    """Parameter ``name``'s piece ``value`` of state ``key`` into the flat partition ``part``'s state
+    ``entry`` (stock ZeRO: one state per ``param_group``'s flat partition) at ``part_off``."""
+    if value.dim() == 0:
+        if key in entry and not torch.equal(entry[key], value):
+            raise _error(
+                where,
+                f"optimizer state {key!r} differs between parameters of param_group {i} "
+                f"({name!r}: {value.item()}, another: {entry[key].item()}), and stock ZeRO keeps one per group",
+                "import with blockshard's hook (state per parameter), or a checkpoint whose parameters stepped together",
+            )
+        entry[key] = value
+        return
+    flat = entry.setdefault(key, torch.zeros_like(part))
+    flat[part_off : part_off + value.numel()] = value
+
+
 def _set_state(
     where: Path,
     opt: Any,
@@ -564,35 +695,20 @@ def _set_state(
     part: torch.Tensor,
 ) -> None:
     """The inner optimizer's state of ``param_group`` ``i`` from the whole tensors ``state``."""
+    numels = {opt.param_names[p]: p.numel() for p in opt.round_robin_bit16_groups[i]}
     groups = getattr(opt, "_bs_groups", None)
     if groups is not None:  # the hook: one view per piece, in the layout's order
         views = groups[i].views
         if len(views) != len(runs):
             raise AssertionError(f"{len(views)} views for {len(runs)} pieces")
         for v, (name, p_off, _part_off, n) in zip(views, runs, strict=True):
-            piece = {}
-            for key, value in state.get(name, {}).items():
-                if value.dim() == 0:
-                    piece[key] = value.clone()
-                else:
-                    piece[key] = value.reshape(-1)[p_off : p_off + n].clone().view(v.tensor.shape)
+            piece = _elementwise_slices(where, name, state.get(name, {}), numels[name], p_off, p_off + n)
             if piece:
-                inner.state[v.tensor] = piece
+                inner.state[v.tensor] = {k: t if t.dim() == 0 else t.view(v.tensor.shape) for k, t in piece.items()}
         return
     entry: dict[str, torch.Tensor] = {}  # stock: the one flat partition
     for name, p_off, part_off, n in runs:
-        for key, value in state.get(name, {}).items():
-            if value.dim() == 0:
-                if key in entry and not torch.equal(entry[key], value):
-                    raise _error(
-                        where,
-                        f"optimizer state {key!r} differs between parameters of param_group {i} "
-                        f"({name!r}: {value.item()}, another: {entry[key].item()}), and stock ZeRO keeps one per group",
-                        "import with blockshard's hook (state per parameter), or a checkpoint whose parameters stepped together",
-                    )
-                entry[key] = value.clone()
-            else:
-                flat = entry.setdefault(key, torch.zeros_like(part))
-                flat[part_off : part_off + n] = value.reshape(-1)[p_off : p_off + n]
+        for key, value in _elementwise_slices(where, name, state.get(name, {}), numels[name], p_off, p_off + n).items():
+            _merge(where, i, name, key, value, entry, part, part_off)
     if entry:
         inner.state[inner.param_groups[i]["params"][0]] = entry

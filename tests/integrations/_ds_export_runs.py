@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2 checkpoints exported to DCP and resumed by ``blockshard.fully_shard``, and DCP
+"""DeepSpeed ZeRO-1/2/3 checkpoints exported to DCP and resumed by ``blockshard.fully_shard``, and DCP
 checkpoints of ``blockshard.fully_shard`` imported into DeepSpeed engines ([Note: DeepSpeed to
 DCP], [Note: DCP into DeepSpeed] in integrations/deepspeed/_dcp.py), for test_deepspeed_export.py
 (top-level functions for spawned ranks; every rank the whole batch)."""
@@ -98,12 +98,24 @@ def import_case(rank: int, world: int, stage: int, hooked: bool, out: str) -> di
         ds_model, engine = R._engine(stage, "adamw", hooked, extra={"gradient_clipping": 0})
         import_dcp(engine, out, optimizer_state=optimizer_state)
         R._train(engine, R.batches(STEPS)[BEFORE:], rank, world, False)
-        result["resumed" if optimizer_state else "model_only"] = R._params(ds_model)
+        result["resumed" if optimizer_state else "model_only"] = _full(ds_model, stage)
+        engine.destroy()
     return result
 
 
+def _full(model, stage: int) -> list[torch.Tensor]:
+    """The parameters whole (ZeRO-3: gathered from the partitions)."""
+    if stage != 3:
+        return R._params(model)
+    import deepspeed
+
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
 EXPORTS = [(2, False), (2, True), (1, True), (3, False)]  # (ZeRO stage, blockshard's hook)
-IMPORTS = [(2, False), (1, False), (2, True)]
+IMPORTS = [(2, False), (1, False), (2, True), (3, False)]
 
 
 def all_cases(rank: int, world: int, base: str) -> dict:

@@ -218,7 +218,9 @@ def checkpoint(kind: str, ckpt_dir: str) -> dict:
 def resume_world(rank: int, world_size: int, dirs: dict[str, str]) -> dict:
     """A spawned rank: for each ``kind: checkpoint_dir`` (saved after 2 steps, resharded for this
     world size), a new hooked engine loads it and takes the third step; the full parameters
-    (``"stock"``: a save of another world size loaded as it is; the error)."""
+    (``"stock"``: a save of another world size loaded as it is; the error; ``"dcp_<kind>"``: a DCP
+    export of such a save, imported with ``import_dcp``, ``"dcp_<kind>_model_only"`` without its
+    optimizer state)."""
     base.setup_env(rank, world_size)
     out: dict = {}
     for kind, d in dirs.items():
@@ -231,8 +233,14 @@ def resume_world(rank: int, world_size: int, dirs: dict[str, str]) -> dict:
                 out[kind] = f"{type(e).__name__}: {e}"
             engine.destroy()
             continue
-        model, engine = _engine(kind, config())
-        engine.load_checkpoint(d)
+        if kind.startswith("dcp_"):  # a DCP export of a save at another world size: import_dcp
+            from blockshard.integrations.deepspeed import import_dcp
+
+            model, engine = _engine(kind.split("_")[1], config())
+            import_dcp(engine, d, optimizer_state=not kind.endswith("_model_only"))
+        else:
+            model, engine = _engine(kind, config())
+            engine.load_checkpoint(d)
         for x, y in _micro(1)[2]:
             engine.backward(base._loss(engine, x, y))
             engine.step()

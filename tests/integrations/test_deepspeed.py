@@ -145,6 +145,23 @@ def test_zero3_optimizer_builds_a_shape_checking_optimizer_over_partitioned_plac
     assert [g["params"] for g in groups.param_groups] == [[w], [v]] and groups.param_groups[0]["lr"] == 0.1
 
 
+def test_dcp_import_cuts_element_wise_state_only():
+    """``import_dcp`` cuts each state tensor into DeepSpeed's partitions (or the owners' runs) by
+    element: a tensor that is not one floating-point value per element (bitsandbytes' 8-bit state
+    and its absmax per block, Shampoo's preconditioners) is refused naming the parameter and the key."""
+    from blockshard.integrations.deepspeed._dcp import _elementwise_slices
+
+    where = pathlib.Path("ckpt")
+    state = {"exp_avg": torch.arange(12.0), "step": torch.tensor(3.0)}
+    got = _elementwise_slices(where, "fc.weight", state, 12, 4, 9)
+    assert torch.equal(got["exp_avg"], torch.arange(4.0, 9.0)) and got["step"].item() == 3.0
+    for key, value in (("state1", torch.zeros(12, dtype=torch.uint8)), ("absmax1", torch.ones(1))):
+        with pytest.raises(
+            CheckpointError, match=rf"optimizer state '{key}' of parameter 'fc\.weight' is not element-wise"
+        ):
+            _elementwise_slices(where, "fc.weight", {key: value}, 12, 0, 6)
+
+
 def _state_bytes_per_rank(model: str, semantics: str, w: int) -> tuple[list[float], float]:
     """AdamW8bit state bytes per rank under the ZeRO-3 run plan (8-bit m and v: 2 bytes per element
     and an fp32 absmax each per 256; fp32 m and v, 8 bytes per element, for tensors below 4096
@@ -601,8 +618,10 @@ def test_zero3_checkpoint_resharded_from_4_to_2_ranks_continues_bitwise(world4, 
     """A save at W = 4 (after 2 steps), rewritten for W = 2 by ``blockshard deepspeed-reshard``
     ([Note: ZeRO-3 resharding]), loaded by a W = 2 engine: its third step equals 3 steps of one
     process (bitsandbytes' 8-bit state re-cut by element and 256-block, Muon's momentum moved to new
-    owners). Shampoo's preconditioners are refused, naming the parameter and the key. Control: the
-    W = 4 save itself is refused at W = 2 (by DeepSpeed)."""
+    owners). The same W = 4 Muon save exported to DCP (``blockshard deepspeed-to-dcp``) and imported
+    by a W = 2 engine (``import_dcp``) continues bitwise too. Shampoo's preconditioners are refused,
+    naming the parameter and the key. Controls: the W = 4 save itself is refused at W = 2 (by
+    DeepSpeed); the DCP import without the optimizer state differs."""
     import _ds_zero3_runs
 
     from blockshard import cli
@@ -617,12 +636,19 @@ def test_zero3_checkpoint_resharded_from_4_to_2_ranks_continues_bitwise(world4, 
     with pytest.raises(CheckpointError, match=r"parameter 'fc1\.weight': state .* Shampoo"):
         bsd.reshard_zero3_checkpoint(dirs["shampoo"], tmp_path / "w2-shampoo", 2, tag="t2")
     assert cli.main(["deepspeed-reshard", dirs["bnb"], str(tmp_path / "x"), "--world-size", "0"]) == 2
+    # the other path: the W = 4 save exported to DCP, imported by a W = 2 engine (Muon's momentum per run)
+    out["dcp_muon"] = out["dcp_muon_model_only"] = tmp_path / "dcp-muon"
+    assert cli.main(["deepspeed-to-dcp", dirs["muon"], str(out["dcp_muon"]), "--tag", "t2"]) == 0
+    assert "momentum_buffer" in capsys.readouterr().out
     results = spawn_gloo(
         _ds_zero3_runs.resume_world,
         2,
         args=({**{k: str(v) for k, v in out.items()}, "stock": dirs["bnb"]},),
         timeout=300,
     )
-    for kind in ("bnb", "muon"):
-        assert bitwise(results[0][kind], _ds_zero3_runs.reference(kind))
+    for kind in ("bnb", "muon", "dcp_muon"):
+        for r in results:
+            assert bitwise(r[kind], _ds_zero3_runs.reference(kind.removeprefix("dcp_"))), kind
+    # control: without its optimizer state (Muon's momentum) the import does not continue the run
+    assert not bitwise(results[0]["dcp_muon_model_only"], _ds_zero3_runs.reference("muon"))
     assert "world size of 4" in results[0]["stock"]

@@ -1,4 +1,4 @@
-"""A DeepSpeed ZeRO-1/2 checkpoint moves to DCP (``blockshard.integrations.deepspeed.export_dcp``,
+"""A DeepSpeed ZeRO-1/2/3 checkpoint moves to DCP (``blockshard.integrations.deepspeed.export_dcp``,
 [Note: DeepSpeed to DCP]) and ``blockshard.fully_shard`` resumes it, and a DCP checkpoint of
 ``blockshard.fully_shard`` moves into a DeepSpeed engine (``import_dcp``, [Note: DCP into
 DeepSpeed]): real DeepSpeed engines on 2 spawned gloo ranks (``DS_ACCELERATOR=cpu``,
