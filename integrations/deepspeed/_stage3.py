@@ -53,7 +53,8 @@ optimizer file holds the state of the runs it owns (DeepSpeed puts the owners' r
 in the inner optimizer's ``param_groups`` around ``state_dict()``), with the owner plan
 (:data:`OWNER_PLAN_KEY`). Loading checks the plan on every rank: a checkpoint saved at another world
 size, over other parameters or with the other kind of optimizer raises a :class:`DeepSpeedHookError`
-(DeepSpeed's universal checkpoints too): moving a ZeRO-3 run to another world size is not done yet.
+(DeepSpeed's universal checkpoints too). To another world size: ``blockshard deepspeed-reshard``
+([Note: ZeRO-3 resharding] in _zero3_reshard.py), or DCP (``export_dcp`` / ``import_dcp``).
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def _plan_mismatch(saved: dict[str, Any] | None, mine: dict[str, Any] | None) ->
     return (
         f"this ZeRO-3 checkpoint's optimizer state was saved with {said(saved)}, and this engine steps with "
         f"{said(mine)}: its state would land on other parameters. Load it with the same world size, "
-        "parameters and optimizer kind (element-wise or not) it was saved with; moving a run to another world "
-        "size is not done yet for ZeRO-3"
+        "parameters and optimizer kind (element-wise or not) it was saved with; for another world size, rewrite "
+        "it with `blockshard deepspeed-reshard CHECKPOINT OUT --world-size N`, or move it through DCP "
+        "(`blockshard deepspeed-to-dcp`, then `import_dcp(engine, path)`)"
     )
 
 

@@ -18,8 +18,10 @@ the run exactly:
   value per 256-element block (bitsandbytes' ``absmax``) by block, which is exact because every run
   starts on a multiple of 256 from its parameter's start (the 8-bit grids cut only there); a
   bitsandbytes code table (``qmap``) and scalars (``step``) are the same in every run of a parameter
-  and are copied. Anything else (torchao's 8-bit tensor subclasses, Shampoo's preconditioners, a
-  state the plan does not describe) raises :class:`CheckpointError` naming the parameter and key.
+  and are copied. torchao's 8-bit state (``OptimState8bit``) is rebuilt from its codes (by element)
+  and scales (by its ``block_size``, where the ``ao8bit`` grids cut), with the same code table.
+  Anything else (Shampoo's preconditioners, torchao's packed 4-bit codes, a state the plan does not
+  describe) raises :class:`CheckpointError` naming the parameter and key.
 * **model files**: rank 0's copied for every new rank with ``dp_world_size = W'``.
 
 The new plan is recorded in every optimizer file, so the load's plan check
@@ -184,8 +186,10 @@ def _merge(
                 where,
                 f"parameter {name!r}: state {'.'.join(at)!r} is a {type(value).__name__} of tensors (Shampoo's "
                 "preconditioners per tile), which cannot be re-cut by element",
-                "reshard fp32, bitsandbytes 8-bit or Muon state; Shampoo and torchao 8-bit state are not done",
+                "reshard fp32, bitsandbytes 8-bit, torchao 8-bit or Muon state; Shampoo's state is not done",
             )
+        elif _is_8bit_subclass(value):  # torchao's OptimState8bit: codes by element, scale by its block
+            out[key] = _cut_subclass(where, name, run, pieces, values, ".".join(at))
         elif not isinstance(value, torch.Tensor) or value.dim() == 0 or key.startswith("qmap"):
             if any(not _same(v, value) for v in values):
                 raise _fail(
@@ -197,6 +201,41 @@ def _merge(
         else:
             out[key] = _cut(where, name, run, pieces, values, ".".join(at))
     return out
+
+
+def _is_8bit_subclass(value: Any) -> bool:
+    """torchao's 8-bit state tensor (``OptimState8bit``): codes, one per element; a scale per
+    ``block_size`` elements; the code table ``qmap``."""
+    return isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "codes")
+
+
+def _cut_subclass(
+    where: Path, name: str, run: Run, pieces: list[tuple[Run, dict[str, Any]]], values: list[Any], key: str
+) -> torch.Tensor:
+    """A torchao 8-bit state of ``run`` from the old runs' (``values``): the codes joined by element,
+    the scales by block, the code table and signedness the same in every piece."""
+    first = values[0]
+    for v in values:
+        if type(v) is not type(first) or not all(hasattr(v, a) for a in ("codes", "scale", "qmap", "signed")):
+            raise _fail(
+                where,
+                f"parameter {name!r}: state {key!r} is a {type(v).__name__}, not torchao's 8-bit state",
+                "reshard fp32, bitsandbytes 8-bit, torchao 8-bit or Muon state",
+            )
+        if v.signed != first.signed or not _same(v.qmap, first.qmap) or v.block_size != first.block_size:
+            raise _fail(
+                where, f"parameter {name!r}: state {key!r} differs between its runs", "reshard an unmodified save"
+            )
+    codes = _cut(where, name, run, pieces, [v.codes for v in values], f"{key}.codes")
+    scale = _cut(where, name, run, pieces, [v.scale for v in values], f"{key}.scale", block=first.block_size)
+    if codes.numel() != run.numel:  # the codes were not one per element (a packed 4-bit state)
+        raise _fail(
+            where,
+            f"parameter {name!r}: state {key!r} does not hold one code per element",
+            "reshard fp32, bitsandbytes 8-bit, torchao 8-bit or Muon state",
+        )
+    rebuilt: torch.Tensor = type(first)(codes, scale.reshape(-1), first.qmap.clone(), first.signed, first.dtype)
+    return rebuilt
 
 
 def _leaves(value: Any) -> list[Any]:
@@ -220,31 +259,37 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _cut(
-    where: Path, name: str, run: Run, pieces: list[tuple[Run, dict[str, Any]]], values: list[torch.Tensor], key: str
+    where: Path,
+    name: str,
+    run: Run,
+    pieces: list[tuple[Run, dict[str, Any]]],
+    values: list[torch.Tensor],
+    key: str,
+    block: int = _BLOCK,
 ) -> torch.Tensor:
-    """Join ``values`` (one per old run) over ``run``'s elements (or 256-blocks)."""
+    """Join ``values`` (one per old run) over ``run``'s elements (or ``block``-element blocks)."""
     if type(values[0]) is not torch.Tensor:
         raise _fail(
             where,
             f"parameter {name!r}: state {key!r} is a {type(values[0]).__name__}",
-            "reshard fp32, bitsandbytes or Muon state",
+            "reshard fp32, bitsandbytes 8-bit, torchao 8-bit or Muon state",
         )
     per_element = all(v.numel() == o.numel for (o, _), v in zip(pieces, values, strict=True))
-    per_block = all(v.numel() == -(-o.numel // _BLOCK) for (o, _), v in zip(pieces, values, strict=True))
+    per_block = all(v.numel() == -(-o.numel // block) for (o, _), v in zip(pieces, values, strict=True))
     parts = []
     if per_element:
         for (o, _), v in zip(pieces, values, strict=True):
             a, b = max(o.start, run.start), min(o.end, run.end)
             parts.append(v.reshape(-1)[a - o.start : b - o.start])
         return torch.cat(parts).reshape(run.shape).clone()
-    if per_block and all(o.start % _BLOCK == 0 for o, _ in pieces) and run.start % _BLOCK == 0:
+    if per_block and all(o.start % block == 0 for o, _ in pieces) and run.start % block == 0:
         for (o, _), v in zip(pieces, values, strict=True):
             a, b = max(o.start, run.start), min(o.end, run.end)
-            parts.append(v.reshape(-1)[(a - o.start) // _BLOCK : -(-(b - o.start) // _BLOCK)])
+            parts.append(v.reshape(-1)[(a - o.start) // block : -(-(b - o.start) // block)])
         return torch.cat(parts).clone()
     raise _fail(
         where,
         f"parameter {name!r}: state {key!r} has {values[0].numel()} values for a run of {pieces[0][0].numel} elements "
-        "(neither one per element nor one per 256-element block)",
-        "reshard fp32, bitsandbytes 8-bit or Muon state; Shampoo and torchao 8-bit state are not done",
+        f"(neither one per element nor one per {block}-element block)",
+        "reshard fp32, bitsandbytes 8-bit, torchao 8-bit or Muon state; Shampoo's state is not done",
     )

@@ -38,6 +38,7 @@ invariance"):
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -160,6 +161,48 @@ def test_dcp_import_cuts_element_wise_state_only():
             CheckpointError, match=rf"optimizer state '{key}' of parameter 'fc\.weight' is not element-wise"
         ):
             _elementwise_slices(where, "fc.weight", {key: value}, 12, 0, 6)
+
+
+def test_reshard_recuts_torchao_8bit_state_by_element_and_block():
+    """torchao's ``OptimState8bit`` of the old runs (W = 4: 4096-element runs of an 8192-element
+    parameter, and a 5120-element run of 10240) re-cut for other runs (W = 2, one 8192 run; two
+    runs of 5120 re-cut at 2560 and 7680): codes and scales equal torchao quantizing the new run's
+    elements itself (blockwise, each block's scale its own), so the resharded state is exact. A
+    packed state whose codes are not one per element is refused by name."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from blockshard.integrations.deepspeed._stage3 import Run
+    from blockshard.integrations.deepspeed._zero3_reshard import _assemble
+
+    def state(x: torch.Tensor) -> OptimState8bit:
+        out = OptimState8bit.zeros(tuple(x.shape), signed=True)
+        out.copy_(x)
+        return out
+
+    where = pathlib.Path("ckpt")
+    for numel, old_cuts, new in (
+        (8192, [0, 4096, 8192], Run(0, 8192, 0, (8192,))),
+        (10240, [0, 5120, 10240], Run(2560, 7680, 1, (5120,))),
+    ):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+        olds = [Run(a, b, r, (b - a,)) for r, (a, b) in enumerate(itertools.pairwise(old_cuts))]
+        states = [{"exp_avg": state(x[o.start : o.end]), "step": torch.tensor(2.0)} for o in olds]
+        got = _assemble(where, "fc.weight", new, olds, states)["exp_avg"]
+        want = state(x[new.start : new.end])
+        assert type(got) is OptimState8bit and got.shape == want.shape and got.signed
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
+    packed = [
+        {"exp_avg": OptimState8bit(torch.zeros(2048, dtype=torch.uint8), torch.ones(16), torch.zeros(256), True)}
+        for _ in olds
+    ]
+    with pytest.raises(CheckpointError, match=r"parameter 'fc\.weight': state 'exp_avg\.codes'"):
+        _assemble(
+            where,
+            "fc.weight",
+            Run(0, 8192, 0, (8192,)),
+            [Run(0, 4096, 0, (4096,)), Run(4096, 8192, 1, (4096,))],
+            packed,
+        )
 
 
 def _state_bytes_per_rank(model: str, semantics: str, w: int) -> tuple[list[float], float]:
