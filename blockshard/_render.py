@@ -15,6 +15,7 @@ from blockshard._errors import BlockshardError
 from blockshard.planner import GroupLayout, ModelPlan
 from blockshard.planner._baselines import BaselineResult
 from blockshard.planner._compute import ComputeTally
+from blockshard.planner._parallel import ParallelPlan
 from blockshard.planner._report import Comparison
 
 __all__ = [
@@ -365,3 +366,35 @@ def console(stderr: bool = False) -> Console:
     if not c.is_terminal:  # pipes and logs: wide enough for the comparison table
         c = Console(stderr=stderr, width=140)
     return c
+
+
+def parallel_tables(plan: ParallelPlan, title: str) -> list[Table]:
+    """``blockshard plan --tp N --ep M``: the mesh and bytes per rank; the units the TP plan splits."""
+    full, mean = plan.rank_bytes()
+    ideal = plan.total_numel * plan.itemsize / plan.world_size
+    mesh = f"dp {plan.dp} x tp {plan.tp} x ep {plan.ep} = {plan.world_size:,} ranks"
+    table = Table(title=f"{title} · {mesh}", title_justify="left", header_style="bold")
+    table.add_column("what", no_wrap=True)
+    table.add_column("value", justify="right", no_wrap=True)
+    axes = Counter(p.axis or "replicated" for p in plan.placements)
+    table.add_row("tensors sharded over tp / ep / replicated", f"{axes['tp']} / {axes['ep']} / {axes['replicated']}")
+    table.add_row("parameter bytes, fullest rank", f"{human(full)}B")
+    table.add_row("  mean over ranks / total / W", f"{human(mean)}B / {human(ideal)}B")
+    table.add_row("  fullest / (total / W)", f"{full / ideal:.4f}" if ideal else "-")
+    table.add_row("padding of the data-parallel plans", _pct(plan.padding_fraction()))
+    kinds = Counter(s.kind for s in plan.split)
+    table.add_row("units split by the TP plan (optimizer / quantizer)", f"{kinds['optimizer']} / {kinds['quantizer']}")
+    table.add_row("owner-compute across tp, bytes per step (all ranks)", f"{human(plan.owner_bytes_total)}B")
+    table.add_row("  busiest rank", f"{human(plan.owner_bytes_max_rank)}B")
+    out = [table]
+    if plan.split:
+        split = Table(title="units the TP plan splits", title_justify="left", header_style="bold")
+        for col in ("semantics", "placement", "kind", "tensors", "for example", "fix"):
+            split.add_column(col, overflow="fold", justify="right" if col == "tensors" else "left")
+        rows: dict[tuple[str, str, str, str], list[str]] = {}
+        for s in plan.split:
+            rows.setdefault((s.label, s.placement, s.kind, s.fix), []).append(s.name)
+        for (label, placement, kind, fix), names in rows.items():
+            split.add_row(label, placement, kind, str(len(names)), escape(names[0]), escape(fix))
+        out.append(split)
+    return out

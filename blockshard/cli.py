@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from blockshard._errors import BlockshardError
+from blockshard._errors import BlockshardError, PlanError
 
 if TYPE_CHECKING:
     from blockshard.planner import ModelPlan
@@ -85,6 +85,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.add_argument("--plot", metavar="FILE.png", help="draw per-rank loads to this file")
     plan.add_argument("--layouts", action="store_true", help="with --json: include every group's layout")
+    plan.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: plan a (dp, tp) mesh of --world-size ranks with torchtitan's TP plan "
+        "(docs/design.md, 'Tensor and expert parallel plans'); default 1",
+    )
+    plan.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel degree: stacked experts sharded by expert (default 1)"
+    )
     inspect = sub.add_parser(
         "inspect",
         help="show one group's layout, what one rank holds, or what a checkpoint directory holds (DCP or DeepSpeed ZeRO-1/2)",
@@ -227,6 +237,31 @@ def _load(args: argparse.Namespace) -> ModelPlan:
         )
 
 
+def _plan_parallel(args: argparse.Namespace) -> int:
+    """``plan --tp N --ep M``: the (dp, tp, ep) mesh ([Note: TP and EP plans])."""
+    from blockshard._render import console, parallel_tables
+    from blockshard.planner import load_model_tensors
+    from blockshard.planner._parallel import plan_parallel
+
+    if args.plot or args.quantized_gather or args.tile_placement != "off":
+        raise PlanError("--tp / --ep plan without --plot, --quantized-gather or --tile-placement. Fix: drop those")
+    tensors = load_model_tensors(model=args.model, config=args.config, shapes=args.shapes)
+    with console(stderr=True).status(f"planning {len(tensors):,} tensors on {args.world_size:,} ranks ..."):
+        plan = plan_parallel(
+            tensors, args.world_size, tp=args.tp, ep=args.ep, semantics=args.semantics, policy=args.policy
+        )
+    if args.json:
+        data = plan.to_json()
+        if not args.layouts:
+            del data["placements"]
+        json.dump({"model": _source(args), **data}, sys.stdout, indent=2)
+        print()
+        return 0
+    for table in parallel_tables(plan, f"{_source(args)} · semantics {args.semantics} · policy {args.policy}"):
+        console().print(table)
+    return 0
+
+
 def _source(args: argparse.Namespace) -> str:
     source: str = args.model or args.config or args.shapes
     return source
@@ -245,6 +280,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from blockshard.planner import compare
 
     _check_args(args)
+    if args.tp != 1 or args.ep != 1:
+        return _plan_parallel(args)
     if args.plot:
         from blockshard._render import check_plot_path
 

@@ -15,6 +15,7 @@ from blockshard.planner._layout import GroupLayout, Piece, TensorPlacement
 from blockshard.planner._ordered import OrderedLayout, ordered_layout
 from blockshard.planner._owner import OwnerPlan, plan_owners
 from blockshard.planner._pack import lower_bound, pack
+from blockshard.planner._parallel import ParallelPlan, Placement, SplitUnit, plan_parallel
 from blockshard.planner._plan import ModelPlan, group_kind, plan_model
 from blockshard.planner._report import Comparison, KindRow, compare
 from blockshard.planner._shapes_file import load_model_tensors, tensors_from_shapes_file
@@ -28,8 +29,11 @@ __all__ = [
     "ModelPlan",
     "OrderedLayout",
     "OwnerPlan",
+    "ParallelPlan",
     "Piece",
+    "Placement",
     "PlanItem",
+    "SplitUnit",
     "TensorPlacement",
     "alignment_numel",
     "baseline",
@@ -48,6 +52,7 @@ __all__ = [
     "plan_group",
     "plan_model",
     "plan_owners",
+    "plan_parallel",
     "resolve_items",
     "tensors_from_hf_config",
     "tensors_from_shapes_file",
