@@ -4,6 +4,7 @@ Launch (CPU, 2 gloo ranks; ``--stage 1`` for ZeRO-1, ``--stage 3`` for ZeRO-3)::
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/hf_trainer_deepspeed.py --stage 2 --out z2.json
     python examples/hf_trainer_deepspeed.py --stage 0 --out single.json   # one process, no DeepSpeed
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 examples/hf_trainer_deepspeed.py --stage 3 --optimizer muon
 
 The script is an ordinary Trainer script plus one line, ``bs_deepspeed.install()``, and a
 ``"blockshard"`` section in the DeepSpeed config: the Trainer calls ``deepspeed.initialize`` itself,
@@ -13,6 +14,18 @@ steps each whole parameter on one owner rank instead). The Trainer's
 ``GlobalOptimManager``; the hook carries that override onto its per-parameter views. Every rank sees
 the whole batch (each batch appears once per rank in a row of the dataset, sampled in order), so
 the final parameters equal one process's bitwise.
+
+``--optimizer muon``: torch's ``Muon`` as a custom optimizer, passed the way the Trainer keeps it under
+DeepSpeed: ``Trainer(optimizer_cls_and_kwargs=(torch.optim.Muon, {...}))``. (``optimizers=(opt, None)``
+is dropped under DeepSpeed: transformers' ``deepspeed_init`` sets ``trainer.optimizer = None`` and calls
+``create_optimizer()``, which builds ``args.optim``'s optimizer; overriding ``create_optimizer`` works
+too.) The Trainer builds it from the trainable parameters before ``deepspeed.initialize`` (inside
+``accelerator.prepare``). A DeepSpeed engine takes one optimizer and torch's ``Muon`` only 2-D
+parameters, so Muon trains the decoder layers' projection matrices and the embedding, the norms and
+the head stay frozen. The model is built directly (``tiny_llama``), not through ``from_pretrained`` /
+``from_config``, so ``deepspeed.zero.Init`` is not involved (it would be, under a ZeRO-3 config, for
+models those build after ``TrainingArguments(deepspeed=...)``; build Muon with
+``bs_deepspeed.zero3_optimizer`` there, since zero.Init's placeholders are 1-D).
 """
 
 from __future__ import annotations
@@ -40,13 +53,14 @@ def dataset(world_size: int) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def deepspeed_config(stage: int, stock: bool = False) -> dict:
+def deepspeed_config(stage: int, stock: bool = False, optimizer: str = "adamw_bnb_8bit") -> dict:
+    semantics = "matrix" if optimizer == "muon" else {"*weight": "bnb8bit"}  # ZeRO-1/2's layout
     cfg = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": 0,  # DeepSpeed clips at 1.0 by default; the Trainer below does not clip
         "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
-        "blockshard": {"semantics": {"*weight": "bnb8bit"}},
+        "blockshard": {"semantics": semantics},
     }
     if stock:  # plain DeepSpeed, for a comparison
         del cfg["blockshard"]
@@ -57,6 +71,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage; 0: no DeepSpeed")
     parser.add_argument("--stock", action="store_true", help="plain DeepSpeed: no blockshard section")
+    parser.add_argument(
+        "--optimizer",
+        choices=("adamw_bnb_8bit", "muon"),
+        default="adamw_bnb_8bit",
+        help="muon: torch's Muon on the decoder layers' matrices, the rest frozen",
+    )
     parser.add_argument("--out", help="write losses and parameters (rank 0) for a comparison")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     args = parser.parse_args()
@@ -73,10 +93,10 @@ def main() -> None:
         per_device_train_batch_size=BATCH,
         max_steps=STEPS,
         learning_rate=1e-2,
-        optim="adamw_bnb_8bit",
+        optim="adamw_bnb_8bit",  # with --optimizer muon: replaced by optimizer_cls_and_kwargs below
         max_grad_norm=0.0,
         train_sampling_strategy="sequential",
-        deepspeed=deepspeed_config(args.stage, args.stock) if args.stage else None,
+        deepspeed=deepspeed_config(args.stage, args.stock, args.optimizer) if args.stage else None,
         ddp_backend="gloo" if world_size > 1 else None,
         use_cpu=True,
         logging_steps=1,
@@ -85,7 +105,14 @@ def main() -> None:
         disable_tqdm=True,
     )
     model = tiny_llama()
-    trainer = Trainer(model=model, args=training_args, train_dataset=dataset(world_size))
+    custom = None
+    if args.optimizer == "muon":
+        for name, p in model.named_parameters():  # Muon: 2-D matrices only; one optimizer per engine
+            p.requires_grad_(name.startswith("model.layers.") and p.dim() == 2)
+        custom = (torch.optim.Muon, {"lr": 0.02})
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=dataset(world_size), optimizer_cls_and_kwargs=custom
+    )
     trainer.train()
     params = dict(model.named_parameters())
     if args.stage == 3:  # partitioned: gathered on every rank (a collective)
@@ -96,8 +123,12 @@ def main() -> None:
     if trainer.is_world_process_zero():  # ZeRO-1/2 keep whole parameters on every rank
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         hooked = bs_deepspeed.is_hooked(trainer.model_wrapped)  # False without DeepSpeed (--stage 0)
-        print(f"world_size={world_size} hooked={hooked} losses={losses}")
-        write_result(args.out, world_size=world_size, losses=losses, params=params, hooked=hooked)
+        inner = trainer.optimizer  # accelerate's wrapper around DeepSpeed's around the Trainer's optimizer
+        while hasattr(inner, "optimizer"):
+            inner = inner.optimizer
+        inner = type(inner).__name__
+        print(f"world_size={world_size} hooked={hooked} optimizer={inner} losses={losses}")
+        write_result(args.out, world_size=world_size, losses=losses, params=params, hooked=hooked, optimizer=inner)
     if torch.distributed.is_initialized():  # gloo can abort a rank that exits with its group alive
         torch.distributed.destroy_process_group()
 

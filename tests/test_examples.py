@@ -33,6 +33,7 @@ SCRIPTS = [
     "custom_block_type/train.py",
     "accelerate/train.py",  # run by tests/integrations/test_accelerate.py
     "accelerate/muon.py",  # run by tests/integrations/test_accelerate_muon.py
+    "accelerate/zero3_init.py",  # run by tests/integrations/test_accelerate.py
     "hf_trainer_ragged.py",  # run by tests/integrations/test_trainer_ragged.py
 ]
 

@@ -23,6 +23,11 @@ rank trains on the whole batch, so (docs/design.md, "Sharding invariance"):
   ``get_state_dict``) continue bitwise at W = 2.
 * deepspeed engine (ZeRO-2 hooked by blockshard, DeepSpeed clipping at 1.0 as the script does):
   within ``DEEPSPEED_ATOL = 1e-6`` (DESIGN: the hook matches a clipping process within 4.5e-8).
+* deepspeed ZeRO-3 with ``zero3_init_flag: true`` (``zero3_init.py``, deepspeed_zero3.yaml: a tiny Llama
+  through ``from_pretrained``, built inside ``deepspeed.zero.Init``, 0 elements per rank after construction),
+  bnb AdamW8bit and torch Muon (built by ``bs_deepspeed.zero3_optimizer``): W = 2 **bitwise** equal to one
+  rank under the same config; bnb against one process without DeepSpeed within ``ZERO3_INIT_VS_PLAIN_ATOL``
+  (DeepSpeed ZeRO-3's forward / backward are not bitwise plain torch's).
 * Control: the same script without the added line, under the same launch, reports
   ``DistributedType.NO`` and one process on each rank and holds every parameter whole (no sharding).
 * The ragged and fsdp2 launches honour ``fsdp_sync_module_states`` and ``fsdp_activation_checkpointing``
@@ -59,6 +64,7 @@ BIN = pathlib.Path(sys.executable).parent
 FSDP2_ATOL = 1e-6
 DEEPSPEED_ATOL = 1e-6
 W4_RESUME_ATOL = 1e-6
+ZERO3_INIT_VS_PLAIN_ATOL = 1e-4  # bnb AdamW8bit, ZeRO-3 under zero.Init vs one process: measured 1.9e-5 after 3 steps
 
 
 # -- settings -----------------------------------------------------------------------------------------
@@ -596,6 +602,52 @@ def test_deepspeed_zero3_with_8bit_state_equals_one_process(tmp_path, reference_
     total = infos[0]["total_numel"]
     assert all(0 < i["state_numel"] < total for i in infos) and sum(i["state_numel"] for i in infos) == total
     assert _max_diff(state, reference_bnb()[1]) <= DEEPSPEED_ATOL
+
+
+@pytest.mark.slow
+def test_deepspeed_zero3_init_flag_partitions_at_construction_and_equals_one_rank_bitwise(tmp_path):
+    """``accelerate launch`` with deepspeed_zero3.yaml (``zero3_init_flag: true``, a ZeRO-3 config with
+    ``"blockshard": {}``): the Accelerator registers the config with transformers, so ``from_pretrained``
+    builds the tiny Llama inside ``deepspeed.zero.Init`` (every rank holds 0 elements of it after
+    construction; the one-process reference holds all). bnb AdamW8bit and torch Muon (over the 1-D
+    placeholders through ``zero3_optimizer``) step whole units on owner ranks: W = 2 equals one rank under
+    the same config **bitwise**; bnb equals one process without DeepSpeed within ``ZERO3_INIT_VS_PLAIN_ATOL``
+    (Muon's bf16 Newton-Schulz amplifies ZeRO-3's forward / backward differences: not compared to it).
+    The five runs start at once; they read the model that this test saves first."""
+    from blockshard._tiny import tiny_llama
+
+    pretrained = tmp_path / "llama"
+    tiny_llama().save_pretrained(pretrained)
+    total = sum(p.numel() for p in tiny_llama().parameters())
+    script, config = EXAMPLES / "zero3_init.py", EXAMPLES / "deepspeed_zero3.yaml"
+    args = ["--pretrained", str(pretrained)]
+    jobs = {}
+    for opt in ("bnb8bit", "muon"):
+        for ranks in (2, 1):
+            out = tmp_path / f"{opt}-w{ranks}"
+            jobs[out] = _start(config, out, *args, "--optimizer", opt, script=script, ranks=ranks)
+    plain = tmp_path / "bnb8bit-plain"  # one process, stock Accelerate
+    cmd = [sys.executable, str(script), *args, "--out", str(plain)]
+    jobs[plain] = Background(cmd, tmp_path / "plain.log", env=_env(), cwd=ROOT, timeout=300)
+    for job in jobs.values():
+        job.wait()
+    (ref,), ref_state = _results(plain, 1)
+    assert ref["world_size"] == 1 and ref["distributed_type"] == "DistributedType.NO" and not ref["hooked"]
+    assert ref["built"] == {"numel": total, "ds_numel": 0}  # control: one process builds it whole
+    for opt, inner in (("bnb8bit", "AdamW8bit"), ("muon", "Muon")):
+        infos, state = _results(tmp_path / f"{opt}-w2", 2)
+        (one,), one_state = _results(tmp_path / f"{opt}-w1", 1)
+        assert [i["world_size"] for i in infos] == [2, 2] and one["world_size"] == 1
+        assert {i["distributed_type"] for i in [*infos, one]} == {"DistributedType.DEEPSPEED"}
+        # partitioned at construction by zero.Init: nothing local, the full sizes in ds_numel
+        assert [i["built"] for i in [*infos, one]] == [{"numel": 0, "ds_numel": total}] * 3
+        assert all(i["hooked"] and i["optimizers"][1:] == ["BlockshardStage3", inner] for i in [*infos, one])
+        engaged = [x for x in _engaged(tmp_path / f"{opt}-w2") if "engine DeepSpeed ZeRO-3" in x]
+        assert len(engaged) == 1 and "policy owner" in engaged[0] and "over 2 ranks" in engaged[0], engaged
+        assert _max_diff(state, one_state) == 0.0, opt
+        assert infos[0]["losses"] == one["losses"]
+        if opt == "bnb8bit":
+            assert _max_diff(state, ref_state) <= ZERO3_INIT_VS_PLAIN_ATOL
 
 
 @pytest.mark.slow

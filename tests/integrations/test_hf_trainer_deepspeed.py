@@ -11,6 +11,13 @@ Control: the same ZeRO-2 run with the hook's ``GlobalOptimManager`` follow-up sw
 (``_hf_trainer_control.py``): the embedding's 32-bit override stays on the parameter, its views get 8-bit
 state, and the parameters differ (measured 3.4e-3 on ``embed_tokens.weight`` after 4 steps at lr 1e-2).
 
+ZeRO-3 (``--stage 3``, owner-compute) with ``optim="adamw_bnb_8bit"`` and with torch's ``Muon`` as a custom
+optimizer (``--optimizer muon``: ``Trainer(optimizer_cls_and_kwargs=(torch.optim.Muon, ...))`` on the decoder
+layers' matrices, the rest frozen) equal the same Trainer under ZeRO-3 on one rank **bitwise**. Controls: stock
+ZeRO-3 + AdamW8bit at W = 2 differs; stock ZeRO-3 hands torch's Muon a flat 1-D partition, which it refuses
+(fast test below; the launched stock Trainer raises the same ``ValueError``, as does the stock ZeRO-3 case of
+test_deepspeed.py).
+
 The fast tests check :mod:`blockshard.integrations.deepspeed._bnb_overrides` on bitsandbytes directly.
 """
 
@@ -106,23 +113,25 @@ def _deepspeed(port: int) -> list[str]:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     """Every run of this file, started at once (they are independent): the Trainer on one process
-    without DeepSpeed (``--stage 0``), ZeRO-1 under ``torchrun``, ZeRO-2 under ``deepspeed`` and the
-    control. ``launched[name]()`` waits for one and returns its (JSON, parameters)."""
+    without DeepSpeed (``--stage 0``), ZeRO-1 under ``torchrun``, ZeRO-2 under ``deepspeed``, ZeRO-3 (AdamW8bit
+    and Muon, each at W = 2 and on one rank; stock AdamW8bit at W = 2) and the control. ``launched[name]()`` waits for one and returns its (JSON, parameters)."""
     tmp = tmp_path_factory.mktemp("hf_ds")
-    ports = free_ports(6)
-    jobs = {
-        "single": ([sys.executable], EXAMPLE, 0),
-        "zero1-torchrun": (_torchrun(ports[0]), EXAMPLE, 1),
-        "zero2-deepspeed": (_deepspeed(ports[1]), EXAMPLE, 2),
-        "zero3-torchrun": (_torchrun(ports[3]), EXAMPLE, 3),
-        "zero3-one-rank": (_torchrun(ports[4], 1), EXAMPLE, 3),
-        "zero3-stock": (_torchrun(ports[5]), EXAMPLE, 3),  # --stock: no blockshard section
-        "control": (_torchrun(ports[2]), CONTROL, 2),
+    ports = free_ports(8)
+    muon = ["--optimizer", "muon"]
+    jobs: dict[str, tuple[list[str], pathlib.Path, int, list[str]]] = {
+        "single": ([sys.executable], EXAMPLE, 0, []),
+        "zero1-torchrun": (_torchrun(ports[0]), EXAMPLE, 1, []),
+        "zero2-deepspeed": (_deepspeed(ports[1]), EXAMPLE, 2, []),
+        "zero3-torchrun": (_torchrun(ports[3]), EXAMPLE, 3, []),
+        "zero3-one-rank": (_torchrun(ports[4], 1), EXAMPLE, 3, []),
+        "zero3-stock": (_torchrun(ports[5]), EXAMPLE, 3, ["--stock"]),  # no blockshard section
+        "zero3-muon": (_torchrun(ports[6]), EXAMPLE, 3, muon),
+        "zero3-muon-one-rank": (_torchrun(ports[7], 1), EXAMPLE, 3, muon),
+        "control": (_torchrun(ports[2]), CONTROL, 2, []),
     }
     started = {}
-    for name, (launch, script, stage) in jobs.items():
-        stock = ["--stock"] if name.endswith("-stock") else []
-        cmd = [*launch, str(script), "--stage", str(stage), *stock, "--out", str(tmp / f"{name}.json")]
+    for name, (launch, script, stage, extra) in jobs.items():
+        cmd = [*launch, str(script), "--stage", str(stage), *extra, "--out", str(tmp / f"{name}.json")]
         started[name] = Background(cmd, tmp / f"{name}.log", env=_env(), cwd=ROOT)
 
     def result(name: str) -> tuple[dict, dict]:
@@ -167,8 +176,7 @@ def test_trainer_zero3_equals_zero3_on_one_rank_bitwise_and_one_process_within_t
     """ZeRO-3 with the hook (owner-compute: bitsandbytes steps whole parameters, the embedding's 32-bit
     override followed) at W = 2 equals the same Trainer under ZeRO-3 on one rank bitwise. DeepSpeed
     ZeRO-3's own forward / backward are not bitwise plain torch's: against the Trainer without
-    DeepSpeed the parameters differ by ``ZERO3_VS_PLAIN_ATOL`` at most (measured 1.7e-4 after 4 steps;
-    the same drift with AdamW, which the hook steps as stock DeepSpeed does: 1.2e-5 after one step)."""
+    DeepSpeed the parameters differ by ``ZERO3_VS_PLAIN_ATOL`` at most (measured 1.7e-4 after 4 steps)."""
     info, params = launched("zero3-torchrun")
     one_info, one = launched("zero3-one-rank")
     _, plain = launched("single")
@@ -189,3 +197,35 @@ def test_control_stock_zero3_depends_on_the_world_size(launched):
     _, one = launched("zero3-one-rank")
     assert not info["hooked"]
     assert max(_max_diff(params, one).values(), default=0.0) > ZERO3_CONTROL_MIN
+
+
+@pytest.mark.slow
+def test_trainer_zero3_muon_custom_optimizer_equals_zero3_on_one_rank_bitwise(launched):
+    """torch's ``Muon`` through ``Trainer(optimizer_cls_and_kwargs=...)`` under ZeRO-3 with ``install()``:
+    owner-compute steps each whole matrix on one rank (``"matrix"`` semantics, read from the optimizer),
+    so W = 2 equals one rank **bitwise**; the Muon matrices moved and the frozen parameters did not."""
+    info, params = launched("zero3-muon")
+    one_info, one = launched("zero3-muon-one-rank")
+    assert info["world_size"] == 2 and one_info["world_size"] == 1 and info["hooked"] and one_info["hooked"]
+    assert info["optimizer"] == one_info["optimizer"] == "Muon"
+    engaged = [x for x in launched.log("zero3-muon").splitlines() if "blockshard engaged (the DeepSpeed hook)" in x]
+    assert len(engaged) == 1 and "ZeRO-3, semantics matrix, policy owner" in engaged[0], engaged
+    assert _max_diff(params, one) == {}
+    assert info["losses"] == one_info["losses"]
+    from blockshard._tiny import tiny_llama
+
+    init = dict(tiny_llama().named_parameters())
+    moved = {n for n in params if not torch.equal(params[n], init[n])}
+    assert moved == {n for n, p in init.items() if n.startswith("model.layers.") and p.dim() == 2}, moved
+
+
+def test_control_muon_refuses_stock_zero3s_flat_partition():
+    """What stock ZeRO-3's optimizer step hands the inner optimizer: one flat 1-D fp32 partition per
+    sub-group (``fp32_partitioned_groups_flat``). torch's Muon refuses it at its first step, the error the
+    launched stock Trainer (``--stage 3 --optimizer muon --stock``) raises."""
+    flat = torch.zeros(2 * 48 * 48, requires_grad=True)
+    opt = torch.optim.Muon([torch.zeros(48, 48, requires_grad=True)], lr=0.02)
+    opt.param_groups[0]["params"] = [flat]  # what DeepSpeed does to the param_groups
+    flat.grad = torch.ones_like(flat)
+    with pytest.raises(ValueError, match="Param gradient must be a 2D matrix"):
+        opt.step()
