@@ -43,6 +43,23 @@ gradient accumulation, clipping and loss scaling as they are, and replaces only
   where parameters can be cut (every 8-bit tensor of at least 4096 elements), and whole matrices are
   placed largest first.
 
+[Note: ZeRO-3 unused parameters]
+A parameter that gets no gradient in a step (a layer a step's forward skips): on one process its
+``grad`` is None and torch's / bitsandbytes' optimizers skip it (no weight decay, no moment decay,
+no step count). Stock DeepSpeed 0.19.8 ZeRO-3 (``ignore_unused_parameters`` is read by ZeRO-1/2
+only) never hears of it: no reduce hook fires, its gradient partition (a slice of
+``grad_partitions_flat_buffer``, never cleared between steps) keeps whatever the last step that used
+it left (zeros if none did), and the optimizer steps that: the stale gradient again, or zeros (weight
+and moment decay); under gradient accumulation a parameter first used in a later micro-batch adds
+its gradient to the stale one, and global-norm clipping counts the stale partitions. Under
+owner-compute the hook makes this exact: a ``post_accumulate_grad`` hook on every trainable
+parameter records the ones autograd gave a gradient (a z3 leaf module's zero-filled parameters are
+not recorded); per sub-group step one ``all_reduce`` (MAX) of one flag per parameter tells every
+owner which parameters no rank used, and their run tensors get ``grad = None`` (the run's elements
+still travel: the traffic does not depend on the step); after every step the gradient partitions
+are zeroed (one memset of this rank's ``numel / W`` elements), so accumulation and clipping start
+from zero. The element-wise path stays stock (docs/deepspeed.md says what differs there).
+
 Refused with a :class:`DeepSpeedHookError` under owner-compute (checked at ``initialize``, nothing
 silently wrong): optimizer offload and NVMe, parameter offload, ZenFlow, MoE, MiCS / hpZ (the
 partition group is not the data-parallel group), 16-bit master weights, torch autocast's
@@ -238,6 +255,7 @@ class _Param:
     numel: int
     flat_offset: int  # of this rank's partition in fp32_partitioned_groups_flat[i]
     label: str  # the block semantics its runs follow
+    ds_id: int  # DeepSpeed's id of the parameter (what the used-parameter hooks record)
     runs: list[Run] = field(default_factory=list)
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # run index -> the owner's run tensor
 
@@ -288,8 +306,14 @@ def make_stage3() -> type:
             self._bs_moved: list[int] = []  # bytes this rank sent per optimizer step
             self._bs_names = {id(q): n for q, n in getattr(self, "param_names", {}).items()}
             self._bs_overrides_resolved = False
+            self._bs_used: set[int] = set()  # ds_id of the parameters autograd gave a gradient this step
             if self._bs_owner:
                 self._bs_plan()
+                for q in (q for g in self.fp16_groups for q in g if q.requires_grad):
+                    # fires only where autograd accumulated a gradient (not for a parameter DeepSpeed
+                    # zero-fills: a z3 leaf module's unused parameters); DeepSpeed's destroy() removes it
+                    hook = q.register_post_accumulate_grad_hook(lambda t: self._bs_used.add(t.ds_id))
+                    self._grad_acc_hooks.append(hook)
 
         # -- plan ----------------------------------------------------------------------------------
         def _bs_semantics(self, name: str, shape: tuple[int, ...], gid: int) -> tuple[str, UnitGrid]:
@@ -326,7 +350,7 @@ def make_stage3() -> type:
                     name = self._bs_names.get(id(q)) or f"param_group{gid}.{j}"
                     shape = tuple(int(d) for d in q.ds_shape)
                     label, grid = self._bs_semantics(name, shape, gid)
-                    prm = _Param(name, shape, int(q.ds_numel), off, label)
+                    prm = _Param(name, shape, int(q.ds_numel), off, label, int(q.ds_id))
                     if int(q.partition_numel()) != -(-prm.numel // W):
                         raise DeepSpeedHookError(
                             f"parameter {name!r}: DeepSpeed partitioned it into {int(q.partition_numel())} elements "
@@ -348,6 +372,25 @@ def make_stage3() -> type:
                             prm.tensors[k] = torch.zeros(run.shape, dtype=flat.dtype, device=flat.device)
 
         # -- step ----------------------------------------------------------------------------------
+        def step(self, closure: Any = None) -> Any:
+            if not self._bs_owner:
+                return super().step(closure)
+            try:
+                return super().step(closure)
+            finally:
+                # [Note: ZeRO-3 unused parameters]: the next step starts from zero gradient partitions
+                self._bs_used.clear()
+                self.grad_partitions_flat_buffer.zero_()
+
+        def _bs_used_flags(self, i: int) -> list[bool]:
+            """Whether each parameter of sub-group ``i`` received a gradient this step on any rank
+            (one all_reduce of a flag per parameter)."""
+            params = self._bs_subgroups[i].params
+            flat = self.fp32_partitioned_groups_flat[i]
+            flags = torch.tensor([q.ds_id in self._bs_used for q in params], dtype=torch.int32, device=flat.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_process_group)
+            return [bool(f) for f in flags.tolist()]
+
         def _optimizer_step(self, sub_group_id: int) -> None:
             if not self._bs_owner:
                 super()._optimizer_step(sub_group_id)
@@ -362,6 +405,7 @@ def make_stage3() -> type:
             flat = self.fp32_partitioned_groups_flat[i]
             grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
             params = self._bs_subgroups[i].params
+            used = self._bs_used_flags(i)
 
             def overlap(q: _Param, run: Run, rank: int) -> tuple[int, int]:
                 lo, hi = _span(q.numel, W, rank)
@@ -420,7 +464,8 @@ def make_stage3() -> type:
             gid = self.sub_group_to_group_id[i]
             owned = [(q.tensors[k], j) for j, q in enumerate(params) for k in sorted(q.tensors)]
             for (j, k), g in grads.items():
-                params[j].tensors[k].grad = g
+                if used[j]:  # no gradient on any rank: None, so the optimizer skips it as on one process
+                    params[j].tensors[k].grad = g
             del grads
             if not self._bs_overrides_resolved:  # bitsandbytes' check_overrides, first step
                 resolve_module_overrides(self.optimizer, [q for g in self.fp16_groups for q in g])

@@ -25,6 +25,10 @@ KINDS = tuple(LR)
 
 def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
     params = list(params)
+    if kind == "dsmuon":  # DeepSpeed's own Muon on one process: its Muon update on whole matrices
+        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+        return MuonWithAuxAdam([{"params": params, "use_muon": True, "lr": LR["muon"]}])
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=LR[kind])
     if kind == "bnb":
@@ -44,8 +48,46 @@ def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
     raise ValueError(kind)
 
 
-def make_model(kind: str) -> nn.Module:
-    return base.MatrixMLP() if kind == "muon" else base.BlockMLP()
+MODELS = ("", "unused", "lora")
+
+
+def make_model(kind: str, model: str = "") -> nn.Module:
+    """``kind``'s model (Muon's: matrices only); ``model``: ``"unused"`` (:class:`Unused`), ``"lora"``
+    (peft LoRA adapters of rank 4 on every Linear of ``MatrixMLP``, the base weights frozen)."""
+    if model == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(2)  # the adapters' A matrices are drawn at random (B starts at zero)
+            cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["fc1", "fc2", "fc3", "fc4", "head"])
+            return get_peft_model(base.MatrixMLP(), cfg)
+    body = base.MatrixMLP() if kind in ("muon", "dsmuon") else base.BlockMLP()
+    return Unused(body, bias=kind != "muon") if model == "unused" else body
+
+
+class Unused(nn.Module):
+    """``body`` with two layers some steps leave without a gradient: ``spare`` (64 x 64, on the
+    input, used when :func:`spare_used` says so) and ``never`` (100 x 100, never used; 10100
+    elements, cut into runs by bitsandbytes' semantics at W = 2)."""
+
+    def __init__(self, body: nn.Module, bias: bool) -> None:
+        super().__init__()
+        self.body = body
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            self.spare = nn.Linear(64, 64, bias=bias)
+            self.never = nn.Linear(100, 100, bias=bias)
+        self.use_spare = True
+
+    def forward(self, x):
+        return self.body(x + self.spare(x) if self.use_spare else x)
+
+
+def spare_used(step: int, micro: int, gas: int) -> bool:
+    """Whether step ``step``'s micro-batch ``micro`` uses ``Unused.spare``: all of step 0, none of
+    step 1 (stock DeepSpeed steps its stale step-0 gradient partition again), the last micro-batch
+    of step 2 (stock adds the new gradient to the stale one under gradient accumulation)."""
+    return step == 0 or (step == 2 and micro == gas - 1)
 
 
 def config(gas: int = 1, stock: bool = False, batch: int = 12, clip: float = 0.0) -> dict:
@@ -79,23 +121,38 @@ def _trainable(model: nn.Module, frozen: bool) -> list[nn.Parameter]:
 
 
 def reference(
-    kind: str, gas: int = 1, clip: float = 0.0, frozen: bool = False, bf16: bool = False, steps: int = STEPS
+    kind: str,
+    gas: int = 1,
+    clip: float = 0.0,
+    frozen: bool = False,
+    bf16: bool = False,
+    steps: int = STEPS,
+    model_kind: str = "",
 ) -> list[torch.Tensor]:
     """One process: each micro-batch's loss / gas backward (as DeepSpeed scales it), torch's
     ``clip_grad_norm_`` (``clip``), then a step; ``bf16``: the model in bfloat16 over fp32 master
     weights (what DeepSpeed's ``"bf16"`` keeps), the optimizer on the masters."""
     if bf16:
         return _reference_bf16(kind)
-    model = make_model(kind)
+    model = make_model(kind, model_kind)
     opt = make_optimizer(kind, _trainable(model, frozen))
-    for micro in _micro(gas)[:steps]:
-        for x, y in micro:
-            (base._loss(model, x, y) / gas).backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
+    with _eager(kind == "dsmuon"):
+        for s, micro in enumerate(_micro(gas)[:steps]):
+            for k, (x, y) in enumerate(micro):
+                if model_kind == "unused":
+                    model.use_spare = spare_used(s, k, gas)
+                (base._loss(model, x, y) / gas).backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def _eager(on: bool):
+    """DeepSpeed's Muon update is ``torch.compile``d; eager (the same on both sides) saves the
+    spawn the seconds compiling takes on CPU."""
+    return torch.compiler.set_stance("force_eager") if on else contextlib.nullcontext()
 
 
 def _reference_bf16(kind: str) -> list[torch.Tensor]:
@@ -116,8 +173,11 @@ def _reference_bf16(kind: str) -> list[torch.Tensor]:
 
 
 def ref_key(kind: str, kw: dict) -> tuple:
-    """The reference a case compares with: ``(kind, gas, clip, frozen, bf16)``."""
-    return (kind, kw.get("gas", 1), kw.get("clip", 0.0), kw.get("frozen", False), kw.get("bf16", False))
+    """The reference a case compares with: ``(kind, gas, clip, frozen, bf16)``, then ``(STEPS, model)``
+    for another model than ``kind``'s plain one; DeepSpeed's own Muon (``ds_muon``): ``"dsmuon"``."""
+    kind = "dsmuon" if kw.get("ds_muon") else kind
+    key = (kind, kw.get("gas", 1), kw.get("clip", 0.0), kw.get("frozen", False), kw.get("bf16", False))
+    return (*key, STEPS, kw["model"]) if kw.get("model") else key
 
 
 def train(
@@ -129,9 +189,13 @@ def train(
     clip: float = 0.0,
     frozen: bool = False,
     bf16: bool = False,
+    model: str = "",
+    ds_muon: bool = False,
 ) -> dict:
     """A ZeRO-3 engine (hooked unless ``stock``) trained on the whole batch; the full parameters
-    and the hook's owner traffic."""
+    and the hook's owner traffic. ``model``: see :func:`make_model`. ``ds_muon``: stock DeepSpeed
+    with its own Muon (``"optimizer": {"type": "Muon"}``; DeepSpeed tags every matrix ``use_muon``;
+    it refuses ``reduce_scatter`` with Muon)."""
     import deepspeed
 
     from blockshard.integrations import deepspeed as bsd
@@ -139,23 +203,32 @@ def train(
     cfg = config(gas, stock, clip=clip)
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if ds_muon:
+        cfg["optimizer"] = {"type": "Muon", "params": {"lr": LR["muon"]}}
+        cfg["zero_optimization"]["reduce_scatter"] = False
     dtype = torch.bfloat16 if bf16 else torch.float32
     ctx = deepspeed.zero.Init(config_dict_or_path=cfg) if zero_init else contextlib.nullcontext()
     with ctx:
-        model = make_model(kind)
+        net = make_model(kind, model)
     if zero_init:
-        assert all(p.numel() == 0 for p in model.parameters())  # partitioned at construction
-    if zero_init:  # torch's Muon checks shapes at construction: zero.Init's placeholders are 1-D
-        opt = bsd.zero3_optimizer(lambda ps: make_optimizer(kind, ps), _trainable(model, frozen))
+        assert all(p.numel() == 0 for p in net.parameters())  # partitioned at construction
+    if ds_muon:
+        opt = None
+    elif zero_init:  # torch's Muon checks shapes at construction: zero.Init's placeholders are 1-D
+        opt = bsd.zero3_optimizer(lambda ps: make_optimizer(kind, ps), _trainable(net, frozen))
     else:
-        opt = make_optimizer(kind, _trainable(model, frozen))
+        opt = make_optimizer(kind, _trainable(net, frozen))
     init = deepspeed.initialize if stock else bsd.initialize
-    engine, _, _, _ = init(model=model, optimizer=opt, config=cfg)
-    for micro in _micro(gas):
-        for x, y in micro:
-            engine.backward(base._loss(engine, x.to(dtype), y.to(dtype)))
-            engine.step()
-    params = list(model.parameters())
+    extra = {"model_parameters": list(net.parameters())} if ds_muon else {}
+    engine, _, _, _ = init(model=net, optimizer=opt, config=cfg, **extra)
+    with _eager(ds_muon):
+        for s, micro in enumerate(_micro(gas)):
+            for k, (x, y) in enumerate(micro):
+                if model == "unused":
+                    net.use_spare = spare_used(s, k, gas)
+                engine.backward(base._loss(engine, x.to(dtype), y.to(dtype)))
+                engine.step()
+    params = list(net.parameters())
     assert all(p.numel() == 0 for p in params)  # every parameter partitioned (nothing persistent)
     with deepspeed.zero.GatheredParameters(params):
         full = [p.detach().clone() for p in params]
