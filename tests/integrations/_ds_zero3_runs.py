@@ -191,11 +191,13 @@ def train(
     bf16: bool = False,
     model: str = "",
     ds_muon: bool = False,
+    sub_group: int = 0,
 ) -> dict:
     """A ZeRO-3 engine (hooked unless ``stock``) trained on the whole batch; the full parameters
     and the hook's owner traffic. ``model``: see :func:`make_model`. ``ds_muon``: stock DeepSpeed
     with its own Muon (``"optimizer": {"type": "Muon"}``; DeepSpeed tags every matrix ``use_muon``;
-    it refuses ``reduce_scatter`` with Muon)."""
+    it refuses ``reduce_scatter`` with Muon). ``sub_group``: DeepSpeed's ``sub_group_size`` (elements;
+    smaller than the model, so the optimizer steps several sub-groups of one ``param_group``)."""
     import deepspeed
 
     from blockshard.integrations import deepspeed as bsd
@@ -203,6 +205,8 @@ def train(
     cfg = config(gas, stock, clip=clip)
     if bf16:
         cfg["bf16"] = {"enabled": True}
+    if sub_group:
+        cfg["zero_optimization"]["sub_group_size"] = sub_group
     if ds_muon:
         cfg["optimizer"] = {"type": "Muon", "params": {"lr": LR["muon"]}}
         cfg["zero_optimization"]["reduce_scatter"] = False
@@ -235,6 +239,7 @@ def train(
     out: dict = {"params": full}
     if not stock:
         out["traffic"] = engine.optimizer.owner_traffic()
+        out["subgroups"] = len(engine.optimizer.fp16_groups)
     engine.destroy()
     return out
 

@@ -24,7 +24,8 @@ invariance"):
   ``clip_grad_norm_``: DeepSpeed sums the squares per partition, so the norm's last bits differ:
   measured 1.5e-8 (bnb) and 0 (Muon) at W = 2 and 4, tolerance ``ZERO3_CLIP_ATOL = 1e-6``. With
   ``"bf16"`` (bfloat16 parameters over fp32 masters) bitwise against one process keeping fp32
-  masters the same way (bnb, Muon; stock bnb differs by 3.9e-3). With layers some steps leave
+  masters the same way (bnb, Muon; stock bnb differs by 3.9e-3). With ``sub_group_size`` below the
+  model's size (several sub-groups of one param_group) bitwise at W = 2. With layers some steps leave
   without a gradient (bnb with gradient accumulation 2, Muon) and with peft LoRA adapters (bnb,
   Muon; the base weights frozen) bitwise at W = 2. Controls: stock bnb with unused layers and the
   hook's element-wise path (AdamW: DeepSpeed's own step) differ by 2.4e-2 / 2.6e-2. DeepSpeed's own
@@ -315,17 +316,15 @@ CASES_24 = [
 
 def _zero3_spec(full: bool) -> dict:
     """ZeRO-3 cases (``_ds_zero3_runs``): every optimizer plain, with gradient accumulation 2 and
-    under zero.Init (``full``), else a few; the stock controls; the refusals (``full``)."""
+    under zero.Init (W = 2 and 4); the loops and stock controls (``full``: W = 2, else a few); the
+    refusals (``full``)."""
     import _ds_zero3_runs as z3
 
     cases: dict = {}
     for kind in z3.KINDS:
-        if full or kind in ("bnb", "muon"):
-            cases[kind] = (kind, {})
-        if full or kind in ("ao8bit", "muon"):
-            cases[f"{kind}_gas2"] = (kind, {"gas": 2})
-        if full or kind in ("bnb", "shampoo"):
-            cases[f"{kind}_zinit"] = (kind, {"zero_init": True})
+        cases[kind] = (kind, {})
+        cases[f"{kind}_gas2"] = (kind, {"gas": 2})
+        cases[f"{kind}_zinit"] = (kind, {"zero_init": True})
     cases["bnb_clip"] = ("bnb", {"clip": 0.05})  # DeepSpeed's global-norm clipping acts (norm about 0.3)
     cases["bnb_bf16"] = ("bnb", {"bf16": True})  # bfloat16 parameters over fp32 masters
     if full:
@@ -343,6 +342,8 @@ def _zero3_spec(full: bool) -> dict:
         cases["muon_lora_stock"] = ("muon", {"model": "lora", "stock": True})
         cases["dsmuon_stock"] = ("muon", {"ds_muon": True, "stock": True})  # DeepSpeed's own Muon
         cases["dsmuon_gas2_stock"] = ("muon", {"ds_muon": True, "stock": True, "gas": 2})
+        # DeepSpeed's sub_group_size below the model's size: several sub-groups of one param_group
+        cases["bnb_subgroups"] = ("bnb", {"sub_group": 6000})
     cases["bnb_stock"] = ("bnb", {"stock": True})
     cases["muon_stock"] = ("muon", {"stock": True})
     refs = sorted({z3.ref_key(kind, kw) for kind, kw in cases.values()}, key=repr)
@@ -618,7 +619,11 @@ def test_zero3_hook_equals_one_process_bitwise(request, w, case):
     assert [[(r.start, r.end, r.owner) for r in rs] for rs in runs] == list(traffic["runs"].values())
     numels = [math.prod(shape) for shape in shapes.values()]
     moved = moved_bytes(runs, numels, w, 0)
-    assert traffic["bytes_per_step"] == [moved] * _ds_zero3_runs.STEPS
+    if "sub_group" in kw:  # one entry per sub-group step; together, the plan's bytes per step
+        assert got["subgroups"] > 1 and len(traffic["bytes_per_step"]) == got["subgroups"] * _ds_zero3_runs.STEPS
+        assert sum(traffic["bytes_per_step"]) == moved * _ds_zero3_runs.STEPS
+        return
+    assert got["subgroups"] == 1 and traffic["bytes_per_step"] == [moved] * _ds_zero3_runs.STEPS
     if kind == "bnb" and any(len(rs) > 1 for rs in runs):  # cut runs move far less than whole parameters
         whole, _ = plan_runs(list(shapes.values()), [UnitGrid.whole(n) for n in numels], w)
         assert moved < moved_bytes(whole, numels, w, 0)
