@@ -7,7 +7,10 @@ Keys (all optional)::
         "semantics": {"*weight": "bnb8bit"}, # rules: a mapping glob -> spec, a spec string
                                              # ("bnb8bit", "matrix", "*.mlp.*=nf4,bnb8bit") or a list of them
         "alignment_bytes": 16,               # bytes: parameter starts and partition size are multiples
-        "allow_untested_deepspeed": false    # run on a DeepSpeed version the hook was not tested with
+        "allow_untested_deepspeed": false,   # run on a DeepSpeed version the hook was not tested with
+        "unused_parameters": "exact"         # "exact": a parameter no rank got a gradient for is skipped,
+                                             # as on one process (refused where the hook cannot skip it);
+                                             # "stock": DeepSpeed's own update of it ([Note: unused parameters])
     }
 
 DeepSpeed 0.19.8 ignores unknown top-level keys (``DeepSpeedConfig`` reads the keys it knows and
@@ -44,7 +47,8 @@ SECTION = "blockshard"
 TESTED_DEEPSPEED_VERSIONS: tuple[str, ...] = ("0.19.8",)
 #: Setting this environment variable to 1 has the effect of ``"allow_untested_deepspeed": true``.
 ALLOW_UNTESTED_ENV = "BLOCKSHARD_ALLOW_UNTESTED_DEEPSPEED"
-_KEYS = ("enabled", "semantics", "alignment_bytes", "allow_untested_deepspeed")
+_KEYS = ("enabled", "semantics", "alignment_bytes", "allow_untested_deepspeed", "unused_parameters")
+_UNUSED = ("exact", "stock")
 
 
 class DeepSpeedHookError(BlockshardError):
@@ -60,6 +64,7 @@ class HookConfig:
     rules: SemanticsRules = field(default_factory=SemanticsRules)
     alignment_bytes: int = 16
     allow_untested_deepspeed: bool = False
+    unused_parameters: str = "exact"
 
 
 def _bool(key: str, value: object) -> bool:
@@ -88,6 +93,12 @@ def parse_section(section: object) -> HookConfig:
     alignment = check_alignment_bytes(
         section.get("alignment_bytes", 16), f"{SECTION}.alignment_bytes", DeepSpeedHookError
     )
+    unused = section.get("unused_parameters", "exact")
+    if unused not in _UNUSED:
+        raise DeepSpeedHookError(
+            f"{SECTION}.unused_parameters={unused!r} must be 'exact' (a parameter no rank got a gradient for is "
+            "skipped, as on one process) or 'stock' (DeepSpeed's own update of it)"
+        )
     semantics = section.get("semantics")
     raw = semantics
     if isinstance(semantics, Sequence) and not isinstance(semantics, str):
@@ -109,7 +120,7 @@ def parse_section(section: object) -> HookConfig:
         rules = SemanticsRules.coerce(semantics)
     except ValueError as e:
         raise DeepSpeedHookError(f"{SECTION}.semantics={raw!r} is invalid: {e}") from None
-    return HookConfig(enabled, raw, rules, alignment, allow)
+    return HookConfig(enabled, raw, rules, alignment, allow, unused)
 
 
 def load_config(config: object) -> dict[str, Any]:

@@ -67,6 +67,7 @@ from ._pending import pending
 from ._refusals import refuse_shared
 from ._stage3 import make_stage3
 from ._traffic import HookTraffic
+from ._unused import UsedParameters
 
 __all__ = ["LAYOUT_KEY", "BlockshardZeroOptimizer", "hooked_classes"]  # noqa: F822 (created lazily by __getattr__)
 
@@ -149,6 +150,14 @@ def _make_zero12() -> type:
             super().__init__(init_optimizer, *args, **kwargs)
             self._bs_building = False
             self._bs_finish()
+            # [Note: unused parameters]: parameters no rank got a gradient for step with grad None
+            self._bs_order = [(i, t) for i, g in enumerate(self.round_robin_bit16_groups) for t in range(len(g))]
+            self._bs_unused: set[tuple[int, int]] = set()
+            self._bs_used = (
+                UsedParameters([p for g in self.round_robin_bit16_groups for p in g], self._grad_acc_hooks)
+                if self._bs_config.unused_parameters == "exact"
+                else None
+            )
             # [Note: traffic]: which collective DeepSpeed reduces gradient buckets with (average_tensor)
             by_reduce = self.reduce_scatter and self.contiguous_gradients and not self.use_multi_rank_bucket_allreduce
             self._bs_traffic = HookTraffic(self.blockshard_engine(), reduce_kind_is_reduce=by_reduce)
@@ -254,7 +263,8 @@ def _make_zero12() -> type:
                 self._bs_overrides_resolved = True
             try:
                 for v in views:
-                    v.tensor.grad = None if grad is None else grad.narrow(0, v.seg_offset, v.numel).view(v.tensor.shape)
+                    skip = grad is None or (group_no, v.param_index) in self._bs_unused
+                    v.tensor.grad = None if skip else grad.narrow(0, v.seg_offset, v.numel).view(v.tensor.shape)
                 with follow_overrides(self.optimizer, params, [(v.tensor, v.param_index) for v in views]):
                     super()._optimizer_step(group_no)  # DeepSpeed's returns None
             finally:
@@ -284,8 +294,16 @@ def _make_zero12() -> type:
                     for i, gs in enumerate(self._bs_groups)
                 ]
             )
-            with self._bs_traffic.tap("gather"):
-                super().step(closure)  # DeepSpeed's returns None
+            if self._bs_used is not None:
+                found = self._bs_used.unused_everywhere(self.dp_process_group, self.device)
+                self._bs_unused = {self._bs_order[k] for k in found}
+            try:
+                with self._bs_traffic.tap("gather"):
+                    super().step(closure)  # DeepSpeed's returns None
+            finally:
+                if self._bs_used is not None:
+                    self._bs_used.clear()
+                self._bs_unused = set()
             self._bs_traffic.end_step()
 
         def update_lp_params(self) -> None:

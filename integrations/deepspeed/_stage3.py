@@ -52,13 +52,14 @@ only) never hears of it: no reduce hook fires, its gradient partition (a slice o
 it left (zeros if none did), and the optimizer steps that: the stale gradient again, or zeros (weight
 and moment decay); under gradient accumulation a parameter first used in a later micro-batch adds
 its gradient to the stale one, and global-norm clipping counts the stale partitions. Under
-owner-compute the hook makes this exact: a ``post_accumulate_grad`` hook on every trainable
-parameter records the ones autograd gave a gradient (a z3 leaf module's zero-filled parameters are
-not recorded); per sub-group step one ``all_reduce`` (MAX) of one flag per parameter tells every
-owner which parameters no rank used, and their run tensors get ``grad = None`` (the run's elements
-still travel: the traffic does not depend on the step); after every step the gradient partitions
-are zeroed (one memset of this rank's ``numel / W`` elements), so accumulation and clipping start
-from zero. The element-wise path stays stock (docs/deepspeed.md says what differs there).
+owner-compute the hook makes this exact ([Note: unused parameters] in _unused.py): per optimizer
+step one ``all_reduce`` (MAX) of one flag per parameter tells every rank which parameters no rank
+used (a z3 leaf module's zero-filled parameters count as unused), and their run tensors get ``grad =
+None`` (the run's elements still travel: the traffic does not depend on the step); after every step
+the gradient partitions are zeroed (one memset of this rank's ``numel / W`` elements), so
+accumulation and clipping start from zero. With an element-wise optimizer (DeepSpeed's own step over
+the flat partition) a parameter cannot be skipped alone: such a step raises on every rank, naming the
+parameters, before anything is stepped. ``"unused_parameters": "stock"`` keeps DeepSpeed's update.
 
 Refused with a :class:`DeepSpeedHookError` under owner-compute (checked at ``initialize``, nothing
 silently wrong): optimizer offload and NVMe, parameter offload, ZenFlow, MoE, MiCS / hpZ (the
@@ -93,6 +94,7 @@ from ._bnb_overrides import follow_overrides, resolve_module_overrides
 from ._config import DeepSpeedHookError
 from ._pending import pending
 from ._refusals import refuse_shared
+from ._unused import UsedParameters
 
 __all__ = ["OWNER_PLAN_KEY", "Run", "is_elementwise", "make_stage3", "moved_bytes", "plan_runs", "zero3_optimizer"]
 
@@ -306,14 +308,15 @@ def make_stage3() -> type:
             self._bs_moved: list[int] = []  # bytes this rank sent per optimizer step
             self._bs_names = {id(q): n for q, n in getattr(self, "param_names", {}).items()}
             self._bs_overrides_resolved = False
-            self._bs_used: set[int] = set()  # ds_id of the parameters autograd gave a gradient this step
+            # [Note: unused parameters]: which parameters autograd gave a gradient this step (the hooks
+            # fire only where autograd accumulated one, not for a parameter DeepSpeed zero-fills: a z3
+            # leaf module's unused parameters); DeepSpeed's destroy() removes them
+            self._bs_params = [q for g in self.fp16_groups for q in g]
+            exact = self._bs_config.unused_parameters == "exact"
+            self._bs_used = UsedParameters(self._bs_params, self._grad_acc_hooks) if exact else None
+            self._bs_unused: set[int] = set()  # ds_id of the parameters no rank used this step
             if self._bs_owner:
                 self._bs_plan()
-                for q in (q for g in self.fp16_groups for q in g if q.requires_grad):
-                    # fires only where autograd accumulated a gradient (not for a parameter DeepSpeed
-                    # zero-fills: a z3 leaf module's unused parameters); DeepSpeed's destroy() removes it
-                    hook = q.register_post_accumulate_grad_hook(lambda t: self._bs_used.add(t.ds_id))
-                    self._grad_acc_hooks.append(hook)
 
         # -- plan ----------------------------------------------------------------------------------
         def _bs_semantics(self, name: str, shape: tuple[int, ...], gid: int) -> tuple[str, UnitGrid]:
@@ -373,23 +376,32 @@ def make_stage3() -> type:
 
         # -- step ----------------------------------------------------------------------------------
         def step(self, closure: Any = None) -> Any:
-            if not self._bs_owner:
+            if self._bs_used is None:
                 return super().step(closure)
+            device = self.fp32_partitioned_groups_flat[0].device
+            unused = [
+                self._bs_params[k] for k in sorted(self._bs_used.unused_everywhere(self.dp_process_group, device))
+            ]
+            if unused and not self._bs_owner:
+                self._bs_used.clear()
+                names = [self._bs_names.get(id(q), f"ds_id {q.ds_id}") for q in unused]
+                raise DeepSpeedHookError(
+                    f"parameter(s) {names[:4]}{' ...' if len(names) > 4 else ''} got no gradient on any rank in this "
+                    f"step; DeepSpeed ZeRO-3 steps them anyway with the element-wise {type(self.optimizer).__name__} "
+                    "over its flat partition (a stale or zero gradient: weight and moment decay), where one process "
+                    "skips them, and one flat tensor cannot skip a parameter alone. Fix: freeze what a step does not "
+                    "train (requires_grad_(False)), or use ZeRO-1/2 with blockshard's hook (per-parameter views), or "
+                    'set "blockshard": {"unused_parameters": "stock"} to accept DeepSpeed\'s update'
+                )
+            self._bs_unused = {int(q.ds_id) for q in unused}
             try:
                 return super().step(closure)
             finally:
                 # [Note: ZeRO-3 unused parameters]: the next step starts from zero gradient partitions
                 self._bs_used.clear()
-                self.grad_partitions_flat_buffer.zero_()
-
-        def _bs_used_flags(self, i: int) -> list[bool]:
-            """Whether each parameter of sub-group ``i`` received a gradient this step on any rank
-            (one all_reduce of a flag per parameter)."""
-            params = self._bs_subgroups[i].params
-            flat = self.fp32_partitioned_groups_flat[i]
-            flags = torch.tensor([q.ds_id in self._bs_used for q in params], dtype=torch.int32, device=flat.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.dp_process_group)
-            return [bool(f) for f in flags.tolist()]
+                self._bs_unused = set()
+                if self._bs_owner:
+                    self.grad_partitions_flat_buffer.zero_()
 
         def _optimizer_step(self, sub_group_id: int) -> None:
             if not self._bs_owner:
@@ -405,7 +417,7 @@ def make_stage3() -> type:
             flat = self.fp32_partitioned_groups_flat[i]
             grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
             params = self._bs_subgroups[i].params
-            used = self._bs_used_flags(i)
+            used = [q.ds_id not in self._bs_unused for q in params]
 
             def overlap(q: _Param, run: Run, rank: int) -> tuple[int, int]:
                 lo, hi = _span(q.numel, W, rank)

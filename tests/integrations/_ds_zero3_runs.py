@@ -192,12 +192,16 @@ def train(
     model: str = "",
     ds_muon: bool = False,
     sub_group: int = 0,
+    stage: int = 3,
+    unused: str = "",
 ) -> dict:
     """A ZeRO-3 engine (hooked unless ``stock``) trained on the whole batch; the full parameters
     and the hook's owner traffic. ``model``: see :func:`make_model`. ``ds_muon``: stock DeepSpeed
     with its own Muon (``"optimizer": {"type": "Muon"}``; DeepSpeed tags every matrix ``use_muon``;
     it refuses ``reduce_scatter`` with Muon). ``sub_group``: DeepSpeed's ``sub_group_size`` (elements;
-    smaller than the model, so the optimizer steps several sub-groups of one ``param_group``)."""
+    smaller than the model, so the optimizer steps several sub-groups of one ``param_group``).
+    ``stage`` 1 or 2: ZeRO-1/2 instead (the hook with ``kind``'s semantics, ``_ds_runs.SEMANTICS``).
+    ``unused``: the section's ``"unused_parameters"``."""
     import deepspeed
 
     from blockshard.integrations import deepspeed as bsd
@@ -207,6 +211,12 @@ def train(
         cfg["bf16"] = {"enabled": True}
     if sub_group:
         cfg["zero_optimization"]["sub_group_size"] = sub_group
+    if stage != 3:
+        cfg["zero_optimization"] = {"stage": stage}
+        if not stock and base.SEMANTICS[kind] is not None:
+            cfg["blockshard"]["semantics"] = base.SEMANTICS[kind]
+    if unused:
+        cfg["blockshard"]["unused_parameters"] = unused
     if ds_muon:
         cfg["optimizer"] = {"type": "Muon", "params": {"lr": LR["muon"]}}
         cfg["zero_optimization"]["reduce_scatter"] = False
@@ -233,10 +243,14 @@ def train(
                 engine.backward(base._loss(engine, x.to(dtype), y.to(dtype)))
                 engine.step()
     params = list(net.parameters())
+    if stage != 3:  # ZeRO-1/2 keep every parameter whole
+        out: dict = {"params": [p.detach().clone() for p in params]}
+        engine.destroy()
+        return out
     assert all(p.numel() == 0 for p in params)  # every parameter partitioned (nothing persistent)
     with deepspeed.zero.GatheredParameters(params):
         full = [p.detach().clone() for p in params]
-    out: dict = {"params": full}
+    out = {"params": full}
     if not stock:
         out["traffic"] = engine.optimizer.owner_traffic()
         out["subgroups"] = len(engine.optimizer.fp16_groups)

@@ -95,6 +95,7 @@ def bitwise(a, b) -> bool:
         ({"semantics": {"*weight": 8}}, "blockshard.semantics"),
         ({"enabled": "yes"}, "blockshard.enabled"),
         ({"allow_untested_deepspeed": 1}, "blockshard.allow_untested_deepspeed"),
+        ({"unused_parameters": "skip"}, "blockshard.unused_parameters='skip' must be 'exact'"),
         (["bnb8bit"], "blockshard="),
     ],
 )
@@ -335,7 +336,14 @@ def _zero3_spec(full: bool) -> dict:
         cases["bnb_unused_gas2"] = ("bnb", {"model": "unused", "gas": 2})
         cases["muon_unused"] = ("muon", {"model": "unused"})
         cases["bnb_unused_gas2_stock"] = ("bnb", {"model": "unused", "gas": 2, "stock": True})
-        cases["adamw_unused_control"] = ("adamw", {"model": "unused"})  # element-wise: DeepSpeed's own step
+        # element-wise (DeepSpeed's own step over the flat partition): refused; "stock" takes DeepSpeed's update
+        cases["adamw_unused_refused"] = ("adamw", {"model": "unused"})
+        cases["adamw_unused_stock_control"] = ("adamw", {"model": "unused", "unused": "stock"})
+        # ZeRO-1/2 with the hook: per-parameter views, so a parameter no rank used steps with grad None
+        cases["bnb_unused_gas2_z2"] = ("bnb", {"model": "unused", "gas": 2, "stage": 2})
+        cases["adamw_unused_z1"] = ("adamw", {"model": "unused", "stage": 1})
+        cases["muon_unused_z2"] = ("muon", {"model": "unused", "stage": 2})
+        cases["adamw_unused_z2_stock"] = ("adamw", {"model": "unused", "stage": 2, "stock": True})
         # peft LoRA adapters on every Linear, the base weights frozen
         cases["bnb_lora"] = ("bnb", {"model": "lora"})
         cases["muon_lora"] = ("muon", {"model": "lora"})
@@ -579,8 +587,9 @@ def test_world3_within_tolerance(world3):
 
 
 # -- ZeRO-3 ------------------------------------------------------------------------------------
-ZERO3 = [(2, name) for name in _zero3_spec(True)["cases"] if not name.endswith(("_stock", "_control"))]
-ZERO3 += [(4, name) for name in _zero3_spec(False)["cases"] if not name.endswith(("_stock", "_control"))]
+_NOT_ZERO3 = ("_stock", "_control", "_refused", "_z1", "_z2")
+ZERO3 = [(2, name) for name in _zero3_spec(True)["cases"] if not name.endswith(_NOT_ZERO3)]
+ZERO3 += [(4, name) for name in _zero3_spec(False)["cases"] if not name.endswith(_NOT_ZERO3)]
 
 
 @pytest.mark.slow
@@ -648,23 +657,50 @@ def test_control_zero3_unused_parameters_differ_from_one_process_without_owner_c
     (``grad is None``). Stock ZeRO-3 steps its gradient partition anyway: stale from the last step
     that used it, or zeros (weight and moment decay), and under gradient accumulation a later
     micro-batch's gradient adds to the stale one ([Note: ZeRO-3 unused parameters]). Measured at
-    W = 2 after 3 steps: stock bnb AdamW8bit 2.4e-2 (gas 2); the hook's element-wise path (torch's
-    AdamW, DeepSpeed's own step, documented) 2.6e-2, of which the never-used layer 3.0e-5 (weight
-    decay). With owner-compute (bnb, Muon) the same model is bitwise
-    (``test_zero3_hook_equals_one_process_bitwise``)."""
+    W = 2 after 3 steps: stock bnb AdamW8bit 2.4e-2 (gas 2); the hook's element-wise path with
+    ``"unused_parameters": "stock"`` (torch's AdamW, DeepSpeed's own step) 2.6e-2, of which the
+    never-used layer 3.0e-5 (weight decay). With owner-compute (bnb, Muon) the same model is bitwise
+    (``test_zero3_hook_equals_one_process_bitwise``); the element-wise path without ``"stock"``
+    refuses the step on every rank, naming the parameters."""
     import _ds_zero3_runs as z3
 
     got = world2[0]["zero3"]
-    for case in ("bnb_unused_gas2_stock", "adamw_unused_control"):
+    for case in ("bnb_unused_gas2_stock", "adamw_unused_stock_control"):
         kind, kw = _zero3_spec(True)["cases"][case]
         ref = got["refs"][z3.ref_key(kind, kw)]
         assert max_diff(got["cases"][case]["params"], ref) > CONTROL_MIN, case
     names = [n for n, _ in z3.make_model("adamw", "unused").named_parameters()]
     never = names.index("never.weight")  # never used: one process leaves it as it was built
-    adamw = got["cases"]["adamw_unused_control"]["params"][never]
+    adamw = got["cases"]["adamw_unused_stock_control"]["params"][never]
     assert not torch.equal(adamw, z3.make_model("adamw", "unused").never.weight.detach())
     hooked = got["cases"]["bnb_unused_gas2"]["params"][never]
     assert torch.equal(hooked, z3.make_model("bnb", "unused").never.weight.detach())
+    # the element-wise path cannot skip one parameter of its flat partition: refused on every rank
+    for r in world2:
+        error = r["zero3"]["cases"]["adamw_unused_refused"]["error"]
+        assert error.startswith("DeepSpeedHookError") and "got no gradient on any rank" in error, error
+        assert (
+            "'never.weight'" in error and "requires_grad_(False)" in error and '"unused_parameters": "stock"' in error
+        )
+
+
+@pytest.mark.slow
+def test_zero12_hook_skips_parameters_no_rank_used_as_one_process(world2):
+    """ZeRO-1/2 with the hook ([Note: unused parameters]): the inner optimizer steps per-parameter
+    views, so a parameter no rank got a gradient for steps with ``grad = None``, as on one process:
+    bnb AdamW8bit (ZeRO-2, gradient accumulation 2), AdamW (ZeRO-1) and Muon (ZeRO-2) on the model
+    with unused layers equal one process **bitwise** at W = 2. Control: stock ZeRO-2 + AdamW hands
+    the optimizer zeros for them (moment and weight decay) and differs."""
+    import _ds_zero3_runs as z3
+
+    got = world2[0]["zero3"]
+    spec = _zero3_spec(True)["cases"]
+    for case in ("bnb_unused_gas2_z2", "adamw_unused_z1", "muon_unused_z2"):
+        kind, kw = spec[case]
+        assert "error" not in got["cases"][case], got["cases"][case].get("error")
+        assert bitwise(got["cases"][case]["params"], got["refs"][z3.ref_key(kind, kw)]), case
+    kind, kw = spec["adamw_unused_z2_stock"]
+    assert max_diff(got["cases"]["adamw_unused_z2_stock"]["params"], got["refs"][z3.ref_key(kind, kw)]) > CONTROL_MIN
 
 
 @pytest.mark.slow
