@@ -51,6 +51,7 @@ one flat state tensor per ``param_group``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,7 +153,7 @@ def _make_zero12() -> type:
             self._bs_finish()
             # [Note: unused parameters]: parameters no rank got a gradient for step with grad None
             self._bs_order = [(i, t) for i, g in enumerate(self.round_robin_bit16_groups) for t in range(len(g))]
-            self._bs_unused: set[tuple[int, int]] = set()
+            self._bs_found: Callable[[], set[int]] | None = None  # during a step: the unused parameters
             self._bs_used = (
                 UsedParameters([p for g in self.round_robin_bit16_groups for p in g], self._grad_acc_hooks)
                 if self._bs_config.unused_parameters == "exact"
@@ -262,8 +263,9 @@ def _make_zero12() -> type:
                 resolve_module_overrides(self.optimizer, [p for g in self.round_robin_bit16_groups for p in g])
                 self._bs_overrides_resolved = True
             try:
+                unused = {self._bs_order[k] for k in self._bs_found()} if self._bs_found else set()
                 for v in views:
-                    skip = grad is None or (group_no, v.param_index) in self._bs_unused
+                    skip = grad is None or (group_no, v.param_index) in unused
                     v.tensor.grad = None if skip else grad.narrow(0, v.seg_offset, v.numel).view(v.tensor.shape)
                 with follow_overrides(self.optimizer, params, [(v.tensor, v.param_index) for v in views]):
                     super()._optimizer_step(group_no)  # DeepSpeed's returns None
@@ -294,16 +296,16 @@ def _make_zero12() -> type:
                     for i, gs in enumerate(self._bs_groups)
                 ]
             )
-            if self._bs_used is not None:
-                found = self._bs_used.unused_everywhere(self.dp_process_group, self.device)
-                self._bs_unused = {self._bs_order[k] for k in found}
+            if self._bs_used is not None:  # waited for where the first view steps (overlapping the norms)
+                self._bs_found = self._bs_used.unused_everywhere(self.dp_process_group, self.device)
             try:
                 with self._bs_traffic.tap("gather"):
                     super().step(closure)  # DeepSpeed's returns None
             finally:
-                if self._bs_used is not None:
+                if self._bs_used is not None and self._bs_found is not None:
+                    self._bs_found()
                     self._bs_used.clear()
-                self._bs_unused = set()
+                self._bs_found = None
             self._bs_traffic.end_step()
 
         def update_lp_params(self) -> None:

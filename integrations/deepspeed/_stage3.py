@@ -314,7 +314,7 @@ def make_stage3() -> type:
             self._bs_params = [q for g in self.fp16_groups for q in g]
             exact = self._bs_config.unused_parameters == "exact"
             self._bs_used = UsedParameters(self._bs_params, self._grad_acc_hooks) if exact else None
-            self._bs_unused: set[int] = set()  # ds_id of the parameters no rank used this step
+            self._bs_found: Callable[[], set[int]] | None = None  # during a step: the unused parameters
             if self._bs_owner:
                 self._bs_plan()
 
@@ -379,10 +379,19 @@ def make_stage3() -> type:
             if self._bs_used is None:
                 return super().step(closure)
             device = self.fp32_partitioned_groups_flat[0].device
-            unused = [
-                self._bs_params[k] for k in sorted(self._bs_used.unused_everywhere(self.dp_process_group, device))
-            ]
-            if unused and not self._bs_owner:
+            found = self._bs_used.unused_everywhere(self.dp_process_group, device)
+            if self._bs_owner:  # the answer is waited for where the first run steps (overlapping the norms)
+                self._bs_found = found
+                try:
+                    return super().step(closure)
+                finally:
+                    # [Note: ZeRO-3 unused parameters]: the next step starts from zero gradient partitions
+                    found()
+                    self._bs_used.clear()
+                    self._bs_found = None
+                    self.grad_partitions_flat_buffer.zero_()
+            unused = [self._bs_params[k] for k in sorted(found())]
+            if unused:
                 self._bs_used.clear()
                 names = [self._bs_names.get(id(q), f"ds_id {q.ds_id}") for q in unused]
                 raise DeepSpeedHookError(
@@ -393,15 +402,10 @@ def make_stage3() -> type:
                     "train (requires_grad_(False)), or use ZeRO-1/2 with blockshard's hook (per-parameter views), or "
                     'set "blockshard": {"unused_parameters": "stock"} to accept DeepSpeed\'s update'
                 )
-            self._bs_unused = {int(q.ds_id) for q in unused}
             try:
                 return super().step(closure)
             finally:
-                # [Note: ZeRO-3 unused parameters]: the next step starts from zero gradient partitions
                 self._bs_used.clear()
-                self._bs_unused = set()
-                if self._bs_owner:
-                    self.grad_partitions_flat_buffer.zero_()
 
         def _optimizer_step(self, sub_group_id: int) -> None:
             if not self._bs_owner:
@@ -417,7 +421,8 @@ def make_stage3() -> type:
             flat = self.fp32_partitioned_groups_flat[i]
             grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
             params = self._bs_subgroups[i].params
-            used = [q.ds_id not in self._bs_unused for q in params]
+            unused = {int(self._bs_params[k].ds_id) for k in self._bs_found()} if self._bs_found else set()
+            used = [q.ds_id not in unused for q in params]
 
             def overlap(q: _Param, run: Run, rank: int) -> tuple[int, int]:
                 lo, hi = _span(q.numel, W, rank)

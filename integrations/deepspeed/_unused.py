@@ -10,7 +10,9 @@ last step that used it left it (never cleared between steps), so the optimizer s
 With ``"unused_parameters": "exact"`` (the default) the hooks make this exact where the inner
 optimizer steps each parameter on its own: a ``post_accumulate_grad`` hook on every trainable
 parameter records the ones autograd gave a gradient in the step's micro-batches, one ``all_reduce``
-(MAX, one int32 per parameter) per optimizer step tells every rank which ones no rank used, and those
+(MAX, one int32 per parameter) per optimizer step tells every rank which ones no rank used (started
+asynchronously when the step begins, waited for where the first parameter steps, so it overlaps
+DeepSpeed's gradient-norm and overflow checks), and those
 step with ``grad = None``: the ZeRO-1/2 hook's per-parameter views, the ZeRO-3 owners' run tensors
 ([Note: ZeRO-3 unused parameters] in _stage3.py). Where one flat tensor holds many parameters' state
 (ZeRO-3 with an element-wise optimizer, stepped as stock DeepSpeed steps it) a parameter cannot be
@@ -47,13 +49,24 @@ class UsedParameters:
 
         return record
 
-    def unused_everywhere(self, group: Any, device: torch.device) -> set[int]:
-        """The indices of the parameters no rank of ``group`` recorded (one all_reduce; every rank calls it)."""
+    def unused_everywhere(self, group: Any, device: torch.device) -> Callable[[], set[int]]:
+        """Start the all_reduce (every rank calls it; asynchronous, so it overlaps what the step does
+        before it needs the answer) and return a function that waits for it and gives the indices
+        of the parameters no rank of ``group`` recorded."""
         flags = torch.zeros(self._n, dtype=torch.int32, device=device)
         if self._used:
             flags[sorted(self._used)] = 1
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        return {k for k, f in enumerate(flags.tolist()) if not f}
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        answer: list[set[int]] = []
+
+        def wait() -> set[int]:
+            if not answer:
+                if work is not None:
+                    work.wait()
+                answer.append({k for k, f in enumerate(flags.tolist()) if not f})
+            return answer[0]
+
+        return wait
 
     def clear(self) -> None:
         self._used.clear()

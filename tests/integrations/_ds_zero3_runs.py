@@ -349,8 +349,13 @@ def error(what: str) -> str:
     if what == "offload":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         cfg["zero_force_ds_cpu_optimizer"] = False
-    model = make_model("bnb")
-    opt = make_optimizer("bnb", model.parameters())
+    model = make_model("muon" if what == "blockshard_muon" else "bnb")
+    if what == "blockshard_muon":  # blockshard's own owner-compute Muon (for fully_shard / FSDP2)
+        from blockshard.optim import Muon
+
+        opt = Muon(model.named_parameters(), lr=LR["muon"])
+    else:
+        opt = make_optimizer("bnb", model.parameters())
     try:
         bsd.initialize(model=model, optimizer=opt, config=cfg)
     except Exception as e:  # the test reads the message

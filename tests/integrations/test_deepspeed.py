@@ -355,7 +355,7 @@ def _zero3_spec(full: bool) -> dict:
     cases["bnb_stock"] = ("bnb", {"stock": True})
     cases["muon_stock"] = ("muon", {"stock": True})
     refs = sorted({z3.ref_key(kind, kw) for kind, kw in cases.values()}, key=repr)
-    errors, ckpt = (["offload"], ["bnb", "muon"]) if full else ([], ["shampoo", "bnb", "muon"])
+    errors, ckpt = (["offload", "blockshard_muon"], ["bnb", "muon"]) if full else ([], ["shampoo", "bnb", "muon"])
     return {"cases": cases, "refs": refs, "errors": errors, "ckpt": ckpt}
 
 
@@ -729,6 +729,9 @@ def test_control_deepspeed_own_muon_under_zero3_is_its_own_algorithm_not_torch_m
 def test_zero3_owner_compute_refuses_what_it_cannot_do(world2):
     errs = world2[0]["zero3"]["errors"]
     assert "DeepSpeedHookError" in errs["offload"] and "zero_optimization.offload_optimizer" in errs["offload"]
+    muon = errs["blockshard_muon"]  # blockshard.optim.Muon steps the parameters it was built over
+    assert "DeepSpeedHookError" in muon and "inner optimizer Muon is blockshard's own owner-compute" in muon
+    assert "pass the plain optimizer (torch.optim.Muon" in muon
 
 
 @pytest.mark.slow
