@@ -257,7 +257,7 @@ class _Param:
     numel: int
     flat_offset: int  # of this rank's partition in fp32_partitioned_groups_flat[i]
     label: str  # the block semantics its runs follow
-    ds_id: int  # DeepSpeed's id of the parameter (what the used-parameter hooks record)
+    ds_id: int  # DeepSpeed's id of the parameter (how a step finds whether it was used)
     runs: list[Run] = field(default_factory=list)
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # run index -> the owner's run tensor
 
@@ -315,6 +315,7 @@ def make_stage3() -> type:
             exact = self._bs_config.unused_parameters == "exact"
             self._bs_used = UsedParameters(self._bs_params, self._grad_acc_hooks) if exact else None
             self._bs_found: Callable[[], set[int]] | None = None  # during a step: the unused parameters
+            self._bs_unused: set[int] | None = None  # their ds_ids, once the step first needs them
             if self._bs_owner:
                 self._bs_plan()
 
@@ -389,6 +390,7 @@ def make_stage3() -> type:
                     found()
                     self._bs_used.clear()
                     self._bs_found = None
+                    self._bs_unused = None
                     self.grad_partitions_flat_buffer.zero_()
             unused = [self._bs_params[k] for k in sorted(found())]
             if unused:
@@ -413,6 +415,13 @@ def make_stage3() -> type:
                 return
             self._bs_owner_step(sub_group_id)
 
+        def _bs_unused_ids(self) -> set[int]:
+            """The ds_ids of the parameters no rank used in this step (waited for, and built, once per step)."""
+            if self._bs_unused is None:
+                found = self._bs_found() if self._bs_found is not None else set()
+                self._bs_unused = {int(self._bs_params[k].ds_id) for k in found}
+            return self._bs_unused
+
         def _bs_owner_step(self, i: int) -> None:
             """One sub-group's step ([Note: ZeRO-3 owner-compute]); this rank's own elements of the runs it
             owns are copied in place, only the other ranks' go through the all_to_alls."""
@@ -421,8 +430,7 @@ def make_stage3() -> type:
             flat = self.fp32_partitioned_groups_flat[i]
             grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
             params = self._bs_subgroups[i].params
-            unused = {int(self._bs_params[k].ds_id) for k in self._bs_found()} if self._bs_found else set()
-            used = [q.ds_id not in unused for q in params]
+            used = [q.ds_id not in self._bs_unused_ids() for q in params]
 
             def overlap(q: _Param, run: Run, rank: int) -> tuple[int, int]:
                 lo, hi = _span(q.numel, W, rank)

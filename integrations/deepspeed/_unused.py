@@ -41,13 +41,10 @@ class UsedParameters:
         self._used: set[int] = set()
         for p in params:
             if p.requires_grad:  # the hook's handle goes where DeepSpeed's destroy() removes its own
-                hooks.append(p.register_post_accumulate_grad_hook(self._record()))
+                hooks.append(p.register_post_accumulate_grad_hook(self._record))
 
-    def _record(self) -> Callable[[torch.Tensor], None]:
-        def record(p: torch.Tensor) -> None:
-            self._used.add(self._index[id(p)])
-
-        return record
+    def _record(self, p: torch.Tensor) -> None:
+        self._used.add(self._index[id(p)])
 
     def unused_everywhere(self, group: Any, device: torch.device) -> Callable[[], set[int]]:
         """Start the all_reduce (every rank calls it; asynchronous, so it overlaps what the step does
