@@ -59,6 +59,7 @@ def ragged_holdings(groups: NamedGroups, mtypes: Mapping[int, str] | None = None
                     "fully_shard, outside forward/backward, over model.named_parameters()"
                 )
             _check_name(name, sp, group.name)
+            tp = sp.tp if sp.tp is not None and sp.tp.shard_dim is not None and sp.tp.mesh.size() > 1 else None
             plan = tensor_owner_plan(group, sp.fqn, name)
             grid = plan.compute if plan is not None else group.layout.tensors[sp.index].grid
             mn = math.prod(sp.shape[-2:]) if len(sp.shape) >= 3 else 0
@@ -68,7 +69,7 @@ def ragged_holdings(groups: NamedGroups, mtypes: Mapping[int, str] | None = None
                 S = group.layout.buckets[placed.bucket]
                 cuts = tuple(k * S - placed.offset for k in range(placed.offset // S + 1, -(-placed.end // S)))
                 holdings.append(
-                    Holding(name, p, tuple(sp.shape), gi, direct=True, matrix_numel=matrix_numel, cuts=cuts)
+                    Holding(name, p, tuple(sp.shape), gi, direct=True, matrix_numel=matrix_numel, cuts=cuts, tp=tp)
                 )  # cuts: the same on every rank (from the layout)
                 continue
             holdings.append(
@@ -85,6 +86,7 @@ def ragged_holdings(groups: NamedGroups, mtypes: Mapping[int, str] | None = None
                     local_numel=sp.local_numel,
                     direct=True,
                     matrix_numel=matrix_numel,
+                    tp=tp,
                 )
             )
     return holdings, process_group

@@ -11,6 +11,19 @@ torch's own ``NS`` on the whole matrix, and the ``O`` pieces come back (one more
 where they are. Matrices inside one rank's piece never move. Each element sees the same float
 operations in the same order as under ``torch.optim.Muon`` on one process, so the result is
 bitwise the same (bfloat16 ``O`` travels as its exact float32 value).
+
+[Note: Muon across tensor parallelism]
+A matrix that tensor parallelism splits (a DTensor placed ``Shard(0)`` / ``Shard(1)`` on a tp mesh,
+[Note: tensor-parallel parameters] in runtime/core/_tp.py) is sharded over dp as its TP-local
+matrix, with ``matrix`` semantics on that local shape: each TP-local matrix's direction ``d`` is
+whole on one dp rank (its owner, or the rank whose piece holds it), the *same* dp rank on every tp
+rank (the tp ranks plan identical local shapes alike; checked once when the optimizer is built).
+There, ``NS`` runs on the global matrix: the tp ranks' ``d`` are all-gathered over tp and
+concatenated along the placement's dim, every tp rank runs torch's ``NS`` on the same whole matrix
+(the same float operations on the same values: the same result on each), and keeps its own rows
+(columns) of ``O``. The learning rate is adjusted by the global shape. Bytes per step: each TP-split
+matrix's fp32 direction, ``(tp - 1) / tp`` of it received per tp rank, counted in
+``collective_counts()`` as an all-gather of the whole matrix.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
 from torch.optim._muon import _zeropower_via_newtonschulz as _newton_schulz
 
@@ -32,6 +46,10 @@ __all__ = ["Muon"]
 class _MomentumOnShards(torch.optim.Optimizer):
     """The inner optimizer of :class:`Muon`: its ``param_groups`` hold the local pieces and its state
     their momentum; its ``step`` is the element-wise part, with the owner exchange in between."""
+
+    # Newton-Schulz on a TP-split matrix runs on the whole matrix gathered across tp
+    # ([Note: Muon across tensor parallelism]); the optimizer guard lets it hold such pieces
+    computes_across_tp = True
 
     def __init__(self, groups: list[dict[str, Any]], defaults: dict[str, Any], outer: Muon) -> None:
         super().__init__(groups, defaults)
@@ -59,7 +77,9 @@ class _MomentumOnShards(torch.optim.Optimizer):
                 t = outer._index[id(p)]
                 if t not in dirs:
                     continue
-                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(outer._params[t].shape[-2:]))
+                q = outer._params[t]
+                shape = q.tp.shape if q.tp is not None else q.shape  # the global matrix's, across tp too
+                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(shape[-2:]))
                 p.mul_(1 - lr * wd)
                 p.add_(updates[t].view(p.shape), alpha=-adjusted)
 
@@ -125,6 +145,8 @@ class Muon(OwnerComputeOptimizer):
     def _check_holdings(self, holdings: list[Holding]) -> None:
         for q in holdings:
             _per_expert(q)
+            _check_tp_matrix(q)
+        _check_same_across_tp(holdings)
 
     def _inner_groups(self, groups: NamedGroups) -> list[dict[str, Any]]:
         """The local pieces (momentum lives with them), not the compute tensors."""
@@ -135,8 +157,20 @@ class Muon(OwnerComputeOptimizer):
         ]
 
     def _ns(self, t: int, d: torch.Tensor) -> torch.Tensor:
-        g = self.inner.param_groups[self._params[t].group]
-        return _newton_schulz(d, g["ns_coefficients"], g["ns_steps"], g["eps"])
+        q = self._params[t]
+        g = self.inner.param_groups[q.group]
+        if q.tp is None:
+            return _newton_schulz(d, g["ns_coefficients"], g["ns_steps"], g["eps"])
+        # [Note: Muon across tensor parallelism]: NS on the matrix gathered across tp, this rank's part kept
+        tp, dim = q.tp, q.tp.shard_dim
+        parts = [torch.empty_like(d) for _ in range(tp.mesh.size())]
+        nbytes = d.numel() * d.element_size() * len(parts)  # the gathered matrix ([Note: traffic])
+        where = f"{type(self).__name__} (directions across tp)"
+        self._traffic.record(where, 0, nbytes, nbytes, d.dtype, "float", self._steps_taken + 1, ranks=len(parts))
+        dist.all_gather(parts, d.contiguous(), group=tp.group)
+        whole = _newton_schulz(torch.cat(parts, dim=dim), g["ns_coefficients"], g["ns_steps"], g["eps"])
+        me = tp.mesh.get_local_rank()
+        return whole.narrow(dim, me * d.shape[dim], d.shape[dim])
 
     def _orthogonalize(self, dirs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """``NS`` of every matrix's direction, as flat pieces of this rank: whole matrices here,
@@ -182,7 +216,43 @@ class Muon(OwnerComputeOptimizer):
                 loss = closure()
         self._refresh_views()
         self.inner.step()
+        self._steps_taken += 1  # [Note: traffic]: the next step's collectives count as that step's
         return loss
+
+
+def _check_tp_matrix(q: Holding) -> None:
+    """A TP-split matrix Muon can gather across tp: 2-D, cut evenly ([Note: Muon across tensor parallelism])."""
+    tp = q.tp
+    if tp is None:
+        return
+    if len(q.shape) != 2 or q.matrix_numel or tp.shape[tp.shard_dim] % tp.mesh.size():
+        raise OwnerComputeError(
+            f"parameter {q.name!r} (global shape {tp.shape}, {q.shape} on this tp rank) is placed {tp.label}: Muon "
+            "gathers a TP-split matrix across tp only for a 2-D matrix whose placement's dim the tp degree divides "
+            "(stacked experts and uneven TP shards are not supported yet). Fix: choose a tp degree that divides "
+            f"dim {tp.shard_dim}, or leave {q.name!r} out of the TP plan"
+        )
+
+
+def _check_same_across_tp(holdings: list[Holding]) -> None:
+    """Every tp rank must see each TP-split matrix laid out alike over dp (its ``NS`` all-gathers over
+    tp where the matrix is whole): one all_gather_object per tp group, when the optimizer is built."""
+    by_group: dict[int, tuple[Any, list[tuple[object, ...]]]] = {}
+    for q in holdings:
+        if q.tp is not None:
+            entry = by_group.setdefault(id(q.tp.group), (q.tp.group, []))
+            entry[1].append((q.name, q.shape, q.planned, q.units, q.local_start, q.local_numel, q.cuts))
+    for group, mine in by_group.values():
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        if any(other != mine for other in every):
+            first = next(other for other in every if other != mine)
+            raise OwnerComputeError(
+                f"blockshard.optim.Muon: the tp ranks lay out their TP-split matrices differently over dp ({mine[:1]} "
+                f"here, {first[:1]} on another tp rank), so Newton-Schulz across tp cannot pair them. Fix: shard every "
+                "tp rank's modules with the same fully_shard calls and arguments, and build the optimizer over the "
+                "same parameters on every rank"
+            )
 
 
 def _per_expert(q: Holding) -> None:

@@ -77,6 +77,9 @@ class Holding:
     direct: bool = False
     matrix_numel: int = 0
     cuts: tuple[int, ...] = ()  # where the storage cuts it between ranks (element offsets; the same on every rank)
+    # a tensor-parallel parameter whose tp placement cuts it ([Note: tensor-parallel parameters]): its
+    # TPSpec; ``shape`` is then the TP-local tensor's, ``tp.shape`` the global one
+    tp: Any = None
 
     def local(self) -> torch.Tensor:
         p = self.param

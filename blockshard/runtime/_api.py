@@ -49,6 +49,7 @@ from blockshard.runtime.core._owners import (
 from blockshard.runtime.core._param import ParamRef, ShardedParam, check_plain, managed_tag, tag_managed
 from blockshard.runtime.core._post_forward import post_forward_group
 from blockshard.runtime.core._state import STATE_ATTR, ModuleState, state_of
+from blockshard.runtime.core._tp import TPSpec, check_tp_units, tp_local, tp_spec_of
 from blockshard.runtime.core._traffic import step_log_steps
 from blockshard.runtime.quantized._frozen import FrozenQuantizedBuffers, collect_quantized, ignored_quantized
 from blockshard.runtime.quantized._gather import QuantizedGatherBuffers, split_quantized_gather
@@ -113,7 +114,10 @@ def _warn_replicated_quantized(names: list[str]) -> None:
     warnings.warn(text, stacklevel=3)
 
 
-def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
+def _check_params(names: list[str], params: list[nn.Parameter], dp_group: dist.ProcessGroup) -> dict[str, TPSpec]:
+    """Check the parameters a group takes; return the specs of its tensor-parallel DTensors
+    ([Note: tensor-parallel parameters])."""
+    specs: dict[str, TPSpec] = {}
     for n, p in zip(names, params, strict=True):
         hit = managed_tag(p)
         if hit is not None and hit.original:
@@ -127,6 +131,10 @@ def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
                 f"parameter {n!r} already belongs to a sharded group (of a {hit.group_name}): fully_shard "
                 "was applied top-down. Fix: apply it bottom-up — layers first, then the root"
             )
+        spec = tp_spec_of(n, p, dp_group)
+        if spec is not None:
+            specs[n] = spec
+            p = tp_local(p)  # what the group shards (checked as any parameter below)
         check_plain(n, p)  # a tensor subclass would lose what it holds besides its values
         if not p.is_contiguous():
             raise ShardingError(
@@ -139,6 +147,7 @@ def _check_params(names: list[str], params: list[nn.Parameter]) -> None:
         raise ShardingError(
             f"the group's parameters are on several devices {sorted(map(str, devices))}; move the module to one device first"
         )
+    return specs
 
 
 def _rules(semantics: object, params_by_name: Mapping[str, nn.Parameter]) -> object:
@@ -170,6 +179,7 @@ def _build_group(
     offload: bool = False,
     make: Callable[..., ParamBuffers] = ParamBuffers,
     packed: bool = False,
+    tp: Mapping[str, TPSpec] | None = None,
 ) -> tuple[ParamBuffers, list[PlanItem], frozenset[str]]:
     """Plan ``params`` (one dtype) and make their group: its layout checked equal on every rank.
     ``packed``: the masters gathered quantized, their ``fp8_block`` weights in packed tile order
@@ -196,7 +206,13 @@ def _build_group(
     index = {t.name: i for i, t in enumerate(layout.tensors)} if layout else {}
     sps = [
         ShardedParam(
-            fqn=n, refs=r, shape=tuple(p.shape), requires_grad=p.requires_grad, index=index[n], order=orders.get(n)
+            fqn=n,
+            refs=r,
+            shape=tuple(p.shape),
+            requires_grad=p.requires_grad,
+            index=index[n],
+            order=orders.get(n),
+            tp=(tp or {}).get(n),
         )
         for n, p, r in zip(names, params, refs, strict=True)
     ]
@@ -215,6 +231,29 @@ def _build_group(
         offload=offload,
     )
     return group, items, owned
+
+
+def _check_tp(
+    tp: Mapping[str, TPSpec],
+    names: list[str],
+    params: list[nn.Parameter],
+    refs: list[list[ParamRef]],
+    semantics: object,
+    offload: bool,
+    quantized_gather: bool,
+) -> None:
+    """What a group with tensor-parallel parameters does not support yet, refused by name; then no TP
+    cut may split a unit of a parameter's semantics ([Note: tensor-parallel parameters])."""
+    first = next(iter(tp))
+    for flag, what in ((offload, "offload_policy=CPUOffloadPolicy()"), (quantized_gather, "quantized_gather=True")):
+        if flag:
+            raise ShardingError(
+                f"fully_shard({what}) with tensor-parallel parameters ({first!r} is a DTensor placed "
+                f"{tp[first].label}) is not supported by blockshard's engine yet. Fix: drop {what.split('=')[0]}"
+            )
+    by_name = dict(zip(names, params, strict=True))
+    module_types = [type(r[0].module).__name__ for r in refs]
+    check_tp_units(names, params, tp, _rules(semantics, by_name), module_types)
 
 
 def _check_alignment(alignment_bytes: object) -> int:
@@ -328,15 +367,19 @@ def fully_shard(
     install_registration_count()  # [Note: parameters added after fully_shard]
     install_torch_routes()  # clip_grad_norm_, register_fsdp_forward_method, DCP's state-dict helpers ([Note: torch routes])
     ignored = ignored_ids(ignored_params)
+    offload = type(offload_policy).__name__ == "CPUOffloadPolicy"  # [Note: CPU offload] in _buffers.py
     quantized = [
         f for m in modules for f in collect_quantized(m, ignored, is_sharded)
     ]  # [Note: frozen quantized buffers]
     _warn_replicated_quantized(ignored_quantized(modules, ignored))
     names, params, refs = collect_all(modules, ignored | {i for f in quantized for i in f.ids})
-    _check_params(names, params)
+    tp = _check_params(names, params, process_group)
+    originals = params
+    if tp:  # [Note: tensor-parallel parameters]: the group shards the TP-local tensors
+        _check_tp(tp, names, params, refs, semantics, offload, quantized_gather)
+        params = [tp_local(p) if n in tp else p for n, p in zip(names, params, strict=True)]
     if shard_placement_fn is not None:  # checked as FSDP2 does; the layout follows semantics ([Note: shard placements])
         check_shard_placements(cast(Callable[[nn.Parameter], object], shard_placement_fn), names, params)
-    offload = type(offload_policy).__name__ == "CPUOffloadPolicy"  # [Note: CPU offload] in _buffers.py
     if offload and (dev := next((p.device for p in params if p.device.type not in ("cpu", "meta")), None)):
         raise ShardingError(
             f"offload_policy=CPUOffloadPolicy(): offloading parameters from {dev} to the CPU is not enabled in "
@@ -371,7 +414,7 @@ def fully_shard(
         group, d_items, d_owned = _build_group(
             g_name, d_names, d_params, d_refs, semantics, process_group, policy, alignment_bytes,
             mp_policy if k == 0 or d_params[0].is_floating_point() else None, replicate_group, controls,
-            trainable, offload, make, label == "quantized gather" and tile_placement is True,
+            trainable, offload, make, label == "quantized gather" and tile_placement is True, tp,
         )  # fmt: skip
         if d_owned and (len(modules) > 1 or k > 0):
             raise ShardingError(
@@ -407,7 +450,7 @@ def fully_shard(
     state.order = next(_ORDER)  # see [Note: cost tally]
     state.ignored_ids = frozenset(ignored)  # left as they are: [Note: parameters added after fully_shard]
     record_compute(group, {it.name: it.grid for it in items if it.name in owned})
-    for orig in params:
+    for orig in originals:
         tag_managed(orig, name, original=True)
     for g in groups:
         g.tag_views()

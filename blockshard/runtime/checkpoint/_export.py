@@ -48,7 +48,7 @@ from blockshard.runtime.checkpoint._files import raise_on_every_rank
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._quantized_state import StateEntry, _module_names, _prefixes
 from blockshard.runtime.checkpoint._state_dict import _names
-from blockshard.runtime.core._inspect import BuffersView, agree_on_call, join_name, states_under
+from blockshard.runtime.core._inspect import BuffersView, agree_on_call, checkpoint_states, join_name
 from blockshard.runtime.core._param import ShardedParam
 from blockshard.runtime.core._state import ModuleState
 from blockshard.runtime.quantized._frozen import frozen_buffers
@@ -138,7 +138,7 @@ def _write_safetensors(sink: _Sink, path: str, tensors: dict[str, torch.Tensor])
 def _rank(model: nn.Module) -> int:
     import torch.distributed as dist
 
-    states = states_under(model)
+    states = checkpoint_states(model, "export")
     if not dist.is_initialized() or not states:
         return 0
     return dist.get_rank(states[0][1].buffers.process_group)
@@ -153,7 +153,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike[str]) ->
     path = os.fspath(save_directory)
     agree_on_call(model, "blockshard.save_pretrained")  # [Note: collective headers]
     rank = _rank(model)
-    states = states_under(model)
+    states = checkpoint_states(model, "export")
     _check_exportable(states)  # before any collective or file
     groups = [(prefix, st) for prefix, st in states if st.buffers.layout is not None]
     state = model.state_dict()

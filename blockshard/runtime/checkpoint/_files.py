@@ -38,7 +38,7 @@ from blockshard._errors import CheckpointError
 from blockshard._version import __version__
 from blockshard.runtime.checkpoint._integrity import file_sums, own_sums
 from blockshard.runtime.checkpoint._quantized_state import _module_names, _prefixes
-from blockshard.runtime.core._inspect import join_name, states_under
+from blockshard.runtime.core._inspect import checkpoint_states, join_name
 from blockshard.runtime.core._module import unswapped_class
 from blockshard.runtime.quantized._frozen import frozen_buffers
 
@@ -367,7 +367,7 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
     optimizers, versions. The same on every rank (layouts are checked equal)."""
 
     groups = []
-    for prefix, st in states_under(model):
+    for prefix, st in checkpoint_states(model, "checkpoint"):
         layout = st.buffers.layout
         if layout is None:
             continue
@@ -396,7 +396,9 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
     return base_record("blockshard.save_checkpoint", optimizers) | {
         "groups": groups,
         "quantized_groups": [
-            _quantized_record(prefix, st) for prefix, st in states_under(model) if frozen_buffers(st) is not None
+            _quantized_record(prefix, st)
+            for prefix, st in checkpoint_states(model, "checkpoint")
+            if frozen_buffers(st) is not None
         ],
     }
 

@@ -36,7 +36,7 @@ from blockshard._errors import PieceTensorError, ShardingError
 from blockshard.runtime.checkpoint._export import _quantized_entries
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._state_dict import gather_pieces
-from blockshard.runtime.core._inspect import agree_on_call, states_under
+from blockshard.runtime.core._inspect import agree_on_call, checkpoint_states
 
 __all__ = ["peft_state_dict"]
 
@@ -132,7 +132,7 @@ def peft_state_dict(
     agree_on_call(model, call)  # [Note: collective headers]
     state = model.state_dict() if state_dict is None else state_dict
     keys, saved = _selected_keys(model, state, names, save_embedding_layers)
-    quantized = {name for name, *_ in _quantized_entries(model, states_under(model))}
+    quantized = {name for name, *_ in _quantized_entries(model, checkpoint_states(model, "peft state dict"))}
     hit = next((k for k in keys if k in quantized), None)
     if hit is not None:
         raise ShardingError(

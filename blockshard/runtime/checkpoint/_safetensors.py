@@ -32,7 +32,7 @@ from blockshard.runtime.checkpoint._export import CHECKSUMS
 from blockshard.runtime.checkpoint._integrity import hash_file
 from blockshard.runtime.checkpoint._state_dict import _names
 from blockshard.runtime.core._common import ShardedState
-from blockshard.runtime.core._inspect import join_name, states_under
+from blockshard.runtime.core._inspect import checkpoint_states, join_name
 
 __all__ = ["LoadReport", "load_safetensors"]
 
@@ -221,7 +221,7 @@ def load_safetensors(
     loaded: list[str] = []
     missing: list[str] = []
     managed: set[int] = set()
-    for prefix, st in states_under(model):
+    for prefix, st in checkpoint_states(model, "safetensors checkpoint"):
         g = st.buffers
         if g.layout is None:
             continue

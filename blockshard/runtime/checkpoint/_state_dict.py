@@ -22,9 +22,10 @@ from blockshard.runtime.checkpoint._quantized_state import (
 )
 from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import agree_call, all_gather_into
-from blockshard.runtime.core._inspect import agree_on_call, join_name, state_name, states_under
+from blockshard.runtime.core._inspect import agree_on_call, checkpoint_states, join_name, state_name
 from blockshard.runtime.core._param import ShardedParam
 from blockshard.runtime.core._state import state_of
+from blockshard.runtime.core._tp import refuse_tp_checkpoint
 from blockshard.runtime.quantized._frozen import frozen_buffers
 
 __all__ = [
@@ -57,7 +58,7 @@ def sharded_state_dict(model: nn.Module) -> dict[str, LocalShard]:
     weights under the entries ``model.state_dict()`` gives them, each section this rank's piece
     ([Note: quantized state dicts])."""
     out: dict[str, LocalShard] = {}
-    for prefix, st in states_under(model):
+    for prefix, st in checkpoint_states(model, "state dict"):
         for sp in st.buffers.params:
             order = sp.order.name if sp.order is not None else "row-major"  # [Note: packed tile order]
             out[join_name(prefix, sp.fqn)] = LocalShard(sp.sharded.detach(), sp.local_start, sp.shape, order)
@@ -75,7 +76,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     group, in the parameters' original dtype; everything else is cloned as it is."""
     agree_on_call(model, "blockshard.full_state_dict")  # [Note: collective headers]
     gathered = _gather_groups(model)
-    quantized, owned = full_quantized_entries(model, states_under(model))  # [Note: quantized state dicts]
+    quantized, owned = full_quantized_entries(
+        model, checkpoint_states(model, "state dict")
+    )  # [Note: quantized state dicts]
     gathered |= quantized
     out: dict[str, torch.Tensor] = {}
     clones: dict[tuple[object, ...], torch.Tensor] = {}  # tied tensors outside any group stay one tensor
@@ -95,7 +98,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _gather_groups(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every managed parameter's full value under each of its names (tied names share a tensor)."""
     out: dict[str, torch.Tensor] = {}
-    for prefix, st in states_under(model):
+    for prefix, st in checkpoint_states(model, "state dict"):
         g, W = st.buffers, st.buffers.world_size
         if g.layout is None:
             continue
@@ -140,6 +143,7 @@ def _state_dict_post_hook(
         quantized_entries(module, fq, state_dict, prefix)
     if st is None or st.buffers.layout is None:
         return
+    refuse_tp_checkpoint([sp for b in st.param_buffers for sp in b.params], "model.state_dict()")
     made: dict[int, PieceTensor] = {}
     for name, sp in _names(module, st.buffers.params):
         key = prefix + name
@@ -167,6 +171,7 @@ def _load_state_dict_pre_hook(
     fq = frozen_buffers(st) if st is not None else None
     if st is None or (st.buffers.layout is None and fq is None):
         return
+    refuse_tp_checkpoint([sp for b in st.param_buffers for sp in b.params], "model.load_state_dict()")
     assign = bool(local_metadata.get("assign_to_params_buffers"))
     if assign and fq is not None:
         raise ShardingError(
@@ -239,7 +244,7 @@ def _local_piece(name: str, sp: ShardedParam, value: object) -> object:
 
 def _entries(model: nn.Module, state: Mapping[str, _V]) -> Iterator[tuple[str, ShardedParam, _V]]:
     """``(name, sharded param, saved entry)`` for every parameter of every group under ``model``."""
-    for prefix, st in states_under(model):
+    for prefix, st in checkpoint_states(model, "state dict"):
         for sp in st.buffers.params:
             name = join_name(prefix, sp.fqn)
             if name not in state:
@@ -255,7 +260,7 @@ def _load_quantized(model: nn.Module, state: Mapping[str, Any], *, full: bool) -
             k: (v.tensor, v.start, tuple(v.global_shape), v.order) if isinstance(v, LocalShard) else v
             for k, v in state.items()
         }
-    for prefix, st in states_under(model):
+    for prefix, st in checkpoint_states(model, "state dict"):
         qg = frozen_buffers(st)
         if qg is None:
             continue

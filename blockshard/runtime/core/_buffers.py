@@ -227,7 +227,8 @@ class ParamBuffers(BufferSet):
             shape = (sp.local_numel,) if sp.order is not None else block_shape(sp.shape, sp.local_start, sp.local_numel)
             sp.sharded = nn.Parameter(view.view(shape), sp.requires_grad)
             full = self.gathered[sp.gathered_offset : sp.gathered_offset + sp.numel].view(sp.shape)
-            sp.unsharded = nn.Parameter(full, sp.requires_grad)
+            # a TP parameter: the DTensor over its gathered local tensor ([Note: tensor-parallel parameters])
+            sp.unsharded = nn.Parameter(full if sp.tp is None else sp.tp.wrap(full), sp.requires_grad)
             sp.set_module_params(sp.sharded)
 
     @torch.no_grad()

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ from torch.utils._foreach_utils import (
 from blockshard._errors import ClipError
 from blockshard.runtime.core._collectives import agree, all_reduce_in_place
 from blockshard.runtime.core._common import ShardedState
-from blockshard.runtime.core._param import managed_tag
+from blockshard.runtime.core._param import ShardedParam, managed_tag
 from blockshard.runtime.core._state import state_of
 
 __all__ = ["ClipError", "clip_grad_norm_"]
@@ -79,9 +79,20 @@ def _max_norm(max_norm: object) -> float:
     return value
 
 
-def _pieces_of(model: nn.Module) -> dict[int, dist.ProcessGroup]:
-    """``id(piece) -> process group`` for every sharded parameter under ``model``."""
-    out: dict[int, dist.ProcessGroup] = {}
+Route = tuple[dist.ProcessGroup, ...]  # the groups a piece's norm is summed over (empty: replicated)
+
+
+def _route(group: Any, sp: ShardedParam) -> Route:
+    """The groups a piece's norm is summed over: the one it is sharded over, and tp for a piece of
+    a TP-sharded parameter ([Note: tensor-parallel parameters])."""
+    pg = cast(dist.ProcessGroup, group.process_group)
+    tp = sp.tp
+    return (pg, tp.group) if tp is not None and tp.shard_dim is not None and tp.mesh.size() > 1 else (pg,)
+
+
+def _pieces_of(model: nn.Module) -> dict[int, Route]:
+    """``id(piece) -> route`` for every sharded parameter under ``model``."""
+    out: dict[int, Route] = {}
     for m in model.modules():
         st = state_of(m)
         if st is None:
@@ -94,21 +105,28 @@ def _pieces_of(model: nn.Module) -> dict[int, dist.ProcessGroup]:
                     "optimizer.step()"
                 )
             for sp in group.params:
-                out[id(sp.sharded)] = group.process_group
+                out[id(sp.sharded)] = _route(group, sp)
     return out
+
+
+def _tagged_route(p: torch.Tensor, pg: dist.ProcessGroup, group_ref: object) -> Route:
+    """The route of a local piece passed on its own: its tag names its process group and group."""
+    group = group_ref() if callable(group_ref) else None
+    sp = next((q for q in getattr(group, "params", ()) if q.sharded is p), None)
+    return _route(group, sp) if group is not None and sp is not None else (pg,)
 
 
 def _resolve(
     parameters_or_model: nn.Module | torch.Tensor | Iterable[torch.Tensor],
-) -> tuple[list[torch.Tensor], list[dist.ProcessGroup | None]]:
-    """The parameters, and for each the process group its piece is sharded over (None: replicated)."""
+) -> tuple[list[torch.Tensor], list[Route]]:
+    """The parameters, and for each the process groups its norm is summed over (none: replicated)."""
     if isinstance(parameters_or_model, nn.Module):
         pieces = _pieces_of(parameters_or_model)
         params: list[torch.Tensor] = list(parameters_or_model.parameters())
     else:
         pieces = {}
         params = [parameters_or_model] if isinstance(parameters_or_model, torch.Tensor) else list(parameters_or_model)
-    groups: list[dist.ProcessGroup | None] = []
+    groups: list[Route] = []
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise ClipError(
@@ -118,11 +136,11 @@ def _resolve(
         if id(p) in pieces:
             groups.append(pieces[id(p)])
         elif tag is None:
-            groups.append(None)  # replicated: not managed by the engine
+            groups.append(())  # replicated: not managed by the engine
         elif isinstance(parameters_or_model, nn.Module) or tag.original or tag.process_group is None:
             raise ClipError(_unknown_piece(i, tuple(p.shape), tag.group_name, tag.original))
         else:  # a local piece: its tag names the process group it is sharded over
-            groups.append(cast(dist.ProcessGroup, tag.process_group))
+            groups.append(_tagged_route(p, cast(dist.ProcessGroup, tag.process_group), tag.group))
     return params, groups
 
 
@@ -142,6 +160,8 @@ def _tensor_norms(grads: list[torch.Tensor], p: float, foreach: bool | None) -> 
     """Each tensor's p-norm, as torch's ``_get_total_norm`` computes them (empty ones left out)."""
     grads = [g for g in grads if g.numel()]
     norms: list[torch.Tensor] = []
+    if not grads:  # every piece here is empty (torch's grouping refuses an empty list)
+        return norms
     grouped = _group_tensors_by_device_and_dtype([grads])  # type: ignore[list-item]
     for (device, _), ([maybe_grads], _) in grouped.items():
         device_grads = [g for g in maybe_grads if g is not None]  # all are: None never went in
@@ -187,22 +207,23 @@ def clip_grad_norm_(
     """
     p, max_norm = _norm_type(norm_type), _max_norm(max_norm)
     params, groups = _resolve(parameters_or_model)
-    by_group: dict[int, tuple[dist.ProcessGroup | None, torch.device, list[torch.Tensor]]] = {}
-    for param, pg in zip(params, groups, strict=True):
-        entry = by_group.setdefault(id(pg), (pg, param.device, []))  # first-seen order: same on every rank
+    by_group: dict[tuple[int, ...], tuple[Route, torch.device, list[torch.Tensor]]] = {}
+    for param, route in zip(params, groups, strict=True):
+        key = tuple(id(pg) for pg in route)
+        entry = by_group.setdefault(key, (route, param.device, []))  # first-seen order: same on every rank
         if param.grad is not None:
             entry[2].append(param.grad)
     grads = [g for _, _, gs in by_group.values() for g in gs]
-    if not grads and all(pg is None for pg, _, _ in by_group.values()):
+    if not grads and all(not route for route, _, _ in by_group.values()):
         return torch.tensor(0.0)  # what torch returns for no gradients (no collective: nothing is sharded)
     dtypes = [g.dtype for g in grads] or [torch.float32]
     out_dtype = functools.reduce(torch.promote_types, dtypes)
     acc_dtype = torch.promote_types(out_dtype, torch.float32)  # the cross-rank sum in float32 at least
     device = grads[0].device if grads else params[0].device
     parts = []
-    for pg, pg_device, pg_grads in by_group.values():
+    for route, pg_device, pg_grads in by_group.values():
         part = _partial(_tensor_norms(pg_grads, p, foreach), p, pg_device, acc_dtype)
-        if pg is not None:
+        for pg in route:  # the dp group, then tp for a TP-sharded piece ([Note: tensor-parallel parameters])
             op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
             agree(pg, "the gradient-norm all-reduce (clip_grad_norm_)", numel=part.numel(), dtype=part.dtype)
             all_reduce_in_place(part, op, pg, "the gradient-norm all-reduce")

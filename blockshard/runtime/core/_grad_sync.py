@@ -143,7 +143,7 @@ class GradientSync:
         self._watching = self.buffers.layout is not None and self.views_on()
         if self._watching:
             for sp in self.buffers.params:
-                if sp.order is None and sp.unsharded.dtype == self.reduce_dtype:
+                if sp.order is None and sp.tp is None and sp.unsharded.dtype == self.reduce_dtype:
                     sp.watch_grad(self._grad_arrival)
 
     def _view(self, sp: ShardedParam) -> torch.Tensor:
@@ -179,7 +179,7 @@ class GradientSync:
             if sp.accumulated is not None:  # summed while views were off (set_gradient_views in between)
                 self._view_of(sp).add_(sp.accumulated)
                 sp.accumulated = None
-            grad, view = sp.unsharded.grad, self._views.get(sp.index)
+            grad, view = sp.local_grad(), self._views.get(sp.index)
             if grad is None or grad is view:
                 continue
             if view is not None and grad.dtype == view.dtype:  # replaced its view (create_graph): holds the sum
@@ -198,7 +198,7 @@ class GradientSync:
         if self.reduce_dtype == self.buffers.param_dtype:
             return  # autograd accumulates into the unsharded .grad by itself
         for sp in self.buffers.params:
-            grad = sp.unsharded.grad
+            grad = sp.local_grad()
             if grad is None:
                 continue
             if sp.accumulated is None:
@@ -230,7 +230,7 @@ class GradientSync:
                 sp.unsharded.grad = None
                 continue
             dst = rs_in[sp.gathered_offset : sp.gathered_offset + sp.stored_numel]
-            grad, acc = sp.unsharded.grad, sp.accumulated
+            grad, acc = sp.local_grad(), sp.accumulated
             if acc is not None:  # micro-batches accumulated without sync, in the reduce dtype
                 if grad is not None:
                     acc += grad

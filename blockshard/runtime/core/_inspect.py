@@ -14,6 +14,7 @@ from blockshard.runtime.core._collectives import agree_call
 from blockshard.runtime.core._list_groups import bind_names
 from blockshard.runtime.core._param import managed_tag
 from blockshard.runtime.core._state import ModuleState, state_of
+from blockshard.runtime.core._tp import refuse_tp_checkpoint
 from blockshard.runtime.core._traffic import CollectiveCount, tagged_traffic
 
 __all__ = [
@@ -38,6 +39,14 @@ def agree_on_call(model: nn.Module, call: str) -> None:
         if all(pg is not other for other in seen):
             seen.append(pg)
             agree_call(pg, call)
+
+
+def checkpoint_states(model: nn.Module, where: str) -> list[tuple[str, ModuleState | BuffersView]]:
+    """:func:`states_under` for a checkpoint path: refused for groups with tensor-parallel parameters
+    ([Note: tensor-parallel parameters])."""
+    states = states_under(model)
+    refuse_tp_checkpoint([sp for _, st in states for sp in st.buffers.params], where)
+    return states
 
 
 def states_under(model: nn.Module) -> list[tuple[str, ModuleState | BuffersView]]:

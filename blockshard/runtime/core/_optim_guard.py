@@ -216,6 +216,27 @@ def _check_stored_order(optimizer: torch.optim.Optimizer, p: torch.Tensor, group
             )
 
 
+def _check_tp_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
+    """A piece of a tensor-parallel parameter whose tp placement cuts it ([Note: tensor-parallel
+    parameters]) reaches only element-wise optimizers (torch's SGD, Adam, AdamW, ...) and
+    ``blockshard.optim.Muon`` (Newton-Schulz on the matrix gathered across tp): any other computes on
+    (or keeps blockwise state of) the TP-local tensor alone, where one process computes on the whole."""
+    across = getattr(optimizer, "computes_across_tp", False)  # blockshard.optim.Muon's inner optimizer
+    if group is None or _element_wise(optimizer) or across or not checks_on():
+        return
+    for sp in group.params:
+        tp = sp.tp
+        if sp.sharded is p and tp is not None and tp.shard_dim is not None and tp.mesh.size() > 1:
+            raise ShardingError(
+                f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r}, a "
+                f"tensor-parallel parameter placed {tp.label} (global shape {tp.shape}, {sp.shape} on this tp rank): "
+                "it would compute on this tp rank's part alone, where one process computes on the whole tensor "
+                "(Newton-Schulz on a part of the matrix, 8-bit blocks or tiles across the cut). Fix: step it with "
+                "blockshard.optim.Muon (Muon on the matrix gathered across tp) or an element-wise optimizer (torch's "
+                "AdamW, ...), or leave it out of the TP plan (replicated over tp)"
+            )
+
+
 def _check_not_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
     """A piece of an owner-computed tensor (``fully_shard(..., policy="owner" | "auto")``) that
     cuts one of its compute units must not reach an optimizer that computes on whole units: it would
@@ -288,6 +309,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
                 groups.setdefault(id(tag.group), tag.group)
                 ref = cast(Callable[[], Any], tag.group)  # a weakref.ref to the ParamBuffers
                 _check_stored_order(optimizer, p, ref(), names[j] if names is not None else None)
+                _check_tp_cut(optimizer, p, ref(), names[j] if names is not None else None)
                 if _whole_unit_optimizer(optimizer):
                     _check_not_cut(optimizer, p, ref(), names[j] if names is not None else None)
     return tuple(groups.values())

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from blockshard._errors import ShardingError
+from blockshard.runtime.core._tp import TPSpec
 
 __all__ = ["ManagedTag", "ParamRef", "ShardedParam", "StoredOrder", "check_plain", "managed_tag", "tag_managed"]
 
@@ -114,6 +115,10 @@ class ShardedParam:
     # elements of that order, the sharded view is 1-D and the unsharded one the first ``numel``
     # elements of its gathered range, row-major)
     order: StoredOrder | None = None
+    # a tensor-parallel parameter ([Note: tensor-parallel parameters] in _tp.py): its DTensor's mesh,
+    # placements and global shape; ``shape`` and the pieces are its TP-local tensor's, ``unsharded``
+    # the DTensor over the gathered local tensor
+    tp: TPSpec | None = None
     # the unsharded parameter watched and its AccumulateGrad node (held: a node nobody holds is
     # made anew at the next forward, without the hook)
     _watched: tuple[nn.Parameter, object] | None = field(default=None, repr=False)
@@ -183,6 +188,12 @@ class ShardedParam:
         out = stored.new_zeros(self.shape)
         self.order.put(out.view(-1), stored, 0)
         return out
+
+    def local_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient as a plain tensor of ``shape`` (a TP parameter's DTensor gradient: its
+        local tensor, in the parameter's placements)."""
+        grad = self.unsharded.grad
+        return grad if grad is None or self.tp is None else self.tp.local_grad(grad)
 
     def set_module_params(self, param: nn.Parameter) -> None:
         for ref in self.refs:

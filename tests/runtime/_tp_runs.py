@@ -1,0 +1,348 @@
+"""Tensor-parallel runs for test_tensor_parallel.py: 4 spawned gloo ranks as a (dp=2, tp=2) mesh.
+
+The model is torchtitan's recipe in small: a replicated input projection, two blocks whose ``up``
+is ``ColwiseParallel`` and ``down`` ``RowwiseParallel`` on ``mesh["tp"]`` (their weights and ``up``'s
+bias ``Shard``, ``down``'s bias ``Replicate``), a replicated head; ``fully_shard`` on each block,
+then the root, over ``mesh["dp"]`` ([Note: tensor-parallel parameters]). Each dp rank trains on
+its half of every batch (both tp ranks of a dp rank on the same half)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+STEPS = 3
+BATCH = 8
+SEQ = 4  # the sequence dim sequence parallelism shards
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(16, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def make_model() -> Net:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return Net()
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, SEQ, 12, generator=g), torch.randn(BATCH, SEQ, 6, generator=g)) for _ in range(STEPS)]
+
+
+def _train(model: nn.Module, dp_rank: int | None, *, gas: int = 1, clip: Any = None) -> list[float]:
+    """AdamW over ``model``'s parameters; ``dp_rank``: this dp rank's half of each batch (None: the
+    whole batch, one process). ``gas``: micro-batches per step, gradient sync on the last only.
+    ``clip(model) -> float``: called before each step, its norms returned."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    norms = []
+    for x, y in batches():
+        if dp_rank is not None:
+            x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        for i, (xm, ym) in enumerate(zip(x.chunk(gas), y.chunk(gas), strict=True)):
+            if hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(i == gas - 1)
+            (((model(xm) - ym) ** 2).mean() / gas).backward()
+        if clip is not None:
+            norms.append(clip(model))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def reference(_rank: int, _world: int) -> dict[str, dict[str, torch.Tensor]]:
+    """One process, the whole batch: plain, and clipped by torch's clip_grad_norm_."""
+    out = {}
+    for clip in (False, True):
+        model = make_model()
+        _train(
+            model,
+            None,
+            clip=(lambda m: float(torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM))) if clip else None,
+        )
+        out["clip" if clip else "plain"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _plan(sp: bool) -> dict[str, Any]:
+    """The blocks' TP plan; ``sp``: torchtitan's sequence parallelism around it (the block's input and
+    output sequence-sharded, its norm ``SequenceParallel``: a replicated weight whose gradient is
+    ``Partial`` over tp)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if not sp:
+        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    return {
+        "": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),)),
+        "norm": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+
+
+class _Gathered(nn.Module):
+    """The block's sequence-sharded output made whole again (the residual stream outside is plain)."""
+
+    def forward(self, x: Any) -> torch.Tensor:
+        from torch.distributed.tensor import Replicate
+
+        return x.redistribute(placements=[Replicate()]).to_local()
+
+
+def _parallel(
+    engine: str, mp: bool = False, semantics: object = None, sp: bool = False, policy: str | None = None
+) -> tuple[nn.Module, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as stock_fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import blockshard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = make_model()
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], _plan(sp))
+        if sp:
+            b.register_forward_hook(lambda _m, _i, out: _Gathered()(out))
+    kw: dict[str, Any] = {"mesh": mesh["dp"]}
+    if mp:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if engine == "stock":
+        shard: Any = stock_fully_shard
+    else:
+        shard = blockshard.fully_shard
+        if semantics is not None:
+            kw["semantics"] = semantics
+        if policy is not None:
+            kw["policy"] = policy
+    for b in model.blocks:
+        shard(b, **kw)
+    shard(model, **kw)
+    return model, mesh
+
+
+def _full(model: nn.Module, engine: str) -> dict[str, torch.Tensor]:
+    """Every parameter's whole global value in its own dtype, on every rank: blockshard's from each
+    dp rank's piece (``local_start``) of the TP-local tensor, wrapped as its DTensor."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from blockshard.runtime.core._inspect import states_under
+
+    if engine == "stock":
+        return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    out = {}
+    for prefix, st in states_under(model):
+        g = st.buffers
+        for sp in g.params:
+            pieces: list[Any] = [None] * g.process_group.size()
+            dist.all_gather_object(pieces, (sp.local_start, sp.sharded.detach().reshape(-1)), group=g.process_group)
+            local = torch.empty(sp.numel, dtype=g.orig_dtype)
+            for start, piece in pieces:
+                local[start : start + piece.numel()] = piece
+            local = local.view(sp.shape)
+            out[prefix + ("." if prefix else "") + sp.fqn] = local if sp.tp is None else sp.tp.wrap(local).full_tensor()
+    assert isinstance(out, dict) and not any(isinstance(v, DTensor) for v in out.values())
+    return out
+
+
+MAX_NORM = 0.5  # below every step's norm (about 1.3): every step clips
+
+
+def _stock_clip(model: nn.Module) -> float:
+    """Clip by the global norm of the whole gradients (torch's clip_grad_norm_ cannot stack the
+    norms of stock FSDP2's DTensors on the 2-D and the 1-D mesh together), scaled as torch scales."""
+    total = torch.stack([p.grad.full_tensor().norm() for p in model.parameters()]).norm()
+    coef = torch.clamp(MAX_NORM / (total + 1e-6), max=1.0).item()
+    for p in model.parameters():
+        p.grad.mul_(coef)
+    return float(total)
+
+
+def _blockshard_clip(model: nn.Module) -> float:
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+
+
+def _dp_only_norm(model: nn.Module) -> float:
+    """The control: the norm of the pieces summed over dp alone, as if TP-sharded pieces were whole."""
+    import torch.distributed as dist
+
+    from blockshard.runtime.core._inspect import states_under
+
+    total = torch.zeros(())
+    for _, st in states_under(model):
+        part = sum(
+            (sp.sharded.grad.float().pow(2).sum() for sp in st.buffers.params if sp.sharded.grad is not None),
+            torch.zeros(()),
+        )
+        dist.all_reduce(part, group=st.buffers.process_group)
+        total += part
+    return float(total.sqrt())
+
+
+def run(
+    rank: int, _world: int, engine: str, *, mp: bool = False, gas: int = 1, clip: bool = False, sp: bool = False
+) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    model, mesh = _parallel(engine, mp, sp=sp)
+    dp_rank = mesh["dp"].get_local_rank()
+    norm = (_stock_clip if engine == "stock" else _blockshard_clip) if clip else None
+    dp_only: list[float] = []
+    if clip and engine == "blockshard":
+        norm = lambda m: (dp_only.append(_dp_only_norm(m)), _blockshard_clip(m))[1]  # noqa: E731
+    norms = _train(model, dp_rank, gas=gas, clip=norm)
+    out: dict[str, Any] = {"params": _full(model, engine), "norms": norms, "dp_only_norms": dp_only}
+    if engine == "blockshard":
+        model(
+            torch.randn(2, SEQ, 12)
+        )  # the unsharded parameters (between forward and backward: the root stays gathered)
+        out["unsharded"] = {
+            n: (type(p).__name__, str(p.placements) if isinstance(p, DTensor) else "", tuple(p.shape))
+            for n, p in model.blocks[0].named_parameters()
+        }
+    return out
+
+
+LR, MUON_LR = 1e-2, 2e-2
+
+
+def _muon_step_whole(named: list[tuple[str, Any]], shadows: dict[str, nn.Parameter], muon: Any) -> None:
+    """The reference's Muon step on stock FSDP2's DTensors: torch's Muon on each whole matrix (values
+    and gradient gathered across dp and tp), its new value put back in the parameter's placements."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for n, p in named:
+        shadows[n].data.copy_(p.full_tensor())
+        shadows[n].grad = p.grad.full_tensor()
+    muon.step()
+    with torch.no_grad():
+        for n, p in named:
+            whole = DTensor.from_local(shadows[n].detach(), p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+            p.to_local().copy_(whole.redistribute(placements=p.placements).to_local())
+
+
+def run_muon(rank: int, _world: int, engine: str) -> dict[str, Any]:
+    """Muon on the 2-D hidden matrices (``muon_param_groups``), AdamW on the rest, 3 steps.
+    ``engine``: "blockshard" (``semantics="muon"``, :class:`blockshard.optim.Muon`), "stock" (stock
+    FSDP2 with the same TP plan, Muon on each matrix gathered whole: the reference), "single" (one
+    process, torch's Muon), or "per_shard" (the control: blockshard with torch's Muon on each TP-local
+    matrix, the optimizer checks off)."""
+    import os
+
+    import blockshard
+    from blockshard.optim import muon_param_groups
+
+    if engine == "single":
+        model: nn.Module = make_model()
+        mesh = None
+    else:
+        sem = None if engine == "stock" else "muon"
+        policy = "owner" if engine == "owner" else None  # owner: TP-local matrices cut over dp, owner-computed
+        model, mesh = _parallel("stock" if engine == "stock" else "blockshard", semantics=sem, policy=policy)
+    muon_group, rest = muon_param_groups(model)
+    adamw = torch.optim.AdamW(rest["params"], lr=LR, weight_decay=0.1)
+    named = list(zip(muon_group["param_names"], muon_group["params"], strict=True))
+    shadows: dict[str, nn.Parameter] = {}
+    if engine in ("blockshard", "owner"):
+        muon: Any = blockshard.optim.Muon([muon_group], lr=MUON_LR)
+    elif engine == "stock":
+        shadows = {n: nn.Parameter(p.full_tensor().detach().clone()) for n, p in named}
+        muon = torch.optim.Muon(list(shadows.values()), lr=MUON_LR)
+    else:
+        muon = torch.optim.Muon(muon_group["params"], lr=MUON_LR)
+    if engine == "per_shard":
+        os.environ["BLOCKSHARD_OPTIMIZER_CHECKS"] = "0"
+    try:
+        dp_rank = None if mesh is None else mesh["dp"].get_local_rank()
+        for x, y in batches():
+            if dp_rank is not None:
+                x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+            ((model(x) - y) ** 2).mean().backward()
+            if engine == "stock":
+                _muon_step_whole(named, shadows, muon)
+            else:
+                muon.step()
+            adamw.step()
+            muon.zero_grad() if engine != "stock" else None
+            adamw.zero_grad()
+            for _, p in named:
+                p.grad = None
+    finally:
+        os.environ.pop("BLOCKSHARD_OPTIMIZER_CHECKS", None)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()} if mesh is None else None
+    counts = muon.collective_counts() if engine in ("blockshard", "owner") else []
+    return {
+        "params": params if params is not None else _full(model, "stock" if engine == "stock" else "blockshard"),
+        "muon_names": list(muon_group["param_names"]),
+        "counts": [(c.kind, c.calls, c.bytes) for c in counts],
+    }
+
+
+def refusals(_rank: int, _world: int) -> dict[str, str]:
+    """The messages of what a TP group refuses."""
+    from blockshard.optim import muon_param_groups
+    from blockshard.runtime import ShardingError
+
+    out = {}
+    try:
+        _parallel("blockshard", semantics="bnb8bit")  # a (32, 16) weight is one 8-bit block: a tp cut splits it
+    except ShardingError as e:
+        out["bnb8bit"] = str(e)
+    model, _ = _parallel("blockshard", semantics="muon")
+    try:
+        model.state_dict()
+    except ShardingError as e:
+        out["state_dict"] = str(e)
+    opt = torch.optim.Muon(muon_param_groups(model)[0]["params"], lr=MUON_LR)
+    model(batches()[0][0]).sum().backward()
+    try:
+        opt.step()
+    except ShardingError as e:
+        out["torch_muon"] = str(e)
+    return out
+
+
+def cases(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for engine in ("stock", "blockshard"):
+        out[engine] = run(rank, world, engine)
+        out[f"{engine}_gas2"] = run(rank, world, engine, gas=2)
+        out[f"{engine}_bf16"] = run(rank, world, engine, mp=True)
+        out[f"{engine}_clip"] = run(rank, world, engine, clip=True)
+        out[f"{engine}_sp"] = run(rank, world, engine, sp=True)
+    out["refusals"] = refusals(rank, world)
+    for engine in ("stock", "blockshard", "owner", "per_shard"):
+        out[f"muon_{engine}"] = run_muon(rank, world, engine)
+    return out
