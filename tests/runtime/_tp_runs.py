@@ -153,28 +153,13 @@ def _parallel(
 
 
 def _full(model: nn.Module, engine: str) -> dict[str, torch.Tensor]:
-    """Every parameter's whole global value in its own dtype, on every rank: blockshard's from each
-    dp rank's piece (``local_start``) of the TP-local tensor, wrapped as its DTensor."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    from blockshard.runtime.core._inspect import states_under
+    """Every parameter's whole global value in its own dtype, on every rank (blockshard's
+    ``full_state_dict`` gathers a TP parameter over dp, then tp)."""
+    import blockshard
 
     if engine == "stock":
         return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-    out = {}
-    for prefix, st in states_under(model):
-        g = st.buffers
-        for sp in g.params:
-            pieces: list[Any] = [None] * g.process_group.size()
-            dist.all_gather_object(pieces, (sp.local_start, sp.sharded.detach().reshape(-1)), group=g.process_group)
-            local = torch.empty(sp.numel, dtype=g.orig_dtype)
-            for start, piece in pieces:
-                local[start : start + piece.numel()] = piece
-            local = local.view(sp.shape)
-            out[prefix + ("." if prefix else "") + sp.fqn] = local if sp.tp is None else sp.tp.wrap(local).full_tensor()
-    assert isinstance(out, dict) and not any(isinstance(v, DTensor) for v in out.values())
-    return out
+    return dict(blockshard.full_state_dict(model))
 
 
 MAX_NORM = 0.5  # below every step's norm (about 1.3): every step clips
@@ -311,7 +296,7 @@ def run_muon(rank: int, _world: int, engine: str) -> dict[str, Any]:
 
 
 def refusals(_rank: int, _world: int) -> dict[str, str]:
-    """The messages of what a TP group refuses."""
+    """The messages of what a TP group refuses (``save_checkpoint`` before it writes anything)."""
     from blockshard.optim import muon_param_groups
     from blockshard.runtime import ShardingError
 
@@ -320,11 +305,13 @@ def refusals(_rank: int, _world: int) -> dict[str, str]:
         _parallel("blockshard", semantics="bnb8bit")  # a (32, 16) weight is one 8-bit block: a tp cut splits it
     except ShardingError as e:
         out["bnb8bit"] = str(e)
+    import blockshard
+
     model, _ = _parallel("blockshard", semantics="muon")
     try:
-        model.state_dict()
+        blockshard.save_checkpoint(model, "never-written")  # its record describes dp layouts only
     except ShardingError as e:
-        out["state_dict"] = str(e)
+        out["save_checkpoint"] = str(e)
     opt = torch.optim.Muon(muon_param_groups(model)[0]["params"], lr=MUON_LR)
     model(batches()[0][0]).sum().backward()
     try:
@@ -346,3 +333,103 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     for engine in ("stock", "blockshard", "owner", "per_shard"):
         out[f"muon_{engine}"] = run_muon(rank, world, engine)
     return out
+
+
+# -- checkpoints across (dp, tp) layouts ----------------------------------------------------------
+def _layout(dp: int, tp: int) -> nn.Module:
+    """The model on a (dp, tp) mesh of the 4 ranks: TP on ``mesh["tp"]`` where tp > 1, blockshard over dp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import blockshard
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = make_model()
+    for b in model.blocks:
+        if tp > 1:
+            parallelize_module(b, mesh["tp"], _plan(False))
+        blockshard.fully_shard(b, mesh=mesh["dp"])
+    blockshard.fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _steps(model: nn.Module, opt: Any, which: range) -> None:
+    """Steps ``which`` of :func:`batches`, every rank the whole batch (so any dp gives one gradient)."""
+    data = batches()
+    for k in which:
+        x, y = data[k]
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
+    """Save at (dp 2, tp 2) after 2 steps (model + AdamW, ``dcp.save``), then load at (2, 2), (4, 1)
+    and (1, 4) and take step 3; the uninterrupted run for comparison; a load without the optimizer
+    state (the control). Then across engines: stock FSDP2 with the same TP plan saves through torch's
+    ``get_state_dict``, blockshard loads with ``set_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+
+    import blockshard
+
+    path = f"{directory}/blockshard"
+
+    def state(model: nn.Module, opt: Any) -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": blockshard.optimizer_state_dict(model, opt)}
+
+    model = _layout(2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    _steps(model, opt, range(2))
+    saved = blockshard.full_state_dict(model)
+    dcp.save(state(model, opt), checkpoint_id=path)
+    _steps(model, opt, range(2, 3))
+    out: dict[str, Any] = {"saved": saved, "uninterrupted": blockshard.full_state_dict(model)}
+    for dp, tp, with_optim in ((2, 2, True), (4, 1, True), (1, 4, True), (1, 4, False)):
+        model = _layout(dp, tp)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        if (dp, tp) == (1, 4) and with_optim:  # blockshard's checked load of a plain dcp.save checkpoint
+            blockshard.load_checkpoint(model, path, opt)
+        else:
+            st = state(model, opt) if with_optim else {"model": model.state_dict()}
+            dcp.load(st, checkpoint_id=path)
+            model.load_state_dict(st["model"])
+            if with_optim:
+                blockshard.load_optimizer_state_dict(model, opt, st["optimizer"])
+        loaded = blockshard.full_state_dict(model)
+        _steps(model, opt, range(2, 3))
+        key = f"dp{dp}_tp{tp}" + ("" if with_optim else "_model_only")
+        out[key] = {"loaded": loaded, "resumed": blockshard.full_state_dict(model)}
+    out["from_stock"] = _from_stock(f"{directory}/stock")
+    return out
+
+
+def _from_stock(path: str) -> dict[str, Any]:
+    """Stock FSDP2 + TP (dp 2, tp 2) saves after 2 steps with torch's ``get_state_dict``; blockshard at
+    (2, 2) loads with ``set_state_dict`` and takes step 3, as stock does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import blockshard
+
+    stock, _ = _parallel("stock")
+    opt = torch.optim.AdamW(stock.parameters(), lr=LR, weight_decay=0.1)
+    _steps(stock, opt, range(2))
+    msd, osd = get_state_dict(stock, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    saved = _full(stock, "stock")
+    _steps(stock, opt, range(2, 3))
+    uninterrupted = _full(stock, "stock")
+    model = _layout(2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    msd, osd = get_state_dict(model, opt)
+    st = {"model": msd, "optim": osd}
+    dcp.load(st, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=st["model"], optim_state_dict=st["optim"])
+    loaded = blockshard.full_state_dict(model)
+    _steps(model, opt, range(2, 3))
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "uninterrupted": uninterrupted,
+        "resumed": blockshard.full_state_dict(model),
+    }

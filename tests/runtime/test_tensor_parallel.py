@@ -18,11 +18,17 @@ cut over dp and owner-computed under ``policy="owner"``) equals **bitwise** the 
 stock FSDP2 with the same TP plan and steps torch's Muon on each matrix gathered whole across dp
 and tp, and one process within ``ONE_PROCESS_ATOL``; the control (torch's Muon on each TP-local
 matrix, the optimizer checks off) is off by far more. Bad input: 8-bit semantics a tp cut splits,
-torch's Muon over a TP-split piece, and a state dict of a TP group raise naming the parameter."""
+torch's Muon over a TP-split piece, and ``save_checkpoint`` of a TP group raise naming the parameter.
+
+Checkpoints: DCP entries of TP parameters are their global tensors (each rank's piece as boxes of
+it), so a (dp 2, tp 2) save loads at (4, 1) and (1, 4) bitwise, and a stock FSDP2 + TP save loads
+into blockshard + TP."""
 
 from __future__ import annotations
 
 import functools
+import tempfile
+from pathlib import Path
 
 import _tp_runs
 import pytest
@@ -131,5 +137,43 @@ def test_what_tp_groups_cannot_do_is_refused_by_name():
         muon = res["refusals"]["torch_muon"]
         assert ("up.weight" in muon or "down.weight" in muon) and "tensor-parallel" in muon
         assert "blockshard.optim.Muon" in muon
-        sd = res["refusals"]["state_dict"]
+        sd = res["refusals"]["save_checkpoint"]
         assert "up.weight" in sd and "tensor-parallel" in sd and "Fix:" in sd
+    assert not Path("never-written").exists()
+
+
+@functools.cache
+def _checkpoints() -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        return spawn_gloo(_tp_runs.checkpoints, 4, args=(d,), timeout=400)
+
+
+@pytest.mark.parametrize("layout", ["dp2_tp2", "dp4_tp1", "dp1_tp4"])
+def test_a_dp2_tp2_checkpoint_loads_at_another_dp_tp_layout_bitwise_and_resumes(layout):
+    """Model and AdamW saved by dcp.save at (dp 2, tp 2) load at (2, 2), (4, 1) and (1, 4) (the last
+    through blockshard.load_checkpoint): every parameter bitwise the saved one; the next step bitwise
+    the uninterrupted run at the same layout, within ONE_PROCESS_ATOL at another tp (the TP products
+    are summed in another order)."""
+    for rank, res in enumerate(_checkpoints()):
+        assert _equal(res["saved"], res[layout]["loaded"]) == [], rank
+        if layout == "dp2_tp2":
+            assert _equal(res["uninterrupted"], res[layout]["resumed"]) == [], rank
+        for n, v in res["uninterrupted"].items():
+            torch.testing.assert_close(res[layout]["resumed"][n], v, rtol=0, atol=ONE_PROCESS_ATOL)
+
+
+def test_control_a_tp_load_without_the_optimizer_state_differs():
+    res = _checkpoints()[0]
+    diff = max(
+        (res["dp1_tp4_model_only"]["resumed"][n] - v).abs().max().item() for n, v in res["uninterrupted"].items()
+    )
+    assert diff > 1e3 * ONE_PROCESS_ATOL, diff
+
+
+def test_a_stock_fsdp2_tp_checkpoint_loads_into_blockshard_tp_bitwise():
+    """torch's get_state_dict / dcp.save by stock FSDP2 + TP, dcp.load / set_state_dict into blockshard
+    with the same (dp 2, tp 2) layout: the values bitwise, and the next step bitwise stock's."""
+    for rank, res in enumerate(_checkpoints()):
+        got = res["from_stock"]
+        assert _equal(got["saved"], got["loaded"]) == [], rank
+        assert _equal(got["uninterrupted"], got["resumed"]) == [], rank

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
+from blockshard.runtime.checkpoint._piece_tensor import PieceTensor, param_entry
 from blockshard.runtime.checkpoint._state_dict import _names, load_pieces
 from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._common import ShardedState
@@ -35,15 +35,7 @@ def _post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _loca
             key = prefix + name
             if key in state_dict:
                 if id(sp) not in made:
-                    pg = g.process_group
-                    made[id(sp)] = PieceTensor(
-                        sp.to_boxed(sp.sharded.detach()),
-                        sp.local_start,
-                        sp.shape,
-                        name=key,
-                        process_group=pg,
-                        boxes=sp.piece_boxes(),  # a master in packed tile order: its tiles' boxes
-                    )
+                    made[id(sp)] = param_entry(sp, sp.sharded.detach(), key, g.process_group)
                 state_dict[key] = made[id(sp)]
 
 

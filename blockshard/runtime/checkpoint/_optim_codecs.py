@@ -37,7 +37,7 @@ import torch
 
 from blockshard._arith import ceil_div
 from blockshard._errors import CheckpointError
-from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
+from blockshard.runtime.checkpoint._piece_tensor import PieceTensor, param_entry
 from blockshard.runtime.core._param import ShardedParam, managed_tag
 
 __all__ = ["HasStateCodecs", "StateCodec", "StatePiece", "decode_state", "encode_state", "state_error"]
@@ -169,10 +169,7 @@ def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedPa
     if _is_bnb(optimizer) and key in _BNB_CODE_BOOKS:  # before the shape test: a 256-element piece has its shape
         return value  # the fixed code book, the same on every rank
     if tuple(value.shape) == tuple(p.shape):  # element-wise state; a master in packed tile order: as its boxes
-        boxes = sp.piece_boxes()
-        return PieceTensor(
-            sp.to_boxed(value), sp.local_start, sp.shape, name=f"{name}.{key}", process_group=_pg(sp), boxes=boxes
-        )
+        return param_entry(sp, value, f"{name}.{key}", _pg(sp))
     if _is_bnb(optimizer) and key in _BNB_PER_BLOCK:
         return _per_block(name, key, value, sp, _BNB_BLOCK)
     raise _error(
@@ -200,13 +197,14 @@ def decode_state(name: str, key: str, value: object, have: object, sp: ShardedPa
         for part in type(have).tensor_attrs:  # type: ignore[attr-defined]
             _copy_into(getattr(have, part), _local(name, f"{key}.{part}", value[part], getattr(have, part)))
         return have
-    if isinstance(value, PieceTensor) and sp is not None and sp.order is not None:  # [Note: packed tile order]
-        if [(x.offsets, x.sizes) for x in value.boxes] != [tuple(x) for x in sp.piece_boxes() or ()]:
+    # [Note: packed tile order]; a TP piece's boxes ([Note: tensor-parallel parameters])
+    if isinstance(value, PieceTensor) and sp is not None and (sp.order is not None or sp.tp is not None):
+        if [(x.offsets, x.sizes) for x in value.boxes] != [tuple(x) for x in sp.entry_boxes() or ()]:
             raise _error(
                 name,
                 key,
-                "in the state dict holds other boxes of the parameter than this rank's tiles (another world size "
-                "or tile_placement)",
+                "in the state dict holds other boxes of the parameter than this rank's tiles or TP piece (another "
+                "world size, tile_placement or TP plan)",
                 "load it through dcp.load into blockshard.optimizer_state_dict(model, optimizer)",
             )
         value = sp.from_boxed(value.to_local())

@@ -47,7 +47,7 @@ from torch import nn
 from blockshard._errors import CheckpointError
 from blockshard.runtime.checkpoint._optim_codecs import decode_state, encode_state
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
-from blockshard.runtime.core._inspect import agree_on_call, checkpoint_states, join_name
+from blockshard.runtime.core._inspect import agree_on_call, join_name, states_under
 from blockshard.runtime.core._inspect import state_name as _name
 from blockshard.runtime.core._optim_guard import uncounted_steps
 from blockshard.runtime.core._param import ShardedParam
@@ -71,12 +71,10 @@ def _by_param(model: nn.Module) -> dict[int, tuple[str, ShardedParam | None]]:
     """``id(param) -> (name, sharded param or None)`` for what ``model.parameters()`` yields."""
     out: dict[int, tuple[str, ShardedParam | None]] = {
         id(sp.sharded): (join_name(prefix, sp.fqn), sp)
-        for prefix, st in checkpoint_states(model, "optimizer state dict")
+        for prefix, st in states_under(model)
         for sp in st.buffers.params
     }
-    gathered = {
-        id(sp.unsharded) for _, st in checkpoint_states(model, "optimizer state dict") for sp in st.buffers.params
-    }
+    gathered = {id(sp.unsharded) for _, st in states_under(model) for sp in st.buffers.params}
     for name, p in model.named_parameters():  # parameters outside any group
         if id(p) not in out and id(p) not in gathered:
             out[id(p)] = (_name(name), None)
@@ -220,7 +218,7 @@ def _every_rank_names(model: nn.Module, names: list[list[str]], error: str | Non
     or the ranks' state of one parameter is not of one kind (``kinds``, see :func:`_kinds`)."""
     import torch.distributed as dist
 
-    states = checkpoint_states(model, "optimizer state dict")
+    states = states_under(model)
     pg = states[0][1].buffers.process_group if states else None
     if pg is None or not dist.is_initialized() or dist.get_world_size(pg) == 1:
         if error:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner import WriteItem
 
-__all__ = ["Box", "PieceTensor", "PieceTensorError", "flat_run_boxes"]
+__all__ = ["Box", "PieceTensor", "PieceTensorError", "entry_group", "flat_run_boxes", "param_entry"]
 
 aten = torch.ops.aten
 
@@ -361,3 +361,37 @@ class PieceTensor(torch.Tensor):
 
     def _box_view(self, box: Box) -> torch.Tensor:
         return self._local[box.run_offset : box.run_offset + box.numel].view(box.sizes)
+
+
+def entry_group(sp: Any, process_group: Any) -> Any:
+    """The process group a parameter's entries are spread over: the one it is sharded over, or for a
+    tensor-parallel parameter every rank (dp x tp must be all of them; [Note: tensor-parallel
+    parameters])."""
+    if sp.tp is None:
+        return process_group
+    import torch.distributed as dist
+
+    from blockshard._errors import ShardingError
+
+    dp, tp, world = dist.get_world_size(process_group), sp.tp.mesh.size(), dist.get_world_size()
+    if dp * tp != world:
+        raise ShardingError(
+            f"parameter {sp.fqn!r} is tensor-parallel over {tp} ranks and sharded over {dp}, but the world has "
+            f"{world} ranks: blockshard's state-dict entries of TP parameters are spread over every rank, so "
+            "the dp x tp mesh must span the world. Fix: checkpoint a model whose (dp, tp) mesh is the whole world"
+        )
+    return None
+
+
+def param_entry(sp: Any, values: torch.Tensor, name: str, process_group: Any) -> PieceTensor:
+    """The state-dict entry of parameter ``sp`` (a ``ShardedParam``) holding ``values`` (a tensor of
+    its piece's shape: the piece, or its element-wise optimizer state): the entry's global shape,
+    and this rank's piece as a run of it or as boxes (a stored order's tiles, a TP piece's place)."""
+    return PieceTensor(
+        sp.to_boxed(values),
+        sp.local_start,
+        sp.entry_shape,
+        name=name,
+        process_group=entry_group(sp, process_group),
+        boxes=sp.entry_boxes(),
+    )

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from blockshard._errors import ShardingError
-from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
+from blockshard.runtime.checkpoint._piece_tensor import PieceTensor, param_entry
 from blockshard.runtime.checkpoint._quantized_state import (
     full_quantized_entries,
     load_quantized,
@@ -22,10 +22,9 @@ from blockshard.runtime.checkpoint._quantized_state import (
 )
 from blockshard.runtime.core._buffers import ParamBuffers
 from blockshard.runtime.core._collectives import agree_call, all_gather_into
-from blockshard.runtime.core._inspect import agree_on_call, checkpoint_states, join_name, state_name
+from blockshard.runtime.core._inspect import agree_on_call, checkpoint_states, join_name, state_name, states_under
 from blockshard.runtime.core._param import ShardedParam
 from blockshard.runtime.core._state import state_of
-from blockshard.runtime.core._tp import refuse_tp_checkpoint
 from blockshard.runtime.quantized._frozen import frozen_buffers
 
 __all__ = [
@@ -76,9 +75,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     group, in the parameters' original dtype; everything else is cloned as it is."""
     agree_on_call(model, "blockshard.full_state_dict")  # [Note: collective headers]
     gathered = _gather_groups(model)
-    quantized, owned = full_quantized_entries(
-        model, checkpoint_states(model, "state dict")
-    )  # [Note: quantized state dicts]
+    quantized, owned = full_quantized_entries(model, states_under(model))  # [Note: quantized state dicts]
     gathered |= quantized
     out: dict[str, torch.Tensor] = {}
     clones: dict[tuple[object, ...], torch.Tensor] = {}  # tied tensors outside any group stay one tensor
@@ -98,7 +95,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _gather_groups(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every managed parameter's full value under each of its names (tied names share a tensor)."""
     out: dict[str, torch.Tensor] = {}
-    for prefix, st in checkpoint_states(model, "state dict"):
+    for prefix, st in states_under(model):
         g, W = st.buffers, st.buffers.world_size
         if g.layout is None:
             continue
@@ -110,6 +107,9 @@ def _gather_groups(model: nn.Module) -> dict[str, torch.Tensor]:
             id(sp): sp.full_of_stored(full[sp.gathered_offset : sp.gathered_offset + sp.stored_numel])
             for sp in g.params
         }
+        for sp in g.params:  # a TP parameter: its TP-local tensors gathered across tp too (every rank, in order)
+            if sp.tp is not None:
+                values[id(sp)] = sp.tp.full(values[id(sp)])
         for name, sp in _names(st.module, g.params):  # a wrapper above st.module: its prefix dropped too
             out[join_name(prefix, name)] = values[id(sp)]
     return out
@@ -143,21 +143,13 @@ def _state_dict_post_hook(
         quantized_entries(module, fq, state_dict, prefix)
     if st is None or st.buffers.layout is None:
         return
-    refuse_tp_checkpoint([sp for b in st.param_buffers for sp in b.params], "model.state_dict()")
     made: dict[int, PieceTensor] = {}
     for name, sp in _names(module, st.buffers.params):
         key = prefix + name
         if key in state_dict:
             if id(sp) not in made:
-                pg = st.buffers.process_group
-                made[id(sp)] = PieceTensor(
-                    sp.to_boxed(sp.sharded.detach()),
-                    sp.local_start,
-                    sp.shape,
-                    name=key,
-                    process_group=pg,
-                    boxes=sp.piece_boxes(),  # a master in packed tile order: its tiles' boxes
-                )
+                # a master in packed tile order: its tiles' boxes; a TP piece: its place in the global tensor
+                made[id(sp)] = param_entry(sp, sp.sharded.detach(), key, st.buffers.process_group)
             state_dict[key] = made[id(sp)]
 
 
@@ -171,7 +163,6 @@ def _load_state_dict_pre_hook(
     fq = frozen_buffers(st) if st is not None else None
     if st is None or (st.buffers.layout is None and fq is None):
         return
-    refuse_tp_checkpoint([sp for b in st.param_buffers for sp in b.params], "model.load_state_dict()")
     assign = bool(local_metadata.get("assign_to_params_buffers"))
     if assign and fq is not None:
         raise ShardingError(
@@ -213,21 +204,23 @@ def _local_piece(name: str, sp: ShardedParam, value: object) -> object:
     lo, hi = sp.local_start, sp.local_start + sp.local_numel
     if not isinstance(value, torch.Tensor):
         return value  # nn.Module reports the type
-    if tuple(value.shape) != sp.shape:
+    if tuple(value.shape) != sp.entry_shape:
         local = (
             " (this rank's local piece, not the whole tensor)" if tuple(value.shape) == tuple(sp.sharded.shape) else ""
         )
         raise ShardingError(
             f"parameter {name!r}: the state dict holds shape {tuple(value.shape)}{local}, the model's parameter "
-            f"has shape {sp.shape}. Fix: load a state dict of this model: model.state_dict() entries through "
+            f"has shape {sp.entry_shape}. Fix: load a state dict of this model: model.state_dict() entries through "
             "torch.distributed.checkpoint, or full tensors (blockshard.full_state_dict, an unsharded model's)"
         )
-    if isinstance(value, PieceTensor) and sp.order is not None:  # a master in packed tile order
-        if [(b.offsets, b.sizes) for b in value.boxes] != [tuple(x) for x in sp.piece_boxes() or ()]:
+    # a master in packed tile order; a TP piece ([Note: tensor-parallel parameters])
+    if isinstance(value, PieceTensor) and (sp.order is not None or sp.tp is not None):
+        if [(b.offsets, b.sizes) for b in value.boxes] != [tuple(x) for x in sp.entry_boxes() or ()]:
             raise ShardingError(
-                f"parameter {name!r}: the state dict holds other boxes of it than this rank's tiles (another world "
-                "size, semantics or tile_placement). Fix: load it through torch.distributed.checkpoint (dcp.save, "
-                "then dcp.load(model.state_dict(), ...)), which moves pieces between ranks, or pass full tensors"
+                f"parameter {name!r}: the state dict holds other boxes of it than this rank's tiles or TP piece "
+                "(another world size, semantics, tile_placement or TP plan). Fix: load it through "
+                "torch.distributed.checkpoint (dcp.save, then dcp.load(model.state_dict(), ...)), which moves "
+                "pieces between ranks, or pass full tensors"
             )
         return sp.from_boxed(value.to_local())
     if isinstance(value, PieceTensor):
@@ -244,7 +237,7 @@ def _local_piece(name: str, sp: ShardedParam, value: object) -> object:
 
 def _entries(model: nn.Module, state: Mapping[str, _V]) -> Iterator[tuple[str, ShardedParam, _V]]:
     """``(name, sharded param, saved entry)`` for every parameter of every group under ``model``."""
-    for prefix, st in checkpoint_states(model, "state dict"):
+    for prefix, st in states_under(model):
         for sp in st.buffers.params:
             name = join_name(prefix, sp.fqn)
             if name not in state:
@@ -260,7 +253,7 @@ def _load_quantized(model: nn.Module, state: Mapping[str, Any], *, full: bool) -
             k: (v.tensor, v.start, tuple(v.global_shape), v.order) if isinstance(v, LocalShard) else v
             for k, v in state.items()
         }
-    for prefix, st in checkpoint_states(model, "state dict"):
+    for prefix, st in states_under(model):
         qg = frozen_buffers(st)
         if qg is None:
             continue
@@ -272,6 +265,7 @@ def _load_quantized(model: nn.Module, state: Mapping[str, Any], *, full: bool) -
 @torch.no_grad()
 def load_sharded_state_dict(model: nn.Module, state: Mapping[str, LocalShard]) -> None:
     """Copy local pieces saved by :func:`sharded_state_dict` back (same world size and layout)."""
+    checkpoint_states(model, "load_sharded_state_dict")  # LocalShards of TP parameters: refused
     for name, sp, shard in _entries(model, state):
         order = sp.order.name if sp.order is not None else "row-major"
         mine = (sp.local_start, sp.local_numel, sp.shape, order)
@@ -291,8 +285,8 @@ def load_full_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
     """Copy full tensors (by name, as :func:`full_state_dict` gives them) into the local pieces,
     at any world size; quantized weights from the unsharded model's entries."""
     for name, sp, full in _entries(model, state):
-        if tuple(full.shape) != sp.shape:
-            raise ShardingError(f"parameter {name!r}: saved shape {tuple(full.shape)} != model shape {sp.shape}")
+        if tuple(full.shape) != sp.entry_shape:
+            raise ShardingError(f"parameter {name!r}: saved shape {tuple(full.shape)} != model shape {sp.entry_shape}")
         sp.sharded.copy_(sp.piece_of_full(full))
     _load_quantized(model, state, full=True)
 

@@ -42,8 +42,8 @@ def agree_on_call(model: nn.Module, call: str) -> None:
 
 
 def checkpoint_states(model: nn.Module, where: str) -> list[tuple[str, ModuleState | BuffersView]]:
-    """:func:`states_under` for a checkpoint path: refused for groups with tensor-parallel parameters
-    ([Note: tensor-parallel parameters])."""
+    """:func:`states_under` for a checkpoint path that does not handle tensor-parallel groups yet
+    (records, exports): refused for them ([Note: tensor-parallel parameters])."""
     states = states_under(model)
     refuse_tp_checkpoint([sp for _, st in states for sp in st.buffers.params], where)
     return states

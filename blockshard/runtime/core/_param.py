@@ -174,8 +174,23 @@ class ShardedParam:
             return boxed.reshape(self.sharded.shape)
         return self.order.from_boxes(boxed.reshape(-1), *self.units())
 
+    @property
+    def entry_shape(self) -> tuple[int, ...]:
+        """The shape of its state-dict entries: the global one (a TP parameter's DTensor's shape)."""
+        return self.tp.shape if self.tp is not None else self.shape
+
+    def entry_boxes(self) -> Sequence[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+        """The boxes of the entry's global tensor this rank's piece fills (None: a row-major run from
+        ``local_start``): a stored order's, or a TP piece's, shifted to its TP-local tensor's place."""
+        if self.tp is None:
+            return self.piece_boxes()
+        assert self.order is None, self.fqn  # refused together at fully_shard (quantized_gather)
+        return self.tp.boxes(self.shape, self.local_start, self.local_numel)
+
     def piece_of_full(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of the whole parameter ``full`` (its shape), in the sharded shape."""
+        """This rank's piece of the whole parameter ``full`` (its entry shape), in the sharded shape."""
+        if self.tp is not None and tuple(full.shape) == self.tp.shape:
+            full = self.tp.local_of(full, self.shape)
         flat = full.reshape(-1)
         if self.order is None:
             return flat[self.local_start : self.local_start + self.local_numel].view(self.sharded.shape)

@@ -29,9 +29,17 @@ blockshard's engine takes the same call:
   bitwise what stock FSDP2 with the same TP plan computes. ``blockshard.clip_grad_norm_`` sums the
   norms of TP-sharded pieces over tp as well as dp (replicated ones over dp only).
 
-Not done (each refused by name, never silent): the DCP state dict of a group with TP parameters
-(its keys would carry TP-local shapes), a meta-device TP model, CPU offload and quantized gather
-of TP parameters, a mesh with more than one dim per parameter, ``Partial`` and strided placements.
+* **checkpoints**: a TP parameter's state-dict entries (``model.state_dict()``, element-wise
+  optimizer state of ``blockshard.optimizer_state_dict``, torch's ``get_state_dict`` routes) are
+  :class:`PieceTensor` s of its *global* shape whose piece is given as boxes of the global tensor
+  (its run of the TP-local tensor, shifted to where that sits: ``TPSpec.boxes``), spread over every
+  rank; DCP reshards them between any (dp, tp) layouts and to and from stock FSDP2 + TP.
+  ``full_state_dict`` gathers over dp, then tp.
+
+Not done (each refused by name, never silent): ``save_checkpoint`` (its record describes dp
+layouts), ``sharded_state_dict``, Hugging Face and peft exports of TP groups, a dp x tp mesh that
+is not the whole world in a state dict, a meta-device TP model, CPU offload and quantized gather of
+TP parameters, a mesh with more than one dim per parameter, ``Partial`` and strided placements.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from blockshard._arith import run_boxes
 from blockshard._errors import ShardingError
 from blockshard.planner._parallel import Placement, split_units
 from blockshard.semantics import TensorSpec
@@ -66,6 +75,7 @@ class TPSpec:
     placements: tuple[Any, ...]
     shape: tuple[int, ...]  # global
     stride: tuple[int, ...]
+    offsets: tuple[int, ...]  # where this rank's TP-local tensor starts in the global one
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -83,6 +93,20 @@ class TPSpec:
     def label(self) -> str:
         return f"{self.placements[0]!r} over a tp mesh of {self.mesh.size()}"
 
+    def boxes(
+        self, local_shape: tuple[int, ...], start: int, numel: int
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Elements ``[start, start + numel)`` of the TP-local tensor's row-major flattening as boxes of
+        the global tensor, in that order (each box row-major): a state-dict entry's boxes."""
+        return [
+            (tuple(o + at for o, at in zip(offsets, self.offsets, strict=True)), sizes)
+            for offsets, sizes in run_boxes(local_shape, start, start + numel)
+        ]
+
+    def local_of(self, full: torch.Tensor, local_shape: tuple[int, ...]) -> torch.Tensor:
+        """This rank's TP-local part of a whole tensor of the global shape."""
+        return full[tuple(slice(o, o + n) for o, n in zip(self.offsets, local_shape, strict=True))]
+
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """A DTensor over ``local`` (no copy), outside autograd: a leaf, as the original parameter was."""
         from torch.distributed.tensor import DTensor
@@ -91,6 +115,12 @@ class TPSpec:
             return DTensor.from_local(
                 local, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape), stride=self.stride
             )
+
+    def full(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole global tensor from every tp rank's ``local`` (collective over tp)."""
+        from torch.distributed.tensor import DTensor
+
+        return cast(DTensor, self.wrap(local)).full_tensor()
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The local tensor of a DTensor gradient, redistributed to the parameter's placements first."""
@@ -146,7 +176,11 @@ def tp_spec_of(name: str, p: nn.Parameter, dp_group: dist.ProcessGroup) -> TPSpe
             "after fully_shard is not supported by blockshard's engine yet. Fix: build and parallelize the "
             "model on a real device before fully_shard"
         )
-    return TPSpec(mesh, placements, tuple(p.shape), tuple(p.stride()))
+    offsets = [0] * p.ndim
+    if isinstance(placements[0], Shard):  # torch.chunk's split, as DTensor's Shard: ceil-sized chunks
+        dim, n = placements[0].dim, mesh.size()
+        offsets[dim] = min(mesh.get_local_rank() * -(-p.shape[dim] // n), p.shape[dim])
+    return TPSpec(mesh, placements, tuple(p.shape), tuple(p.stride()), tuple(offsets))
 
 
 def _ranks(group: dist.ProcessGroup) -> list[int]:
@@ -193,13 +227,14 @@ def check_tp_units(
 
 
 def refuse_tp_checkpoint(params: Sequence[Any], where: str) -> None:
-    """Refuse a DCP state dict (or export) of a group with TP parameters: its entries would carry
-    TP-local shapes under global keys ([Note: tensor-parallel parameters])."""
+    """Refuse a checkpoint path that does not handle TP parameters yet: what records dp layouts or
+    writes TP-local pieces by themselves ([Note: tensor-parallel parameters])."""
     tp = [sp.fqn for sp in params if getattr(sp, "tp", None) is not None]
     if tp:
         raise ShardingError(
             f"{where}: parameter(s) {tp[:3]}{' ...' if len(tp) > 3 else ''} are tensor-parallel DTensors, and "
-            "blockshard's state dicts of TP-parallel groups are not supported yet (their entries would carry "
-            "TP-local shapes under global keys). Fix: checkpoint this model with torch.distributed.fsdp.fully_shard, "
-            "or without tensor parallelism"
+            f"{where} does not handle tensor-parallel groups yet (its records and files describe data-parallel "
+            "pieces only). Fix: save and load with torch.distributed.checkpoint: dcp.save({'model': "
+            "model.state_dict(), 'optimizer': blockshard.optimizer_state_dict(model, optimizer)}) (or torch's "
+            "get_state_dict), which reshards across (dp, tp) layouts; blockshard.full_state_dict(model) for whole tensors"
         )

@@ -44,7 +44,7 @@ from torch import nn
 
 from blockshard.runtime.checkpoint._quantized_state import full_entries_of
 from blockshard.runtime.checkpoint._state_dict import gather_pieces
-from blockshard.runtime.core._inspect import checkpoint_states, states_under
+from blockshard.runtime.core._inspect import states_under
 from blockshard.runtime.routes._route import Route, signature_problem
 from blockshard.runtime.routes._torch_optim_state import torch_load_optimizer_state_dict, torch_optimizer_state_dict
 
@@ -102,9 +102,7 @@ def _install() -> Callable[[], None]:
         if not states_under(model) or not info.full_state_dict:
             return get_model(model, info)
         state = get_model(model, dataclasses.replace(info, full_state_dict=False, cpu_offload=False))
-        state = full_entries_of(
-            model, gather_pieces(state, keep=_keeps(info)), checkpoint_states(model, "full state dict")
-        )  # quantized
+        state = full_entries_of(model, gather_pieces(state, keep=_keeps(info)), states_under(model))  # quantized
         full: dict[str, Any] = dsd._maybe_full_or_cpu_state_dict(state, info)
         return full
 

@@ -16,11 +16,11 @@ from torch import nn
 from blockshard._errors import CheckpointError
 from blockshard.runtime.checkpoint._optim_codecs import _pg
 from blockshard.runtime.checkpoint._optim_state import _by_param, load_optimizer_state_dict, optimizer_state_dict
-from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
+from blockshard.runtime.checkpoint._piece_tensor import PieceTensor, entry_group
 from blockshard.runtime.checkpoint._state_dict import gather_pieces
 from blockshard.runtime.core._collectives import agree_call
-from blockshard.runtime.core._inspect import checkpoint_states
 from blockshard.runtime.core._inspect import state_name as _name
+from blockshard.runtime.core._inspect import states_under
 from blockshard.runtime.core._param import ShardedParam
 
 __all__ = ["torch_load_optimizer_state_dict", "torch_optimizer_state_dict"]
@@ -86,7 +86,7 @@ def _with_every_rank_state(model: nn.Module, osd: dict[str, Any]) -> dict[str, A
 def _process_group(model: nn.Module) -> Any:
     import torch.distributed as dist
 
-    states = checkpoint_states(model, "torch's optimizer state dict")
+    states = states_under(model)
     return states[0][1].buffers.process_group if states and dist.is_initialized() else None
 
 
@@ -102,7 +102,7 @@ def _empty_pieces(spec: Any, name: str, sp: ShardedParam | None) -> Any:
     if isinstance(spec, _PieceSpec):
         assert sp is not None, f"{name}: a piece of a parameter outside any group"
         empty = torch.empty(0, dtype=spec.dtype, device=sp.sharded.device)
-        return PieceTensor(empty, 0, spec.shape, name=name, process_group=_pg(sp))
+        return PieceTensor(empty, 0, spec.shape, name=name, process_group=entry_group(sp, _pg(sp)))
     if isinstance(spec, Mapping):
         return {k: _empty_pieces(v, name, sp) for k, v in spec.items()}
     return spec
@@ -185,7 +185,7 @@ def _from_rank0(
     names = [g["params"] for g in local["param_groups"]]
     flat, mapping = _flatten_state_dict(local)
     full = _flatten_state_dict(state_dict)[0] if dist.get_rank() == 0 else {}
-    device = checkpoint_states(model, "torch's optimizer state dict")[0][1].buffers.local.device
+    device = states_under(model)[0][1].buffers.local.device
     _broadcast_state_dict(full, flat, device=device)
     out = _unflatten_state_dict(flat, mapping)
     out.setdefault("state", {})  # a rank that holds no state (only empty pieces) flattened none
