@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 import torch
 
 from blockshard._arith import run_boxes
-from blockshard._errors import PieceTensorError
+from blockshard._errors import PieceTensorError, ShardingError
 from blockshard.runtime.core._collectives import agree, all_gather_into
 
 if TYPE_CHECKING:
@@ -370,8 +370,6 @@ def entry_group(sp: Any, process_group: Any) -> Any:
     if sp.tp is None:
         return process_group
     import torch.distributed as dist
-
-    from blockshard._errors import ShardingError
 
     dp, tp, world = dist.get_world_size(process_group), sp.tp.mesh.size(), dist.get_world_size()
     if dp * tp != world:
