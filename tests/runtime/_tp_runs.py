@@ -165,18 +165,23 @@ def _full(model: nn.Module, engine: str) -> dict[str, torch.Tensor]:
 MAX_NORM = 0.5  # below every step's norm (about 1.3): every step clips
 
 
+def _stock_norm(model: nn.Module) -> float:
+    """The global norm of the whole gradients (torch's clip_grad_norm_ cannot stack the norms of stock
+    FSDP2's DTensors on the 2-D and the 1-D mesh together)."""
+    return float(torch.stack([p.grad.full_tensor().norm() for p in model.parameters()]).norm())
+
+
 def _stock_clip(model: nn.Module) -> float:
-    """Clip by the global norm of the whole gradients (torch's clip_grad_norm_ cannot stack the
-    norms of stock FSDP2's DTensors on the 2-D and the 1-D mesh together), scaled as torch scales."""
-    total = torch.stack([p.grad.full_tensor().norm() for p in model.parameters()]).norm()
+    """Clip by :func:`_stock_norm`, scaled as torch scales."""
+    total = torch.tensor(_stock_norm(model))
     coef = torch.clamp(MAX_NORM / (total + 1e-6), max=1.0).item()
     for p in model.parameters():
         p.grad.mul_(coef)
     return float(total)
 
 
-def _blockshard_clip(model: nn.Module) -> float:
-    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+def _blockshard_clip(model: nn.Module, max_norm: float = MAX_NORM) -> float:
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
 
 
 def _dp_only_norm(model: nn.Module) -> float:
@@ -433,3 +438,37 @@ def _from_stock(path: str) -> dict[str, Any]:
         "uninterrupted": uninterrupted,
         "resumed": blockshard.full_state_dict(model),
     }
+
+
+# -- 3-D: HSDP x TP -------------------------------------------------------------------------------
+def hsdp_tp(rank: int, _world: int) -> dict[str, Any]:
+    """8 ranks as (replicate 2, shard 2, tp 2): TP on ``mesh["tp"]``, then stock FSDP2's or
+    blockshard's HSDP over ``mesh["replicate", "shard"]``; each of the 4 dp ranks a quarter of each
+    batch; AdamW; the global gradient norm (blockshard's clip_grad_norm_, sums over shard and tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as stock_fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import blockshard
+
+    out: dict[str, Any] = {}
+    for engine in ("stock", "blockshard"):
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        model = make_model()
+        for b in model.blocks:
+            parallelize_module(b, mesh["tp"], _plan(False))
+        shard: Any = stock_fully_shard if engine == "stock" else blockshard.fully_shard
+        for b in model.blocks:
+            shard(b, mesh=mesh["replicate", "shard"])
+        shard(model, mesh=mesh["replicate", "shard"])
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+        dp_rank = mesh["replicate"].get_local_rank() * 2 + mesh["shard"].get_local_rank()
+        norms = []
+        for x, y in batches():
+            x, y = x.chunk(4)[dp_rank], y.chunk(4)[dp_rank]
+            ((model(x) - y) ** 2).mean().backward()
+            norms.append(_stock_norm(model) if engine == "stock" else _blockshard_clip(model, 1e9))
+            opt.step()
+            opt.zero_grad()
+        out[engine] = {"params": _full(model, engine), "norms": norms}
+    return out

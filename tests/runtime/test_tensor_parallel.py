@@ -22,7 +22,7 @@ torch's Muon over a TP-split piece, and ``save_checkpoint`` of a TP group raise 
 
 Checkpoints: DCP entries of TP parameters are their global tensors (each rank's piece as boxes of
 it), so a (dp 2, tp 2) save loads at (4, 1) and (1, 4) bitwise, and a stock FSDP2 + TP save loads
-into blockshard + TP."""
+into blockshard + TP. 3-D: 8 ranks as (replicate 2, shard 2, tp 2), HSDP x TP bitwise as stock."""
 
 from __future__ import annotations
 
@@ -177,3 +177,22 @@ def test_a_stock_fsdp2_tp_checkpoint_loads_into_blockshard_tp_bitwise():
         got = res["from_stock"]
         assert _equal(got["saved"], got["loaded"]) == [], rank
         assert _equal(got["uninterrupted"], got["resumed"]) == [], rank
+
+
+@functools.cache
+def _hsdp_tp() -> list[dict]:
+    return spawn_gloo(_tp_runs.hsdp_tp, 8, timeout=400)
+
+
+def test_3d_hsdp_x_tp_equals_stock_fsdp2_bitwise_and_one_process():
+    """8 ranks as (replicate 2, shard 2, tp 2): blockshard's HSDP over the first two axes of a TP model
+    trains as stock FSDP2's HSDP with the same TP plan, bitwise (AdamW, a quarter of each batch per dp
+    rank); its global gradient norm matches stock's full-tensor norm; one process within tolerance."""
+    want = _runs()[0]["plain"]
+    for rank, res in enumerate(_hsdp_tp()):
+        assert _equal(res["stock"]["params"], res["blockshard"]["params"]) == [], rank
+        torch.testing.assert_close(
+            torch.tensor(res["blockshard"]["norms"]), torch.tensor(res["stock"]["norms"]), rtol=NORM_RTOL, atol=0
+        )
+        for n, v in want.items():
+            torch.testing.assert_close(res["blockshard"]["params"][n], v, rtol=0, atol=ONE_PROCESS_ATOL)

@@ -38,6 +38,7 @@ import torch
 from blockshard._arith import run_boxes
 from blockshard._errors import PieceTensorError, ShardingError
 from blockshard.runtime.core._collectives import agree, all_gather_into
+from blockshard.runtime.core._param import managed_tag
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -371,12 +372,16 @@ def entry_group(sp: Any, process_group: Any) -> Any:
         return process_group
     import torch.distributed as dist
 
+    tag = managed_tag(sp.sharded)
+    buffers = tag.group() if tag is not None and callable(tag.group) else None
+    replicas = getattr(getattr(buffers, "grads", None), "replicate_group", None)  # HSDP: replicas hold the same pieces
     dp, tp, world = dist.get_world_size(process_group), sp.tp.mesh.size(), dist.get_world_size()
-    if dp * tp != world:
+    rep = dist.get_world_size(replicas) if replicas is not None else 1
+    if rep * dp * tp != world:
         raise ShardingError(
-            f"parameter {sp.fqn!r} is tensor-parallel over {tp} ranks and sharded over {dp}, but the world has "
-            f"{world} ranks: blockshard's state-dict entries of TP parameters are spread over every rank, so "
-            "the dp x tp mesh must span the world. Fix: checkpoint a model whose (dp, tp) mesh is the whole world"
+            f"parameter {sp.fqn!r} is tensor-parallel over {tp} ranks and sharded over {rep} x {dp}, but the world "
+            f"has {world} ranks: blockshard's state-dict entries of TP parameters are spread over every rank, so "
+            "the (dp, tp) mesh must span the world. Fix: checkpoint a model whose mesh is the whole world"
         )
     return None
 
