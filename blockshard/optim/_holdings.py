@@ -59,7 +59,7 @@ def ragged_holdings(groups: NamedGroups, mtypes: Mapping[int, str] | None = None
                     "fully_shard, outside forward/backward, over model.named_parameters()"
                 )
             _check_name(name, sp, group.name)
-            tp = sp.tp if sp.tp is not None and sp.tp.shard_dim is not None and sp.tp.mesh.size() > 1 else None
+            tp = sp.tp if sp.tp is not None and sp.tp.cuts_matrices(len(sp.shape)) else None
             plan = tensor_owner_plan(group, sp.fqn, name)
             grid = plan.compute if plan is not None else group.layout.tensors[sp.index].grid
             mn = math.prod(sp.shape[-2:]) if len(sp.shape) >= 3 else 0

@@ -228,18 +228,31 @@ def run(
 LR, MUON_LR = 1e-2, 2e-2
 
 
-def _muon_step_whole(named: list[tuple[str, Any]], shadows: dict[str, nn.Parameter], muon: Any) -> None:
+def _shadows(named: list[tuple[str, Any]]) -> dict[str, list[nn.Parameter]]:
+    """The reference's plain copies of Muon's matrices: one per 2-D weight, one per expert of a
+    stacked ``(E, m, n)`` tensor (torch's Muon takes matrices)."""
+    out = {}
+    for n, p in named:
+        whole = p.full_tensor().detach()
+        out[n] = [nn.Parameter(m.clone()) for m in (whole if whole.ndim == 3 else [whole])]
+    return out
+
+
+def _muon_step_whole(named: list[tuple[str, Any]], shadows: dict[str, list[nn.Parameter]], muon: Any) -> None:
     """The reference's Muon step on stock FSDP2's DTensors: torch's Muon on each whole matrix (values
-    and gradient gathered across dp and tp), its new value put back in the parameter's placements."""
+    and gradient gathered across dp and tp / ep), its new value put back in the parameter's placements."""
     from torch.distributed.tensor import DTensor, Replicate
 
     for n, p in named:
-        shadows[n].data.copy_(p.full_tensor())
-        shadows[n].grad = p.grad.full_tensor()
+        values, grads = p.full_tensor(), p.grad.full_tensor()
+        for k, sh in enumerate(shadows[n]):
+            sh.data.copy_(values[k] if values.ndim == 3 else values)
+            sh.grad = grads[k] if grads.ndim == 3 else grads
     muon.step()
     with torch.no_grad():
         for n, p in named:
-            whole = DTensor.from_local(shadows[n].detach(), p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+            new = torch.stack([sh.detach() for sh in shadows[n]]) if p.ndim == 3 else shadows[n][0].detach()
+            whole = DTensor.from_local(new, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
             p.to_local().copy_(whole.redistribute(placements=p.placements).to_local())
 
 
@@ -264,12 +277,12 @@ def run_muon(rank: int, _world: int, engine: str) -> dict[str, Any]:
     muon_group, rest = muon_param_groups(model)
     adamw = torch.optim.AdamW(rest["params"], lr=LR, weight_decay=0.1)
     named = list(zip(muon_group["param_names"], muon_group["params"], strict=True))
-    shadows: dict[str, nn.Parameter] = {}
+    shadows: dict[str, list[nn.Parameter]] = {}
     if engine in ("blockshard", "owner"):
         muon: Any = blockshard.optim.Muon([muon_group], lr=MUON_LR)
     elif engine == "stock":
-        shadows = {n: nn.Parameter(p.full_tensor().detach().clone()) for n, p in named}
-        muon = torch.optim.Muon(list(shadows.values()), lr=MUON_LR)
+        shadows = _shadows(named)
+        muon = torch.optim.Muon([sh for v in shadows.values() for sh in v], lr=MUON_LR)
     else:
         muon = torch.optim.Muon(muon_group["params"], lr=MUON_LR)
     if engine == "per_shard":
@@ -337,6 +350,9 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     out["refusals"] = refusals(rank, world)
     for engine in ("stock", "blockshard", "owner", "per_shard"):
         out[f"muon_{engine}"] = run_muon(rank, world, engine)
+    for engine in ("stock", "blockshard"):
+        for optimizer in ("adamw", "muon"):
+            out[f"ep_{engine}_{optimizer}"] = run_ep(rank, world, engine, optimizer)
     return out
 
 
@@ -471,4 +487,127 @@ def hsdp_tp(rank: int, _world: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
         out[engine] = {"params": _full(model, engine), "norms": norms}
+    return out
+
+
+# -- expert parallelism ---------------------------------------------------------------------------
+EXPERTS, D_MODEL, D_EXPERT = 4, 16, 8
+
+
+class MixtralExperts(nn.Module):
+    """Stacked expert weights ``(E, m, n)`` (the class name marks them: [Note: stacked experts])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.randn(EXPERTS, D_EXPERT, D_MODEL) * 0.2)
+        self.w_out = nn.Parameter(torch.randn(EXPERTS, D_MODEL, D_EXPERT) * 0.2)
+
+
+class MoE(nn.Module):
+    """A dense mixture (every token to every expert, weighted by the router's softmax). Under expert
+    parallelism the experts are DTensors ``Shard(0)`` on the ep mesh and the layer runs in DTensor
+    ops: each ep rank computes its experts, the weighted sum over experts is ``Partial`` over ep and
+    made whole, and the input's and gates' gradients are summed over ep by DTensor's autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(D_MODEL, EXPERTS)
+        self.experts = MixtralExperts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        gates: Any = torch.softmax(self.router(x), dim=-1)
+        w_in, w_out = self.experts.w_in, self.experts.w_out
+        h: Any = x
+        if isinstance(w_in, DTensor):
+            h = DTensor.from_local(x, w_in.device_mesh, [Replicate()])
+            gates = DTensor.from_local(gates, w_in.device_mesh, [Replicate()])
+        hidden = torch.relu(torch.einsum("bd,ehd->beh", h, w_in))
+        out: Any = torch.einsum("bed,be->bd", torch.einsum("beh,edh->bed", hidden, w_out), gates)
+        return out.redistribute(placements=[Replicate()]).to_local() if isinstance(out, DTensor) else out
+
+
+class MoENet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, D_MODEL)
+        self.moe = MoE()
+        self.head = nn.Linear(D_MODEL, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.head(h + self.moe(h))
+
+
+def make_moe() -> MoENet:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return MoENet()
+
+
+def run_ep(rank: int, _world: int, engine: str, optimizer: str) -> dict[str, Any]:
+    """(dp 2, ep 2): the stacked experts ``Shard(0)`` over ep (``distribute_tensor``), then stock FSDP2
+    or blockshard (``semantics="muon"``: per-expert grids) over dp; 3 steps of each dp rank's half of
+    the batch. ``optimizer``: "adamw", or "muon" (Muon on the matrices and, per expert, the stacked
+    experts; AdamW on the rest: ``blockshard.optim.Muon``, or for stock torch's Muon on each whole
+    matrix gathered); "single" engine: one process (blockshard.optim.Muon steps unsharded experts
+    per expert)."""
+    import blockshard
+    from blockshard.optim import muon_param_groups
+
+    model: nn.Module = make_moe()
+    dp_rank = None
+    if engine != "single":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as stock_fully_shard
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        experts = model.moe.experts
+        for name in ("w_in", "w_out"):
+            whole = getattr(experts, name).detach()
+            setattr(experts, name, nn.Parameter(distribute_tensor(whole, mesh["ep"], [Shard(0)])))
+        kw: dict[str, Any] = {"mesh": mesh["dp"]}
+        shard: Any = stock_fully_shard if engine == "stock" else blockshard.fully_shard
+        if engine != "stock":
+            kw["semantics"] = "muon"
+        shard(model.moe, **kw)
+        shard(model, **kw)
+        dp_rank = mesh["dp"].get_local_rank()
+    if optimizer == "adamw":
+        opts: list[Any] = [torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)]
+        named: list[tuple[str, Any]] = []
+    else:
+        muon_group, rest = muon_param_groups(model)
+        named = list(zip(muon_group["param_names"], muon_group["params"], strict=True))
+        if engine == "stock":
+            shadows = _shadows(named)
+            muon: Any = torch.optim.Muon([sh for v in shadows.values() for sh in v], lr=MUON_LR)
+        else:
+            muon = blockshard.optim.Muon([muon_group], lr=MUON_LR)
+        opts = [torch.optim.AdamW(rest["params"], lr=LR, weight_decay=0.1)]
+    for x, y in batches():
+        if dp_rank is not None:
+            x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        ((model(x[:, 0]) - y[:, 0]) ** 2).mean().backward()
+        if optimizer == "muon":
+            _muon_step_whole(named, shadows, muon) if engine == "stock" else muon.step()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        for _, p in named:
+            p.grad = None
+    if engine == "single":
+        return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"params": _full(model, engine), "muon_names": [n for n, _ in named]}
+
+
+def references(rank: int, world: int) -> dict[str, Any]:
+    """Every one-process reference, in one process: plain and clipped AdamW, Muon, and the MoE's
+    AdamW and per-expert Muon."""
+    out: dict[str, Any] = reference(rank, world)
+    out["muon"] = run_muon(rank, world, "single")["params"]
+    for optimizer in ("adamw", "muon"):
+        out[f"ep_{optimizer}"] = run_ep(rank, world, "single", optimizer)["params"]
     return out

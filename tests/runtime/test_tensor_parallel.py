@@ -22,7 +22,9 @@ torch's Muon over a TP-split piece, and ``save_checkpoint`` of a TP group raise 
 
 Checkpoints: DCP entries of TP parameters are their global tensors (each rank's piece as boxes of
 it), so a (dp 2, tp 2) save loads at (4, 1) and (1, 4) bitwise, and a stock FSDP2 + TP save loads
-into blockshard + TP. 3-D: 8 ranks as (replicate 2, shard 2, tp 2), HSDP x TP bitwise as stock."""
+into blockshard + TP. 3-D: 8 ranks as (replicate 2, shard 2, tp 2), HSDP x TP bitwise as stock.
+Expert parallelism: (dp 2, ep 2), stacked experts Shard(0) over ep, AdamW and per-expert Muon
+bitwise against stock FSDP2 with the same placement."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ NORM_RTOL = 1e-6
 
 @functools.cache
 def _runs() -> tuple[dict, list[dict]]:
-    return run_single(_tp_runs.reference, timeout=120), spawn_gloo(_tp_runs.cases, 4, timeout=400)
+    return run_single(_tp_runs.references, timeout=180), spawn_gloo(_tp_runs.cases, 4, timeout=400)
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -115,10 +117,9 @@ def test_muon_on_tp_split_matrices_equals_whole_matrix_muon_bitwise(engine):
 
 
 def test_muon_on_tp_split_matrices_matches_one_process():
-    single = run_single(_tp_runs.run_muon, args=("single",), timeout=120)
-    _, got = _runs()
+    want, got = _runs()
     for res in got:
-        for n, v in single["params"].items():
+        for n, v in want["muon"].items():
             torch.testing.assert_close(res["muon_blockshard"]["params"][n], v, rtol=0, atol=ONE_PROCESS_ATOL)
 
 
@@ -196,3 +197,20 @@ def test_3d_hsdp_x_tp_equals_stock_fsdp2_bitwise_and_one_process():
         )
         for n, v in want.items():
             torch.testing.assert_close(res["blockshard"]["params"][n], v, rtol=0, atol=ONE_PROCESS_ATOL)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_expert_parallel_experts_train_as_stock_fsdp2_with_ep_bitwise_and_as_one_process(optimizer):
+    """(dp 2, ep 2): stacked (E, m, n) experts Shard(0) over ep, blockshard over dp within. AdamW:
+    bitwise stock FSDP2 with the same EP placement; Muon (per expert, blockshard.optim.Muon from
+    muon_param_groups, which gives the stacked experts to Muon): bitwise torch's Muon on each
+    expert's whole matrix; both within ONE_PROCESS_ATOL of one process."""
+    single = _runs()[0][f"ep_{optimizer}"]
+    for rank, res in enumerate(_runs()[1]):
+        stock, ours = res[f"ep_stock_{optimizer}"]["params"], res[f"ep_blockshard_{optimizer}"]["params"]
+        assert _equal(stock, ours) == [], rank
+        for n, v in single.items():
+            torch.testing.assert_close(ours[n], v, rtol=0, atol=ONE_PROCESS_ATOL)
+    if optimizer == "muon":  # the experts went to Muon, on the dp rank that holds them
+        held = {n for res in _runs()[1] for n in res["ep_blockshard_muon"]["muon_names"]}
+        assert {"moe.experts.w_in", "moe.experts.w_out"} <= held

@@ -89,6 +89,13 @@ class TPSpec:
         p = self.placements[0]
         return p.dim if isinstance(p, Shard) else None
 
+    def cuts_matrices(self, ndim: int) -> bool:
+        """Whether the tp cut runs through the trailing ``(m, n)`` matrices of an ``ndim``-D tensor (a
+        cut of dim 0 of a stacked ``(E, m, n)`` expert tensor, expert parallelism, keeps every
+        expert's matrix whole)."""
+        dim = self.shard_dim
+        return dim is not None and self.mesh.size() > 1 and dim >= ndim - 2
+
     @property
     def label(self) -> str:
         return f"{self.placements[0]!r} over a tp mesh of {self.mesh.size()}"
