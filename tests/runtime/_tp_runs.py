@@ -235,12 +235,13 @@ def _shadows(named: list[tuple[str, Any]]) -> dict[str, list[nn.Parameter]]:
     for n, p in named:
         whole = p.full_tensor().detach()
         out[n] = [nn.Parameter(m.clone()) for m in (whole if whole.ndim == 3 else [whole])]
-    return out
+    return out  # (1-D tensors too: one copy each)
 
 
 def _muon_step_whole(named: list[tuple[str, Any]], shadows: dict[str, list[nn.Parameter]], muon: Any) -> None:
-    """The reference's Muon step on stock FSDP2's DTensors: torch's Muon on each whole matrix (values
-    and gradient gathered across dp and tp / ep), its new value put back in the parameter's placements."""
+    """The reference's step on stock FSDP2's DTensors: ``muon`` (torch's Muon, or another optimizer over
+    the copies) on each whole matrix (values and gradient gathered across dp and tp / ep), its new value
+    put back in the parameter's placements."""
     from torch.distributed.tensor import DTensor, Replicate
 
     for n, p in named:
@@ -353,6 +354,7 @@ def cases(rank: int, world: int) -> dict[str, Any]:
     for engine in ("stock", "blockshard"):
         for optimizer in ("adamw", "muon"):
             out[f"ep_{engine}_{optimizer}"] = run_ep(rank, world, engine, optimizer)
+        out[f"bnb_{engine}"] = run_bnb(rank, world, engine)
     return out
 
 
@@ -608,6 +610,71 @@ def references(rank: int, world: int) -> dict[str, Any]:
     AdamW and per-expert Muon."""
     out: dict[str, Any] = reference(rank, world)
     out["muon"] = run_muon(rank, world, "single")["params"]
+    out["bnb"] = run_bnb(rank, world, "single")["params"]
     for optimizer in ("adamw", "muon"):
         out[f"ep_{optimizer}"] = run_ep(rank, world, "single", optimizer)["params"]
     return out
+
+
+# -- 8-bit blocks across a tp cut -------------------------------------------------------------------
+class WideBlock(nn.Module):
+    """A block whose TP cuts fall between bitsandbytes' 256-element blocks and leave every shard
+    8-bit (>= 4096 elements): ``up`` (512, 16) column-wise, ``down`` (16, 512) row-wise (each shard's
+    rows 256 long), no biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 512, bias=False)
+        self.down = nn.Linear(512, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def make_wide() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(12, 16), WideBlock(), nn.Linear(16, 6))
+
+
+def run_bnb(rank: int, _world: int, engine: str) -> dict[str, Any]:
+    """bitsandbytes AdamW8bit, 3 steps, each dp rank half of each batch: "blockshard" (dp 2, tp 2,
+    ``semantics="bnb8bit"``), "stock" (stock FSDP2 with the same TP plan, AdamW8bit stepping a copy of
+    every whole tensor gathered: the reference), "single" (one process)."""
+    import bitsandbytes as bnb
+
+    import blockshard
+
+    model = make_wide()
+    dp_rank = None
+    if engine != "single":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as stock_fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model[1], mesh["tp"], _plan(False))
+        shard: Any = stock_fully_shard if engine == "stock" else blockshard.fully_shard
+        kw: dict[str, Any] = {"mesh": mesh["dp"]} | ({"semantics": "bnb8bit"} if engine != "stock" else {})
+        shard(model[1], **kw)
+        shard(model, **kw)
+        dp_rank = mesh["dp"].get_local_rank()
+    named = list(model.named_parameters())
+    shadows = _shadows(named) if engine == "stock" else {}
+    params = [sh for v in shadows.values() for sh in v] if engine == "stock" else list(model.parameters())
+    opt = bnb.optim.AdamW8bit(params, lr=LR, weight_decay=0.1)
+    for x, y in batches():
+        if dp_rank is not None:
+            x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        ((model(x) - y) ** 2).mean().backward()
+        if engine == "stock":
+            _muon_step_whole(named, shadows, opt)  # the same gather-step-scatter, with AdamW8bit
+        else:
+            opt.step()
+        opt.zero_grad()
+        for _, p in named:
+            p.grad = None
+    if engine == "single":
+        return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"params": _full(model, engine)}

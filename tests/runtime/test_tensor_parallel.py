@@ -214,3 +214,15 @@ def test_expert_parallel_experts_train_as_stock_fsdp2_with_ep_bitwise_and_as_one
     if optimizer == "muon":  # the experts went to Muon, on the dp rank that holds them
         held = {n for res in _runs()[1] for n in res["ep_blockshard_muon"]["muon_names"]}
         assert {"moe.experts.w_in", "moe.experts.w_out"} <= held
+
+
+def test_bnb_8bit_blocks_the_tp_cut_keeps_whole_train_as_whole_tensor_adamw8bit_bitwise():
+    """bitsandbytes AdamW8bit where the TP cuts fall between its 256-element blocks and every shard
+    stays 8-bit (semantics="bnb8bit"; the optimizer guard lets it through): bitwise AdamW8bit stepping
+    each whole tensor gathered from stock FSDP2 + TP, within ONE_PROCESS_ATOL of one process. (A cut
+    through a block is refused: test_what_tp_groups_cannot_do_is_refused_by_name.)"""
+    want, got = _runs()
+    for rank, res in enumerate(got):
+        assert _equal(res["bnb_stock"]["params"], res["bnb_blockshard"]["params"]) == [], rank
+        for n, v in want["bnb"].items():
+            torch.testing.assert_close(res["bnb_blockshard"]["params"][n], v, rtol=0, atol=ONE_PROCESS_ATOL)

@@ -69,6 +69,19 @@ def state_kind(optimizer: torch.optim.Optimizer, gindex: int, pindex: int, numel
     return None
 
 
+def blockwise_semantics(optimizer: torch.optim.Optimizer) -> str | None:
+    """The semantics of a blockwise 8-bit (4-bit) optimizer's state blocks (``"bnb8bit"``,
+    ``"ao8bit"``, ``"ao4bit"``), as ``blockshard.optim.semantics_for_optimizer`` names them; None
+    for any other optimizer."""
+    cls = type(optimizer)
+    mod, name = cls.__module__, cls.__name__
+    if mod.startswith("bitsandbytes.") and "8bit" in name:
+        return "bnb8bit"
+    if mod.startswith("torchao.") and name.endswith(("8bit", "4bit")):
+        return "ao8bit" if name.endswith("8bit") else "ao4bit"
+    return None
+
+
 @dataclass(frozen=True)
 class HeldPiece:
     """One sharded piece an optimizer holds: where (``gindex``, ``pindex``), its ShardedParam
@@ -89,7 +102,7 @@ class HeldPiece:
 
     @property
     def global_numel(self) -> int:
-        return math.prod(self.sp.shape)
+        return math.prod(self.sp.entry_shape)  # a TP parameter's whole tensor, across tp
 
     def kinds(self, optimizer: torch.optim.Optimizer) -> tuple[str | None, str | None]:
         """The state kind for this rank's piece and for the whole tensor on one process."""

@@ -55,6 +55,7 @@ from torch.utils.hooks import RemovableHandle
 from blockshard._errors import ShardingError
 from blockshard.runtime.core._common import ShardedState
 from blockshard.runtime.core._optim_checks import check_first_step, check_still_one, checks_on
+from blockshard.runtime.core._optim_facts import blockwise_semantics
 from blockshard.runtime.core._owners import compute_of
 from blockshard.runtime.core._param import managed_tag
 
@@ -219,13 +220,18 @@ def _check_stored_order(optimizer: torch.optim.Optimizer, p: torch.Tensor, group
 def _check_tp_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
     """A piece of a tensor-parallel parameter whose tp placement cuts it ([Note: tensor-parallel
     parameters]) reaches only element-wise optimizers (torch's SGD, Adam, AdamW, ...) and
-    ``blockshard.optim.Muon`` (Newton-Schulz on the matrix gathered across tp): any other computes on
-    (or keeps blockwise state of) the TP-local tensor alone, where one process computes on the whole."""
+    ``blockshard.optim.Muon`` (Newton-Schulz on the matrix gathered across tp), and blockwise 8-bit
+    optimizers whose blocks the tp cut keeps whole (the same blocks as one process's, the same
+    8-bit / fp32 choice): any other computes on (or keeps blockwise state of) the TP-local tensor
+    alone, where one process computes on the whole."""
     across = getattr(optimizer, "computes_across_tp", False)  # blockshard.optim.Muon's inner optimizer
     if group is None or _element_wise(optimizer) or across or not checks_on():
         return
+    blocks = blockwise_semantics(optimizer)  # 8-bit blocks the tp cut keeps whole: stepped as one process
     for sp in group.params:
         tp = sp.tp
+        if sp.sharded is p and tp is not None and blocks is not None and not tp.splits_units(sp.fqn, p.dtype, blocks):
+            continue
         if sp.sharded is p and tp is not None and tp.shard_dim is not None and tp.mesh.size() > 1:
             raise ShardingError(
                 f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r}, a "

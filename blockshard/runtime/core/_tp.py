@@ -14,8 +14,9 @@ blockshard's engine takes the same call:
   process would compute on units no rank holds whole. The one split it lets through is Muon's
   ``matrix``: the TP-local matrix is then the dp plan's unit, ``blockshard.optim.Muon`` runs
   Newton-Schulz on the matrix gathered across tp ([Note: Muon across tensor parallelism] in
-  optim/_muon.py), and the optimizer guard refuses any other optimizer but element-wise ones on
-  a TP-split piece (``_check_tp_cut`` in _optim_guard.py).
+  optim/_muon.py), and the optimizer guard refuses any other optimizer on a TP-split piece but
+  element-wise ones and blockwise 8-bit ones whose blocks the cut keeps whole (``_check_tp_cut`` in
+  _optim_guard.py).
 * **the unsharded parameter is a DTensor again**: the gathered view of the TP-local tensor wrapped
   with the original mesh, placements, global shape and stride (no copy), so the module's TP hooks
   and every DTensor op in forward and backward run exactly as under TP alone.
@@ -88,6 +89,18 @@ class TPSpec:
 
         p = self.placements[0]
         return p.dim if isinstance(p, Shard) else None
+
+    def splits_units(self, name: str, dtype: torch.dtype, semantics: str) -> bool:
+        """Whether the tp cut splits a unit of ``semantics`` stated on the global tensor (``split_units``
+        of [Note: TP and EP plans])."""
+        dim = self.shard_dim
+        if dim is None or self.mesh.size() == 1:
+            return False
+        local = list(self.shape)
+        local[dim] = -(-local[dim] // self.mesh.size())
+        spec = TensorSpec(name=name, shape=self.shape, dtype=dtype)
+        place = Placement(name, "dtensor", "tp", dim, self.mesh.size(), self.shape, tuple(local))
+        return bool(split_units([spec], [place], semantics))
 
     def cuts_matrices(self, ndim: int) -> bool:
         """Whether the tp cut runs through the trailing ``(m, n)`` matrices of an ``ndim``-D tensor (a
