@@ -355,6 +355,7 @@ def cases(rank: int, world: int) -> dict[str, Any]:
         for optimizer in ("adamw", "muon"):
             out[f"ep_{engine}_{optimizer}"] = run_ep(rank, world, engine, optimizer)
         out[f"bnb_{engine}"] = run_bnb(rank, world, engine)
+    out["meta_init"] = meta_init(rank, world)
     return out
 
 
@@ -678,3 +679,43 @@ def run_bnb(rank: int, _world: int, engine: str) -> dict[str, Any]:
     if engine == "single":
         return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
     return {"params": _full(model, engine)}
+
+
+# -- meta-device init -----------------------------------------------------------------------------
+def meta_init(rank: int, _world: int) -> dict[str, dict[str, torch.Tensor]]:
+    """torchtitan's flow: the model built on the meta device, TP applied, then (dp 2, tp 2) sharded,
+    ``to_empty`` and initialized (``blockshard.init_parameters``; stock FSDP2: ``reset_parameters`` on
+    its sharded DTensors), against the TP model without dp sharding initialized the same way."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as stock_fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import blockshard
+
+    out = {}
+    for engine in ("tp_only", "stock", "blockshard"):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            model = Net()
+        for b in model.blocks:
+            parallelize_module(b, mesh["tp"], _plan(False))
+        if engine != "tp_only":
+            shard: Any = stock_fully_shard if engine == "stock" else blockshard.fully_shard
+            for b in model.blocks:
+                shard(b, mesh=mesh["dp"])
+            shard(model, mesh=mesh["dp"])
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        if engine == "blockshard":
+            blockshard.init_parameters(model)
+            out[engine] = dict(blockshard.full_state_dict(model))
+            continue
+        with torch.no_grad():
+            for m in model.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+        out[engine] = {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()
+        }
+    return out

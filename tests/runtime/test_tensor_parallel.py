@@ -226,3 +226,14 @@ def test_bnb_8bit_blocks_the_tp_cut_keeps_whole_train_as_whole_tensor_adamw8bit_
         assert _equal(res["bnb_stock"]["params"], res["bnb_blockshard"]["params"]) == [], rank
         for n, v in want["bnb"].items():
             torch.testing.assert_close(res["bnb_blockshard"]["params"][n], v, rtol=0, atol=ONE_PROCESS_ATOL)
+
+
+def test_meta_device_tp_model_initializes_as_without_dp_sharding_bitwise():
+    """torchtitan's flow (meta device, TP, fully_shard over dp, to_empty, init): blockshard's
+    init_parameters gives every parameter bitwise the value the TP model gets without dp sharding.
+    Control: stock FSDP2's reset_parameters on its (dp, tp) DTensor shards draws other values (its
+    init depends on the dp sharding)."""
+    for rank, res in enumerate(_runs()[1]):
+        init = res["meta_init"]
+        assert _equal(init["tp_only"], init["blockshard"]) == [], rank
+        assert len(_equal(init["tp_only"], init["stock"])) > 0, rank

@@ -36,11 +36,15 @@ blockshard's engine takes the same call:
   (its run of the TP-local tensor, shifted to where that sits: ``TPSpec.boxes``), spread over every
   rank; DCP reshards them between any (dp, tp) layouts and to and from stock FSDP2 + TP.
   ``full_state_dict`` gathers over dp, then tp.
+* **meta-device models** (torchtitan's flow: build on meta, parallelize, ``fully_shard``,
+  ``to_empty``, then initialize): ``blockshard.init_parameters`` runs each module's
+  ``reset_parameters`` on the unsharded DTensors, so the values are the TP model's without dp
+  sharding, whatever the dp layout.
 
 Not done (each refused by name, never silent): ``save_checkpoint`` (its record describes dp
 layouts), ``sharded_state_dict``, Hugging Face and peft exports of TP groups, a dp x tp mesh that
-is not the whole world in a state dict, a meta-device TP model, CPU offload and quantized gather of
-TP parameters, a mesh with more than one dim per parameter, ``Partial`` and strided placements.
+is not the whole world in a state dict, CPU offload and quantized gather of TP parameters, a mesh
+with more than one dim per parameter, ``Partial`` and strided placements.
 """
 
 from __future__ import annotations
@@ -189,12 +193,6 @@ def tp_spec_of(name: str, p: nn.Parameter, dp_group: dist.ProcessGroup) -> TPSpe
         raise ShardingError(
             f"parameter {name!r} is a DTensor whose local tensor is a {type(local).__name__}; blockshard shards "
             "plain local tensors. Fix: convert it to a plain tensor before fully_shard"
-        )
-    if local.device.type == "meta":
-        raise ShardingError(
-            f"parameter {name!r} is a tensor-parallel DTensor on the meta device; initializing TP parameters "
-            "after fully_shard is not supported by blockshard's engine yet. Fix: build and parallelize the "
-            "model on a real device before fully_shard"
         )
     offsets = [0] * p.ndim
     if isinstance(placements[0], Shard):  # torch.chunk's split, as DTensor's Shard: ceil-sized chunks
