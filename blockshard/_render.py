@@ -275,6 +275,9 @@ def checkpoint_table(info: dict[str, Any]) -> Table:
     for t in info["tensors"]:
         where = placed.get(t["name"].removeprefix("model."))
         pieces = _pieces_text(where["pieces"]) if where else ""
+        if where and isinstance(where.get("tp"), dict):  # a TP tensor: its TP-local tensor's pieces over dp
+            tp = where["tp"]
+            pieces = f"{tp['placement']} over tp {tp['degree']}, each {tuple(where['shape'])} over dp: {pieces}"
         sem = where["semantics"] if where else ""
         table.add_row(t["name"], str(tuple(t["shape"])), t["dtype"], f"{t['bytes']:,}", str(t["chunks"]), sem, pieces)
     lines = [

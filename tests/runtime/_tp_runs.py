@@ -315,7 +315,7 @@ def run_muon(rank: int, _world: int, engine: str) -> dict[str, Any]:
 
 
 def refusals(_rank: int, _world: int) -> dict[str, str]:
-    """The messages of what a TP group refuses (``save_checkpoint`` before it writes anything)."""
+    """The messages of what a TP group refuses."""
     from blockshard.optim import muon_param_groups
     from blockshard.runtime import ShardingError
 
@@ -328,9 +328,9 @@ def refusals(_rank: int, _world: int) -> dict[str, str]:
 
     model, _ = _parallel("blockshard", semantics="muon")
     try:
-        blockshard.save_checkpoint(model, "never-written")  # its record describes dp layouts only
+        blockshard.sharded_state_dict(model)  # LocalShards say a run of the tensor, not its place across tp
     except ShardingError as e:
-        out["save_checkpoint"] = str(e)
+        out["sharded_state_dict"] = str(e)
     opt = torch.optim.Muon(muon_param_groups(model)[0]["params"], lr=MUON_LR)
     model(batches()[0][0]).sum().backward()
     try:
@@ -388,13 +388,14 @@ def _steps(model: nn.Module, opt: Any, which: range) -> None:
 
 
 def checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
-    """Save at (dp 2, tp 2) after 2 steps (model + AdamW, ``dcp.save``), then load at (2, 2), (4, 1)
-    and (1, 4) and take step 3; the uninterrupted run for comparison; a load without the optimizer
+    """Save at (dp 2, tp 2) after 2 steps (model + AdamW, ``save_checkpoint``), then load at (2, 2),
+    (4, 1) and (1, 4) (``dcp.load``; ``load_checkpoint`` for one) and take step 3; the uninterrupted run for comparison; a load without the optimizer
     state (the control). Then across engines: stock FSDP2 with the same TP plan saves through torch's
     ``get_state_dict``, blockshard loads with ``set_state_dict``."""
     import torch.distributed.checkpoint as dcp
 
     import blockshard
+    from blockshard.runtime import describe_checkpoint
 
     path = f"{directory}/blockshard"
 
@@ -405,13 +406,14 @@ def checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     _steps(model, opt, range(2))
     saved = blockshard.full_state_dict(model)
-    dcp.save(state(model, opt), checkpoint_id=path)
+    blockshard.save_checkpoint(model, path, opt)  # DCP's files and blockshard.json (the TP placements)
+    described = describe_checkpoint(path) if rank == 0 else None
     _steps(model, opt, range(2, 3))
-    out: dict[str, Any] = {"saved": saved, "uninterrupted": blockshard.full_state_dict(model)}
+    out: dict[str, Any] = {"saved": saved, "uninterrupted": blockshard.full_state_dict(model), "described": described}
     for dp, tp, with_optim in ((2, 2, True), (4, 1, True), (1, 4, True), (1, 4, False)):
         model = _layout(dp, tp)
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-        if (dp, tp) == (1, 4) and with_optim:  # blockshard's checked load of a plain dcp.save checkpoint
+        if (dp, tp) == (1, 4) and with_optim:  # blockshard's checked load
             blockshard.load_checkpoint(model, path, opt)
         else:
             st = state(model, opt) if with_optim else {"model": model.state_dict()}

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import tempfile
-from pathlib import Path
 
 import _tp_runs
 import pytest
@@ -138,9 +137,8 @@ def test_what_tp_groups_cannot_do_is_refused_by_name():
         muon = res["refusals"]["torch_muon"]
         assert ("up.weight" in muon or "down.weight" in muon) and "tensor-parallel" in muon
         assert "blockshard.optim.Muon" in muon
-        sd = res["refusals"]["save_checkpoint"]
+        sd = res["refusals"]["sharded_state_dict"]
         assert "up.weight" in sd and "tensor-parallel" in sd and "Fix:" in sd
-    assert not Path("never-written").exists()
 
 
 @functools.cache
@@ -161,6 +159,24 @@ def test_a_dp2_tp2_checkpoint_loads_at_another_dp_tp_layout_bitwise_and_resumes(
             assert _equal(res["uninterrupted"], res[layout]["resumed"]) == [], rank
         for n, v in res["uninterrupted"].items():
             torch.testing.assert_close(res[layout]["resumed"][n], v, rtol=0, atol=ONE_PROCESS_ATOL)
+
+
+def test_save_checkpoint_records_the_tp_placements_and_inspect_shows_them():
+    """blockshard.json of a (dp 2, tp 2) save_checkpoint: each TP tensor's placement, degree and global
+    shape beside its TP-local shape and pieces over dp; blockshard inspect's table says so."""
+    from rich.console import Console
+
+    from blockshard._render import checkpoint_table
+
+    info = _checkpoints()[0]["described"]
+    assert info["complete"], info["problems"]
+    tensors = {t["name"]: t for g in info["groups"] for t in g["tensors"]}
+    up = tensors["blocks.0.up.weight"]
+    assert up["tp"] == {"placement": "Shard(dim=0)", "degree": 2, "global_shape": [32, 16]} and up["shape"] == [16, 16]
+    assert tensors["blocks.0.down.weight"]["tp"]["placement"] == "Shard(dim=1)" and "tp" not in tensors["head.weight"]
+    console = Console(width=300, record=True)
+    console.print(checkpoint_table(info))
+    assert "Shard(dim=0) over tp 2, each (16, 16) over dp" in console.export_text()
 
 
 def test_control_a_tp_load_without_the_optimizer_state_differs():

@@ -35,7 +35,7 @@ from blockshard.runtime.checkpoint._files import (
 )
 from blockshard.runtime.checkpoint._integrity import content_id, verify_share
 from blockshard.runtime.checkpoint._optim_state import load_optimizer_state_dict, optimizer_state_dict
-from blockshard.runtime.core._inspect import agree_on_call, checkpoint_states
+from blockshard.runtime.core._inspect import agree_on_call
 
 __all__ = ["CheckpointError", "describe_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -107,8 +107,6 @@ def save_checkpoint(model: nn.Module, checkpoint_id: str | os.PathLike[str], opt
     ([Note: what a save may replace]); a save that raises removes what it wrote."""
     import torch.distributed.checkpoint as dcp
 
-    if isinstance(model, nn.Module):  # its record describes dp layouts only: TP groups refused before anything
-        checkpoint_states(model, "blockshard.save_checkpoint")
     path = _check_save_arguments(model, checkpoint_id, optimizer)
     agree_on_call(model, "blockshard.save_checkpoint")  # [Note: collective headers]
     optimizers = _optimizers(optimizer)

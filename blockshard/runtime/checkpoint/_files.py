@@ -38,7 +38,7 @@ from blockshard._errors import CheckpointError
 from blockshard._version import __version__
 from blockshard.runtime.checkpoint._integrity import file_sums, own_sums
 from blockshard.runtime.checkpoint._quantized_state import _module_names, _prefixes
-from blockshard.runtime.core._inspect import checkpoint_states, join_name
+from blockshard.runtime.core._inspect import join_name, states_under
 from blockshard.runtime.core._module import unswapped_class
 from blockshard.runtime.quantized._frozen import frozen_buffers
 
@@ -367,11 +367,12 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
     optimizers, versions. The same on every rank (layouts are checked equal)."""
 
     groups = []
-    for prefix, st in checkpoint_states(model, "checkpoint"):
+    for prefix, st in states_under(model):
         layout = st.buffers.layout
         if layout is None:
             continue
         pieces: dict[int, list[list[int]]] = {i: [] for i in range(len(layout.tensors))}
+        tp = {sp.fqn: sp.tp for sp in st.buffers.params if sp.tp is not None}
         for rank in range(layout.world_size):
             for p in layout.pieces(rank):
                 if p.numel:
@@ -389,6 +390,7 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
                 "tensors": [
                     {"name": join_name(prefix, t.name), "shape": list(t.shape), "semantics": t.semantics}
                     | {"pieces": pieces[i]}
+                    | _tp_record(tp.get(t.name))
                     for i, t in enumerate(layout.tensors)
                 ],
             }
@@ -396,11 +398,18 @@ def model_record(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> d
     return base_record("blockshard.save_checkpoint", optimizers) | {
         "groups": groups,
         "quantized_groups": [
-            _quantized_record(prefix, st)
-            for prefix, st in checkpoint_states(model, "checkpoint")
-            if frozen_buffers(st) is not None
+            _quantized_record(prefix, st) for prefix, st in states_under(model) if frozen_buffers(st) is not None
         ],
     }
+
+
+def _tp_record(spec: Any) -> dict[str, Any]:
+    """A tensor-parallel tensor's entry in the record ([Note: tensor-parallel parameters]): its
+    ``shape`` and ``pieces`` are then its TP-local tensor's over dp (alike on every tp rank of an even
+    split), ``tp`` says where that sits in the global tensor."""
+    if spec is None:
+        return {}
+    return {"tp": {"placement": repr(spec.placements[0]), "degree": spec.mesh.size(), "global_shape": list(spec.shape)}}
 
 
 def base_record(saved_by: str, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:

@@ -41,8 +41,11 @@ blockshard's engine takes the same call:
   ``reset_parameters`` on the unsharded DTensors, so the values are the TP model's without dp
   sharding, whatever the dp layout.
 
-Not done (each refused by name, never silent): ``save_checkpoint`` (its record describes dp
-layouts), ``sharded_state_dict``, Hugging Face and peft exports of TP groups, a dp x tp mesh that
+``save_checkpoint``'s record gives each TP tensor's placement, degree and global shape beside its
+TP-local layout over dp.
+
+Not done (each refused by name, never silent): ``sharded_state_dict``, Hugging Face and peft
+exports of TP groups, a dp x tp mesh that
 is not the whole world in a state dict, CPU offload and quantized gather of TP parameters, a mesh
 with more than one dim per parameter, ``Partial`` and strided placements.
 """
