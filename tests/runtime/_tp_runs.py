@@ -165,6 +165,13 @@ def _full(model: nn.Module, engine: str) -> dict[str, torch.Tensor]:
 MAX_NORM = 0.5  # below every step's norm (about 1.3): every step clips
 
 
+def _params(model: nn.Module, engine: str) -> dict[str, torch.Tensor]:
+    """:func:`_full` of a sharded model; a one-process ("single") model's own parameters."""
+    if engine == "single":
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return _full(model, engine)
+
+
 def _stock_norm(model: nn.Module) -> float:
     """The global norm of the whole gradients (torch's clip_grad_norm_ cannot stack the norms of stock
     FSDP2's DTensors on the 2-D and the 1-D mesh together)."""
@@ -603,9 +610,7 @@ def run_ep(rank: int, _world: int, engine: str, optimizer: str) -> dict[str, Any
             o.zero_grad()
         for _, p in named:
             p.grad = None
-    if engine == "single":
-        return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    return {"params": _full(model, engine), "muon_names": [n for n, _ in named]}
+    return {"params": _params(model, engine), "muon_names": [n for n, _ in named]}
 
 
 def references(rank: int, world: int) -> dict[str, Any]:
@@ -678,9 +683,7 @@ def run_bnb(rank: int, _world: int, engine: str) -> dict[str, Any]:
         opt.zero_grad()
         for _, p in named:
             p.grad = None
-    if engine == "single":
-        return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    return {"params": _full(model, engine)}
+    return {"params": _params(model, engine)}
 
 
 # -- meta-device init -----------------------------------------------------------------------------
