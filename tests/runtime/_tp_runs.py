@@ -222,13 +222,18 @@ def run(
     norms = _train(model, dp_rank, gas=gas, clip=norm)
     out: dict[str, Any] = {"params": _full(model, engine), "norms": norms, "dp_only_norms": dp_only}
     if engine == "blockshard":
-        model(
-            torch.randn(2, SEQ, 12)
-        )  # the unsharded parameters (between forward and backward: the root stays gathered)
-        out["unsharded"] = {
-            n: (type(p).__name__, str(p.placements) if isinstance(p, DTensor) else "", tuple(p.shape))
-            for n, p in model.blocks[0].named_parameters()
-        }
+        block = model.blocks[0]
+
+        def seen() -> dict[str, tuple[str, str, tuple[int, ...]]]:
+            return {
+                n: (type(p).__name__, repr(tuple(p.placements)) if isinstance(p, DTensor) else "", tuple(p.shape))
+                for n, p in block.named_parameters()
+            }
+
+        out["pieces"] = seen()  # between steps: plain pieces of the TP-local tensors
+        block.unshard()  # as in forward and backward: the DTensors over the gathered TP-local tensors
+        out["unsharded"] = seen()
+        block.reshard()
     return out
 
 

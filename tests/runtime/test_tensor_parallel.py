@@ -71,11 +71,17 @@ def test_tp_training_matches_one_process(variant):
 
 
 def test_the_unsharded_tp_parameters_are_dtensors_on_the_tp_mesh_and_the_pieces_plain():
+    """Unsharded (as in forward and backward), block 0's TP parameters are DTensors with their TP
+    placements and global shapes; between steps every parameter is a plain piece, and the two dp
+    ranks' pieces of up.weight make up its (16, 16) TP-local tensor."""
     _, got = _runs()
-    seen = got[0]["blockshard"]["unsharded"]  # block 0 after a forward: resharded, its pieces
-    assert {kind for kind, _, _ in seen.values()} == {"Parameter"}
-    # the TP-local tensors are sharded over dp: the two dp ranks' pieces of up.weight (16 x 16 local) add up
-    numel = [int(torch.tensor(r["blockshard"]["unsharded"]["up.weight"][2]).prod()) for r in (got[0], got[2])]
+    unsharded = got[0]["blockshard"]["unsharded"]
+    assert unsharded["up.weight"] == ("DTensor", "(Shard(dim=0),)", (32, 16))
+    assert unsharded["down.weight"] == ("DTensor", "(Shard(dim=1),)", (16, 32))
+    assert unsharded["down.bias"] == ("DTensor", "(Replicate(),)", (16,))
+    assert unsharded["norm.weight"] == ("Parameter", "", (16,))  # not in the TP plan: a plain tensor
+    assert {kind for kind, _, _ in got[0]["blockshard"]["pieces"].values()} == {"Parameter"}
+    numel = [int(torch.tensor(r["blockshard"]["pieces"]["up.weight"][2]).prod()) for r in (got[0], got[2])]
     assert sum(numel) == 16 * 16
 
 
