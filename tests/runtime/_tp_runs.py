@@ -352,8 +352,9 @@ def refusals(_rank: int, _world: int) -> dict[str, str]:
     return out
 
 
-def cases(rank: int, world: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def cases(rank: int, world: int, directory: str) -> dict[str, Any]:
+    """Every 4-rank run of the tests, in one spawn (``directory``: where the checkpoints go)."""
+    out: dict[str, Any] = {"checkpoints": checkpoints(rank, world, directory)}
     for engine in ("stock", "blockshard"):
         out[engine] = run(rank, world, engine)
         out[f"{engine}_gas2"] = run(rank, world, engine, gas=2)

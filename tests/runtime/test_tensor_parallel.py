@@ -44,7 +44,8 @@ NORM_RTOL = 1e-6
 
 @functools.cache
 def _runs() -> tuple[dict, list[dict]]:
-    return run_single(_tp_runs.references, timeout=180), spawn_gloo(_tp_runs.cases, 4, timeout=400)
+    with tempfile.TemporaryDirectory() as d:
+        return run_single(_tp_runs.references, timeout=180), spawn_gloo(_tp_runs.cases, 4, args=(d,), timeout=500)
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -147,10 +148,8 @@ def test_what_tp_groups_cannot_do_is_refused_by_name():
         assert "up.weight" in sd and "tensor-parallel" in sd and "Fix:" in sd
 
 
-@functools.cache
 def _checkpoints() -> list[dict]:
-    with tempfile.TemporaryDirectory() as d:
-        return spawn_gloo(_tp_runs.checkpoints, 4, args=(d,), timeout=400)
+    return [res["checkpoints"] for res in _runs()[1]]
 
 
 @pytest.mark.parametrize("layout", ["dp2_tp2", "dp4_tp1", "dp1_tp4"])
