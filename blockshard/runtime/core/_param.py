@@ -216,10 +216,11 @@ class ShardedParam:
 
 
 def check_plain(name: str, p: nn.Parameter) -> None:
-    """The engine shards plain tensors: a tensor subclass (TwoTensor, a DTensor of tensor
-    parallelism, a tensor with FSDP2's ``fsdp_pre_all_gather`` extension) would be flattened into
-    the local buffer and lose what it holds besides its values. The quantized ones blockshard knows
-    (bitsandbytes ``Params4bit``, torchao ``NF4Tensor``) were collected before and never get here."""
+    """The engine shards plain tensors: a tensor subclass (TwoTensor, a tensor with FSDP2's
+    ``fsdp_pre_all_gather`` extension) would be flattened into the local buffer and lose what it
+    holds besides its values. The quantized ones blockshard knows (bitsandbytes ``Params4bit``,
+    torchao ``NF4Tensor``) were collected before and never get here; a tensor-parallel DTensor
+    arrives as its local tensor ([Note: tensor-parallel parameters] in _tp.py)."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     extension = hasattr(p, "fsdp_pre_all_gather")  # FSDP2's own test of the extension (_fsdp_param.py)

@@ -66,13 +66,7 @@ from blockshard._errors import ShardingError
 from blockshard.planner._parallel import Placement, split_units
 from blockshard.semantics import TensorSpec
 
-__all__ = ["TPSpec", "check_tp_units", "is_dtensor", "refuse_tp_checkpoint", "tp_local", "tp_spec_of"]
-
-
-def is_dtensor(t: object) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+__all__ = ["TPSpec", "check_tp_units", "refuse_tp_checkpoint", "tp_local", "tp_spec_of"]
 
 
 @dataclass(frozen=True, eq=False)
