@@ -13,7 +13,7 @@ import torch.distributed as dist
 from blockshard.optim._owner_compute import Holding, NamedGroups, OwnerComputeError
 from blockshard.runtime.core._owners import tensor_owner_plan
 from blockshard.runtime.core._param import managed_tag
-from blockshard.semantics import TensorSpec
+from blockshard.semantics import TensorSpec, fused_parts
 from blockshard.semantics._experts import is_stacked_experts
 
 __all__ = ["process_group_of", "ragged_holdings"]
@@ -61,15 +61,28 @@ def ragged_holdings(groups: NamedGroups, mtypes: Mapping[int, str] | None = None
             _check_name(name, sp, group.name)
             tp = sp.tp if sp.tp is not None and sp.tp.cuts_matrices(len(sp.shape)) else None
             plan = tensor_owner_plan(group, sp.fqn, name)
-            grid = plan.compute if plan is not None else group.layout.tensors[sp.index].grid
+            placed = group.layout.tensors[sp.index]
+            grid = plan.compute if plan is not None else placed.grid
+            parts = fused_parts(placed.semantics)
             mn = math.prod(sp.shape[-2:]) if len(sp.shape) >= 3 else 0
             matrix_numel = mn if mn and grid.unit_numel == mn else 0  # stacked experts: one matrix each
             if plan is None or not plan.units:
-                placed = group.layout.tensors[sp.index]
                 S = group.layout.buckets[placed.bucket]
                 cuts = tuple(k * S - placed.offset for k in range(placed.offset // S + 1, -(-placed.end // S)))
                 holdings.append(
-                    Holding(name, p, tuple(sp.shape), gi, direct=True, matrix_numel=matrix_numel, cuts=cuts, tp=tp)
+                    Holding(
+                        name,
+                        p,
+                        tuple(sp.shape),
+                        gi,
+                        local_start=sp.local_start,
+                        local_numel=sp.local_numel,
+                        direct=True,
+                        matrix_numel=matrix_numel,
+                        cuts=cuts,
+                        tp=tp,
+                        parts=parts,
+                    )
                 )  # cuts: the same on every rank (from the layout)
                 continue
             holdings.append(
@@ -87,6 +100,7 @@ def ragged_holdings(groups: NamedGroups, mtypes: Mapping[int, str] | None = None
                     direct=True,
                     matrix_numel=matrix_numel,
                     tp=tp,
+                    parts=parts,
                 )
             )
     return holdings, process_group

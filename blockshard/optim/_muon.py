@@ -28,6 +28,7 @@ matrix's fp32 direction, ``(tp - 1) / tp`` of it received per tp rank, counted i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -78,10 +79,15 @@ class _MomentumOnShards(torch.optim.Optimizer):
                 if t not in dirs:
                     continue
                 q = outer._params[t]
-                shape = q.tp.shape if q.tp is not None else q.shape  # the global matrix's, across tp too
-                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(shape[-2:]))
                 p.mul_(1 - lr * wd)
-                p.add_(updates[t].view(p.shape), alpha=-adjusted)
+                if not q.parts:
+                    shape = q.tp.shape if q.tp is not None else q.shape  # the global matrix's, across tp too
+                    adjusted = _adjust_lr(lr, group["adjust_lr_fn"], torch.Size(shape[-2:]))
+                    p.add_(updates[t].view(p.shape), alpha=-adjusted)
+                    continue
+                flat, update = p.view(-1), updates[t]
+                for a, b, part in _part_runs(q, p.numel()):  # [Note: fused parts]: each part's own lr
+                    flat[a:b].add_(update[a:b], alpha=-_adjust_lr(lr, group["adjust_lr_fn"], torch.Size(part)))
 
 
 class Muon(OwnerComputeOptimizer):
@@ -139,6 +145,8 @@ class Muon(OwnerComputeOptimizer):
         self._process_group_arg, self._mtypes = process_group, mtypes
         self._build(groups)
 
+    _steps_parts = True  # NS and the lr per part of a fused weight ([Note: fused parts])
+
     def _unit_semantics(self) -> str | None:
         return "matrix"  # Newton-Schulz on whole matrices
 
@@ -157,20 +165,28 @@ class Muon(OwnerComputeOptimizer):
         ]
 
     def _ns(self, t: int, d: torch.Tensor) -> torch.Tensor:
+        """``NS`` of one (TP-local) matrix's direction ``d``: per part of a fused weight ([Note: fused
+        parts]), each on its global matrix across tp ([Note: Muon across tensor parallelism])."""
         q = self._params[t]
         g = self.inner.param_groups[q.group]
+        rows = q.parts or (d.shape[0],)
         if q.tp is None:
-            return _newton_schulz(d, g["ns_coefficients"], g["ns_steps"], g["eps"])
-        # [Note: Muon across tensor parallelism]: NS on the matrix gathered across tp, this rank's part kept
+            outs = [_newton_schulz(x, g["ns_coefficients"], g["ns_steps"], g["eps"]) for x in d.split(rows)]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        # NS on the matrix gathered across tp, this rank's part kept
         tp, dim = q.tp, q.tp.shard_dim
-        parts = [torch.empty_like(d) for _ in range(tp.mesh.size())]
-        nbytes = d.numel() * d.element_size() * len(parts)  # the gathered matrix ([Note: traffic])
+        gathered = [torch.empty_like(d) for _ in range(tp.mesh.size())]
+        nbytes = d.numel() * d.element_size() * len(gathered)  # the gathered matrix ([Note: traffic])
+        planned = math.prod(tp.shape) * q.local().element_size()  # the plan: the global matrix, in the param dtype
         where = f"{type(self).__name__} (directions across tp)"
-        self._traffic.record(where, 0, nbytes, nbytes, d.dtype, "float", self._steps_taken + 1, ranks=len(parts))
-        dist.all_gather(parts, d.contiguous(), group=tp.group)
-        whole = _newton_schulz(torch.cat(parts, dim=dim), g["ns_coefficients"], g["ns_steps"], g["eps"])
-        me = tp.mesh.get_local_rank()
-        return whole.narrow(dim, me * d.shape[dim], d.shape[dim])
+        self._traffic.record(where, 0, nbytes, planned, d.dtype, "float", self._steps_taken + 1, ranks=len(gathered))
+        dist.all_gather(gathered, d.contiguous(), group=tp.group)
+        me, outs = tp.mesh.get_local_rank(), []
+        for i, mine in enumerate(d.split(rows)):  # part i of the global matrix: part i of every tp rank's
+            whole = torch.cat([x.split(rows)[i] for x in gathered], dim=dim)
+            o = _newton_schulz(whole, g["ns_coefficients"], g["ns_steps"], g["eps"])
+            outs.append(o.narrow(dim, me * mine.shape[dim], mine.shape[dim]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _orthogonalize(self, dirs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """``NS`` of every matrix's direction, as flat pieces of this rank: whole matrices here,
@@ -218,6 +234,22 @@ class Muon(OwnerComputeOptimizer):
         self.inner.step()
         self._steps_taken += 1  # [Note: traffic]: the next step's collectives count as that step's
         return loss
+
+
+def _part_runs(q: Holding, numel: int) -> list[tuple[int, int, tuple[int, int]]]:
+    """``(a, b, global part shape)`` of each run of this rank's piece of ``q`` (``numel`` elements from
+    ``q.local_start`` of the TP-local tensor) inside one part of a fused weight ([Note: fused parts])."""
+    rows, cols = q.shape[-2], q.shape[-1]
+    grow, gcol = (q.tp.shape[-2] // rows, q.tp.shape[-1] // cols) if q.tp is not None else (1, 1)
+    start, end, runs = q.local_start, q.local_start + numel, []
+    for m in range(start // (rows * cols), -(-end // (rows * cols))):
+        at = m * rows * cols
+        for r in q.parts:
+            a, b = max(at, start), min(at + r * cols, end)
+            if a < b:
+                runs.append((a - start, b - start, (r * grow, cols * gcol)))
+            at += r * cols
+    return runs
 
 
 def _check_tp_matrix(q: Holding) -> None:

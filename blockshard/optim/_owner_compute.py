@@ -80,6 +80,9 @@ class Holding:
     # a tensor-parallel parameter whose tp placement cuts it ([Note: tensor-parallel parameters]): its
     # TPSpec; ``shape`` is then the TP-local tensor's, ``tp.shape`` the global one
     tp: Any = None
+    # a fused weight's parts ([Note: fused parts] in semantics/_builtins.py): the rows of each part of
+    # its (TP-local) matrix, or of each expert's; () for one matrix
+    parts: tuple[int, ...] = ()
 
     def local(self) -> torch.Tensor:
         p = self.param

@@ -73,6 +73,22 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         units = self._unit_semantics()
         if units is not None:
             self._check_whole(holdings, units)
+        if units == "matrix" and not self._steps_parts:
+            self._refuse_parts(holdings)
+
+    #: Whether the optimizer steps a fused weight per part ([Note: fused parts]); an inner optimizer
+    #: on whole matrices (torch's Muon) would orthogonalize the fused matrix whole
+    _steps_parts = False
+
+    def _refuse_parts(self, holdings: list[Holding]) -> None:
+        fused = next((q for q in holdings if q.parts), None)
+        if fused is not None:
+            raise OwnerComputeError(
+                f"parameter {fused.name!r} of shape {fused.shape} is a fused weight (its semantics declare parts "
+                f"{':'.join(map(str, fused.parts))}), and {type(self.inner).__name__} would orthogonalize it as one "
+                "matrix. Fix: shard with blockshard.fully_shard and step it with blockshard.optim.Muon (Muon per "
+                "part), or drop its 'parts' semantics if one matrix is meant"
+            )
 
     def _unit_semantics(self) -> str | None:
         """The semantics of the inner optimizer's compute units where they are larger than an

@@ -2,7 +2,7 @@
 
 from blockshard.semantics import _builtins, _quantizers  # noqa: F401  (register the built-ins)
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
-from blockshard.semantics._builtins import newton_schulz_flops
+from blockshard.semantics._builtins import fused_parts, newton_schulz_flops
 from blockshard.semantics._grid import UnitGrid
 from blockshard.semantics._presets import PRESETS
 from blockshard.semantics._registry import (
@@ -36,6 +36,7 @@ __all__ = [
     "SemanticsRules",
     "TensorSpec",
     "UnitGrid",
+    "fused_parts",
     "get_semantics",
     "itemsize_of",
     "newton_schulz_flops",

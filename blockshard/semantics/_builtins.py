@@ -18,6 +18,7 @@ nf4, ao_nf4, mx quantization blocks                        the same
 fp8_block:B     B-row stripes of B x B tiles (per expert)  the same (weights are quantized in place)
 fp4, *_nested   quantization blocks                        the same
 expert          one expert of a stacked (E, ...) tensor    1 element
+parts:r1:r2:..  1 element (declares a fused weight's parts) 1 element
 ==============  =========================================  ==========================================
 
 The quantizers but ``nf4`` (``fp4``, ``nf4_nested``, ``fp4_nested``, ``ao_nf4``, ``mx``, ``fp8_block``)
@@ -46,8 +47,10 @@ __all__ = [
     "Expert",
     "Flat",
     "Matrix",
+    "Parts",
     "Rows",
     "Shampoo",
+    "fused_parts",
     "newton_schulz_flops",
 ]
 
@@ -106,6 +109,67 @@ class Matrix(BlockSemantics):
 
     def cost(self, shape: tuple[int, ...], dtype: str) -> float:
         return newton_schulz_flops(shape)
+
+
+@register_semantics("parts")
+class Parts(BlockSemantics):
+    """A fused weight: ``k`` matrices stacked along the rows (dim 0) of its 2-D view, of ``r1, r2, ...`` rows.
+
+    [Note: fused parts]
+    Fused projections keep several matrices in one parameter: Phi-3's ``qkv_proj`` is ``[q; k; v]``
+    (``(n_heads + 2 * n_kv_heads) * head_dim`` rows), its ``gate_up_proj`` ``[gate; up]``, a MoE
+    layer's stacked ``gate_up_proj`` ``(E, 2 * I, H)`` the same per expert. Muon is meant per part
+    (Newton-Schulz on ``q``, on ``k``, on ``v``, the learning rate adjusted by each part's shape):
+    ``parts:r1:r2:...`` declares the split. It is a layout semantics: it asks for no unit of its own
+    (the compute units stay the optimizer's: ``matrix`` keeps the fused matrix whole on one rank or
+    at its owner, where :class:`blockshard.optim.Muon` splits it into its parts), so it combines with
+    ``muon`` (``"muon,*.qkv_proj.weight=parts:64:16:16"``). On a stacked expert tensor the parts are
+    each expert's. Under tensor parallelism the parts are stated for the TP-local matrix, and part
+    ``i`` of the global matrix is part ``i`` of every tp rank's, joined along the placement's dim
+    (the layout Megatron and torchtitan give a fused projection split by heads).
+
+    Who honours it: :class:`blockshard.optim.Muon` (per part, exactly ``torch.optim.Muon`` on the
+    parts as separate parameters); ``shampoo:D`` when every part boundary is a multiple of ``D`` rows
+    (its stripes then hold whole tiles of one part: per-part Shampoo as it is); element-wise
+    optimizers (nothing to split). Anything that would compute on the fused matrix whole instead
+    (``torch.optim.Muon`` on a blockshard piece, ``OwnerComputeOptimizer`` around it, Shampoo stripes
+    straddling a part boundary) raises, naming the parameter.
+    """
+
+    min_ndim = 2
+    per_expert = True
+
+    def __init__(self, *rows: int) -> None:
+        super().__init__()
+        if len(rows) < 2:
+            raise SemanticsError(
+                f"semantics parts:{':'.join(map(str, rows))}: a fused weight has at least 2 parts; give each part's "
+                "rows, e.g. 'parts:4096:1024:1024' for q, k and v"
+            )
+        self.rows = tuple(_positive("parts", r) for r in rows)
+        self.spec = "parts:" + ":".join(map(str, self.rows))
+
+    def grid(self, shape: tuple[int, ...], dtype: str, *, tensor: str = "<tensor>") -> UnitGrid:
+        rows, _ = rows_cols(shape)
+        if len(shape) < 2 or rows != sum(self.rows):
+            raise self.error(
+                tensor,
+                shape,
+                f"its parts have {' + '.join(map(str, self.rows))} = {sum(self.rows)} rows, the tensor "
+                f"{'has ' + str(rows) + ' rows' if len(shape) >= 2 else 'is not a matrix'}",
+                "give the rows of each part along dim 0 of this tensor as the engine holds it (the TP-local matrix "
+                "under tensor parallelism, one expert's matrix on stacked experts)",
+            )
+        return UnitGrid.units(math.prod(shape), 1)
+
+
+def fused_parts(label: str) -> tuple[int, ...]:
+    """The part rows a semantics label (``"matrix+parts:64:16:16"``) declares; ``()`` for none."""
+    for item in label.split("+"):
+        name, _, args = item.partition(":")
+        if name == "parts" and args:
+            return tuple(int(a) for a in args.split(":"))
+    return ()
 
 
 @register_semantics("rows")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from blockshard._errors import ComputeUnitError, SemanticsError
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
+from blockshard.semantics._builtins import Parts, Shampoo
 from blockshard.semantics._experts import is_stacked_experts, repeat_grid
 from blockshard.semantics._grid import GridError, UnitGrid
 from blockshard.semantics._presets import PRESETS
@@ -201,6 +202,7 @@ class SemanticsRules:
                 )
             by_kind.setdefault(s.kind, s)
         experts = is_stacked_experts(spec, sems)
+        _check_parts(spec, sems, experts)
         grid = UnitGrid.units(spec.numel, 1)
         placements: list[UnitGrid] = []
         coarse: list[tuple[BlockSemantics, UnitGrid]] = []
@@ -232,6 +234,26 @@ class SemanticsRules:
 
     def __repr__(self) -> str:
         return f"SemanticsRules({list(self.rules)!r})"
+
+
+def _check_parts(spec: TensorSpec, sems: list[BlockSemantics], experts: bool) -> None:
+    """Shampoo's stripes of ``D`` rows must not straddle a fused weight's parts ([Note: fused parts])."""
+    parts = next((s for s in sems if isinstance(s, Parts)), None)
+    shampoo = next((s for s in sems if isinstance(s, Shampoo)), None)
+    if parts is None or shampoo is None:
+        return
+    bounds, at = [], 0
+    for r in parts.rows[:-1]:
+        at += r
+        bounds.append(at)
+    off = [b for b in bounds if b % shampoo.dim]
+    if off:
+        raise ComputeUnitError(
+            f"tensor {spec.name!r} of shape {spec.shape} is declared {parts.spec!r} (a fused weight) and gets "
+            f"{shampoo.spec!r}: the part boundary at row {off[0]}{' of each expert' if experts else ''} is not a "
+            f"multiple of {shampoo.dim}, so a {shampoo.dim}-row Shampoo tile would hold rows of two parts. Fix: a "
+            "max_preconditioner_dim that divides every part's rows, or unfuse the weight"
+        )
 
 
 def _check_nested(

@@ -60,7 +60,7 @@ import torch
 from blockshard.planner import OrderedLayout, alignment_numel, ordered_layout
 from blockshard.planner._units import layout_hash
 from blockshard.runtime._report import PartitionGroup
-from blockshard.semantics import TensorSpec
+from blockshard.semantics import TensorSpec, fused_parts
 
 from ._bnb_overrides import follow_overrides, resolve_module_overrides
 from ._config import DeepSpeedHookError
@@ -197,6 +197,13 @@ def _make_zero12() -> type:
                     param_group=i,
                 )
                 res = self._bs_config.rules.resolve(spec)
+                if fused_parts(res.label):
+                    raise DeepSpeedHookError(
+                        f"parameter {name!r} of shape {tuple(meta.shape)} is declared a fused weight "
+                        f"({res.label!r}): Muon per part runs in blockshard.fully_shard with "
+                        "blockshard.optim.Muon; the DeepSpeed hook steps each matrix whole. Fix: drop the 'parts' "
+                        'rule from the "blockshard" section\'s semantics'
+                    )
                 names.append(name)
                 grids.append(res.grid)
                 labels.append(res.label)

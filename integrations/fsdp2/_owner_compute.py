@@ -36,7 +36,7 @@ from blockshard.optim._owner_optimizer import OwnerComputeOptimizer as _Core
 from blockshard.planner import PlanItem, plan_owners
 from blockshard.planner._owner import unit_rows
 from blockshard.planner._units import ceil_div, rows_cols
-from blockshard.semantics import SemanticsRules, TensorSpec
+from blockshard.semantics import SemanticsRules, TensorSpec, fused_parts
 
 from ._placement import decide, dim_split_keeps_units, spec_of
 
@@ -147,6 +147,8 @@ class OwnerComputeOptimizer(_Core):
         self.plan = plan_owners([self._item(holdings[i], self._specs[i]) for i in shard0], W, engine="fsdp2")
         _plan_holdings(self.plan, [holdings[i] for i in shard0])
         self._setup(inner_optimizer_factory, groups, holdings, group, W, rank)
+        if self._unit_semantics() == "matrix":  # torch's Muon on a fused weight: one matrix, not its parts
+            self._refuse_parts(holdings)
 
     def _build(self, groups: NamedGroups) -> None:
         """(``follow``) FSDP2's pieces are DTensors laid out when this optimizer is built: it cannot
@@ -164,6 +166,7 @@ class OwnerComputeOptimizer(_Core):
         for i, (q, spec) in enumerate(zip(holdings, self._specs, strict=True)):
             res = rules.resolve(spec)
             self._resolved[q.name] = res
+            q.parts = fused_parts(res.label)  # [Note: fused parts]: refused below for an inner Muon
             mn = math.prod(spec.shape[-2:]) if len(spec.shape) >= 3 else 0
             if mn and res.grid.unit_numel == mn:  # stacked experts: the inner optimizer gets each (m, n) matrix
                 q.matrix_numel = mn

@@ -226,6 +226,11 @@ def error_case(rank: int, world_size: int, what: str) -> str:
             model = make_model("adamw").to(torch.bfloat16)
             cfg = ds_config(1, "adamw", extra={"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}})
             bsd.initialize(model=model, optimizer=make_optimizer("adamw", model.parameters()), config=cfg)
+        elif what == "parts":  # a fused weight's parts: honoured by blockshard.optim.Muon only
+            model = make_model("muon")
+            cfg = ds_config(2, "muon")
+            cfg["blockshard"] = {"semantics": "matrix,fc2.weight=parts:65:65"}
+            bsd.initialize(model=model, optimizer=make_optimizer("muon", model.parameters()), config=cfg)
         else:
             raise ValueError(what)
     except bsd.DeepSpeedHookError as e:

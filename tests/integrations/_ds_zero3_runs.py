@@ -349,11 +349,14 @@ def error(what: str) -> str:
     if what == "offload":
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         cfg["zero_force_ds_cpu_optimizer"] = False
-    model = make_model("muon" if what == "blockshard_muon" else "bnb")
+    model = make_model("muon" if what in ("blockshard_muon", "parts") else "bnb")
     if what == "blockshard_muon":  # blockshard's own owner-compute Muon (for fully_shard / FSDP2)
         from blockshard.optim import Muon
 
         opt = Muon(model.named_parameters(), lr=LR["muon"])
+    elif what == "parts":  # a fused weight's parts: honoured by blockshard.optim.Muon only
+        cfg["blockshard"] = {"semantics": "matrix,fc2.weight=parts:65:65"}
+        opt = make_optimizer("muon", model.parameters())
     else:
         opt = make_optimizer("bnb", model.parameters())
     try:

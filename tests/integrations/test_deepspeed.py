@@ -355,7 +355,9 @@ def _zero3_spec(full: bool) -> dict:
     cases["bnb_stock"] = ("bnb", {"stock": True})
     cases["muon_stock"] = ("muon", {"stock": True})
     refs = sorted({z3.ref_key(kind, kw) for kind, kw in cases.values()}, key=repr)
-    errors, ckpt = (["offload", "blockshard_muon"], ["bnb", "muon"]) if full else ([], ["shampoo", "bnb", "muon"])
+    errors, ckpt = (
+        (["offload", "blockshard_muon", "parts"], ["bnb", "muon"]) if full else ([], ["shampoo", "bnb", "muon"])
+    )
     return {"cases": cases, "refs": refs, "errors": errors, "ckpt": ckpt}
 
 
@@ -366,7 +368,7 @@ def world2(tmp_path_factory):
         "cases": CASES_24,
         "refs": ["bnb", "adamw", "muon"],
         "ckpt": [(2, "bnb"), (1, "muon")],
-        "errors": ["muon_split", "bf16_zero1"],
+        "errors": ["muon_split", "bf16_zero1", "parts"],
         "variants": list(runs.VARIANTS),
         "tmp": str(tmp_path_factory.mktemp("ds2")),
     }
@@ -568,6 +570,8 @@ def test_unsupported_setups_are_refused(world2):
     errs = world2[0]["errors"]
     assert "fc2.weight" in errs["muon_split"] and '"matrix"' in errs["muon_split"]
     assert "BF16_Optimizer" in errs["bf16_zero1"]
+    # a fused weight's parts ([Note: fused parts]): Muon per part is blockshard.optim.Muon's, not the hook's
+    assert "'fc2.weight'" in errs["parts"] and "fused weight" in errs["parts"] and "'parts' rule" in errs["parts"]
 
 
 @pytest.mark.slow
@@ -732,6 +736,8 @@ def test_zero3_owner_compute_refuses_what_it_cannot_do(world2):
     muon = errs["blockshard_muon"]  # blockshard.optim.Muon steps the parameters it was built over
     assert "DeepSpeedHookError" in muon and "inner optimizer Muon is blockshard's own owner-compute" in muon
     assert "pass the plain optimizer (torch.optim.Muon" in muon
+    parts = errs["parts"]  # ZeRO-3 steps each matrix whole: a fused weight's parts are refused by name
+    assert "DeepSpeedHookError" in parts and "'fc2.weight'" in parts and "fused weight" in parts
 
 
 @pytest.mark.slow

@@ -35,6 +35,7 @@ from _background import Background, free_ports
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf_trainer_deepspeed.py"
 CONTROL = ROOT / "tests" / "integrations" / "_hf_trainer_control.py"
+DS_ORDER = ROOT / "tests" / "integrations" / "_hf_trainer_ds_order.py"
 CONTROL_MIN = 1e-4
 ZERO3_VS_PLAIN_ATOL = 1e-3
 ZERO3_CONTROL_MIN = 1e-3
@@ -128,6 +129,7 @@ def launched(tmp_path_factory):
         "zero3-muon": (_torchrun(ports[6]), EXAMPLE, 3, muon),
         "zero3-muon-one-rank": (_torchrun(ports[7], 1), EXAMPLE, 3, muon),
         "control": (_torchrun(ports[2]), CONTROL, 2, []),
+        "single-ds-order": ([sys.executable], DS_ORDER, 0, []),  # one process, ZeRO-3's summation order
     }
     started = {}
     for name, (launch, script, stage, extra) in jobs.items():
@@ -189,6 +191,21 @@ def test_trainer_zero3_equals_zero3_on_one_rank_bitwise_and_one_process_within_t
     assert _max_diff(params, one) == {}
     assert info["losses"] == one_info["losses"]
     assert max(_max_diff(params, plain).values(), default=0.0) < ZERO3_VS_PLAIN_ATOL
+
+
+@pytest.mark.slow
+def test_trainer_zero3_equals_the_plain_trainer_with_zero3s_summation_order_bitwise(launched):
+    """What ZeRO-3 changes is the order autograd sums gradients in, and nothing else: the Trainer without
+    DeepSpeed, with an identity autograd Function on every module's inputs as ZeRO-3's module hooks apply
+    (``_hf_trainer_ds_order.py``), equals ZeRO-3 with the hook at W = 2 bitwise, losses included. (The
+    test above is the control: without that Function the plain Trainer differs.)"""
+    info, params = launched("zero3-torchrun")
+    ordered_info, ordered = launched("single-ds-order")
+    _, plain = launched("single")
+    assert not ordered_info["hooked"] and ordered_info["world_size"] == 1
+    assert _max_diff(params, ordered) == {}
+    assert info["losses"] == ordered_info["losses"]
+    assert _max_diff(ordered, plain) != {}  # the summation order is what differs from the plain Trainer
 
 
 @pytest.mark.slow

@@ -269,12 +269,49 @@ def _muon_step_whole(named: list[tuple[str, Any]], shadows: dict[str, list[nn.Pa
             p.to_local().copy_(whole.redistribute(placements=p.placements).to_local())
 
 
+#: The blocks' ``up`` / ``down`` declared fused weights of two parts ([Note: fused parts]), stated for
+#: the TP-local (16, 16) matrices: part i of the global matrix is part i of each tp rank's
+PARTS_SEMANTICS = "muon,*up.weight=parts:8:8,*down.weight=parts:8:8"
+
+
+def _part_rows(name: str, p: Any) -> list[torch.Tensor]:
+    """The rows of the global matrix (``p``: the DTensor parameter) each part holds (the reference's view
+    of [Note: fused parts]): ``up`` (``Shard(0)``): rows ``8i..8i+8`` of each tp rank's 16; ``down``
+    (``Shard(1)``): rows ``8i..8i+8``."""
+    if not name.endswith(("up.weight", "down.weight")):
+        return [torch.arange(p.shape[0])]
+    tp = p.device_mesh.size(p.device_mesh.ndim - 1) if name.endswith("up.weight") else 1
+    local = p.shape[0] // tp
+    return [torch.cat([torch.arange(r * local + 8 * i, r * local + 8 * i + 8) for r in range(tp)]) for i in range(2)]
+
+
+def _muon_step_parts(named: list[tuple[str, Any]], shadows: dict[str, list[nn.Parameter]], muon: Any) -> None:
+    """As :func:`_muon_step_whole`, torch's Muon on each part of the whole matrices (rows gathered)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for n, p in named:
+        values, grads = p.full_tensor(), p.grad.full_tensor()
+        for rows, sh in zip(_part_rows(n, p), shadows[n], strict=True):
+            sh.data.copy_(values[rows])
+            sh.grad = grads[rows]
+    muon.step()
+    with torch.no_grad():
+        for n, p in named:
+            new = p.full_tensor()
+            for rows, sh in zip(_part_rows(n, p), shadows[n], strict=True):
+                new[rows] = sh.detach()
+            whole = DTensor.from_local(new, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+            p.to_local().copy_(whole.redistribute(placements=p.placements).to_local())
+
+
 def run_muon(rank: int, _world: int, engine: str) -> dict[str, Any]:
     """Muon on the 2-D hidden matrices (``muon_param_groups``), AdamW on the rest, 3 steps.
     ``engine``: "blockshard" (``semantics="muon"``, :class:`blockshard.optim.Muon`), "stock" (stock
     FSDP2 with the same TP plan, Muon on each matrix gathered whole: the reference), "single" (one
     process, torch's Muon), or "per_shard" (the control: blockshard with torch's Muon on each TP-local
-    matrix, the optimizer checks off)."""
+    matrix, the optimizer checks off). "parts" / "parts_stock": the blocks' matrices declared fused
+    weights of two parts (:data:`PARTS_SEMANTICS`): blockshard, and stock with torch's Muon on each
+    part of the whole matrix (the reference)."""
     import os
 
     import blockshard
@@ -284,22 +321,27 @@ def run_muon(rank: int, _world: int, engine: str) -> dict[str, Any]:
         model: nn.Module = make_model()
         mesh = None
     else:
-        sem = None if engine == "stock" else "muon"
+        stock = engine in ("stock", "parts_stock")
+        sem = None if stock else PARTS_SEMANTICS if engine == "parts" else "muon"
         policy = "owner" if engine == "owner" else None  # owner: TP-local matrices cut over dp, owner-computed
-        model, mesh = _parallel("stock" if engine == "stock" else "blockshard", semantics=sem, policy=policy)
+        model, mesh = _parallel("stock" if stock else "blockshard", semantics=sem, policy=policy)
     muon_group, rest = muon_param_groups(model)
     adamw = torch.optim.AdamW(rest["params"], lr=LR, weight_decay=0.1)
     named = list(zip(muon_group["param_names"], muon_group["params"], strict=True))
     shadows: dict[str, list[nn.Parameter]] = {}
-    if engine in ("blockshard", "owner"):
+    if engine in ("blockshard", "owner", "parts"):
         muon: Any = blockshard.optim.Muon([muon_group], lr=MUON_LR)
     elif engine == "stock":
         shadows = _shadows(named)
+        muon = torch.optim.Muon([sh for v in shadows.values() for sh in v], lr=MUON_LR)
+    elif engine == "parts_stock":
+        shadows = {n: [nn.Parameter(torch.empty(len(r), p.shape[1])) for r in _part_rows(n, p)] for n, p in named}
         muon = torch.optim.Muon([sh for v in shadows.values() for sh in v], lr=MUON_LR)
     else:
         muon = torch.optim.Muon(muon_group["params"], lr=MUON_LR)
     if engine == "per_shard":
         os.environ["BLOCKSHARD_OPTIMIZER_CHECKS"] = "0"
+    stock_engine = engine in ("stock", "parts_stock")
     try:
         dp_rank = None if mesh is None else mesh["dp"].get_local_rank()
         for x, y in batches():
@@ -308,19 +350,21 @@ def run_muon(rank: int, _world: int, engine: str) -> dict[str, Any]:
             ((model(x) - y) ** 2).mean().backward()
             if engine == "stock":
                 _muon_step_whole(named, shadows, muon)
+            elif engine == "parts_stock":
+                _muon_step_parts(named, shadows, muon)
             else:
                 muon.step()
             adamw.step()
-            muon.zero_grad() if engine != "stock" else None
+            muon.zero_grad() if not stock_engine else None
             adamw.zero_grad()
             for _, p in named:
                 p.grad = None
     finally:
         os.environ.pop("BLOCKSHARD_OPTIMIZER_CHECKS", None)
     params = {n: p.detach().clone() for n, p in model.named_parameters()} if mesh is None else None
-    counts = muon.collective_counts() if engine in ("blockshard", "owner") else []
+    counts = muon.collective_counts() if engine in ("blockshard", "owner", "parts") else []
     return {
-        "params": params if params is not None else _full(model, "stock" if engine == "stock" else "blockshard"),
+        "params": params if params is not None else _full(model, "stock" if stock_engine else "blockshard"),
         "muon_names": list(muon_group["param_names"]),
         "counts": [(c.kind, c.calls, c.bytes) for c in counts],
     }
@@ -362,7 +406,7 @@ def cases(rank: int, world: int, directory: str) -> dict[str, Any]:
         out[f"{engine}_clip"] = run(rank, world, engine, clip=True)
         out[f"{engine}_sp"] = run(rank, world, engine, sp=True)
     out["refusals"] = refusals(rank, world)
-    for engine in ("stock", "blockshard", "owner", "per_shard"):
+    for engine in ("stock", "blockshard", "owner", "per_shard", "parts", "parts_stock"):
         out[f"muon_{engine}"] = run_muon(rank, world, engine)
     for engine in ("stock", "blockshard"):
         for optimizer in ("adamw", "muon"):

@@ -136,6 +136,18 @@ def test_control_muon_on_each_tp_shard_differs():
     assert diff > 1e3 * ONE_PROCESS_ATOL, diff
 
 
+def test_fused_parts_across_tp_equal_torch_muon_on_each_global_part_bitwise():
+    """The blocks' ``up`` (``Shard(0)``) and ``down`` (``Shard(1)``) declared fused weights of two parts on
+    their TP-local matrices ([Note: fused parts]): blockshard.optim.Muon runs Newton-Schulz on each part
+    of the global matrix (part i of every tp rank's, joined), bitwise torch's Muon on those parts
+    gathered from stock FSDP2 + TP. Control: Muon on the whole matrices is another update."""
+    _, got = _runs()
+    for rank, res in enumerate(got):
+        assert _equal(res["muon_parts_stock"]["params"], res["muon_parts"]["params"]) == [], rank
+        whole, parts = res["muon_stock"]["params"], res["muon_parts"]["params"]
+        assert max((whole[n] - parts[n]).abs().max().item() for n in whole) > 1e3 * ONE_PROCESS_ATOL
+
+
 def test_what_tp_groups_cannot_do_is_refused_by_name():
     _, got = _runs()
     for res in got:

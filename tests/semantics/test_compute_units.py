@@ -33,6 +33,7 @@ FINE = UnitGrid.units
         ("mx:4", (5, 96), FINE(480, 32), FINE(480, 32)),
         ("fp8_block:128", (300, 7), FINE(2100, 896), FINE(2100, 896)),
         ("expert", (3, 5, 7), FINE(105, 35), FINE(105, 1)),
+        ("parts:5:2", (7, 3), FINE(21, 1), FINE(21, 1)),  # declares a fused weight: no unit of its own
     ],
 )
 def test_every_builtin_states_its_compute_and_placement_units(spec, shape, compute, placement):
@@ -47,7 +48,7 @@ def test_every_registered_builtin_is_covered():
     from blockshard.semantics import _builtins
 
     covered = {"elementwise", "matrix", "rows", "shampoo", "flat", "bnb8bit", "ao8bit", "ao4bit", "nf4", "ao_nf4"}
-    covered |= {"mx", "fp8_block", "expert"}
+    covered |= {"mx", "fp8_block", "expert", "parts"}
     classes = [c for c in vars(_builtins).values() if isinstance(c, type) and issubclass(c, BlockSemantics)]
     assert {c._registered_name for c in classes if c._registered_name} <= covered
     from blockshard.semantics import _quantizers

@@ -58,6 +58,7 @@ from blockshard.runtime.core._optim_checks import check_first_step, check_still_
 from blockshard.runtime.core._optim_facts import blockwise_semantics
 from blockshard.runtime.core._owners import compute_of
 from blockshard.runtime.core._param import managed_tag
+from blockshard.semantics import fused_parts
 
 __all__ = ["check_optimizer", "install_optimizer_guard", "mark_stepped", "note_inner", "uncounted_steps"]
 
@@ -276,6 +277,23 @@ def _check_not_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any
             )
 
 
+def _check_fused(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
+    """torch's Muon on a piece of a fused weight (``parts`` semantics, [Note: fused parts] in
+    semantics/_builtins.py) would orthogonalize the fused matrix as one, not each part."""
+    layout = getattr(group, "layout", None)
+    if layout is None or not _is_torch_muon(optimizer) or not checks_on():
+        return
+    for sp in group.params:
+        parts = fused_parts(layout.tensors[sp.index].semantics) if sp.sharded is p else ()
+        if parts:
+            raise ShardingError(
+                f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r} (global "
+                f"shape {sp.shape}), a fused weight of parts {':'.join(map(str, parts))} rows: torch's Muon would "
+                "orthogonalize the fused matrix as one, where the parts are separate matrices. Fix: step it with "
+                "blockshard.optim.Muon (Muon per part), or drop its 'parts' semantics if one matrix is meant"
+            )
+
+
 def _stale_fix(optimizer: torch.optim.Optimizer) -> str:
     """The fix for an optimizer over parameters that fully_shard replaced, for what the user built."""
     outer = _inner_of.get(optimizer)
@@ -318,4 +336,5 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
                 _check_tp_cut(optimizer, p, ref(), names[j] if names is not None else None)
                 if _whole_unit_optimizer(optimizer):
                     _check_not_cut(optimizer, p, ref(), names[j] if names is not None else None)
+                    _check_fused(optimizer, p, ref(), names[j] if names is not None else None)
     return tuple(groups.values())

@@ -1,0 +1,216 @@
+"""Fused weights declared per part (``parts:r1:r2:...``, [Note: fused parts] in semantics/_builtins.py).
+
+A model with a fused ``qkv`` projection (``[q; k; v]``, 40 + 8 + 8 rows: GQA-like, unequal parts), a
+fused ``gate_up`` (32 + 32 rows) and stacked experts whose ``gate_up_proj`` is ``[gate; up]`` per expert
+(8 + 8 rows), sharded with ``matrix`` and the parts declared, stepped by ``blockshard.optim.Muon``.
+
+Reference: one process, ``torch.optim.Muon`` on every part as its own matrix (views of the fused
+weights, each given its slice of the gradient), AdamW on the biases. Expected: **bitwise** (every rank
+the whole batch), at W = 1 and on 2 gloo thread ranks under ``policy="owner"`` (parts cut between
+ranks, computed at owners) and ``"whole"``. Control: the same run without the parts (Newton-Schulz on
+each fused matrix whole) differs from the reference by far more than an ulp.
+
+Bad input: parts that do not sum to the rows, torch's Muon or ``OwnerComputeOptimizer`` around it on a
+fused weight, Shampoo tiles straddling a part: each raises naming the parameter and the fix.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # the engine tier's thread ranks
+import _inproc
+
+import blockshard
+from blockshard import SemanticsError
+from blockshard.integrations import fsdp2
+from blockshard.optim import Muon, OwnerComputeError, OwnerComputeOptimizer
+from blockshard.runtime import ShardingError
+from blockshard.semantics import SemanticsRules, TensorSpec
+
+PARTS = {"block.qkv.weight": (40, 8, 8), "block.gate_up.weight": (32, 32), "block.experts.gate_up_proj": (8, 8)}
+WITH_PARTS = (
+    "*weight=matrix,*gate_up_proj=matrix,*qkv.weight=parts:40:8:8,*gate_up.weight=parts:32:32,*gate_up_proj=parts:8:8"
+)
+WITHOUT_PARTS = "*weight=matrix,*gate_up_proj=matrix"
+STEPS = 3
+
+
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(2, 16, 24) / 5)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(24, 56, bias=False)
+        self.gate_up = nn.Linear(24, 64, bias=False)
+        self.down = nn.Linear(32, 24, bias=False)
+        self.experts = _Experts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split([40, 8, 8], dim=-1)
+        att = torch.tanh(q[:, :8] * k) + v
+        gate, up = self.gate_up(x).split(32, dim=-1)
+        mlp = self.down(nn.functional.silu(gate) * up)
+        eg, eu = torch.einsum("bh,eoh->beo", x, self.experts.gate_up_proj).split(8, dim=-1)
+        moe = (nn.functional.silu(eg) * eu).sum(1)
+        return torch.cat([mlp, att + moe], dim=-1)
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Block()
+        self.out = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.block(x))
+
+
+def _model() -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return _Model()
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 24, generator=g), torch.randn(6, 5, generator=g)) for _ in range(STEPS)]
+
+
+def _is_matrix(name: str) -> bool:
+    return name.endswith(("weight", "gate_up_proj"))
+
+
+def _train(model: nn.Module, opts: list, before_step=None) -> dict[str, torch.Tensor]:
+    for x, y in _batches():
+        ((model(x) - y) ** 2).mean().backward()
+        if before_step is not None:
+            before_step()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        model.zero_grad()  # the reference's fused gradients (its optimizers hold views of them)
+    return {k: v.detach().clone() for k, v in blockshard.full_state_dict(model).items()}
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """torch's Muon on every part (and every expert's part) as a matrix of its own."""
+    model = _model()
+    views: list[tuple[torch.Tensor, nn.Parameter, tuple]] = []
+    for name, p in model.named_parameters():
+        if not _is_matrix(name):
+            continue
+        rows = PARTS.get(name, (p.shape[-2],))
+        for e in range(p.shape[0]) if p.ndim == 3 else [None]:
+            at = 0
+            for r in rows:
+                index = (e, slice(at, at + r)) if e is not None else (slice(at, at + r),)
+                views.append((p.detach()[index], p, index))
+                at += r
+    muon = torch.optim.Muon([v for v, _, _ in views], lr=0.02)
+    adamw = torch.optim.AdamW([p for n, p in model.named_parameters() if not _is_matrix(n)], lr=1e-3)
+
+    def grads_to_parts() -> None:
+        for v, p, index in views:
+            v.grad = p.grad[index]
+
+    return _train(model, [muon, adamw], grads_to_parts)
+
+
+def _sharded(rank: int, world: int, variants: list[tuple[str, str]]) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for semantics, policy in variants:
+        with _inproc.serial():
+            model = _model()
+        blockshard.fully_shard(model.block, semantics=semantics, policy=policy)
+        blockshard.fully_shard(model, semantics=semantics, policy=policy)
+        named = list(model.named_parameters())
+        muon = Muon([(n, p) for n, p in named if _is_matrix(n)], lr=0.02)
+        adamw = torch.optim.AdamW([p for n, p in named if not _is_matrix(n)], lr=1e-3)
+        out.append(_train(model, [muon, adamw]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def gloo_w1():
+    with _inproc.world1() as group:
+        yield group
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, torch.Tensor]:
+    with _inproc.single_thread():
+        return _reference()
+
+
+def _max_diff(got: dict, want: dict) -> float:
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+def test_muon_per_part_at_one_rank_equals_torch_muon_on_the_parts_bitwise(gloo_w1, reference):
+    with _inproc.single_thread():
+        got, control = _sharded(0, 1, [(WITH_PARTS, "owner"), (WITHOUT_PARTS, "owner")])
+    assert sorted(got) == sorted(reference)
+    assert _max_diff(got, reference) == 0.0
+    assert _max_diff(control, reference) > 1e-3  # control: NS on the fused matrices whole
+
+
+@pytest.mark.heavy
+def test_muon_per_part_on_two_ranks_equals_torch_muon_on_the_parts_bitwise(reference):
+    variants = [(WITH_PARTS, "owner"), (WITH_PARTS, "whole"), (WITHOUT_PARTS, "owner")]
+    for rank in _inproc.run_ranks(_sharded, 2, args=(variants,)):
+        owner, whole, control = rank
+        assert _max_diff(owner, reference) == 0.0
+        assert _max_diff(whole, reference) == 0.0
+        assert _max_diff(control, reference) > 1e-3
+
+
+def test_parts_that_do_not_sum_to_the_rows_raise_naming_the_tensor():
+    rules = SemanticsRules.coerce("*qkv.weight=parts:40:8:4")
+    with pytest.raises(SemanticsError, match=r"'block.qkv.weight'.*40 \+ 8 \+ 4 = 52 rows.*has 56 rows"):
+        rules.resolve(TensorSpec(name="block.qkv.weight", shape=(56, 24), dtype="float32"))
+    with pytest.raises(SemanticsError, match="at least 2 parts"):
+        SemanticsRules.coerce("parts:56")
+
+
+def test_shampoo_tiles_across_a_part_boundary_raise_and_aligned_ones_pass():
+    spec = TensorSpec(name="w", shape=(96, 24), dtype="float32")
+    with pytest.raises(SemanticsError, match=r"'w'.*boundary at row 80 is not a multiple of 32"):
+        SemanticsRules.coerce("parts:64:16:16,shampoo:32").resolve(spec)
+    assert SemanticsRules.coerce("parts:64:32,shampoo:32").resolve(spec).label == "parts:64:32+shampoo:32"
+
+
+def test_torch_muon_and_owner_compute_around_it_refuse_a_fused_weight(gloo_w1):
+    with _inproc.single_thread():
+        model = _model()
+        blockshard.fully_shard(model.block, semantics=WITH_PARTS, policy="owner")
+        blockshard.fully_shard(model, semantics=WITH_PARTS, policy="owner")
+        mats = [(n, p) for n, p in model.named_parameters() if n.endswith("weight") and p.ndim == 2]
+        with pytest.raises(OwnerComputeError, match=r"'block.qkv.weight'.*parts 40:8:8.*blockshard.optim.Muon"):
+            OwnerComputeOptimizer(lambda g: torch.optim.Muon(g, lr=0.02), mats)
+        muon = torch.optim.Muon([p for _, p in mats], lr=0.02)
+        ((model(torch.randn(6, 24)) ** 2).mean()).backward()
+        with pytest.raises(ShardingError, match=r"qkv.weight.*fused weight of parts 40:8:8.*blockshard.optim.Muon"):
+            muon.step()
+
+
+def test_stock_fsdp2_owner_compute_around_torch_muon_refuses_a_fused_weight():
+    """blockshard.integrations.fsdp2.OwnerComputeOptimizer takes the semantics itself: parts declared there
+    reach no per-part Newton-Schulz, so torch's Muon inside it is refused; AdamW (element-wise) is not."""
+    p = nn.Parameter(torch.randn(56, 24))
+    with pytest.raises(OwnerComputeError, match=r"'qkv.weight' of shape \(56, 24\).*parts 40:8:8"):
+        fsdp2.OwnerComputeOptimizer(
+            lambda g: torch.optim.Muon(g, lr=0.02), [("qkv.weight", p)], semantics="matrix,*qkv.weight=parts:40:8:8"
+        )
+    fsdp2.OwnerComputeOptimizer(
+        lambda g: torch.optim.AdamW(g), [("qkv.weight", p)], semantics="*qkv.weight=parts:40:8:8"
+    )
