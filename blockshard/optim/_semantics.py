@@ -30,7 +30,7 @@ from torch import nn
 
 from blockshard._errors import SemanticsError
 from blockshard.runtime import global_shapes, owner_plan
-from blockshard.semantics import TensorSpec, get_semantics, normalize_dtype
+from blockshard.semantics import TensorSpec, blockwise_state_semantics, get_semantics, normalize_dtype
 from blockshard.semantics._experts import is_stacked_experts
 from blockshard.semantics._rule import is_embedding_or_head
 
@@ -80,12 +80,9 @@ def semantics_for_optimizer(optimizer: object) -> str:
         return f"shampoo:{dim}"
     if name == "Muon":
         return "matrix"
-    if module.startswith("bitsandbytes") and "8bit" in name:
-        return "bnb8bit"
-    if module.startswith("torchao") and name.endswith("8bit"):
-        return "ao8bit"
-    if module.startswith("torchao") and name.endswith("4bit"):
-        return "ao4bit"
+    blockwise = blockwise_state_semantics(module, name)  # bitsandbytes / torchao 8-bit (4-bit) optimizers
+    if blockwise is not None:
+        return blockwise
     if module.startswith("torch.optim") and name in (
         "AdamW",
         "Adam",

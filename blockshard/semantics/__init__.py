@@ -4,6 +4,7 @@ from blockshard.semantics import _builtins, _quantizers  # noqa: F401  (register
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
 from blockshard.semantics._builtins import fused_parts, newton_schulz_flops
 from blockshard.semantics._grid import UnitGrid
+from blockshard.semantics._optimizers import blockwise_state_semantics
 from blockshard.semantics._presets import PRESETS
 from blockshard.semantics._registry import (
     ENTRY_POINT_GROUP,
@@ -36,6 +37,7 @@ __all__ = [
     "SemanticsRules",
     "TensorSpec",
     "UnitGrid",
+    "blockwise_state_semantics",
     "fused_parts",
     "get_semantics",
     "itemsize_of",

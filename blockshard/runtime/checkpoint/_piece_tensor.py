@@ -374,7 +374,7 @@ def entry_group(sp: Any, process_group: Any) -> Any:
 
     tag = managed_tag(sp.sharded)
     buffers = tag.group() if tag is not None and callable(tag.group) else None
-    replicas = getattr(getattr(buffers, "grads", None), "replicate_group", None)  # HSDP: replicas hold the same pieces
+    replicas = buffers.replicate_group if buffers is not None else None  # HSDP: replicas hold the same pieces
     dp, tp, world = dist.get_world_size(process_group), sp.tp.mesh.size(), dist.get_world_size()
     rep = dist.get_world_size(replicas) if replicas is not None else 1
     if rep * dp * tp != world:

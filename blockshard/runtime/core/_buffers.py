@@ -124,6 +124,12 @@ class ParamBuffers(BufferSet):
     def layout(self) -> GroupLayout | None:
         return self._layout
 
+    @property
+    def replicate_group(self) -> dist.ProcessGroup | None:
+        """HSDP's replicate group ([Note: HSDP]): the ranks holding the same pieces, over which
+        gradients are all-reduced; None without HSDP (or with nothing to reduce: no layout)."""
+        return self.grads.replicate_group if self.grads is not None else None
+
     # -- construction -----------------------------------------------------------------------------
     def _place(self, layout: GroupLayout) -> None:
         """Record where each parameter's piece and full view sit under ``layout``."""

@@ -54,7 +54,7 @@ class CommControls:
         if not callable(hook):
             raise ShardingError(f"set_all_reduce_hook(hook={hook!r}): pass a callable hook(output: torch.Tensor)")
         state = self._bs_state()
-        if stream is not None and any(b.grads is not None and b.grads.replicate_group for b in state.param_buffers):
+        if stream is not None and any(b.replicate_group is not None for b in state.param_buffers):
             raise ShardingError(
                 "set_all_reduce_hook(..., stream=...): stream cannot be set when using HSDP (the hook runs after the "
                 "HSDP all-reduce, on its stream), as in FSDP2. Fix: leave stream unset"

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from blockshard.runtime.core._param import managed_tag
+from blockshard.semantics import blockwise_state_semantics
 
 __all__ = ["HeldPiece", "held_pieces", "hyper_crc", "hyper_text", "state_kind"]
 
@@ -72,14 +73,9 @@ def state_kind(optimizer: torch.optim.Optimizer, gindex: int, pindex: int, numel
 def blockwise_semantics(optimizer: torch.optim.Optimizer) -> str | None:
     """The semantics of a blockwise 8-bit (4-bit) optimizer's state blocks (``"bnb8bit"``,
     ``"ao8bit"``, ``"ao4bit"``), as ``blockshard.optim.semantics_for_optimizer`` names them; None
-    for any other optimizer."""
+    for any other optimizer (:func:`blockshard.semantics.blockwise_state_semantics` of its class)."""
     cls = type(optimizer)
-    mod, name = cls.__module__, cls.__name__
-    if mod.startswith("bitsandbytes.") and "8bit" in name:
-        return "bnb8bit"
-    if mod.startswith("torchao.") and name.endswith(("8bit", "4bit")):
-        return "ao8bit" if name.endswith("8bit") else "ao4bit"
-    return None
+    return blockwise_state_semantics(cls.__module__, cls.__name__)
 
 
 @dataclass(frozen=True)

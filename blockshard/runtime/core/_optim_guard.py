@@ -200,98 +200,102 @@ def _cuts_a_unit(sp: Any, grid: Any) -> bool:
     return not (grid.allows_cut(sp.local_start) and grid.allows_cut(sp.local_start + sp.local_numel))
 
 
-def _check_stored_order(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
+def _pieces_of(group: Any) -> dict[int, Any]:
+    """A group's ShardedParams by their piece: ``id(sp.sharded) -> sp`` (the first, as a scan of
+    ``group.params`` finds it), built once per group so the checks below look a piece up in O(1)."""
+    return {id(sp.sharded): sp for sp in reversed(group.params)}
+
+
+def _check_stored_order(optimizer: torch.optim.Optimizer, p: torch.Tensor, sp: Any, name: str | None) -> None:
     """A piece stored in another order than row-major (a master in packed tile order) reaches only
     element-wise optimizers: any other would compute on (or keep blockwise state of) values that
-    are neighbours in that order, not in the weight."""
-    if group is None or _element_wise(optimizer):
+    are neighbours in that order, not in the weight. ``sp``: the piece's ShardedParam (None: none)."""
+    if sp is None or _element_wise(optimizer):
         return
-    for sp in group.params:
-        if sp.sharded is p and sp.order is not None:
-            raise ShardingError(
-                f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r} (global "
-                f"shape {sp.shape}), stored in {sp.order.name} order (fully_shard(..., quantized_gather=True, "
-                "tile_placement=True)): only element-wise optimizers (torch's SGD, Adam, AdamW, ...) step such a piece "
-                "as one process steps the weight; this one computes on blocks or keeps blockwise state. Fix: shard "
-                "with tile_placement=False or 'auto' (the masters keep row-major stripes), or step these weights with "
-                "an element-wise optimizer"
-            )
+    if sp.order is not None:
+        raise ShardingError(
+            f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r} (global "
+            f"shape {sp.shape}), stored in {sp.order.name} order (fully_shard(..., quantized_gather=True, "
+            "tile_placement=True)): only element-wise optimizers (torch's SGD, Adam, AdamW, ...) step such a piece "
+            "as one process steps the weight; this one computes on blocks or keeps blockwise state. Fix: shard "
+            "with tile_placement=False or 'auto' (the masters keep row-major stripes), or step these weights with "
+            "an element-wise optimizer"
+        )
 
 
-def _check_tp_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
+def _check_tp_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, sp: Any, name: str | None) -> None:
     """A piece of a tensor-parallel parameter whose tp placement cuts it ([Note: tensor-parallel
     parameters]) reaches only element-wise optimizers (torch's SGD, Adam, AdamW, ...) and
     ``blockshard.optim.Muon`` (Newton-Schulz on the matrix gathered across tp), and blockwise 8-bit
     optimizers whose blocks the tp cut keeps whole (the same blocks as one process's, the same
     8-bit / fp32 choice): any other computes on (or keeps blockwise state of) the TP-local tensor
-    alone, where one process computes on the whole."""
+    alone, where one process computes on the whole. ``sp``: the piece's ShardedParam (None: none)."""
     across = getattr(optimizer, "computes_across_tp", False)  # blockshard.optim.Muon's inner optimizer
-    if group is None or _element_wise(optimizer) or across or not checks_on():
+    if sp is None or _element_wise(optimizer) or across or not checks_on():
+        return
+    tp = sp.tp
+    if tp is None or tp.shard_dim is None or tp.mesh.size() <= 1:
         return
     blocks = blockwise_semantics(optimizer)  # 8-bit blocks the tp cut keeps whole: stepped as one process
-    for sp in group.params:
-        tp = sp.tp
-        if sp.sharded is p and tp is not None and blocks is not None and not tp.splits_units(sp.fqn, p.dtype, blocks):
-            continue
-        if sp.sharded is p and tp is not None and tp.shard_dim is not None and tp.mesh.size() > 1:
-            raise ShardingError(
-                f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r}, a "
-                f"tensor-parallel parameter placed {tp.label} (global shape {tp.shape}, {sp.shape} on this tp rank): "
-                "it would compute on this tp rank's part alone, where one process computes on the whole tensor "
-                "(Newton-Schulz on a part of the matrix, 8-bit blocks or tiles across the cut). Fix: step it with "
-                "blockshard.optim.Muon (Muon on the matrix gathered across tp) or an element-wise optimizer (torch's "
-                "AdamW, ...), or leave it out of the TP plan (replicated over tp)"
-            )
+    if blocks is not None and not tp.splits_units(sp.fqn, p.dtype, blocks):
+        return
+    raise ShardingError(
+        f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r}, a "
+        f"tensor-parallel parameter placed {tp.label} (global shape {tp.shape}, {sp.shape} on this tp rank): "
+        "it would compute on this tp rank's part alone, where one process computes on the whole tensor "
+        "(Newton-Schulz on a part of the matrix, 8-bit blocks or tiles across the cut). Fix: step it with "
+        "blockshard.optim.Muon (Muon on the matrix gathered across tp) or an element-wise optimizer (torch's "
+        "AdamW, ...), or leave it out of the TP plan (replicated over tp)"
+    )
 
 
-def _check_not_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
+def _check_not_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, sp: Any, name: str | None) -> None:
     """A piece of an owner-computed tensor (``fully_shard(..., policy="owner" | "auto")``) that
     cuts one of its compute units must not reach an optimizer that computes on whole units: it would
     orthogonalize (precondition) this rank's part of the unit alone, silently. A piece made of whole
-    units (whole Shampoo stripes, whole experts) is fine."""
+    units (whole Shampoo stripes, whole experts) is fine. ``sp``: the piece's ShardedParam in
+    ``group`` (None: none)."""
 
-    if group is None:
+    if group is None or sp is None:
         return
     compute = compute_of(group)
-    for sp in group.params:
-        if (
-            sp.sharded is p
-            and sp.fqn not in compute
-            and 0 < sp.local_numel < sp.numel
-            and _is_torch_muon(optimizer)
-            and checks_on()  # BLOCKSHARD_OPTIMIZER_CHECKS=0 (a control that shows what Muon on stripes computes)
-        ):
-            raise ShardingError(
-                f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r} (global "
-                f"shape {sp.shape}), a part of the matrix (its semantics cut it): Newton-Schulz on a part is not "
-                f"Muon of the matrix, as one process computes it. Fix: shard the matrices Muon steps with Muon's "
-                f"semantics (fully_shard(..., semantics=blockshard.optim.optimizer_semantics("
-                f"muon_param_groups(model)))), or {_wrapped_fix(optimizer)}"
-            )
-        if sp.sharded is p and sp.fqn in compute and _cuts_a_unit(sp, compute[sp.fqn]):
-            raise ShardingError(
-                f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of "
-                f"{name or sp.fqn!r} (global shape {sp.shape}), which fully_shard(policy='owner'/'auto') "
-                f"cut inside a compute unit and gave an owner rank: it would compute on the piece alone. Fix: "
-                f"{_wrapped_fix(optimizer)}"
-            )
+    if (
+        sp.fqn not in compute
+        and 0 < sp.local_numel < sp.numel
+        and _is_torch_muon(optimizer)
+        and checks_on()  # BLOCKSHARD_OPTIMIZER_CHECKS=0 (a control that shows what Muon on stripes computes)
+    ):
+        raise ShardingError(
+            f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r} (global "
+            f"shape {sp.shape}), a part of the matrix (its semantics cut it): Newton-Schulz on a part is not "
+            f"Muon of the matrix, as one process computes it. Fix: shard the matrices Muon steps with Muon's "
+            f"semantics (fully_shard(..., semantics=blockshard.optim.optimizer_semantics("
+            f"muon_param_groups(model)))), or {_wrapped_fix(optimizer)}"
+        )
+    if sp.fqn in compute and _cuts_a_unit(sp, compute[sp.fqn]):
+        raise ShardingError(
+            f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of "
+            f"{name or sp.fqn!r} (global shape {sp.shape}), which fully_shard(policy='owner'/'auto') "
+            f"cut inside a compute unit and gave an owner rank: it would compute on the piece alone. Fix: "
+            f"{_wrapped_fix(optimizer)}"
+        )
 
 
-def _check_fused(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, name: str | None) -> None:
+def _check_fused(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, sp: Any, name: str | None) -> None:
     """torch's Muon on a piece of a fused weight (``parts`` semantics, [Note: fused parts] in
-    semantics/_builtins.py) would orthogonalize the fused matrix as one, not each part."""
+    semantics/_builtins.py) would orthogonalize the fused matrix as one, not each part. ``sp``: the
+    piece's ShardedParam in ``group`` (None: none)."""
     layout = getattr(group, "layout", None)
-    if layout is None or not _is_torch_muon(optimizer) or not checks_on():
+    if layout is None or sp is None or not _is_torch_muon(optimizer) or not checks_on():
         return
-    for sp in group.params:
-        parts = fused_parts(layout.tensors[sp.index].semantics) if sp.sharded is p else ()
-        if parts:
-            raise ShardingError(
-                f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r} (global "
-                f"shape {sp.shape}), a fused weight of parts {':'.join(map(str, parts))} rows: torch's Muon would "
-                "orthogonalize the fused matrix as one, where the parts are separate matrices. Fix: step it with "
-                "blockshard.optim.Muon (Muon per part), or drop its 'parts' semantics if one matrix is meant"
-            )
+    parts = fused_parts(layout.tensors[sp.index].semantics)
+    if parts:
+        raise ShardingError(
+            f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r} (global "
+            f"shape {sp.shape}), a fused weight of parts {':'.join(map(str, parts))} rows: torch's Muon would "
+            "orthogonalize the fused matrix as one, where the parts are separate matrices. Fix: step it with "
+            "blockshard.optim.Muon (Muon per part), or drop its 'parts' semantics if one matrix is meant"
+        )
 
 
 def _stale_fix(optimizer: torch.optim.Optimizer) -> str:
@@ -313,6 +317,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
     """Raise ``ShardingError`` if ``optimizer`` holds a parameter that ``fully_shard`` replaced;
     else return weak references to the groups of its sharded pieces."""
     groups: dict[int, Any] = {}
+    pieces: dict[int, tuple[Any, dict[int, Any]]] = {}  # id(group) -> (the group, kept alive; _pieces_of(it))
     for i, group in enumerate(optimizer.param_groups):
         names = group.get("param_names")
         names = list(names) if isinstance(names, (list, tuple)) and len(names) == len(group["params"]) else None
@@ -332,9 +337,16 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
             if tag is not None and tag.group is not None:
                 groups.setdefault(id(tag.group), tag.group)
                 ref = cast(Callable[[], Any], tag.group)  # a weakref.ref to the ParamBuffers
-                _check_stored_order(optimizer, p, ref(), names[j] if names is not None else None)
-                _check_tp_cut(optimizer, p, ref(), names[j] if names is not None else None)
+                group_of_p = ref()
+                sp = None
+                if group_of_p is not None:
+                    if id(group_of_p) not in pieces:  # the group's pieces, indexed once (not a scan per piece)
+                        pieces[id(group_of_p)] = (group_of_p, _pieces_of(group_of_p))
+                    sp = pieces[id(group_of_p)][1].get(id(p))
+                name = names[j] if names is not None else None
+                _check_stored_order(optimizer, p, sp, name)
+                _check_tp_cut(optimizer, p, sp, name)
                 if _whole_unit_optimizer(optimizer):
-                    _check_not_cut(optimizer, p, ref(), names[j] if names is not None else None)
-                    _check_fused(optimizer, p, ref(), names[j] if names is not None else None)
+                    _check_not_cut(optimizer, p, group_of_p, sp, name)
+                    _check_fused(optimizer, p, group_of_p, sp, name)
     return tuple(groups.values())

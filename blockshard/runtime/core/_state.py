@@ -250,7 +250,7 @@ class ModuleState:
 
     def _averaged_over(self) -> int:
         """The ranks a gradient of this group is averaged over (its shard group, times HSDP's replicas)."""
-        replicas = getattr(self.buffers.grads, "replicate_group", None)
+        replicas = self.buffers.replicate_group
         return self.buffers.world_size * (replicas.size() if replicas is not None else 1)
 
     def unshard(self, *, async_op: bool = False) -> None:
