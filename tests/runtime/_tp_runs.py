@@ -393,6 +393,19 @@ def refusals(_rank: int, _world: int) -> dict[str, str]:
         opt.step()
     except ShardingError as e:
         out["torch_muon"] = str(e)
+    from blockshard.optim import BlockedShampoo
+
+    model, _ = _parallel("blockshard", semantics="shampoo:8", policy="whole")  # tp keeps 8 x 8 tiles whole, not 32
+    shampoo = BlockedShampoo(model.parameters(), lr=LR, max_preconditioner_dim=32)
+    model(batches()[0][0]).sum().backward()
+    try:
+        shampoo.step()
+    except ShardingError as e:
+        out["shampoo_32"] = str(e)
+    try:
+        _parallel("blockshard", semantics="shampoo:32")
+    except ShardingError as e:
+        out["shampoo_32_semantics"] = str(e)
     return out
 
 
@@ -412,6 +425,8 @@ def cases(rank: int, world: int, directory: str) -> dict[str, Any]:
         for optimizer in ("adamw", "muon"):
             out[f"ep_{engine}_{optimizer}"] = run_ep(rank, world, engine, optimizer)
         out[f"bnb_{engine}"] = run_bnb(rank, world, engine)
+    for engine, dim in (("stock", 8), ("blockshard", 8), ("stock", 32), ("per_shard", 32)):
+        out[f"shampoo_{engine}_{dim}"] = run_shampoo(rank, world, engine, dim)
     out["meta_init"] = meta_init(rank, world)
     return out
 
@@ -733,7 +748,59 @@ def run_bnb(rank: int, _world: int, engine: str) -> dict[str, Any]:
         opt.zero_grad()
         for _, p in named:
             p.grad = None
-    return {"params": _params(model, engine)}
+    return {"params": _params(model, engine), "state_dict": _state_dict_error(model, opt, engine)}
+
+
+def _state_dict_error(model: nn.Module, opt: Any, engine: str) -> str | None:
+    """What ``blockshard.optimizer_state_dict`` says of per-block state of TP-split pieces (refused)."""
+    import blockshard
+    from blockshard.runtime import CheckpointError
+
+    if engine != "blockshard":
+        return None
+    try:
+        blockshard.optimizer_state_dict(model, opt)
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+# -- Shampoo tiles across a tp cut ------------------------------------------------------------------
+def run_shampoo(rank: int, _world: int, engine: str, dim: int) -> dict[str, Any]:
+    """BlockedShampoo (``max_preconditioner_dim=dim``, preconditioning from step 1), 3 steps, each dp
+    rank half of each batch: "blockshard" (dp 2, tp 2, ``semantics="shampoo:8"``: the TP-local ``up``
+    (16, 16) and ``down`` (16, 16) hold whole 8 x 8 tiles, [Note: tiles across tp]), "stock" (stock FSDP2
+    with the same TP plan, BlockedShampoo stepping a copy of every whole tensor gathered: the
+    reference), "per_shard" (the control: blockshard with ``dim`` = 32, whose tiles the tp cut splits,
+    the optimizer checks off: Shampoo on each TP-local matrix)."""
+    import os
+
+    from blockshard.optim import BlockedShampoo
+
+    stock = engine == "stock"
+    sem, policy = (None, None) if stock else ("shampoo:8", "whole")  # whole stripes on a rank: no owners
+    model, mesh = _parallel("stock" if stock else "blockshard", semantics=sem, policy=policy)
+    named = list(model.named_parameters())
+    shadows = _shadows(named) if stock else {}
+    params = [sh for v in shadows.values() for sh in v] if stock else [p for _, p in named]
+    opt = BlockedShampoo(params, lr=LR, max_preconditioner_dim=dim, start_preconditioning_step=1)
+    if engine == "per_shard":
+        os.environ["BLOCKSHARD_OPTIMIZER_CHECKS"] = "0"
+    try:
+        dp_rank = mesh["dp"].get_local_rank()
+        for x, y in batches():
+            x, y = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+            ((model(x) - y) ** 2).mean().backward()
+            _muon_step_whole(named, shadows, opt) if stock else opt.step()
+            opt.zero_grad()
+            for _, p in named:
+                p.grad = None
+    finally:
+        os.environ.pop("BLOCKSHARD_OPTIMIZER_CHECKS", None)
+    return {
+        "params": _params(model, "stock" if stock else "blockshard"),
+        "state_dict": _state_dict_error(model, opt, engine),
+    }
 
 
 # -- meta-device init -----------------------------------------------------------------------------

@@ -158,6 +158,14 @@ def test_what_tp_groups_cannot_do_is_refused_by_name():
         assert "blockshard.optim.Muon" in muon
         sd = res["refusals"]["sharded_state_dict"]
         assert "up.weight" in sd and "tensor-parallel" in sd and "Fix:" in sd
+        shampoo = res["refusals"]["shampoo_32"]  # BlockedShampoo's 32 x 32 tiles across a cut at 16 rows
+        assert "BlockedShampoo" in shampoo and "up.weight" in shampoo and "tensor-parallel" in shampoo
+        tiles = res["refusals"]["shampoo_32_semantics"]
+        assert "'up.weight'" in tiles and "32 x 32 tiles" in tiles and "Fix:" in tiles
+        # per-block optimizer state of TP-split pieces is in TP-local coordinates: refused at save, by key
+        for run, key in (("bnb_blockshard", "absmax1"), ("shampoo_blockshard_8", "blocks")):
+            msg = res[run]["state_dict"]
+            assert f"optimizer state {key!r}" in msg and "tensor-parallel" in msg and "Fix:" in msg, (run, msg)
 
 
 def _checkpoints() -> list[dict]:
@@ -259,6 +267,19 @@ def test_bnb_8bit_blocks_the_tp_cut_keeps_whole_train_as_whole_tensor_adamw8bit_
         assert _equal(res["bnb_stock"]["params"], res["bnb_blockshard"]["params"]) == [], rank
         for n, v in want["bnb"].items():
             torch.testing.assert_close(res["bnb_blockshard"]["params"][n], v, rtol=0, atol=ONE_PROCESS_ATOL)
+
+
+def test_shampoo_tiles_the_tp_cut_keeps_whole_train_as_whole_tensor_shampoo_bitwise():
+    """BlockedShampoo (8 x 8 tiles, preconditioning from step 1) where the TP cuts fall between tiles
+    ([Note: tiles across tp]): bitwise BlockedShampoo stepping each whole tensor gathered from stock
+    FSDP2 + TP. Control: with 32 x 32 tiles, which the cut at 16 splits, Shampoo on each TP-local matrix
+    (the optimizer checks off; on, it is refused: test_what_tp_groups_cannot_do_is_refused_by_name)
+    differs from the whole-tensor reference."""
+    _, got = _runs()
+    for rank, res in enumerate(got):
+        assert _equal(res["shampoo_stock_8"]["params"], res["shampoo_blockshard_8"]["params"]) == [], rank
+        want, ctrl = res["shampoo_stock_32"]["params"], res["shampoo_per_shard_32"]["params"]
+        assert max((ctrl[n] - want[n]).abs().max().item() for n in want) > 1e3 * ONE_PROCESS_ATOL
 
 
 def test_meta_device_tp_model_initializes_as_without_dp_sharding_bitwise():

@@ -125,6 +125,23 @@ def _encode_ao(name: str, key: str, value: Any, sp: ShardedParam) -> dict[str, o
     return out | ({"qmap": value.qmap} if "qmap" in type(value).tensor_attrs else {})
 
 
+def _refuse_tp_split(name: str, key: str, sp: ShardedParam) -> None:
+    """Per-block and codec state (8-bit absmax, torchao's quantized state, Shampoo's tiles) of a piece of
+    a TP-split parameter is in TP-local coordinates: every tp rank would write its own under the same
+    global entry. Only element-wise state is placed by the TP piece's boxes so far."""
+    tp = sp.tp
+    if tp is not None and tp.shard_dim is not None and tp.mesh.size() > 1:
+        raise _error(
+            name,
+            key,
+            f"is per-block state of a tensor-parallel parameter (placed {tp.label}, global shape {tp.shape}), "
+            "which blockshard places in global tensors only for element-wise state so far (each tp rank's blocks "
+            "would land on the same entries)",
+            "save and load this optimizer with optimizer.state_dict() at the same (dp, tp) layout, or step the "
+            "TP-split weights with an element-wise optimizer or blockshard.optim.Muon",
+        )
+
+
 def _pg(sp: ShardedParam) -> Any:
     """The process group the parameter's pieces are spread over."""
     tag = managed_tag(sp.sharded)
@@ -153,8 +170,10 @@ def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedPa
     if isinstance(value, _SCALARS):
         return value
     if sp is not None and (codec := _codec(optimizer, key)) is not None:
+        _refuse_tp_split(name, key, sp)
         return codec.encode(value, _piece(name, sp), group)
     if sp is not None and _is_ao(value):
+        _refuse_tp_split(name, key, sp)
         return _encode_ao(name, key, value, sp)
     if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
         raise _error(
@@ -171,6 +190,7 @@ def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedPa
     if tuple(value.shape) == tuple(p.shape):  # element-wise state; a master in packed tile order: as its boxes
         return param_entry(sp, value, f"{name}.{key}", _pg(sp))
     if _is_bnb(optimizer) and key in _BNB_PER_BLOCK:
+        _refuse_tp_split(name, key, sp)
         return _per_block(name, key, value, sp, _BNB_BLOCK)
     raise _error(
         name,
@@ -192,8 +212,11 @@ def decode_state(name: str, key: str, value: object, have: object, sp: ShardedPa
     :func:`encode_state`'s form, filled by ``dcp.load``) into ``have`` (the live value)."""
     optimizer, group = ctx
     if sp is not None and (codec := _codec(optimizer, key)) is not None:
+        _refuse_tp_split(name, key, sp)
         return codec.decode(value, have, _piece(name, sp), group)
     if isinstance(value, dict) and _is_ao(have):
+        if sp is not None:
+            _refuse_tp_split(name, key, sp)
         for part in type(have).tensor_attrs:  # type: ignore[attr-defined]
             _copy_into(getattr(have, part), _local(name, f"{key}.{part}", value[part], getattr(have, part)))
         return have

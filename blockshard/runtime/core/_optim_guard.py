@@ -223,20 +223,40 @@ def _check_stored_order(optimizer: torch.optim.Optimizer, p: torch.Tensor, sp: A
         )
 
 
-def _check_tp_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, sp: Any, name: str | None) -> None:
+def _tile_semantics(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> str | None:
+    """``"shampoo:D"`` for blockshard's BlockedShampoo (``D``: the param_group's max_preconditioner_dim)."""
+    if type(optimizer).__name__ != "BlockedShampoo":
+        return None
+    return f"shampoo:{options.get('max_preconditioner_dim', optimizer.defaults.get('max_preconditioner_dim'))}"
+
+
+def _check_tp_cut(
+    optimizer: torch.optim.Optimizer, p: torch.Tensor, sp: Any, name: str | None, options: dict[str, Any]
+) -> None:
     """A piece of a tensor-parallel parameter whose tp placement cuts it ([Note: tensor-parallel
     parameters]) reaches only element-wise optimizers (torch's SGD, Adam, AdamW, ...) and
     ``blockshard.optim.Muon`` (Newton-Schulz on the matrix gathered across tp), and blockwise 8-bit
-    optimizers whose blocks the tp cut keeps whole (the same blocks as one process's, the same
-    8-bit / fp32 choice): any other computes on (or keeps blockwise state of) the TP-local tensor
-    alone, where one process computes on the whole. ``sp``: the piece's ShardedParam (None: none)."""
+    optimizers and BlockedShampoo whose blocks (``D x D`` tiles) the tp cut keeps whole (the same blocks
+    as one process's, the same 8-bit / fp32 choice): any other computes on (or keeps blockwise state
+    of) the TP-local tensor alone, where one process computes on the whole. ``sp``: the piece's
+    ShardedParam (None: none); ``options``: the param_group holding ``p``.
+
+    [Note: tiles across tp]
+    BlockedShampoo tiles a matrix into ``D x D`` blocks from ``(0, 0)`` and nothing in its step looks
+    at more than one block (optim/_shampoo.py). A tp cut at a multiple of ``D`` rows (``Shard(0)``) or
+    columns (``Shard(1)``) leaves each tp rank whole tiles, starting at a tile corner: Shampoo on the
+    TP-local matrix (dp-sharded in ``D``-row stripes as without TP) is Shampoo on the global one,
+    tile by tile. Any other cut splits tiles, and is refused (at ``fully_shard`` when the semantics
+    say ``shampoo:D``, here when the optimizer's ``D`` differs from them)."""
     across = getattr(optimizer, "computes_across_tp", False)  # blockshard.optim.Muon's inner optimizer
     if sp is None or _element_wise(optimizer) or across or not checks_on():
         return
     tp = sp.tp
     if tp is None or tp.shard_dim is None or tp.mesh.size() <= 1:
         return
-    blocks = blockwise_semantics(optimizer)  # 8-bit blocks the tp cut keeps whole: stepped as one process
+    # 8-bit blocks or Shampoo tiles the tp cut keeps whole: stepped as one process steps them (every
+    # block's state and math are its own, [Note: tiles across tp])
+    blocks = blockwise_semantics(optimizer) or _tile_semantics(optimizer, options)
     if blocks is not None and not tp.splits_units(sp.fqn, p.dtype, blocks):
         return
     raise ShardingError(
@@ -345,7 +365,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
                     sp = pieces[id(group_of_p)][1].get(id(p))
                 name = names[j] if names is not None else None
                 _check_stored_order(optimizer, p, sp, name)
-                _check_tp_cut(optimizer, p, sp, name)
+                _check_tp_cut(optimizer, p, sp, name, group)
                 if _whole_unit_optimizer(optimizer):
                     _check_not_cut(optimizer, p, group_of_p, sp, name)
                     _check_fused(optimizer, p, group_of_p, sp, name)

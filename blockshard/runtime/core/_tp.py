@@ -236,7 +236,8 @@ def check_tp_units(
         raise ShardingError(
             f"parameter {cut.name!r} ({cut.label} semantics) is placed {specs[cut.name].label}, which splits its "
             f"units: {cut.why}; one process computes on whole units that no rank would hold. Fix: {cut.fix} "
-            "(blockshard computes only Muon's matrices across tp so far), or give it semantics the cut keeps whole "
+            "(blockshard computes Muon's matrices across tp; other units, 8-bit blocks and Shampoo tiles included, "
+            "only where the cut keeps them whole), or give it semantics the cut keeps whole "
             "(e.g. elementwise)"
         )
 
