@@ -26,6 +26,12 @@ the head stay frozen. The model is built directly (``tiny_llama``), not through 
 ``from_config``, so ``deepspeed.zero.Init`` is not involved (it would be, under a ZeRO-3 config, for
 models those build after ``TrainingArguments(deepspeed=...)``; build Muon with
 ``bs_deepspeed.zero3_optimizer`` there, since zero.Init's placeholders are 1-D).
+
+``--optimizer muon_adamw``: Muon beside AdamW in the one optimizer the engine takes,
+``blockshard.optim.MuonWithAdamW`` ([Note: Muon beside AdamW]): ``optimizer_cls_and_kwargs=
+(MuonWithAdamW.for_model(model), {"muon": {...}, "adamw": {...}})`` splits the Trainer's param_groups
+into Muon's hidden matrices and AdamW's rest (embedding, norms, head), nothing frozen; under ZeRO-3
+the hook steps Muon's matrices whole at their owners and AdamW's parameters where they lie.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ def dataset(world_size: int) -> list[dict[str, torch.Tensor]]:
 
 
 def deepspeed_config(stage: int, stock: bool = False, optimizer: str = "adamw_bnb_8bit") -> dict:
-    semantics = "matrix" if optimizer == "muon" else {"*weight": "bnb8bit"}  # ZeRO-1/2's layout
+    semantics = "matrix" if optimizer.startswith("muon") else {"*weight": "bnb8bit"}  # ZeRO-1/2's layout
     cfg = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -73,9 +79,10 @@ def main() -> None:
     parser.add_argument("--stock", action="store_true", help="plain DeepSpeed: no blockshard section")
     parser.add_argument(
         "--optimizer",
-        choices=("adamw_bnb_8bit", "muon"),
+        choices=("adamw_bnb_8bit", "muon", "muon_adamw"),
         default="adamw_bnb_8bit",
-        help="muon: torch's Muon on the decoder layers' matrices, the rest frozen",
+        help="muon: torch's Muon on the decoder layers' matrices, the rest frozen; muon_adamw: "
+        "blockshard.optim.MuonWithAdamW, Muon on the hidden matrices and AdamW on the rest, nothing frozen",
     )
     parser.add_argument("--out", help="write losses and parameters (rank 0) for a comparison")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
@@ -110,6 +117,10 @@ def main() -> None:
         for name, p in model.named_parameters():  # Muon: 2-D matrices only; one optimizer per engine
             p.requires_grad_(name.startswith("model.layers.") and p.dim() == 2)
         custom = (torch.optim.Muon, {"lr": 0.02})
+    if args.optimizer == "muon_adamw":  # one optimizer per engine: Muon and AdamW in one, by param_group
+        from blockshard.optim import MuonWithAdamW
+
+        custom = (MuonWithAdamW.for_model(model), {"muon": {"lr": 0.02}, "adamw": {"lr": 1e-2}})
     trainer = Trainer(
         model=model, args=training_args, train_dataset=dataset(world_size), optimizer_cls_and_kwargs=custom
     )

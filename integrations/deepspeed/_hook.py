@@ -240,7 +240,7 @@ def _make_zero12() -> type:
                     v = base.narrow(0, seg_off, n)
                     if whole:
                         v = v.view(shape)
-                    elif "muon" in inner_name and len(shape) >= 2:
+                    elif len(shape) >= 2 and _needs_whole_matrices(self.optimizer, inner_name, i):
                         raise DeepSpeedHookError(
                             f"parameter {gs.names[t]!r} of shape {shape} is split across ZeRO partitions "
                             f"(semantics {gs.labels[t]!r}), but the inner optimizer {type(self.optimizer).__name__} "
@@ -406,3 +406,12 @@ def _make_zero12() -> type:
             )
 
     return BlockshardZeroOptimizer
+
+
+def _needs_whole_matrices(optimizer: Any, inner_name: str, gindex: int) -> bool:
+    """Whether param_group ``gindex``'s optimizer computes on whole matrices (Muon): by the semantics
+    an optimizer states per group ([Note: Muon beside AdamW]), else by its name."""
+    per_group = getattr(optimizer, "blockshard_group_semantics", None)
+    if callable(per_group):
+        return bool(per_group(gindex) == "matrix")
+    return "muon" in inner_name

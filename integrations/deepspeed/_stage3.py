@@ -335,8 +335,9 @@ def make_stage3() -> type:
                         "part runs in blockshard.fully_shard with blockshard.optim.Muon; the DeepSpeed hook steps "
                         "each matrix whole. Fix: drop the 'parts' rule from the \"blockshard\" section's semantics"
                     )
-            try:
-                label = semantics_for_optimizer(self.optimizer)
+            per_group = getattr(self.optimizer, "blockshard_group_semantics", None)
+            try:  # [Note: Muon beside AdamW]: an optimizer that states its semantics per param_group
+                label = per_group(gid) if callable(per_group) else semantics_for_optimizer(self.optimizer)
             except ValueError:
                 if res is None:
                     return "whole", UnitGrid.whole(n)

@@ -78,7 +78,7 @@ def make_model(kind: str) -> nn.Module:
     return MatrixMLP() if kind == "muon" else BlockMLP()
 
 
-SEMANTICS = {"bnb": {"*weight": "bnb8bit", "*bias": "bnb8bit"}, "adamw": None, "muon": "matrix"}
+SEMANTICS = {"bnb": {"*weight": "bnb8bit", "*bias": "bnb8bit"}, "adamw": None, "muon": "matrix", "muon_adamw": "matrix"}
 
 
 def ds_config(stage: int, kind: str, *, hooked: bool = True, batch: int = 12, extra: dict | None = None) -> dict:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 STEPS = 3
-LR = {"adamw": 1e-2, "bnb": 1e-2, "ao8bit": 1e-2, "muon": 0.02, "shampoo": 1e-2}
+LR = {"adamw": 1e-2, "bnb": 1e-2, "ao8bit": 1e-2, "muon": 0.02, "shampoo": 1e-2, "muon_adamw": 0.02}
 KINDS = tuple(LR)
 
 
@@ -41,6 +41,13 @@ def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
         return AdamW8bit(params, lr=LR[kind])
     if kind == "muon":
         return torch.optim.Muon(params, lr=LR[kind])
+    if kind == "muon_adamw":  # blockshard.optim.MuonWithAdamW: Muon on the matrices, AdamW on the biases
+        from blockshard.optim import MuonWithAdamW
+
+        mats = [p for p in params if len(getattr(p, "ds_shape", p.shape)) == 2]  # zero.Init: 1-D placeholders
+        rest = [p for p in params if len(getattr(p, "ds_shape", p.shape)) != 2]
+        groups = [{"params": mats, "use_muon": True}, {"params": rest, "use_muon": False}]
+        return MuonWithAdamW(groups, muon={"lr": LR[kind]}, adamw={"lr": LR["adamw"]})
     if kind == "shampoo":
         from blockshard.optim import BlockedShampoo
 

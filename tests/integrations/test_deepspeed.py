@@ -344,6 +344,7 @@ def _zero3_spec(full: bool) -> dict:
         cases["adamw_unused_z1"] = ("adamw", {"model": "unused", "stage": 1})
         cases["muon_unused_z2"] = ("muon", {"model": "unused", "stage": 2})
         cases["adamw_unused_z2_stock"] = ("adamw", {"model": "unused", "stage": 2, "stock": True})
+        cases["muon_adamw_z2"] = ("muon_adamw", {"stage": 2})  # MuonWithAdamW under ZeRO-2: "matrix" semantics
         # peft LoRA adapters on every Linear, the base weights frozen
         cases["bnb_lora"] = ("bnb", {"model": "lora"})
         cases["muon_lora"] = ("muon", {"model": "lora"})
@@ -623,15 +624,19 @@ def test_zero3_hook_equals_one_process_bitwise(request, w, case):
     if kw.get("frozen"):
         model.fc1.requires_grad_(False)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    if kind == "muon_adamw":  # its param_groups (DeepSpeed's sub-groups, in order): Muon's matrices, then AdamW's
+        shapes = dict(sorted(shapes.items(), key=lambda item: len(item[1]) != 2))
     assert list(traffic["runs"]) == list(shapes) and all(
-        traffic["semantics"][n] == {"bnb": "bnb8bit", "ao8bit": "ao8bit", "muon": "matrix"}.get(kind, "shampoo:32")
-        for n in shapes
+        traffic["semantics"][n] == _z3_semantics(kind, shape) for n, shape in shapes.items()
     )
     grids = [get_semantics(traffic["semantics"][n]).grid(shape, "float32") for n, shape in shapes.items()]
     runs, _ = plan_runs(list(shapes.values()), grids, w)
     assert [[(r.start, r.end, r.owner) for r in rs] for rs in runs] == list(traffic["runs"].values())
     numels = [math.prod(shape) for shape in shapes.values()]
     moved = moved_bytes(runs, numels, w, 0)
+    if kind == "muon_adamw":  # two param_groups: two sub-groups, together the plan's bytes per step
+        assert got["subgroups"] == 2 and sum(traffic["bytes_per_step"]) == moved * _ds_zero3_runs.STEPS
+        return
     if "sub_group" in kw:  # one entry per sub-group step; together, the plan's bytes per step
         assert got["subgroups"] > 1 and len(traffic["bytes_per_step"]) == got["subgroups"] * _ds_zero3_runs.STEPS
         assert sum(traffic["bytes_per_step"]) == moved * _ds_zero3_runs.STEPS
@@ -640,6 +645,13 @@ def test_zero3_hook_equals_one_process_bitwise(request, w, case):
     if kind == "bnb" and any(len(rs) > 1 for rs in runs):  # cut runs move far less than whole parameters
         whole, _ = plan_runs(list(shapes.values()), [UnitGrid.whole(n) for n in numels], w)
         assert moved < moved_bytes(whole, numels, w, 0)
+
+
+def _z3_semantics(kind: str, shape: tuple[int, ...]) -> str:
+    """The semantics the ZeRO-3 hook gives a parameter of ``shape`` under ``kind``'s optimizer."""
+    if kind == "muon_adamw":  # per param_group ([Note: Muon beside AdamW]): Muon's matrices, AdamW's elements
+        return "matrix" if len(shape) == 2 else "elementwise"
+    return {"bnb": "bnb8bit", "ao8bit": "ao8bit", "muon": "matrix"}.get(kind, "shampoo:32")
 
 
 @pytest.mark.slow
@@ -699,7 +711,7 @@ def test_zero12_hook_skips_parameters_no_rank_used_as_one_process(world2):
 
     got = world2[0]["zero3"]
     spec = _zero3_spec(True)["cases"]
-    for case in ("bnb_unused_gas2_z2", "adamw_unused_z1", "muon_unused_z2"):
+    for case in ("bnb_unused_gas2_z2", "adamw_unused_z1", "muon_unused_z2", "muon_adamw_z2"):
         kind, kw = spec[case]
         assert "error" not in got["cases"][case], got["cases"][case].get("error")
         assert bitwise(got["cases"][case]["params"], got["refs"][z3.ref_key(kind, kw)]), case
