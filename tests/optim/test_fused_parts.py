@@ -29,7 +29,7 @@ import _inproc
 import blockshard
 from blockshard import SemanticsError
 from blockshard.integrations import fsdp2
-from blockshard.optim import Muon, OwnerComputeError, OwnerComputeOptimizer
+from blockshard.optim import BlockedShampoo, Muon, OwnerComputeError, OwnerComputeOptimizer
 from blockshard.runtime import ShardingError
 from blockshard.semantics import SemanticsRules, TensorSpec
 
@@ -201,6 +201,11 @@ def test_torch_muon_and_owner_compute_around_it_refuse_a_fused_weight(gloo_w1):
         ((model(torch.randn(6, 24)) ** 2).mean()).backward()
         with pytest.raises(ShardingError, match=r"qkv.weight.*fused weight of parts 40:8:8.*blockshard.optim.Muon"):
             muon.step()
+        # BlockedShampoo: 16-row tiles would straddle the part boundary at row 40; 8-row tiles would not
+        qkv = [p for n, p in mats if n.endswith("qkv.weight")]
+        with pytest.raises(ShardingError, match=r"16 x 16 tiles would hold rows of two parts.*row 40"):
+            BlockedShampoo(qkv, lr=1e-3, max_preconditioner_dim=16).step()
+        BlockedShampoo(qkv, lr=1e-3, max_preconditioner_dim=8).step()
 
 
 def test_stock_fsdp2_owner_compute_around_torch_muon_refuses_a_fused_weight():

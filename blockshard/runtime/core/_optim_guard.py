@@ -301,20 +301,36 @@ def _check_not_cut(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any
         )
 
 
-def _check_fused(optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, sp: Any, name: str | None) -> None:
-    """torch's Muon on a piece of a fused weight (``parts`` semantics, [Note: fused parts] in
-    semantics/_builtins.py) would orthogonalize the fused matrix as one, not each part. ``sp``: the
-    piece's ShardedParam in ``group`` (None: none)."""
+def _check_fused(
+    optimizer: torch.optim.Optimizer, p: torch.Tensor, group: Any, sp: Any, name: str | None, options: dict[str, Any]
+) -> None:
+    """A piece of a fused weight (``parts`` semantics, [Note: fused parts] in semantics/_builtins.py)
+    must not reach an optimizer that would compute across its parts: torch's Muon (the fused matrix
+    orthogonalized as one), BlockedShampoo whose ``D``-row tiles straddle a part boundary. ``sp``: the
+    piece's ShardedParam in ``group`` (None: none); ``options``: the param_group holding ``p``."""
     layout = getattr(group, "layout", None)
-    if layout is None or sp is None or not _is_torch_muon(optimizer) or not checks_on():
+    if layout is None or sp is None or not checks_on():
         return
     parts = fused_parts(layout.tensors[sp.index].semantics)
-    if parts:
+    if not parts:
+        return
+    what = (
+        f"this rank's piece {tuple(p.shape)} of {name or sp.fqn!r} (global shape {sp.shape}), a fused weight of parts"
+    )
+    if _is_torch_muon(optimizer):
         raise ShardingError(
-            f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r} (global "
-            f"shape {sp.shape}), a fused weight of parts {':'.join(map(str, parts))} rows: torch's Muon would "
+            f"{type(optimizer).__name__} holds {what} {':'.join(map(str, parts))} rows: torch's Muon would "
             "orthogonalize the fused matrix as one, where the parts are separate matrices. Fix: step it with "
             "blockshard.optim.Muon (Muon per part), or drop its 'parts' semantics if one matrix is meant"
+        )
+    tiles = _tile_semantics(optimizer, options)
+    dim = int(tiles.split(":")[1]) if tiles is not None else 0
+    bounds = [sum(parts[: k + 1]) for k in range(len(parts) - 1)]
+    if dim and any(b % dim for b in bounds):
+        raise ShardingError(
+            f"{type(optimizer).__name__} holds {what} {':'.join(map(str, parts))} rows: its {dim} x {dim} tiles "
+            f"would hold rows of two parts (a part boundary at row {next(b for b in bounds if b % dim)}). Fix: a "
+            "max_preconditioner_dim that divides every part's rows, or drop the 'parts' semantics"
         )
 
 
@@ -368,5 +384,5 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
                 _check_tp_cut(optimizer, p, sp, name, group)
                 if _whole_unit_optimizer(optimizer):
                     _check_not_cut(optimizer, p, group_of_p, sp, name)
-                    _check_fused(optimizer, p, group_of_p, sp, name)
+                    _check_fused(optimizer, p, group_of_p, sp, name, group)
     return tuple(groups.values())
