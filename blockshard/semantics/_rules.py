@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from blockshard._errors import ComputeUnitError, SemanticsError
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
-from blockshard.semantics._builtins import Parts, Shampoo
+from blockshard.semantics._builtins import Matrix, Parts, Shampoo
 from blockshard.semantics._experts import is_stacked_experts, repeat_grid
 from blockshard.semantics._grid import GridError, UnitGrid
 from blockshard.semantics._presets import PRESETS
@@ -225,15 +225,24 @@ class SemanticsRules:
         if costly is None:
             cost = float(spec.numel)
         elif experts and costly.per_expert:
-            cost = spec.shape[0] * costly.cost(spec.shape[1:], spec.dtype)
+            cost = spec.shape[0] * _cost(costly, spec.shape[1:], spec.dtype, sems)
         else:
-            cost = costly.cost(spec.shape, spec.dtype)
+            cost = _cost(costly, spec.shape, spec.dtype, sems)
         quantizer = by_kind.get(SemanticsKind.QUANTIZER)
         storage = _storage_of(quantizer, spec) if quantizer is not None else None
         return ResolvedSemantics(tuple(sems), grid, cost, tuple(companions), placement, storage)
 
     def __repr__(self) -> str:
         return f"SemanticsRules({list(self.rules)!r})"
+
+
+def _cost(sem: BlockSemantics, shape: tuple[int, ...], dtype: str, sems: list[BlockSemantics]) -> float:
+    """``sem``'s cost of one matrix of ``shape``: per part of a fused weight ([Note: fused parts]) for
+    Muon's ``matrix`` (Newton-Schulz on each part)."""
+    parts = next((s for s in sems if isinstance(s, Parts)), None)
+    if parts is None or not isinstance(sem, Matrix) or len(shape) < 2:
+        return sem.cost(shape, dtype)
+    return sum(sem.cost((r, *shape[1:]), dtype) for r in parts.rows)
 
 
 def _check_parts(spec: TensorSpec, sems: list[BlockSemantics], experts: bool) -> None:

@@ -31,7 +31,7 @@ from blockshard import SemanticsError
 from blockshard.integrations import fsdp2
 from blockshard.optim import BlockedShampoo, Muon, OwnerComputeError, OwnerComputeOptimizer
 from blockshard.runtime import ShardingError
-from blockshard.semantics import SemanticsRules, TensorSpec
+from blockshard.semantics import SemanticsRules, TensorSpec, newton_schulz_flops
 
 PARTS = {"block.qkv.weight": (40, 8, 8), "block.gate_up.weight": (32, 32), "block.experts.gate_up_proj": (8, 8)}
 WITH_PARTS = (
@@ -218,4 +218,17 @@ def test_stock_fsdp2_owner_compute_around_torch_muon_refuses_a_fused_weight():
         )
     fsdp2.OwnerComputeOptimizer(
         lambda g: torch.optim.AdamW(g), [("qkv.weight", p)], semantics="*qkv.weight=parts:40:8:8"
+    )
+
+
+def test_a_fused_weights_muon_cost_is_its_parts_newton_schulz():
+    """Owners are balanced by cost: Muon on a fused weight costs Newton-Schulz on each part (per expert too)."""
+
+    res = SemanticsRules.coerce("matrix,*qkv=parts:40:8:8").resolve(
+        TensorSpec(name="a.qkv", shape=(56, 24), dtype="float32")
+    )
+    assert res.cost == newton_schulz_flops((40, 24)) + 2 * newton_schulz_flops((8, 24)) < newton_schulz_flops((56, 24))
+    experts = TensorSpec(name="experts.gate_up_proj", shape=(2, 16, 24), dtype="float32")
+    assert SemanticsRules.coerce("matrix,*gate_up_proj=parts:8:8").resolve(experts).cost == 4 * newton_schulz_flops(
+        (8, 24)
     )
