@@ -11,6 +11,7 @@ an error, so the list cannot rot silently."""
 from __future__ import annotations
 
 import pytest
+from _shm import remove_stale_deepspeed_buffers
 
 HEAVY_CASES = frozenset(
     {
@@ -94,3 +95,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid in HEAVY_CASES:
             item.add_marker(pytest.mark.heavy)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _deepspeed_shm_buffers():
+    """[Note: DeepSpeed's shared-memory buffers] in tests/_shm.py."""
+    yield
+    remove_stale_deepspeed_buffers()
