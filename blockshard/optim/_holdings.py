@@ -66,24 +66,20 @@ def ragged_holdings(groups: NamedGroups, mtypes: Mapping[int, str] | None = None
             parts = fused_parts(placed.semantics)
             mn = math.prod(sp.shape[-2:]) if len(sp.shape) >= 3 else 0
             matrix_numel = mn if mn and grid.unit_numel == mn else 0  # stacked experts: one matrix each
+            common: dict[str, Any] = {
+                "local_start": sp.local_start,
+                "local_numel": sp.local_numel,
+                "direct": True,
+                "matrix_numel": matrix_numel,
+                "tp": tp,
+                "parts": parts,
+            }
             if plan is None or not plan.units:
                 S = group.layout.buckets[placed.bucket]
                 cuts = tuple(k * S - placed.offset for k in range(placed.offset // S + 1, -(-placed.end // S)))
                 holdings.append(
-                    Holding(
-                        name,
-                        p,
-                        tuple(sp.shape),
-                        gi,
-                        local_start=sp.local_start,
-                        local_numel=sp.local_numel,
-                        direct=True,
-                        matrix_numel=matrix_numel,
-                        cuts=cuts,
-                        tp=tp,
-                        parts=parts,
-                    )
-                )  # cuts: the same on every rank (from the layout)
+                    Holding(name, p, tuple(sp.shape), gi, cuts=cuts, **common)
+                )  # cuts: the same on every rank
                 continue
             holdings.append(
                 Holding(
@@ -95,12 +91,7 @@ def ragged_holdings(groups: NamedGroups, mtypes: Mapping[int, str] | None = None
                     offset=plan.offset,
                     segment=plan.segment_numel,
                     units=plan.units,
-                    local_start=sp.local_start,
-                    local_numel=sp.local_numel,
-                    direct=True,
-                    matrix_numel=matrix_numel,
-                    tp=tp,
-                    parts=parts,
+                    **common,
                 )
             )
     return holdings, process_group

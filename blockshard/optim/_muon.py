@@ -39,6 +39,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz as _newton_schulz
 
 from blockshard.optim._owner_compute import Holding, NamedGroups, OwnerComputeError, ParamsArg, named_groups
 from blockshard.optim._owner_optimizer import OwnerComputeOptimizer
+from blockshard.optim._step import closure_loss
 from blockshard.runtime.core._param import managed_tag
 
 __all__ = ["Muon"]
@@ -226,10 +227,7 @@ class Muon(OwnerComputeOptimizer):
         self._refresh_views()
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._refresh_views()
         self.inner.step()
         self._steps_taken += 1  # [Note: traffic]: the next step's collectives count as that step's

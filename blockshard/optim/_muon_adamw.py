@@ -27,6 +27,7 @@ from torch import nn
 
 from blockshard._errors import BlockshardError
 from blockshard.optim._semantics import muon_param_groups
+from blockshard.optim._step import closure_loss
 
 __all__ = ["MuonWithAdamW"]
 
@@ -53,7 +54,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         muon: Mapping[str, Any] | None = None,
         adamw: Mapping[str, Any] | None = None,
     ) -> None:
-        groups = [dict(g) if isinstance(g, Mapping) else g for g in params] if not isinstance(params, Mapping) else []
+        listed = [params] if isinstance(params, Mapping) else list(params)  # one group given alone, too
+        groups = [dict(g) if isinstance(g, Mapping) else g for g in listed]
         for i, g in enumerate(groups):
             if not isinstance(g, dict):
                 raise BlockshardError(
@@ -86,10 +88,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._sync()
         if self._muon.param_groups:
             self._muon.step()

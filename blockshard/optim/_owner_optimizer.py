@@ -24,6 +24,7 @@ from blockshard.optim._owner_compute import (
 )
 from blockshard.optim._owner_state import PieceView, load_piece_view, piece_view
 from blockshard.optim._semantics import computes_on_whole_units, semantics_for_optimizer
+from blockshard.optim._step import closure_loss
 from blockshard.runtime.core._collectives import agree, wait
 from blockshard.runtime.core._optim_guard import mark_stepped, note_inner
 from blockshard.runtime.core._traffic import CollectiveCount, Traffic
@@ -400,10 +401,7 @@ class OwnerComputeOptimizer(torch.optim.Optimizer):
         """Gradients to owners, inner step on whole units and local pieces, new values back."""
         mark_stepped(q.param for q in self._params)  # a rank that owns nothing steps its pieces too
         self._steps_taken += 1
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         with torch.no_grad():
             self._refresh_views()
             for pc in self._pieces:

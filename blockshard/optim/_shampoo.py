@@ -61,6 +61,7 @@ from torch.optim.optimizer import ParamsT
 
 from blockshard._errors import BlockshardError
 from blockshard.optim._shampoo_codec import ShampooBlocksCodec
+from blockshard.optim._step import closure_loss
 from blockshard.planner._units import rows_cols
 
 __all__ = ["BlockedShampoo"]
@@ -223,10 +224,7 @@ class BlockedShampoo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

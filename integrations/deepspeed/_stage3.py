@@ -88,7 +88,8 @@ import torch.distributed as dist
 
 from blockshard._arith import block_shape
 from blockshard.optim import semantics_for_optimizer
-from blockshard.semantics import TensorSpec, UnitGrid, fused_parts, get_semantics
+from blockshard.semantics import TensorSpec, UnitGrid, get_semantics
+from blockshard.semantics._builtins import Parts
 
 from ._bnb_overrides import follow_overrides, resolve_module_overrides
 from ._config import DeepSpeedHookError
@@ -324,23 +325,22 @@ def make_stage3() -> type:
             """The block semantics a parameter's runs follow: the inner optimizer's where blockshard knows
             it, else the ``"blockshard"`` section's rules, else whole parameters."""
             n = math.prod(shape)
-            res = None
-            if self._bs_config.semantics is not None:
-                res = self._bs_config.rules.resolve(
-                    TensorSpec(name=name, shape=shape, dtype="float32", param_group=gid)
+            spec = TensorSpec(name=name, shape=shape, dtype="float32", param_group=gid)
+            rules = self._bs_config.rules if self._bs_config.semantics is not None else None
+            fused = [s.spec for s in rules.matching(spec) if isinstance(s, Parts)] if rules is not None else []
+            if fused:  # [Note: fused parts]
+                raise DeepSpeedHookError(
+                    f"parameter {name!r} of shape {shape} is declared a fused weight ({fused[0]!r}): Muon per part "
+                    "runs in blockshard.fully_shard with blockshard.optim.Muon; the DeepSpeed hook steps each matrix "
+                    "whole. Fix: drop the 'parts' rule from the \"blockshard\" section's semantics"
                 )
-                if fused_parts(res.label):  # [Note: fused parts]
-                    raise DeepSpeedHookError(
-                        f"parameter {name!r} of shape {shape} is declared a fused weight ({res.label!r}): Muon per "
-                        "part runs in blockshard.fully_shard with blockshard.optim.Muon; the DeepSpeed hook steps "
-                        "each matrix whole. Fix: drop the 'parts' rule from the \"blockshard\" section's semantics"
-                    )
             per_group = getattr(self.optimizer, "blockshard_group_semantics", None)
             try:  # [Note: Muon beside AdamW]: an optimizer that states its semantics per param_group
                 label = per_group(gid) if callable(per_group) else semantics_for_optimizer(self.optimizer)
             except ValueError:
-                if res is None:
+                if rules is None:
                     return "whole", UnitGrid.whole(n)
+                res = rules.resolve(spec)
                 return res.label, res.grid
             return label, get_semantics(label).grid(shape, "float32", tensor=name)
 
