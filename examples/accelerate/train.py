@@ -14,6 +14,7 @@ process computes (docs/design.md). `--out FILE` writes what the tests check (JSO
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -132,8 +133,10 @@ def main() -> None:
             json.dump(info, f)
         if accelerator.is_main_process:
             torch.save({k: v.detach().cpu() for k, v in state.items()}, f"{args.out}.pt")
+    accelerator.wait_for_everyone()  # every rank is done before any tears the group down
     accelerator.end_training()  # destroys the process group before exit
 
 
 if __name__ == "__main__":
     main()
+    gc.collect()  # free what still holds the gloo groups now, not during interpreter shutdown (a gloo abort)
