@@ -30,7 +30,13 @@ from torch import nn
 
 from blockshard._errors import SemanticsError
 from blockshard.runtime import global_shapes, owner_plan
-from blockshard.semantics import TensorSpec, blockwise_state_semantics, get_semantics, normalize_dtype
+from blockshard.semantics import (
+    TensorSpec,
+    blockwise_state_semantics,
+    get_semantics,
+    normalize_dtype,
+    tile_state_semantics,
+)
 from blockshard.semantics._experts import is_stacked_experts
 from blockshard.semantics._rule import is_embedding_or_head
 
@@ -73,11 +79,10 @@ def semantics_for_optimizer(optimizer: object) -> str:
         )
     cls = optimizer if isinstance(optimizer, type) else type(optimizer)
     module, name = cls.__module__, cls.__name__
-    if name == "BlockedShampoo":
-        dim = 1024
-        if isinstance(optimizer, torch.optim.Optimizer):
-            dim = optimizer.defaults["max_preconditioner_dim"]
-        return f"shampoo:{dim}"
+    dim = optimizer.defaults.get("max_preconditioner_dim") if isinstance(optimizer, torch.optim.Optimizer) else None
+    tiles = tile_state_semantics(name, dim)
+    if tiles is not None:
+        return tiles
     if name == "Muon":
         return "matrix"
     blockwise = blockwise_state_semantics(module, name)  # bitsandbytes / torchao 8-bit (4-bit) optimizers

@@ -2,9 +2,9 @@
 
 from blockshard.semantics import _builtins, _quantizers  # noqa: F401  (register the built-ins)
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
-from blockshard.semantics._builtins import fused_parts, newton_schulz_flops
+from blockshard.semantics._builtins import fused_parts, newton_schulz_flops, straddled_boundary
 from blockshard.semantics._grid import UnitGrid
-from blockshard.semantics._optimizers import blockwise_state_semantics
+from blockshard.semantics._optimizers import blockwise_state_semantics, tile_state_semantics
 from blockshard.semantics._presets import PRESETS
 from blockshard.semantics._registry import (
     ENTRY_POINT_GROUP,
@@ -47,5 +47,7 @@ __all__ = [
     "registered_semantics",
     "reload_entry_points",
     "storage_with_companions",
+    "straddled_boundary",
+    "tile_state_semantics",
     "unregister_semantics",
 ]

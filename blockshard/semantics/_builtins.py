@@ -163,6 +163,17 @@ class Parts(BlockSemantics):
         return UnitGrid.units(math.prod(shape), 1)
 
 
+def straddled_boundary(rows: tuple[int, ...], dim: int) -> int | None:
+    """The first part boundary of a fused weight of ``rows`` that ``dim``-row tiles straddle (a
+    boundary that is not a multiple of ``dim``); None when every tile holds rows of one part."""
+    at = 0
+    for r in rows[:-1]:
+        at += r
+        if at % dim:
+            return at
+    return None
+
+
 def fused_parts(label: str) -> tuple[int, ...]:
     """The part rows a semantics label (``"matrix+parts:64:16:16"``) declares; ``()`` for none."""
     for item in label.split("+"):

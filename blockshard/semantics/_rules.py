@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from blockshard._errors import ComputeUnitError, SemanticsError
 from blockshard.semantics._base import BlockSemantics, Companion, SemanticsKind
-from blockshard.semantics._builtins import Matrix, Parts, Shampoo
+from blockshard.semantics._builtins import Matrix, Parts, Shampoo, straddled_boundary
 from blockshard.semantics._experts import is_stacked_experts, repeat_grid
 from blockshard.semantics._grid import GridError, UnitGrid
 from blockshard.semantics._presets import PRESETS
@@ -251,15 +251,11 @@ def _check_parts(spec: TensorSpec, sems: list[BlockSemantics], experts: bool) ->
     shampoo = next((s for s in sems if isinstance(s, Shampoo)), None)
     if parts is None or shampoo is None:
         return
-    bounds, at = [], 0
-    for r in parts.rows[:-1]:
-        at += r
-        bounds.append(at)
-    off = [b for b in bounds if b % shampoo.dim]
-    if off:
+    off = straddled_boundary(parts.rows, shampoo.dim)
+    if off is not None:
         raise ComputeUnitError(
             f"tensor {spec.name!r} of shape {spec.shape} is declared {parts.spec!r} (a fused weight) and gets "
-            f"{shampoo.spec!r}: the part boundary at row {off[0]}{' of each expert' if experts else ''} is not a "
+            f"{shampoo.spec!r}: the part boundary at row {off}{' of each expert' if experts else ''} is not a "
             f"multiple of {shampoo.dim}, so a {shampoo.dim}-row Shampoo tile would hold rows of two parts. Fix: a "
             "max_preconditioner_dim that divides every part's rows, or unfuse the weight"
         )

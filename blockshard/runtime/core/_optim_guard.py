@@ -58,7 +58,7 @@ from blockshard.runtime.core._optim_checks import check_first_step, check_still_
 from blockshard.runtime.core._optim_facts import blockwise_semantics
 from blockshard.runtime.core._owners import compute_of
 from blockshard.runtime.core._param import managed_tag
-from blockshard.semantics import fused_parts
+from blockshard.semantics import fused_parts, straddled_boundary, tile_state_semantics
 
 __all__ = ["check_optimizer", "install_optimizer_guard", "mark_stepped", "note_inner", "uncounted_steps"]
 
@@ -224,10 +224,11 @@ def _check_stored_order(optimizer: torch.optim.Optimizer, p: torch.Tensor, sp: A
 
 
 def _tile_semantics(optimizer: torch.optim.Optimizer, options: dict[str, Any]) -> str | None:
-    """``"shampoo:D"`` for blockshard's BlockedShampoo (``D``: the param_group's max_preconditioner_dim)."""
-    if type(optimizer).__name__ != "BlockedShampoo":
-        return None
-    return f"shampoo:{options.get('max_preconditioner_dim', optimizer.defaults.get('max_preconditioner_dim'))}"
+    """``"shampoo:D"`` for blockshard's BlockedShampoo, ``D`` the param_group's max_preconditioner_dim."""
+    name = type(optimizer).__name__
+    return tile_state_semantics(
+        name, options.get("max_preconditioner_dim", optimizer.defaults.get("max_preconditioner_dim"))
+    )
 
 
 def _check_tp_cut(
@@ -256,9 +257,20 @@ def _check_tp_cut(
         return
     # 8-bit blocks or Shampoo tiles the tp cut keeps whole: stepped as one process steps them (every
     # block's state and math are its own, [Note: tiles across tp])
-    blocks = blockwise_semantics(optimizer) or _tile_semantics(optimizer, options)
+    tiles = _tile_semantics(optimizer, options)
+    blocks = blockwise_semantics(optimizer) or tiles
     if blocks is not None and not tp.splits_units(sp.fqn, p.dtype, blocks):
         return
+    if tiles is not None:
+        dim = int(tiles.split(":")[1])
+        raise ShardingError(
+            f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r}, a "
+            f"tensor-parallel parameter placed {tp.label} (global shape {tp.shape}, {sp.shape} on this tp rank): "
+            f"the tp cut splits its {dim} x {dim} preconditioner tiles, so it would precondition parts of tiles "
+            "where one process preconditions whole ones. Fix: a max_preconditioner_dim that divides the tp cut "
+            f"(this tp rank's {sp.shape[tp.shard_dim]} along dim {tp.shard_dim}), or leave it out of the TP plan "
+            "(replicated over tp)"
+        )
     raise ShardingError(
         f"{type(optimizer).__name__} holds this rank's piece {tuple(p.shape)} of {name or sp.fqn!r}, a "
         f"tensor-parallel parameter placed {tp.label} (global shape {tp.shape}, {sp.shape} on this tp rank): "
@@ -325,12 +337,12 @@ def _check_fused(
         )
     tiles = _tile_semantics(optimizer, options)
     dim = int(tiles.split(":")[1]) if tiles is not None else 0
-    bounds = [sum(parts[: k + 1]) for k in range(len(parts) - 1)]
-    if dim and any(b % dim for b in bounds):
+    off = straddled_boundary(parts, dim) if dim else None
+    if off is not None:
         raise ShardingError(
             f"{type(optimizer).__name__} holds {what} {':'.join(map(str, parts))} rows: its {dim} x {dim} tiles "
-            f"would hold rows of two parts (a part boundary at row {next(b for b in bounds if b % dim)}). Fix: a "
-            "max_preconditioner_dim that divides every part's rows, or drop the 'parts' semantics"
+            f"would hold rows of two parts (a part boundary at row {off}). Fix: a max_preconditioner_dim that "
+            "divides every part's rows, or drop the 'parts' semantics"
         )
 
 
