@@ -22,10 +22,13 @@ is dropped under DeepSpeed: transformers' ``deepspeed_init`` sets ``trainer.opti
 too.) The Trainer builds it from the trainable parameters before ``deepspeed.initialize`` (inside
 ``accelerator.prepare``). A DeepSpeed engine takes one optimizer and torch's ``Muon`` only 2-D
 parameters, so Muon trains the decoder layers' projection matrices and the embedding, the norms and
-the head stay frozen. The model is built directly (``tiny_llama``), not through ``from_pretrained`` /
-``from_config``, so ``deepspeed.zero.Init`` is not involved (it would be, under a ZeRO-3 config, for
-models those build after ``TrainingArguments(deepspeed=...)``; build Muon with
-``bs_deepspeed.zero3_optimizer`` there, since zero.Init's placeholders are 1-D).
+the head stay frozen.
+
+``--from-pretrained DIR``: the model through ``AutoModelForCausalLM.from_pretrained(DIR)`` after
+``TrainingArguments(deepspeed=<ZeRO-3 config>)``, the Trainer's own ZeRO-3 flow: built inside
+``deepspeed.zero.Init``, every parameter a 1-D placeholder (its shape kept as ``ds_shape``) before the
+Trainer sees it. torch's ``Muon`` is then built by ``bs_deepspeed.zero3_optimizer`` (it checks shapes
+when built); ``MuonWithAdamW.for_model`` and ``muon_param_groups`` go by ``ds_shape`` themselves.
 
 ``--optimizer muon_adamw``: Muon beside AdamW in the one optimizer the engine takes,
 ``blockshard.optim.MuonWithAdamW`` ([Note: Muon beside AdamW]): ``optimizer_cls_and_kwargs=
@@ -73,6 +76,16 @@ def deepspeed_config(stage: int, stock: bool = False, optimizer: str = "adamw_bn
     return cfg
 
 
+class PartitionedMuon(torch.optim.Muon):
+    """torch's ``Muon`` built over ``deepspeed.zero.Init``'s 1-D placeholders by ``zero3_optimizer`` (the
+    constructor sees each parameter's full shape), for ``optimizer_cls_and_kwargs``, which takes a class."""
+
+    def __new__(cls, params, **kwargs):  # returns torch's Muon itself (so __init__ is not run again)
+        from blockshard.integrations import deepspeed as bs_deepspeed
+
+        return bs_deepspeed.zero3_optimizer(lambda ps: torch.optim.Muon(ps, **kwargs), params)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=2, help="ZeRO stage; 0: no DeepSpeed")
@@ -83,6 +96,12 @@ def main() -> None:
         default="adamw_bnb_8bit",
         help="muon: torch's Muon on the decoder layers' matrices, the rest frozen; muon_adamw: "
         "blockshard.optim.MuonWithAdamW, Muon on the hidden matrices and AdamW on the rest, nothing frozen",
+    )
+    parser.add_argument(
+        "--from-pretrained",
+        metavar="DIR",
+        help="load the model with AutoModelForCausalLM.from_pretrained(DIR) (under a ZeRO-3 config: built inside "
+        "deepspeed.zero.Init, partitioned at construction) instead of building tiny_llama() directly",
     )
     parser.add_argument("--out", help="write losses and parameters (rank 0) for a comparison")
     parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
@@ -111,12 +130,20 @@ def main() -> None:
         report_to=[],
         disable_tqdm=True,
     )
-    model = tiny_llama()
+    if args.from_pretrained:  # after TrainingArguments(deepspeed=<ZeRO-3>): inside zero.Init (1-D placeholders)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.from_pretrained, attn_implementation="eager")  # as tiny_llama
+    else:
+        model = tiny_llama()
+    partitioned = all(hasattr(p, "ds_id") for p in model.parameters())  # by zero.Init, before the Trainer
     custom = None
     if args.optimizer == "muon":
         for name, p in model.named_parameters():  # Muon: 2-D matrices only; one optimizer per engine
-            p.requires_grad_(name.startswith("model.layers.") and p.dim() == 2)
+            p.requires_grad_(name.startswith("model.layers.") and len(getattr(p, "ds_shape", p.shape)) == 2)
         custom = (torch.optim.Muon, {"lr": 0.02})
+        if partitioned:  # zero.Init's 1-D placeholders: torch's Muon checks shapes when it is built
+            custom = (PartitionedMuon, {"lr": 0.02})
     if args.optimizer == "muon_adamw":  # one optimizer per engine: Muon and AdamW in one, by param_group
         from blockshard.optim import MuonWithAdamW
 
@@ -139,7 +166,15 @@ def main() -> None:
             inner = inner.optimizer
         inner = type(inner).__name__
         print(f"world_size={world_size} hooked={hooked} optimizer={inner} losses={losses}")
-        write_result(args.out, world_size=world_size, losses=losses, params=params, hooked=hooked, optimizer=inner)
+        write_result(
+            args.out,
+            world_size=world_size,
+            losses=losses,
+            params=params,
+            hooked=hooked,
+            optimizer=inner,
+            partitioned_at_construction=partitioned,
+        )
     if torch.distributed.is_initialized():  # gloo can abort a rank that exits with its group alive
         torch.distributed.destroy_process_group()
 

@@ -192,6 +192,11 @@ def muon_param_groups(model: nn.Module, *, other: str = "adamw", experts: bool =
     ``(out, in, k)``) and every 2-D tensor named ``*bias`` (GPT-OSS stacks expert biases as
     ``(E, n)``) go to ``other``.
 
+    Under DeepSpeed ZeRO-3 (and ``deepspeed.zero.Init``) each parameter is a 1-D placeholder that
+    keeps its shape as ``ds_shape``: chosen by that shape, and every one of Muon's stays in its
+    group (blockshard's ZeRO-3 hook steps each matrix whole at its owner;
+    :class:`~blockshard.optim.MuonWithAdamW` is built over such placeholders as over the matrices).
+
     An empty piece ``(0,)`` of one of Muon's tensors is left out (there is nothing to update, and
     ``torch.optim.Muon`` takes only 2-D tensors); empty pieces of the rest stay with ``other``. A
     non-empty piece of Muon's that is not its whole matrix (or whole experts) raises
@@ -207,7 +212,8 @@ def muon_param_groups(model: nn.Module, *, other: str = "adamw", experts: bool =
     for name, p in model.named_parameters():
         shape = shapes[name]
         is_muon = _is_muon(model, name, shape, p, experts)
-        if is_muon and name not in owner_computed:
+        partitioned = getattr(p, "ds_shape", None) is not None  # DeepSpeed ZeRO-3's placeholder
+        if is_muon and name not in owner_computed and not partitioned:
             if p.numel() == 0:
                 continue  # another rank holds this matrix (these experts)
             _check_whole(name, shape, tuple(p.shape))

@@ -119,8 +119,10 @@ def launched(tmp_path_factory):
     without DeepSpeed (``--stage 0``), ZeRO-1 under ``torchrun``, ZeRO-2 under ``deepspeed``, ZeRO-3 (AdamW8bit
     and Muon, each at W = 2 and on one rank; stock AdamW8bit at W = 2) and the control. ``launched[name]()`` waits for one and returns its (JSON, parameters)."""
     tmp = tmp_path_factory.mktemp("hf_ds")
-    ports = free_ports(9)
+    ports = free_ports(12)
     muon, both = ["--optimizer", "muon"], ["--optimizer", "muon_adamw"]
+    tiny_llama().save_pretrained(tmp / "pretrained")  # the model the other runs build directly
+    pretrained = ["--from-pretrained", str(tmp / "pretrained")]  # under ZeRO-3: built inside zero.Init
     jobs: dict[str, tuple[list[str], pathlib.Path, int, list[str]]] = {
         "single": ([sys.executable], EXAMPLE, 0, []),
         "zero1-torchrun": (_torchrun(ports[0]), EXAMPLE, 1, []),
@@ -135,6 +137,9 @@ def launched(tmp_path_factory):
         "zero3-muon-adamw": (_torchrun(ports[8]), EXAMPLE, 3, both),
         "single-ds-order-muon-adamw": ([sys.executable], DS_ORDER, 0, both),
         "single-muon-adamw": ([sys.executable], EXAMPLE, 0, both),
+        "zero3-from-pretrained": (_torchrun(ports[9]), EXAMPLE, 3, pretrained),
+        "zero3-muon-adamw-from-pretrained": (_torchrun(ports[10]), EXAMPLE, 3, [*both, *pretrained]),
+        "zero3-muon-from-pretrained": (_torchrun(ports[11]), EXAMPLE, 3, [*muon, *pretrained]),
     }
     started = {}
     for name, (launch, script, stage, extra) in jobs.items():
@@ -217,6 +222,36 @@ def test_trainer_zero3_muon_beside_adamw_equals_one_process_bitwise(launched):
     initial = dict(tiny_llama().named_parameters())  # the example's model before training
     assert [n for n in params if torch.equal(params[n], initial[n])] == []  # every parameter trained
     assert max(_max_diff(params, plain).values(), default=0.0) > 0  # control (measured 2.5e-3: bf16 Newton-Schulz)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("run", "built", "one"),
+    [
+        ("zero3-from-pretrained", "zero3-torchrun", "zero3-one-rank"),
+        ("zero3-muon-adamw-from-pretrained", "zero3-muon-adamw", "single-ds-order-muon-adamw"),
+        ("zero3-muon-from-pretrained", "zero3-muon", "zero3-muon-one-rank"),
+    ],
+)
+def test_trainer_zero3_from_pretrained_under_zero_init_equals_the_model_built_directly_bitwise(
+    launched, run, built, one
+):
+    """The Trainer's own ZeRO-3 flow: ``from_pretrained`` after ``TrainingArguments(deepspeed=<ZeRO-3>)``
+    builds the model inside ``deepspeed.zero.Init`` (every parameter a 1-D placeholder before the
+    Trainer sees it). With ``optim="adamw_bnb_8bit"``, with ``MuonWithAdamW.for_model(model)``
+    (which chooses Muon's matrices by their ``ds_shape``; by the placeholders' 1-D shapes it would give
+    them all to AdamW, silently) and with torch's ``Muon`` built by ``zero3_optimizer``, W = 2 equals the same checkpoint's model built directly under
+    ZeRO-3 **bitwise**, losses included, and so the one-rank / one-process references of the tests above."""
+    info, params = launched(run)
+    built_info, direct = launched(built)
+    _, ref = launched(one)
+    assert info["partitioned_at_construction"] and not built_info["partitioned_at_construction"]
+    assert info["hooked"] and info["optimizer"] == built_info["optimizer"]
+    engaged = [x for x in launched.log(run).splitlines() if "blockshard engaged (the DeepSpeed hook)" in x]
+    assert len(engaged) == 1 and "policy owner" in engaged[0], engaged
+    assert _max_diff(params, direct) == {}
+    assert info["losses"] == built_info["losses"]
+    assert _max_diff(params, ref) == {}
 
 
 @pytest.mark.slow

@@ -100,3 +100,25 @@ def test_for_model_splits_any_param_groups_as_muon_param_groups_does():
         ],
     )
     assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref.parameters(), strict=True))
+
+
+def test_zero3_placeholders_are_chosen_and_built_by_their_whole_shape():
+    """Under DeepSpeed ZeRO-3 / ``deepspeed.zero.Init`` every parameter is an empty 1-D placeholder
+    carrying its shape as ``ds_shape`` (the state DeepSpeed leaves it in; the launched Trainer test
+    runs the real thing). ``muon_param_groups`` and ``MuonWithAdamW.for_model`` choose by that shape,
+    and ``MuonWithAdamW`` builds over the placeholders, its groups holding them. Control: by their own
+    1-D shapes no placeholder would go to Muon, and torch's Muon refuses them."""
+    whole, model = _model(), _model()
+    want = muon_param_groups(whole)[0]["param_names"]
+    for p in model.parameters():
+        p.ds_shape = p.shape
+        p.data = torch.empty(0)
+    groups = muon_param_groups(model)
+    assert groups[0]["param_names"] == want and want  # the Linear weights, by ds_shape
+    assert all(p.dim() == 1 for p in groups[0]["params"])  # control: by their own shapes, none is a matrix
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+        torch.optim.Muon(groups[0]["params"], lr=0.02)
+    opt = MuonWithAdamW.for_model(model)(list(model.parameters()), muon={"lr": 0.02})
+    muon = [p for g in opt.param_groups if g["use_muon"] for p in g["params"]]
+    assert [id(p) for p in muon] == [id(p) for p in groups[0]["params"]]
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}

@@ -135,7 +135,15 @@ def global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     managed = {
         id(p): sp.shape for _, st in states_under(model) for sp in st.buffers.params for p in (sp.sharded, sp.unsharded)
     }
-    return {n: managed.get(id(p), tuple(p.shape)) for n, p in model.named_parameters(remove_duplicate=False)}
+    return {n: managed.get(id(p), partitioned_shape(p)) for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def partitioned_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """``p``'s whole shape where another engine partitioned it in place: DeepSpeed ZeRO-3 (and
+    ``deepspeed.zero.Init``) leaves each parameter a 1-D placeholder and keeps its shape as
+    ``ds_shape``; ``p``'s own shape for anything else."""
+    shape = getattr(p, "ds_shape", None)
+    return tuple(shape) if shape is not None else tuple(p.shape)
 
 
 def global_shape(p: torch.Tensor) -> torch.Size:
@@ -154,7 +162,7 @@ def global_shape(p: torch.Tensor) -> torch.Size:
             for sp in buffers.params:
                 if sp.sharded is p:
                     return torch.Size(sp.shape)
-    return p.shape
+    return torch.Size(partitioned_shape(p))
 
 
 def local_buffers(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
