@@ -20,7 +20,10 @@ the run exactly:
   bitsandbytes code table (``qmap``) and scalars (``step``) are the same in every run of a parameter
   and are copied. torchao's 8-bit state (``OptimState8bit``) is rebuilt from its codes (by element)
   and scales (by its ``block_size``, where the ``ao8bit`` grids cut), with the same code table.
-  Anything else (Shampoo's preconditioners, torchao's packed 4-bit codes, a state the plan does not
+  BlockedShampoo's per-tile state (``blocks``: a list of tile dicts, row-major) is joined and cut by
+  tile: its ``shampoo:D`` grids cut only at tile rows, so a run's tiles are a contiguous run of the
+  parameter's. A run with the same elements as an old one takes its state as it is (only the
+  owner moved). Anything else (torchao's packed 4-bit codes re-cut, a state the plan does not
   describe) raises :class:`CheckpointError` naming the parameter and key.
 * **model files**: rank 0's copied for every new rank with ``dp_world_size = W'``.
 
@@ -129,9 +132,8 @@ def reshard_zero3_checkpoint(
             for run in rs:
                 if run.owner != r:
                     continue
-                state[idx] = _assemble(
-                    where, names[j], run, old_runs[j], [old_state[j, k] for k in range(len(old_runs[j]))]
-                )
+                olds = [old_state[j, k] for k in range(len(old_runs[j]))]
+                state[idx] = _assemble(where, names[j], run, old_runs[j], olds, shape=shapes[j], label=labels[j])
                 idx += 1
         flat = []
         for shapes_i in model0["param_shapes"]:
@@ -160,11 +162,51 @@ def reshard_zero3_checkpoint(
     return out_tag
 
 
-def _assemble(where: Path, name: str, run: Run, olds: list[Run], states: list[dict[str, Any]]) -> dict[str, Any]:
-    """The state of ``run`` from the old runs ``olds`` of the same parameter (``states``)."""
+def _assemble(
+    where: Path,
+    name: str,
+    run: Run,
+    olds: list[Run],
+    states: list[dict[str, Any]],
+    *,
+    shape: tuple[int, ...] = (),
+    label: str = "",
+) -> dict[str, Any]:
+    """The state of ``run`` from the old runs ``olds`` of the same parameter (``states``); ``shape``
+    and ``label``: the parameter's shape and semantics (what Shampoo's tiles are cut by)."""
     pieces = [(o, s) for o, s in zip(olds, states, strict=True) if o.start < run.end and run.start < o.end]
+    if len(pieces) == 1 and (pieces[0][0].start, pieces[0][0].end) == (run.start, run.end):
+        return pieces[0][1]  # the same elements: the same state, whatever it holds (only the owner moved)
     first = pieces[0][1]
-    return _merge(where, name, run, pieces, first, ())
+    return _merge(where, name, run, pieces, first, (), _Tiles.of(shape, label))
+
+
+class _Tiles:
+    """BlockedShampoo's ``D x D`` tiles of a parameter cut into runs of whole ``D``-row stripes
+    (``shampoo:D``): a run's ``blocks`` are the parameter's tiles of its tile rows, row-major."""
+
+    def __init__(self, d: int, row: int, per_row: int) -> None:
+        self.d, self.row, self.per_row = d, row, per_row  # rows per tile, elements per row, tiles per tile row
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], label: str) -> _Tiles | None:
+        name, _, arg = label.partition(":")
+        if name != "shampoo" or not arg.isdigit() or not shape:
+            return None
+        d = int(arg)
+        if len(shape) == 1:
+            return cls(d, 1, 1)
+        cols = math.prod(shape[1:])
+        return cls(d, cols, -(-cols // d))
+
+    def first(self, start: int) -> int | None:
+        """The index of the tile a run starting at element ``start`` starts with (None: not at a tile row)."""
+        stripe = self.d * self.row
+        return start // stripe * self.per_row if start % stripe == 0 else None
+
+    def count(self, run: Run) -> int:
+        rows = -(-run.end // self.row) - run.start // self.row
+        return -(-rows // self.d) * self.per_row
 
 
 def _merge(
@@ -174,19 +216,23 @@ def _merge(
     pieces: list[tuple[Run, dict[str, Any]]],
     template: dict[str, Any],
     path: tuple[str, ...],
+    tiles: _Tiles | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in template.items():
         at = (*path, key)
         values = [_at(s, at) for _, s in pieces]
         if isinstance(value, dict):
-            out[key] = _merge(where, name, run, pieces, value, at)
+            out[key] = _merge(where, name, run, pieces, value, at, tiles)
+        elif key == "blocks" and tiles is not None and isinstance(value, list):
+            out[key] = _cut_tiles(where, name, run, pieces, values, tiles)
         elif isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in _leaves(value)):
             raise _fail(
                 where,
-                f"parameter {name!r}: state {'.'.join(at)!r} is a {type(value).__name__} of tensors (Shampoo's "
-                "preconditioners per tile), which cannot be re-cut by element",
-                "reshard fp32, bitsandbytes 8-bit, torchao 8-bit or Muon state; Shampoo's state is not done",
+                f"parameter {name!r}: state {'.'.join(at)!r} is a {type(value).__name__} of tensors, which cannot "
+                "be re-cut by element (per-tile state of an optimizer other than BlockedShampoo under its shampoo:D "
+                "semantics)",
+                "reshard fp32, bitsandbytes 8-bit, torchao 8-bit, Muon or BlockedShampoo state",
             )
         elif _is_8bit_subclass(value):  # torchao's OptimState8bit: codes by element, scale by its block
             out[key] = _cut_subclass(where, name, run, pieces, values, ".".join(at))
@@ -201,6 +247,34 @@ def _merge(
         else:
             out[key] = _cut(where, name, run, pieces, values, ".".join(at))
     return out
+
+
+def _cut_tiles(
+    where: Path, name: str, run: Run, pieces: list[tuple[Run, dict[str, Any]]], values: list[Any], tiles: _Tiles
+) -> list[dict[str, torch.Tensor]]:
+    """BlockedShampoo's per-tile state of ``run`` from the old runs' (``values``, each a list of tile
+    dicts, row-major over the old run's tile rows): every run starts at a tile row (``shampoo:D``
+    grids cut only there), so the parameter's tiles are the old runs' lists in order, and the new
+    run's are a contiguous slice of them."""
+    by_index: dict[int, dict[str, torch.Tensor]] = {}
+    for (o, _), blocks in zip(pieces, values, strict=True):
+        first = tiles.first(o.start)
+        if first is None or not isinstance(blocks, list) or len(blocks) != tiles.count(o):
+            raise _fail(
+                where,
+                f"parameter {name!r}: state 'blocks' of the run [{o.start}, {o.end}) is not whole {tiles.d}-row "
+                "Shampoo tiles",
+                "reshard an unmodified save of BlockedShampoo stepped with its shampoo:D semantics",
+            )
+        by_index.update((first + i, b) for i, b in enumerate(blocks))
+    start = tiles.first(run.start)
+    if start is None:
+        raise _fail(
+            where,
+            f"parameter {name!r}: the new run [{run.start}, {run.end}) does not start at a tile row",
+            "reshard an unmodified save",
+        )
+    return [{k: t.clone() for k, t in by_index[start + i].items()} for i in range(tiles.count(run))]
 
 
 def _is_8bit_subclass(value: Any) -> bool:
@@ -291,5 +365,5 @@ def _cut(
         where,
         f"parameter {name!r}: state {key!r} has {values[0].numel()} values for a run of {pieces[0][0].numel} elements "
         f"(neither one per element nor one per {block}-element block)",
-        "reshard fp32, bitsandbytes 8-bit, torchao 8-bit or Muon state; Shampoo's state is not done",
+        "reshard fp32, bitsandbytes 8-bit, torchao 8-bit, Muon or BlockedShampoo state",
     )

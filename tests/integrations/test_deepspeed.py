@@ -212,6 +212,43 @@ def test_reshard_recuts_torchao_8bit_state_by_element_and_block():
         )
 
 
+def test_reshard_recuts_shampoo_tiles_by_tile_row():
+    """BlockedShampoo's per-tile state (``blocks``) of old runs of whole 8-row stripes (a 40 x 20 and a
+    1-D 44-element parameter, ``shampoo:8``) re-cut for runs that start at other tile rows: equal to
+    BlockedShampoo stepping the new run's elements itself, tile by tile (every tile's state is its
+    own). A run that does not start at a tile row is refused by name."""
+    from blockshard.integrations.deepspeed._stage3 import Run
+    from blockshard.integrations.deepspeed._zero3_reshard import _assemble
+    from blockshard.optim import BlockedShampoo
+
+    def stepped(grads: list[torch.Tensor]) -> dict:
+        p = torch.nn.Parameter(torch.zeros_like(grads[0]))
+        opt = BlockedShampoo([p], lr=0.1, max_preconditioner_dim=8, start_preconditioning_step=1)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        return opt.state[p]
+
+    where = pathlib.Path("ckpt")
+    for shape, old_rows, new_rows in (((40, 20), [0, 16, 24, 40], (8, 40)), ((44,), [0, 24, 44], (16, 40))):
+        cols = shape[1] if len(shape) > 1 else 1
+        gen = torch.Generator().manual_seed(len(shape))
+        grads = [torch.randn(shape, generator=gen) for _ in range(2)]
+        olds = [
+            Run(a * cols, b * cols, r, (b - a, *shape[1:])) for r, (a, b) in enumerate(itertools.pairwise(old_rows))
+        ]
+        states = [stepped([g[o.start // cols : o.end // cols] for g in grads]) for o in olds]
+        a, b = new_rows
+        new = Run(a * cols, b * cols, 0, (b - a, *shape[1:]))
+        got = _assemble(where, "w", new, olds, states, shape=shape, label="shampoo:8")
+        want = stepped([g[a:b] for g in grads])
+        assert got["step"] == want["step"] and len(got["blocks"]) == len(want["blocks"]) > 1
+        for x, y in zip(got["blocks"], want["blocks"], strict=True):
+            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+    with pytest.raises(CheckpointError, match=r"parameter 'w': the new run \[4, 40\) does not start at a tile row"):
+        _assemble(where, "w", Run(4, 40, 0, (36,)), olds, states, shape=(44,), label="shampoo:8")
+
+
 def _state_bytes_per_rank(model: str, semantics: str, w: int) -> tuple[list[float], float]:
     """AdamW8bit state bytes per rank under the ZeRO-3 run plan (8-bit m and v: 2 bytes per element
     and an fp32 absmax each per 256; fp32 m and v, 8 bytes per element, for tensors below 4096
@@ -790,9 +827,9 @@ def test_zero3_checkpoint_resharded_from_4_to_2_ranks_continues_bitwise(world4, 
     """A save at W = 4 (after 2 steps), rewritten for W = 2 by ``blockshard deepspeed-reshard``
     ([Note: ZeRO-3 resharding]), loaded by a W = 2 engine: its third step equals 3 steps of one
     process (bitsandbytes' 8-bit state re-cut by element and 256-block, Muon's momentum moved to new
-    owners). The same W = 4 Muon save exported to DCP (``blockshard deepspeed-to-dcp``) and imported
-    by a W = 2 engine (``import_dcp``) continues bitwise too. Shampoo's preconditioners are refused,
-    naming the parameter and the key. Controls: the W = 4 save itself is refused at W = 2 (by
+    owners, BlockedShampoo's per-tile state re-cut by tile row). The same W = 4 Muon save exported to
+    DCP (``blockshard deepspeed-to-dcp``) and imported by a W = 2 engine (``import_dcp``) continues
+    bitwise too. Controls: the W = 4 save itself is refused at W = 2 (by
     DeepSpeed); the DCP import without the optimizer state differs."""
     import _ds_zero3_runs
 
@@ -805,8 +842,7 @@ def test_zero3_checkpoint_resharded_from_4_to_2_ranks_continues_bitwise(world4, 
         out[kind] = tmp_path / f"w2-{kind}"
         assert cli.main(["deepspeed-reshard", dirs[kind], str(out[kind]), "--world-size", "2", "--tag", "t2"]) == 0
     assert "for 2 ranks" in capsys.readouterr().out
-    with pytest.raises(CheckpointError, match=r"parameter 'fc1\.weight': state .* Shampoo"):
-        bsd.reshard_zero3_checkpoint(dirs["shampoo"], tmp_path / "w2-shampoo", 2, tag="t2")
+    out["shampoo"] = bsd.reshard_zero3_checkpoint(dirs["shampoo"], tmp_path / "w2-shampoo", 2, tag="t2").parent
     assert cli.main(["deepspeed-reshard", dirs["bnb"], str(tmp_path / "x"), "--world-size", "0"]) == 2
     # the other path: the W = 4 save exported to DCP, imported by a W = 2 engine (Muon's momentum per run)
     out["dcp_muon"] = out["dcp_muon_model_only"] = tmp_path / "dcp-muon"
@@ -818,7 +854,7 @@ def test_zero3_checkpoint_resharded_from_4_to_2_ranks_continues_bitwise(world4, 
         args=({**{k: str(v) for k, v in out.items()}, "stock": dirs["bnb"]},),
         timeout=300,
     )
-    for kind in ("bnb", "muon", "dcp_muon"):
+    for kind in ("bnb", "muon", "shampoo", "dcp_muon"):
         for r in results:
             assert bitwise(r[kind], _ds_zero3_runs.reference(kind.removeprefix("dcp_"))), kind
     # control: without its optimizer state (Muon's momentum) the import does not continue the run
