@@ -12,7 +12,11 @@ end (what the optimizer's block semantics guarantee):
 * **per block of B elements** (bitsandbytes' ``absmax1`` / ``absmax2``, B = 256; torchao
   ``OptimState8bit.scale``, B = its ``block_size``): a piece of a vector of ``ceil(numel(S) / B)``
   at ``start / B``, which needs ``start`` and (unless the piece ends the tensor) ``n`` to be
-  multiples of B: the quantized state is restored exactly, never re-quantized;
+  multiples of B: the quantized state is restored exactly, never re-quantized. For a piece of a
+  tensor-parallel parameter (bitsandbytes' state only), the piece's elements are runs of the
+  global flattening (one per TP-local row under ``Shard(1)``; [Note: tensor-parallel
+  parameters]), each starting on a block: its blocks are the global tensor's, and the entry is
+  those runs' blocks, as boxes of the same vector;
 * **torchao ``OptimState8bit`` / ``OptimStateFp8`` / ``OptimState4bit``** (tensor subclasses):
   their ``codes`` element-wise (4-bit: two codes per byte, a piece at ``start / 2`` of a vector of
   ``numel(S) / 2``), their ``scale`` per block, ``qmap`` (the fixed code book) as it is;
@@ -29,6 +33,8 @@ a block raises too, at save and at load (loading builds the same entries to fill
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -37,7 +43,7 @@ import torch
 
 from blockshard._arith import ceil_div
 from blockshard._errors import CheckpointError
-from blockshard.runtime.checkpoint._piece_tensor import PieceTensor, param_entry
+from blockshard.runtime.checkpoint._piece_tensor import PieceTensor, entry_group, param_entry
 from blockshard.runtime.core._param import ShardedParam, managed_tag
 
 __all__ = ["HasStateCodecs", "StateCodec", "StatePiece", "decode_state", "encode_state", "state_error"]
@@ -126,20 +132,82 @@ def _encode_ao(name: str, key: str, value: Any, sp: ShardedParam) -> dict[str, o
 
 
 def _refuse_tp_split(name: str, key: str, sp: ShardedParam) -> None:
-    """Per-block and codec state (8-bit absmax, torchao's quantized state, Shampoo's tiles) of a piece of
-    a TP-split parameter is in TP-local coordinates: every tp rank would write its own under the same
-    global entry. Only element-wise state is placed by the TP piece's boxes so far."""
+    """Per-block and codec state (torchao's quantized state, Shampoo's tiles) of a piece of a TP-split
+    parameter is in TP-local coordinates: every tp rank would write its own under the same global
+    entry. Element-wise state is placed by the TP piece's boxes, bitsandbytes' per-block state by
+    its blocks' (``_tp_per_block``)."""
     tp = sp.tp
     if tp is not None and tp.shard_dim is not None and tp.mesh.size() > 1:
         raise _error(
             name,
             key,
             f"is per-block state of a tensor-parallel parameter (placed {tp.label}, global shape {tp.shape}), "
-            "which blockshard places in global tensors only for element-wise state so far (each tp rank's blocks "
-            "would land on the same entries)",
+            "which blockshard places in global tensors only for element-wise state and bitsandbytes' blocks where "
+            "the tp cut keeps them whole so far (each tp rank's blocks would land on the same entries)",
             "save and load this optimizer with optimizer.state_dict() at the same (dp, tp) layout, or step the "
             "TP-split weights with an element-wise optimizer or blockshard.optim.Muon",
         )
+
+
+def _tp_cut(sp: ShardedParam) -> bool:
+    tp = sp.tp
+    return tp is not None and tp.shard_dim is not None and tp.mesh.size() > 1
+
+
+def _global_runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The runs ``[start, end)`` of the row-major flattening of ``shape`` that the box covers, in its order."""
+    if not shape:
+        return [(0, 1)]
+    k = len(shape) - 1
+    while k > 0 and sizes[k] == shape[k]:  # dims after k are whole: one run per index of the dims before k
+        k -= 1
+    strides = [math.prod(shape[j + 1 :]) for j in range(len(shape))]
+    base = sum(o * st for o, st in zip(offsets, strides, strict=True))
+    length = sizes[k] * strides[k]
+    runs = []
+    for idx in itertools.product(*(range(n) for n in sizes[:k])):
+        start = base + sum(i * st for i, st in zip(idx, strides, strict=False))
+        runs.append((start, start + length))
+    return runs
+
+
+def _tp_block_boxes(sp: ShardedParam, block: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """This rank's piece of a TP-split parameter as runs of the global tensor's ``block``-element
+    blocks (boxes of the vector of ``ceil(numel / block)``), in the piece's order; None when a run
+    does not start on a block or ends inside one before the tensor's end (its blocks are not the
+    global tensor's)."""
+    tp = sp.tp
+    if tp is None:
+        return None
+    numel = math.prod(tp.shape)
+    out: list[tuple[int, int]] = []
+    for offsets, sizes in tp.boxes(tuple(sp.shape), sp.local_start, sp.local_numel):
+        for a, b in _global_runs(tuple(tp.shape), offsets, sizes):
+            if a % block or (b % block and b != numel):
+                return None
+            lo, hi = a // block, ceil_div(b, block)
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((lo, hi))
+    return [((lo,), (hi - lo,)) for lo, hi in out]
+
+
+def _tp_per_block(name: str, key: str, value: torch.Tensor, sp: ShardedParam, block: int) -> PieceTensor:
+    """``value`` (one entry per ``block`` elements of a TP-split parameter's piece) as boxes of the
+    global tensor's per-block vector (see the per-block case of [Note: optimizer state codecs])."""
+    boxes = _tp_block_boxes(sp, block)
+    if boxes is None or sum(s[0] for _, s in boxes) != value.numel():
+        _refuse_tp_split(name, key, sp)
+    numel = math.prod(sp.tp.shape) if sp.tp is not None else sp.numel
+    return PieceTensor(
+        value,
+        0,
+        (ceil_div(numel, block),),
+        name=f"{name}.{key}",
+        process_group=entry_group(sp, _pg(sp)),
+        boxes=boxes,
+    )
 
 
 def _pg(sp: ShardedParam) -> Any:
@@ -190,7 +258,8 @@ def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedPa
     if tuple(value.shape) == tuple(p.shape):  # element-wise state; a master in packed tile order: as its boxes
         return param_entry(sp, value, f"{name}.{key}", _pg(sp))
     if _is_bnb(optimizer) and key in _BNB_PER_BLOCK:
-        _refuse_tp_split(name, key, sp)
+        if _tp_cut(sp):
+            return _tp_per_block(name, key, value, sp, _BNB_BLOCK)
         return _per_block(name, key, value, sp, _BNB_BLOCK)
     raise _error(
         name,
@@ -220,8 +289,24 @@ def decode_state(name: str, key: str, value: object, have: object, sp: ShardedPa
         for part in type(have).tensor_attrs:  # type: ignore[attr-defined]
             _copy_into(getattr(have, part), _local(name, f"{key}.{part}", value[part], getattr(have, part)))
         return have
+    if (
+        isinstance(value, PieceTensor)
+        and sp is not None
+        and _is_bnb(optimizer)
+        and key in _BNB_PER_BLOCK
+        and _tp_cut(sp)
+    ):
+        if [(x.offsets, x.sizes) for x in value.boxes] != _tp_block_boxes(sp, _BNB_BLOCK):
+            raise _error(
+                name,
+                key,
+                "in the state dict holds other blocks of the parameter than this rank's TP piece (another world "
+                "size or TP plan)",
+                "load it through dcp.load into blockshard.optimizer_state_dict(model, optimizer)",
+            )
+        value = value.to_local()
     # [Note: packed tile order]; a TP piece's boxes ([Note: tensor-parallel parameters])
-    if isinstance(value, PieceTensor) and sp is not None and (sp.order is not None or sp.tp is not None):
+    elif isinstance(value, PieceTensor) and sp is not None and (sp.order is not None or sp.tp is not None):
         if [(x.offsets, x.sizes) for x in value.boxes] != [tuple(x) for x in sp.entry_boxes() or ()]:
             raise _error(
                 name,
