@@ -406,6 +406,17 @@ def refusals(_rank: int, _world: int) -> dict[str, str]:
         _parallel("blockshard", semantics="shampoo:32")
     except ShardingError as e:
         out["shampoo_32_semantics"] = str(e)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = make_model()  # TP on mesh["tp"], then fully_shard without mesh=: over every rank, tp ranks included
+    parallelize_module(
+        model.blocks[0], init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"], _plan(False)
+    )
+    try:
+        blockshard.fully_shard(model.blocks[0])
+    except ShardingError as e:
+        out["world_mesh"] = str(e)
     return out
 
 

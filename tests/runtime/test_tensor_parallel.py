@@ -161,6 +161,8 @@ def test_what_tp_groups_cannot_do_is_refused_by_name():
         shampoo = res["refusals"]["shampoo_32"]  # BlockedShampoo's 32 x 32 tiles across a cut at 16 rows
         assert "BlockedShampoo" in shampoo and "up.weight" in shampoo and "tensor-parallel" in shampoo
         assert "32 x 32 preconditioner tiles" in shampoo and "max_preconditioner_dim that divides" in shampoo
+        world = res["refusals"]["world_mesh"]  # fully_shard without mesh= would mix the tp ranks' parts
+        assert "up.weight" in world and "tp ranks" in world and "mesh['dp']" in world, world
         tiles = res["refusals"]["shampoo_32_semantics"]
         assert "'up.weight'" in tiles and "32 x 32 tiles" in tiles and "Fix:" in tiles
         # Shampoo's per-tile state of TP-split pieces is in TP-local coordinates: refused at save, by key

@@ -185,6 +185,14 @@ def tp_spec_of(name: str, p: nn.Parameter, dp_group: dist.ProcessGroup) -> TPSpe
             f"parameter {name!r} is a DTensor on the mesh fully_shard shards over; blockshard shards the "
             f"TP-local tensor over another (data-parallel) mesh. {fix}"
         )
+    shared = sorted(set(_ranks(tp_group)) & set(_ranks(dp_group)))
+    if len(shared) > 1:  # the dp group holds other tp ranks: their TP-local tensors are other parts
+        raise ShardingError(
+            f"parameter {name!r} is a DTensor placed over the tp ranks {_ranks(tp_group)}, and the group "
+            f"fully_shard shards over (ranks {_ranks(dp_group)}) holds {len(shared)} of them: their TP-local "
+            "tensors are different parts of the weight, not pieces of one tensor (a fully_shard without mesh= "
+            f"shards over every rank). {fix}"
+        )
     local = p.to_local()
     if type(local) is not torch.Tensor and not isinstance(local, nn.Parameter):
         raise ShardingError(
