@@ -24,7 +24,14 @@ _Tiling = Callable[[tuple[int, ...], int], list[tuple[int, ...]]]
 
 
 class ShampooBlocksCodec:
-    """The ``blocks`` state of ``BlockedShampoo`` (tiles of ``max_preconditioner_dim``)."""
+    """The ``blocks`` state of ``BlockedShampoo`` (tiles of ``max_preconditioner_dim``).
+
+    A piece of a tensor-parallel parameter ([Note: tiles across tp] in runtime/core/_optim_guard.py):
+    its TP-local tiles are the global tensor's (the tp cut falls on a tile corner), so its entry is a
+    piece of the global tensor's tiles, as boxes: one run under ``Shard(0)``, a run per tile row
+    under ``Shard(1)``."""
+
+    places_tp_pieces = True
 
     def __init__(self, tiles: _Tiling) -> None:
         self._tiles = tiles  # shape, tile size -> the dims of its tiles, row-major
@@ -36,20 +43,61 @@ class ShampooBlocksCodec:
         if len(blocks) != len(local_tiles):
             raise AssertionError(f"{piece.name}: {len(blocks)} Shampoo blocks for {len(local_tiles)} tiles")
         first = self._first_tile(piece, d, local_tiles)
-        tiles = self._tiles(piece.shape, d)
+        tiles = self._tiles(piece.tp_shape or piece.shape, d)
+        runs = self._global_runs(piece, d, first, local_tiles) if piece.tp_shape is not None else None
         out = {}
         for key in blocks[0] if blocks else ():
             slot = _key_shape(key, tiles[0])
             packed = torch.zeros((len(blocks), *slot), dtype=blocks[0][key].dtype, device=blocks[0][key].device)
             for i, block in enumerate(blocks):
                 packed[i][tuple(slice(0, s) for s in block[key].shape)].copy_(block[key])
+            boxes = None if runs is None else [((a, *(0 for _ in slot)), (n, *slot)) for a, n in runs]
             out[key] = PieceTensor(
                 packed,
                 first * math.prod(slot),
                 (len(tiles), *slot),
                 name=f"{piece.name}.blocks.{key}",
                 process_group=piece.process_group,
+                boxes=boxes,
             )
+        return out
+
+    def _global_runs(
+        self, piece: StatePiece, d: int, first: int, local_tiles: list[tuple[int, ...]]
+    ) -> list[tuple[int, int]]:
+        """The piece's tiles (TP-local ``[first, first + len(local_tiles))``) as runs ``(start, count)``
+        of the global tensor's tiles, in order; refused where the TP-local tiles are not global ones."""
+        shape, offsets = piece.tp_shape or piece.shape, piece.tp_offsets or ()
+        local = _matrix(piece.shape)
+        whole = _matrix(shape)
+        cut = [i for i, (a, b) in enumerate(zip(piece.shape, shape, strict=True)) if a != b]
+        at = [0] * len(whole)  # where the TP-local matrix starts in the global one's 2-D (1-D) view
+        if cut and cut[0] == 0:
+            at[0] = offsets[0]
+        elif cut and len(shape) == 2:
+            at[1] = offsets[1]
+        elif cut:  # a cut through the columns of a 3-D+ tensor's 2-D view: not a band of columns
+            at = [-1] * len(whole)
+        per = [-(-n // d) for n in local]  # tiles per dim of the TP-local view
+        wper = [-(-n // d) for n in whole]
+        g_tiles = self._tiles(shape, d)
+        out: list[tuple[int, int]] = []
+        for i in range(first, first + len(local_tiles)):
+            pos = [i // per[1], i % per[1]] if len(per) == 2 else [i]
+            g = [p + a // d for p, a in zip(pos, at, strict=True)]
+            j = g[0] * wper[1] + g[1] if len(g) == 2 else g[0]
+            if any(a < 0 or a % d for a in at) or not 0 <= j < len(g_tiles) or g_tiles[j] != local_tiles[i - first]:
+                raise state_error(
+                    piece.name,
+                    "blocks",
+                    f"holds BlockedShampoo tiles of a tensor-parallel piece (TP-local shape {piece.shape} at "
+                    f"{offsets} of {shape}) that are not {d} x {d} tiles of the whole tensor",
+                    f"a max_preconditioner_dim that divides the tp cut, or {SAME_W_FIX}",
+                )
+            if out and out[-1][0] + out[-1][1] == j:
+                out[-1] = (out[-1][0], out[-1][1] + 1)
+            else:
+                out.append((j, 1))
         return out
 
     def decode(self, saved: Any, live: Any, piece: StatePiece, param_group: Mapping[str, Any]) -> object:
@@ -86,6 +134,11 @@ class ShampooBlocksCodec:
                 f"shard this parameter with semantics='shampoo:{d}', or {SAME_W_FIX}",
             )
         return first
+
+
+def _matrix(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The 2-D (1-D) view BlockedShampoo tiles: ``(shape[0], prod(shape[1:]))``."""
+    return (math.prod(shape),) if len(shape) <= 1 else (shape[0], math.prod(shape[1:]))
 
 
 def _key_shape(key: str, dims: tuple[int, ...]) -> tuple[int, ...]:

@@ -424,6 +424,7 @@ def cases(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Every 4-rank run of the tests, in one spawn (``directory``: where the checkpoints go)."""
     out: dict[str, Any] = {"checkpoints": checkpoints(rank, world, directory)}
     out["bnb_checkpoints"] = bnb_checkpoints(rank, world, directory)
+    out["shampoo_checkpoints"] = shampoo_checkpoints(rank, world, directory)
     for engine in ("stock", "blockshard"):
         out[engine] = run(rank, world, engine)
         out[f"{engine}_gas2"] = run(rank, world, engine, gas=2)
@@ -793,6 +794,48 @@ def bnb_checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
     for dp, tp, with_optim in ((2, 2, True), (4, 1, True), (2, 2, False)):
         model, opt = make(dp, tp)
         blockshard.load_checkpoint(model, path, opt if with_optim else None)
+        _steps(model, opt, range(2, 3))
+        out[f"dp{dp}_tp{tp}" + ("" if with_optim else "_model_only")] = blockshard.full_state_dict(model)
+    return out
+
+
+def shampoo_checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
+    """BlockedShampoo (8 x 8 tiles, preconditioning from step 1, ``semantics="shampoo:8"``): saved at
+    (dp 2, tp 2) after 2 steps (``save_checkpoint``: each piece's per-tile state placed among the global
+    tensor's tiles), loaded at (2, 2) and (4, 1), step 3; the (4, 1) load saved again and loaded at
+    (2, 2), step 3; the uninterrupted run; a load without the optimizer state (the control)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import blockshard
+    from blockshard.optim import BlockedShampoo
+
+    def make(dp: int, tp: int) -> tuple[nn.Module, Any]:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        model = make_model()
+        for b in model.blocks:
+            if tp > 1:
+                parallelize_module(b, mesh["tp"], _plan(False))
+            blockshard.fully_shard(b, mesh=mesh["dp"], semantics="shampoo:8", policy="whole")
+        blockshard.fully_shard(model, mesh=mesh["dp"], semantics="shampoo:8", policy="whole")
+        opt = BlockedShampoo(model.parameters(), lr=LR, max_preconditioner_dim=8, start_preconditioning_step=1)
+        return model, opt
+
+    path = f"{directory}/shampoo"
+    model, opt = make(2, 2)
+    _steps(model, opt, range(2))
+    blockshard.save_checkpoint(model, path, opt)
+    _steps(model, opt, range(2, 3))
+    out: dict[str, Any] = {"uninterrupted": blockshard.full_state_dict(model)}
+    for dp, tp, with_optim in ((2, 2, True), (4, 1, True), (2, 2, False)):
+        model, opt = make(dp, tp)
+        blockshard.load_checkpoint(model, path, opt if with_optim else None)
+        if (dp, tp) == (4, 1):  # and back: saved again at (4, 1), loaded at (2, 2), step 3 there
+            blockshard.save_checkpoint(model, f"{path}-dp4", opt)
+            back, back_opt = make(2, 2)
+            blockshard.load_checkpoint(back, f"{path}-dp4", back_opt)
+            _steps(back, back_opt, range(2, 3))
+            out["via_dp4_tp1"] = blockshard.full_state_dict(back)
         _steps(model, opt, range(2, 3))
         out[f"dp{dp}_tp{tp}" + ("" if with_optim else "_model_only")] = blockshard.full_state_dict(model)
     return out

@@ -73,13 +73,19 @@ class StatePiece:
     numel: int  # elements in the piece
     shape: tuple[int, ...]  # the whole tensor's shape
     local_shape: tuple[int, ...]  # the piece's block shape, as the optimizer sees it
-    process_group: Any  # the process group the tensor's pieces are spread over
+    process_group: Any  # the process group the tensor's pieces are spread over (every rank under TP)
+    # a tensor-parallel parameter whose tp cut splits it ([Note: tensor-parallel parameters]): the
+    # global tensor's shape and where this rank's TP-local tensor (``shape``) starts in it; None else
+    tp_shape: tuple[int, ...] | None = None
+    tp_offsets: tuple[int, ...] | None = None
 
 
 class StateCodec(Protocol):
     """Places one key of an optimizer's per-parameter state in global tensors ([Note: optimizer
     state codecs]): ``encode`` returns the checkpoint entry (``PieceTensor`` pieces of global
-    tensors, or a dict of them), ``decode`` the live value from an entry ``dcp.load`` filled."""
+    tensors, or a dict of them), ``decode`` the live value from an entry ``dcp.load`` filled. A codec
+    with ``places_tp_pieces = True`` places pieces of TP-split parameters too (from the piece's
+    ``tp_shape`` / ``tp_offsets``); for any other such a piece is refused before it is asked."""
 
     def encode(self, value: Any, piece: StatePiece, param_group: Mapping[str, Any]) -> object: ...
 
@@ -94,14 +100,24 @@ class HasStateCodecs(Protocol):
 
 
 def _piece(name: str, sp: ShardedParam) -> StatePiece:
+    tp = sp.tp if _tp_cut(sp) else None
     return StatePiece(
         name=name,
         start=sp.local_start,
         numel=sp.local_numel,
         shape=tuple(sp.shape),
         local_shape=tuple(sp.sharded.shape),
-        process_group=_pg(sp),
+        process_group=entry_group(sp, _pg(sp)) if tp is not None else _pg(sp),
+        tp_shape=tuple(tp.shape) if tp is not None else None,
+        tp_offsets=tuple(tp.offsets) if tp is not None else None,
     )
+
+
+def _codec_step(name: str, key: str, sp: ShardedParam, codec: StateCodec) -> StatePiece:
+    """The piece a codec places, after refusing a TP-split piece the codec cannot place."""
+    if not getattr(codec, "places_tp_pieces", False):
+        _refuse_tp_split(name, key, sp)
+    return _piece(name, sp)
 
 
 def _codec(optimizer: torch.optim.Optimizer, key: str) -> StateCodec | None:
@@ -132,18 +148,20 @@ def _encode_ao(name: str, key: str, value: Any, sp: ShardedParam) -> dict[str, o
 
 
 def _refuse_tp_split(name: str, key: str, sp: ShardedParam) -> None:
-    """Per-block and codec state (torchao's quantized state, Shampoo's tiles) of a piece of a TP-split
-    parameter is in TP-local coordinates: every tp rank would write its own under the same global
-    entry. Element-wise state is placed by the TP piece's boxes, bitsandbytes' per-block state by
-    its blocks' (``_tp_per_block``)."""
+    """Per-block state that blockshard cannot place for a piece of a TP-split parameter (torchao's
+    quantized state, a codec that does not place TP pieces) would be in TP-local coordinates: every
+    tp rank would write its own under the same global entry. Element-wise state is placed by the TP
+    piece's boxes, bitsandbytes' per-block state by its blocks' (``_tp_per_block``), BlockedShampoo's
+    tiles by its codec."""
     tp = sp.tp
     if tp is not None and tp.shard_dim is not None and tp.mesh.size() > 1:
         raise _error(
             name,
             key,
             f"is per-block state of a tensor-parallel parameter (placed {tp.label}, global shape {tp.shape}), "
-            "which blockshard places in global tensors only for element-wise state and bitsandbytes' blocks where "
-            "the tp cut keeps them whole so far (each tp rank's blocks would land on the same entries)",
+            "which blockshard places in global tensors only for element-wise state, bitsandbytes' blocks and "
+            "BlockedShampoo's tiles where the tp cut keeps them whole so far (each tp rank's blocks would land on "
+            "the same entries)",
             "save and load this optimizer with optimizer.state_dict() at the same (dp, tp) layout, or step the "
             "TP-split weights with an element-wise optimizer or blockshard.optim.Muon",
         )
@@ -238,8 +256,7 @@ def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedPa
     if isinstance(value, _SCALARS):
         return value
     if sp is not None and (codec := _codec(optimizer, key)) is not None:
-        _refuse_tp_split(name, key, sp)
-        return codec.encode(value, _piece(name, sp), group)
+        return codec.encode(value, _codec_step(name, key, sp, codec), group)
     if sp is not None and _is_ao(value):
         _refuse_tp_split(name, key, sp)
         return _encode_ao(name, key, value, sp)
@@ -281,8 +298,7 @@ def decode_state(name: str, key: str, value: object, have: object, sp: ShardedPa
     :func:`encode_state`'s form, filled by ``dcp.load``) into ``have`` (the live value)."""
     optimizer, group = ctx
     if sp is not None and (codec := _codec(optimizer, key)) is not None:
-        _refuse_tp_split(name, key, sp)
-        return codec.decode(value, have, _piece(name, sp), group)
+        return codec.decode(value, have, _codec_step(name, key, sp, codec), group)
     if isinstance(value, dict) and _is_ao(have):
         if sp is not None:
             _refuse_tp_split(name, key, sp)
