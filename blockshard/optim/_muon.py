@@ -18,17 +18,21 @@ A matrix that tensor parallelism splits (a DTensor placed ``Shard(0)`` / ``Shard
 matrix, with ``matrix`` semantics on that local shape: each TP-local matrix's direction ``d`` is
 whole on one dp rank (its owner, or the rank whose piece holds it), the *same* dp rank on every tp
 rank (the tp ranks plan identical local shapes alike; checked once when the optimizer is built).
-There, ``NS`` runs on the global matrix: the tp ranks' ``d`` are all-gathered over tp and
-concatenated along the placement's dim, every tp rank runs torch's ``NS`` on the same whole matrix
-(the same float operations on the same values: the same result on each), and keeps its own rows
-(columns) of ``O``. The learning rate is adjusted by the global shape. Bytes per step: each TP-split
-matrix's fp32 direction, ``(tp - 1) / tp`` of it received per tp rank, counted in
-``collective_counts()`` as an all-gather of the whole matrix.
+There, ``NS`` runs on the global matrix, once, at one tp rank: the step's TP-split matrices get tp
+owners (largest ``NS`` first, each to the tp rank with the least ``NS`` work so far; every tp rank
+computes the same assignment from the same list), one ``all_to_all_single`` over tp sends each
+matrix's ``d`` pieces to its owner, the owner concatenates them along the placement's dim (per part
+of a fused weight), runs torch's ``NS`` on the whole matrix and keeps its rows (columns), and a
+second ``all_to_all_single`` sends every other tp rank its rows (columns) of ``O``. The learning rate
+is adjusted by the global shape. The same float operations on the same values as one process's
+``NS`` of the matrix, so bitwise the same; the ``NS`` work is spread over tp instead of repeated on
+every tp rank. Bytes per step: each TP-split matrix's fp32 direction ``(tp - 1) / tp`` of it to its
+owner and as much of ``O`` back, counted in ``collective_counts()`` as all-to-alls over ``tp`` ranks.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +44,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz as _newton_schulz
 from blockshard.optim._owner_compute import Holding, NamedGroups, OwnerComputeError, ParamsArg, named_groups
 from blockshard.optim._owner_optimizer import OwnerComputeOptimizer
 from blockshard.optim._step import closure_loss
+from blockshard.runtime.core._collectives import wait as _wait
 from blockshard.runtime.core._param import managed_tag
 
 __all__ = ["Muon"]
@@ -165,45 +170,129 @@ class Muon(OwnerComputeOptimizer):
             for gi, (opts, _) in enumerate(groups)
         ]
 
+    #: How a TP-split matrix's ``NS`` runs: ``"owners"`` (once, at one tp rank; [Note: Muon across
+    #: tensor parallelism]) or ``"every_rank"`` (every tp rank all-gathers the matrix and runs ``NS``
+    #: on it, the same result: ``benchmarks/muon_tp.py``'s baseline).
+    ns_across_tp = "owners"
+
     def _ns(self, t: int, d: torch.Tensor) -> torch.Tensor:
-        """``NS`` of one (TP-local) matrix's direction ``d``: per part of a fused weight ([Note: fused
-        parts]), each on its global matrix across tp ([Note: Muon across tensor parallelism])."""
+        """``NS`` of one matrix's direction ``d`` (not TP-split), per part of a fused weight ([Note: fused parts])."""
         q = self._params[t]
         g = self.inner.param_groups[q.group]
-        rows = q.parts or (d.shape[0],)
-        if q.tp is None:
-            outs = [_newton_schulz(x, g["ns_coefficients"], g["ns_steps"], g["eps"]) for x in d.split(rows)]
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
-        # NS on the matrix gathered across tp, this rank's part kept
-        tp, dim = q.tp, q.tp.shard_dim
-        gathered = [torch.empty_like(d) for _ in range(tp.mesh.size())]
-        nbytes = d.numel() * d.element_size() * len(gathered)  # the gathered matrix ([Note: traffic])
-        planned = math.prod(tp.shape) * q.local().element_size()  # the plan: the global matrix, in the param dtype
-        where = f"{type(self).__name__} (directions across tp)"
-        self._traffic.record(where, 0, nbytes, planned, d.dtype, "float", self._steps_taken + 1, ranks=len(gathered))
-        dist.all_gather(gathered, d.contiguous(), group=tp.group)
-        me, outs = tp.mesh.get_local_rank(), []
-        for i, mine in enumerate(d.split(rows)):  # part i of the global matrix: part i of every tp rank's
-            whole = torch.cat([x.split(rows)[i] for x in gathered], dim=dim)
-            o = _newton_schulz(whole, g["ns_coefficients"], g["ns_steps"], g["eps"])
-            outs.append(o.narrow(dim, me * mine.shape[dim], mine.shape[dim]))
+        outs = [
+            _newton_schulz(x, g["ns_coefficients"], g["ns_steps"], g["eps"]) for x in d.split(q.parts or (d.shape[0],))
+        ]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _ns_whole(self, t: int, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``NS`` of a TP-split matrix from every tp rank's direction ``pieces`` (tp rank order): each
+        part's global matrix joined along the placement's dim; every tp rank's rows (columns) of ``O``."""
+        q = self._params[t]
+        assert q.tp is not None and q.tp.shard_dim is not None  # a TP-split matrix (_tp_jobs)
+        g = self.inner.param_groups[q.group]
+        dim, rows = q.tp.shard_dim, q.parts or (pieces[0].shape[0],)
+        per_rank: list[list[torch.Tensor]] = [[] for _ in pieces]
+        for i in range(len(rows)):  # part i of the global matrix: part i of every tp rank's
+            parts = [x.split(rows)[i] for x in pieces]
+            o = _newton_schulz(torch.cat(parts, dim=dim), g["ns_coefficients"], g["ns_steps"], g["eps"])
+            for r, mine in enumerate(parts):
+                per_rank[r].append(o.narrow(dim, r * mine.shape[dim], mine.shape[dim]))
+        return [x[0] if len(x) == 1 else torch.cat(x) for x in per_rank]
+
+    def _ns_all(self, jobs: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """``NS`` of every job ``(tensor index, direction)``, in order: TP-split matrices at their tp
+        owners ([Note: Muon across tensor parallelism]), the others here."""
+        out: list[torch.Tensor | None] = [None] * len(jobs)
+        by_group: dict[tuple[int, torch.dtype], list[int]] = {}
+        for k, (t, d) in enumerate(jobs):
+            q = self._params[t]
+            if q.tp is None or q.tp.shard_dim is None or q.tp.mesh.size() == 1:
+                out[k] = self._ns(t, d)
+            else:
+                by_group.setdefault((id(q.tp.group), d.dtype), []).append(k)
+        for ks in by_group.values():
+            for k, o in zip(ks, self._tp_jobs([jobs[k] for k in ks]), strict=True):
+                out[k] = o
+        return [o for o in out if o is not None]
+
+    def _tp_jobs(self, jobs: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """``NS`` of TP-split matrices of one tp group and dtype, each at one tp owner: directions to the
+        owners, ``NS`` there, each tp rank's rows (columns) of ``O`` back (two ``all_to_all_single``)."""
+        tp = self._params[jobs[0][0]].tp
+        assert tp is not None
+        size, me, dtype = tp.mesh.size(), tp.mesh.get_local_rank(), jobs[0][1].dtype
+        if self.ns_across_tp == "every_rank":  # the baseline: every tp rank gathers and orthogonalizes all
+            out = []
+            for t, d in jobs:
+                gathered = [torch.empty_like(d) for _ in range(size)]
+                nbytes = d.numel() * d.element_size() * size
+                where = f"{type(self).__name__} (directions across tp)"
+                self._traffic.record(where, 0, nbytes, nbytes, dtype, "float", self._steps_taken + 1, ranks=size)
+                dist.all_gather(gathered, d.contiguous(), group=tp.group)
+                out.append(self._ns_whole(t, gathered)[me])
+            return out
+        owners = _tp_owners([self._params[t] for t, _ in jobs], size)
+        numels = [d.numel() for _, d in jobs]  # the same on every tp rank (even TP shards, same layout)
+        sends = [[k for k in range(len(jobs)) if owners[k] == r] if r != me else [] for r in range(size)]
+        mine = [k for k in range(len(jobs)) if owners[k] == me]
+        recv = [sum(numels[k] for k in mine) if r != me else 0 for r in range(size)]
+        send = [sum(numels[k] for k in ks) for ks in sends]
+        flat = [jobs[k][1].reshape(-1) for ks in sends for k in ks]
+        got = self._tp_exchange(tp, flat, send, recv, dtype, "directions to tp owners")
+        at = 0
+        whole: dict[int, list[torch.Tensor]] = {}
+        for r in range(size):  # from each tp rank, its piece of every matrix this rank owns
+            for k in mine:
+                piece = jobs[k][1] if r == me else got[at : at + numels[k]].view(jobs[k][1].shape)
+                at += 0 if r == me else numels[k]
+                whole.setdefault(k, []).append(piece)
+        results = {k: self._ns_whole(jobs[k][0], whole[k]) for k in mine}
+        back = [results[k][r].reshape(-1).to(dtype) for r in range(size) if r != me for k in mine]  # bf16 O: exact
+        got = self._tp_exchange(tp, back, recv, send, dtype, "NS results from tp owners")
+        out, at = [], 0
+        offsets = {}
+        for r in range(size):
+            for k in sends[r]:
+                offsets[k] = at
+                at += numels[k]
+        for k, (_, d) in enumerate(jobs):
+            out.append(results[k][me] if owners[k] == me else got[offsets[k] : offsets[k] + numels[k]].view(d.shape))
+        return out
+
+    def _tp_exchange(
+        self, tp: Any, chunks: list[torch.Tensor], send: list[int], recv: list[int], dtype: torch.dtype, what: str
+    ) -> torch.Tensor:
+        """One ``all_to_all_single`` over tp: ``chunks`` (``send[r]`` elements to tp rank ``r``, in rank
+        order) out, ``sum(recv)`` elements (``recv[r]`` from rank ``r``) back; counted ([Note: traffic])."""
+        inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype)
+        out = torch.empty(sum(recv), dtype=dtype)
+        nbytes = inp.numel() * inp.element_size()
+        where = f"{type(self).__name__} ({what})"
+        self._traffic.record(where, 3, nbytes, nbytes, dtype, "float", self._steps_taken + 1, ranks=len(send))
+        work = dist.all_to_all_single(out, inp, recv, send, group=tp.group, async_op=True)
+        _wait(work, f"blockshard.optim.Muon's all_to_all over tp ({what})", tp.group)
+        return out
 
     def _orthogonalize(self, dirs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """``NS`` of every matrix's direction, as flat pieces of this rank: whole matrices here,
         cut ones at their owners (``dirs``: local pieces' directions by tensor index)."""
         self._to_owners(lambda t: dirs.get(t), grads=True)
-        for j in self._unit_piece.values():
+        updates = {t: torch.zeros_like(self._flat(t)) for t, q in enumerate(self._params) if q.planned or t in dirs}
+        jobs: list[tuple[int, torch.Tensor]] = []
+        writes: list[Callable[[torch.Tensor], Any]] = []
+        for j in self._unit_piece.values():  # the matrices this rank owns over dp
             pc = self._pieces[j]
             d = pc.tensor.grad
             if d is not None and self._params[pc.p].param.grad is not None:
-                pc.tensor.copy_(self._ns(pc.p, d.view(pc.tensor.shape)))
+                jobs.append((pc.p, d.view(pc.tensor.shape)))
+                writes.append(pc.tensor.copy_)
             pc.tensor.grad = None
-        updates = {t: torch.zeros_like(self._flat(t)) for t, q in enumerate(self._params) if q.planned or t in dirs}
-        for pc in self._pieces:
+        for pc in self._pieces:  # the matrices whole in this rank's pieces
             if pc.unit_start < 0 and pc.p in dirs:
-                d = dirs[pc.p][pc.lo : pc.hi].view(pc.tensor.shape)
-                updates[pc.p][pc.lo : pc.hi].copy_(self._ns(pc.p, d).reshape(-1))
+                jobs.append((pc.p, dirs[pc.p][pc.lo : pc.hi].view(pc.tensor.shape)))
+                writes.append(functools.partial(_write, updates[pc.p][pc.lo : pc.hi]))
+        for write, o in zip(writes, self._ns_all(jobs), strict=True):
+            write(o)
         self._from_owners(lambda t: updates[t])
         return updates
 
@@ -250,6 +339,28 @@ def _part_runs(q: Holding, numel: int) -> list[tuple[int, int, tuple[int, int]]]
     return runs
 
 
+def _write(into: torch.Tensor, o: torch.Tensor) -> None:
+    into.copy_(o.reshape(-1))
+
+
+def _tp_owners(matrices: list[Holding], size: int) -> list[int]:
+    """The tp rank that runs ``NS`` of each TP-split matrix: largest first (by the global matrix's
+    ``NS`` work, ``m * n * min(m, n)`` per part), each to the tp rank with the least work so far, ties
+    to the lowest rank; the same on every tp rank."""
+
+    def work(q: Holding) -> int:
+        assert q.tp is not None
+        m, n = q.tp.shape[-2], q.tp.shape[-1]
+        rows = [r * m // q.shape[-2] for r in q.parts] if q.parts else [m]
+        return sum(r * n * min(r, n) for r in rows)
+
+    load, owners = [0] * size, [0] * len(matrices)
+    for k in sorted(range(len(matrices)), key=lambda k: (-work(matrices[k]), k)):
+        owners[k] = min(range(size), key=lambda r: (load[r], r))
+        load[owners[k]] += work(matrices[k])
+    return owners
+
+
 def _check_tp_matrix(q: Holding) -> None:
     """A TP-split matrix Muon can gather across tp: 2-D, cut evenly ([Note: Muon across tensor parallelism])."""
     tp = q.tp
@@ -265,8 +376,9 @@ def _check_tp_matrix(q: Holding) -> None:
 
 
 def _check_same_across_tp(holdings: list[Holding]) -> None:
-    """Every tp rank must see each TP-split matrix laid out alike over dp (its ``NS`` all-gathers over
-    tp where the matrix is whole): one all_gather_object per tp group, when the optimizer is built."""
+    """Every tp rank must see each TP-split matrix laid out alike over dp (its ``NS`` exchanges over tp
+    where the matrix is whole, in the same order on every tp rank): one all_gather_object per tp
+    group, when the optimizer is built."""
     by_group: dict[int, tuple[Any, list[tuple[object, ...]]]] = {}
     for q in holdings:
         if q.tp is not None:

@@ -366,7 +366,7 @@ def run_muon(rank: int, _world: int, engine: str) -> dict[str, Any]:
     return {
         "params": params if params is not None else _full(model, "stock" if stock_engine else "blockshard"),
         "muon_names": list(muon_group["param_names"]),
-        "counts": [(c.kind, c.calls, c.bytes) for c in counts],
+        "counts": [(c.kind, c.calls, c.bytes, c.ranks) for c in counts],
     }
 
 

@@ -111,16 +111,21 @@ def test_muon_on_tp_split_matrices_equals_whole_matrix_muon_bitwise(engine):
     _, got = _runs()
     for rank, res in enumerate(got):
         assert _equal(res["muon_stock"]["params"], res[f"muon_{engine}"]["params"]) == [], rank
-    # every TP-split matrix's direction (4 of 32 x 16 fp32) gathered across tp once per step at its dp
-    # owner, counted: ranks 0 and 2 are tp rank 0 of the two dp ranks ((dp, tp) = (0, 0) and (1, 0))
+    # Newton-Schulz of every TP-split matrix (4 of 32 x 16 fp32, 16 x 16 per tp rank) at one tp owner,
+    # 2 per tp rank: each step one all_to_all over tp sends the other tp rank its 2 matrices' directions
+    # (2 x 16 x 16 fp32) and one sends back its 2 results; counted per rank, summed over a dp rank's
+    # two tp ranks, as many matrices' worth on the dp rank whose pieces hold them ((dp, tp) = (0, 0), (0, 1))
     calls = nbytes = 0
-    for rank in (0, 2):
-        rows = [(c, b) for kind, c, b in got[rank][f"muon_{engine}"]["counts"] if kind == "all-gather"]
+    for rank in range(4):
+        rows = [(c, b) for kind, c, b, ranks in got[rank][f"muon_{engine}"]["counts"] if ranks == 2]
         calls, nbytes = calls + sum(c for c, _ in rows), nbytes + sum(b for _, b in rows)
-    assert (calls, nbytes) == (4 * _tp_runs.STEPS, 4 * _tp_runs.STEPS * 32 * 16 * 4)
-    # the owner policy cuts the TP-local matrices over dp: the owners' all_to_alls ran too
-    assert any(kind == "all-to-all" for kind, _, _ in got[0]["muon_owner"]["counts"])
-    assert not any(kind == "all-to-all" for kind, _, _ in got[0]["muon_blockshard"]["counts"])
+        assert not any(
+            kind == "all-gather" and ranks == 2 for kind, _, _, ranks in got[rank][f"muon_{engine}"]["counts"]
+        )
+    assert nbytes == 2 * 4 * _tp_runs.STEPS * 16 * 16 * 4, nbytes  # each matrix: half to its owner, half back
+    # the owner policy cuts the TP-local matrices over dp: the dp owners' all_to_alls ran too
+    assert any(kind == "all-to-all" and ranks is None for kind, _, _, ranks in got[0]["muon_owner"]["counts"])
+    assert not any(kind == "all-to-all" and ranks is None for kind, _, _, ranks in got[0]["muon_blockshard"]["counts"])
 
 
 def test_muon_on_tp_split_matrices_matches_one_process():
