@@ -8,9 +8,14 @@ Keys (all optional)::
                                              # ("bnb8bit", "matrix", "*.mlp.*=nf4,bnb8bit") or a list of them
         "alignment_bytes": 16,               # bytes: parameter starts and partition size are multiples
         "allow_untested_deepspeed": false,   # run on a DeepSpeed version the hook was not tested with
-        "unused_parameters": "exact"         # "exact": a parameter no rank got a gradient for is skipped,
+        "unused_parameters": "exact",        # "exact": a parameter no rank got a gradient for is skipped,
                                              # as on one process (refused where the hook cannot skip it);
                                              # "stock": DeepSpeed's own update of it ([Note: unused parameters])
+        "owner_compute": "auto"              # ZeRO-3: "auto" steps optimizers that are not element-wise on
+                                             # runs ([Note: ZeRO-3 owner-compute]), element-wise ones as stock;
+                                             # "always": element-wise ones on runs too (each rank's partition of
+                                             # each parameter its own tensor and state: no bytes move, and a
+                                             # parameter no rank used is skipped exactly)
     }
 
 DeepSpeed 0.19.8 ignores unknown top-level keys (``DeepSpeedConfig`` reads the keys it knows and
@@ -47,8 +52,9 @@ SECTION = "blockshard"
 TESTED_DEEPSPEED_VERSIONS: tuple[str, ...] = ("0.19.8",)
 #: Setting this environment variable to 1 has the effect of ``"allow_untested_deepspeed": true``.
 ALLOW_UNTESTED_ENV = "BLOCKSHARD_ALLOW_UNTESTED_DEEPSPEED"
-_KEYS = ("enabled", "semantics", "alignment_bytes", "allow_untested_deepspeed", "unused_parameters")
+_KEYS = ("enabled", "semantics", "alignment_bytes", "allow_untested_deepspeed", "unused_parameters", "owner_compute")
 _UNUSED = ("exact", "stock")
+_OWNER = ("auto", "always")
 
 
 class DeepSpeedHookError(BlockshardError):
@@ -65,6 +71,7 @@ class HookConfig:
     alignment_bytes: int = 16
     allow_untested_deepspeed: bool = False
     unused_parameters: str = "exact"
+    owner_compute: str = "auto"
 
 
 def _bool(key: str, value: object) -> bool:
@@ -99,6 +106,12 @@ def parse_section(section: object) -> HookConfig:
             f"{SECTION}.unused_parameters={unused!r} must be 'exact' (a parameter no rank got a gradient for is "
             "skipped, as on one process) or 'stock' (DeepSpeed's own update of it)"
         )
+    owner = section.get("owner_compute", "auto")
+    if owner not in _OWNER:
+        raise DeepSpeedHookError(
+            f"{SECTION}.owner_compute={owner!r} must be 'auto' (ZeRO-3 steps element-wise optimizers as stock "
+            "DeepSpeed, the others on runs at owners) or 'always' (element-wise optimizers on runs too)"
+        )
     semantics = section.get("semantics")
     raw = semantics
     if isinstance(semantics, Sequence) and not isinstance(semantics, str):
@@ -120,7 +133,7 @@ def parse_section(section: object) -> HookConfig:
         rules = SemanticsRules.coerce(semantics)
     except ValueError as e:
         raise DeepSpeedHookError(f"{SECTION}.semantics={raw!r} is invalid: {e}") from None
-    return HookConfig(enabled, raw, rules, alignment, allow, unused)
+    return HookConfig(enabled, raw, rules, alignment, allow, unused, owner)
 
 
 def load_config(config: object) -> dict[str, Any]:

@@ -297,7 +297,8 @@ def make_stage3() -> type:
                     "construct it directly"
                 )
             self._bs_config = p.config
-            self._bs_owner = not is_elementwise(init_optimizer)
+            # element-wise optimizers as stock DeepSpeed steps them, unless "owner_compute": "always"
+            self._bs_owner = not is_elementwise(init_optimizer) or p.config.owner_compute == "always"
             if self._bs_owner:
                 _refuse(kwargs, init_optimizer)
             super().__init__(module, init_optimizer, *args, **kwargs)
@@ -409,9 +410,11 @@ def make_stage3() -> type:
                     f"parameter(s) {names[:4]}{' ...' if len(names) > 4 else ''} got no gradient on any rank in this "
                     f"step; DeepSpeed ZeRO-3 steps them anyway with the element-wise {type(self.optimizer).__name__} "
                     "over its flat partition (a stale or zero gradient: weight and moment decay), where one process "
-                    "skips them, and one flat tensor cannot skip a parameter alone. Fix: freeze what a step does not "
-                    "train (requires_grad_(False)), or use ZeRO-1/2 with blockshard's hook (per-parameter views), or "
-                    'set "blockshard": {"unused_parameters": "stock"} to accept DeepSpeed\'s update'
+                    'skips them, and one flat tensor cannot skip a parameter alone. Fix: set "blockshard": '
+                    '{"owner_compute": "always"} (each partition of each parameter its own tensor and state, '
+                    "skipped exactly; no bytes move), freeze what a step does not train (requires_grad_(False)), use "
+                    'ZeRO-1/2 with blockshard\'s hook (per-parameter views), or set "blockshard": '
+                    '{"unused_parameters": "stock"} to accept DeepSpeed\'s update'
                 )
             try:
                 return super().step(closure)

@@ -201,6 +201,7 @@ def train(
     sub_group: int = 0,
     stage: int = 3,
     unused: str = "",
+    owner: str = "",
 ) -> dict:
     """A ZeRO-3 engine (hooked unless ``stock``) trained on the whole batch; the full parameters
     and the hook's owner traffic. ``model``: see :func:`make_model`. ``ds_muon``: stock DeepSpeed
@@ -208,7 +209,7 @@ def train(
     it refuses ``reduce_scatter`` with Muon). ``sub_group``: DeepSpeed's ``sub_group_size`` (elements;
     smaller than the model, so the optimizer steps several sub-groups of one ``param_group``).
     ``stage`` 1 or 2: ZeRO-1/2 instead (the hook with ``kind``'s semantics, ``_ds_runs.SEMANTICS``).
-    ``unused``: the section's ``"unused_parameters"``."""
+    ``unused``: the section's ``"unused_parameters"``; ``owner``: its ``"owner_compute"``."""
     import deepspeed
 
     from blockshard.integrations import deepspeed as bsd
@@ -224,6 +225,8 @@ def train(
             cfg["blockshard"]["semantics"] = base.SEMANTICS[kind]
     if unused:
         cfg["blockshard"]["unused_parameters"] = unused
+    if owner:
+        cfg["blockshard"]["owner_compute"] = owner
     if ds_muon:
         cfg["optimizer"] = {"type": "Muon", "params": {"lr": LR["muon"]}}
         cfg["zero_optimization"]["reduce_scatter"] = False

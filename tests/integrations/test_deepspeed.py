@@ -96,6 +96,7 @@ def bitwise(a, b) -> bool:
         ({"enabled": "yes"}, "blockshard.enabled"),
         ({"allow_untested_deepspeed": 1}, "blockshard.allow_untested_deepspeed"),
         ({"unused_parameters": "skip"}, "blockshard.unused_parameters='skip' must be 'exact'"),
+        ({"owner_compute": "never"}, "blockshard.owner_compute='never' must be 'auto'"),
         (["bnb8bit"], "blockshard="),
     ],
 )
@@ -376,6 +377,9 @@ def _zero3_spec(full: bool) -> dict:
         # element-wise (DeepSpeed's own step over the flat partition): refused; "stock" takes DeepSpeed's update
         cases["adamw_unused_refused"] = ("adamw", {"model": "unused"})
         cases["adamw_unused_stock_control"] = ("adamw", {"model": "unused", "unused": "stock"})
+        # "owner_compute": "always": element-wise AdamW on per-parameter runs (no bytes move), skipped exactly
+        cases["adamw_unused_owner"] = ("adamw", {"model": "unused", "owner": "always"})
+        cases["adamw_gas2_owner"] = ("adamw", {"gas": 2, "owner": "always"})
         # ZeRO-1/2 with the hook: per-parameter views, so a parameter no rank used steps with grad None
         cases["bnb_unused_gas2_z2"] = ("bnb", {"model": "unused", "gas": 2, "stage": 2})
         cases["adamw_unused_z1"] = ("adamw", {"model": "unused", "stage": 1})
@@ -649,8 +653,9 @@ def test_zero3_hook_equals_one_process_bitwise(request, w, case):
     else:
         assert bitwise(got["params"], ref)
     traffic = got["traffic"]
-    assert traffic["owner"] == (kind != "adamw")  # element-wise: DeepSpeed's own step, nothing moved
-    if kind == "adamw":
+    owner = kind != "adamw" or kw.get("owner") == "always"  # element-wise: DeepSpeed's own step unless "always"
+    assert traffic["owner"] == owner
+    if not owner:
         assert traffic["bytes_per_step"] == []
         return
     # the runs are the pure plan's (every parameter covered once, in order), and so are the bytes
@@ -679,6 +684,8 @@ def test_zero3_hook_equals_one_process_bitwise(request, w, case):
         assert sum(traffic["bytes_per_step"]) == moved * _ds_zero3_runs.STEPS
         return
     assert got["subgroups"] == 1 and traffic["bytes_per_step"] == [moved] * _ds_zero3_runs.STEPS
+    if kind == "adamw":  # per-parameter runs cut where DeepSpeed's partitions are: every run where it lies
+        assert moved == 0 and any(len(rs) > 1 for rs in runs)
     if kind == "bnb" and any(len(rs) > 1 for rs in runs):  # cut runs move far less than whole parameters
         whole, _ = plan_runs(list(shapes.values()), [UnitGrid.whole(n) for n in numels], w)
         assert moved < moved_bytes(whole, numels, w, 0)
@@ -688,7 +695,7 @@ def _z3_semantics(kind: str, shape: tuple[int, ...]) -> str:
     """The semantics the ZeRO-3 hook gives a parameter of ``shape`` under ``kind``'s optimizer."""
     if kind == "muon_adamw":  # per param_group ([Note: Muon beside AdamW]): Muon's matrices, AdamW's elements
         return "matrix" if len(shape) == 2 else "elementwise"
-    return {"bnb": "bnb8bit", "ao8bit": "ao8bit", "muon": "matrix"}.get(kind, "shampoo:32")
+    return {"bnb": "bnb8bit", "ao8bit": "ao8bit", "muon": "matrix", "adamw": "elementwise"}.get(kind, "shampoo:32")
 
 
 @pytest.mark.slow
@@ -735,6 +742,7 @@ def test_control_zero3_unused_parameters_differ_from_one_process_without_owner_c
         assert (
             "'never.weight'" in error and "requires_grad_(False)" in error and '"unused_parameters": "stock"' in error
         )
+        assert '"owner_compute": "always"' in error  # the exact fix (test_zero3_hook_equals_one_process_bitwise)
 
 
 @pytest.mark.slow
