@@ -129,8 +129,9 @@ def global_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """Every parameter's global shape by name (``model.named_parameters()`` names, tied names too).
 
     For a parameter the engine manages, the shape of the whole tensor, whatever piece (or empty
-    ``(0,)`` piece) this rank holds; for any other parameter (not sharded, or an FSDP2 DTensor,
-    whose ``shape`` is already global), its own shape. Names are stable across sharding.
+    ``(0,)`` piece) this rank holds; for a DeepSpeed ZeRO-3 placeholder, its ``ds_shape``; for any
+    other parameter (not sharded, or an FSDP2 DTensor, whose ``shape`` is already global), its own
+    shape. Names are stable across sharding.
     """
     managed = {
         id(p): sp.shape for _, st in states_under(model) for sp in st.buffers.params for p in (sp.sharded, sp.unsharded)
@@ -153,7 +154,8 @@ def global_shape(p: torch.Tensor) -> torch.Size:
     For code written for one process that chooses by shape (``p.ndim >= 2`` for weight decay,
     ``p.ndim == 2`` for Muon): on a sharded model a piece's own shape is its block shape here
     (flat, a row stripe, empty), so choose by ``len(blockshard.global_shape(p)) >= 2``. A sharded
-    piece also carries it as ``p.global_shape``.
+    piece also carries it as ``p.global_shape``. A parameter DeepSpeed ZeRO-3 (or
+    ``deepspeed.zero.Init``) partitioned in place gives its ``ds_shape``.
     """
     tag = managed_tag(p)
     if tag is not None and not tag.original and tag.group is not None:
