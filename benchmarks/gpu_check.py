@@ -16,6 +16,7 @@ differently from one process, so 1e-5 on GPUs by default).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -126,6 +127,9 @@ def main(argv: list[str]) -> int:
         print(text if a.json else f"gpu_check: {'ok' if ok else 'FAILED'} {report['ratios']}")
     flag = torch.tensor([int(ok)], device=device if backend == "nccl" else "cpu")
     dist.broadcast(flag, 0)
+    del results
+    gc.collect()  # the engines' process groups go while the interpreter is whole (gloo can abort a rank at exit)
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if flag.item() else 1
 

@@ -8,6 +8,7 @@ its half of every batch (both tp ranks of a dp rank on the same half)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -424,6 +425,7 @@ def cases(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Every 4-rank run of the tests, in one spawn (``directory``: where the checkpoints go)."""
     out: dict[str, Any] = {"checkpoints": checkpoints(rank, world, directory)}
     out["bnb_checkpoints"] = bnb_checkpoints(rank, world, directory)
+    out["export"] = export(rank, world, directory)
     out["shampoo_checkpoints"] = shampoo_checkpoints(rank, world, directory)
     for engine in ("stock", "blockshard"):
         out[engine] = run(rank, world, engine)
@@ -512,6 +514,30 @@ def checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
         out[key] = {"loaded": loaded, "resumed": blockshard.full_state_dict(model)}
     out["from_stock"] = _from_stock(f"{directory}/stock")
     return out
+
+
+def export(rank: int, _world: int, directory: str) -> dict[str, Any]:
+    """``blockshard.save_pretrained`` of a (dp 2, tp 2) model after 2 steps ([Note: tensor-parallel
+    export]): what rank 0 reads back from the safetensors file, ``full_state_dict``, and the export
+    loaded by ``blockshard.load_safetensors`` into fresh models at (2, 2), (4, 1) and (1, 4)."""
+    from safetensors.torch import load_file
+
+    import blockshard
+
+    model = _layout(2, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    _steps(model, opt, range(2))
+    path = f"{directory}/export"
+    blockshard.save_pretrained(model, path)
+    full = blockshard.full_state_dict(model)
+    files = sorted(os.listdir(path)) if rank == 0 else []
+    read = load_file(f"{path}/model-00001-of-00001.safetensors") if rank == 0 else {}
+    loaded = {}
+    for dp, tp in ((2, 2), (4, 1), (1, 4)):  # and back: each rank reads its piece of each tensor
+        fresh = _layout(dp, tp)
+        blockshard.load_safetensors(fresh, path)
+        loaded[f"dp{dp}_tp{tp}"] = blockshard.full_state_dict(fresh)
+    return {"full": full, "read": read, "files": files, "loaded": loaded}
 
 
 def _from_stock(path: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from blockshard.runtime import PieceTensor
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT = 90
+TIMEOUT = 180  # spawned ranks beside the other xdist worker's launches on 2 cores
 
 
 @functools.cache

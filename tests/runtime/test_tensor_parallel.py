@@ -189,6 +189,21 @@ def test_bnb_8bit_state_of_tp_split_weights_checkpoints_and_reshards_bitwise():
         assert max((ctrl[n] - want[n]).abs().max().item() for n in want) > 1e-3, rank
 
 
+def test_save_pretrained_of_tp_groups_writes_the_full_weights_and_load_safetensors_reads_them_back():
+    """``blockshard.save_pretrained`` of a (dp 2, tp 2) model ([Note: tensor-parallel export]): rank 0
+    writes one safetensors file and its index; every tensor read back equals ``full_state_dict``'s
+    bitwise (the TP-split weights whole, of their global shapes). ``blockshard.load_safetensors`` of
+    that export into fresh models at (2, 2), (4, 1) and (1, 4) gives the same full state bitwise."""
+    exported = _runs()[1][0]["export"]
+    assert exported["files"] == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    full, read = exported["full"], exported["read"]
+    assert sorted(read) == sorted(full) and _equal(full, read) == []
+    assert tuple(read["blocks.0.up.weight"].shape) == (32, 16)  # global: ColwiseParallel's two halves joined
+    for rank, res in enumerate(_runs()[1]):  # load_safetensors reads each rank's TP and dp piece, any layout
+        for layout, got in res["export"]["loaded"].items():
+            assert _equal(full, got) == [], (rank, layout)
+
+
 def test_shampoo_tiles_of_tp_split_weights_checkpoint_and_reshard():
     """BlockedShampoo (8 x 8 tiles) under (dp 2, tp 2): ``save_checkpoint`` places each piece's per-tile
     state among the global tensor's tiles (``Shard(0)`` pieces as one run of tiles, ``Shard(1)`` pieces

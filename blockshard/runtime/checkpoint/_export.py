@@ -47,8 +47,8 @@ from blockshard._errors import QuantizedWeightError
 from blockshard.runtime.checkpoint._files import raise_on_every_rank
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 from blockshard.runtime.checkpoint._quantized_state import StateEntry, _module_names, _prefixes
-from blockshard.runtime.checkpoint._state_dict import _names
-from blockshard.runtime.core._inspect import BuffersView, agree_on_call, checkpoint_states, join_name
+from blockshard.runtime.checkpoint._state_dict import _names, full_state_dict
+from blockshard.runtime.core._inspect import BuffersView, agree_on_call, checkpoint_states, join_name, states_under
 from blockshard.runtime.core._param import ShardedParam
 from blockshard.runtime.core._state import ModuleState
 from blockshard.runtime.quantized._frozen import frozen_buffers
@@ -152,6 +152,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike[str]) ->
     loads it."""
     path = os.fspath(save_directory)
     agree_on_call(model, "blockshard.save_pretrained")  # [Note: collective headers]
+    if any(sp.tp is not None for _, st in states_under(model) for sp in st.buffers.params):
+        _save_gathered(model, path)  # [Note: tensor-parallel export]
+        return
     rank = _rank(model)
     states = checkpoint_states(model, "export")
     _check_exportable(states)  # before any collective or file
@@ -199,6 +202,36 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike[str]) ->
         except OSError as e:
             sink.error = e
     raise_on_every_rank(pg, None if sink.error is None else _export_error(path, sink.error))
+
+
+def _save_gathered(model: nn.Module, path: str) -> None:
+    """[Note: tensor-parallel export]
+    A model with tensor-parallel groups is exported from its full state dict
+    (:func:`~blockshard.full_state_dict`: every group gathered over dp, then the TP parameters over
+    tp, on every rank), written by global rank 0 as one safetensors file with the index (its
+    checksums, [Note: checkpoint integrity]) and, for a Hugging Face model, ``config.json``: the
+    whole model passes through each rank's memory once, as torch's full state dict does, instead of
+    the group-by-group stream of [Note: streamed export]. Collective over every rank."""
+    full = full_state_dict(model)
+    error = None
+    if dist.get_rank() == 0:
+        tensors = _unique({k: v for k, v in full.items() if isinstance(v, torch.Tensor)})
+        file = "model-00001-of-00001.safetensors"
+        sink = _Sink()
+        try:
+            os.makedirs(path, exist_ok=True)
+            total = _write_safetensors(sink, os.path.join(path, file), tensors)
+            if sink.error is not None:
+                raise sink.error
+            with open(os.path.join(path, INDEX), "w") as f:
+                metadata = {"total_size": total, CHECKSUMS: sink.sums}
+                json.dump({"metadata": metadata, "weight_map": dict.fromkeys(tensors, file)}, f, indent=2)
+            config = getattr(model, "config", None)
+            if config is not None and hasattr(config, "save_pretrained"):
+                config.save_pretrained(path)
+        except OSError as e:
+            error = _export_error(path, e)
+    raise_on_every_rank(dist.group.WORLD, error)
 
 
 def _export_error(path: str, e: OSError) -> str:

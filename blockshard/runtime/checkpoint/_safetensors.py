@@ -32,7 +32,7 @@ from blockshard.runtime.checkpoint._export import CHECKSUMS
 from blockshard.runtime.checkpoint._integrity import hash_file
 from blockshard.runtime.checkpoint._state_dict import _names
 from blockshard.runtime.core._common import ShardedState
-from blockshard.runtime.core._inspect import checkpoint_states, join_name
+from blockshard.runtime.core._inspect import join_name, states_under
 
 __all__ = ["LoadReport", "load_safetensors"]
 
@@ -221,7 +221,7 @@ def load_safetensors(
     loaded: list[str] = []
     missing: list[str] = []
     managed: set[int] = set()
-    for prefix, st in checkpoint_states(model, "safetensors checkpoint"):
+    for prefix, st in states_under(model):
         g = st.buffers
         if g.layout is None:
             continue
@@ -240,12 +240,17 @@ def load_safetensors(
             if found is None:
                 missing += names.get(id(sp), [join_name(prefix, sp.fqn)])[:1]
                 continue
-            if reader.shape(found) != sp.shape:
+            tp = sp.tp if sp.tp is not None and sp.tp.shard_dim is not None else None
+            shape = tuple(tp.shape) if tp is not None else tuple(sp.shape)  # a TP parameter: its global shape
+            if reader.shape(found) != shape:
                 raise ShardingError(
                     f"load_safetensors: {found!r} has shape {reader.shape(found)} in the checkpoint, the model's "
-                    f"parameter has {sp.shape}. Fix: load a checkpoint of this model's configuration"
+                    f"parameter has {shape}. Fix: load a checkpoint of this model's configuration"
                 )
-            if sp.local_numel and (boxes := sp.piece_boxes()) is not None:  # [Note: packed tile order in the engine]
+            if sp.local_numel and tp is not None:  # this rank's piece of the TP-local tensor, as global boxes
+                tp_boxes = tp.boxes(tuple(sp.shape), sp.local_start, sp.local_numel)
+                sp.sharded.copy_(reader.boxes(found, tp_boxes).view(sp.sharded.shape))
+            elif sp.local_numel and (boxes := sp.piece_boxes()) is not None:  # [Note: packed tile order in the engine]
                 sp.sharded.copy_(sp.from_boxed(reader.boxes(found, boxes)))
             elif sp.local_numel:
                 piece = reader.run(found, sp.local_start, sp.local_start + sp.local_numel)
