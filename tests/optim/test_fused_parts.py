@@ -104,20 +104,23 @@ def _train(model: nn.Module, opts: list, before_step=None) -> dict[str, torch.Te
     return {k: v.detach().clone() for k, v in blockshard.full_state_dict(model).items()}
 
 
+def _part_views(p: nn.Parameter, rows: tuple[int, ...] | None) -> list[tuple[torch.Tensor, nn.Parameter, tuple]]:
+    """``(view, p, index)`` of every part of ``p`` (``rows``; None: one part), of every expert's matrix
+    of a stacked ``(E, m, n)`` tensor: the matrices torch's Muon steps one by one in the references."""
+    views = []
+    for e in range(p.shape[0]) if p.ndim == 3 else [None]:
+        at = 0
+        for r in rows or (p.shape[-2],):
+            index = (e, slice(at, at + r)) if e is not None else (slice(at, at + r),)
+            views.append((p.detach()[index], p, index))
+            at += r
+    return views
+
+
 def _reference() -> dict[str, torch.Tensor]:
     """torch's Muon on every part (and every expert's part) as a matrix of its own."""
     model = _model()
-    views: list[tuple[torch.Tensor, nn.Parameter, tuple]] = []
-    for name, p in model.named_parameters():
-        if not _is_matrix(name):
-            continue
-        rows = PARTS.get(name, (p.shape[-2],))
-        for e in range(p.shape[0]) if p.ndim == 3 else [None]:
-            at = 0
-            for r in rows:
-                index = (e, slice(at, at + r)) if e is not None else (slice(at, at + r),)
-                views.append((p.detach()[index], p, index))
-                at += r
+    views = [v for name, p in model.named_parameters() if _is_matrix(name) for v in _part_views(p, PARTS.get(name))]
     muon = torch.optim.Muon([v for v, _, _ in views], lr=0.02)
     adamw = torch.optim.AdamW([p for n, p in model.named_parameters() if not _is_matrix(n)], lr=1e-3)
 
@@ -279,15 +282,8 @@ def _hf_train(kind: str, sharded: bool, parts: bool) -> dict[str, torch.Tensor]:
         opts = [Muon(groups[0], lr=0.02)]
     else:
         for name, p in model.named_parameters():
-            if name not in muon_names:
-                continue
-            rows = next((r for g, r in rules.items() if fnmatch.fnmatchcase(name, g)), (p.shape[-2],))
-            for e in range(p.shape[0]) if p.ndim == 3 else [None]:
-                at = 0
-                for r in rows:
-                    index = (e, slice(at, at + r)) if e is not None else (slice(at, at + r),)
-                    views.append((p.detach()[index], p, index))
-                    at += r
+            if name in muon_names:
+                views += _part_views(p, next((r for g, r in rules.items() if fnmatch.fnmatchcase(name, g)), None))
         opts = [torch.optim.Muon([v for v, _, _ in views], lr=0.02)]
     opts.append(torch.optim.AdamW(groups[1]["params"], lr=1e-3))
     g = torch.Generator().manual_seed(1)

@@ -811,7 +811,16 @@ def bnb_checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
         blockshard.fully_shard(model, mesh=mesh["dp"], semantics="bnb8bit")
         return model, bnb.optim.AdamW8bit(model.parameters(), lr=LR, weight_decay=0.1)
 
-    path = f"{directory}/bnb"
+    return _round_trips(make, f"{directory}/bnb")
+
+
+def _round_trips(make: Any, path: str, via_dp4: bool = False) -> dict[str, Any]:
+    """``make(dp, tp) -> (model, optimizer)`` trained 2 steps at (2, 2) and saved (``save_checkpoint``),
+    then step 3 (``"uninterrupted"``); loaded at (2, 2) and (4, 1), step 3 (``"dp2_tp2"``, ``"dp4_tp1"``);
+    loaded without the optimizer state (``"dp2_tp2_model_only"``). ``via_dp4``: the (4, 1) load saved
+    again and loaded at (2, 2), step 3 there (``"via_dp4_tp1"``)."""
+    import blockshard
+
     model, opt = make(2, 2)
     _steps(model, opt, range(2))
     blockshard.save_checkpoint(model, path, opt)
@@ -820,6 +829,12 @@ def bnb_checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
     for dp, tp, with_optim in ((2, 2, True), (4, 1, True), (2, 2, False)):
         model, opt = make(dp, tp)
         blockshard.load_checkpoint(model, path, opt if with_optim else None)
+        if via_dp4 and (dp, tp) == (4, 1):
+            blockshard.save_checkpoint(model, f"{path}-dp4", opt)
+            back, back_opt = make(2, 2)
+            blockshard.load_checkpoint(back, f"{path}-dp4", back_opt)
+            _steps(back, back_opt, range(2, 3))
+            out["via_dp4_tp1"] = blockshard.full_state_dict(back)
         _steps(model, opt, range(2, 3))
         out[f"dp{dp}_tp{tp}" + ("" if with_optim else "_model_only")] = blockshard.full_state_dict(model)
     return out
@@ -847,24 +862,7 @@ def shampoo_checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any
         opt = BlockedShampoo(model.parameters(), lr=LR, max_preconditioner_dim=8, start_preconditioning_step=1)
         return model, opt
 
-    path = f"{directory}/shampoo"
-    model, opt = make(2, 2)
-    _steps(model, opt, range(2))
-    blockshard.save_checkpoint(model, path, opt)
-    _steps(model, opt, range(2, 3))
-    out: dict[str, Any] = {"uninterrupted": blockshard.full_state_dict(model)}
-    for dp, tp, with_optim in ((2, 2, True), (4, 1, True), (2, 2, False)):
-        model, opt = make(dp, tp)
-        blockshard.load_checkpoint(model, path, opt if with_optim else None)
-        if (dp, tp) == (4, 1):  # and back: saved again at (4, 1), loaded at (2, 2), step 3 there
-            blockshard.save_checkpoint(model, f"{path}-dp4", opt)
-            back, back_opt = make(2, 2)
-            blockshard.load_checkpoint(back, f"{path}-dp4", back_opt)
-            _steps(back, back_opt, range(2, 3))
-            out["via_dp4_tp1"] = blockshard.full_state_dict(back)
-        _steps(model, opt, range(2, 3))
-        out[f"dp{dp}_tp{tp}" + ("" if with_optim else "_model_only")] = blockshard.full_state_dict(model)
-    return out
+    return _round_trips(make, f"{directory}/shampoo", via_dp4=True)
 
 
 def _state_dict_error(model: nn.Module, opt: Any, engine: str) -> str | None:
