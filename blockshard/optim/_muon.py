@@ -206,7 +206,7 @@ class Muon(OwnerComputeOptimizer):
         by_group: dict[tuple[int, torch.dtype], list[int]] = {}
         for k, (t, d) in enumerate(jobs):
             q = self._params[t]
-            if q.tp is None or q.tp.shard_dim is None or q.tp.mesh.size() == 1:
+            if q.tp is None or not q.tp.cut:
                 out[k] = self._ns(t, d)
             else:
                 by_group.setdefault((id(q.tp.group), d.dtype), []).append(k)

@@ -154,7 +154,7 @@ def _refuse_tp_split(name: str, key: str, sp: ShardedParam) -> None:
     piece's boxes, bitsandbytes' per-block state by its blocks' (``_tp_per_block``), BlockedShampoo's
     tiles by its codec."""
     tp = sp.tp
-    if tp is not None and tp.shard_dim is not None and tp.mesh.size() > 1:
+    if tp is not None and tp.cut:
         raise _error(
             name,
             key,
@@ -168,8 +168,7 @@ def _refuse_tp_split(name: str, key: str, sp: ShardedParam) -> None:
 
 
 def _tp_cut(sp: ShardedParam) -> bool:
-    tp = sp.tp
-    return tp is not None and tp.shard_dim is not None and tp.mesh.size() > 1
+    return sp.tp is not None and sp.tp.cut
 
 
 def _global_runs(shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -215,13 +214,13 @@ def _tp_per_block(name: str, key: str, value: torch.Tensor, sp: ShardedParam, bl
     """``value`` (one entry per ``block`` elements of a TP-split parameter's piece) as boxes of the
     global tensor's per-block vector (see the per-block case of [Note: optimizer state codecs])."""
     boxes = _tp_block_boxes(sp, block)
-    if boxes is None or sum(s[0] for _, s in boxes) != value.numel():
+    if sp.tp is None or boxes is None or sum(s[0] for _, s in boxes) != value.numel():
         _refuse_tp_split(name, key, sp)
-    numel = math.prod(sp.tp.shape) if sp.tp is not None else sp.numel
+        raise AssertionError(name)  # unreachable: a TP-split piece (_tp_cut) is refused above
     return PieceTensor(
         value,
         0,
-        (ceil_div(numel, block),),
+        (ceil_div(math.prod(sp.tp.shape), block),),
         name=f"{name}.{key}",
         process_group=entry_group(sp, _pg(sp)),
         boxes=boxes,

@@ -240,7 +240,7 @@ def load_safetensors(
             if found is None:
                 missing += names.get(id(sp), [join_name(prefix, sp.fqn)])[:1]
                 continue
-            tp = sp.tp if sp.tp is not None and sp.tp.shard_dim is not None else None
+            tp = sp.tp if sp.tp is not None and sp.tp.cut else None
             shape = tuple(tp.shape) if tp is not None else tuple(sp.shape)  # a TP parameter: its global shape
             if reader.shape(found) != shape:
                 raise ShardingError(

@@ -87,7 +87,7 @@ def _route(group: Any, sp: ShardedParam) -> Route:
     a TP-sharded parameter ([Note: tensor-parallel parameters])."""
     pg = cast(dist.ProcessGroup, group.process_group)
     tp = sp.tp
-    return (pg, tp.group) if tp is not None and tp.shard_dim is not None and tp.mesh.size() > 1 else (pg,)
+    return (pg, tp.group) if tp is not None and tp.cut else (pg,)
 
 
 def _pieces_of(model: nn.Module) -> dict[int, Route]:

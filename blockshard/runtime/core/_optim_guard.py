@@ -253,7 +253,7 @@ def _check_tp_cut(
     if sp is None or _element_wise(optimizer) or across or not checks_on():
         return
     tp = sp.tp
-    if tp is None or tp.shard_dim is None or tp.mesh.size() <= 1:
+    if tp is None or not tp.cut:
         return
     # 8-bit blocks or Shampoo tiles the tp cut keeps whole: stepped as one process steps them (every
     # block's state and math are its own, [Note: tiles across tp])

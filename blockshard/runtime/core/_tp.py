@@ -91,11 +91,16 @@ class TPSpec:
         p = self.placements[0]
         return p.dim if isinstance(p, Shard) else None
 
+    @property
+    def cut(self) -> bool:
+        """Whether the tp axis cuts the tensor (a ``Shard`` placement over more than one tp rank)."""
+        return self.shard_dim is not None and self.mesh.size() > 1
+
     def splits_units(self, name: str, dtype: torch.dtype, semantics: str) -> bool:
         """Whether the tp cut splits a unit of ``semantics`` stated on the global tensor (``split_units``
         of [Note: TP and EP plans])."""
         dim = self.shard_dim
-        if dim is None or self.mesh.size() == 1:
+        if dim is None or not self.cut:
             return False
         local = list(self.shape)
         local[dim] = -(-local[dim] // self.mesh.size())
@@ -108,7 +113,7 @@ class TPSpec:
         cut of dim 0 of a stacked ``(E, m, n)`` expert tensor, expert parallelism, keeps every
         expert's matrix whole)."""
         dim = self.shard_dim
-        return dim is not None and self.mesh.size() > 1 and dim >= ndim - 2
+        return dim is not None and self.cut and dim >= ndim - 2
 
     @property
     def label(self) -> str:
@@ -230,12 +235,13 @@ def check_tp_units(
     tensors, places = [], []
     for n, p, mt in zip(names, params, module_types, strict=True):
         spec = specs.get(n)
-        if spec is None or spec.shard_dim is None or spec.mesh.size() == 1:
+        dim = spec.shard_dim if spec is not None and spec.cut else None
+        if spec is None or dim is None:
             continue
         tensors.append(TensorSpec(name=n, shape=spec.shape, dtype=p.dtype, module_type=mt))
         local = list(spec.shape)
-        local[spec.shard_dim] = math.ceil(local[spec.shard_dim] / spec.mesh.size())
-        places.append(Placement(n, "dtensor", "tp", spec.shard_dim, spec.mesh.size(), spec.shape, tuple(local)))
+        local[dim] = math.ceil(local[dim] / spec.mesh.size())
+        places.append(Placement(n, "dtensor", "tp", dim, spec.mesh.size(), spec.shape, tuple(local)))
     for cut in split_units(tensors, places, rules):
         if (
             cut.label == "matrix"
