@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from blockshard._errors import BlockshardError
+from blockshard.optim._placeholders import construct_over_stand_ins
 from blockshard.optim._semantics import muon_param_groups
 from blockshard.optim._step import closure_loss
 
@@ -70,18 +71,18 @@ class MuonWithAdamW(torch.optim.Optimizer):
             )
         muon_kw, adamw_kw = dict(muon or {}), dict(adamw or {})
         muon_groups = [g for g in groups if g["use_muon"]]
-        real = _stand_ins(muon_groups)
         try:  # torch's own checks of the arguments and its defaults, filled into each group
-            self._muon = torch.optim.Muon(muon_groups or [_empty()], **muon_kw)
+            self._muon = construct_over_stand_ins(
+                lambda args: torch.optim.Muon(args or [_empty()], **muon_kw), muon_groups
+            )
             self._adamw = torch.optim.AdamW([g for g in groups if not g["use_muon"]] or [_empty()], **adamw_kw)
         except TypeError as exc:
             raise BlockshardError(
                 f"MuonWithAdamW(muon={muon_kw}, adamw={adamw_kw}): {exc}. Fix: pass torch.optim.Muon's keyword "
                 "arguments in muon= and torch.optim.AdamW's in adamw="
             ) from None
-        finally:
-            for g in muon_groups:  # the groups hold the parameters themselves again
-                g["params"] = [real.get(id(t), t) for t in g["params"]]
+        for g, filled in zip(muon_groups, self._muon.param_groups, strict=False):
+            g.update(filled)  # Muon's defaults, over the real parameters (it was built over stand-ins)
         super().__init__(groups, {})
         self._sync()
 
@@ -154,24 +155,6 @@ def _split(params: Any, muon_ids: frozenset[int]) -> list[dict[str, Any]]:
             if part:
                 groups.append({**keys, "params": part, "use_muon": use_muon})
     return groups
-
-
-def _stand_ins(groups: list[dict[str, Any]]) -> dict[int, torch.Tensor]:
-    """Replace, in Muon's ``groups``, each DeepSpeed ZeRO-3 placeholder (1-D until DeepSpeed gathers
-    it; its shape kept as ``ds_shape``) by a meta tensor of that shape, for ``torch.optim.Muon``'s
-    constructor (which takes 2-D tensors only); returns ``id(stand-in) -> parameter`` to put them
-    back. Muon's step sees whole matrices: blockshard's ZeRO-3 hook steps each at its owner."""
-    real: dict[int, torch.Tensor] = {}
-    for g in groups:
-        params = g["params"]
-        listed = [params] if isinstance(params, torch.Tensor) else list(params)
-        for i, p in enumerate(listed):
-            shape = getattr(p, "ds_shape", None)
-            if shape is not None and tuple(shape) != tuple(p.shape):
-                listed[i] = torch.empty(tuple(shape), dtype=p.dtype, device="meta", requires_grad=p.requires_grad)
-                real[id(listed[i])] = p
-        g["params"] = listed
-    return real
 
 
 def _empty() -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 from blockshard.runtime.checkpoint._optim_codecs import SAME_W_FIX, StatePiece, state_error
 from blockshard.runtime.checkpoint._piece_tensor import PieceTensor
 
-__all__ = ["ShampooBlocksCodec"]
+__all__ = ["ShampooBlocksCodec", "TileRows"]
 
 _Tiling = Callable[[tuple[int, ...], int], list[tuple[int, ...]]]
 
@@ -121,11 +121,8 @@ class ShampooBlocksCodec:
         """Index among the whole tensor's tiles of the piece's first tile (the piece's tiles must be
         the whole tensor's tiles ``[first, first + len(local_tiles))``)."""
         start, shape = piece.start, piece.shape
-        row = math.prod(shape[1:]) if len(shape) >= 2 else 1
-        tiles = self._tiles(shape, d)
-        per_tile_row = len(self._tiles((d, row), d)) if len(shape) >= 2 else 1
-        first = (start // row // d) * per_tile_row if start % (row * d) == 0 else -1
-        if first < 0 or tiles[first : first + len(local_tiles)] != local_tiles:
+        first = TileRows.of(shape, d).first(start)
+        if first is None or self._tiles(shape, d)[first : first + len(local_tiles)] != local_tiles:
             raise state_error(
                 piece.name,
                 "blocks",
@@ -134,6 +131,31 @@ class ShampooBlocksCodec:
                 f"shard this parameter with semantics='shampoo:{d}', or {SAME_W_FIX}",
             )
         return first
+
+
+class TileRows:
+    """BlockedShampoo's ``d x d`` tiles of a tensor, row-major over its 2-D view (runs of ``d`` for
+    a 1-D one), seen from its flattening: a run of elements that starts at a tile row (``shampoo:D``
+    cuts only there) holds a contiguous run of the tensor's tiles."""
+
+    def __init__(self, d: int, row: int, per_row: int) -> None:
+        self.d, self.row, self.per_row = d, row, per_row  # rows per tile, elements per row, tiles per tile row
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], d: int) -> TileRows:
+        matrix = _matrix(shape)
+        row = matrix[1] if len(matrix) == 2 else 1
+        return cls(d, row, -(-row // d))
+
+    def first(self, start: int) -> int | None:
+        """The index of the tile a run starting at element ``start`` starts with (None: not at a tile row)."""
+        stripe = self.d * self.row
+        return start // stripe * self.per_row if start % stripe == 0 else None
+
+    def count(self, start: int, end: int) -> int:
+        """How many tiles the run of elements ``[start, end)`` (starting at a tile row) touches."""
+        rows = -(-end // self.row) - start // self.row
+        return -(-rows // self.d) * self.per_row
 
 
 def _matrix(shape: tuple[int, ...]) -> tuple[int, ...]:

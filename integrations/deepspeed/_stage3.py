@@ -88,6 +88,7 @@ import torch.distributed as dist
 
 from blockshard._arith import block_shape
 from blockshard.optim import semantics_for_optimizer
+from blockshard.optim._placeholders import construct_over_stand_ins
 from blockshard.semantics import TensorSpec, UnitGrid, get_semantics
 from blockshard.semantics._builtins import Parts
 
@@ -128,27 +129,7 @@ def zero3_optimizer(factory: Callable[[Any], torch.optim.Optimizer], params: Any
     Under the hook's ZeRO-3 owner-compute the optimizer steps runs of those shapes.
     ``params``: parameters or ``param_groups`` (dicts with ``"params"``), as the optimizer takes.
     """
-    real: dict[int, torch.Tensor] = {}
-
-    def stand_in(p: torch.Tensor) -> torch.Tensor:
-        shape = getattr(p, "ds_shape", None)
-        if shape is None:
-            return p
-        t = torch.empty(tuple(shape), dtype=p.dtype, device="meta", requires_grad=p.requires_grad)
-        real[id(t)] = p
-        return t
-
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    params = list(params)
-    if params and isinstance(params[0], dict):
-        args: list[Any] = [{**g, "params": [stand_in(p) for p in g["params"]]} for g in params]
-    else:
-        args = [stand_in(p) for p in params]
-    opt = factory(args)
-    for g in opt.param_groups:
-        g["params"] = [real.get(id(t), t) for t in g["params"]]
-    return opt
+    return construct_over_stand_ins(factory, params)
 
 
 def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from blockshard._errors import CheckpointError
+from blockshard.optim._shampoo_codec import TileRows
 from blockshard.semantics import UnitGrid, get_semantics
 
 from ._dcp import _is_zero3, _load, _rank_files, _tag_dir, _z3_name, read_zero3_weights
@@ -178,35 +179,14 @@ def _assemble(
     if len(pieces) == 1 and (pieces[0][0].start, pieces[0][0].end) == (run.start, run.end):
         return pieces[0][1]  # the same elements: the same state, whatever it holds (only the owner moved)
     first = pieces[0][1]
-    return _merge(where, name, run, pieces, first, (), _Tiles.of(shape, label))
+    return _merge(where, name, run, pieces, first, (), _tiles(shape, label))
 
 
-class _Tiles:
-    """BlockedShampoo's ``D x D`` tiles of a parameter cut into runs of whole ``D``-row stripes
-    (``shampoo:D``): a run's ``blocks`` are the parameter's tiles of its tile rows, row-major."""
-
-    def __init__(self, d: int, row: int, per_row: int) -> None:
-        self.d, self.row, self.per_row = d, row, per_row  # rows per tile, elements per row, tiles per tile row
-
-    @classmethod
-    def of(cls, shape: tuple[int, ...], label: str) -> _Tiles | None:
-        name, _, arg = label.partition(":")
-        if name != "shampoo" or not arg.isdigit() or not shape:
-            return None
-        d = int(arg)
-        if len(shape) == 1:
-            return cls(d, 1, 1)
-        cols = math.prod(shape[1:])
-        return cls(d, cols, -(-cols // d))
-
-    def first(self, start: int) -> int | None:
-        """The index of the tile a run starting at element ``start`` starts with (None: not at a tile row)."""
-        stripe = self.d * self.row
-        return start // stripe * self.per_row if start % stripe == 0 else None
-
-    def count(self, run: Run) -> int:
-        rows = -(-run.end // self.row) - run.start // self.row
-        return -(-rows // self.d) * self.per_row
+def _tiles(shape: tuple[int, ...], label: str) -> TileRows | None:
+    """BlockedShampoo's tiles of a parameter of ``shape`` under semantics ``label`` (``shampoo:D``;
+    None for any other semantics: its state is re-cut by element)."""
+    name, _, arg = label.partition(":")
+    return TileRows.of(shape, int(arg)) if name == "shampoo" and arg.isdigit() and shape else None
 
 
 def _merge(
@@ -216,7 +196,7 @@ def _merge(
     pieces: list[tuple[Run, dict[str, Any]]],
     template: dict[str, Any],
     path: tuple[str, ...],
-    tiles: _Tiles | None = None,
+    tiles: TileRows | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in template.items():
@@ -250,7 +230,7 @@ def _merge(
 
 
 def _cut_tiles(
-    where: Path, name: str, run: Run, pieces: list[tuple[Run, dict[str, Any]]], values: list[Any], tiles: _Tiles
+    where: Path, name: str, run: Run, pieces: list[tuple[Run, dict[str, Any]]], values: list[Any], tiles: TileRows
 ) -> list[dict[str, torch.Tensor]]:
     """BlockedShampoo's per-tile state of ``run`` from the old runs' (``values``, each a list of tile
     dicts, row-major over the old run's tile rows): every run starts at a tile row (``shampoo:D``
@@ -259,7 +239,7 @@ def _cut_tiles(
     by_index: dict[int, dict[str, torch.Tensor]] = {}
     for (o, _), blocks in zip(pieces, values, strict=True):
         first = tiles.first(o.start)
-        if first is None or not isinstance(blocks, list) or len(blocks) != tiles.count(o):
+        if first is None or not isinstance(blocks, list) or len(blocks) != tiles.count(o.start, o.end):
             raise _fail(
                 where,
                 f"parameter {name!r}: state 'blocks' of the run [{o.start}, {o.end}) is not whole {tiles.d}-row "
@@ -274,7 +254,7 @@ def _cut_tiles(
             f"parameter {name!r}: the new run [{run.start}, {run.end}) does not start at a tile row",
             "reshard an unmodified save",
         )
-    return [{k: t.clone() for k, t in by_index[start + i].items()} for i in range(tiles.count(run))]
+    return [{k: t.clone() for k, t in by_index[start + i].items()} for i in range(tiles.count(run.start, run.end))]
 
 
 def _is_8bit_subclass(value: Any) -> bool:

@@ -193,12 +193,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike[str]) ->
         weight_map |= dict.fromkeys(unique, files[-1])
     if rank == 0 and sink.error is None:
         try:
-            with open(os.path.join(path, INDEX), "w") as f:
-                metadata = {"total_size": total, CHECKSUMS: sink.sums}  # [Note: checkpoint integrity]
-                json.dump({"metadata": metadata, "weight_map": weight_map}, f, indent=2)
-            config = getattr(model, "config", None)
-            if config is not None and hasattr(config, "save_pretrained"):
-                config.save_pretrained(path)
+            _write_index(model, path, total, sink, weight_map)
         except OSError as e:
             sink.error = e
     raise_on_every_rank(pg, None if sink.error is None else _export_error(path, sink.error))
@@ -223,15 +218,21 @@ def _save_gathered(model: nn.Module, path: str) -> None:
             total = _write_safetensors(sink, os.path.join(path, file), tensors)
             if sink.error is not None:
                 raise sink.error
-            with open(os.path.join(path, INDEX), "w") as f:
-                metadata = {"total_size": total, CHECKSUMS: sink.sums}
-                json.dump({"metadata": metadata, "weight_map": dict.fromkeys(tensors, file)}, f, indent=2)
-            config = getattr(model, "config", None)
-            if config is not None and hasattr(config, "save_pretrained"):
-                config.save_pretrained(path)
+            _write_index(model, path, total, sink, dict.fromkeys(tensors, file))
         except OSError as e:
             error = _export_error(path, e)
     raise_on_every_rank(dist.group.WORLD, error)
+
+
+def _write_index(model: nn.Module, path: str, total: int, sink: _Sink, weight_map: dict[str, str]) -> None:
+    """The export's last files (rank 0): the safetensors index, with the byte count and the files'
+    checksums ([Note: checkpoint integrity]), and, for a Hugging Face model, ``config.json``."""
+    with open(os.path.join(path, INDEX), "w") as f:
+        metadata = {"total_size": total, CHECKSUMS: sink.sums}
+        json.dump({"metadata": metadata, "weight_map": weight_map}, f, indent=2)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "save_pretrained"):
+        config.save_pretrained(path)
 
 
 def _export_error(path: str, e: OSError) -> str:
