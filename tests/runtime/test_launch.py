@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from blockshard._launch import run_single, spawn_gloo
+from blockshard._launch import START_METHOD_ENV, run_single, spawn_gloo
 
 
 # Rank functions: top-level so that spawned processes can unpickle them.
@@ -58,6 +58,10 @@ def _exit_in_rank_1(rank: int, world_size: int):
 
 def _no_group(rank: int, world_size: int, x: torch.Tensor):
     return rank, world_size, dist.is_initialized(), torch.get_num_threads(), x * 2
+
+
+def _env_and_cwd(rank: int, world_size: int):
+    return os.environ.get("BLOCKSHARD_TEST_MARK"), os.getcwd(), dist.get_world_size()
 
 
 def _no_rank_processes_left() -> bool:
@@ -160,3 +164,23 @@ def test_import_blockshard_does_not_import_launch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_each_start_method_gives_the_ranks_the_callers_environment_and_directory(method, monkeypatch, tmp_path):
+    # The forkserver forks ranks from a server started at its first run, whose variables are those of
+    # that moment: each rank must see the caller's as of this call (the suite sets forkserver).
+    monkeypatch.setenv(START_METHOD_ENV, method)
+    spawn_gloo(_env_and_cwd, 2, timeout=120)  # the server (forkserver) exists before the variable is set
+    monkeypatch.setenv("BLOCKSHARD_TEST_MARK", f"{method}-{time.time()}")
+    monkeypatch.chdir(tmp_path)
+    got = spawn_gloo(_env_and_cwd, 2, timeout=120)
+    assert got == [(os.environ["BLOCKSHARD_TEST_MARK"], str(tmp_path), 2)] * 2
+    assert _no_rank_processes_left()
+
+
+def test_an_unknown_start_method_raises_value_error(monkeypatch):
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    with pytest.raises(ValueError, match=f"{START_METHOD_ENV}='fork'.*'spawn'.*'forkserver'"):
+        spawn_gloo(_collectives, 2, args=(1.0,))
