@@ -70,13 +70,14 @@ test-fast: $(STAMP)
 # state_dict helpers, save_checkpoint); then the Hugging Face integrations built on them and
 # DeepSpeed (its sdist is built once, without torch, and must run on either release); and the
 # gradient views, which hook autograd's AccumulateGrad nodes (torch.autograd.graph); and tensor
-# parallelism (DTensor and torch's parallel styles, stock FSDP2 + TP the reference).
+# parallelism (DTensor and torch's parallel styles, stock FSDP2 + TP the reference); and torch's
+# pipelining schedules, which reach into fully_shard.state.
 TORCH_NEXT_SLOW_TESTS := \
 	tests/runtime/test_clip.py tests/runtime/test_fast_clip.py \
 	tests/runtime/test_fsdp2_scenarios.py tests/runtime/test_fsdp2_init_scenarios.py \
 	tests/runtime/test_prefetch_and_state_dicts.py tests/runtime/test_list_groups.py \
 	tests/runtime/test_mixed_dtypes.py tests/runtime/test_compile.py tests/integrations/test_fsdp2.py \
-	tests/runtime/test_gradient_views.py tests/runtime/test_tensor_parallel.py \
+	tests/runtime/test_gradient_views.py tests/runtime/test_tensor_parallel.py tests/runtime/test_pipelining.py \
 	tests/runtime/test_torch_state_dicts.py tests/runtime/test_checkpoints.py \
 	tests/runtime/test_atomic_checkpoints.py tests/runtime/test_optim_checkpoints.py \
 	tests/quantized/test_fast_quantized_state_dicts.py tests/quantized/test_fast_quantized_gather.py \

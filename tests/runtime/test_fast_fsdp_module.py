@@ -67,10 +67,11 @@ def test_torch_code_that_reads_fsdp2_state_raises_naming_blockshard_s_way(gloo_w
     # torch's share_comm_ctx dispatches on the class, then reads the state
     with pytest.raises(ShardingError, match=r"no FSDP2 internal state"):
         share_comm_ctx([model[0], model])
-    # fully_shard.state(m), as torch's pipelining reads it in its gradient reduction
+    # fully_shard.state(m): what torch's pipelining drives is there ([Note: pipelining's gradient
+    # reduction], test_pipeline_s_gradient_reduction_...); the rest of FSDP2's state raises
     state = torch_fully_shard.state(model)  # type: ignore[attr-defined]
-    with pytest.raises(ShardingError, match=r"torch read FSDP2's state attribute '_state_ctx'"):
-        _ = state._state_ctx
+    with pytest.raises(ShardingError, match=r"torch read FSDP2's state attribute '_fsdp_param_group'"):
+        _ = state._fsdp_param_group
     # torch's fully_shard over a module blockshard sharded (sharding it twice) is refused by torch
     with pytest.raises(AssertionError, match=r"fully_shard has already been applied"):
         torch_fully_shard(model[0])
@@ -142,3 +143,18 @@ def _trainer_reshard(rank: int, world: int) -> list[bool]:
 
 def test_the_hf_trainer_s_reshard_loop_shards_every_group_again():
     assert _inproc.run_ranks(_trainer_reshard, 2) == [[True] * 3] * 2
+
+
+def test_pipeline_s_gradient_reduction_reduces_what_the_micro_batches_accumulated(gloo_w1):
+    """torch's pipelining (``ScheduleGPipe``, one stage) runs each micro-batch's backward with sync
+    off, then ``perform_reduce_grad`` through ``fully_shard.state``: the step equals one process.
+    The spawned W = 2 runs, bitwise against stock FSDP2, are in test_pipelining.py."""
+    import _pipeline_runs
+
+    with _inproc.serial():
+        want = _pipeline_runs.reference()
+    got = _pipeline_runs.pipelined("blockshard", "gpipe")
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
+    # control: the same run with the schedule's reduction made a no-op differs
+    skipped = _pipeline_runs.pipelined("blockshard", "gpipe", skip_reduction=True)
+    assert max((skipped[k] - want[k]).abs().max().item() for k in want) > 1e-3

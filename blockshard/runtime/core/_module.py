@@ -37,6 +37,7 @@ docstring, so FSDP2 code runs unchanged and never silently means something else.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
@@ -307,7 +308,7 @@ def not_fsdp_state(module: nn.Module) -> str:
         f"this {type(module).__name__} was sharded by blockshard.fully_shard: it is an FSDPModule (every public "
         "FSDPModule method works on it), but it has no FSDP2 internal state (FSDPModule._get_fsdp_state, "
         "fully_shard.state) for torch code to drive. That code (torch's share_comm_ctx, FSDPMemTracker, "
-        "torch.distributed.pipelining's gradient reduction, or register_fsdp_forward_method with "
+        "or register_fsdp_forward_method with "
         "BLOCKSHARD_TORCH_ROUTES off) is not supported on blockshard modules. Fix: use the public methods, "
         "blockshard.register_forward_method for a forward method, or shard this module with "
         "torch.distributed.fsdp.fully_shard"
@@ -315,25 +316,81 @@ def not_fsdp_state(module: nn.Module) -> str:
 
 
 class _NoFSDPState:
-    """What ``torch.distributed.fsdp.fully_shard.state(m)`` returns for a blockshard module (torch's
-    pipelining reads it): any attribute raises, naming blockshard's way ([Note: an FSDPModule])."""
+    """What ``torch.distributed.fsdp.fully_shard.state(m)`` returns for a blockshard module: the two
+    entry points torch's pipelining drives ([Note: pipelining's gradient reduction]); any other
+    attribute raises, naming blockshard's way ([Note: an FSDPModule])."""
 
-    __slots__ = ("_text",)
+    __slots__ = ("_module", "_text")
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, module: nn.Module) -> None:
         self._text = text
+        self._module = weakref.ref(module)
+
+    def _root_states(self) -> list[ModuleState]:
+        module = self._module()
+        st = state_of(module) if module is not None else None
+        if st is None:
+            raise ShardingError(f"{self._text} (the module is gone or no longer sharded)")
+        return st._context().states
+
+    @property
+    def _state_ctx(self) -> _PipelineContext:
+        return _PipelineContext([_PipelineState(st) for st in self._root_states()])
+
+    def _root_post_backward_final_callback(self) -> None:
+        """After the reductions: reshard what reshards after backward, wait for every reduce-scatter
+        (the sharded ``.grad`` are final when this returns, as at the end of a backward)."""
+        states = self._root_states()
+        for st in states:
+            if st.controls.reshard_after_backward:
+                st.reshard()
+        states[0]._context().finish_reductions()
 
     def __getattr__(self, name: str) -> NoReturn:
         raise ShardingError(f"{self._text} (torch read FSDP2's state attribute {name!r})")
 
 
+class _PipelineContext:
+    """[Note: pipelining's gradient reduction]
+    torch's pipelining schedules run every micro-batch's backward with gradient sync off, then call
+    ``perform_reduce_grad``, which reaches into FSDP2's state: for each state of the stage's root,
+    ``_state_ctx.all_states[i]._fsdp_param_groups[j].post_backward()`` (reduce-scatter what the
+    micro-batches accumulated), then ``_root_post_backward_final_callback()``. For a blockshard
+    module that state is this shim: ``post_backward`` is :meth:`ModuleState.reduce_accumulated` of
+    each group under the root, the final callback waits for the reduce-scatters and reshards. The
+    rest of FSDP2's state stays unreadable ([Note: an FSDPModule])."""
+
+    __slots__ = ("all_states",)
+
+    def __init__(self, states: list[_PipelineState]) -> None:
+        self.all_states = states
+
+
+class _PipelineState:
+    __slots__ = ("_fsdp_param_groups",)
+
+    def __init__(self, st: ModuleState) -> None:
+        self._fsdp_param_groups = [_PipelineGroup(st)]
+
+
+class _PipelineGroup:
+    __slots__ = ("_st",)
+
+    def __init__(self, st: ModuleState) -> None:
+        self._st = st
+
+    def post_backward(self) -> None:
+        self._st.reduce_accumulated()
+
+
 def mark_no_fsdp_state(module: nn.Module) -> None:
-    """Give ``module`` the state ``fully_shard.state(module)`` returns: one that raises when read,
-    and put ``"fully_shard"`` in its composable-API registry, as torch's ``fully_shard`` does: torch's
-    composable ``replicate`` over a model then leaves this module's parameters to blockshard (it
-    would all-reduce the ranks' pieces, whose sizes differ by rank: gloo aborts), and refuses to
-    replicate the module itself. Where torch keeps that state elsewhere than this release's
-    ``contract`` does, nothing is stored and torch's own error stays (a ``None`` state)."""
+    """Give ``module`` the state ``fully_shard.state(module)`` returns: one that raises when read
+    (but for pipelining's gradient reduction, [Note: pipelining's gradient reduction]),
+        and put ``"fully_shard"`` in its composable-API registry, as torch's ``fully_shard`` does: torch's
+        composable ``replicate`` over a model then leaves this module's parameters to blockshard (it
+        would all-reduce the ranks' pieces, whose sizes differ by rank: gloo aborts), and refuses to
+        replicate the module itself. Where torch keeps that state elsewhere than this release's
+        ``contract`` does, nothing is stored and torch's own error stays (a ``None`` state)."""
     import importlib
 
     from torch.distributed.fsdp._fully_shard import _fully_shard as impl
@@ -344,7 +401,7 @@ def mark_no_fsdp_state(module: nn.Module) -> None:
     func, key = getattr(impl.fully_shard, "__wrapped__", None), getattr(contract, "STATE_KEY", None)
     if func is None or not isinstance(key, str):
         return
-    module.__dict__.setdefault(key, {})[func] = _NoFSDPState(not_fsdp_state(module))
+    module.__dict__.setdefault(key, {})[func] = _NoFSDPState(not_fsdp_state(module), module)
     registry, item = getattr(contract, "REGISTRY_KEY", None), getattr(contract, "RegistryItem", None)
     if isinstance(registry, str) and item is not None:
         module.__dict__.setdefault(registry, OrderedDict()).setdefault(func.__name__, item())

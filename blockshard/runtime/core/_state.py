@@ -383,6 +383,21 @@ class ModuleState:
             if any(b.gathers_on_copies for b in prev.buffer_sets):
                 prev.wait_unshard()
 
+    def reduce_accumulated(self) -> None:
+        """Issue the reduce-scatter of the gradients accumulated without sync, outside a backward
+        (FSDP2's ``FSDPParamGroup.post_backward()`` as torch's pipelining calls it after the last
+        micro-batch: [Note: pipelining's gradient reduction] in _module.py). Without sync on, the
+        gradients stay accumulated, as in :meth:`finish_backward`."""
+        expect(f"the gradient reduction of group {self.name!r}", self.training_state, TrainingState.IDLE)
+        if not self.controls.requires_gradient_sync:
+            return
+        ctx = self._context()
+        ctx.finish_reductions()  # one reduction in flight per buffer set
+        for b in self.training_sets:
+            b.reduce_grads()
+            if b.reducing:
+                ctx.reducing.append(b)
+
     def finish_backward(self) -> None:
         """All gradients are in: reshard, then issue the reduce-scatter unless accumulating
         without sync ([Note: async reduce-scatter])."""
