@@ -153,6 +153,33 @@ def check_launched(settings: AccelerateSettings) -> None:
         )
 
 
+def check_parallelism(settings: AccelerateSettings, kwargs: dict[str, Any]) -> None:
+    """accelerate's ``ParallelismConfig`` (an ``Accelerator`` argument, or the config file's
+    ``parallelism_config`` section, which ``accelerate launch`` passes on as environment variables)
+    with more than sharded data parallelism: accelerate's ``prepare`` would turn blockshard's pieces
+    into tensor-parallel DTensors, so it is refused before accelerate starts. ``dp_shard_size``
+    alone is what blockshard does (it shards over every process)."""
+    pc = kwargs.get("parallelism_config")
+    if pc is None and kwargs.get("torch_tp_plugin") is not None:
+        pc = accelerate.parallelism_config.ParallelismConfig(tp_size=kwargs["torch_tp_plugin"].tp_size)
+    if pc is None and os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        pc = accelerate.parallelism_config.ParallelismConfig()  # its sizes from PARALLELISM_CONFIG_*
+    if pc is None:
+        return
+    sizes = {f"{k}_size": getattr(pc, f"{k}_size", 1) for k in ("tp", "cp", "sp", "dp_replicate")}
+    extra = {k: v for k, v in sizes.items() if isinstance(v, int) and v > 1}
+    if extra:
+        given = ", ".join(f"{k}={v}" for k, v in extra.items())
+        raise AccelerateConfigError(
+            f"accelerate's ParallelismConfig({given}) with blockshard's {settings.engine} engine from "
+            f"{settings.source or 'blockshard_settings'}: blockshard's accelerate plugin shards over data-parallel "
+            "ranks only, and accelerate's prepare() would make blockshard's pieces tensor-parallel DTensors. Fix: "
+            "drop those sizes (dp_shard_size alone is what blockshard does), or apply tensor parallelism yourself "
+            "(torch's parallelize_module on mesh['tp']) and call blockshard.fully_shard(model, mesh=mesh['dp']) "
+            "without Accelerate's prepare (docs/engine.md, 'Tensor parallelism')"
+        )
+
+
 def _init_world1(num_processes: int, settings: AccelerateSettings) -> None:
     """A gloo process group of one rank for a run of one process (accelerate starts none for
     ``DistributedType.NO``): blockshard's engines issue their collectives on it (a world of 1:
@@ -188,6 +215,7 @@ class Accelerator(accelerate.Accelerator):
             super().__init__(*args, **kwargs)
             return
         check_launched(settings)
+        check_parallelism(settings, kwargs)
         for plugin in ("fsdp_plugin", "deepspeed_plugin"):
             if kwargs.get(plugin) is not None:
                 raise AccelerateConfigError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from blockshard.integrations.accelerate import CONFIG_ENV, AccelerateConfigError, AccelerateSettings, load_settings
-from blockshard.integrations.accelerate._accelerator import check_launched
+from blockshard.integrations.accelerate._accelerator import check_launched, check_parallelism
 
 BASE = """\
 distributed_type: FSDP
@@ -232,6 +232,33 @@ def test_more_than_one_process_without_a_launcher_is_refused(monkeypatch):
     check_launched(AccelerateSettings(num_processes=1, source="cfg.yaml"))  # controls: one process,
     monkeypatch.setenv("WORLD_SIZE", "2")
     check_launched(settings)  # and a launcher's process
+
+
+@pytest.mark.parametrize(
+    ("given", "match"),
+    [
+        ({"tp_size": 2}, r"ParallelismConfig\(tp_size=2\)"),
+        ({"dp_replicate_size": 2, "dp_shard_size": 2}, r"ParallelismConfig\(dp_replicate_size=2\)"),
+        ("env", r"ParallelismConfig\(tp_size=4\)"),
+    ],
+)
+def test_parallelism_beyond_sharded_data_parallel_is_refused_before_accelerate_starts(monkeypatch, given, match):
+    """accelerate's prepare() would turn blockshard's pieces into TP DTensors (its _prepare_tp)."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from blockshard.integrations.accelerate import Accelerator
+
+    settings = AccelerateSettings(source="cfg.yaml")
+    if given == "env":  # the config file's parallelism_config section, as accelerate launch passes it
+        monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+        monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "4")
+        kwargs = {}
+    else:
+        kwargs = {"parallelism_config": ParallelismConfig(**given)}
+    with pytest.raises(AccelerateConfigError, match=match + r".*cfg.yaml.*data-parallel ranks only.*Fix: drop"):
+        Accelerator(blockshard_settings=settings, **kwargs)
+    monkeypatch.delenv("PARALLELISM_CONFIG_TP_SIZE", raising=False)  # sizes not given are read from these
+    check_parallelism(settings, {"parallelism_config": ParallelismConfig(dp_shard_size=2)})  # control: dp only
 
 
 def test_deepspeed_json_that_does_not_parse_raises_naming_it(tmp_path, monkeypatch):
