@@ -81,7 +81,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 f"MuonWithAdamW(muon={muon_kw}, adamw={adamw_kw}): {exc}. Fix: pass torch.optim.Muon's keyword "
                 "arguments in muon= and torch.optim.AdamW's in adamw="
             ) from None
-        for g, filled in zip(muon_groups, self._muon.param_groups, strict=False):
+        for g, filled in zip(muon_groups, self._muon.param_groups if muon_groups else [], strict=True):
             g.update(filled)  # Muon's defaults, over the real parameters (it was built over stand-ins)
         super().__init__(groups, {})
         self._sync()

@@ -157,7 +157,8 @@ def check_parallelism(settings: AccelerateSettings, kwargs: dict[str, Any]) -> N
     """accelerate's ``ParallelismConfig`` (an ``Accelerator`` argument, or the config file's
     ``parallelism_config`` section, which ``accelerate launch`` passes on as environment variables)
     with more than sharded data parallelism: accelerate's ``prepare`` would turn blockshard's pieces
-    into tensor-parallel DTensors, so it is refused before accelerate starts. ``dp_shard_size``
+    into tensor-parallel DTensors (tp) or leave the layout unapplied (the others), so it is refused
+    before accelerate starts. ``dp_shard_size``
     alone is what blockshard does (it shards over every process)."""
     pc = kwargs.get("parallelism_config")
     if pc is None and kwargs.get("torch_tp_plugin") is not None:
@@ -172,11 +173,12 @@ def check_parallelism(settings: AccelerateSettings, kwargs: dict[str, Any]) -> N
         given = ", ".join(f"{k}={v}" for k, v in extra.items())
         raise AccelerateConfigError(
             f"accelerate's ParallelismConfig({given}) with blockshard's {settings.engine} engine from "
-            f"{settings.source or 'blockshard_settings'}: blockshard's accelerate plugin shards over data-parallel "
-            "ranks only, and accelerate's prepare() would make blockshard's pieces tensor-parallel DTensors. Fix: "
-            "drop those sizes (dp_shard_size alone is what blockshard does), or apply tensor parallelism yourself "
-            "(torch's parallelize_module on mesh['tp']) and call blockshard.fully_shard(model, mesh=mesh['dp']) "
-            "without Accelerate's prepare (docs/engine.md, 'Tensor parallelism')"
+            f"{settings.source or 'blockshard_settings'}: blockshard's accelerate plugin shards over every process "
+            "as one data-parallel group (no tensor, context or sequence parallel or replicate dims: accelerate's "
+            "prepare() would make blockshard's pieces tensor-parallel DTensors, or ignore the layout). Fix: drop "
+            "those sizes (dp_shard_size alone is what blockshard does), or build the mesh yourself and call "
+            "blockshard.fully_shard(model, mesh=mesh['dp']) after torch's parallelize_module on mesh['tp'] (HSDP: "
+            "mesh=mesh['replicate', 'shard']) without Accelerate's prepare (docs/engine.md, 'Tensor parallelism')"
         )
 
 

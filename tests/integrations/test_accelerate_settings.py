@@ -255,7 +255,7 @@ def test_parallelism_beyond_sharded_data_parallel_is_refused_before_accelerate_s
         kwargs = {}
     else:
         kwargs = {"parallelism_config": ParallelismConfig(**given)}
-    with pytest.raises(AccelerateConfigError, match=match + r".*cfg.yaml.*data-parallel ranks only.*Fix: drop"):
+    with pytest.raises(AccelerateConfigError, match=match + r".*cfg.yaml.*one data-parallel group.*Fix: drop"):
         Accelerator(blockshard_settings=settings, **kwargs)
     monkeypatch.delenv("PARALLELISM_CONFIG_TP_SIZE", raising=False)  # sizes not given are read from these
     check_parallelism(settings, {"parallelism_config": ParallelismConfig(dp_shard_size=2)})  # control: dp only

@@ -7,7 +7,8 @@ preparation, the HF Trainer, torchtitan, torch's pipelining schedules) takes the
 Every method of ``FSDPModule`` is overridden here (the public ones, ``_apply``,
 ``_set_unshard_async_op``, ``__new__``), so torch's code never runs on a blockshard module;
 what reads FSDP2's internal state instead (``FSDPModule._get_fsdp_state``,
-``fully_shard.state(module)``) gets a :class:`ShardingError` naming blockshard's way. Each place
+``fully_shard.state(module)``) gets a :class:`ShardingError` naming blockshard's way, but for the
+two entry points torch's pipelining drives ([Note: pipelining's gradient reduction]). Each place
 in torch, Accelerate and transformers that checks the class is listed, with what it does then, in
 docs/engine.md ("isinstance(m, FSDPModule)") and tested in tests/runtime/test_fast_fsdp_module.py.
 
@@ -385,12 +386,12 @@ class _PipelineGroup:
 
 def mark_no_fsdp_state(module: nn.Module) -> None:
     """Give ``module`` the state ``fully_shard.state(module)`` returns: one that raises when read
-    (but for pipelining's gradient reduction, [Note: pipelining's gradient reduction]),
-        and put ``"fully_shard"`` in its composable-API registry, as torch's ``fully_shard`` does: torch's
-        composable ``replicate`` over a model then leaves this module's parameters to blockshard (it
-        would all-reduce the ranks' pieces, whose sizes differ by rank: gloo aborts), and refuses to
-        replicate the module itself. Where torch keeps that state elsewhere than this release's
-        ``contract`` does, nothing is stored and torch's own error stays (a ``None`` state)."""
+    (but for pipelining's gradient reduction, [Note: pipelining's gradient reduction]), and put
+    ``"fully_shard"`` in its composable-API registry, as torch's ``fully_shard`` does: torch's
+    composable ``replicate`` over a model then leaves this module's parameters to blockshard (it
+    would all-reduce the ranks' pieces, whose sizes differ by rank: gloo aborts), and refuses to
+    replicate the module itself. Where torch keeps that state elsewhere than this release's
+    ``contract`` does, nothing is stored and torch's own error stays (a ``None`` state)."""
     import importlib
 
     from torch.distributed.fsdp._fully_shard import _fully_shard as impl
