@@ -6,10 +6,18 @@ creates a 69 MB ``/dev/shm/deepspeed_allreduce_buffer_<addr>_<port>_<rank>`` and
 /dev/shm file is RAM: the suite's DeepSpeed launches left gigabytes of them, and a later test file ran
 out of memory. After each test module, the buffers no live process maps (and older than a minute,
 so a peer that is about to attach to a new one still finds it) are removed.
+
+[Note: a stale extension build lock]
+DeepSpeed builds its CPU ops (``deepspeed_shm_comm``) with torch's ``cpp_extension``, which holds
+``<extensions dir>/<op>/lock`` while one process builds and makes every other process wait for it to
+go. A build killed midway (a test's timeout) leaves the lock behind, and every later DeepSpeed launch
+on that machine waits forever. At the start of a test session, a lock older than any build (ten
+minutes; a build takes under one) is removed.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import time
 
@@ -43,6 +51,26 @@ def remove_stale_deepspeed_buffers(min_age_s: float = 60.0) -> int:
         try:
             if path not in mapped and now - os.path.getmtime(path) > min_age_s:
                 os.unlink(path)
+                removed += 1
+        except OSError:
+            continue
+    return removed
+
+
+def _extensions_dir() -> str:
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+
+
+def remove_stale_extension_locks(root: str | None = None, min_age_s: float = 600.0) -> int:
+    """Remove build locks of DeepSpeed's ops older than ``min_age_s``; how many."""
+    root = root or _extensions_dir()
+    now, removed = time.time(), 0
+    for lock in glob.glob(os.path.join(root, "*", "deepspeed_*", "lock")) + glob.glob(
+        os.path.join(root, "deepspeed_*", "lock")
+    ):
+        try:
+            if now - os.path.getmtime(lock) > min_age_s:
+                os.unlink(lock)
                 removed += 1
         except OSError:
             continue

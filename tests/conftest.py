@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from _shm import remove_stale_deepspeed_buffers
+from _shm import remove_stale_deepspeed_buffers, remove_stale_extension_locks
 
 # Spawned gloo ranks fork from a server that imported torch once per pytest worker, instead of each
 # importing torch (blockshard/_launch.py; test_launch.py runs both start methods).
@@ -105,6 +105,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid in HEAVY_CASES:
             item.add_marker(pytest.mark.heavy)
+
+
+def pytest_sessionstart(session):
+    """[Note: a stale extension build lock] in tests/_shm.py."""
+    remove_stale_extension_locks()
 
 
 @pytest.fixture(scope="module", autouse=True)

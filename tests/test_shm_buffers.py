@@ -1,5 +1,6 @@
 """tests/_shm.py: the removal of DeepSpeed's leaked shared-memory buffers ([Note: DeepSpeed's
-shared-memory buffers]): unmapped old ones go, a mapped one and a fresh one stay."""
+shared-memory buffers]): unmapped old ones go, a mapped one and a fresh one stay; and of a stale
+build lock ([Note: a stale extension build lock]): an old one goes, a fresh one stays."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import time
 
 import pytest
-from _shm import remove_stale_deepspeed_buffers
+from _shm import remove_stale_deepspeed_buffers, remove_stale_extension_locks
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this system")
 
@@ -33,3 +34,18 @@ def test_unmapped_old_buffers_are_removed_mapped_and_fresh_ones_kept():
             for path in (stale, fresh, mapped):
                 if os.path.exists(path):
                     os.unlink(path)
+
+
+def test_an_old_extension_build_lock_is_removed_a_fresh_one_kept(tmp_path):
+    old_lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    fresh_lock = tmp_path / "py311_cpu" / "deepspeed_other_op" / "lock"
+    other = tmp_path / "py311_cpu" / "someone_elses_op" / "lock"
+    for path in (old_lock, fresh_lock, other):
+        path.parent.mkdir(parents=True)
+        path.write_text("")
+    old = time.time() - 3600
+    os.utime(old_lock, (old, old))
+    os.utime(other, (old, old))
+    assert remove_stale_extension_locks(str(tmp_path)) == 1
+    assert not old_lock.exists()
+    assert fresh_lock.exists() and other.exists()

@@ -327,25 +327,25 @@ class _NoFSDPState:
         self._text = text
         self._module = weakref.ref(module)
 
-    def _root_states(self) -> list[ModuleState]:
+    def _state(self) -> ModuleState:
         module = self._module()
         st = state_of(module) if module is not None else None
         if st is None:
             raise ShardingError(f"{self._text} (the module is gone or no longer sharded)")
-        return st._context().states
+        return st
 
     @property
     def _state_ctx(self) -> _PipelineContext:
-        return _PipelineContext([_PipelineState(st) for st in self._root_states()])
+        return _PipelineContext([_PipelineState(st) for st in self._state()._context().states])
 
     def _root_post_backward_final_callback(self) -> None:
         """After the reductions: reshard what reshards after backward, wait for every reduce-scatter
         (the sharded ``.grad`` are final when this returns, as at the end of a backward)."""
-        states = self._root_states()
-        for st in states:
+        context = self._state()._context()
+        for st in context.states:
             if st.controls.reshard_after_backward:
                 st.reshard()
-        states[0]._context().finish_reductions()
+        context.finish_reductions()
 
     def __getattr__(self, name: str) -> NoReturn:
         raise ShardingError(f"{self._text} (torch read FSDP2's state attribute {name!r})")
