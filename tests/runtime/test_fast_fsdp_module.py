@@ -158,3 +158,18 @@ def test_pipeline_s_gradient_reduction_reduces_what_the_micro_batches_accumulate
     # control: the same run with the schedule's reduction made a no-op differs
     skipped = _pipeline_runs.pipelined("blockshard", "gpipe", skip_reduction=True)
     assert max((skipped[k] - want[k]).abs().max().item() for k in want) > 1e-3
+
+
+def test_a_zero_bubble_weight_pass_adds_to_what_earlier_micro_batches_left(gloo_w1):
+    """``ScheduleZBVZeroBubble`` (two stages on the rank): the weight pass assigns ``.grad`` after the
+    input pass folded the earlier micro-batch's gradient into its view (views are on at W = 1): the
+    step is bitwise stock FSDP2's (before the fix, the second micro-batch's gradient replaced the
+    first's). Groups resharded after forward get no weight gradient at all: refused, where stock
+    FSDP2 leaves the second stage unstepped. The spawned W = 2 runs are in test_pipelining.py."""
+    import _pipeline_runs
+
+    ours = _pipeline_runs.zero_bubble("blockshard", "zbv")
+    stock = _pipeline_runs.zero_bubble("stock", "zbv")
+    assert all(torch.equal(ours[k], v) for k, v in stock.items())
+    with pytest.raises(ShardingError, match=r"zero-bubble schedule .* reshard_after_forward=False"):
+        _pipeline_runs.zero_bubble("blockshard", "zbv", reshard_after_forward=True)

@@ -184,6 +184,10 @@ class BufferSet(abc.ABC):
         """Issue the reduce-scatter of the unsharded gradients (asynchronously)."""
         raise self._frozen("reduce_grads")
 
+    def reached_without_grads(self) -> bool:
+        """A backward reached these tensors since their last reduction, and none got a gradient."""
+        raise self._frozen("reached_without_grads")
+
     @property
     def reducing(self) -> bool:
         """A reduce-scatter of this buffer set is in flight (issued, not waited for)."""

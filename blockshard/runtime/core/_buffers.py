@@ -420,6 +420,9 @@ class ParamBuffers(BufferSet):
         if self.grads is not None:
             self.grads.reduce()
 
+    def reached_without_grads(self) -> bool:
+        return self.grads is not None and self.grads.reached_without_grads()
+
     @property
     def reducing(self) -> bool:
         return self.grads is not None and self.grads.reducing

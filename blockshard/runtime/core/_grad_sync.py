@@ -43,7 +43,10 @@ at pre-backward, keeps ``rs_in`` out of the start of backward, where the activat
 A gradient of another dtype (bf16 compute, fp32 reduce) is made by autograd on its own and added
 into its view, cast on the fly, at the end of each backward (``_fold``: fp32 accumulation of bf16
 micro-batches, as FSDP2's, without a copy); so is one whose hook did not run, and a gradient that
-replaced its view (``backward(create_graph=True)`` accumulates out of place) is copied over it.
+replaced its view (``backward(create_graph=True)`` accumulates out of place) is copied over it. A
+view the hook did not hand out as ``.grad`` (made by ``_fold``) holds a sum of its own: a ``.grad``
+set from outside autograd's accumulation (torch's pipelining assigns the weight pass's gradients,
+[Note: pipelining's gradient reduction] in _module.py) is added into it, not copied over it.
 A parameter that got no gradient has no view and keeps ``.grad = None``, as on one process. A
 master in packed tile order is copied in (the copy permutes). Once the reduce-scatter is issued
 the views are dropped and ``rs_in`` is freed (or kept for the wait where the backend reads it in
@@ -108,7 +111,9 @@ class GradientSync:
         self._reduction: _Reduction | None = None  # the reduce-scatter in flight ([Note: async reduce-scatter])
         self._rs_in: torch.Tensor | None = None  # [W*S] while unsharded gradients view it ([Note: gradient views])
         self._views: dict[int, torch.Tensor] = {}  # layout index -> the gradient view set on its unsharded param
+        self._handed: set[int] = set()  # layout indices whose view is their unsharded param's .grad (set by the hook)
         self._watching = False  # this backward's views are on (read once, at the group's pre-backward)
+        self._reached = False  # a backward reached the group since its last reduction (``prepare`` ran)
 
     def grad_buffer(self) -> torch.Tensor | None:
         """The local gradient [S] while some sharded ``.grad`` views it, else None ([Note: buffers])."""
@@ -140,6 +145,7 @@ class GradientSync:
 
     def prepare(self) -> None:
         """[Note: gradient views] Watch every eligible unsharded parameter (once per parameter object)."""
+        self._reached = True
         self._watching = self.buffers.layout is not None and self.views_on()
         if self._watching:
             for sp in self.buffers.params:
@@ -166,9 +172,13 @@ class GradientSync:
         if (view is not None and sp.unsharded.grad is view) or not self._watching:
             return
         grad, view = sp.unsharded.grad, self._view_of(sp)
-        if grad is not None:  # a gradient from before its view: it holds the sum so far (a copy, rarely)
-            view.copy_(grad)
+        if grad is not None:
+            if sp.index in self._handed:  # replaced its view out of place (create_graph): holds the sum
+                view.copy_(grad)
+            else:  # set outside autograd's accumulation (a weight pass), or from before its view: added in
+                view.add_(grad)
         sp.unsharded.grad = view
+        self._handed.add(sp.index)
 
     def _fold(self) -> None:
         """Views on: add each row-major gradient autograd made on its own (another dtype than the
@@ -182,11 +192,12 @@ class GradientSync:
             grad, view = sp.local_grad(), self._views.get(sp.index)
             if grad is None or grad is view:
                 continue
-            if view is not None and grad.dtype == view.dtype:  # replaced its view (create_graph): holds the sum
-                view.copy_(grad)
-            else:
+            if view is not None and sp.index in self._handed and grad.dtype == view.dtype:
+                view.copy_(grad)  # replaced its view out of place (create_graph): holds the sum
+            else:  # made on its own, or set from outside autograd's accumulation: what the view holds is kept
                 self._view_of(sp).add_(grad)
             sp.unsharded.grad = None
+            self._handed.discard(sp.index)
 
     def accumulate(self) -> None:
         """Backward without gradient sync: keep the unsharded gradients for the next backward, in
@@ -219,6 +230,8 @@ class GradientSync:
         if self.views_on():
             self._fold()
         rs_in, views, self._rs_in, self._views = self._rs_in, self._views, None, {}
+        self._handed.clear()
+        self._reached = False
         zeroed = rs_in is not None  # made by the views, zeroed; else every gradient is copied in
         if rs_in is None:
             rs_in = torch.empty(b.gathered.numel(), dtype=self.reduce_dtype, device=b.device)  # [W*S]
@@ -307,6 +320,17 @@ class GradientSync:
         self._partial = None
         self._reduction = None
         self._rs_in, self._views, self._watching = None, {}, False
+        self._handed.clear()
+        self._reached = False
+
+    def reached_without_grads(self) -> bool:
+        """A backward reached this group since its last reduction, and none of its parameters got a
+        gradient (checked before torch's pipelining reduces: [Note: pipelining's gradient reduction])."""
+        return (
+            self._reached
+            and not self._views
+            and all(sp.local_grad() is None and sp.accumulated is None for sp in self.buffers.params)
+        )
 
     def finish(self) -> None:
         """Wait for the reduce-scatter in flight (bounded, [Note: collective integrity]), free its

@@ -359,7 +359,17 @@ class _PipelineContext:
     micro-batches accumulated), then ``_root_post_backward_final_callback()``. For a blockshard
     module that state is this shim: ``post_backward`` is :meth:`ModuleState.reduce_accumulated` of
     each group under the root, the final callback waits for the reduce-scatters and reshards. The
-    rest of FSDP2's state stays unreadable ([Note: an FSDPModule])."""
+    rest of FSDP2's state stays unreadable ([Note: an FSDPModule]).
+
+    Zero-bubble schedules split each backward into an input pass (``torch.autograd.grad`` on the
+    stage's inputs: no parameter gets a gradient) and a weight pass, which differentiates the
+    parameters ``stage.submod.parameters()`` yields and assigns their ``.grad``. With
+    ``reshard_after_forward=False`` those are the unsharded parameters the forward used, and the
+    assigned gradients are added to what earlier micro-batches left ([Note: gradient views] in
+    _grad_sync.py): bitwise as stock FSDP2. A group that reshards after forward yields its sharded
+    pieces there, which are not in the graph, so no weight gradient is made at all (stock FSDP2 then
+    steps those parameters without gradients, silently). ``post_backward`` refuses a group that a
+    backward reached but where no parameter got a gradient, naming that fix."""
 
     __slots__ = ("all_states",)
 
@@ -381,7 +391,20 @@ class _PipelineGroup:
         self._st = st
 
     def post_backward(self) -> None:
-        self._st.reduce_accumulated()
+        st = self._st
+        if st.controls.requires_gradient_sync and any(b.reached_without_grads() for b in st.training_sets):
+            raise ShardingError(
+                f"torch's pipelining is about to reduce the gradients of blockshard group {st.name!r}, but none "
+                "of its parameters got a gradient in this step, though its backward ran. That is what a "
+                "zero-bubble schedule (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) "
+                "does with a stage whose groups reshard after forward: its weight pass differentiates "
+                "stage.submod.parameters(), which are then the sharded pieces the forward did not use, so the "
+                "weight gradients are lost (stock FSDP2 loses them silently). Fix: fully_shard the stage's "
+                "modules with reshard_after_forward=False (torchtitan's default under pipelining), or use a "
+                "schedule without a separate weight pass (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, "
+                "ScheduleLoopedBFS)"
+            )
+        st.reduce_accumulated()
 
 
 def mark_no_fsdp_state(module: nn.Module) -> None:
