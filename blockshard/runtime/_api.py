@@ -239,18 +239,16 @@ def _check_tp(
     params: list[nn.Parameter],
     refs: list[list[ParamRef]],
     semantics: object,
-    offload: bool,
     quantized_gather: bool,
 ) -> None:
     """What a group with tensor-parallel parameters does not support yet, refused by name; then no TP
     cut may split a unit of a parameter's semantics ([Note: tensor-parallel parameters])."""
     first = next(iter(tp))
-    for flag, what in ((offload, "offload_policy=CPUOffloadPolicy()"), (quantized_gather, "quantized_gather=True")):
-        if flag:
-            raise ShardingError(
-                f"fully_shard({what}) with tensor-parallel parameters ({first!r} is a DTensor placed "
-                f"{tp[first].label}) is not supported by blockshard's engine yet. Fix: drop {what.split('=')[0]}"
-            )
+    if quantized_gather:
+        raise ShardingError(
+            f"fully_shard(quantized_gather=True) with tensor-parallel parameters ({first!r} is a DTensor placed "
+            f"{tp[first].label}) is not supported by blockshard's engine yet. Fix: drop quantized_gather"
+        )
     by_name = dict(zip(names, params, strict=True))
     module_types = [type(r[0].module).__name__ for r in refs]
     check_tp_units(names, params, tp, _rules(semantics, by_name), module_types)
@@ -376,7 +374,7 @@ def fully_shard(
     tp = _check_params(names, params, process_group)
     originals = params
     if tp:  # [Note: tensor-parallel parameters]: the group shards the TP-local tensors
-        _check_tp(tp, names, params, refs, semantics, offload, quantized_gather)
+        _check_tp(tp, names, params, refs, semantics, quantized_gather)
         params = [tp_local(p) if n in tp else p for n, p in zip(names, params, strict=True)]
     if shard_placement_fn is not None:  # checked as FSDP2 does; the layout follows semantics ([Note: shard placements])
         check_shard_placements(cast(Callable[[nn.Parameter], object], shard_placement_fn), names, params)

@@ -121,7 +121,13 @@ class _Gathered(nn.Module):
 
 
 def _parallel(
-    engine: str, mp: bool = False, semantics: object = None, sp: bool = False, policy: str | None = None
+    engine: str,
+    mp: bool = False,
+    semantics: object = None,
+    sp: bool = False,
+    policy: str | None = None,
+    offload: bool = False,
+    quantized_gather: bool = False,
 ) -> tuple[nn.Module, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -139,6 +145,10 @@ def _parallel(
     kw: dict[str, Any] = {"mesh": mesh["dp"]}
     if mp:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if engine == "stock":
         shard: Any = stock_fully_shard
     else:
@@ -147,6 +157,8 @@ def _parallel(
             kw["semantics"] = semantics
         if policy is not None:
             kw["policy"] = policy
+        if quantized_gather:
+            kw["quantized_gather"] = True
     for b in model.blocks:
         shard(b, **kw)
     shard(model, **kw)
@@ -210,11 +222,19 @@ def _dp_only_norm(model: nn.Module) -> float:
 
 
 def run(
-    rank: int, _world: int, engine: str, *, mp: bool = False, gas: int = 1, clip: bool = False, sp: bool = False
+    rank: int,
+    _world: int,
+    engine: str,
+    *,
+    mp: bool = False,
+    gas: int = 1,
+    clip: bool = False,
+    sp: bool = False,
+    offload: bool = False,
 ) -> dict:
     from torch.distributed.tensor import DTensor
 
-    model, mesh = _parallel(engine, mp, sp=sp)
+    model, mesh = _parallel(engine, mp, sp=sp, offload=offload)
     dp_rank = mesh["dp"].get_local_rank()
     norm = (_stock_clip if engine == "stock" else _blockshard_clip) if clip else None
     dp_only: list[float] = []
@@ -407,6 +427,10 @@ def refusals(_rank: int, _world: int) -> dict[str, str]:
         _parallel("blockshard", semantics="shampoo:32")
     except ShardingError as e:
         out["shampoo_32_semantics"] = str(e)
+    try:
+        _parallel("blockshard", semantics="*up.weight=fp8_block:8", quantized_gather=True)
+    except ShardingError as e:
+        out["quantized_gather"] = str(e)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -433,6 +457,7 @@ def cases(rank: int, world: int, directory: str) -> dict[str, Any]:
         out[f"{engine}_bf16"] = run(rank, world, engine, mp=True)
         out[f"{engine}_clip"] = run(rank, world, engine, clip=True)
         out[f"{engine}_sp"] = run(rank, world, engine, sp=True)
+        out[f"{engine}_offload"] = run(rank, world, engine, offload=True, mp=True, gas=2)
     out["refusals"] = refusals(rank, world)
     for engine in ("stock", "blockshard", "owner", "per_shard", "parts", "parts_stock"):
         out[f"muon_{engine}"] = run_muon(rank, world, engine)
@@ -793,8 +818,9 @@ def run_bnb(rank: int, _world: int, engine: str) -> dict[str, Any]:
 def bnb_checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
     """bitsandbytes AdamW8bit on :func:`make_wide` (``semantics="bnb8bit"``): saved at (dp 2, tp 2)
     after 2 steps (``save_checkpoint``: the 8-bit codes and each block's absmax placed in the global
-    tensors), loaded at (2, 2) and (4, 1) (``load_checkpoint``), step 3; the uninterrupted run; a load
-    without the optimizer state (the control). (At tp 4 each shard of ``up`` would hold 2048 elements,
+    tensors), loaded at (2, 2) and (4, 1) (``load_checkpoint``), step 3; the (4, 1) load saved again
+    and loaded at (2, 2), step 3; the uninterrupted run; a load without the optimizer state (the
+    control). (At tp 4 each shard of ``up`` would hold 2048 elements,
     below bitsandbytes' 4096 for 8-bit state: ``fully_shard`` refuses that plan by name.)"""
     import bitsandbytes as bnb
     from torch.distributed.device_mesh import init_device_mesh
@@ -811,7 +837,7 @@ def bnb_checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
         blockshard.fully_shard(model, mesh=mesh["dp"], semantics="bnb8bit")
         return model, bnb.optim.AdamW8bit(model.parameters(), lr=LR, weight_decay=0.1)
 
-    return _round_trips(make, f"{directory}/bnb")
+    return _round_trips(make, f"{directory}/bnb", via_dp4=True)
 
 
 def _round_trips(make: Any, path: str, via_dp4: bool = False) -> dict[str, Any]:

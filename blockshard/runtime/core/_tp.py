@@ -46,7 +46,7 @@ TP-local layout over dp.
 
 Not done (each refused by name, never silent): ``sharded_state_dict``, Hugging Face and peft
 exports of TP groups, a dp x tp mesh that
-is not the whole world in a state dict, CPU offload and quantized gather of TP parameters, a mesh
+is not the whole world in a state dict, quantized gather of TP parameters, a mesh
 with more than one dim per parameter, ``Partial`` and strided placements.
 """
 
