@@ -449,6 +449,7 @@ def cases(rank: int, world: int, directory: str) -> dict[str, Any]:
     """Every 4-rank run of the tests, in one spawn (``directory``: where the checkpoints go)."""
     out: dict[str, Any] = {"checkpoints": checkpoints(rank, world, directory)}
     out["bnb_checkpoints"] = bnb_checkpoints(rank, world, directory)
+    out["ao_checkpoints"] = ao_checkpoints(rank, world, directory)
     out["export"] = export(rank, world, directory)
     out["shampoo_checkpoints"] = shampoo_checkpoints(rank, world, directory)
     for engine in ("stock", "blockshard"):
@@ -838,6 +839,35 @@ def bnb_checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
         return model, bnb.optim.AdamW8bit(model.parameters(), lr=LR, weight_decay=0.1)
 
     return _round_trips(make, f"{directory}/bnb", via_dp4=True)
+
+
+def ao_checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
+    """torchao's AdamW8bit on :func:`make_wide` (``semantics="ao8bit"``: every piece of ``up`` and
+    ``down`` holds whole 256-element blocks and at least 4096 elements, so torchao keeps its state
+    8-bit): the round trips of :func:`bnb_checkpoints`, plus whether the TP-split weights' state was
+    8-bit (``OptimState8bit``) when it was saved."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchao.optim import AdamW8bit
+
+    import blockshard
+
+    def make(dp: int, tp: int) -> tuple[nn.Module, Any]:
+        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        model = make_wide()
+        if tp > 1:
+            parallelize_module(model[1], mesh["tp"], _plan(False))
+        blockshard.fully_shard(model[1], mesh=mesh["dp"], semantics="ao8bit")
+        blockshard.fully_shard(model, mesh=mesh["dp"], semantics="ao8bit")
+        params = [p for p in model.parameters() if p.numel() > 0]  # a rank may hold no piece of a tensor
+        return model, AdamW8bit(params, lr=LR, weight_decay=0.1)
+
+    out = _round_trips(make, f"{directory}/ao", via_dp4=True)
+    model, opt = make(2, 2)
+    _steps(model, opt, range(1))
+    up = model[1].up.weight
+    out["up_state"] = type(opt.state[up]["exp_avg"]).__name__ if up.numel() else "no piece"
+    return out
 
 
 def _round_trips(make: Any, path: str, via_dp4: bool = False) -> dict[str, Any]:

@@ -216,6 +216,22 @@ def test_save_pretrained_of_tp_groups_writes_the_full_weights_and_load_safetenso
             assert _equal(full, got) == [], (rank, layout)
 
 
+def test_torchao_8bit_state_of_tp_split_weights_checkpoints_and_reshards_bitwise():
+    """torchao's AdamW8bit under (dp 2, tp 2), ``semantics="ao8bit"``: its ``OptimState8bit`` codes
+    placed as the TP piece's elements of the global tensor, its per-block scales as the global
+    tensor's blocks ([Note: optimizer state codecs]); the round trips of the bitsandbytes test, with
+    the same expectations. Before, ``save_checkpoint`` refused this state."""
+    for rank, res in enumerate(_runs()[1]):
+        got = res["ao_checkpoints"]
+        assert got["up_state"] in ("OptimState8bit", "no piece"), got["up_state"]
+        want, ctrl = got["uninterrupted"], got["dp2_tp2_model_only"]
+        for layout in ("dp2_tp2", "via_dp4_tp1"):
+            assert _equal(want, got[layout]) == [], (rank, layout)
+        assert max((got["dp4_tp1"][n] - want[n]).abs().max().item() for n in want) < ONE_PROCESS_ATOL
+        assert max((ctrl[n] - want[n]).abs().max().item() for n in want) > 1e-3, rank
+    assert "OptimState8bit" in {res["ao_checkpoints"]["up_state"] for res in _runs()[1]}
+
+
 def test_shampoo_tiles_of_tp_split_weights_checkpoint_and_reshard():
     """BlockedShampoo (8 x 8 tiles) under (dp 2, tp 2): ``save_checkpoint`` places each piece's per-tile
     state among the global tensor's tiles (``Shard(0)`` pieces as one run of tiles, ``Shard(1)`` pieces

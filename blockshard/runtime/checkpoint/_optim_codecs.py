@@ -13,8 +13,8 @@ end (what the optimizer's block semantics guarantee):
   ``OptimState8bit.scale``, B = its ``block_size``): a piece of a vector of ``ceil(numel(S) / B)``
   at ``start / B``, which needs ``start`` and (unless the piece ends the tensor) ``n`` to be
   multiples of B: the quantized state is restored exactly, never re-quantized. For a piece of a
-  tensor-parallel parameter (bitsandbytes' state only), the piece's elements are runs of the
-  global flattening (one per TP-local row under ``Shard(1)``; [Note: tensor-parallel
+  tensor-parallel parameter (bitsandbytes' and torchao's state), the piece's elements are runs of
+  the global flattening (one per TP-local row under ``Shard(1)``; [Note: tensor-parallel
   parameters]), each starting on a block: its blocks are the global tensor's, and the entry is
   those runs' blocks, as boxes of the same vector;
 * **torchao ``OptimState8bit`` / ``OptimStateFp8`` / ``OptimState4bit``** (tensor subclasses):
@@ -135,16 +135,44 @@ def _is_ao(value: object) -> bool:
     return type(value).__name__ in _AO_STATES and type(value).__module__.startswith("torchao.")
 
 
+def _ao_blocks(value: Any, part: str) -> int:
+    """Elements of the parameter per entry of a torchao state's ``part``: 1 for element-wise codes."""
+    if part == "scale":
+        return int(value.block_size)
+    return 2 if type(value).__name__ == "OptimState4bit" else 1  # 4-bit: two codes per byte
+
+
 def _encode_ao(name: str, key: str, value: Any, sp: ShardedParam) -> dict[str, object]:
     """A torchao quantized state: ``codes`` element-wise (4-bit: one byte per 2 elements), ``scale``
-    per block, ``qmap`` (8-bit, 4-bit) as it is."""
-    codes: object
-    if type(value).__name__ == "OptimState4bit":
-        codes = _per_block(name, f"{key}.codes", value.codes, sp, 2)
-    else:
-        codes = PieceTensor(value.codes, sp.local_start, sp.shape, name=f"{name}.{key}.codes", process_group=_pg(sp))
-    out = {"codes": codes, "scale": _per_block(name, f"{key}.scale", value.scale, sp, value.block_size)}
+    per block, ``qmap`` (8-bit, 4-bit) as it is. Of a TP-split parameter: by the global tensor's
+    elements and blocks, as bitsandbytes' state."""
+    out: dict[str, object] = {}
+    for part in ("codes", "scale"):
+        tensor, block, label = getattr(value, part), _ao_blocks(value, part), f"{key}.{part}"
+        if block == 1:
+            out[part] = (
+                param_entry(sp, tensor, f"{name}.{label}", _pg(sp))
+                if _tp_cut(sp)
+                else PieceTensor(tensor, sp.local_start, sp.shape, name=f"{name}.{label}", process_group=_pg(sp))
+            )
+        else:
+            out[part] = (_tp_per_block if _tp_cut(sp) else _per_block)(name, label, tensor, sp, block)
     return out | ({"qmap": value.qmap} if "qmap" in type(value).tensor_attrs else {})
+
+
+def _tp_local(name: str, key: str, value: PieceTensor, sp: ShardedParam, block: int) -> torch.Tensor:
+    """This rank's values of an entry of a TP-split parameter's state filled by ``dcp.load``:
+    element-wise (``block`` 1) in the piece's shape, else one per ``block`` elements."""
+    want = sp.entry_boxes() if block == 1 else _tp_block_boxes(sp, block)
+    if [(x.offsets, x.sizes) for x in value.boxes] != [tuple(x) for x in want or ()]:
+        raise _error(
+            name,
+            key,
+            "in the state dict holds other elements or blocks of the parameter than this rank's TP piece (another "
+            "world size or TP plan)",
+            "load it through dcp.load into blockshard.optimizer_state_dict(model, optimizer)",
+        )
+    return sp.from_boxed(value.to_local()) if block == 1 else value.to_local()
 
 
 def _refuse_tp_split(name: str, key: str, sp: ShardedParam) -> None:
@@ -159,9 +187,9 @@ def _refuse_tp_split(name: str, key: str, sp: ShardedParam) -> None:
             name,
             key,
             f"is per-block state of a tensor-parallel parameter (placed {tp.label}, global shape {tp.shape}), "
-            "which blockshard places in global tensors only for element-wise state, bitsandbytes' blocks and "
-            "BlockedShampoo's tiles where the tp cut keeps them whole so far (each tp rank's blocks would land on "
-            "the same entries)",
+            "which blockshard places in global tensors only for element-wise state, bitsandbytes' and torchao's "
+            "blocks and BlockedShampoo's tiles where the tp cut keeps them whole (each tp rank's blocks would land "
+            "on the same entries)",
             "save and load this optimizer with optimizer.state_dict() at the same (dp, tp) layout, or step the "
             "TP-split weights with an element-wise optimizer or blockshard.optim.Muon",
         )
@@ -257,7 +285,6 @@ def encode_state(name: str, key: str, value: Any, p: torch.Tensor, sp: ShardedPa
     if sp is not None and (codec := _codec(optimizer, key)) is not None:
         return codec.encode(value, _codec_step(name, key, sp, codec), group)
     if sp is not None and _is_ao(value):
-        _refuse_tp_split(name, key, sp)
         return _encode_ao(name, key, value, sp)
     if not isinstance(value, torch.Tensor) or type(value) is not torch.Tensor:
         raise _error(
@@ -299,10 +326,11 @@ def decode_state(name: str, key: str, value: object, have: object, sp: ShardedPa
     if sp is not None and (codec := _codec(optimizer, key)) is not None:
         return codec.decode(value, have, _codec_step(name, key, sp, codec), group)
     if isinstance(value, dict) and _is_ao(have):
-        if sp is not None:
-            _refuse_tp_split(name, key, sp)
         for part in type(have).tensor_attrs:  # type: ignore[attr-defined]
-            _copy_into(getattr(have, part), _local(name, f"{key}.{part}", value[part], getattr(have, part)))
+            saved, live = value[part], getattr(have, part)
+            if sp is not None and _tp_cut(sp) and isinstance(saved, PieceTensor):
+                saved = _tp_local(name, f"{key}.{part}", saved, sp, _ao_blocks(have, part))
+            _copy_into(live, _local(name, f"{key}.{part}", saved, live))
         return have
     if (
         isinstance(value, PieceTensor)
