@@ -64,6 +64,15 @@ class _Held(dict[int, list[int]]):
         return units
 
 
+def _least_loaded(cost: np.ndarray, k: int) -> np.ndarray:
+    """The ranks of the ``k + 1`` smallest costs, ties to the lower rank. (``np.argpartition``'s pick
+    among tied costs depends on which sort kernels the CPU runs, AVX2 or AVX-512: the same model got
+    another plan on another machine.)"""
+    kth = np.partition(cost, k)[k]
+    below = np.flatnonzero(cost < kth)
+    return np.concatenate([below, np.flatnonzero(cost == kth)[: k + 1 - below.size]])
+
+
 def _refine_step(
     cost: np.ndarray, owner: np.ndarray, uc: np.ndarray, held: _Held, floor: float
 ) -> tuple[int, int] | None:
@@ -74,7 +83,7 @@ def _refine_step(
     if top <= floor or not mine.size:
         return None
     k = min(REFINE_RANKS, cost.size - 1)
-    low = np.argpartition(cost, k)[: k + 1]
+    low = _least_loaded(cost, k)
     low = np.sort(low[low != r])[:k]  # the least-loaded ranks, by rank
     gap = top - cost
     s = int(low[np.argmin(cost[low])])

@@ -9,7 +9,7 @@ from blockshard.planner import model_tensors, plan_model, tensors_from_hf_config
 from blockshard.planner._candidates import with_offsets as _with_offsets
 from blockshard.planner._compute import OwnerPlanBuilder, straddling_units
 from blockshard.planner._moves import tensor_moves
-from blockshard.planner._refine import refine_owners
+from blockshard.planner._refine import _least_loaded, refine_owners
 from blockshard.runtime.core._owners import move_lists
 
 TINY = dict(
@@ -118,6 +118,17 @@ def test_owner_refinement_never_raises_the_peak(seed):
     assert ((0 <= owner) & (owner < W)).all()
     base = cost - check  # what was fixed stays where it was
     assert (base >= -1e-9).all()
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_the_least_loaded_ranks_break_ties_by_rank_on_any_cpu(k):
+    """The owner refinement's candidate ranks: the k + 1 smallest costs, ties to the lower rank.
+    ``np.argpartition`` picks among tied costs by the CPU's sort kernels (AVX2 or AVX-512), so one
+    catalog plan came out different on an AMD EPYC than where it was recorded."""
+    cost = np.array([3.0, 1.0, 2.0, 1.0, 2.0, 2.0, 1.0, 2.0, 5.0, 2.0, 2.0, 2.0])
+    got = _least_loaded(cost, k)
+    want = np.lexsort((np.arange(cost.size), cost))[: k + 1]  # by cost, then by rank
+    assert sorted(got.tolist()) == sorted(want.tolist())
 
 
 def test_builder_is_deterministic():

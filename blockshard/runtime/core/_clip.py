@@ -16,7 +16,9 @@ DTensor gradient reduces its norm. This function computes the norm of the *whole
      same factor and the scaling is torch's own arithmetic.
 
 The total is the same tensor value on every rank. It equals the one-process norm up to the
-summation order of step 1-2 (a few float32 ulps; bitwise for p = inf, where max is exact).
+summation order of step 1-2 (a few float32 ulps; bitwise for p = inf, where max is exact). Where
+every group is one rank, there is nothing to sum across ranks, and the total is torch's own
+``get_total_norm``, bitwise.
 
 How torch's own call is made right: ``fully_shard`` installs the torch route of
 ``clip_grad_norm_`` (routes/_clip.py, [Note: torch routes]): torch's function, however early bound,
@@ -207,6 +209,14 @@ def clip_grad_norm_(
     """
     p, max_norm = _norm_type(norm_type), _max_norm(max_norm)
     params, groups = _resolve(parameters_or_model)
+    if all(dist.get_world_size(pg) == 1 for route in groups for pg in route):
+        # [Note: one rank] every group is one rank: nothing to sum across ranks, so torch's own total
+        # norm over the gradients in parameter order, bitwise (the general sum of powers below can
+        # differ from it by an ulp, as a reduction's order does)
+        grads = [param.grad for param in params if param.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, p, error_if_nonfinite, foreach)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        return total
     by_group: dict[tuple[int, ...], tuple[Route, torch.device, list[torch.Tensor]]] = {}
     for param, route in zip(params, groups, strict=True):
         key = tuple(id(pg) for pg in route)
