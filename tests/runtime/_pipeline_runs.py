@@ -62,6 +62,16 @@ def reference(_rank: int = 0, _world: int = 1) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _train(pipe: Any, model: nn.Module) -> None:
+    """AdamW over ``model``, stepped after ``pipe`` (a schedule) ran this rank's share of each batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x, y in _batches():
+        pipe.step(x.chunk(world)[rank], target=y.chunk(world)[rank], losses=[])
+        opt.step()
+        opt.zero_grad()
+
+
 def pipelined(engine: str, schedule: str, *, skip_reduction: bool = False) -> dict[str, torch.Tensor]:
     """This rank's stage (the whole model, ``pp = 1``) sharded by ``engine`` over every rank, trained
     by torch's ``schedule`` on this rank's share of each batch; the full state dict after.
@@ -74,7 +84,7 @@ def pipelined(engine: str, schedule: str, *, skip_reduction: bool = False) -> di
         from torch.distributed.fsdp import fully_shard
     else:
         from blockshard import fully_shard
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
     model = _model()
     for layer in model.layers:
@@ -84,12 +94,7 @@ def pipelined(engine: str, schedule: str, *, skip_reduction: bool = False) -> di
     if skip_reduction:
         stage.perform_reduce_grad = lambda _scale: None  # type: ignore[method-assign]
     kind: Any = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    pipe = kind(stage, n_microbatches=MICRO, loss_fn=_loss)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for x, y in _batches():
-        pipe.step(x.chunk(world)[rank], target=y.chunk(world)[rank], losses=[])
-        opt.step()
-        opt.zero_grad()
+    _train(kind(stage, n_microbatches=MICRO, loss_fn=_loss), model)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {k: v.detach().clone() for k, v in full.items()}
 
@@ -109,7 +114,7 @@ def zero_bubble(
         from torch.distributed.fsdp import fully_shard
     else:
         from blockshard import fully_shard
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
     model = _model()
     parts = [_Layers(model.layers[:1]), _Layers(model.layers[1:])]
@@ -122,12 +127,7 @@ def zero_bubble(
     group = mesh["pp"].get_group()
     stages = [PipelineStage(part, i, 2, torch.device("cpu"), group=group) for i, part in enumerate(parts)]
     kind: Any = {"interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}[schedule]
-    pipe = kind(stages, n_microbatches=MICRO, loss_fn=_loss)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for x, y in _batches():
-        pipe.step(x.chunk(world)[rank], target=y.chunk(world)[rank], losses=[])
-        opt.step()
-        opt.zero_grad()
+    _train(kind(stages, n_microbatches=MICRO, loss_fn=_loss), model)
     full = {}
     for first, part in enumerate(parts):  # the stages' names ("layers.0.weight") as the model's
         state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))

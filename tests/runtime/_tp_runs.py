@@ -824,21 +824,29 @@ def bnb_checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
     control). (At tp 4 each shard of ``up`` would hold 2048 elements,
     below bitsandbytes' 4096 for 8-bit state: ``fully_shard`` refuses that plan by name.)"""
     import bitsandbytes as bnb
+
+    def make(dp: int, tp: int) -> tuple[nn.Module, Any]:
+        model = _wide_sharded(dp, tp, "bnb8bit")
+        return model, bnb.optim.AdamW8bit(model.parameters(), lr=LR, weight_decay=0.1)
+
+    return _round_trips(make, f"{directory}/bnb", via_dp4=True)
+
+
+def _wide_sharded(dp: int, tp: int, semantics: str) -> nn.Module:
+    """:func:`make_wide` on a (dp, tp) mesh: torchtitan's TP plan on its block (tp > 1), then
+    ``blockshard.fully_shard`` over dp with ``semantics``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     import blockshard
 
-    def make(dp: int, tp: int) -> tuple[nn.Module, Any]:
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        model = make_wide()
-        if tp > 1:
-            parallelize_module(model[1], mesh["tp"], _plan(False))
-        blockshard.fully_shard(model[1], mesh=mesh["dp"], semantics="bnb8bit")
-        blockshard.fully_shard(model, mesh=mesh["dp"], semantics="bnb8bit")
-        return model, bnb.optim.AdamW8bit(model.parameters(), lr=LR, weight_decay=0.1)
-
-    return _round_trips(make, f"{directory}/bnb", via_dp4=True)
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = make_wide()
+    if tp > 1:
+        parallelize_module(model[1], mesh["tp"], _plan(False))
+    blockshard.fully_shard(model[1], mesh=mesh["dp"], semantics=semantics)
+    blockshard.fully_shard(model, mesh=mesh["dp"], semantics=semantics)
+    return model
 
 
 def ao_checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
@@ -846,19 +854,10 @@ def ao_checkpoints(rank: int, _world: int, directory: str) -> dict[str, Any]:
     ``down`` holds whole 256-element blocks and at least 4096 elements, so torchao keeps its state
     8-bit): the round trips of :func:`bnb_checkpoints`, plus whether the TP-split weights' state was
     8-bit (``OptimState8bit``) when it was saved."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import parallelize_module
     from torchao.optim import AdamW8bit
 
-    import blockshard
-
     def make(dp: int, tp: int) -> tuple[nn.Module, Any]:
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-        model = make_wide()
-        if tp > 1:
-            parallelize_module(model[1], mesh["tp"], _plan(False))
-        blockshard.fully_shard(model[1], mesh=mesh["dp"], semantics="ao8bit")
-        blockshard.fully_shard(model, mesh=mesh["dp"], semantics="ao8bit")
+        model = _wide_sharded(dp, tp, "ao8bit")
         params = [p for p in model.parameters() if p.numel() > 0]  # a rank may hold no piece of a tensor
         return model, AdamW8bit(params, lr=LR, weight_decay=0.1)
 
