@@ -255,6 +255,9 @@ def run(
         block.unshard()  # as in forward and backward: the DTensors over the gathered TP-local tensors
         out["unsharded"] = seen()
         block.reshard()
+        from blockshard.runtime.core._inspect import states_under
+
+        out["offloaded"] = [b.offload for _, st in states_under(model) for b in st.param_buffers]
     return out
 
 

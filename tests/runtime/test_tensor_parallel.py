@@ -60,10 +60,12 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
 @pytest.mark.parametrize("variant", ["", "_gas2", "_bf16", "_sp", "_offload"])
 def test_element_wise_training_equals_stock_fsdp2_with_the_same_tp_plan_bitwise(variant):
     """``_offload``: ``CPUOffloadPolicy`` on both engines, with bf16 mixed precision and gradient
-    accumulation 2."""
+    accumulation 2 (every blockshard group keeps its pieces and gradients on the host)."""
     _, got = _runs()
     for rank, res in enumerate(got):
         assert _equal(res["stock" + variant]["params"], res["blockshard" + variant]["params"]) == [], rank
+        offloaded = res["blockshard" + variant]["offloaded"]
+        assert offloaded and all(offloaded) == (variant == "_offload"), (rank, offloaded)
     # the whole model trained: not the initial values
     init = dict(_tp_runs.make_model().named_parameters())
     assert all(not torch.equal(v, init[n].detach()) for n, v in got[0]["blockshard" + variant]["params"].items())
