@@ -13,7 +13,16 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from _shm import remove_stale_deepspeed_buffers, remove_stale_extension_locks
+
+# [Note: one thread in every test process]
+# Spawned ranks run with one intra-op thread (``spawn_gloo(threads=1)``), and so must the references a
+# test computes in its own process: CPU kernels may cut a reduction by thread (an AMD EPYC's matmul
+# with 2 threads differs from 1 thread by up to 5e-8 after two AdamW steps of _ds_zero3_runs' model;
+# on an Intel CPU they happened to agree). With ``-n 2`` on 2 cores, one thread per worker is also
+# what the cores can run without oversubscription.
+torch.set_num_threads(1)
 
 # Spawned gloo ranks fork from a server that imported torch once per pytest worker, instead of each
 # importing torch (blockshard/_launch.py; test_launch.py runs both start methods).
