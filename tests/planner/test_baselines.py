@@ -7,6 +7,7 @@ import math
 
 import pytest
 from _strategies import grids
+from _tier import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -205,7 +206,7 @@ def groups(draw) -> list[PlanItem]:
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(groups(), st.integers(1, 12), st.sampled_from(BASELINES))
 def test_matches_brute_force(items, w, name):
     r = baseline(name, items, w)
@@ -219,7 +220,7 @@ def test_matches_brute_force(items, w, name):
         assert r.splits_units == 0
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(st.integers(0, 10**6), st.integers(1, 5000), st.integers(0, 10**6), st.integers(1, 10**6 + 2), st.booleans())
 def test_split_count_arithmetic_matches_enumeration(n, u, min_piece, step, whole):
     # The O(1) count used for fsdp2/zero3 equals the enumerated split units of the progression.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 from _strategies import grids
+from _tier import examples
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -66,7 +67,7 @@ def placed_grids(draw):
     return grid, offset, S
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(placed_grids())
 def test_uncut_is_no_straddling_unit_and_every_boundary_an_allowed_cut(case):
     grid, offset, S = case
@@ -77,7 +78,7 @@ def test_uncut_is_no_straddling_unit_and_every_boundary_an_allowed_cut(case):
     assert uncut(grid, offset, S) == (starts.size == 0) == brute
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(placed_grids(), st.lists(st.integers(0, 150), max_size=6))
 def test_uncut_at_is_uncut_at_each_offset(case, more):
     grid, offset, S = case
@@ -86,7 +87,7 @@ def test_uncut_at_is_uncut_at_each_offset(case, more):
     assert got.tolist() == [uncut(grid, o, S) for o in offsets]
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(placed_grids())
 def test_straddling_units_are_the_units_around_every_boundary_not_an_allowed_cut(case):
     grid, offset, S = case
@@ -100,7 +101,7 @@ def test_straddling_units_are_the_units_around_every_boundary_not_an_allowed_cut
     assert list(zip(starts.tolist(), ends.tolist(), strict=True)) == sorted(units)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(placed_grids())
 @example((UnitGrid.units(200, 5, min_piece=60), 0, 30))  # long end units, short middle ones
 @example((UnitGrid.units(200, 40, min_piece=80), 7, 30))  # one middle unit of 40 > 30
@@ -132,7 +133,7 @@ def straddlers(draw):
     return costs, units
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(straddlers())
 def test_greedy_by_level_makes_greedys_choices(case):
     costs, units = case
@@ -146,7 +147,7 @@ def test_greedy_by_level_makes_greedys_choices(case):
     assert a == b
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.sampled_from([0.0, 1.0, 2.5, 7.0, 1e-300]), max_size=300), st.integers(0, 2**32 - 1))
 def test_by_cost_is_assigns_sort_of_units_that_are_their_own_tensors(costs, seed):
     """``finish`` passes its units in ``_assign``'s order, sorted by cost alone (``by_cost``): its
@@ -158,7 +159,7 @@ def test_by_cost_is_assigns_sort_of_units_that_are_their_own_tensors(costs, seed
 
 
 # -- candidate peaks -----------------------------------------------------------------------------
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.integers(1, 48), st.integers(1, 8), st.integers(0, 2**32 - 1), st.booleans())
 def test_candidate_peaks_equal_rotation_peak_per_candidate(W, n_cand, seed, ties):
     rng = np.random.default_rng(seed)
@@ -201,7 +202,7 @@ def layouts(draw):
     return GroupLayout("g", W, 1, "float32", 4, 1, buckets, tuple(tensors))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(layouts())
 def test_clean_rotations_are_those_whose_wrap_point_cuts_no_tensor(layout):
     W = layout.world_size
@@ -246,7 +247,7 @@ def candidate_cases(draw):
     return layout, compute, costs, rows
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(candidate_cases())
 def test_shift_offsets_of_many_bases_are_each_bases_shifts(case):
     """Every base's shifts tested in one array, as one base at a time with ``uncut`` per tensor."""
@@ -262,7 +263,7 @@ def test_shift_offsets_of_many_bases_are_each_bases_shifts(case):
     assert shift_offsets(layout, rows) == want
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(candidate_cases())
 def test_fixed_costs_and_clean_rotations_by_offsets_equal_the_candidate_layouts(case):
     layout, compute, costs, rows = case
@@ -285,7 +286,7 @@ def test_fixed_costs_and_clean_rotations_by_offsets_equal_the_candidate_layouts(
 
 
 # -- units held per rank (owner refinement) ------------------------------------------------------
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.integers(1, 12), st.lists(st.integers(0, 11), max_size=60), st.lists(st.integers(0, 11), max_size=8))
 def test_held_lists_each_ranks_units_as_built_up_front(W, owners, asked):
     owner = np.asarray([o % W for o in owners], dtype=np.int64)
@@ -298,7 +299,7 @@ def test_held_lists_each_ranks_units_as_built_up_front(W, owners, asked):
 
 
 # -- balanced by sums ----------------------------------------------------------------------------
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.integers(2, 40), st.integers(0, 2**32 - 1), st.sampled_from(["random", "threshold", "zeros", "residues"]))
 def test_balanced_rows_agree_with_is_balanced_wherever_they_tell(W, seed, kind):
     """Rows near the threshold (the largest cost a few ulps from 1.01 x the mean), random rows with

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from _tier import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -75,7 +76,7 @@ def grids(draw):
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(grids(), st.integers(1, 17), st.sampled_from([1, 2, 4, 8]))
 def test_layout_invariants_hold_for_random_groups(gs, W, alignment_numel):
     layout = _layout(gs, W, alignment_numel)
@@ -84,7 +85,7 @@ def test_layout_invariants_hold_for_random_groups(gs, W, alignment_numel):
     assert layout.segment_numel >= lower_bound(gs, W, alignment_numel)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(grids(), st.integers(1, 17), st.sampled_from([1, 4]))
 def test_same_input_gives_same_layout_and_hash(gs, W, alignment_numel):
     a, b = _layout(gs, W, alignment_numel), _layout(list(gs), W, alignment_numel)
@@ -94,7 +95,7 @@ def test_same_input_gives_same_layout_and_hash(gs, W, alignment_numel):
     assert again == a and again.layout_hash() == a.layout_hash()
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.integers(0, 500), min_size=1, max_size=12), st.integers(1, 33), st.sampled_from([1, 2, 8]))
 def test_elementwise_reaches_the_lower_bound(sizes, W, alignment_numel):
     gs = [UnitGrid.units(n, 1) for n in sizes]
@@ -214,7 +215,7 @@ def test_identical_groups_get_identical_layouts_and_plan_fast():
     assert math.isclose(plan.padding_fraction, 1 - plan.total_numel / plan.padded_numel)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(grids(), st.integers(1, 9))
 def test_rank_loads_match_pieces(gs, W):
     layout = _layout(gs, W)
@@ -222,7 +223,7 @@ def test_rank_loads_match_pieces(gs, W):
     assert sum(layout.rank_loads()) == layout.total_numel
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(grids(), st.integers(1, 12), st.sampled_from([1, 4]))
 def test_bucketed_layouts_keep_every_invariant(gs, W, alignment_numel):
     """plan_group may split a group into several buckets (one collective each): still exact."""
@@ -293,7 +294,7 @@ def test_a_tensor_without_elements_never_hides_the_tensor_before_it():
     _assert_exact_coverage(layout)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 6), st.integers(1, 5)), min_size=1, max_size=8),
     st.integers(1, 9),

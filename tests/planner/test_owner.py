@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 from _strategies import grids
+from _tier import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,7 +145,7 @@ def groups(draw) -> list[PlanItem]:
     return out
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(groups(), st.integers(1, 20), st.sampled_from(OWNER_ENGINES))
 def test_matches_reference_and_conserves(items, w, engine):
     p = plan_owners(items, w, engine=engine)

@@ -9,6 +9,7 @@ the same segment, including exact ties between two boundaries.
 from __future__ import annotations
 
 import pytest
+from _tier import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +35,7 @@ def _shape(fmt: str, a: int, b: int) -> tuple[int, ...]:
 tensors = st.lists(st.tuples(st.sampled_from(FORMATS), st.integers(1, 300), st.integers(1, 40)), min_size=1, max_size=6)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(tensors, st.integers(1, 17), st.sampled_from([1, 16, 256, 4096]))
 def test_cuts_equal_the_engines_layout(specs, world, align):
     storages = [get_semantics(f).storage(_shape(f, a, b), "bfloat16") for f, a, b in specs]
@@ -157,7 +158,7 @@ tile_tensors = st.lists(
 
 
 @pytest.mark.heavy  # in process, seconds: out of `make test-fast` (its one-minute budget)
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(tile_tensors, st.integers(1, 9), st.sampled_from(["float32", "bfloat16"]))
 def test_gather_segments_equal_the_engines_payload_plan(specs, world, dtype):
     """The planner's quantized segments against the engine's ``plan_payload`` and tile quantizers

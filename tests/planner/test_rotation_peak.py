@@ -8,6 +8,7 @@ the same rotation and the same peak, bitwise, for dense and sparse loads, ties i
 from __future__ import annotations
 
 import numpy as np
+from _tier import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +25,7 @@ def _oracle(nz, vals, cands, running):
     return int(cands[j]), peaks[j]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.integers(1, 64),
     st.floats(0.0, 1.0),

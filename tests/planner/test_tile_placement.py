@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from _tier import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,7 +109,7 @@ def test_the_cli_plans_the_what_if(capsys):
     assert data["tile_placed_weights"] == 7 * 32 and data["padding_fraction"] < 0.01
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=1, max_size=4),
     st.sampled_from([4, 16, 32, 128]),
@@ -127,7 +128,7 @@ def test_the_planned_bytes_are_the_engines_under_tile_placement(shapes, tile, wo
     assert q.segment_bytes == engine.segment_bytes and q.total_bytes == engine.total_bytes
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_size=1, max_size=3),
     st.sampled_from([16, 32, 128]),
@@ -175,7 +176,7 @@ def test_the_cli_plans_auto_placement(capsys):
     assert exc.value.code == 2 and "--tile-placement: invalid choice: 'bogus'" in capsys.readouterr().err
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 5), st.integers(1, 120), st.integers(1, 120)), min_size=1, max_size=3),
     st.sampled_from([8, 16, 32]),

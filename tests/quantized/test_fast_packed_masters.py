@@ -23,6 +23,7 @@ import _packed_runs as P
 import _qgather_runs as Q
 import pytest
 import torch
+from _tier import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -159,7 +160,7 @@ def test_control_stripes_pad_more_where_ranks_outnumber_them(world):
 
 
 @pytest.mark.heavy  # 3.5 s of hypothesis examples: `make test` only
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shapes=st.lists(_shape, min_size=1, max_size=3), world=st.integers(1, 4), tile=st.sampled_from([8, 16]))
 def test_planned_layouts_equal_the_engines_on_generated_shapes(shapes, world, tile):
     specs = [TensorSpec(name=f"w{k}", shape=s, dtype="float32", module_type="_Experts") for k, s in enumerate(shapes)]

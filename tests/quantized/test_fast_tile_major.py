@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from _tier import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,7 +43,7 @@ def _tiles_row_major(w3: torch.Tensor, b: int) -> dict[str, list[torch.Tensor]]:
     return {n: [t for t in ts if t.numel()] for n, ts in out.items()}
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=examples(120), deadline=None)
 @given(shapes)
 def test_every_tile_is_contiguous_in_its_part_and_the_order_round_trips(case):
     shape, b, stacked = case
@@ -97,7 +98,7 @@ runs = st.tuples(
 ).map(lambda t: ((t[0], t[1], t[2]) if t[5] else (t[1], t[2]), (t[3], t[4]), t[5]))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(runs, st.data())
 def test_a_run_of_whole_tiles_goes_to_its_places_and_its_boxes(case, data):
     """``TileOrder`` on a run of whole tiles ``[a, b)`` (what one rank holds of a tile-placed weight):
@@ -173,7 +174,7 @@ def _packed_reference(w: torch.Tensor, order: PackedTileOrder) -> torch.Tensor:
     return torch.cat(out)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(shapes, st.data())
 def test_packed_tile_order_runs_round_trip_and_name_their_boxes(case, data):
     """[Note: packed tile order]: any run of slots is ``B * B`` values per slot (its tiles packed,
