@@ -146,7 +146,8 @@ HEAVY_CASES = frozenset(
 # second world size, launcher or variant of a spawned check whose first stays in `make test` (W = 2
 # for W = 4, deepspeed's launcher for torchrun's, a benchmark's smoke run whose benchmark another
 # smoke test starts the same way). On a 2-core AMD EPYC the slow tier took 35 minutes and these
-# were 11 of them (`pytest -m slow -n 2 --dist loadfile --durations=300`). A pattern is a node id
+# cases 723 s of its calls, about 6 minutes on two workers (`pytest -m slow -n 2 --dist loadfile
+# --durations=300`). A pattern is a node id
 # in which `*` stands for any text; one that matches no test is an error, as in HEAVY_CASES.
 EXTENDED_CASES = (
     "tests/runtime/test_engine.py::*-4]",
